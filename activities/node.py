@@ -1,0 +1,155 @@
+"""Activities of a node worker: NVML sampling and the model runtimes of one GPU host."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from modelforge.domain import Observation, ProcessUsage, resident_key
+from modelforge.failures import FailureClass, ModelForgeError, is_retryable
+from modelforge.gpu import GpuBackend
+from modelforge.logging import get_logger
+from modelforge.messages import (
+    InvokeInput,
+    InvokeResult,
+    LoadInput,
+    LoadResult,
+    NodeSample,
+    ReclaimInput,
+    ReclaimResult,
+)
+from modelforge.runtimes import LoadedModel, Runtime
+
+log = get_logger("modelforge.node")
+
+
+def as_application_error(error: ModelForgeError) -> ApplicationError:
+    return ApplicationError(error.message, type=error.failure.value, non_retryable=not is_retryable(error.failure))
+
+
+def _heartbeat(detail: str) -> None:
+    if activity.in_activity():
+        activity.heartbeat(detail)
+
+
+class NodeActivities:
+    """One per node worker. `runtimes` maps a catalog runtime name to its adapter."""
+
+    def __init__(self, node: str, backend: GpuBackend, runtimes: dict[str, Runtime],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._node = node
+        self._backend = backend
+        self._runtimes = runtimes
+        self._loaded: dict[str, tuple[Runtime, LoadedModel]] = {}
+        self._clock = clock
+
+    def _runtime(self, name: str) -> Runtime:
+        runtime = self._runtimes.get(name)
+        if runtime is None:
+            raise ApplicationError(f"node {self._node} has no {name!r} runtime",
+                                   type=FailureClass.CAPABILITY_UNAVAILABLE.value, non_retryable=True)
+        return runtime
+
+    @activity.defn(name="sample_node")
+    async def sample_node(self, node: str) -> NodeSample:
+        try:
+            devices = await asyncio.to_thread(self._backend.sample)
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+        managed = {model.pid: key for key, (_, model) in self._loaded.items()}
+        observed_at = self._clock()
+        observations = []
+        for device in devices:
+            accelerator = f"{self._node}/{device.index}"
+            observations.append(Observation(
+                accelerator=accelerator, total_bytes=device.total_bytes, used_bytes=device.used_bytes,
+                processes=[ProcessUsage(p.pid, p.used_bytes, p.name, managed=p.pid in managed) for p in device.processes],
+                loaded=sorted(key for key, (_, model) in self._loaded.items() if model.device_index == device.index),
+                healthy=device.healthy, health_reason=device.health_reason,
+                utilization_pct=device.utilization_pct, temperature_c=device.temperature_c,
+                observed_at=observed_at, simulated=self._backend.label == "simulated",
+            ))
+        return NodeSample(node=self._node, observations=observations, backend=self._backend.label)
+
+    @activity.defn(name="load_model")
+    async def load_model(self, request: LoadInput) -> LoadResult:
+        runtime = self._runtime(request.deployment.runtime)
+        if request.key in self._loaded:
+            _, existing = self._loaded[request.key]
+            return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
+        try:
+            model = await runtime.load(request.key, request.deployment, request.device_index, request.device_uuid,
+                                       _heartbeat)
+        except ModelForgeError as error:
+            log.warning("load_failed", key=request.key, failure=error.failure.value, message=error.message)
+            raise as_application_error(error) from None
+        self._loaded[request.key] = (runtime, model)
+        log.info("model_loaded", key=request.key, bytes=model.measured_bytes, load_s=round(model.load_s, 3))
+        return LoadResult(model.measured_bytes, model.load_s, model.pid)
+
+    def _model(self, key: str) -> tuple[Runtime, LoadedModel]:
+        entry = self._loaded.get(key)
+        if entry is None:
+            # The worker restarted or the model died: the scheduler reconciles from NVML samples.
+            raise ApplicationError(f"{key} is not loaded on node {self._node}",
+                                   type=FailureClass.RUNTIME_CRASH.value, non_retryable=True)
+        return entry
+
+    @activity.defn(name="health_check")
+    async def health_check(self, key: str) -> None:
+        runtime, model = self._model(key)
+        try:
+            await runtime.health_check(model)
+        except ModelForgeError as error:
+            raise ApplicationError(error.message, type=FailureClass.HEALTHCHECK_FAILED.value,
+                                   non_retryable=True) from None
+
+    @activity.defn(name="invoke")
+    async def invoke(self, request: InvokeInput) -> InvokeResult:
+        runtime, model = self._model(request.key)
+        started = time.monotonic()
+        try:
+            output = await runtime.invoke(model, request.payload, _heartbeat)
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+        return InvokeResult(output=output, invoke_s=time.monotonic() - started)
+
+    @activity.defn(name="unload_model")
+    async def unload_model(self, key: str) -> None:
+        entry = self._loaded.pop(key, None)
+        if entry is None:
+            return  # already gone: unloading is idempotent
+        runtime, model = entry
+        try:
+            await runtime.unload(model)
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+
+    @activity.defn(name="verify_reclaim")
+    async def verify_reclaim(self, request: ReclaimInput) -> ReclaimResult:
+        """Poll NVML until no process of this model holds memory on the device."""
+        deadline = time.monotonic() + request.timeout_s
+        tag = f"modelforge:{request.key}"
+        index = request.accelerator_id.rsplit("/", 1)[-1]
+        while True:
+            try:
+                devices = await asyncio.to_thread(self._backend.sample)
+            except ModelForgeError as error:
+                raise as_application_error(error) from None
+            lingering = [p for d in devices if str(d.index) == index for p in d.processes if p.name == tag]
+            if not lingering:
+                return ReclaimResult(reclaimed=True)
+            if time.monotonic() >= deadline:
+                held = sum(p.used_bytes for p in lingering)
+                return ReclaimResult(reclaimed=False, message=f"{held} B still held by {tag} after "
+                                     f"{request.timeout_s:.0f} s")
+            _heartbeat("waiting for memory to be reclaimed")
+            await asyncio.sleep(0.5)
+
+
+def loaded_key(deployment: str, accelerator: str) -> str:
+    return resident_key(deployment, accelerator)

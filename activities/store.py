@@ -1,0 +1,31 @@
+"""Activities of the control worker that touch Postgres."""
+
+from __future__ import annotations
+
+from temporalio import activity
+
+from modelforge.domain import Catalog
+from modelforge.events import EventRecord
+from modelforge.logging import get_logger
+from modelforge.store import Store
+
+log = get_logger("modelforge.events")
+
+
+class StoreActivities:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @activity.defn(name="load_catalog")
+    async def load_catalog(self) -> Catalog:
+        return await self._store.load_catalog()
+
+    @activity.defn(name="record_events")
+    async def record_events(self, events: list[EventRecord]) -> int:
+        written = await self._store.record_events(events)
+        if activity.info().attempt == 1:
+            for event in events:
+                log.info(event.kind, failure_class=event.failure_class, request_id=event.request_id,
+                         lease_id=event.lease_id, accelerator=event.accelerator, deployment=event.deployment,
+                         message=event.message)
+        return written

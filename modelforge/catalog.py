@@ -1,0 +1,168 @@
+"""Catalog files (TOML): accelerators, deployments, tenants, plus the simulated external
+processes of a simulated installation. Validated strictly: an error names the field and value."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from modelforge.domain import GiB, Accelerator, Catalog, Deployment, Priority, Residency, Tenant
+from modelforge.failures import FailureClass, ModelForgeError
+
+ID = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
+Bytes = Annotated[int, Field(ge=0, le=2**50)]
+
+
+class CatalogError(ModelForgeError):
+    def __init__(self, message: str) -> None:
+        super().__init__(FailureClass.REQUEST_INVALID, message)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+class AcceleratorSpec(_Strict):
+    id: ID
+    node: ID
+    total_bytes: Annotated[int, Field(gt=0, le=2**50)]
+    production_eligible: bool = False
+    kind: Literal["gpu", "cpu"] = "gpu"
+    model: str = Field(default="", max_length=200)
+    uuid: str = Field(default="", max_length=200)
+    pool: ID = "default"
+    nvlink_group: str = Field(default="", max_length=200)
+    nvlink_group_id: str = Field(default="", max_length=200)
+    rack: str = Field(default="", max_length=200)
+    rack_id: str = Field(default="", max_length=200)
+    network_bandwidth_gbps: Annotated[float, Field(ge=0)] = 0.0
+    reserve_bytes: Bytes = GiB
+    simulated: bool = False
+
+
+class ExternalSpec(_Strict):
+    accelerator: ID
+    bytes: Annotated[int, Field(gt=0, le=2**50)]
+    name: str = Field(default="external", max_length=100)
+    start_s: Annotated[float, Field(ge=0)] = 0.0
+    end_s: Annotated[float, Field(gt=0)] | None = None
+
+
+class DeploymentSpec(_Strict):
+    capability: ID
+    envelope_bytes: Annotated[int, Field(gt=0, le=2**50)]
+    residency: Residency = Residency.KEEP_WARM
+    ttl_s: Annotated[float, Field(gt=0, le=30 * 24 * 3600)] = 300.0
+    concurrency: Annotated[int, Field(ge=1, le=10_000)] = 1
+    queue_limit: Annotated[int, Field(ge=0, le=1_000_000)] = 16
+    load_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
+    unload_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
+    idle_bytes: Bytes | None = None
+    gpu_count: Annotated[int, Field(ge=1, le=1024)] = 1
+    nvlink_required: bool = False
+    preemptible: bool = False
+    production_eligible: bool = True
+    accelerators: list[ID] = Field(default_factory=list)
+    measured_on: list[str] = Field(default_factory=list)
+    runtime: Literal["simulated", "subprocess_http", "sentence_transformers"] = "simulated"
+    artifact: str = Field(default="", max_length=4096)
+    artifact_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    runtime_config: dict[str, str] = Field(default_factory=dict)
+    name: str = Field(default="", max_length=200)
+
+
+class TenantSpec(_Strict):
+    name: ID
+    weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    default_priority: Priority = Priority.INTERACTIVE
+    max_priority: Priority = Priority.INTERACTIVE
+
+
+class CatalogFile(_Strict):
+    accelerators: list[AcceleratorSpec] = Field(default_factory=list)
+    external: list[ExternalSpec] = Field(default_factory=list)
+    deployments: list[DeploymentSpec] = Field(default_factory=list)
+    tenants: list[TenantSpec] = Field(default_factory=list)
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"])
+        value = item.get("input")
+        shown = repr(value)[:80] if not isinstance(value, dict) else "{...}"
+        parts.append(f"{where}: {item['msg']} (got {shown})")
+    more = len(error.errors()) - 5
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
+    try:
+        spec = CatalogFile.model_validate(data)
+    except ValidationError as error:
+        raise CatalogError(f"invalid catalog: {_describe(error)}") from None
+    problems: list[str] = []
+    ids = [a.id for a in spec.accelerators]
+    for index, acc in enumerate(spec.accelerators):
+        if ids.count(acc.id) > 1:
+            problems.append(f"accelerators[{index}].id: duplicate {acc.id!r}")
+        if acc.kind == "cpu" and acc.production_eligible:
+            problems.append(f"accelerators[{index}].production_eligible: a cpu device is never production eligible")
+        if acc.reserve_bytes >= acc.total_bytes:
+            problems.append(f"accelerators[{index}].reserve_bytes: {acc.reserve_bytes} is not below total_bytes")
+    caps = [d.capability for d in spec.deployments]
+    for index, dep in enumerate(spec.deployments):
+        if caps.count(dep.capability) > 1:
+            problems.append(f"deployments[{index}].capability: duplicate {dep.capability!r}")
+        if dep.residency in (Residency.EXCLUSIVE, Residency.LAB_ONLY):
+            problems.append(
+                f"deployments[{index}].residency: {dep.residency.value!r} is reserved for later and not served yet"
+            )
+        if dep.idle_bytes is not None and dep.idle_bytes > dep.envelope_bytes:
+            problems.append(f"deployments[{index}].idle_bytes: {dep.idle_bytes} exceeds envelope_bytes")
+        for acc_id in dep.accelerators:
+            if acc_id not in ids:
+                problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")
+    names = [t.name for t in spec.tenants]
+    for index, tenant in enumerate(spec.tenants):
+        if names.count(tenant.name) > 1:
+            problems.append(f"tenants[{index}].name: duplicate {tenant.name!r}")
+        if tenant.default_priority.rank < tenant.max_priority.rank:
+            problems.append(f"tenants[{index}].default_priority: {tenant.default_priority.value!r} is above "
+                            f"max_priority {tenant.max_priority.value!r}")
+    for index, ext in enumerate(spec.external):
+        if ext.accelerator not in ids:
+            problems.append(f"external[{index}].accelerator: unknown accelerator {ext.accelerator!r}")
+    if problems:
+        raise CatalogError("invalid catalog: " + "; ".join(problems))
+    catalog = Catalog(
+        accelerators=[
+            Accelerator(
+                id=a.id, node=a.node, total_bytes=a.total_bytes, production_eligible=a.production_eligible,
+                kind=a.kind, model=a.model, uuid=a.uuid, pool=a.pool,
+                nvlink_group=a.nvlink_group or a.nvlink_group_id, rack=a.rack or a.rack_id,
+                network_bandwidth_gbps=a.network_bandwidth_gbps, reserve_bytes=a.reserve_bytes, simulated=a.simulated,
+            )
+            for a in spec.accelerators
+        ],
+        deployments=[Deployment(**d.model_dump()) for d in spec.deployments],
+        tenants=[Tenant(**t.model_dump()) for t in spec.tenants],
+    )
+    return catalog, list(spec.external)
+
+
+def load_catalog_file(path: Path) -> tuple[Catalog, list[ExternalSpec]]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CatalogError(f"catalog file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise CatalogError(f"catalog file {path} is not valid TOML: {error}") from None
+    return parse_catalog(data)
+
+
+def example_catalog_path() -> Path:
+    return Path(__file__).parent / "examples" / "catalog.toml"

@@ -1,0 +1,186 @@
+"""What crosses Temporal between the client, the workflows and the activities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelforge.domain import Accelerator, Deployment, Observation
+from modelforge.policy import AdmissionRequest, Lease, PolicyConfig, PoolState
+
+DEFAULT_LEASE_TIMEOUT_S = 300.0
+MAX_INPUT_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    request_id: str
+    capability: str
+    input: dict[str, Any] = field(default_factory=dict)
+    priority: str | None = None
+    tenant: str = "default"
+    deadline_s: float | None = None
+    lease_timeout_s: float | None = None
+    pool: str = "default"
+    # Longest an invoke may run once it holds its lease.
+    max_duration_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    capability: str
+    output: dict[str, Any]
+    lease: Lease | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdmitCall:
+    pool: str
+    request: AdmissionRequest
+
+
+@dataclass(frozen=True)
+class AdmitReply:
+    status: str  # granted | queued | rejected
+    lease: Lease | None = None
+    failure: str | None = None
+    message: str = ""
+    priority: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseDecision:
+    request_id: str
+    lease: Lease | None = None
+    failure: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ReleaseSignal:
+    lease_id: str
+    request_id: str
+    outcome: str  # "ok" or a failure class
+    invoke_s: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class CancelSignal:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SchedulerInput:
+    pool: str
+    state: PoolState | None = None
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    # How often the scheduler re-evaluates with no message (staleness, timeouts).
+    reconcile_interval_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ResidencyInput:
+    pool: str
+    key: str
+    deployment: Deployment
+    accelerator: Accelerator
+    device_index: int
+
+
+@dataclass(frozen=True)
+class ResidentReport:
+    key: str
+    ok: bool
+    measured_bytes: int = 0
+    load_s: float = 0.0
+    health_s: float = 0.0
+    failure: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ResidentCommand:
+    action: str  # extend | unload
+    until: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ResidentIdle:
+    key: str
+
+
+@dataclass(frozen=True)
+class UnloadReport:
+    key: str
+    reclaimed: bool
+    unload_s: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class TelemetryInput:
+    node: str
+    pool: str = "default"
+    interval_s: float = 10.0
+    samples_before_continue: int = 200
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    node: str
+    observations: list[Observation] = field(default_factory=list)
+    backend: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LoadInput:
+    key: str
+    deployment: Deployment
+    accelerator_id: str
+    device_index: int
+    device_uuid: str
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    measured_bytes: int
+    load_s: float
+    pid: int
+
+
+@dataclass(frozen=True)
+class InvokeInput:
+    key: str
+    lease_id: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class InvokeResult:
+    output: dict[str, Any]
+    invoke_s: float
+
+
+@dataclass(frozen=True)
+class ReclaimInput:
+    key: str
+    accelerator_id: str
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    reclaimed: bool
+    message: str = ""
+
+
+def device_index(accelerator_id: str) -> int:
+    """Accelerator ids are `<node>/<device index>`."""
+    tail = accelerator_id.rsplit("/", 1)[-1]
+    return int(tail) if tail.isdigit() else 0

@@ -1,0 +1,69 @@
+"""The admission invariant of DESIGN.md section 3, per accelerator:
+
+schedulable = total - external - resident - leased - reserve
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelforge.domain import Accelerator
+from modelforge.policy._state import (
+    AcceleratorRuntime,
+    Lease,
+    PolicyConfig,
+    ResidentState,
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    accelerator: str
+    total_bytes: int
+    observed_used_bytes: int | None
+    external_bytes: int
+    resident_bytes: int
+    leased_bytes: int
+    reserve_bytes: int
+    schedulable_bytes: int
+    fresh: bool
+    age_s: float | None
+
+
+def dynamic_reserve_bytes(runtime: AcceleratorRuntime, config: PolicyConfig, now: float) -> int:
+    """Spread of external usage over the recent window: a card whose unmanaged users swing by
+    4 GiB keeps 4 GiB (times the factor) free for their next swing."""
+    recent = [b for t, b in runtime.external_history if now - t <= config.volatility_window_s]
+    if len(recent) < 2:
+        return 0
+    return int((max(recent) - min(recent)) * config.volatility_factor)
+
+
+def compute_budget(
+    accelerator: Accelerator,
+    runtime: AcceleratorRuntime,
+    residents: list[ResidentState],
+    leases: list[Lease],
+    config: PolicyConfig,
+    now: float,
+) -> Budget:
+    observation = runtime.observation
+    # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
+    resident = sum(r.bytes for r in residents if r.accelerator == accelerator.id)
+    leased = sum(lease.bytes for lease in leases if lease.accelerator == accelerator.id)
+    reserve = max(accelerator.reserve_bytes, dynamic_reserve_bytes(runtime, config, now))
+    external = observation.external_bytes if observation is not None else 0
+    age = None if observation is None else max(0.0, now - observation.received_at)
+    fresh = age is not None and age <= config.freshness_s
+    return Budget(
+        accelerator=accelerator.id,
+        total_bytes=accelerator.total_bytes,
+        observed_used_bytes=None if observation is None else observation.used_bytes,
+        external_bytes=external,
+        resident_bytes=resident,
+        leased_bytes=leased,
+        reserve_bytes=reserve,
+        schedulable_bytes=accelerator.total_bytes - external - resident - leased - reserve,
+        fresh=fresh,
+        age_s=age,
+    )

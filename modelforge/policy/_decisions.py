@@ -1,0 +1,80 @@
+"""What the policy returns: decisions, each with its typed reason, and the events they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modelforge.failures import FailureClass
+from modelforge.policy._state import Lease
+
+
+@dataclass(frozen=True)
+class PolicyEvent:
+    kind: str
+    message: str = ""
+    failure: FailureClass | None = None
+    request_id: str = ""
+    lease_id: str = ""
+    accelerator: str = ""
+    deployment: str = ""
+    workflow_id: str = ""
+    payload: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Grant:
+    request_id: str
+    workflow_id: str
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class Reject:
+    request_id: str
+    workflow_id: str
+    failure: FailureClass
+    message: str
+
+
+@dataclass(frozen=True)
+class StartLoad:
+    resident_key: str
+    deployment: str
+    accelerator: str
+    node: str
+    bytes: int
+    # Requests that wait on this load.
+    for_requests: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Assign:
+    """A request waits on a resident that is loading; granted when it is ready."""
+
+    request_id: str
+    resident_key: str
+
+
+@dataclass(frozen=True)
+class Unload:
+    resident_key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decisions:
+    grants: list[Grant] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+    loads: list[StartLoad] = field(default_factory=list)
+    assigns: list[Assign] = field(default_factory=list)
+    unloads: list[Unload] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.grants or self.rejects or self.loads or self.assigns or self.unloads)

@@ -1,0 +1,140 @@
+"""Turning NVML samples into scheduler state: health with consecutive-check hysteresis,
+GPU_PRESSURE with watermark hysteresis, external volatility and resident reconciliation."""
+
+from __future__ import annotations
+
+from modelforge.domain import Observation
+from modelforge.failures import FailureClass
+from modelforge.policy._budget import compute_budget
+from modelforge.policy._decisions import PolicyEvent
+from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
+
+
+def apply_observations(state: PoolState, observations: list[Observation], now: float) -> list[PolicyEvent]:
+    events: list[PolicyEvent] = []
+    for observation in observations:
+        accelerator = state.catalog.accelerator(observation.accelerator)
+        if accelerator is None:
+            continue
+        runtime = state.accelerators.setdefault(accelerator.id, AcceleratorRuntime())
+        events.extend(_apply_health(state, runtime, observation))
+        if not observation.healthy and observation.used_bytes < 0:
+            continue
+        runtime.observation = observation
+        runtime.external_history = [
+            pair for pair in runtime.external_history if now - pair[0] <= state.config.volatility_window_s
+        ]
+        runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
+        events.extend(_reconcile_residents(state, observation))
+        events.extend(_apply_pressure(state, accelerator.id, runtime, now))
+    return events
+
+
+def _apply_health(state: PoolState, runtime: AcceleratorRuntime, observation: Observation) -> list[PolicyEvent]:
+    config = state.config
+    if observation.healthy:
+        runtime.consecutive_failures = 0
+        runtime.consecutive_successes += 1
+        if not runtime.healthy and runtime.consecutive_successes >= config.healthy_after_successes:
+            runtime.healthy = True
+            return [
+                PolicyEvent(
+                    kind="gpu_healthy",
+                    accelerator=observation.accelerator,
+                    message=f"{runtime.consecutive_successes} consecutive good checks",
+                )
+            ]
+        return []
+    runtime.consecutive_successes = 0
+    runtime.consecutive_failures += 1
+    events = [
+        PolicyEvent(
+            kind="health_check_failed",
+            failure=FailureClass.DRIVER_ERROR,
+            accelerator=observation.accelerator,
+            message=observation.health_reason,
+        )
+    ]
+    if runtime.healthy and runtime.consecutive_failures >= config.unhealthy_after_failures:
+        runtime.healthy = False
+        events.append(
+            PolicyEvent(
+                kind="gpu_unhealthy",
+                accelerator=observation.accelerator,
+                message=f"{runtime.consecutive_failures} consecutive failed checks: {observation.health_reason}",
+            )
+        )
+    return events
+
+
+def _reconcile_residents(state: PoolState, observation: Observation) -> list[PolicyEvent]:
+    """A resident the scheduler believes ready but the node no longer holds (its worker
+    restarted, the runtime died) is lost: its bytes are gone from the card, so drop it."""
+    events: list[PolicyEvent] = []
+    for key in list(state.residents):
+        resident = state.residents[key]
+        if resident.accelerator != observation.accelerator or resident.phase != ResidentPhase.READY:
+            continue
+        if resident.loaded_at is not None and observation.observed_at and observation.observed_at < resident.loaded_at:
+            continue
+        if key in observation.loaded or resident.active_leases > 0:
+            continue
+        del state.residents[key]
+        events.append(
+            PolicyEvent(
+                kind="resident_lost",
+                accelerator=resident.accelerator,
+                deployment=resident.deployment,
+                workflow_id=resident.workflow_id,
+                message="the node no longer holds this model; dropped from residency",
+            )
+        )
+    return events
+
+
+def _apply_pressure(
+    state: PoolState, accelerator_id: str, runtime: AcceleratorRuntime, now: float
+) -> list[PolicyEvent]:
+    accelerator = state.catalog.accelerator(accelerator_id)
+    if accelerator is None or accelerator.total_bytes <= 0:
+        return []
+    budget = compute_budget(
+        accelerator, runtime, list(state.residents.values()), list(state.leases.values()), state.config, now
+    )
+    fraction = budget.schedulable_bytes / accelerator.total_bytes
+    config = state.config
+    payload: dict[str, str | int | float | bool | None] = {
+        "schedulable_bytes": budget.schedulable_bytes,
+        "external_bytes": budget.external_bytes,
+        "fraction": round(fraction, 4),
+    }
+    if not runtime.pressure:
+        if fraction < config.pressure_enter_fraction:
+            runtime.pressure = True
+            runtime.pressure_clear_since = None
+            return [
+                PolicyEvent(
+                    kind="gpu_pressure_entered",
+                    accelerator=accelerator_id,
+                    payload=payload,
+                    message=f"schedulable {fraction:.1%} of total < {config.pressure_enter_fraction:.0%}",
+                )
+            ]
+        return []
+    if fraction <= config.pressure_exit_fraction:
+        runtime.pressure_clear_since = None
+        return []
+    if runtime.pressure_clear_since is None:
+        runtime.pressure_clear_since = now
+    if now - runtime.pressure_clear_since >= config.pressure_hold_s:
+        runtime.pressure = False
+        runtime.pressure_clear_since = None
+        return [
+            PolicyEvent(
+                kind="gpu_pressure_left",
+                accelerator=accelerator_id,
+                payload=payload,
+                message=f"schedulable above {config.pressure_exit_fraction:.0%} for {config.pressure_hold_s:.0f} s",
+            )
+        ]
+    return []

@@ -1,0 +1,120 @@
+"""The scheduler's state: what the pool scheduler workflow carries across continue-as-new and
+what the simulator replays. Plain dataclasses, JSON-friendly, iterated in insertion order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from modelforge.domain import Catalog, Observation, Priority, Residency
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    # Observations older than this make an accelerator SCHEDULER_STATE_STALE.
+    freshness_s: float = 30.0
+    # The dynamic reserve is the spread of external usage over this window times the factor.
+    volatility_window_s: float = 300.0
+    volatility_factor: float = 1.0
+    # GPU_PRESSURE hysteresis on schedulable / total.
+    pressure_enter_fraction: float = 0.05
+    pressure_exit_fraction: float = 0.10
+    pressure_hold_s: float = 60.0
+    unhealthy_after_failures: int = 3
+    healthy_after_successes: int = 3
+    default_lease_timeout_s: float = 300.0
+    fair_share_half_life_s: float = 3600.0
+
+
+class ResidentPhase(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    # Unloaded, but NVML never showed the bytes back: they stay counted (GPU_MEMORY_NOT_RECLAIMED).
+    UNRECLAIMED = "unreclaimed"
+
+
+@dataclass
+class ResidentState:
+    key: str
+    deployment: str
+    capability: str
+    accelerator: str
+    node: str
+    bytes: int
+    phase: ResidentPhase
+    residency: Residency
+    ttl_s: float
+    workflow_id: str
+    active_leases: int = 0
+    last_used: float = 0.0
+    loaded_at: float | None = None
+    requested_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    request_id: str
+    workflow_id: str
+    capability: str
+    deployment: str
+    accelerator: str
+    node: str
+    resident_key: str
+    # Bytes this lease adds on top of residency (envelope peak minus idle).
+    bytes: int
+    granted_at: float
+    priority: Priority
+    tenant: str
+
+
+@dataclass
+class QueuedRequest:
+    request_id: str
+    workflow_id: str
+    capability: str
+    priority: Priority
+    tenant: str
+    submitted_at: float
+    lease_timeout_at: float
+    deadline_at: float | None = None
+    # The resident this request waits on while it loads; empty while unplaced.
+    assigned_to: str = ""
+    preempted: bool = False
+    # Why it is still waiting, for `status` and for the failure message when it times out.
+    waiting_reason: str = ""
+
+
+@dataclass
+class AcceleratorRuntime:
+    observation: Observation | None = None
+    # [received_at, external_bytes] pairs inside the volatility window.
+    external_history: list[list[float]] = field(default_factory=list)
+    healthy: bool = True
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    pressure: bool = False
+    pressure_clear_since: float | None = None
+
+
+@dataclass
+class TenantUsage:
+    gpu_seconds: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class PoolState:
+    pool: str
+    catalog: Catalog = field(default_factory=Catalog)
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    accelerators: dict[str, AcceleratorRuntime] = field(default_factory=dict)
+    residents: dict[str, ResidentState] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    queue: list[QueuedRequest] = field(default_factory=list)
+    usage: dict[str, TenantUsage] = field(default_factory=dict)
+    lease_counter: int = 0
+
+    def pool_accelerators(self) -> list[str]:
+        return [a.id for a in self.catalog.accelerators if a.pool == self.pool]

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from modelforge.domain import Deployment
+
+
+@dataclass
+class LoadedModel:
+    resident_key: str
+    deployment: str
+    device_index: int
+    pid: int
+    measured_bytes: int
+    load_s: float
+
+
+Heartbeat = Callable[[str], None]
+
+
+class Runtime(Protocol):
+    """One model runtime. Each operation raises ModelForgeError with its failure class."""
+
+    name: str
+
+    async def load(
+        self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
+    ) -> LoadedModel: ...
+
+    async def health_check(self, model: LoadedModel) -> None: ...
+
+    async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]: ...
+
+    async def unload(self, model: LoadedModel) -> None: ...
+
+
+Sleep = Callable[[float], Awaitable[None]]

@@ -1,0 +1,87 @@
+"""The simulated runtime: takes its deployment's load time, allocates the envelope's bytes on the
+simulated device so NVML samples see them, and answers invokes with clearly simulated output.
+
+Request inputs can steer it: `simulate_invoke_s` holds the lease that long, `simulate_fault`
+raises the named failure class, so tests and demos break things on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+from typing import Any
+
+from modelforge.domain import Deployment
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.gpu import SimulatedGpuBackend
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel
+
+MAX_SIMULATED_INVOKE_S = 3600.0
+_pids = itertools.count(40_000)
+
+
+def _fault(payload: dict[str, Any]) -> FailureClass | None:
+    name = payload.get("simulate_fault")
+    if name is None:
+        return None
+    try:
+        return FailureClass(str(name))
+    except ValueError as error:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"simulate_fault: unknown class {name!r}") from error
+
+
+class SimulatedRuntime:
+    name = "simulated"
+
+    def __init__(self, backend: SimulatedGpuBackend) -> None:
+        self._backend = backend
+
+    async def load(
+        self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
+    ) -> LoadedModel:
+        started = time.monotonic()
+        fault = deployment.runtime_config.get("simulate_load_fault")
+        remaining = deployment.load_s
+        while remaining > 0:
+            step = min(1.0, remaining)
+            await asyncio.sleep(step)
+            remaining -= step
+            heartbeat(f"loading {deployment.deployment_id}: {deployment.load_s - remaining:.0f}/{deployment.load_s:.0f} s")
+        if fault:
+            raise ModelForgeError(FailureClass(fault), f"simulated load fault for {deployment.deployment_id}")
+        pid = next(_pids)
+        self._backend.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
+        return LoadedModel(key, deployment.deployment_id, device_index, pid, deployment.resident_bytes,
+                           time.monotonic() - started)
+
+    async def health_check(self, model: LoadedModel) -> None:
+        output = await self.invoke(model, {"text": "health check"}, lambda _: None)
+        vector = output.get("embedding") or output.get("text")
+        if not vector:
+            raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, "simulated runtime returned nothing")
+
+    async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
+        hold = payload.get("simulate_invoke_s", 0)
+        if not isinstance(hold, int | float) or isinstance(hold, bool) or not 0 <= hold <= MAX_SIMULATED_INVOKE_S:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID,
+                                  f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}")
+        remaining = float(hold)
+        while remaining > 0:
+            step = min(1.0, remaining)
+            await asyncio.sleep(step)
+            remaining -= step
+            heartbeat(f"invoking: {hold - remaining:.0f}/{hold} s")
+        fault = _fault(payload)
+        if fault is not None:
+            raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
+        text = str(payload.get("text", payload.get("prompt", "")))
+        digest = hashlib.sha256(f"{model.deployment}:{text}".encode()).digest()
+        return {
+            "simulated": True,
+            "deployment": model.deployment,
+            "embedding": [round(b / 255.0 - 0.5, 4) for b in digest[:8]],
+        }
+
+    async def unload(self, model: LoadedModel) -> None:
+        self._backend.free(model.pid)

@@ -1,0 +1,79 @@
+"""Settings from the environment (DESIGN.md section 7). Secrets come from the environment or
+files and are never logged: `Settings.__repr__` hides them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modelforge.failures import FailureClass, ModelForgeError
+
+CONTROL_TASK_QUEUE = "modelforge-control"
+DEFAULT_POOL = "default"
+
+
+def node_task_queue(node: str) -> str:
+    return f"modelforge-node-{node}"
+
+
+def _read_secret(value_var: str, file_var: str) -> str | None:
+    value = os.environ.get(value_var)
+    path = os.environ.get(file_var)
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}") from None
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    temporal_address: str = "localhost:7233"
+    temporal_namespace: str = "default"
+    temporal_tls: bool = False
+    temporal_tls_cert: str | None = None
+    temporal_tls_key: str | None = None
+    temporal_tls_ca: str | None = None
+    temporal_api_key: str | None = field(default=None, repr=False)
+    database_url: str | None = field(default=None, repr=False)
+    home: Path = Path.home() / ".modelforge"
+    gpu_backend: str = "auto"
+    metrics_port: int = 9464
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    def resolved_database_url(self) -> str | None:
+        """The configured URL, or the one `modelforge dev` wrote for its embedded Postgres."""
+        if self.database_url:
+            return self.database_url
+        written = self.run_dir / "database_url"
+        if written.exists():
+            return written.read_text(encoding="utf-8").strip() or None
+        return None
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        backend = os.environ.get("MODELFORGE_GPU_BACKEND", "auto")
+        if backend not in ("auto", "nvml", "simulated"):
+            raise ModelForgeError(FailureClass.REQUEST_INVALID,
+                                  f"MODELFORGE_GPU_BACKEND must be auto, nvml or simulated, not {backend!r}")
+        port = os.environ.get("MODELFORGE_METRICS_PORT", "9464")
+        if not port.isdigit():
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"MODELFORGE_METRICS_PORT must be a port, not {port!r}")
+        return cls(
+            temporal_address=os.environ.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233"),
+            temporal_namespace=os.environ.get("MODELFORGE_TEMPORAL_NAMESPACE", "default"),
+            temporal_tls=os.environ.get("MODELFORGE_TEMPORAL_TLS", "").lower() in ("1", "true", "yes"),
+            temporal_tls_cert=os.environ.get("MODELFORGE_TEMPORAL_TLS_CERT"),
+            temporal_tls_key=os.environ.get("MODELFORGE_TEMPORAL_TLS_KEY"),
+            temporal_tls_ca=os.environ.get("MODELFORGE_TEMPORAL_TLS_CA"),
+            temporal_api_key=_read_secret("MODELFORGE_TEMPORAL_API_KEY", "MODELFORGE_TEMPORAL_API_KEY_FILE"),
+            database_url=_read_secret("MODELFORGE_DATABASE_URL", "MODELFORGE_DATABASE_URL_FILE"),
+            home=Path(os.environ.get("MODELFORGE_HOME", str(Path.home() / ".modelforge"))),
+            gpu_backend=backend,
+            metrics_port=int(port),
+        )

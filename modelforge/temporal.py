@@ -1,0 +1,69 @@
+"""Connecting to Temporal (TLS, mTLS and API keys from settings) and the search attributes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from temporalio.client import Client, TLSConfig
+from temporalio.common import SearchAttributeKey
+
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.settings import Settings
+
+CAPABILITY = SearchAttributeKey.for_keyword("ModelForgeCapability")
+PRIORITY = SearchAttributeKey.for_keyword("ModelForgePriority")
+TENANT = SearchAttributeKey.for_keyword("ModelForgeTenant")
+ACCELERATOR = SearchAttributeKey.for_keyword("ModelForgeAccelerator")
+OUTCOME = SearchAttributeKey.for_keyword("ModelForgeOutcome")
+SEARCH_ATTRIBUTES = [CAPABILITY, PRIORITY, TENANT, ACCELERATOR, OUTCOME]
+
+
+def _tls(settings: Settings) -> TLSConfig | bool:
+    if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
+        return bool(settings.temporal_api_key)
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+    return TLSConfig(
+        server_root_ca_cert=read(settings.temporal_tls_ca),
+        client_cert=read(settings.temporal_tls_cert),
+        client_private_key=read(settings.temporal_tls_key),
+    )
+
+
+async def connect(settings: Settings) -> Client:
+    try:
+        return await Client.connect(
+            settings.temporal_address,
+            namespace=settings.temporal_namespace,
+            tls=_tls(settings),
+            api_key=settings.temporal_api_key,
+        )
+    except RuntimeError as error:
+        raise ModelForgeError(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"cannot reach Temporal at {settings.temporal_address} (is `modelforge dev` running?): {error}",
+        ) from None
+
+
+async def register_search_attributes(client: Client) -> None:
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+
+    from temporalio.service import RPCError, RPCStatusCode
+
+    namespace = client.namespace
+    try:
+        listed = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+        existing = set(listed.custom_attributes)
+    except RPCError as error:
+        # The time-skipping test server cannot list, but can add.
+        if error.status != RPCStatusCode.UNIMPLEMENTED:
+            raise
+        existing = set()
+    missing = {
+        key.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for key in SEARCH_ATTRIBUTES if key.name not in existing
+    }
+    if missing:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(namespace=namespace, search_attributes=missing)
+        )

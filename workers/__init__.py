@@ -1,0 +1,1 @@
+"""Process entry points."""

@@ -1,0 +1,81 @@
+"""A node worker: one per GPU host. NVML (real or simulated, labelled) and the runtimes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import Worker
+
+from activities import NodeActivities
+from modelforge.catalog import ExternalSpec, load_catalog_file
+from modelforge.domain import Catalog
+from modelforge.gpu import ExternalProcess, GpuBackend, NvmlGpuBackend, SimulatedDevice, SimulatedGpuBackend
+from modelforge.logging import get_logger
+from modelforge.messages import TelemetryInput, device_index
+from modelforge.runtimes import Runtime, SimulatedRuntime
+from modelforge.settings import DEFAULT_POOL, Settings, node_task_queue
+from modelforge.temporal import connect
+from workflows import TelemetryWorkflow
+from workflows._common import telemetry_id
+
+log = get_logger("modelforge.worker.node")
+
+
+def simulated_backend(node: str, catalog: Catalog, external: list[ExternalSpec]) -> SimulatedGpuBackend:
+    """Simulated devices for the accelerators the catalog puts on this node."""
+    accelerators = [a for a in catalog.accelerators if a.node == node and a.kind == "gpu"]
+    devices = [SimulatedDevice(device_index(a.id), a.uuid or f"GPU-simulated-{a.id}", f"{a.model} (simulated)",
+                               a.total_bytes) for a in accelerators]
+    ids = {a.id for a in accelerators}
+    processes = [
+        ExternalProcess(device_index(e.accelerator), 10_000 + n, e.name, e.bytes, e.start_s, e.end_s)
+        for n, e in enumerate(external) if e.accelerator in ids
+    ]
+    return SimulatedGpuBackend(devices, processes)
+
+
+def build_node_worker(client: Client, node: str, backend: GpuBackend, runtimes: dict[str, Runtime]) -> Worker:
+    node_activities = NodeActivities(node, backend, runtimes)
+    return Worker(
+        client,
+        task_queue=node_task_queue(node),
+        activities=[
+            node_activities.sample_node, node_activities.load_model, node_activities.health_check,
+            node_activities.invoke, node_activities.unload_model, node_activities.verify_reclaim,
+        ],
+    )
+
+
+async def ensure_telemetry(client: Client, node: str, pool: str = DEFAULT_POOL, interval_s: float = 10.0) -> None:
+    await client.start_workflow(
+        TelemetryWorkflow.run, TelemetryInput(node=node, pool=pool, interval_s=interval_s), id=telemetry_id(node),
+        task_queue="modelforge-control", id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        static_summary=f"NVML samples of {node}",
+    )
+
+
+def choose_backend(settings: Settings, node: str, simulate_from: Path | None) -> tuple[GpuBackend, dict[str, Runtime]]:
+    use_nvml = settings.gpu_backend == "nvml" or (settings.gpu_backend == "auto" and NvmlGpuBackend.available())
+    if use_nvml:
+        return NvmlGpuBackend(), {}
+    if simulate_from is None:
+        raise SystemExit(f"modelforge worker node: no NVIDIA GPU here (MODELFORGE_GPU_BACKEND={settings.gpu_backend});"
+                         " pass --simulate-from CATALOG to run simulated devices")
+    catalog, external = load_catalog_file(simulate_from)
+    backend = simulated_backend(node, catalog, external)
+    log.warning("simulated_gpu", node=node, devices=len(backend.devices()),
+                note="no NVIDIA GPU in use: devices and memory on this node are SIMULATED")
+    return backend, {"simulated": SimulatedRuntime(backend)}
+
+
+async def run(settings: Settings, node: str, simulate_from: Path | None, pool: str = DEFAULT_POOL) -> None:
+    backend, runtimes = choose_backend(settings, node, simulate_from)
+    client = await connect(settings)
+    worker = build_node_worker(client, node, backend, runtimes)
+    async with worker:
+        await ensure_telemetry(client, node, pool)
+        log.info("node_worker_started", node=node, backend=backend.label)
+        await asyncio.Event().wait()

@@ -1,0 +1,58 @@
+"""Shared bits of workflow code: ids, failures as ApplicationErrors, activity options."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from modelforge.failures import FailureClass, is_retryable
+
+ALL_FAILURES = [f.value for f in FailureClass]
+NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
+
+
+def scheduler_id(pool: str) -> str:
+    return f"scheduler:{pool}"
+
+
+def resident_workflow_id(deployment: str, accelerator: str) -> str:
+    return f"resident:{deployment}:{accelerator}"
+
+
+def telemetry_id(node: str) -> str:
+    return f"telemetry:{node}"
+
+
+def request_workflow_id(capability: str, request_id: str) -> str:
+    return f"request:{capability}:{request_id}"
+
+
+def failure(cls: FailureClass | str, message: str) -> ApplicationError:
+    value = cls.value if isinstance(cls, FailureClass) else cls
+    return ApplicationError(message, type=value, non_retryable=True)
+
+
+def classify(error: BaseException) -> tuple[str, str]:
+    """The failure class and message of an activity's failure."""
+    cause = error.cause if isinstance(error, ActivityError) else error
+    if isinstance(cause, ApplicationError) and cause.type in ALL_FAILURES:
+        return cause.type, cause.message
+    if isinstance(cause, TimeoutError):
+        return FailureClass.TIMEOUT.value, f"activity timed out ({cause.type.name if cause.type else 'unknown'})"
+    if isinstance(cause, ApplicationError):
+        return FailureClass.RUNTIME_CRASH.value, f"{cause.type}: {cause.message}"
+    return FailureClass.RUNTIME_CRASH.value, str(cause)
+
+
+# Activities that touch a runtime: a few bounded retries of transient classes only.
+RUNTIME_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_attempts=2, non_retryable_error_types=NON_RETRYABLE
+)
+# Writes to Postgres: retried until they land (durable across an outage), backing off to 30 s.
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                          non_retryable_error_types=["REQUEST_INVALID"])

@@ -1,0 +1,150 @@
+"""CapabilityRequestWorkflow: one per request. Lease -> (load, by the residency workflow) ->
+invoke -> release. Failures end the workflow as an ApplicationError whose type is the class."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from modelforge import temporal as sa
+    from modelforge.domain import Priority
+    from modelforge.failures import FailureClass
+    from modelforge.messages import (
+        DEFAULT_LEASE_TIMEOUT_S,
+        AdmitCall,
+        AdmitReply,
+        CancelSignal,
+        InvokeInput,
+        InvokeResult,
+        LeaseDecision,
+        ReleaseSignal,
+        RequestInput,
+        RequestResult,
+    )
+    from modelforge.policy import AdmissionRequest, Lease
+    from modelforge.settings import node_task_queue
+
+from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
+
+INVOKE_HEARTBEAT = timedelta(seconds=60)
+
+
+@workflow.defn(name="CapabilityRequestWorkflow")
+class CapabilityRequestWorkflow:
+    @workflow.init
+    def __init__(self, request: RequestInput) -> None:
+        self._decision: LeaseDecision | None = None
+        self._phase = "admitting"
+        self._lease: Lease | None = None
+
+    @workflow.signal
+    def lease_decision(self, decision: LeaseDecision) -> None:
+        self._decision = decision
+
+    @workflow.query
+    def phase(self) -> str:
+        return self._phase
+
+    @workflow.run
+    async def run(self, request: RequestInput) -> RequestResult:
+        started = workflow.now()
+        timings: dict[str, float] = {}
+        lease = await self._acquire(request)
+        self._lease = lease
+        timings["lease_s"] = (workflow.now() - started).total_seconds()
+        workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
+        self._phase = "invoking"
+        outcome, message = "ok", ""
+        result: InvokeResult | None = None
+        try:
+            result = await workflow.execute_activity(
+                "invoke",
+                InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
+                result_type=InvokeResult,
+                task_queue=node_task_queue(lease.node),
+                schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+                heartbeat_timeout=INVOKE_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"invoke {lease.deployment} on {lease.accelerator}",
+            )
+        except ActivityError as error:
+            outcome, message = classify(error)
+        finally:
+            await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
+                "release",
+                ReleaseSignal(lease_id=lease.lease_id, request_id=request.request_id, outcome=outcome,
+                              invoke_s=result.invoke_s if result else 0.0, message=message),
+            )
+        workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
+        if result is None:
+            self._phase = "failed"
+            raise failure(outcome, message)
+        self._phase = "done"
+        timings["invoke_s"] = result.invoke_s
+        timings["total_s"] = (workflow.now() - started).total_seconds()
+        return RequestResult(request_id=request.request_id, capability=request.capability, output=result.output,
+                             lease=lease, timings=timings)
+
+    async def _acquire(self, request: RequestInput) -> Lease:
+        admission = AdmissionRequest(
+            request_id=request.request_id,
+            workflow_id=workflow.info().workflow_id,
+            capability=request.capability,
+            tenant=request.tenant,
+            priority=Priority(request.priority) if request.priority else None,
+            deadline_s=request.deadline_s,
+            lease_timeout_s=request.lease_timeout_s,
+        )
+        try:
+            reply = await workflow.execute_local_activity(
+                "admit",
+                AdmitCall(pool=request.pool, request=admission),
+                result_type=AdmitReply,
+                start_to_close_timeout=timedelta(seconds=10),
+                schedule_to_close_timeout=timedelta(seconds=60),
+                # Only a scheduler that is still starting is worth asking again.
+                retry_policy=RetryPolicy(non_retryable_error_types=[
+                    f for f in ALL_FAILURES if f != FailureClass.SCHEDULER_STATE_STALE.value]),
+                summary=f"admit {request.capability}",
+            )
+        except ActivityError as error:
+            cls, message = classify(error)
+            self._end(cls)
+            raise failure(cls, message) from None
+        if reply.status == "granted" and reply.lease is not None:
+            granted: Lease = reply.lease
+            return granted
+        if reply.status == "rejected":
+            self._end(reply.failure or FailureClass.CAPABILITY_UNAVAILABLE.value)
+            raise failure(reply.failure or FailureClass.CAPABILITY_UNAVAILABLE, reply.message)
+        self._phase = "queued"
+        lease_timeout = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
+        limit, cls = lease_timeout, FailureClass.LEASE_TIMEOUT
+        if request.deadline_s is not None and request.deadline_s < lease_timeout:
+            limit, cls = request.deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET
+        try:
+            # The scheduler answers at its own timeout; this is the requester's promise to itself.
+            await workflow.wait_condition(lambda: self._decision is not None, timeout=limit + 5.0)
+        except asyncio.TimeoutError:
+            await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
+                "cancel", CancelSignal(request_id=request.request_id, reason=f"{cls.value}: gave up after {limit} s"))
+            self._end(cls.value)
+            raise failure(cls, f"no lease within {limit:.0f} s") from None
+        decision = self._decision
+        assert decision is not None
+        if decision.lease is None:
+            self._end(decision.failure or FailureClass.LEASE_TIMEOUT.value)
+            raise failure(decision.failure or FailureClass.LEASE_TIMEOUT, decision.message)
+        return decision.lease
+
+    def _end(self, outcome: str) -> None:
+        self._phase = "failed"
+        workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
+
+
+__all__ = ["ApplicationError", "CapabilityRequestWorkflow"]

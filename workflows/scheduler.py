@@ -1,0 +1,325 @@
+"""PoolSchedulerWorkflow: the singleton `scheduler:<pool>` that serializes admission.
+
+Handlers are short and synchronous: read, decide through the pure policy, act on the state and
+queue the messages that carry decisions out. The main loop sends those messages (grants,
+rejections, residency commands, event batches) and continues-as-new when Temporal suggests it
+and no handler is running."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from modelforge import policy
+    from modelforge.domain import Catalog, Observation
+    from modelforge.events import EventRecord
+    from modelforge.failures import FailureClass
+    from modelforge.messages import (
+        AdmitReply,
+        CancelSignal,
+        LeaseDecision,
+        NodeSample,
+        ReleaseSignal,
+        ResidencyInput,
+        ResidentCommand,
+        ResidentIdle,
+        ResidentReport,
+        SchedulerInput,
+        UnloadReport,
+        device_index,
+    )
+    from modelforge.settings import CONTROL_TASK_QUEUE
+
+from workflows._common import STORE_RETRY, resident_workflow_id
+from workflows.residency import ResidencyWorkflow
+
+EVENT_BATCH = 200
+
+
+@workflow.defn(name="PoolSchedulerWorkflow")
+class PoolSchedulerWorkflow:
+    @workflow.init
+    def __init__(self, start: SchedulerInput) -> None:
+        self._state = start.state or policy.PoolState(pool=start.pool, config=start.config)
+        self._reconcile_s = start.reconcile_interval_s
+        self._catalog_stale = start.state is None or not self._state.catalog.accelerators
+        self._wake = False
+        self._decisions_out: list[tuple[str, LeaseDecision]] = []
+        self._commands_out: list[tuple[str, ResidentCommand]] = []
+        self._loads_out: list[ResidencyInput] = []
+        self._events: list[EventRecord] = []
+        self._event_writes: list[asyncio.Future[object]] = []
+
+    # --- messages ---------------------------------------------------------------------------
+
+    @workflow.update
+    def admit(self, request: policy.AdmissionRequest) -> AdmitReply:
+        now = self._now()
+        try:
+            _, priority = policy.validate_request(self._state, request)
+        except policy.AdmissionRejected as rejected:
+            # The state changed between validation and handling: answer, do not fail the update.
+            return AdmitReply(status="rejected", failure=rejected.failure.value, message=rejected.message)
+        policy.enqueue(self._state, request, priority, now)
+        self._run_policy(now)
+        for index, (_, decision) in enumerate(self._decisions_out):
+            if decision.request_id == request.request_id:
+                del self._decisions_out[index]
+                if decision.lease is not None:
+                    return AdmitReply(status="granted", lease=decision.lease, priority=priority.value)
+                return AdmitReply(status="rejected", failure=decision.failure, message=decision.message,
+                                  priority=priority.value)
+        return AdmitReply(status="queued", priority=priority.value)
+
+    @admit.validator
+    def _validate_admit(self, request: policy.AdmissionRequest) -> None:
+        # A refusal here writes no history: bad input and full queues cost the pool nothing.
+        if self._catalog_stale:
+            raise ApplicationError("the scheduler is still loading its catalog",
+                                   type=FailureClass.SCHEDULER_STATE_STALE.value, non_retryable=False)
+        try:
+            policy.validate_request(self._state, request)
+        except policy.AdmissionRejected as rejected:
+            raise ApplicationError(rejected.message, type=rejected.failure.value, non_retryable=True) from None
+
+    @workflow.signal
+    def release(self, signal: ReleaseSignal) -> None:
+        now = self._now()
+        lease = self._state.leases.get(signal.lease_id)
+        if lease is not None:
+            self._record(policy.PolicyEvent(
+                kind="invoke" if signal.outcome == "ok" else "invoke_failed",
+                failure=None if signal.outcome == "ok" else FailureClass(signal.outcome),
+                request_id=signal.request_id, lease_id=signal.lease_id, accelerator=lease.accelerator,
+                deployment=lease.deployment, workflow_id=lease.workflow_id, message=signal.message,
+                payload={"invoke_s": round(signal.invoke_s, 4)}), now)
+        self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome), now)
+        self._wake = True
+
+    @workflow.signal
+    def cancel(self, signal: CancelSignal) -> None:
+        now = self._now()
+        self._record_all(policy.cancel_request(self._state, signal.request_id, now, signal.reason), now)
+        self._wake = True
+
+    @workflow.signal
+    def observe(self, sample: NodeSample) -> None:
+        now = self._now()
+        observations = list(sample.observations)
+        if sample.error:
+            observations = [
+                Observation(accelerator=acc.id, total_bytes=acc.total_bytes, used_bytes=-1, healthy=False,
+                            health_reason=sample.error, received_at=now)
+                for acc in self._state.catalog.accelerators if acc.node == sample.node
+            ]
+        self._record_all(policy.apply_observations(self._state, observations, now), now)
+        self._wake = True
+
+    @workflow.signal
+    def resident_loaded(self, report: ResidentReport) -> None:
+        now = self._now()
+        resident = self._state.residents.get(report.key)
+        accelerator = resident.accelerator if resident else ""
+        deployment = resident.deployment if resident else ""
+        workflow_id = resident.workflow_id if resident else ""
+        if report.ok:
+            self._record(policy.PolicyEvent(
+                kind="load", accelerator=accelerator, deployment=deployment, workflow_id=workflow_id,
+                payload={"load_s": round(report.load_s, 3), "measured_bytes": report.measured_bytes}), now)
+            self._record(policy.PolicyEvent(
+                kind="health_check", message="functional health check passed", accelerator=accelerator,
+                deployment=deployment, workflow_id=workflow_id, payload={"health_s": round(report.health_s, 3)}), now)
+            self._record_all(policy.resident_ready(self._state, report.key, report.measured_bytes, now), now)
+        else:
+            cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
+            rejects, events = policy.resident_failed(self._state, report.key, cls, report.message, now)
+            self._record_all(events, now)
+            self._decisions_out.extend(
+                (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message))
+                for r in rejects)
+        self._wake = True
+
+    @workflow.signal
+    def resident_idle(self, idle: ResidentIdle) -> None:
+        now = self._now()
+        resident = self._state.residents.get(idle.key)
+        until = policy.keep_warm_check(self._state, idle.key, now)
+        if resident is None:
+            return
+        if until is None:
+            self._record(policy.PolicyEvent(kind="unload_requested", accelerator=resident.accelerator,
+                                            deployment=resident.deployment, workflow_id=resident.workflow_id,
+                                            message=f"idle for its keep_warm TTL of {resident.ttl_s:.0f} s"), now)
+            self._commands_out.append((resident.workflow_id, ResidentCommand("unload", reason="ttl expired")))
+        else:
+            self._commands_out.append((resident.workflow_id, ResidentCommand("extend", until=until)))
+        self._wake = True
+
+    @workflow.signal
+    def resident_unloaded(self, report: UnloadReport) -> None:
+        now = self._now()
+        resident = self._state.residents.get(report.key)
+        if resident is not None:
+            self._record(policy.PolicyEvent(kind="unload", accelerator=resident.accelerator,
+                                            deployment=resident.deployment, workflow_id=resident.workflow_id,
+                                            payload={"unload_s": round(report.unload_s, 3)}), now)
+        self._record_all(policy.resident_unloaded(self._state, report.key, report.reclaimed, report.message), now)
+        self._wake = True
+
+    @workflow.signal
+    def catalog_changed(self) -> None:
+        self._catalog_stale = True
+
+    @workflow.query
+    def status(self) -> policy.PoolStatus:
+        return policy.pool_status(self._state, self._now())
+
+    @workflow.query
+    def state(self) -> policy.PoolState:
+        return self._state
+
+    # --- loop -------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, start: SchedulerInput) -> None:
+        while True:
+            if self._catalog_stale:
+                await self._reload_catalog()
+            self._run_policy(self._now())
+            await self._flush()
+            if workflow.info().is_continue_as_new_suggested() and workflow.all_handlers_finished():
+                await self._drain_event_writes()
+                workflow.continue_as_new(replace(start, state=self._state))
+            try:
+                await workflow.wait_condition(lambda: self._wake or self._catalog_stale, timeout=self._next_wake())
+            except asyncio.TimeoutError:
+                pass
+            self._wake = False
+
+    async def _reload_catalog(self) -> None:
+        catalog = await workflow.execute_activity(
+            "load_catalog", result_type=Catalog, task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY, summary="load catalog")
+        self._state.catalog = catalog
+        self._catalog_stale = False
+        self._record(policy.PolicyEvent(kind="catalog_loaded", payload={
+            "accelerators": len(catalog.accelerators), "deployments": len(catalog.deployments),
+            "tenants": len(catalog.tenants)}), self._now())
+
+    def _now(self) -> float:
+        return workflow.now().timestamp()
+
+    def _next_wake(self) -> float:
+        now = self._now()
+        due = [now + self._reconcile_s]
+        for queued in self._state.queue:
+            due.append(queued.lease_timeout_at)
+            if queued.deadline_at is not None:
+                due.append(queued.deadline_at)
+        return max(0.5, min(due) - now)
+
+    def _run_policy(self, now: float) -> None:
+        decisions = policy.decide(self._state, now)
+        if decisions.empty():
+            policy.apply_decisions(self._state, decisions, now, {})
+            return
+        ids = {load.resident_key: resident_workflow_id(load.deployment, load.accelerator) for load in decisions.loads}
+        self._record_all(policy.apply_decisions(self._state, decisions, now, ids), now)
+        for grant in decisions.grants:
+            self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
+        for reject in decisions.rejects:
+            self._decisions_out.append((reject.workflow_id, LeaseDecision(
+                reject.request_id, failure=reject.failure.value, message=reject.message)))
+        for load in decisions.loads:
+            deployment = next(d for d in self._state.catalog.deployments if d.deployment_id == load.deployment)
+            accelerator = self._state.catalog.accelerator(load.accelerator)
+            assert accelerator is not None
+            self._loads_out.append(ResidencyInput(pool=self._state.pool, key=load.resident_key,
+                                                  deployment=deployment, accelerator=accelerator,
+                                                  device_index=device_index(accelerator.id)))
+        for unload in decisions.unloads:
+            resident = self._state.residents.get(unload.resident_key)
+            if resident is not None:
+                self._commands_out.append((resident.workflow_id, ResidentCommand("unload", reason=unload.reason)))
+        self._wake = True
+
+    async def _flush(self) -> None:
+        loads, self._loads_out = self._loads_out, []
+        decisions, self._decisions_out = self._decisions_out, []
+        commands, self._commands_out = self._commands_out, []
+        sends: list[asyncio.Future[object] | asyncio.Task[object]] = []
+        for load in loads:
+            sends.append(asyncio.ensure_future(self._start_residency(load)))
+        for workflow_id, decision in decisions:
+            sends.append(asyncio.ensure_future(self._tell_requester(workflow_id, decision)))
+        for workflow_id, command in commands:
+            sends.append(asyncio.ensure_future(self._command_resident(workflow_id, command)))
+        if sends:
+            await asyncio.gather(*sends)
+        self._start_event_write()
+
+    async def _start_residency(self, load: ResidencyInput) -> object:
+        workflow_id = resident_workflow_id(load.deployment.deployment_id, load.accelerator.id)
+        try:
+            await workflow.start_child_workflow(
+                ResidencyWorkflow.run, load, id=workflow_id, task_queue=CONTROL_TASK_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                static_summary=f"{load.deployment.deployment_id} on {load.accelerator.id}",
+            )
+        except Exception as error:  # a start that failed is a failed load, never a silent gap
+            self.resident_loaded(ResidentReport(key=load.key, ok=False, failure=FailureClass.RESIDENCY_CONFLICT.value,
+                                                message=f"could not start {workflow_id}: {error}"))
+        return None
+
+    async def _tell_requester(self, workflow_id: str, decision: LeaseDecision) -> object:
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal("lease_decision", decision)
+        except Exception as error:
+            # The requester is gone (terminated, timed out): its lease goes back to the pool.
+            now = self._now()
+            self._record_all(policy.cancel_request(self._state, decision.request_id, now,
+                                                   f"requester unreachable: {error}"), now)
+            self._wake = True
+        return None
+
+    async def _command_resident(self, workflow_id: str, command: ResidentCommand) -> object:
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal("command", command)
+        except Exception as error:
+            self._record(policy.PolicyEvent(kind="resident_unreachable", workflow_id=workflow_id,
+                                            message=str(error)), self._now())
+        return None
+
+    def _start_event_write(self) -> None:
+        self._event_writes = [w for w in self._event_writes if not w.done()]
+        while self._events:
+            batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
+            # Not awaited: the event log never sits on the admission path. Retried until it lands.
+            self._event_writes.append(workflow.start_activity(
+                "record_events", batch, task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY,
+                summary=f"record {len(batch)} events"))
+
+    async def _drain_event_writes(self) -> None:
+        self._start_event_write()
+        if self._event_writes:
+            await asyncio.gather(*self._event_writes)
+        self._event_writes = []
+
+    # --- events -----------------------------------------------------------------------------
+
+    def _record(self, event: policy.PolicyEvent, now: float) -> None:
+        self._events.append(EventRecord(
+            event_id=str(workflow.uuid4()), at=now, kind=event.kind,
+            failure_class=event.failure.value if event.failure else None, request_id=event.request_id,
+            lease_id=event.lease_id, accelerator=event.accelerator, deployment=event.deployment,
+            workflow_id=event.workflow_id, message=event.message, payload=dict(event.payload)))
+
+    def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
+        for event in events:
+            self._record(event, now)

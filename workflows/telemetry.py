@@ -1,0 +1,42 @@
+"""TelemetryWorkflow: one per node, `telemetry:<node>`. An NVML sample every 10 s through the
+node's task queue, sent to the scheduler as one batched signal per sample."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from modelforge.failures import FailureClass
+    from modelforge.messages import NodeSample, TelemetryInput
+    from modelforge.settings import node_task_queue
+
+from workflows._common import scheduler_id
+
+
+@workflow.defn(name="TelemetryWorkflow")
+class TelemetryWorkflow:
+    @workflow.run
+    async def run(self, start: TelemetryInput) -> None:
+        scheduler = workflow.get_external_workflow_handle(scheduler_id(start.pool))
+        for _ in range(start.samples_before_continue):
+            try:
+                sample = await workflow.execute_activity(
+                    "sample_node", start.node, result_type=NodeSample, task_queue=node_task_queue(start.node),
+                    # A sample older than one interval is worth nothing: no retries, no backlog.
+                    schedule_to_close_timeout=timedelta(seconds=start.interval_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1), summary="NVML sample")
+                now = workflow.now().timestamp()
+                sample = replace(sample, observations=[replace(o, received_at=now) for o in sample.observations])
+                await scheduler.signal("observe", sample)
+            except ActivityError as error:
+                cause = error.cause
+                if isinstance(cause, ApplicationError) and cause.type == FailureClass.DRIVER_ERROR.value:
+                    await scheduler.signal("observe", NodeSample(node=start.node, error=cause.message))
+                # A silent node sends nothing: its accelerators go stale at the scheduler.
+            await workflow.sleep(start.interval_s)
+        workflow.continue_as_new(start)
