@@ -99,6 +99,9 @@ class ResidencyWorkflow:
                 continue
             if command.action == "unload":
                 break
+            if command.action == "lost":
+                self._phase = "lost"
+                return "lost: " + command.reason
         self._phase = "unloading"
         report = await self._unload(start, queue)
         await scheduler.signal("resident_unloaded", report)

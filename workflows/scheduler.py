@@ -117,7 +117,11 @@ class PoolSchedulerWorkflow:
                             health_reason=sample.error, received_at=now)
                 for acc in self._state.catalog.accelerators if acc.node == sample.node
             ]
-        self._record_all(policy.apply_observations(self._state, observations, now), now)
+        events = policy.apply_observations(self._state, observations, now)
+        for event in events:
+            if event.kind == "resident_lost" and event.workflow_id:
+                self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
+        self._record_all(events, now)
         self._wake = True
 
     @workflow.signal
@@ -150,6 +154,10 @@ class PoolSchedulerWorkflow:
         resident = self._state.residents.get(idle.key)
         until = policy.keep_warm_check(self._state, idle.key, now)
         if resident is None:
+            # Already dropped (lost with its node): the residency workflow has nothing to keep.
+            self._commands_out.append((resident_workflow_id(*idle.key.split("@", 1)),
+                                       ResidentCommand("lost", reason="not resident")))
+            self._wake = True
             return
         if until is None:
             self._record(policy.PolicyEvent(kind="unload_requested", accelerator=resident.accelerator,

@@ -1,0 +1,3 @@
+from modelforge.cli import main
+
+main()

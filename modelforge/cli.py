@@ -1,0 +1,336 @@
+"""The `modelforge` command. Every read command has --json; errors are one line."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.settings import Settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="ModelForge: GPU admission on Temporal.")
+catalog_app = typer.Typer(no_args_is_help=True, help="The catalog of accelerators, deployments and tenants.")
+db_app = typer.Typer(no_args_is_help=True, help="The Postgres store.")
+worker_app = typer.Typer(no_args_is_help=True, help="Worker processes.")
+app.add_typer(catalog_app, name="catalog")
+app.add_typer(db_app, name="db")
+app.add_typer(worker_app, name="worker")
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _settings() -> Settings:
+    try:
+        return Settings.from_env()
+    except ModelForgeError as error:
+        _fail(error)
+
+
+def _fail(error: ModelForgeError, code: int = 2) -> NoReturn:
+    err.print(f"[red]error[/red] {error.failure.value}: {error.message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _run(factory: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return asyncio.run(factory())  # type: ignore[arg-type]
+    except ModelForgeError as error:
+        _fail(error)
+
+
+def _json(value: Any) -> None:
+    def default(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.asdict(obj)
+        return str(obj)
+    sys.stdout.write(json.dumps(value, default=default, indent=2, sort_keys=True) + "\n")
+
+
+def human_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    sign = "-" if value < 0 else ""
+    amount = float(abs(value))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if amount < 1024 or unit == "TiB":
+            return f"{sign}{amount:.0f} {unit}" if unit == "B" else f"{sign}{amount:.2f} {unit}"
+        amount /= 1024
+    return f"{value} B"
+
+
+@app.command()
+def dev(
+    catalog: Annotated[Path | None, typer.Option(help="Catalog TOML (default: the example catalog).")] = None,
+    ui_port: Annotated[int, typer.Option(help="Temporal UI port.")] = 8233,
+    demo: Annotated[bool, typer.Option(help="Submit the example requests once the stack is up.")] = False,
+    exit_after_demo: Annotated[bool, typer.Option(help="Stop the stack after the demo.")] = False,
+) -> None:
+    """Run the embedded stack in the foreground: Temporal, Postgres, workers."""
+    from modelforge.catalog import example_catalog_path
+    from modelforge.dev import run_dev
+
+    settings = _settings()
+    try:
+        code = run_dev(settings, catalog or example_catalog_path(), ui_port, demo, exit_after_demo)
+    except ModelForgeError as error:
+        _fail(error)
+    raise typer.Exit(code)
+
+
+@app.command()
+def request(
+    capability: str,
+    input: Annotated[str, typer.Option("--input", help="JSON object passed to the model.")] = "{}",
+    priority: Annotated[str | None, typer.Option(help="production|interactive|background|benchmark|maintenance")] = None,
+    tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
+    deadline: Annotated[float | None, typer.Option(help="Seconds until the answer is useless.")] = None,
+    lease_timeout: Annotated[float | None, typer.Option(help="Longest wait for a lease, seconds.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Submit one capability request and print its result (exit 1 with the failure class)."""
+    from modelforge.client import ModelForgeClient, Result
+
+    try:
+        payload = json.loads(input)
+    except json.JSONDecodeError as error:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--input is not JSON: {error}"), 1)
+    settings = _settings()
+
+    async def go() -> Result:
+        client = await ModelForgeClient.connect(settings)
+        return await client.request(capability, payload, priority=priority, tenant=tenant, deadline_s=deadline,
+                                    lease_timeout_s=lease_timeout)
+
+    result = _run(go)
+    if as_json:
+        _json(result)
+    elif result.ok:
+        lease = result.lease
+        out.print(f"[green]ok[/green] {capability} on {lease.accelerator if lease else '?'} "
+                  f"({', '.join(f'{k} {v:.3f}s' for k, v in result.timings.items())})", highlight=False)
+        out.print_json(json.dumps(result.output))
+    else:
+        err.print(f"[red]{result.failure_class}[/red]: {result.message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def status(as_json: JsonOption = False) -> None:
+    """Per accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
+    from modelforge.client import ModelForgeClient
+    from modelforge.policy import PoolStatus
+
+    settings = _settings()
+
+    async def go() -> PoolStatus:
+        return await (await ModelForgeClient.connect(settings)).status()
+
+    pool = _run(go)
+    if as_json:
+        _json(pool)
+        return
+    table = Table(title=f"pool {pool.pool}")
+    for column in ("accelerator", "total", "observed", "external", "resident", "leased", "reserve", "schedulable",
+                   "pressure", "health", "freshness"):
+        table.add_column(column, justify="left" if column in ("accelerator", "health", "freshness") else "right")
+    for acc in pool.accelerators:
+        label = acc.id + (" [yellow](simulated)[/yellow]" if acc.simulated else "")
+        label += "" if acc.production_eligible else " [dim](not production)[/dim]"
+        age = "never" if acc.observation_age_s is None else f"{acc.observation_age_s:.0f}s"
+        table.add_row(label, human_bytes(acc.total_bytes), human_bytes(acc.observed_used_bytes),
+                      human_bytes(acc.external_bytes), human_bytes(acc.resident_bytes), human_bytes(acc.leased_bytes),
+                      human_bytes(acc.reserve_bytes), human_bytes(acc.schedulable_bytes),
+                      "[red]PRESSURE[/red]" if acc.pressure else "ok",
+                      "ok" if acc.healthy else "[red]UNHEALTHY[/red]",
+                      age if acc.fresh else f"[red]STALE {age}[/red]")
+    out.print(table)
+    queue = ", ".join(f"{k} {v}" for k, v in pool.queue_depth.items())
+    out.print(f"queue: {queue}; active leases: {pool.active_leases}")
+
+
+@app.command()
+def ps(as_json: JsonOption = False) -> None:
+    """Resident models: deployment, accelerator, bytes, state, active leases, TTL left."""
+    from modelforge.client import ModelForgeClient
+    from modelforge.policy import PoolStatus
+
+    settings = _settings()
+
+    async def go() -> PoolStatus:
+        return await (await ModelForgeClient.connect(settings)).status()
+
+    pool = _run(go)
+    rows = []
+    for resident in pool.residents:
+        ttl_left = None if resident.expires_at is None else max(0.0, resident.expires_at - time.time())
+        rows.append({**dataclasses.asdict(resident), "ttl_left_s": ttl_left})
+    if as_json:
+        _json(rows)
+        return
+    table = Table()
+    for column in ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left"):
+        table.add_column(column)
+    for row in rows:
+        ttl = "-" if row["ttl_left_s"] is None else f"{row['ttl_left_s']:.0f}s"
+        table.add_row(row["deployment"], row["accelerator"], human_bytes(row["bytes"]), row["state"],
+                      row["residency"], str(row["active_leases"]), ttl)
+    out.print(table)
+
+
+@app.command()
+def events(
+    as_json: JsonOption = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")] = False,
+    request_id: Annotated[str | None, typer.Option(help="Only this request.")] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind (lease_granted, load, ...).")] = None,
+    failure_class: Annotated[str | None, typer.Option(help="Only this failure class.")] = None,
+    accelerator: Annotated[str | None, typer.Option(help="Only this accelerator.")] = None,
+    limit: Annotated[int, typer.Option(help="The newest N events.")] = 200,
+) -> None:
+    """The structured event log, from Postgres."""
+    from modelforge.store import Store
+
+    settings = _settings()
+    url = settings.resolved_database_url()
+    if url is None:
+        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
+                              f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})"))
+
+    def show(rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            if as_json and follow:
+                sys.stdout.write(json.dumps(row, default=str, sort_keys=True) + "\n")
+            elif not as_json:
+                fc = f" [red]{row['failure_class']}[/red]" if row["failure_class"] else ""
+                ids = " ".join(f"{k}={row[k]}" for k in ("request_id", "lease_id", "accelerator", "deployment")
+                               if row[k])
+                out.print(f"{row['at']} {row['kind']}{fc} {ids} {row['message']}", highlight=False, soft_wrap=True)
+        sys.stdout.flush()
+
+    async def go() -> None:
+        assert url is not None
+        store = await Store.open(url)
+        try:
+            filters: dict[str, Any] = {"request_id": request_id, "kind": kind, "failure_class": failure_class,
+                                       "accelerator": accelerator}
+            rows = await store.list_events(limit=limit, **filters)
+            if as_json and not follow:
+                _json(rows)
+                return
+            show(rows)
+            last = rows[-1]["seq"] if rows else 0
+            while follow:
+                await asyncio.sleep(1.0)
+                rows = await store.list_events(after_seq=last, limit=1000, **filters)
+                show(rows)
+                last = rows[-1]["seq"] if rows else last
+        finally:
+            await store.close()
+
+    try:
+        _run(go)
+    except KeyboardInterrupt:
+        pass
+
+
+@catalog_app.command("apply")
+def catalog_apply(file: Path) -> None:
+    """Validate FILE and apply it atomically; the running scheduler reloads it."""
+    from modelforge.catalog import load_catalog_file
+    from modelforge.store import Store
+
+    settings = _settings()
+    try:
+        catalog, _ = load_catalog_file(file)
+    except ModelForgeError as error:
+        _fail(error)
+    url = settings.resolved_database_url()
+    if url is None:
+        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "no database: set MODELFORGE_DATABASE_URL"))
+
+    async def go() -> dict[str, int]:
+        assert url is not None
+        store = await Store.open(url)
+        try:
+            await store.migrate()
+            counts = await store.apply_catalog(catalog)
+        finally:
+            await store.close()
+        from modelforge.temporal import connect
+
+        try:
+            client = await connect(settings)
+            await client.get_workflow_handle("scheduler:default").signal("catalog_changed")
+        except Exception as error:  # the catalog is stored; the scheduler reads it when it starts
+            err.print(f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start")
+        return counts
+
+    out.print(f"applied {file}: {_run(go)}")
+
+
+@db_app.command("migrate")
+def db_migrate() -> None:
+    """Apply pending migrations in order."""
+    from modelforge.store import Store
+
+    settings = _settings()
+    url = settings.resolved_database_url()
+    if url is None:
+        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "no database: set MODELFORGE_DATABASE_URL"))
+
+    async def go() -> list[str]:
+        assert url is not None
+        store = await Store.open(url)
+        try:
+            return await store.migrate()
+        finally:
+            await store.close()
+
+    applied = _run(go)
+    out.print(f"applied: {', '.join(applied) if applied else 'nothing new'}")
+
+
+@worker_app.command("control")
+def worker_control(pool: str = "default") -> None:
+    """The control worker (workflows, catalog and event activities)."""
+    from modelforge.logging import configure
+    from workers import control
+
+    configure()
+    try:
+        _run(lambda: control.run(_settings(), pool))
+    except KeyboardInterrupt:
+        pass
+
+
+@worker_app.command("node")
+def worker_node(
+    node: Annotated[str, typer.Option(help="This GPU host's node name.")],
+    simulate_from: Annotated[Path | None, typer.Option(help="Catalog whose devices to simulate.")] = None,
+    pool: str = "default",
+) -> None:
+    """A node worker: NVML and runtimes of one GPU host."""
+    from modelforge.logging import configure
+    from workers import node as node_worker
+
+    configure()
+    try:
+        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool))
+    except KeyboardInterrupt:
+        pass
+
+
+def main() -> None:
+    app()

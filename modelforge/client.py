@@ -1,0 +1,141 @@
+"""The Python client: the same calls the CLI makes.
+
+    client = await ModelForgeClient.connect()
+    result = await client.request("rag.embedding@1", input={"text": "hi"}, tenant="rag")
+    result.ok, result.output, result.failure_class, result.message, result.lease, result.timings
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
+from temporalio.service import RPCError
+
+from modelforge import temporal as sa
+from modelforge.domain import Priority
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.messages import MAX_INPUT_BYTES, RequestInput, RequestResult
+from modelforge.policy import Lease, PoolStatus, ResidentStatus
+from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings
+
+_CAPABILITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?$")
+
+
+@dataclass(frozen=True)
+class Result:
+    ok: bool
+    request_id: str
+    capability: str
+    output: dict[str, Any] | None = None
+    failure_class: str | None = None
+    message: str = ""
+    lease: Lease | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    workflow_id: str = ""
+
+
+def _invalid(request_id: str, capability: str, message: str) -> Result:
+    return Result(ok=False, request_id=request_id, capability=capability,
+                  failure_class=FailureClass.REQUEST_INVALID.value, message=message)
+
+
+class ModelForgeClient:
+    def __init__(self, client: Client, pool: str = DEFAULT_POOL) -> None:
+        self.temporal = client
+        self.pool = pool
+
+    @classmethod
+    async def connect(cls, settings: Settings | None = None, pool: str = DEFAULT_POOL) -> ModelForgeClient:
+        return cls(await sa.connect(settings or Settings.from_env()), pool)
+
+    async def request(
+        self,
+        capability: str,
+        input: dict[str, Any] | None = None,
+        *,
+        priority: str | None = None,
+        tenant: str = "default",
+        deadline_s: float | None = None,
+        lease_timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Result:
+        request_id = request_id or uuid.uuid4().hex[:16]
+        payload = {} if input is None else input
+        if not isinstance(capability, str) or not _CAPABILITY.match(capability) or len(capability) > 200:
+            return _invalid(request_id, str(capability)[:200], f"capability {str(capability)[:80]!r} is not a name")
+        if not isinstance(payload, dict):
+            return _invalid(request_id, capability, "input must be a JSON object")
+        try:
+            size = len(json.dumps(payload, allow_nan=False).encode())
+        except (TypeError, ValueError) as error:
+            return _invalid(request_id, capability, f"input is not JSON: {error}")
+        if size > MAX_INPUT_BYTES:
+            return _invalid(request_id, capability, f"input is {size} bytes; the limit is {MAX_INPUT_BYTES}")
+        if priority is not None and priority not in {p.value for p in Priority}:
+            return _invalid(request_id, capability,
+                            f"priority {priority!r} is not one of {', '.join(p.value for p in Priority)}")
+        for name, value in (("deadline_s", deadline_s), ("lease_timeout_s", lease_timeout_s)):
+            if value is not None and not (0 < value <= 7 * 24 * 3600):
+                return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
+        request = RequestInput(request_id=request_id, capability=capability, input=payload, priority=priority,
+                               tenant=tenant, deadline_s=deadline_s, lease_timeout_s=lease_timeout_s, pool=self.pool)
+        workflow_id = f"request:{capability}:{request_id}"
+        attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
+        if priority:
+            attributes.append(SearchAttributePair(sa.PRIORITY, priority))
+        try:
+            handle = await self.temporal.start_workflow(
+                "CapabilityRequestWorkflow", request, id=workflow_id, task_queue=CONTROL_TASK_QUEUE,
+                search_attributes=TypedSearchAttributes(attributes), result_type=RequestResult,
+                static_summary=f"{capability} for {tenant}")
+            result: RequestResult = await handle.result()
+        except WorkflowFailureError as error:
+            cause = error.cause
+            if isinstance(cause, ApplicationError) and cause.type:
+                return Result(ok=False, request_id=request_id, capability=capability, failure_class=cause.type,
+                              message=cause.message, workflow_id=workflow_id)
+            if isinstance(cause, TimeoutError | TerminatedError):
+                return Result(ok=False, request_id=request_id, capability=capability,
+                              failure_class=FailureClass.TIMEOUT.value, message=str(cause), workflow_id=workflow_id)
+            raise
+        except RPCError as error:
+            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}") from None
+        return Result(ok=True, request_id=request_id, capability=capability, output=result.output,
+                      lease=result.lease, timings=result.timings, workflow_id=workflow_id)
+
+    async def status(self) -> PoolStatus:
+        try:
+            status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{self.pool}").query(
+                "status", result_type=PoolStatus)
+        except RPCError as error:
+            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
+                                  f"the scheduler of pool {self.pool!r} does not answer: {error}") from None
+        return status
+
+    async def ps(self) -> list[ResidentStatus]:
+        return list((await self.status()).residents)
+
+
+class SyncModelForgeClient:
+    """A small blocking wrapper for scripts."""
+
+    def __init__(self, settings: Settings | None = None, pool: str = DEFAULT_POOL) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = self._loop.run_until_complete(ModelForgeClient.connect(settings, pool))
+
+    def request(self, capability: str, input: dict[str, Any] | None = None, **kwargs: Any) -> Result:
+        return self._loop.run_until_complete(self._client.request(capability, input, **kwargs))
+
+    def status(self) -> PoolStatus:
+        return self._loop.run_until_complete(self._client.status())
+
+    def close(self) -> None:
+        self._loop.close()
