@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -333,4 +334,14 @@ def worker_node(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    # Skip interpreter finalization: the Temporal client's Rust runtime can crash a short-lived
+    # process while Python tears down (temporalio/sdk-python#300). Everything this process
+    # started is already stopped and every stream is flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

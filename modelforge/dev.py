@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,8 @@ async def _wait_ready(settings: Settings, nodes: list[str], timeout_s: float = 1
 
 
 def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, exit_after_demo: bool) -> int:
+    # pgserver asks platformdirs for a runtime dir, which containers often lack; harmless here.
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     settings.home.mkdir(parents=True, exist_ok=True)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     stack = DevStack(settings, catalog_path, ui_port)

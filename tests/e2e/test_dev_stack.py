@@ -1,0 +1,145 @@
+"""The whole embedded stack as a user runs it: `modelforge dev` in a fresh MODELFORGE_HOME, then
+the CLI against it, then Ctrl-C, then a second start that keeps histories and rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+MODELFORGE = [sys.executable, "-m", "modelforge"]
+ENVELOPE = 1_216_348_160
+GiB = 1024**3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Dev:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = {**os.environ, "MODELFORGE_HOME": str(home),
+                    "MODELFORGE_TEMPORAL_ADDRESS": f"127.0.0.1:{_free_port()}", "MODELFORGE_GPU_BACKEND": "simulated"}
+        self.env.pop("MODELFORGE_DATABASE_URL", None)
+        self.ui_port = _free_port()
+        self.process: subprocess.Popen[str] | None = None
+        self.output: list[str] = []
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.process = subprocess.Popen([*MODELFORGE, "dev", "--ui-port", str(self.ui_port)], env=self.env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in self.process.stdout:
+            self.output.append(line)
+            if "ModelForge is up" in line:
+                return
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError("modelforge dev did not come up:\n" + "".join(self.output))
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGINT)
+        code = self.process.wait(timeout=60)
+        if self.process.stdout is not None:
+            self.output.append(self.process.stdout.read())
+            self.process.stdout.close()
+        self.process = None
+        return code
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*MODELFORGE, *args], env=self.env, capture_output=True, text=True, timeout=120)
+
+    def json(self, *args: str) -> object:
+        done = self.cli(*args, "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+
+@pytest.fixture
+def dev(tmp_path: Path) -> Iterator[Dev]:
+    stack = Dev(tmp_path / "home")
+    stack.start()
+    try:
+        yield stack
+    finally:
+        if stack.process is not None:
+            stack.stop()
+
+
+def _gpu(status: object) -> dict[str, object]:
+    assert isinstance(status, dict)
+    return next(a for a in status["accelerators"] if a["id"] == "gpu-node/0")
+
+
+def test_request_end_to_end_then_restart_keeps_history(dev: Dev) -> None:
+    result = dev.json("request", "rag.embedding@1", "--tenant", "rag", "--input", '{"text": "hello"}')
+    assert isinstance(result, dict)
+    assert result["ok"] is True and result["output"]["simulated"] is True
+    assert result["lease"]["accelerator"] == "gpu-node/0"
+    request_id = result["request_id"]
+
+    # status counts the resident model and the simulated Ollama's 6 GiB as external.
+    gpu = _gpu(dev.json("status"))
+    assert gpu["resident_bytes"] == ENVELOPE
+    assert gpu["external_bytes"] == 6 * GiB
+    assert gpu["simulated"] is True
+    # 24 GiB - 6 GiB external - 1,216,348,160 resident - 0 leased - 1 GiB reserve
+    assert gpu["schedulable_bytes"] == 24 * GiB - 6 * GiB - ENVELOPE - 0 - 1 * GiB
+
+    [warm] = dev.json("ps")  # type: ignore[misc]
+    assert (warm["deployment"], warm["state"], warm["residency"]) == ("rag.embedding@1", "ready", "keep_warm")
+    assert 800 < warm["ttl_left_s"] <= 901
+
+    # The event log, read back from Postgres, tells the story of the request. Writes are
+    # asynchronous (never on the admission path), so give them a moment.
+    wanted = {"lease_granted", "load", "health_check", "invoke", "lease_released"}
+    deadline = time.monotonic() + 30
+    while True:
+        events = dev.json("events")
+        assert isinstance(events, list)
+        kinds = {e["kind"] for e in events if e["request_id"] in ("", request_id)}
+        if wanted <= kinds or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert wanted <= kinds
+    granted = next(e for e in events if e["kind"] == "lease_granted")
+    assert granted["request_id"] == request_id and granted["accelerator"] == "gpu-node/0"
+
+    # Failures print their class and exit non-zero.
+    unknown = dev.cli("request", "vision.ocr@9")
+    assert unknown.returncode == 1 and "CAPABILITY_UNAVAILABLE" in unknown.stderr
+    bad = dev.cli("request", "rag.embedding@1", "--input", "[1, 2")
+    assert bad.returncode == 1 and "REQUEST_INVALID" in bad.stderr
+    desktop_only = dev.cli("request", "lab.experiment@1", "--tenant", "lab", "--priority", "production")
+    assert desktop_only.returncode == 1
+    assert "CAPABILITY_UNAVAILABLE" in desktop_only.stderr and "production_eligible=false" in desktop_only.stderr
+    ceiling = dev.cli("request", "rag.embedding@1", "--priority", "production")  # tenant default: interactive
+    assert ceiling.returncode == 1 and "REQUEST_INVALID" in ceiling.stderr
+
+    # Ctrl-C stops every process it started; a second start keeps the histories and the rows.
+    assert dev.stop() == 0
+    assert list((dev.home / "run").glob("*.pid")) == []
+    down = dev.cli("status")
+    assert down.returncode != 0 and dev.env["MODELFORGE_TEMPORAL_ADDRESS"] in down.stderr
+    assert len(down.stderr.strip().splitlines()) == 1
+
+    dev.start()
+    events_after = dev.json("events", "--request-id", request_id)
+    assert isinstance(events_after, list) and any(e["kind"] == "lease_granted" for e in events_after)
+    again = dev.json("request", "rag.embedding@1", "--tenant", "rag")
+    assert isinstance(again, dict) and again["ok"] is True
