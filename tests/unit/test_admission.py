@@ -1,0 +1,238 @@
+"""Admission rules of the pure policy, each on a small hand-built pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from modelforge.domain import GiB, Priority, Residency
+from modelforge.failures import FailureClass
+from modelforge.policy import (
+    AdmissionRejected,
+    PolicyConfig,
+    ResidentPhase,
+    apply_decisions,
+    decide,
+    enqueue,
+    keep_warm_check,
+    queue_order,
+    release_lease,
+    validate_request,
+)
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+
+def admit(s, request, now=NOW):  # type: ignore[no-untyped-def]
+    _, priority = validate_request(s, request)
+    enqueue(s, request, priority, now)
+    return decide(s, now)
+
+
+def test_cold_request_loads_on_the_best_fitting_eligible_gpu() -> None:
+    s = state([gpu("big/0", total=80), gpu("small/0", total=24)], [deployment("emb@1", gib=1)])
+    observe(s, "big/0")
+    observe(s, "small/0")
+    decisions = admit(s, ask("r1"))
+    # Best fit: the 24 GiB card leaves 24 - 1 reserve - 1 = 22 GiB, the 80 GiB one 78 GiB.
+    [load] = decisions.loads
+    assert (load.accelerator, load.bytes, load.for_requests) == ("small/0", GiB, ["r1"])
+    assert decisions.grants == []
+
+
+def test_ready_resident_is_granted_at_once_and_released() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "emb@1", "n/0", 1)
+    decisions = admit(s, ask("r1"))
+    [grant] = decisions.grants
+    assert grant.lease.accelerator == "n/0" and grant.lease.bytes == 0
+    apply_decisions(s, decisions, NOW, {})
+    assert s.residents["emb@1@n/0"].active_leases == 1
+    # concurrency 1: a second request waits for the first release.
+    second = admit(s, ask("r2"))
+    assert second.grants == [] and "concurrency 1" in second.waits[0].reason
+    apply_decisions(s, second, NOW, {})
+    release_lease(s, grant.lease.lease_id, NOW + 2, "ok")
+    assert [g.request_id for g in decide(s, NOW + 2).grants] == ["r2"]
+
+
+def test_production_never_lands_on_a_non_eligible_accelerator() -> None:
+    s = state([gpu("desktop/0", production=False)], [deployment("emb@1")])
+    observe(s, "desktop/0")
+    [reject] = admit(s, ask("r1", priority=Priority.PRODUCTION)).rejects
+    assert reject.failure == FailureClass.CAPABILITY_UNAVAILABLE
+    assert "desktop/0: production_eligible=false" in reject.message
+    # The same request at interactive priority may use the desktop.
+    assert admit(s, ask("r2", priority=Priority.INTERACTIVE)).loads
+
+
+def test_production_needs_an_envelope_measured_on_that_model() -> None:
+    s = state([gpu("n/0", model="A100")], [deployment("emb@1", measured_on=["RTX 3090"])])
+    observe(s, "n/0")
+    [reject] = admit(s, ask("r1", priority=Priority.PRODUCTION)).rejects
+    assert "not measured on A100" in reject.message
+
+
+def test_stale_observations_grant_no_new_memory() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")], config=PolicyConfig(freshness_s=30))
+    observe(s, "n/0", at=NOW - 31)
+    decisions = admit(s, ask("r1"))
+    assert decisions.loads == [] and decisions.grants == []
+    assert "SCHEDULER_STATE_STALE" in decisions.waits[0].reason
+
+
+def test_idle_keep_warm_resident_is_evicted_to_make_room_but_never_always_warm_or_busy() -> None:
+    s = state([gpu("n/0", total=10)], [deployment("big@1", gib=5)])
+    observe(s, "n/0", managed_gib=7)
+    resident(s, "pinned", "n/0", 2, residency=Residency.ALWAYS_WARM)
+    resident(s, "busy", "n/0", 2, leases=1)
+    resident(s, "idle", "n/0", 3)
+    # 10 - 0 - 7 - 0 - 1 = 2 GiB schedulable; 5 needed; only "idle" (3 GiB) may go: 2 + 3 = 5.
+    decisions = admit(s, ask("r1", "big@1"))
+    assert [u.resident_key for u in decisions.unloads] == ["idle@n/0"]
+    assert decisions.loads == []
+
+
+def test_nothing_evictable_and_external_blocks_gives_external_gpu_pressure() -> None:
+    s = state([gpu("n/0", total=24)], [deployment("llm@1", gib=10)])
+    observe(s, "n/0", external_gib=16)
+    # 24 - 16 external - 1 reserve = 7 GiB even with every ModelForge byte freed; 10 needed.
+    [reject] = admit(s, ask("r1", "llm@1")).rejects
+    assert reject.failure == FailureClass.EXTERNAL_GPU_PRESSURE
+
+
+def test_a_request_larger_than_any_card_is_refused() -> None:
+    s = state([gpu("n/0", total=24)], [deployment("huge@1", gib=30)])
+    observe(s, "n/0")
+    [reject] = admit(s, ask("r1", "huge@1")).rejects
+    assert reject.failure == FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM
+
+
+def test_blocked_by_busy_modelforge_work_waits_then_times_out() -> None:
+    s = state([gpu("n/0", total=10)], [deployment("big@1", gib=5)])
+    observe(s, "n/0", managed_gib=6)
+    resident(s, "busy", "n/0", 6, leases=1)
+    decisions = admit(s, ask("r1", "big@1", lease_timeout_s=60))
+    assert decisions.rejects == [] and decisions.waits
+    apply_decisions(s, decisions, NOW, {})
+    observe(s, "n/0", managed_gib=6, at=NOW + 60)
+    [reject] = decide(s, NOW + 60).rejects
+    assert reject.failure == FailureClass.LEASE_TIMEOUT
+
+
+def test_a_load_longer_than_the_deadline_is_refused_early() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", load_s=20.0)])
+    observe(s, "n/0")
+    [reject] = admit(s, ask("r1", "llm@1", deadline_s=5.0)).rejects
+    assert reject.failure == FailureClass.DEADLINE_CANNOT_BE_MET
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "failure", "fragment"),
+    [
+        ({"capability": "nope@1"}, FailureClass.CAPABILITY_UNAVAILABLE, "no deployment serves"),
+        ({"tenant_name": "ghost"}, FailureClass.REQUEST_INVALID, "unknown tenant"),
+        ({"tenant_name": "shadow", "priority": Priority.PRODUCTION}, FailureClass.REQUEST_INVALID,
+         "at most 'background'"),
+        ({"deadline_s": -1.0}, FailureClass.REQUEST_INVALID, "deadline_s"),
+    ],
+)
+def test_validation(request_kwargs: dict[str, object], failure: FailureClass, fragment: str) -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")],
+              tenants=[tenant("t"), tenant("shadow", max_priority=Priority.BACKGROUND,
+                                          default_priority=Priority.BACKGROUND)])
+    with pytest.raises(AdmissionRejected) as raised:
+        validate_request(s, ask("r1", **request_kwargs))  # type: ignore[arg-type]
+    assert raised.value.failure == failure and fragment in raised.value.message
+
+
+def test_shadow_identity_is_stamped_background() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")],
+              tenants=[tenant("shadow", max_priority=Priority.BACKGROUND, default_priority=Priority.BACKGROUND)])
+    _, priority = validate_request(s, ask("r1", tenant_name="shadow"))
+    assert priority == Priority.BACKGROUND
+
+
+def test_queue_limit() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1", queue_limit=2)])
+    for n in range(2):
+        request = ask(f"r{n}")
+        enqueue(s, request, Priority.INTERACTIVE, NOW)
+    with pytest.raises(AdmissionRejected) as raised:
+        validate_request(s, ask("r9"))
+    assert raised.value.failure == FailureClass.QUEUE_FULL
+
+
+def test_reserved_residencies_are_refused_with_a_reason() -> None:
+    s = state([gpu("n/0")], [deployment("x@1", residency=Residency.EXCLUSIVE)])
+    with pytest.raises(AdmissionRejected) as raised:
+        validate_request(s, ask("r1", "x@1"))
+    assert raised.value.failure == FailureClass.RESIDENCY_CONFLICT
+
+
+def test_queue_order_is_class_then_fair_share_then_time_then_id() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")], tenants=[tenant("a", weight=1.0), tenant("b", weight=1.0)])
+    enqueue(s, ask("late-bg", tenant_name="a"), Priority.BACKGROUND, NOW)
+    enqueue(s, ask("prod", tenant_name="a"), Priority.PRODUCTION, NOW + 5)
+    enqueue(s, ask("i-2", tenant_name="a"), Priority.INTERACTIVE, NOW + 1)
+    enqueue(s, ask("i-1", tenant_name="a"), Priority.INTERACTIVE, NOW + 1)
+    assert [q.request_id for q in queue_order(s, NOW + 5)] == ["prod", "i-1", "i-2", "late-bg"]
+    # Tenant a has used the GPU, b has not: within a class, b goes first.
+    from modelforge.policy import TenantUsage
+    s.usage["a"] = TenantUsage(gpu_seconds=100.0, updated_at=NOW)
+    enqueue(s, ask("b-1", tenant_name="b"), Priority.INTERACTIVE, NOW + 2)
+    assert [q.request_id for q in queue_order(s, NOW + 5)][1] == "b-1"
+
+
+def test_health_hysteresis_three_failures_then_three_good_checks() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")])
+    for n in range(2):
+        observe(s, "n/0", healthy=False, at=NOW + n)
+    assert s.accelerators["n/0"].healthy
+    observe(s, "n/0", healthy=False, at=NOW + 2)
+    assert not s.accelerators["n/0"].healthy
+    assert admit(s, ask("r1"), NOW + 2).loads == []
+    for n in range(3):
+        assert not s.accelerators["n/0"].healthy
+        observe(s, "n/0", at=NOW + 3 + n)
+    assert s.accelerators["n/0"].healthy
+
+
+def test_pressure_hysteresis_enters_low_leaves_high_after_hold() -> None:
+    config = PolicyConfig(pressure_enter_fraction=0.05, pressure_exit_fraction=0.10, pressure_hold_s=60)
+    s = state([gpu("n/0", total=100, reserve=1)], [], config=config)
+    observe(s, "n/0", external_gib=96, at=NOW)  # 100 - 96 - 0 - 0 - 1 = 3 GiB = 3% < 5%: enter
+    assert s.accelerators["n/0"].pressure
+    observe(s, "n/0", external_gib=92, at=NOW + 10)  # 7%: between the watermarks, stays
+    assert s.accelerators["n/0"].pressure
+    # External drops to 80 GiB, but the 96 -> 80 swing is volatility: the dynamic reserve is
+    # 16 GiB, so 100 - 80 - 16 = 4%: still under pressure.
+    observe(s, "n/0", external_gib=80, at=NOW + 20)
+    assert s.accelerators["n/0"].pressure
+    # Past the 300 s window the swing is forgotten: 100 - 80 - 1 = 19% > 10%, the hold starts.
+    observe(s, "n/0", external_gib=80, at=NOW + 400)
+    assert s.accelerators["n/0"].pressure
+    observe(s, "n/0", external_gib=80, at=NOW + 459)  # 59 s above the high watermark
+    assert s.accelerators["n/0"].pressure
+    observe(s, "n/0", external_gib=80, at=NOW + 460)  # 60 s: leaves
+    assert not s.accelerators["n/0"].pressure
+
+
+def test_keep_warm_check_resets_with_each_use() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")])
+    r = resident(s, "emb@1", "n/0", 1, last_used=NOW)
+    assert keep_warm_check(s, r.key, NOW + 600) == NOW + 901
+    r.last_used = NOW + 600
+    assert keep_warm_check(s, r.key, NOW + 901) == NOW + 1501
+    assert keep_warm_check(s, r.key, NOW + 1501) is None
+    assert s.residents[r.key].phase == ResidentPhase.UNLOADING
+
+
+def test_decisions_are_deterministic() -> None:
+    def build():  # type: ignore[no-untyped-def]
+        s = state([gpu("a/0", total=24), gpu("b/0", total=24)], [deployment("x@1", gib=3), deployment("y@1", gib=5)])
+        observe(s, "a/0", external_gib=4)
+        observe(s, "b/0", external_gib=2)
+        for n in range(6):
+            enqueue(s, ask(f"r{n}", "x@1" if n % 2 else "y@1"), Priority.INTERACTIVE, NOW + n)
+        return s
+    assert decide(build(), NOW + 10) == decide(build(), NOW + 10)
