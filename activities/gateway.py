@@ -29,6 +29,9 @@ class SchedulerGatewayActivities:
             raise
         except RPCError as error:
             if error.status == RPCStatusCode.NOT_FOUND:
-                raise ApplicationError(f"the scheduler of pool {call.pool!r} is not running",
-                                       type=FailureClass.CAPABILITY_UNAVAILABLE.value, non_retryable=True) from None
+                raise ApplicationError(
+                    f"the scheduler of pool {call.pool!r} is not running",
+                    type=FailureClass.CAPABILITY_UNAVAILABLE.value,
+                    non_retryable=True,
+                ) from None
             raise

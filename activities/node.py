@@ -39,8 +39,9 @@ def _heartbeat(detail: str) -> None:
 class NodeActivities:
     """One per node worker. `runtimes` maps a catalog runtime name to its adapter."""
 
-    def __init__(self, node: str, backend: GpuBackend, runtimes: dict[str, Runtime],
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, node: str, backend: GpuBackend, runtimes: dict[str, Runtime], clock: Callable[[], float] = time.time
+    ) -> None:
         self._node = node
         self._backend = backend
         self._runtimes = runtimes
@@ -50,8 +51,11 @@ class NodeActivities:
     def _runtime(self, name: str) -> Runtime:
         runtime = self._runtimes.get(name)
         if runtime is None:
-            raise ApplicationError(f"node {self._node} has no {name!r} runtime",
-                                   type=FailureClass.CAPABILITY_UNAVAILABLE.value, non_retryable=True)
+            raise ApplicationError(
+                f"node {self._node} has no {name!r} runtime",
+                type=FailureClass.CAPABILITY_UNAVAILABLE.value,
+                non_retryable=True,
+            )
         return runtime
 
     @activity.defn(name="sample_node")
@@ -65,14 +69,25 @@ class NodeActivities:
         observations = []
         for device in devices:
             accelerator = f"{self._node}/{device.index}"
-            observations.append(Observation(
-                accelerator=accelerator, total_bytes=device.total_bytes, used_bytes=device.used_bytes,
-                processes=[ProcessUsage(p.pid, p.used_bytes, p.name, managed=p.pid in managed) for p in device.processes],
-                loaded=sorted(key for key, (_, model) in self._loaded.items() if model.device_index == device.index),
-                healthy=device.healthy, health_reason=device.health_reason,
-                utilization_pct=device.utilization_pct, temperature_c=device.temperature_c,
-                observed_at=observed_at, simulated=self._backend.label == "simulated",
-            ))
+            observations.append(
+                Observation(
+                    accelerator=accelerator,
+                    total_bytes=device.total_bytes,
+                    used_bytes=device.used_bytes,
+                    processes=[
+                        ProcessUsage(p.pid, p.used_bytes, p.name, managed=p.pid in managed) for p in device.processes
+                    ],
+                    loaded=sorted(
+                        key for key, (_, model) in self._loaded.items() if model.device_index == device.index
+                    ),
+                    healthy=device.healthy,
+                    health_reason=device.health_reason,
+                    utilization_pct=device.utilization_pct,
+                    temperature_c=device.temperature_c,
+                    observed_at=observed_at,
+                    simulated=self._backend.label == "simulated",
+                )
+            )
         return NodeSample(node=self._node, observations=observations, backend=self._backend.label)
 
     @activity.defn(name="load_model")
@@ -82,8 +97,9 @@ class NodeActivities:
             _, existing = self._loaded[request.key]
             return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
         try:
-            model = await runtime.load(request.key, request.deployment, request.device_index, request.device_uuid,
-                                       _heartbeat)
+            model = await runtime.load(
+                request.key, request.deployment, request.device_index, request.device_uuid, _heartbeat
+            )
         except ModelForgeError as error:
             log.warning("load_failed", key=request.key, failure=error.failure.value, message=error.message)
             raise as_application_error(error) from None
@@ -95,8 +111,9 @@ class NodeActivities:
         entry = self._loaded.get(key)
         if entry is None:
             # The worker restarted or the model died: the scheduler reconciles from NVML samples.
-            raise ApplicationError(f"{key} is not loaded on node {self._node}",
-                                   type=FailureClass.RUNTIME_CRASH.value, non_retryable=True)
+            raise ApplicationError(
+                f"{key} is not loaded on node {self._node}", type=FailureClass.RUNTIME_CRASH.value, non_retryable=True
+            )
         return entry
 
     @activity.defn(name="health_check")
@@ -105,8 +122,9 @@ class NodeActivities:
         try:
             await runtime.health_check(model)
         except ModelForgeError as error:
-            raise ApplicationError(error.message, type=FailureClass.HEALTHCHECK_FAILED.value,
-                                   non_retryable=True) from None
+            raise ApplicationError(
+                error.message, type=FailureClass.HEALTHCHECK_FAILED.value, non_retryable=True
+            ) from None
 
     @activity.defn(name="invoke")
     async def invoke(self, request: InvokeInput) -> InvokeResult:
@@ -145,8 +163,9 @@ class NodeActivities:
                 return ReclaimResult(reclaimed=True)
             if time.monotonic() >= deadline:
                 held = sum(p.used_bytes for p in lingering)
-                return ReclaimResult(reclaimed=False, message=f"{held} B still held by {tag} after "
-                                     f"{request.timeout_s:.0f} s")
+                return ReclaimResult(
+                    reclaimed=False, message=f"{held} B still held by {tag} after {request.timeout_s:.0f} s"
+                )
             _heartbeat("waiting for memory to be reclaimed")
             await asyncio.sleep(0.5)
 

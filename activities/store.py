@@ -25,7 +25,13 @@ class StoreActivities:
         written = await self._store.record_events(events)
         if activity.info().attempt == 1:
             for event in events:
-                log.info(event.kind, failure_class=event.failure_class, request_id=event.request_id,
-                         lease_id=event.lease_id, accelerator=event.accelerator, deployment=event.deployment,
-                         message=event.message)
+                log.info(
+                    event.kind,
+                    failure_class=event.failure_class,
+                    request_id=event.request_id,
+                    lease_id=event.lease_id,
+                    accelerator=event.accelerator,
+                    deployment=event.deployment,
+                    message=event.message,
+                )
         return written

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from modelforge.domain import GiB, Accelerator, Catalog, Deployment, Priority, Residency, Tenant
+from modelforge.domain import Accelerator, Catalog, Deployment, GiB, Priority, Residency, Tenant
 from modelforge.failures import FailureClass, ModelForgeError
 
 ID = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
@@ -131,8 +131,10 @@ def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
         if names.count(tenant.name) > 1:
             problems.append(f"tenants[{index}].name: duplicate {tenant.name!r}")
         if tenant.default_priority.rank < tenant.max_priority.rank:
-            problems.append(f"tenants[{index}].default_priority: {tenant.default_priority.value!r} is above "
-                            f"max_priority {tenant.max_priority.value!r}")
+            problems.append(
+                f"tenants[{index}].default_priority: {tenant.default_priority.value!r} is above "
+                f"max_priority {tenant.max_priority.value!r}"
+            )
     for index, ext in enumerate(spec.external):
         if ext.accelerator not in ids:
             problems.append(f"external[{index}].accelerator: unknown accelerator {ext.accelerator!r}")
@@ -141,10 +143,19 @@ def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
     catalog = Catalog(
         accelerators=[
             Accelerator(
-                id=a.id, node=a.node, total_bytes=a.total_bytes, production_eligible=a.production_eligible,
-                kind=a.kind, model=a.model, uuid=a.uuid, pool=a.pool,
-                nvlink_group=a.nvlink_group or a.nvlink_group_id, rack=a.rack or a.rack_id,
-                network_bandwidth_gbps=a.network_bandwidth_gbps, reserve_bytes=a.reserve_bytes, simulated=a.simulated,
+                id=a.id,
+                node=a.node,
+                total_bytes=a.total_bytes,
+                production_eligible=a.production_eligible,
+                kind=a.kind,
+                model=a.model,
+                uuid=a.uuid,
+                pool=a.pool,
+                nvlink_group=a.nvlink_group or a.nvlink_group_id,
+                rack=a.rack or a.rack_id,
+                network_bandwidth_gbps=a.network_bandwidth_gbps,
+                reserve_bytes=a.reserve_bytes,
+                simulated=a.simulated,
             )
             for a in spec.accelerators
         ],

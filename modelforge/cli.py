@@ -56,6 +56,7 @@ def _json(value: Any) -> None:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return dataclasses.asdict(obj)
         return str(obj)
+
     sys.stdout.write(json.dumps(value, default=default, indent=2, sort_keys=True) + "\n")
 
 
@@ -94,7 +95,9 @@ def dev(
 def request(
     capability: str,
     input: Annotated[str, typer.Option("--input", help="JSON object passed to the model.")] = "{}",
-    priority: Annotated[str | None, typer.Option(help="production|interactive|background|benchmark|maintenance")] = None,
+    priority: Annotated[
+        str | None, typer.Option(help="production|interactive|background|benchmark|maintenance")
+    ] = None,
     tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
     deadline: Annotated[float | None, typer.Option(help="Seconds until the answer is useless.")] = None,
     lease_timeout: Annotated[float | None, typer.Option(help="Longest wait for a lease, seconds.")] = None,
@@ -111,16 +114,20 @@ def request(
 
     async def go() -> Result:
         client = await ModelForgeClient.connect(settings)
-        return await client.request(capability, payload, priority=priority, tenant=tenant, deadline_s=deadline,
-                                    lease_timeout_s=lease_timeout)
+        return await client.request(
+            capability, payload, priority=priority, tenant=tenant, deadline_s=deadline, lease_timeout_s=lease_timeout
+        )
 
     result = _run(go)
     if as_json:
         _json(result)
     elif result.ok:
         lease = result.lease
-        out.print(f"[green]ok[/green] {capability} on {lease.accelerator if lease else '?'} "
-                  f"({', '.join(f'{k} {v:.3f}s' for k, v in result.timings.items())})", highlight=False)
+        out.print(
+            f"[green]ok[/green] {capability} on {lease.accelerator if lease else '?'} "
+            f"({', '.join(f'{k} {v:.3f}s' for k, v in result.timings.items())})",
+            highlight=False,
+        )
         out.print_json(json.dumps(result.output))
     else:
         err.print(f"[red]{result.failure_class}[/red]: {result.message}", highlight=False, soft_wrap=True)
@@ -143,19 +150,37 @@ def status(as_json: JsonOption = False) -> None:
         _json(pool)
         return
     table = Table(title=f"pool {pool.pool}")
-    for column in ("accelerator", "total", "observed", "external", "resident", "leased", "reserve", "schedulable",
-                   "pressure", "health", "freshness"):
+    for column in (
+        "accelerator",
+        "total",
+        "observed",
+        "external",
+        "resident",
+        "leased",
+        "reserve",
+        "schedulable",
+        "pressure",
+        "health",
+        "freshness",
+    ):
         table.add_column(column, justify="left" if column in ("accelerator", "health", "freshness") else "right")
     for acc in pool.accelerators:
         label = acc.id + (" [yellow](simulated)[/yellow]" if acc.simulated else "")
         label += "" if acc.production_eligible else " [dim](not production)[/dim]"
         age = "never" if acc.observation_age_s is None else f"{acc.observation_age_s:.0f}s"
-        table.add_row(label, human_bytes(acc.total_bytes), human_bytes(acc.observed_used_bytes),
-                      human_bytes(acc.external_bytes), human_bytes(acc.resident_bytes), human_bytes(acc.leased_bytes),
-                      human_bytes(acc.reserve_bytes), human_bytes(acc.schedulable_bytes),
-                      "[red]PRESSURE[/red]" if acc.pressure else "ok",
-                      "ok" if acc.healthy else "[red]UNHEALTHY[/red]",
-                      age if acc.fresh else f"[red]STALE {age}[/red]")
+        table.add_row(
+            label,
+            human_bytes(acc.total_bytes),
+            human_bytes(acc.observed_used_bytes),
+            human_bytes(acc.external_bytes),
+            human_bytes(acc.resident_bytes),
+            human_bytes(acc.leased_bytes),
+            human_bytes(acc.reserve_bytes),
+            human_bytes(acc.schedulable_bytes),
+            "[red]PRESSURE[/red]" if acc.pressure else "ok",
+            "ok" if acc.healthy else "[red]UNHEALTHY[/red]",
+            age if acc.fresh else f"[red]STALE {age}[/red]",
+        )
     out.print(table)
     queue = ", ".join(f"{k} {v}" for k, v in pool.queue_depth.items())
     out.print(f"queue: {queue}; active leases: {pool.active_leases}")
@@ -185,8 +210,15 @@ def ps(as_json: JsonOption = False) -> None:
         table.add_column(column)
     for row in rows:
         ttl = "-" if row["ttl_left_s"] is None else f"{row['ttl_left_s']:.0f}s"
-        table.add_row(row["deployment"], row["accelerator"], human_bytes(row["bytes"]), row["state"],
-                      row["residency"], str(row["active_leases"]), ttl)
+        table.add_row(
+            row["deployment"],
+            row["accelerator"],
+            human_bytes(row["bytes"]),
+            row["state"],
+            row["residency"],
+            str(row["active_leases"]),
+            ttl,
+        )
     out.print(table)
 
 
@@ -206,8 +238,12 @@ def events(
     settings = _settings()
     url = settings.resolved_database_url()
     if url is None:
-        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
-                              f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})"))
+        _fail(
+            ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})",
+            )
+        )
 
     def show(rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -215,8 +251,9 @@ def events(
                 sys.stdout.write(json.dumps(row, default=str, sort_keys=True) + "\n")
             elif not as_json:
                 fc = f" [red]{row['failure_class']}[/red]" if row["failure_class"] else ""
-                ids = " ".join(f"{k}={row[k]}" for k in ("request_id", "lease_id", "accelerator", "deployment")
-                               if row[k])
+                ids = " ".join(
+                    f"{k}={row[k]}" for k in ("request_id", "lease_id", "accelerator", "deployment") if row[k]
+                )
                 out.print(f"{row['at']} {row['kind']}{fc} {ids} {row['message']}", highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
@@ -224,8 +261,12 @@ def events(
         assert url is not None
         store = await Store.open(url)
         try:
-            filters: dict[str, Any] = {"request_id": request_id, "kind": kind, "failure_class": failure_class,
-                                       "accelerator": accelerator}
+            filters: dict[str, Any] = {
+                "request_id": request_id,
+                "kind": kind,
+                "failure_class": failure_class,
+                "accelerator": accelerator,
+            }
             rows = await store.list_events(limit=limit, **filters)
             if as_json and not follow:
                 _json(rows)
@@ -275,7 +316,9 @@ def catalog_apply(file: Path) -> None:
             client = await connect(settings)
             await client.get_workflow_handle("scheduler:default").signal("catalog_changed")
         except Exception as error:  # the catalog is stored; the scheduler reads it when it starts
-            err.print(f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start")
+            err.print(
+                f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start"
+            )
         return counts
 
     out.print(f"applied {file}: {_run(go)}")

@@ -1,8 +1,8 @@
 """The Python client: the same calls the CLI makes.
 
-    client = await ModelForgeClient.connect()
-    result = await client.request("rag.embedding@1", input={"text": "hi"}, tenant="rag")
-    result.ok, result.output, result.failure_class, result.message, result.lease, result.timings
+client = await ModelForgeClient.connect()
+result = await client.request("rag.embedding@1", input={"text": "hi"}, tenant="rag")
+result.ok, result.output, result.failure_class, result.message, result.lease, result.timings
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ class Result:
 
 
 def _invalid(request_id: str, capability: str, message: str) -> Result:
-    return Result(ok=False, request_id=request_id, capability=capability,
-                  failure_class=FailureClass.REQUEST_INVALID.value, message=message)
+    return Result(
+        ok=False,
+        request_id=request_id,
+        capability=capability,
+        failure_class=FailureClass.REQUEST_INVALID.value,
+        message=message,
+    )
 
 
 class ModelForgeClient:
@@ -80,44 +85,81 @@ class ModelForgeClient:
         if size > MAX_INPUT_BYTES:
             return _invalid(request_id, capability, f"input is {size} bytes; the limit is {MAX_INPUT_BYTES}")
         if priority is not None and priority not in {p.value for p in Priority}:
-            return _invalid(request_id, capability,
-                            f"priority {priority!r} is not one of {', '.join(p.value for p in Priority)}")
+            return _invalid(
+                request_id, capability, f"priority {priority!r} is not one of {', '.join(p.value for p in Priority)}"
+            )
         for name, value in (("deadline_s", deadline_s), ("lease_timeout_s", lease_timeout_s)):
             if value is not None and not (0 < value <= 7 * 24 * 3600):
                 return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
-        request = RequestInput(request_id=request_id, capability=capability, input=payload, priority=priority,
-                               tenant=tenant, deadline_s=deadline_s, lease_timeout_s=lease_timeout_s, pool=self.pool)
+        request = RequestInput(
+            request_id=request_id,
+            capability=capability,
+            input=payload,
+            priority=priority,
+            tenant=tenant,
+            deadline_s=deadline_s,
+            lease_timeout_s=lease_timeout_s,
+            pool=self.pool,
+        )
         workflow_id = f"request:{capability}:{request_id}"
         attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
         if priority:
             attributes.append(SearchAttributePair(sa.PRIORITY, priority))
         try:
             handle = await self.temporal.start_workflow(
-                "CapabilityRequestWorkflow", request, id=workflow_id, task_queue=CONTROL_TASK_QUEUE,
-                search_attributes=TypedSearchAttributes(attributes), result_type=RequestResult,
-                static_summary=f"{capability} for {tenant}")
+                "CapabilityRequestWorkflow",
+                request,
+                id=workflow_id,
+                task_queue=CONTROL_TASK_QUEUE,
+                search_attributes=TypedSearchAttributes(attributes),
+                result_type=RequestResult,
+                static_summary=f"{capability} for {tenant}",
+            )
             result: RequestResult = await handle.result()
         except WorkflowFailureError as error:
             cause = error.cause
             if isinstance(cause, ApplicationError) and cause.type:
-                return Result(ok=False, request_id=request_id, capability=capability, failure_class=cause.type,
-                              message=cause.message, workflow_id=workflow_id)
+                return Result(
+                    ok=False,
+                    request_id=request_id,
+                    capability=capability,
+                    failure_class=cause.type,
+                    message=cause.message,
+                    workflow_id=workflow_id,
+                )
             if isinstance(cause, TimeoutError | TerminatedError):
-                return Result(ok=False, request_id=request_id, capability=capability,
-                              failure_class=FailureClass.TIMEOUT.value, message=str(cause), workflow_id=workflow_id)
+                return Result(
+                    ok=False,
+                    request_id=request_id,
+                    capability=capability,
+                    failure_class=FailureClass.TIMEOUT.value,
+                    message=str(cause),
+                    workflow_id=workflow_id,
+                )
             raise
         except RPCError as error:
-            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}") from None
-        return Result(ok=True, request_id=request_id, capability=capability, output=result.output,
-                      lease=result.lease, timings=result.timings, workflow_id=workflow_id)
+            raise ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}"
+            ) from None
+        return Result(
+            ok=True,
+            request_id=request_id,
+            capability=capability,
+            output=result.output,
+            lease=result.lease,
+            timings=result.timings,
+            workflow_id=workflow_id,
+        )
 
     async def status(self) -> PoolStatus:
         try:
             status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{self.pool}").query(
-                "status", result_type=PoolStatus)
+                "status", result_type=PoolStatus
+            )
         except RPCError as error:
-            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
-                                  f"the scheduler of pool {self.pool!r} does not answer: {error}") from None
+            raise ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE, f"the scheduler of pool {self.pool!r} does not answer: {error}"
+            ) from None
         return status
 
     async def ps(self) -> list[ResidentStatus]:

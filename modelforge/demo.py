@@ -6,8 +6,12 @@ from modelforge.client import ModelForgeClient, Result
 from modelforge.settings import Settings
 
 DEMO_REQUESTS: list[tuple[str, str, dict[str, object], str | None]] = [
-    ("cold start: lease, load, health check, invoke, release, keep warm", "rag.embedding@1",
-     {"text": "What is a GPU lease?"}, "rag"),
+    (
+        "cold start: lease, load, health check, invoke, release, keep warm",
+        "rag.embedding@1",
+        {"text": "What is a GPU lease?"},
+        "rag",
+    ),
     ("warm: the resident model answers without a load", "rag.embedding@1", {"text": "And a second one?"}, "rag"),
     ("load_on_demand: loaded for this lease, unloaded after", "chat.small@1", {"prompt": "hello"}, "default"),
     ("production work never lands on the desktop", "lab.experiment@1", {}, "lab"),
@@ -35,6 +39,9 @@ async def run_demo(settings: Settings) -> int:
         unexpected += int(result.ok != expected_ok)
     status = await client.status()
     for acc in status.accelerators:
-        print(f"  {acc.id}: total {acc.total_bytes} B, external {acc.external_bytes} B, resident "
-              f"{acc.resident_bytes} B, schedulable {acc.schedulable_bytes} B", flush=True)
+        print(
+            f"  {acc.id}: total {acc.total_bytes} B, external {acc.external_bytes} B, resident "
+            f"{acc.resident_bytes} B, schedulable {acc.schedulable_bytes} B",
+            flush=True,
+        )
     return 1 if unexpected else 0

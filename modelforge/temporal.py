@@ -21,8 +21,10 @@ SEARCH_ATTRIBUTES = [CAPABILITY, PRIORITY, TENANT, ACCELERATOR, OUTCOME]
 def _tls(settings: Settings) -> TLSConfig | bool:
     if not (settings.temporal_tls or settings.temporal_tls_cert or settings.temporal_tls_ca):
         return bool(settings.temporal_api_key)
+
     def read(path: str | None) -> bytes | None:
         return Path(path).read_bytes() if path else None
+
     return TLSConfig(
         server_root_ca_cert=read(settings.temporal_tls_ca),
         client_cert=read(settings.temporal_tls_cert),
@@ -48,7 +50,6 @@ async def connect(settings: Settings) -> Client:
 async def register_search_attributes(client: Client) -> None:
     from temporalio.api.enums.v1 import IndexedValueType
     from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
-
     from temporalio.service import RPCError, RPCStatusCode
 
     namespace = client.namespace

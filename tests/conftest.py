@@ -60,13 +60,3 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         yield env
     finally:
         await env.shutdown()
-
-
-@pytest.fixture
-async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=_binary("temporal"), ui=False)
-    try:
-        await register_search_attributes(env.client)
-        yield env
-    finally:
-        await env.shutdown()

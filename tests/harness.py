@@ -43,27 +43,38 @@ class Stack:
         request_id = kwargs.pop("request_id", uuid.uuid4().hex[:12])
         request = RequestInput(request_id=request_id, capability=capability, **kwargs)
         return await self.client.start_workflow(
-            CapabilityRequestWorkflow.run, request, id=request_workflow_id(capability, request_id),
-            task_queue=CONTROL_TASK_QUEUE)
+            CapabilityRequestWorkflow.run,
+            request,
+            id=request_workflow_id(capability, request_id),
+            task_queue=CONTROL_TASK_QUEUE,
+        )
 
 
 @contextlib.asynccontextmanager
-async def running_stack(client: Client, database_url: str, catalog_path: Path | None = None,
-                        config: PolicyConfig | None = None, telemetry_interval_s: float = 10.0) -> AsyncIterator[Stack]:
+async def running_stack(
+    client: Client,
+    database_url: str,
+    catalog_path: Path | None = None,
+    config: PolicyConfig | None = None,
+    telemetry_interval_s: float = 10.0,
+) -> AsyncIterator[Stack]:
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
     await store.migrate()
     await store.apply_catalog(catalog)
     backends = {node: simulated_backend(node, catalog, external) for node in catalog.nodes()}
     workers: list[Worker] = [build_control_worker(client, store)]
-    workers += [build_node_worker(client, node, backend, {"simulated": SimulatedRuntime(backend)})
-                for node, backend in backends.items()]
+    workers += [
+        build_node_worker(client, node, backend, {"simulated": SimulatedRuntime(backend)})
+        for node, backend in backends.items()
+    ]
     try:
         async with contextlib.AsyncExitStack() as stack:
             for worker in workers:
                 await stack.enter_async_context(worker)
-            scheduler = await ensure_scheduler(client, "default", SchedulerInput(pool="default",
-                                                                                  config=config or PolicyConfig()))
+            scheduler = await ensure_scheduler(
+                client, "default", SchedulerInput(pool="default", config=config or PolicyConfig())
+            )
             for node in backends:
                 await ensure_telemetry(client, node, interval_s=telemetry_interval_s)
             yield Stack(client=client, store=store, catalog=catalog, scheduler=scheduler, backends=backends)

@@ -44,12 +44,16 @@ def build_control_worker(client: Client, store: Store, task_queue: str = CONTROL
     )
 
 
-async def ensure_scheduler(client: Client, pool: str = DEFAULT_POOL,
-                           start: SchedulerInput | None = None) -> WorkflowHandle[PoolSchedulerWorkflow, None]:
+async def ensure_scheduler(
+    client: Client, pool: str = DEFAULT_POOL, start: SchedulerInput | None = None
+) -> WorkflowHandle[PoolSchedulerWorkflow, None]:
     """Start the pool's scheduler unless it already runs (the singleton keeps its state)."""
     return await client.start_workflow(
-        PoolSchedulerWorkflow.run, start or SchedulerInput(pool=pool), id=scheduler_id(pool),
-        task_queue=CONTROL_TASK_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        PoolSchedulerWorkflow.run,
+        start or SchedulerInput(pool=pool),
+        id=scheduler_id(pool),
+        task_queue=CONTROL_TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary=f"admission for pool {pool}",
     )
 
@@ -58,8 +62,10 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
     client = await connect(settings)
     url = settings.resolved_database_url()
     if url is None:
-        raise SystemExit("modelforge worker control: MODELFORGE_DATABASE_URL is not set and no `modelforge dev` "
-                         f"database was found under {settings.run_dir}")
+        raise SystemExit(
+            "modelforge worker control: MODELFORGE_DATABASE_URL is not set and no `modelforge dev` "
+            f"database was found under {settings.run_dir}"
+        )
     store = await Store.open(url)
     try:
         await store.migrate()

@@ -27,12 +27,15 @@ log = get_logger("modelforge.worker.node")
 def simulated_backend(node: str, catalog: Catalog, external: list[ExternalSpec]) -> SimulatedGpuBackend:
     """Simulated devices for the accelerators the catalog puts on this node."""
     accelerators = [a for a in catalog.accelerators if a.node == node and a.kind == "gpu"]
-    devices = [SimulatedDevice(device_index(a.id), a.uuid or f"GPU-simulated-{a.id}", f"{a.model} (simulated)",
-                               a.total_bytes) for a in accelerators]
+    devices = [
+        SimulatedDevice(device_index(a.id), a.uuid or f"GPU-simulated-{a.id}", f"{a.model} (simulated)", a.total_bytes)
+        for a in accelerators
+    ]
     ids = {a.id for a in accelerators}
     processes = [
         ExternalProcess(device_index(e.accelerator), 10_000 + n, e.name, e.bytes, e.start_s, e.end_s)
-        for n, e in enumerate(external) if e.accelerator in ids
+        for n, e in enumerate(external)
+        if e.accelerator in ids
     ]
     return SimulatedGpuBackend(devices, processes)
 
@@ -43,16 +46,23 @@ def build_node_worker(client: Client, node: str, backend: GpuBackend, runtimes: 
         client,
         task_queue=node_task_queue(node),
         activities=[
-            node_activities.sample_node, node_activities.load_model, node_activities.health_check,
-            node_activities.invoke, node_activities.unload_model, node_activities.verify_reclaim,
+            node_activities.sample_node,
+            node_activities.load_model,
+            node_activities.health_check,
+            node_activities.invoke,
+            node_activities.unload_model,
+            node_activities.verify_reclaim,
         ],
     )
 
 
 async def ensure_telemetry(client: Client, node: str, pool: str = DEFAULT_POOL, interval_s: float = 10.0) -> None:
     await client.start_workflow(
-        TelemetryWorkflow.run, TelemetryInput(node=node, pool=pool, interval_s=interval_s), id=telemetry_id(node),
-        task_queue="modelforge-control", id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        TelemetryWorkflow.run,
+        TelemetryInput(node=node, pool=pool, interval_s=interval_s),
+        id=telemetry_id(node),
+        task_queue="modelforge-control",
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary=f"NVML samples of {node}",
     )
 
@@ -62,12 +72,18 @@ def choose_backend(settings: Settings, node: str, simulate_from: Path | None) ->
     if use_nvml:
         return NvmlGpuBackend(), {}
     if simulate_from is None:
-        raise SystemExit(f"modelforge worker node: no NVIDIA GPU here (MODELFORGE_GPU_BACKEND={settings.gpu_backend});"
-                         " pass --simulate-from CATALOG to run simulated devices")
+        raise SystemExit(
+            f"modelforge worker node: no NVIDIA GPU here (MODELFORGE_GPU_BACKEND={settings.gpu_backend});"
+            " pass --simulate-from CATALOG to run simulated devices"
+        )
     catalog, external = load_catalog_file(simulate_from)
     backend = simulated_backend(node, catalog, external)
-    log.warning("simulated_gpu", node=node, devices=len(backend.devices()),
-                note="no NVIDIA GPU in use: devices and memory on this node are SIMULATED")
+    log.warning(
+        "simulated_gpu",
+        node=node,
+        devices=len(backend.devices()),
+        note="no NVIDIA GPU in use: devices and memory on this node are SIMULATED",
+    )
     return backend, {"simulated": SimulatedRuntime(backend)}
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
-
-from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from modelforge.failures import FailureClass, is_retryable
@@ -54,5 +53,8 @@ RUNTIME_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_attempts=2, non_retryable_error_types=NON_RETRYABLE
 )
 # Writes to Postgres: retried until they land (durable across an outage), backing off to 30 s.
-STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-                          non_retryable_error_types=["REQUEST_INVALID"])
+STORE_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=30),
+    non_retryable_error_types=["REQUEST_INVALID"],
+)

@@ -3,7 +3,6 @@ invoke -> release. Failures end the workflow as an ApplicationError whose type i
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
@@ -77,8 +76,13 @@ class CapabilityRequestWorkflow:
         finally:
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
                 "release",
-                ReleaseSignal(lease_id=lease.lease_id, request_id=request.request_id, outcome=outcome,
-                              invoke_s=result.invoke_s if result else 0.0, message=message),
+                ReleaseSignal(
+                    lease_id=lease.lease_id,
+                    request_id=request.request_id,
+                    outcome=outcome,
+                    invoke_s=result.invoke_s if result else 0.0,
+                    message=message,
+                ),
             )
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
         if result is None:
@@ -87,8 +91,13 @@ class CapabilityRequestWorkflow:
         self._phase = "done"
         timings["invoke_s"] = result.invoke_s
         timings["total_s"] = (workflow.now() - started).total_seconds()
-        return RequestResult(request_id=request.request_id, capability=request.capability, output=result.output,
-                             lease=lease, timings=timings)
+        return RequestResult(
+            request_id=request.request_id,
+            capability=request.capability,
+            output=result.output,
+            lease=lease,
+            timings=timings,
+        )
 
     async def _acquire(self, request: RequestInput) -> Lease:
         admission = AdmissionRequest(
@@ -108,8 +117,9 @@ class CapabilityRequestWorkflow:
                 start_to_close_timeout=timedelta(seconds=10),
                 schedule_to_close_timeout=timedelta(seconds=60),
                 # Only a scheduler that is still starting is worth asking again.
-                retry_policy=RetryPolicy(non_retryable_error_types=[
-                    f for f in ALL_FAILURES if f != FailureClass.SCHEDULER_STATE_STALE.value]),
+                retry_policy=RetryPolicy(
+                    non_retryable_error_types=[f for f in ALL_FAILURES if f != FailureClass.SCHEDULER_STATE_STALE.value]
+                ),
                 summary=f"admit {request.capability}",
             )
         except ActivityError as error:
@@ -130,9 +140,10 @@ class CapabilityRequestWorkflow:
         try:
             # The scheduler answers at its own timeout; this is the requester's promise to itself.
             await workflow.wait_condition(lambda: self._decision is not None, timeout=limit + 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
-                "cancel", CancelSignal(request_id=request.request_id, reason=f"{cls.value}: gave up after {limit} s"))
+                "cancel", CancelSignal(request_id=request.request_id, reason=f"{cls.value}: gave up after {limit} s")
+            )
             self._end(cls.value)
             raise failure(cls, f"no lease within {limit:.0f} s") from None
         decision = self._decision

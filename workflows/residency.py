@@ -4,7 +4,6 @@ scheduler knows), unload, and the reclaim check that proves the bytes came back.
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
@@ -54,32 +53,57 @@ class ResidencyWorkflow:
         try:
             loaded = await workflow.execute_activity(
                 "load_model",
-                LoadInput(key=start.key, deployment=deployment, accelerator_id=start.accelerator.id,
-                          device_index=start.device_index, device_uuid=start.accelerator.uuid),
-                result_type=LoadResult, task_queue=queue, start_to_close_timeout=load_timeout,
-                schedule_to_close_timeout=load_timeout * 2, heartbeat_timeout=timedelta(seconds=30),
-                retry_policy=RUNTIME_RETRY, summary=f"load {deployment.deployment_id}",
+                LoadInput(
+                    key=start.key,
+                    deployment=deployment,
+                    accelerator_id=start.accelerator.id,
+                    device_index=start.device_index,
+                    device_uuid=start.accelerator.uuid,
+                ),
+                result_type=LoadResult,
+                task_queue=queue,
+                start_to_close_timeout=load_timeout,
+                schedule_to_close_timeout=load_timeout * 2,
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=RUNTIME_RETRY,
+                summary=f"load {deployment.deployment_id}",
             )
         except ActivityError as error:
             cls, message = classify(error)
-            await scheduler.signal("resident_loaded", ResidentReport(key=start.key, ok=False, failure=cls,
-                                                                     message=f"load: {message}"))
+            await scheduler.signal(
+                "resident_loaded", ResidentReport(key=start.key, ok=False, failure=cls, message=f"load: {message}")
+            )
             return f"load failed: {cls}"
         health_started = workflow.now()
         try:
             await workflow.execute_activity(
-                "health_check", start.key, task_queue=queue, start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RUNTIME_RETRY, summary=f"health check {deployment.deployment_id}")
+                "health_check",
+                start.key,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RUNTIME_RETRY,
+                summary=f"health check {deployment.deployment_id}",
+            )
         except ActivityError as error:
             _, message = classify(error)
             await self._unload(start, queue)
-            await scheduler.signal("resident_loaded", ResidentReport(
-                key=start.key, ok=False, failure=FailureClass.HEALTHCHECK_FAILED.value,
-                message=f"health check: {message}"))
+            await scheduler.signal(
+                "resident_loaded",
+                ResidentReport(
+                    key=start.key,
+                    ok=False,
+                    failure=FailureClass.HEALTHCHECK_FAILED.value,
+                    message=f"health check: {message}",
+                ),
+            )
             return "health check failed"
         health_s = (workflow.now() - health_started).total_seconds()
-        await scheduler.signal("resident_loaded", ResidentReport(
-            key=start.key, ok=True, measured_bytes=loaded.measured_bytes, load_s=loaded.load_s, health_s=health_s))
+        await scheduler.signal(
+            "resident_loaded",
+            ResidentReport(
+                key=start.key, ok=True, measured_bytes=loaded.measured_bytes, load_s=loaded.load_s, health_s=health_s
+            ),
+        )
         self._phase = "ready"
         if deployment.residency == Residency.KEEP_WARM:
             self._expires_at = workflow.now().timestamp() + deployment.ttl_s
@@ -88,7 +112,7 @@ class ResidencyWorkflow:
             timeout = None if self._expires_at is None else max(0.0, self._expires_at - workflow.now().timestamp())
             try:
                 await workflow.wait_condition(lambda: bool(self._commands), timeout=timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # The TTL timer fired: the scheduler knows the last use and active leases.
                 self._expires_at = None
                 await scheduler.signal("resident_idle", ResidentIdle(key=start.key))
@@ -112,15 +136,30 @@ class ResidencyWorkflow:
         started = workflow.now()
         try:
             await workflow.execute_activity(
-                "unload_model", start.key, task_queue=queue, start_to_close_timeout=timedelta(seconds=120),
-                retry_policy=RUNTIME_RETRY, summary=f"unload {start.deployment.deployment_id}")
+                "unload_model",
+                start.key,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(seconds=120),
+                retry_policy=RUNTIME_RETRY,
+                summary=f"unload {start.deployment.deployment_id}",
+            )
             reclaim = await workflow.execute_activity(
-                "verify_reclaim", ReclaimInput(key=start.key, accelerator_id=start.accelerator.id),
-                result_type=ReclaimResult, task_queue=queue, start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RUNTIME_RETRY, summary="verify reclaim")
+                "verify_reclaim",
+                ReclaimInput(key=start.key, accelerator_id=start.accelerator.id),
+                result_type=ReclaimResult,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RUNTIME_RETRY,
+                summary="verify reclaim",
+            )
         except ActivityError as error:
             _, message = classify(error)
-            return UnloadReport(key=start.key, reclaimed=False, message=message,
-                                unload_s=(workflow.now() - started).total_seconds())
-        return UnloadReport(key=start.key, reclaimed=reclaim.reclaimed, message=reclaim.message,
-                            unload_s=(workflow.now() - started).total_seconds())
+            return UnloadReport(
+                key=start.key, reclaimed=False, message=message, unload_s=(workflow.now() - started).total_seconds()
+            )
+        return UnloadReport(
+            key=start.key,
+            reclaimed=reclaim.reclaimed,
+            message=reclaim.message,
+            unload_s=(workflow.now() - started).total_seconds(),
+        )

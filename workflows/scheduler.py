@@ -72,16 +72,20 @@ class PoolSchedulerWorkflow:
                 del self._decisions_out[index]
                 if decision.lease is not None:
                     return AdmitReply(status="granted", lease=decision.lease, priority=priority.value)
-                return AdmitReply(status="rejected", failure=decision.failure, message=decision.message,
-                                  priority=priority.value)
+                return AdmitReply(
+                    status="rejected", failure=decision.failure, message=decision.message, priority=priority.value
+                )
         return AdmitReply(status="queued", priority=priority.value)
 
     @admit.validator
     def _validate_admit(self, request: policy.AdmissionRequest) -> None:
         # A refusal here writes no history: bad input and full queues cost the pool nothing.
         if self._catalog_stale:
-            raise ApplicationError("the scheduler is still loading its catalog",
-                                   type=FailureClass.SCHEDULER_STATE_STALE.value, non_retryable=False)
+            raise ApplicationError(
+                "the scheduler is still loading its catalog",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            )
         try:
             policy.validate_request(self._state, request)
         except policy.AdmissionRejected as rejected:
@@ -92,12 +96,20 @@ class PoolSchedulerWorkflow:
         now = self._now()
         lease = self._state.leases.get(signal.lease_id)
         if lease is not None:
-            self._record(policy.PolicyEvent(
-                kind="invoke" if signal.outcome == "ok" else "invoke_failed",
-                failure=None if signal.outcome == "ok" else FailureClass(signal.outcome),
-                request_id=signal.request_id, lease_id=signal.lease_id, accelerator=lease.accelerator,
-                deployment=lease.deployment, workflow_id=lease.workflow_id, message=signal.message,
-                payload={"invoke_s": round(signal.invoke_s, 4)}), now)
+            self._record(
+                policy.PolicyEvent(
+                    kind="invoke" if signal.outcome == "ok" else "invoke_failed",
+                    failure=None if signal.outcome == "ok" else FailureClass(signal.outcome),
+                    request_id=signal.request_id,
+                    lease_id=signal.lease_id,
+                    accelerator=lease.accelerator,
+                    deployment=lease.deployment,
+                    workflow_id=lease.workflow_id,
+                    message=signal.message,
+                    payload={"invoke_s": round(signal.invoke_s, 4)},
+                ),
+                now,
+            )
         self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome), now)
         self._wake = True
 
@@ -113,9 +125,16 @@ class PoolSchedulerWorkflow:
         observations = list(sample.observations)
         if sample.error:
             observations = [
-                Observation(accelerator=acc.id, total_bytes=acc.total_bytes, used_bytes=-1, healthy=False,
-                            health_reason=sample.error, received_at=now)
-                for acc in self._state.catalog.accelerators if acc.node == sample.node
+                Observation(
+                    accelerator=acc.id,
+                    total_bytes=acc.total_bytes,
+                    used_bytes=-1,
+                    healthy=False,
+                    health_reason=sample.error,
+                    received_at=now,
+                )
+                for acc in self._state.catalog.accelerators
+                if acc.node == sample.node
             ]
         events = policy.apply_observations(self._state, observations, now)
         for event in events:
@@ -132,12 +151,27 @@ class PoolSchedulerWorkflow:
         deployment = resident.deployment if resident else ""
         workflow_id = resident.workflow_id if resident else ""
         if report.ok:
-            self._record(policy.PolicyEvent(
-                kind="load", accelerator=accelerator, deployment=deployment, workflow_id=workflow_id,
-                payload={"load_s": round(report.load_s, 3), "measured_bytes": report.measured_bytes}), now)
-            self._record(policy.PolicyEvent(
-                kind="health_check", message="functional health check passed", accelerator=accelerator,
-                deployment=deployment, workflow_id=workflow_id, payload={"health_s": round(report.health_s, 3)}), now)
+            self._record(
+                policy.PolicyEvent(
+                    kind="load",
+                    accelerator=accelerator,
+                    deployment=deployment,
+                    workflow_id=workflow_id,
+                    payload={"load_s": round(report.load_s, 3), "measured_bytes": report.measured_bytes},
+                ),
+                now,
+            )
+            self._record(
+                policy.PolicyEvent(
+                    kind="health_check",
+                    message="functional health check passed",
+                    accelerator=accelerator,
+                    deployment=deployment,
+                    workflow_id=workflow_id,
+                    payload={"health_s": round(report.health_s, 3)},
+                ),
+                now,
+            )
             self._record_all(policy.resident_ready(self._state, report.key, report.measured_bytes, now), now)
         else:
             cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
@@ -145,7 +179,8 @@ class PoolSchedulerWorkflow:
             self._record_all(events, now)
             self._decisions_out.extend(
                 (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message))
-                for r in rejects)
+                for r in rejects
+            )
         self._wake = True
 
     @workflow.signal
@@ -155,14 +190,22 @@ class PoolSchedulerWorkflow:
         until = policy.keep_warm_check(self._state, idle.key, now)
         if resident is None:
             # Already dropped (lost with its node): the residency workflow has nothing to keep.
-            self._commands_out.append((resident_workflow_id(*idle.key.split("@", 1)),
-                                       ResidentCommand("lost", reason="not resident")))
+            self._commands_out.append(
+                (resident_workflow_id(*idle.key.split("@", 1)), ResidentCommand("lost", reason="not resident"))
+            )
             self._wake = True
             return
         if until is None:
-            self._record(policy.PolicyEvent(kind="unload_requested", accelerator=resident.accelerator,
-                                            deployment=resident.deployment, workflow_id=resident.workflow_id,
-                                            message=f"idle for its keep_warm TTL of {resident.ttl_s:.0f} s"), now)
+            self._record(
+                policy.PolicyEvent(
+                    kind="unload_requested",
+                    accelerator=resident.accelerator,
+                    deployment=resident.deployment,
+                    workflow_id=resident.workflow_id,
+                    message=f"idle for its keep_warm TTL of {resident.ttl_s:.0f} s",
+                ),
+                now,
+            )
             self._commands_out.append((resident.workflow_id, ResidentCommand("unload", reason="ttl expired")))
         else:
             self._commands_out.append((resident.workflow_id, ResidentCommand("extend", until=until)))
@@ -173,9 +216,16 @@ class PoolSchedulerWorkflow:
         now = self._now()
         resident = self._state.residents.get(report.key)
         if resident is not None:
-            self._record(policy.PolicyEvent(kind="unload", accelerator=resident.accelerator,
-                                            deployment=resident.deployment, workflow_id=resident.workflow_id,
-                                            payload={"unload_s": round(report.unload_s, 3)}), now)
+            self._record(
+                policy.PolicyEvent(
+                    kind="unload",
+                    accelerator=resident.accelerator,
+                    deployment=resident.deployment,
+                    workflow_id=resident.workflow_id,
+                    payload={"unload_s": round(report.unload_s, 3)},
+                ),
+                now,
+            )
         self._record_all(policy.resident_unloaded(self._state, report.key, report.reclaimed, report.message), now)
         self._wake = True
 
@@ -205,19 +255,32 @@ class PoolSchedulerWorkflow:
                 workflow.continue_as_new(replace(start, state=self._state))
             try:
                 await workflow.wait_condition(lambda: self._wake or self._catalog_stale, timeout=self._next_wake())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake = False
 
     async def _reload_catalog(self) -> None:
         catalog = await workflow.execute_activity(
-            "load_catalog", result_type=Catalog, task_queue=CONTROL_TASK_QUEUE,
-            start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY, summary="load catalog")
+            "load_catalog",
+            result_type=Catalog,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=STORE_RETRY,
+            summary="load catalog",
+        )
         self._state.catalog = catalog
         self._catalog_stale = False
-        self._record(policy.PolicyEvent(kind="catalog_loaded", payload={
-            "accelerators": len(catalog.accelerators), "deployments": len(catalog.deployments),
-            "tenants": len(catalog.tenants)}), self._now())
+        self._record(
+            policy.PolicyEvent(
+                kind="catalog_loaded",
+                payload={
+                    "accelerators": len(catalog.accelerators),
+                    "deployments": len(catalog.deployments),
+                    "tenants": len(catalog.tenants),
+                },
+            ),
+            self._now(),
+        )
 
     def _now(self) -> float:
         return workflow.now().timestamp()
@@ -241,15 +304,25 @@ class PoolSchedulerWorkflow:
         for grant in decisions.grants:
             self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
         for reject in decisions.rejects:
-            self._decisions_out.append((reject.workflow_id, LeaseDecision(
-                reject.request_id, failure=reject.failure.value, message=reject.message)))
+            self._decisions_out.append(
+                (
+                    reject.workflow_id,
+                    LeaseDecision(reject.request_id, failure=reject.failure.value, message=reject.message),
+                )
+            )
         for load in decisions.loads:
             deployment = next(d for d in self._state.catalog.deployments if d.deployment_id == load.deployment)
             accelerator = self._state.catalog.accelerator(load.accelerator)
             assert accelerator is not None
-            self._loads_out.append(ResidencyInput(pool=self._state.pool, key=load.resident_key,
-                                                  deployment=deployment, accelerator=accelerator,
-                                                  device_index=device_index(accelerator.id)))
+            self._loads_out.append(
+                ResidencyInput(
+                    pool=self._state.pool,
+                    key=load.resident_key,
+                    deployment=deployment,
+                    accelerator=accelerator,
+                    device_index=device_index(accelerator.id),
+                )
+            )
         for unload in decisions.unloads:
             resident = self._state.residents.get(unload.resident_key)
             if resident is not None:
@@ -275,13 +348,22 @@ class PoolSchedulerWorkflow:
         workflow_id = resident_workflow_id(load.deployment.deployment_id, load.accelerator.id)
         try:
             await workflow.start_child_workflow(
-                ResidencyWorkflow.run, load, id=workflow_id, task_queue=CONTROL_TASK_QUEUE,
+                ResidencyWorkflow.run,
+                load,
+                id=workflow_id,
+                task_queue=CONTROL_TASK_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                 static_summary=f"{load.deployment.deployment_id} on {load.accelerator.id}",
             )
         except Exception as error:  # a start that failed is a failed load, never a silent gap
-            self.resident_loaded(ResidentReport(key=load.key, ok=False, failure=FailureClass.RESIDENCY_CONFLICT.value,
-                                                message=f"could not start {workflow_id}: {error}"))
+            self.resident_loaded(
+                ResidentReport(
+                    key=load.key,
+                    ok=False,
+                    failure=FailureClass.RESIDENCY_CONFLICT.value,
+                    message=f"could not start {workflow_id}: {error}",
+                )
+            )
         return None
 
     async def _tell_requester(self, workflow_id: str, decision: LeaseDecision) -> object:
@@ -290,8 +372,9 @@ class PoolSchedulerWorkflow:
         except Exception as error:
             # The requester is gone (terminated, timed out): its lease goes back to the pool.
             now = self._now()
-            self._record_all(policy.cancel_request(self._state, decision.request_id, now,
-                                                   f"requester unreachable: {error}"), now)
+            self._record_all(
+                policy.cancel_request(self._state, decision.request_id, now, f"requester unreachable: {error}"), now
+            )
             self._wake = True
         return None
 
@@ -299,8 +382,10 @@ class PoolSchedulerWorkflow:
         try:
             await workflow.get_external_workflow_handle(workflow_id).signal("command", command)
         except Exception as error:
-            self._record(policy.PolicyEvent(kind="resident_unreachable", workflow_id=workflow_id,
-                                            message=str(error)), self._now())
+            self._record(
+                policy.PolicyEvent(kind="resident_unreachable", workflow_id=workflow_id, message=str(error)),
+                self._now(),
+            )
         return None
 
     def _start_event_write(self) -> None:
@@ -308,10 +393,16 @@ class PoolSchedulerWorkflow:
         while self._events:
             batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
             # Not awaited: the event log never sits on the admission path. Retried until it lands.
-            self._event_writes.append(workflow.start_activity(
-                "record_events", batch, task_queue=CONTROL_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=30), retry_policy=STORE_RETRY,
-                summary=f"record {len(batch)} events"))
+            self._event_writes.append(
+                workflow.start_activity(
+                    "record_events",
+                    batch,
+                    task_queue=CONTROL_TASK_QUEUE,
+                    start_to_close_timeout=timedelta(seconds=30),
+                    retry_policy=STORE_RETRY,
+                    summary=f"record {len(batch)} events",
+                )
+            )
 
     async def _drain_event_writes(self) -> None:
         self._start_event_write()
@@ -322,11 +413,21 @@ class PoolSchedulerWorkflow:
     # --- events -----------------------------------------------------------------------------
 
     def _record(self, event: policy.PolicyEvent, now: float) -> None:
-        self._events.append(EventRecord(
-            event_id=str(workflow.uuid4()), at=now, kind=event.kind,
-            failure_class=event.failure.value if event.failure else None, request_id=event.request_id,
-            lease_id=event.lease_id, accelerator=event.accelerator, deployment=event.deployment,
-            workflow_id=event.workflow_id, message=event.message, payload=dict(event.payload)))
+        self._events.append(
+            EventRecord(
+                event_id=str(workflow.uuid4()),
+                at=now,
+                kind=event.kind,
+                failure_class=event.failure.value if event.failure else None,
+                request_id=event.request_id,
+                lease_id=event.lease_id,
+                accelerator=event.accelerator,
+                deployment=event.deployment,
+                workflow_id=event.workflow_id,
+                message=event.message,
+                payload=dict(event.payload),
+            )
+        )
 
     def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
         for event in events:

@@ -26,10 +26,15 @@ class TelemetryWorkflow:
         for _ in range(start.samples_before_continue):
             try:
                 sample = await workflow.execute_activity(
-                    "sample_node", start.node, result_type=NodeSample, task_queue=node_task_queue(start.node),
+                    "sample_node",
+                    start.node,
+                    result_type=NodeSample,
+                    task_queue=node_task_queue(start.node),
                     # A sample older than one interval is worth nothing: no retries, no backlog.
                     schedule_to_close_timeout=timedelta(seconds=start.interval_s),
-                    retry_policy=RetryPolicy(maximum_attempts=1), summary="NVML sample")
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    summary="NVML sample",
+                )
                 now = workflow.now().timestamp()
                 sample = replace(sample, observations=[replace(o, received_at=now) for o in sample.observations])
                 await scheduler.signal("observe", sample)

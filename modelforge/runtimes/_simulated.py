@@ -47,13 +47,16 @@ class SimulatedRuntime:
             step = min(1.0, remaining)
             await asyncio.sleep(step)
             remaining -= step
-            heartbeat(f"loading {deployment.deployment_id}: {deployment.load_s - remaining:.0f}/{deployment.load_s:.0f} s")
+            heartbeat(
+                f"loading {deployment.deployment_id}: {deployment.load_s - remaining:.0f}/{deployment.load_s:.0f} s"
+            )
         if fault:
             raise ModelForgeError(FailureClass(fault), f"simulated load fault for {deployment.deployment_id}")
         pid = next(_pids)
         self._backend.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
-        return LoadedModel(key, deployment.deployment_id, device_index, pid, deployment.resident_bytes,
-                           time.monotonic() - started)
+        return LoadedModel(
+            key, deployment.deployment_id, device_index, pid, deployment.resident_bytes, time.monotonic() - started
+        )
 
     async def health_check(self, model: LoadedModel) -> None:
         output = await self.invoke(model, {"text": "health check"}, lambda _: None)
@@ -64,8 +67,10 @@ class SimulatedRuntime:
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
         hold = payload.get("simulate_invoke_s", 0)
         if not isinstance(hold, int | float) or isinstance(hold, bool) or not 0 <= hold <= MAX_SIMULATED_INVOKE_S:
-            raise ModelForgeError(FailureClass.REQUEST_INVALID,
-                                  f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}")
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}",
+            )
         remaining = float(hold)
         while remaining > 0:
             step = min(1.0, remaining)

@@ -53,8 +53,9 @@ class Store:
             await pool.open(wait=True, timeout=timeout)
         except Exception as error:
             await pool.close()
-            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE,
-                                  f"cannot reach Postgres at {redact(url)}: {type(error).__name__}") from None
+            raise ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE, f"cannot reach Postgres at {redact(url)}: {type(error).__name__}"
+            ) from None
         return cls(pool)
 
     async def close(self) -> None:
@@ -102,25 +103,34 @@ class Store:
                     " WHERE catalog_tenants.spec <> EXCLUDED.spec",
                     (tenant.name, Jsonb(dataclasses.asdict(tenant))),
                 )
-            await conn.execute("DELETE FROM catalog_accelerators WHERE NOT (id = ANY(%s))",
-                               ([a.id for a in catalog.accelerators],))
-            await conn.execute("DELETE FROM catalog_deployments WHERE NOT (capability = ANY(%s))",
-                               ([d.capability for d in catalog.deployments],))
-            await conn.execute("DELETE FROM catalog_tenants WHERE NOT (name = ANY(%s))",
-                               ([t.name for t in catalog.tenants],))
-        return {"accelerators": len(catalog.accelerators), "deployments": len(catalog.deployments),
-                "tenants": len(catalog.tenants)}
+            await conn.execute(
+                "DELETE FROM catalog_accelerators WHERE NOT (id = ANY(%s))", ([a.id for a in catalog.accelerators],)
+            )
+            await conn.execute(
+                "DELETE FROM catalog_deployments WHERE NOT (capability = ANY(%s))",
+                ([d.capability for d in catalog.deployments],),
+            )
+            await conn.execute(
+                "DELETE FROM catalog_tenants WHERE NOT (name = ANY(%s))", ([t.name for t in catalog.tenants],)
+            )
+        return {
+            "accelerators": len(catalog.accelerators),
+            "deployments": len(catalog.deployments),
+            "tenants": len(catalog.tenants),
+        }
 
     async def load_catalog(self) -> Catalog:
         async with self._pool.connection() as conn:
             accs = await (await conn.execute("SELECT spec FROM catalog_accelerators ORDER BY id")).fetchall()
             deps = await (await conn.execute("SELECT spec FROM catalog_deployments ORDER BY capability")).fetchall()
             tenants = await (await conn.execute("SELECT spec FROM catalog_tenants ORDER BY name")).fetchall()
-        catalog, _ = parse_catalog({
-            "accelerators": [row[0] for row in accs],
-            "deployments": [row[0] for row in deps],
-            "tenants": [row[0] for row in tenants],
-        })
+        catalog, _ = parse_catalog(
+            {
+                "accelerators": [row[0] for row in accs],
+                "deployments": [row[0] for row in deps],
+                "tenants": [row[0] for row in tenants],
+            }
+        )
         return catalog
 
     async def record_events(self, events: list[EventRecord]) -> int:
@@ -132,8 +142,19 @@ class Store:
                 " deployment, workflow_id, message, payload) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (event_id) DO NOTHING",
                 [
-                    (e.event_id, datetime.fromtimestamp(e.at, tz=UTC), e.kind, e.failure_class, e.request_id,
-                     e.lease_id, e.accelerator, e.deployment, e.workflow_id, e.message, Jsonb(e.payload))
+                    (
+                        e.event_id,
+                        datetime.fromtimestamp(e.at, tz=UTC),
+                        e.kind,
+                        e.failure_class,
+                        e.request_id,
+                        e.lease_id,
+                        e.accelerator,
+                        e.deployment,
+                        e.workflow_id,
+                        e.message,
+                        Jsonb(e.payload),
+                    )
                     for e in events
                 ],
             )
@@ -159,8 +180,14 @@ class Store:
                 "  AND (%(failure)s::text IS NULL OR failure_class = %(failure)s)"
                 "  AND (%(accelerator)s::text IS NULL OR accelerator = %(accelerator)s)"
                 "  ORDER BY seq DESC LIMIT %(limit)s) newest ORDER BY seq",
-                {"after": after_seq, "request_id": request_id, "kind": kind, "failure": failure_class,
-                 "accelerator": accelerator, "limit": limit},
+                {
+                    "after": after_seq,
+                    "request_id": request_id,
+                    "kind": kind,
+                    "failure": failure_class,
+                    "accelerator": accelerator,
+                    "limit": limit,
+                },
             )
             rows = await cur.fetchall()
         for row in rows:

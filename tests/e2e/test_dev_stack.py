@@ -31,16 +31,25 @@ def _free_port() -> int:
 class Dev:
     def __init__(self, home: Path) -> None:
         self.home = home
-        self.env = {**os.environ, "MODELFORGE_HOME": str(home),
-                    "MODELFORGE_TEMPORAL_ADDRESS": f"127.0.0.1:{_free_port()}", "MODELFORGE_GPU_BACKEND": "simulated"}
+        self.env = {
+            **os.environ,
+            "MODELFORGE_HOME": str(home),
+            "MODELFORGE_TEMPORAL_ADDRESS": f"127.0.0.1:{_free_port()}",
+            "MODELFORGE_GPU_BACKEND": "simulated",
+        }
         self.env.pop("MODELFORGE_DATABASE_URL", None)
         self.ui_port = _free_port()
         self.process: subprocess.Popen[str] | None = None
         self.output: list[str] = []
 
     def start(self, timeout_s: float = 120.0) -> None:
-        self.process = subprocess.Popen([*MODELFORGE, "dev", "--ui-port", str(self.ui_port)], env=self.env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [*MODELFORGE, "dev", "--ui-port", str(self.ui_port)],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout_s
         for line in self.process.stdout:

@@ -18,11 +18,13 @@ async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) 
         loaded = await store.load_catalog()
         assert sorted(loaded.accelerators, key=lambda a: a.id) == sorted(catalog.accelerators, key=lambda a: a.id)
         assert sorted(loaded.deployments, key=lambda d: d.capability) == sorted(
-            catalog.deployments, key=lambda d: d.capability)
+            catalog.deployments, key=lambda d: d.capability
+        )
         assert sorted(loaded.tenants, key=lambda t: t.name) == sorted(catalog.tenants, key=lambda t: t.name)
         # Applying a smaller catalog removes what it no longer declares.
-        smaller = type(catalog)(accelerators=catalog.accelerators, deployments=catalog.deployments[:1],
-                                tenants=catalog.tenants)
+        smaller = type(catalog)(
+            accelerators=catalog.accelerators, deployments=catalog.deployments[:1], tenants=catalog.tenants
+        )
         await store.apply_catalog(smaller)
         assert [d.capability for d in (await store.load_catalog()).deployments] == ["rag.embedding@1"]
     finally:
@@ -33,8 +35,12 @@ async def test_event_writes_are_idempotent(database_url: str) -> None:
     store = await Store.open(database_url)
     try:
         await store.migrate()
-        events = [EventRecord(event_id=f"e{n}", at=1_700_000_000.0 + n, kind="lease_granted", request_id="r1",
-                              payload={"bytes": n}) for n in range(3)]
+        events = [
+            EventRecord(
+                event_id=f"e{n}", at=1_700_000_000.0 + n, kind="lease_granted", request_id="r1", payload={"bytes": n}
+            )
+            for n in range(3)
+        ]
         await store.record_events(events)
         await store.record_events(events)  # an activity retry writes nothing twice
         rows = await store.list_events(request_id="r1")

@@ -131,23 +131,31 @@ def test_a_load_longer_than_the_deadline_is_refused_early() -> None:
     [
         ({"capability": "nope@1"}, FailureClass.CAPABILITY_UNAVAILABLE, "no deployment serves"),
         ({"tenant_name": "ghost"}, FailureClass.REQUEST_INVALID, "unknown tenant"),
-        ({"tenant_name": "shadow", "priority": Priority.PRODUCTION}, FailureClass.REQUEST_INVALID,
-         "at most 'background'"),
+        (
+            {"tenant_name": "shadow", "priority": Priority.PRODUCTION},
+            FailureClass.REQUEST_INVALID,
+            "at most 'background'",
+        ),
         ({"deadline_s": -1.0}, FailureClass.REQUEST_INVALID, "deadline_s"),
     ],
 )
 def test_validation(request_kwargs: dict[str, object], failure: FailureClass, fragment: str) -> None:
-    s = state([gpu("n/0")], [deployment("emb@1")],
-              tenants=[tenant("t"), tenant("shadow", max_priority=Priority.BACKGROUND,
-                                          default_priority=Priority.BACKGROUND)])
+    s = state(
+        [gpu("n/0")],
+        [deployment("emb@1")],
+        tenants=[tenant("t"), tenant("shadow", max_priority=Priority.BACKGROUND, default_priority=Priority.BACKGROUND)],
+    )
     with pytest.raises(AdmissionRejected) as raised:
         validate_request(s, ask("r1", **request_kwargs))  # type: ignore[arg-type]
     assert raised.value.failure == failure and fragment in raised.value.message
 
 
 def test_shadow_identity_is_stamped_background() -> None:
-    s = state([gpu("n/0")], [deployment("emb@1")],
-              tenants=[tenant("shadow", max_priority=Priority.BACKGROUND, default_priority=Priority.BACKGROUND)])
+    s = state(
+        [gpu("n/0")],
+        [deployment("emb@1")],
+        tenants=[tenant("shadow", max_priority=Priority.BACKGROUND, default_priority=Priority.BACKGROUND)],
+    )
     _, priority = validate_request(s, ask("r1", tenant_name="shadow"))
     assert priority == Priority.BACKGROUND
 
@@ -178,6 +186,7 @@ def test_queue_order_is_class_then_fair_share_then_time_then_id() -> None:
     assert [q.request_id for q in queue_order(s, NOW + 5)] == ["prod", "i-1", "i-2", "late-bg"]
     # Tenant a has used the GPU, b has not: within a class, b goes first.
     from modelforge.policy import TenantUsage
+
     s.usage["a"] = TenantUsage(gpu_seconds=100.0, updated_at=NOW)
     enqueue(s, ask("b-1", tenant_name="b"), Priority.INTERACTIVE, NOW + 2)
     assert [q.request_id for q in queue_order(s, NOW + 5)][1] == "b-1"
@@ -235,4 +244,5 @@ def test_decisions_are_deterministic() -> None:
         for n in range(6):
             enqueue(s, ask(f"r{n}", "x@1" if n % 2 else "y@1"), Priority.INTERACTIVE, NOW + n)
         return s
+
     assert decide(build(), NOW + 10) == decide(build(), NOW + 10)

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from modelforge.domain import GiB
+from modelforge.domain import GiB, Priority
 from modelforge.policy import Lease, PolicyConfig, ResidentPhase, compute_budget
-from modelforge.domain import Priority
 from tests.builders import NOW, gpu, observe, resident, state
 
 ENVELOPE = 1_216_348_160
 
 
 def lease(accelerator: str, nbytes: int) -> Lease:
-    return Lease(lease_id="l", request_id="r", workflow_id="w", capability="c", deployment="c",
-                 accelerator=accelerator, node="n", resident_key="c@n/0", bytes=nbytes, granted_at=NOW,
-                 priority=Priority.INTERACTIVE, tenant="t")
+    return Lease(
+        lease_id="l",
+        request_id="r",
+        workflow_id="w",
+        capability="c",
+        deployment="c",
+        accelerator=accelerator,
+        node="n",
+        resident_key="c@n/0",
+        bytes=nbytes,
+        granted_at=NOW,
+        priority=Priority.INTERACTIVE,
+        tenant="t",
+    )
 
 
 @pytest.mark.parametrize(
@@ -36,14 +46,27 @@ def lease(accelerator: str, nbytes: int) -> Lease:
         (80, 10, 0, [], 0, 8, 62 * GiB),
     ],
 )
-def test_schedulable_bytes(total_gib: float, external_gib: float, managed_gib: float, residents: list[int],
-                           leased: int, reserve_gib: float, expected: int) -> None:
+def test_schedulable_bytes(
+    total_gib: float,
+    external_gib: float,
+    managed_gib: float,
+    residents: list[int],
+    leased: int,
+    reserve_gib: float,
+    expected: int,
+) -> None:
     s = state([gpu("n/0", total=total_gib, reserve=reserve_gib)], [])
     observe(s, "n/0", external_gib=external_gib, managed_gib=managed_gib)
     for i, nbytes in enumerate(residents):
         resident(s, f"m{i}", "n/0", nbytes / GiB)
-    budget = compute_budget(s.catalog.accelerators[0], s.accelerators["n/0"], list(s.residents.values()),
-                            [lease("n/0", leased)] if leased else [], s.config, NOW)
+    budget = compute_budget(
+        s.catalog.accelerators[0],
+        s.accelerators["n/0"],
+        list(s.residents.values()),
+        [lease("n/0", leased)] if leased else [],
+        s.config,
+        NOW,
+    )
     assert budget.schedulable_bytes == expected
     assert budget.fresh
 
@@ -53,8 +76,9 @@ def test_unloading_and_unreclaimed_bytes_stay_counted() -> None:
     observe(s, "n/0")
     resident(s, "a", "n/0", 2, phase=ResidentPhase.UNLOADING)
     resident(s, "b", "n/0", 3, phase=ResidentPhase.UNRECLAIMED)
-    budget = compute_budget(s.catalog.accelerators[0], s.accelerators["n/0"], list(s.residents.values()), [],
-                            s.config, NOW)
+    budget = compute_budget(
+        s.catalog.accelerators[0], s.accelerators["n/0"], list(s.residents.values()), [], s.config, NOW
+    )
     # 24 - 0 - (2 + 3) - 0 - 1 = 18 GiB
     assert budget.schedulable_bytes == 18 * GiB
 

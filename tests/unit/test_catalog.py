@@ -20,8 +20,13 @@ def test_example_catalog_is_the_seed_m5_installation() -> None:
     assert (ollama.accelerator, ollama.bytes, ollama.name) == ("gpu-node/0", 6 * GiB, "ollama")
     embedding = catalog.deployment_for("rag.embedding@1")
     assert embedding is not None
-    assert (embedding.envelope_bytes, embedding.residency, embedding.ttl_s, embedding.concurrency,
-            embedding.queue_limit) == (1_216_348_160, Residency.KEEP_WARM, 901, 1, 16)
+    assert (
+        embedding.envelope_bytes,
+        embedding.residency,
+        embedding.ttl_s,
+        embedding.concurrency,
+        embedding.queue_limit,
+    ) == (1_216_348_160, Residency.KEEP_WARM, 901, 1, 16)
     assert any(d.residency == Residency.LOAD_ON_DEMAND for d in catalog.deployments)
     shadow = catalog.tenant("rag-shadow")
     assert shadow is not None and shadow.max_priority == Priority.BACKGROUND
@@ -44,8 +49,10 @@ DEP = {"capability": "x@1", "envelope_bytes": GiB}
         ({"accelerators": [ACC, ACC]}, "duplicate 'n/0'"),
         ({"accelerators": [{**ACC, "kind": "cpu", "production_eligible": True}]}, "never production eligible"),
         ({"accelerators": [ACC], "deployments": [{**DEP, "accelerators": ["nope/0"]}]}, "unknown accelerator"),
-        ({"tenants": [{"name": "t", "default_priority": "production", "max_priority": "background"}]},
-         "tenants[0].default_priority"),
+        (
+            {"tenants": [{"name": "t", "default_priority": "production", "max_priority": "background"}]},
+            "tenants[0].default_priority",
+        ),
         ({"external": [{"accelerator": "ghost/0", "bytes": 1}]}, "external[0].accelerator"),
     ],
 )

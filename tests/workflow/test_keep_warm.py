@@ -19,8 +19,9 @@ def resident(status, capability=EMBEDDING):  # type: ignore[no-untyped-def]
     return [r for r in status.residents if r.capability == capability]
 
 
-async def test_request_loads_once_then_stays_warm_until_ttl(time_skipping_env: WorkflowEnvironment,
-                                                             database_url: str) -> None:
+async def test_request_loads_once_then_stays_warm_until_ttl(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
     async with running_stack(time_skipping_env.client, database_url) as stack:
         first = await (await stack.start_request(EMBEDDING, tenant="rag", input={"text": "hello"})).result()
         assert first.output["simulated"] is True
