@@ -1,0 +1,104 @@
+"""Decision cost of the pure policy: one `decide` pass over G accelerators and N queued requests,
+with residents and leases in proportion. Prints the median per size and the growth exponent in N.
+
+    .venv/bin/python bench/policy_decide.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+from modelforge.domain import Accelerator, Catalog, Deployment, GiB, Observation, Priority, Tenant
+from modelforge.policy import (
+    AdmissionRequest,
+    PoolState,
+    ResidentPhase,
+    ResidentState,
+    apply_observations,
+    decide,
+    enqueue,
+)
+
+NOW = 1_000_000.0
+PRIORITIES = list(Priority)
+
+
+def build(gpus: int, queued: int) -> PoolState:
+    accelerators = [
+        Accelerator(
+            id=f"n{g // 8}/{g % 8}", node=f"n{g // 8}", total_bytes=80 * GiB, production_eligible=True, model="H100"
+        )
+        for g in range(gpus)
+    ]
+    deployments = [
+        Deployment(
+            capability=f"cap{d}@1",
+            envelope_bytes=(4 + d % 8) * GiB,
+            measured_on=["H100"],
+            queue_limit=1_000_000,
+            concurrency=4,
+        )
+        for d in range(max(4, gpus // 4))
+    ]
+    tenants = [Tenant(name=f"t{t}", weight=1.0 + t % 3, max_priority=Priority.PRODUCTION) for t in range(8)]
+    state = PoolState(pool="default", catalog=Catalog(accelerators, deployments, tenants))
+    apply_observations(state, [Observation(a.id, a.total_bytes, 70 * GiB, received_at=NOW) for a in accelerators], NOW)
+    # Residents in proportion: one per GPU, busy, so the queue cannot simply drain.
+    for g, acc in enumerate(accelerators):
+        dep = deployments[g % len(deployments)]
+        key = f"{dep.deployment_id}@{acc.id}"
+        state.residents[key] = ResidentState(
+            key=key,
+            deployment=dep.deployment_id,
+            capability=dep.capability,
+            accelerator=acc.id,
+            node=acc.node,
+            bytes=dep.envelope_bytes,
+            phase=ResidentPhase.READY,
+            residency=dep.residency,
+            ttl_s=900,
+            workflow_id="w",
+            active_leases=dep.concurrency,
+            last_used=NOW,
+        )
+    for n in range(queued):
+        dep = deployments[n % len(deployments)]
+        request = AdmissionRequest(
+            request_id=f"r{n}", workflow_id=f"w{n}", capability=dep.capability, tenant=f"t{n % 8}"
+        )
+        enqueue(state, request, PRIORITIES[n % 4], NOW + n * 0.001)
+    return state
+
+
+def measure(gpus: int, queued: int, repeats: int) -> float:
+    state = build(gpus, queued)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        decide(state, NOW + 100)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="skip the 1,024 x 10,000 size")
+    args = parser.parse_args()
+    sizes = [(8, 100, 21), (64, 1_000, 5)] + ([] if args.quick else [(1_024, 10_000, 3)])
+    results = {}
+    for gpus, queued, repeats in sizes:
+        results[(gpus, queued)] = measure(gpus, queued, repeats)
+        print(f"{gpus:>5} GPUs x {queued:>6} queued: median {results[(gpus, queued)] * 1000:9.2f} ms", flush=True)
+    # Growth in queue length at a fixed pool, measured side by side in this run.
+    small, large = measure(64, 500, 5), measure(64, 2_000, 5)
+    exponent = math.log(large / small) / math.log(4)
+    print(
+        f"growth in N at 64 GPUs (500 -> 2,000 queued): x{large / small:.2f}, exponent {exponent:.2f} (n log n ~ 1.1)"
+    )
+
+
+if __name__ == "__main__":
+    main()
