@@ -12,6 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client, WorkflowFailureError
@@ -154,7 +155,7 @@ class ModelForgeClient:
     async def status(self) -> PoolStatus:
         try:
             status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{self.pool}").query(
-                "status", result_type=PoolStatus
+                "status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=10)
             )
         except RPCError as error:
             raise ModelForgeError(

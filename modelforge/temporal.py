@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from temporalio.client import Client, TLSConfig
@@ -32,14 +33,22 @@ def _tls(settings: Settings) -> TLSConfig | bool:
     )
 
 
-async def connect(settings: Settings) -> Client:
+async def connect(settings: Settings, timeout_s: float = 15.0) -> Client:
     try:
-        return await Client.connect(
-            settings.temporal_address,
-            namespace=settings.temporal_namespace,
-            tls=_tls(settings),
-            api_key=settings.temporal_api_key,
+        return await asyncio.wait_for(
+            Client.connect(
+                settings.temporal_address,
+                namespace=settings.temporal_namespace,
+                tls=_tls(settings),
+                api_key=settings.temporal_api_key,
+            ),
+            timeout_s,
         )
+    except TimeoutError:
+        raise ModelForgeError(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"Temporal at {settings.temporal_address} did not answer within {timeout_s:.0f} s",
+        ) from None
     except RuntimeError as error:
         raise ModelForgeError(
             FailureClass.CAPABILITY_UNAVAILABLE,
