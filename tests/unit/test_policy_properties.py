@@ -1,0 +1,126 @@
+"""Properties of the policy over random sequences of requests, releases, loads, unloads,
+external-usage changes, health failures and passing time."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelforge.domain import GiB, Priority, Residency
+from modelforge.policy import (
+    AcceleratorRuntime,
+    AdmissionRejected,
+    PoolState,
+    ResidentPhase,
+    apply_decisions,
+    compute_budget,
+    decide,
+    enqueue,
+    release_lease,
+    resident_ready,
+    resident_unloaded,
+    validate_request,
+)
+from tests.builders import NOW, ask, deployment, gpu, observe, state, tenant
+
+operation = st.one_of(
+    st.tuples(st.just("request"), st.integers(0, 2), st.sampled_from(list(Priority)[:4])),
+    st.tuples(st.just("external"), st.integers(0, 1), st.integers(0, 20)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("loaded"), st.integers(0, 50)),
+    st.tuples(st.just("unloaded"), st.integers(0, 50)),
+    st.tuples(st.just("unhealthy"), st.integers(0, 1)),
+    st.tuples(st.just("wait"), st.integers(1, 400)),
+)
+
+
+def build() -> PoolState:
+    return state(
+        [gpu("a/0", total=24), gpu("b/0", total=16)],
+        [
+            deployment("emb@1", gib=1.2, queue_limit=100),
+            deployment("llm@1", gib=9, idle_bytes=7 * GiB, concurrency=2, queue_limit=100),
+            deployment("job@1", gib=6, residency=Residency.LOAD_ON_DEMAND, queue_limit=100),
+        ],
+        tenants=[tenant("t")],
+    )
+
+
+def run(operations: list[tuple[object, ...]]) -> list[object]:
+    """Replays the operations; asserts the invariant at every decision; returns all decisions."""
+    s = build()
+    now = NOW
+    external = {"a/0": 0.0, "b/0": 0.0}
+    for acc in external:
+        observe(s, acc, at=now)
+    trace: list[object] = []
+    for n, op in enumerate(operations):
+        kind = op[0]
+        if kind == "request":
+            request = ask(f"r{n}", ["emb@1", "llm@1", "job@1"][int(op[1])], priority=op[2])  # type: ignore[arg-type]
+            try:
+                _, priority = validate_request(s, request)
+                enqueue(s, request, priority, now)
+            except AdmissionRejected:
+                pass
+        elif kind == "external":
+            external[["a/0", "b/0"][int(op[1])]] = float(op[2])  # type: ignore[arg-type]
+        elif kind == "release" and s.leases:
+            release_lease(s, list(s.leases)[int(op[1]) % len(s.leases)], now, "ok")  # type: ignore[call-overload]
+        elif kind == "loaded":
+            loading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.LOADING]
+            if loading:
+                resident_ready(s, loading[int(op[1]) % len(loading)], 0, now)  # type: ignore[call-overload]
+        elif kind == "unloaded":
+            unloading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.UNLOADING]
+            if unloading:
+                resident_unloaded(s, unloading[int(op[1]) % len(unloading)], True, "")  # type: ignore[call-overload]
+        elif kind == "unhealthy":
+            observe(s, ["a/0", "b/0"][int(op[1])], healthy=False, at=now)  # type: ignore[call-overload]
+        elif kind == "wait":
+            now += float(op[1])  # type: ignore[arg-type]
+        for acc, ext in external.items():
+            managed = (
+                sum(r.bytes for r in s.residents.values() if r.accelerator == acc and r.phase != ResidentPhase.LOADING)
+                / GiB
+            )
+            observe(s, acc, external_gib=ext, managed_gib=managed, at=now)
+        # The budgets the decision sees.
+        budgets = {
+            a.id: compute_budget(
+                a,
+                s.accelerators.get(a.id, AcceleratorRuntime()),
+                list(s.residents.values()),
+                list(s.leases.values()),
+                s.config,
+                now,
+            )
+            for a in s.catalog.accelerators
+        }
+        decisions = decide(s, now)
+        committed: dict[str, int] = {}
+        for load in decisions.loads:
+            assert budgets[load.accelerator].fresh, "no load on stale data"
+            assert s.accelerators[load.accelerator].healthy
+            committed[load.accelerator] = committed.get(load.accelerator, 0) + load.bytes
+        for grant in decisions.grants:
+            committed[grant.lease.accelerator] = committed.get(grant.lease.accelerator, 0) + grant.lease.bytes
+        for acc, nbytes in committed.items():
+            if nbytes > 0:
+                # (a) a grant never breaks the invariant on the observations the decision used
+                assert nbytes <= budgets[acc].schedulable_bytes, (acc, nbytes, budgets[acc])
+        apply_decisions(s, decisions, now, {})
+        trace.append(decisions)
+    # (c) every request gets a decision in bounded time: after the lease timeout nothing waits.
+    final = decide(s, now + s.config.default_lease_timeout_s + 1)
+    assert {r.request_id for r in final.rejects} | {g.request_id for g in final.grants} >= {
+        q.request_id for q in s.queue if not q.assigned_to
+    }
+    return trace
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40))
+def test_no_grant_breaks_the_invariant_and_decisions_are_deterministic(operations: list[tuple[object, ...]]) -> None:
+    # (b) the same inputs always give the same decisions
+    assert run(operations) == run(operations)
