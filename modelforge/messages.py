@@ -65,6 +65,7 @@ class ReleaseSignal:
     outcome: str  # "ok" or a failure class
     invoke_s: float = 0.0
     message: str = ""
+    retrying: bool = False  # the request workflow will ask for a new lease
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ResidentReport:
     health_s: float = 0.0
     failure: str | None = None
     message: str = ""
+    workflow_id: str = ""  # the residency workflow that reports; a previous life of the key is ignored
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class ResidentCommand:
 @dataclass(frozen=True)
 class ResidentIdle:
     key: str
+    workflow_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class UnloadReport:
     reclaimed: bool
     unload_s: float = 0.0
     message: str = ""
+    workflow_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ simulated node workers, the scheduler and telemetry workflows."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -13,7 +14,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from modelforge.catalog import example_catalog_path, load_catalog_file
+from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import SimulatedGpuBackend
 from modelforge.messages import RequestInput, SchedulerInput
@@ -34,6 +35,30 @@ class Stack:
     catalog: Catalog
     scheduler: WorkflowHandle[PoolSchedulerWorkflow, None]
     backends: dict[str, SimulatedGpuBackend] = field(default_factory=dict)
+    node_workers: dict[str, Worker] = field(default_factory=dict)
+    external: list[ExternalSpec] = field(default_factory=list)
+    node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def events(self, kind: str, at_least: int, within_s: float = 10.0) -> list[dict[str, Any]]:
+        """Events of a kind in order, once at least `at_least` are written: the event log is
+        written off the admission path, so it trails the workflows by a moment."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            events = sorted(await self.store.list_events(kind=kind), key=lambda e: int(e["seq"]))
+            if len(events) >= at_least or loop.time() > deadline:
+                return events
+            await asyncio.sleep(0.1)
+
+    async def restart_node(self, node: str) -> None:
+        """Stop a node worker and start a fresh one, as a crashed or upgraded node would come
+        back: its runtimes hold nothing, and only the external processes are on the card."""
+        await self.node_workers[node].shutdown()
+        backend = simulated_backend(node, self.catalog, self.external)
+        self.backends[node] = backend
+        worker = build_node_worker(self.client, node, backend, {"simulated": SimulatedRuntime(backend)})
+        self.node_workers[node] = worker
+        self.node_tasks.append(asyncio.create_task(worker.run()))
 
     async def status(self) -> PoolStatus:
         status: PoolStatus = await self.scheduler.query(PoolSchedulerWorkflow.status)
@@ -63,20 +88,38 @@ async def running_stack(
     await store.migrate()
     await store.apply_catalog(catalog)
     backends = {node: simulated_backend(node, catalog, external) for node in catalog.nodes()}
-    workers: list[Worker] = [build_control_worker(client, store)]
-    workers += [
-        build_node_worker(client, node, backend, {"simulated": SimulatedRuntime(backend)})
+    node_workers = {
+        node: build_node_worker(client, node, backend, {"simulated": SimulatedRuntime(backend)})
         for node, backend in backends.items()
-    ]
+    }
+    running = Stack(
+        client=client,
+        store=store,
+        catalog=catalog,
+        scheduler=None,  # type: ignore[arg-type]
+        backends=backends,
+        node_workers=node_workers,
+        external=external,
+    )
     try:
         async with contextlib.AsyncExitStack() as stack:
-            for worker in workers:
-                await stack.enter_async_context(worker)
+            await stack.enter_async_context(build_control_worker(client, store))
+            # Node workers run as tasks, not contexts, so a test can restart one.
+            running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
+            stack.push_async_callback(_shutdown_all, running)
             scheduler = await ensure_scheduler(
                 client, "default", SchedulerInput(pool="default", config=config or PolicyConfig())
             )
+            running.scheduler = scheduler
             for node in backends:
                 await ensure_telemetry(client, node, interval_s=telemetry_interval_s)
-            yield Stack(client=client, store=store, catalog=catalog, scheduler=scheduler, backends=backends)
+            yield running
     finally:
         await store.close()
+
+
+async def _shutdown_all(stack: Stack) -> None:
+    for worker in stack.node_workers.values():
+        if worker.is_running and not worker.is_shutdown:
+            await worker.shutdown()
+    await asyncio.gather(*stack.node_tasks)

@@ -19,8 +19,9 @@ def scheduler_id(pool: str) -> str:
     return f"scheduler:{pool}"
 
 
-def resident_workflow_id(deployment: str, accelerator: str) -> str:
-    return f"resident:{deployment}:{accelerator}"
+def resident_workflow_id(deployment: str, accelerator: str, generation: int) -> str:
+    # One id per load: a reload never collides with the previous residency still closing.
+    return f"resident:{deployment}:{accelerator}:{generation}"
 
 
 def telemetry_id(node: str) -> str:

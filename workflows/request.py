@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
 from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
+MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
 
 
 @workflow.defn(name="CapabilityRequestWorkflow")
@@ -53,27 +54,31 @@ class CapabilityRequestWorkflow:
     async def run(self, request: RequestInput) -> RequestResult:
         started = workflow.now()
         timings: dict[str, float] = {}
-        lease = await self._acquire(request)
-        self._lease = lease
-        timings["lease_s"] = (workflow.now() - started).total_seconds()
-        workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
-        self._phase = "invoking"
-        outcome, message = "ok", ""
-        result: InvokeResult | None = None
-        try:
-            result = await workflow.execute_activity(
-                "invoke",
-                InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
-                result_type=InvokeResult,
-                task_queue=node_task_queue(lease.node),
-                schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
-                heartbeat_timeout=INVOKE_HEARTBEAT,
-                retry_policy=RetryPolicy(maximum_attempts=1),
-                summary=f"invoke {lease.deployment} on {lease.accelerator}",
-            )
-        except ActivityError as error:
-            outcome, message = classify(error)
-        finally:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            self._decision = None
+            lease = await self._acquire(request)
+            self._lease = lease
+            timings["lease_s"] = (workflow.now() - started).total_seconds()
+            workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
+            self._phase = "invoking"
+            outcome, message = "ok", ""
+            result: InvokeResult | None = None
+            try:
+                result = await workflow.execute_activity(
+                    "invoke",
+                    InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
+                    result_type=InvokeResult,
+                    task_queue=node_task_queue(lease.node),
+                    schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+                    heartbeat_timeout=INVOKE_HEARTBEAT,
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    summary=f"invoke {lease.deployment} on {lease.accelerator}",
+                )
+            except ActivityError as error:
+                outcome, message = classify(error)
+            # A runtime found gone (crashed, or its node restarted since the last sample) is the one
+            # failure a fresh lease can cure: the scheduler drops the resident and loads it again.
+            retrying = outcome == FailureClass.RUNTIME_CRASH.value and attempt < MAX_ATTEMPTS
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
                 "release",
                 ReleaseSignal(
@@ -82,8 +87,11 @@ class CapabilityRequestWorkflow:
                     outcome=outcome,
                     invoke_s=result.invoke_s if result else 0.0,
                     message=message,
+                    retrying=retrying,
                 ),
             )
+            if not retrying:
+                break
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
         if result is None:
             self._phase = "failed"
@@ -91,6 +99,7 @@ class CapabilityRequestWorkflow:
         self._phase = "done"
         timings["invoke_s"] = result.invoke_s
         timings["total_s"] = (workflow.now() - started).total_seconds()
+        timings["attempts"] = attempt
         return RequestResult(
             request_id=request.request_id,
             capability=request.capability,

@@ -35,6 +35,7 @@ class ResidencyWorkflow:
         self._commands: list[ResidentCommand] = []
         self._phase = "loading"
         self._expires_at: float | None = None
+        self._id = workflow.info().workflow_id
 
     @workflow.signal
     def command(self, command: ResidentCommand) -> None:
@@ -71,7 +72,8 @@ class ResidencyWorkflow:
         except ActivityError as error:
             cls, message = classify(error)
             await scheduler.signal(
-                "resident_loaded", ResidentReport(key=start.key, ok=False, failure=cls, message=f"load: {message}")
+                "resident_loaded",
+                ResidentReport(key=start.key, ok=False, failure=cls, message=f"load: {message}", workflow_id=self._id),
             )
             return f"load failed: {cls}"
         health_started = workflow.now()
@@ -91,6 +93,7 @@ class ResidencyWorkflow:
                 "resident_loaded",
                 ResidentReport(
                     key=start.key,
+                    workflow_id=self._id,
                     ok=False,
                     failure=FailureClass.HEALTHCHECK_FAILED.value,
                     message=f"health check: {message}",
@@ -101,7 +104,12 @@ class ResidencyWorkflow:
         await scheduler.signal(
             "resident_loaded",
             ResidentReport(
-                key=start.key, ok=True, measured_bytes=loaded.measured_bytes, load_s=loaded.load_s, health_s=health_s
+                key=start.key,
+                workflow_id=self._id,
+                ok=True,
+                measured_bytes=loaded.measured_bytes,
+                load_s=loaded.load_s,
+                health_s=health_s,
             ),
         )
         self._phase = "ready"
@@ -115,7 +123,7 @@ class ResidencyWorkflow:
             except TimeoutError:
                 # The TTL timer fired: the scheduler knows the last use and active leases.
                 self._expires_at = None
-                await scheduler.signal("resident_idle", ResidentIdle(key=start.key))
+                await scheduler.signal("resident_idle", ResidentIdle(key=start.key, workflow_id=self._id))
                 continue
             command = self._commands.pop(0)
             if command.action == "extend":
@@ -155,10 +163,15 @@ class ResidencyWorkflow:
         except ActivityError as error:
             _, message = classify(error)
             return UnloadReport(
-                key=start.key, reclaimed=False, message=message, unload_s=(workflow.now() - started).total_seconds()
+                key=start.key,
+                workflow_id=self._id,
+                reclaimed=False,
+                message=message,
+                unload_s=(workflow.now() - started).total_seconds(),
             )
         return UnloadReport(
             key=start.key,
+            workflow_id=self._id,
             reclaimed=reclaim.reclaimed,
             message=reclaim.message,
             unload_s=(workflow.now() - started).total_seconds(),

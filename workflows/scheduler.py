@@ -38,6 +38,9 @@ with workflow.unsafe.imports_passed_through():
 from workflows._common import STORE_RETRY, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
+# One residency workflow id per load (session 2); older histories used one id per key.
+PATCH_RESIDENCY_GENERATIONS = "residency-generations"
+
 EVENT_BATCH = 200
 
 
@@ -105,12 +108,18 @@ class PoolSchedulerWorkflow:
                     accelerator=lease.accelerator,
                     deployment=lease.deployment,
                     workflow_id=lease.workflow_id,
-                    message=signal.message,
-                    payload={"invoke_s": round(signal.invoke_s, 4)},
+                    message=signal.message + (" (retrying with a new lease)" if signal.retrying else ""),
+                    payload={"invoke_s": round(signal.invoke_s, 4), "retrying": signal.retrying},
                 ),
                 now,
             )
         self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome), now)
+        if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
+            events = policy.resident_crashed(self._state, lease.resident_key, lease.granted_at, signal.message)
+            for event in events:
+                if event.workflow_id:
+                    self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
+            self._record_all(events, now)
         self._wake = True
 
     @workflow.signal
@@ -147,6 +156,8 @@ class PoolSchedulerWorkflow:
     def resident_loaded(self, report: ResidentReport) -> None:
         now = self._now()
         resident = self._state.residents.get(report.key)
+        if not self._current(report.key, report.workflow_id):
+            return
         accelerator = resident.accelerator if resident else ""
         deployment = resident.deployment if resident else ""
         workflow_id = resident.workflow_id if resident else ""
@@ -187,14 +198,12 @@ class PoolSchedulerWorkflow:
     def resident_idle(self, idle: ResidentIdle) -> None:
         now = self._now()
         resident = self._state.residents.get(idle.key)
-        until = policy.keep_warm_check(self._state, idle.key, now)
-        if resident is None:
+        if resident is None or not self._current(idle.key, idle.workflow_id):
             # Already dropped (lost with its node): the residency workflow has nothing to keep.
-            self._commands_out.append(
-                (resident_workflow_id(*idle.key.split("@", 1)), ResidentCommand("lost", reason="not resident"))
-            )
+            self._commands_out.append((idle.workflow_id, ResidentCommand("lost", reason="not resident")))
             self._wake = True
             return
+        until = policy.keep_warm_check(self._state, idle.key, now)
         if until is None:
             self._record(
                 policy.PolicyEvent(
@@ -215,6 +224,8 @@ class PoolSchedulerWorkflow:
     def resident_unloaded(self, report: UnloadReport) -> None:
         now = self._now()
         resident = self._state.residents.get(report.key)
+        if not self._current(report.key, report.workflow_id):
+            return
         if resident is not None:
             self._record(
                 policy.PolicyEvent(
@@ -228,6 +239,12 @@ class PoolSchedulerWorkflow:
             )
         self._record_all(policy.resident_unloaded(self._state, report.key, report.reclaimed, report.message), now)
         self._wake = True
+
+    def _current(self, key: str, workflow_id: str) -> bool:
+        """Whether a residency report comes from the key's current life; a report from a previous
+        one (lost, then loaded again) must not move the new one."""
+        resident = self._state.residents.get(key)
+        return resident is None or not workflow_id or resident.workflow_id == workflow_id
 
     @workflow.signal
     def catalog_changed(self) -> None:
@@ -299,7 +316,15 @@ class PoolSchedulerWorkflow:
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})
             return
-        ids = {load.resident_key: resident_workflow_id(load.deployment, load.accelerator) for load in decisions.loads}
+        ids: dict[str, str] = {}
+        for load in decisions.loads:
+            if workflow.patched(PATCH_RESIDENCY_GENERATIONS):
+                self._state.load_counter += 1
+                ids[load.resident_key] = resident_workflow_id(
+                    load.deployment, load.accelerator, self._state.load_counter
+                )
+            else:  # a scheduler started before generations keeps its ids while it replays
+                ids[load.resident_key] = f"resident:{load.deployment}:{load.accelerator}"
         self._record_all(policy.apply_decisions(self._state, decisions, now, ids), now)
         for grant in decisions.grants:
             self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
@@ -345,7 +370,8 @@ class PoolSchedulerWorkflow:
         self._start_event_write()
 
     async def _start_residency(self, load: ResidencyInput) -> object:
-        workflow_id = resident_workflow_id(load.deployment.deployment_id, load.accelerator.id)
+        resident = self._state.residents.get(load.key)
+        workflow_id = resident.workflow_id if resident is not None else ""
         try:
             await workflow.start_child_workflow(
                 ResidencyWorkflow.run,

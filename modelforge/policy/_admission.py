@@ -656,6 +656,29 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str) -> 
     ]
 
 
+def resident_crashed(state: PoolState, key: str, granted_at: float, message: str) -> list[PolicyEvent]:
+    """An invoke found the runtime gone (crashed, or its node worker restarted): the model is no
+    longer resident, whatever the last sample said, so no further lease may be granted on it.
+    A report about a lease older than the resident's current load is about a previous life of
+    the same key and changes nothing."""
+    resident = state.residents.get(key)
+    if resident is None or resident.phase != ResidentPhase.READY:
+        return []
+    if resident.loaded_at is not None and resident.loaded_at > granted_at:
+        return []
+    del state.residents[key]
+    return [
+        PolicyEvent(
+            kind="resident_lost",
+            failure=FailureClass.RUNTIME_CRASH,
+            accelerator=resident.accelerator,
+            deployment=resident.deployment,
+            workflow_id=resident.workflow_id,
+            message=f"invoke found the runtime gone: {message}",
+        )
+    ]
+
+
 def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -> list[PolicyEvent]:
     """The requester gave up (timeout, cancel): drop it from the queue and release any lease."""
     events: list[PolicyEvent] = []

@@ -115,6 +115,7 @@ class PoolState:
     queue: list[QueuedRequest] = field(default_factory=list)
     usage: dict[str, TenantUsage] = field(default_factory=dict)
     lease_counter: int = 0
+    load_counter: int = 0
 
     def pool_accelerators(self) -> list[str]:
         return [a.id for a in self.catalog.accelerators if a.pool == self.pool]

@@ -75,7 +75,7 @@ class Dev:
 
     def json(self, *args: str) -> object:
         done = self.cli(*args, "--json")
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, f"{args}: {done.stderr}{done.stdout}"
         return json.loads(done.stdout)
 
 
