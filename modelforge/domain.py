@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 GiB = 1024**3
 
@@ -123,23 +124,48 @@ class Catalog:
     deployments: list[Deployment] = field(default_factory=list)
     tenants: list[Tenant] = field(default_factory=list)
 
-    def deployment_for(self, capability: str) -> Deployment | None:
+    # Lookups are by index: the scheduler asks them per queued request, on catalogs of thousands
+    # of accelerators. A catalog is immutable by contract (frozen; its lists are never mutated
+    # after construction), so the indexes are built once, on first use, and never go stale.
+    @cached_property
+    def _deployments_by_capability(self) -> dict[str, Deployment]:
+        index: dict[str, Deployment] = {}
         for deployment in self.deployments:
-            if deployment.capability == capability:
-                return deployment
-        return None
+            index.setdefault(deployment.capability, deployment)
+        return index
+
+    @cached_property
+    def _deployments_by_id(self) -> dict[str, Deployment]:
+        index: dict[str, Deployment] = {}
+        for deployment in self.deployments:
+            index.setdefault(deployment.deployment_id, deployment)
+        return index
+
+    @cached_property
+    def _accelerators_by_id(self) -> dict[str, Accelerator]:
+        index: dict[str, Accelerator] = {}
+        for accelerator in self.accelerators:
+            index.setdefault(accelerator.id, accelerator)
+        return index
+
+    @cached_property
+    def _tenants_by_name(self) -> dict[str, Tenant]:
+        index: dict[str, Tenant] = {}
+        for tenant in self.tenants:
+            index.setdefault(tenant.name, tenant)
+        return index
+
+    def deployment_for(self, capability: str) -> Deployment | None:
+        return self._deployments_by_capability.get(capability)
+
+    def deployment(self, deployment_id: str) -> Deployment | None:
+        return self._deployments_by_id.get(deployment_id)
 
     def accelerator(self, accelerator_id: str) -> Accelerator | None:
-        for accelerator in self.accelerators:
-            if accelerator.id == accelerator_id:
-                return accelerator
-        return None
+        return self._accelerators_by_id.get(accelerator_id)
 
     def tenant(self, name: str) -> Tenant | None:
-        for tenant in self.tenants:
-            if tenant.name == name:
-                return tenant
-        return None
+        return self._tenants_by_name.get(name)
 
     def nodes(self) -> list[str]:
         return sorted({accelerator.node for accelerator in self.accelerators})
@@ -172,11 +198,12 @@ class Observation:
     received_at: float = 0.0  # workflow time when the sample reached the scheduler: freshness
     simulated: bool = False
 
-    @property
+    # Cached: an observation is immutable, and the scheduler reads these on every decision pass.
+    @cached_property
     def managed_bytes(self) -> int:
         return sum(p.used_bytes for p in self.processes if p.managed)
 
-    @property
+    @cached_property
     def external_bytes(self) -> int:
         """NVML used minus what ModelForge's own processes hold; never negative."""
         return max(0, self.used_bytes - self.managed_bytes)

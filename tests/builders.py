@@ -69,7 +69,10 @@ def observe(
     managed_gib: float = 0,
     at: float = NOW,
     healthy: bool = True,
+    loaded: list[str] | None = None,
 ) -> None:
+    """One NVML sample. The node holds the resident keys in `loaded` (none by default: a READY
+    resident missing from a later sample is reconciled as lost)."""
     acc = s.catalog.accelerator(accelerator)
     assert acc is not None
     processes = []
@@ -87,6 +90,7 @@ def observe(
                 used_bytes=used,
                 processes=processes,
                 healthy=healthy,
+                loaded=loaded or [],
                 health_reason="" if healthy else "xid 79",
                 received_at=at,
                 observed_at=at,

@@ -4,15 +4,10 @@ simulator. Nothing here reads a clock, the environment or randomness; `now` is a
 from modelforge.policy._admission import (
     AdmissionRejected,
     AdmissionRequest,
-    FilterResult,
     apply_decisions,
     cancel_request,
-    decide,
     enqueue,
-    fair_share_scores,
-    filter_accelerators,
     keep_warm_check,
-    queue_order,
     release_lease,
     resident_crashed,
     resident_failed,
@@ -33,6 +28,8 @@ from modelforge.policy._decisions import (
     Wait,
 )
 from modelforge.policy._observe import apply_observations
+from modelforge.policy._order import fair_share_scores, queue_order
+from modelforge.policy._placement import FilterResult, decide, filter_accelerators
 from modelforge.policy._state import (
     AcceleratorRuntime,
     Lease,

@@ -16,7 +16,7 @@ from modelforge.policy._state import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Budget:
     accelerator: str
     total_bytes: int
@@ -33,7 +33,10 @@ class Budget:
 def dynamic_reserve_bytes(runtime: AcceleratorRuntime, config: PolicyConfig, now: float) -> int:
     """Spread of external usage over the recent window: a card whose unmanaged users swing by
     4 GiB keeps 4 GiB (times the factor) free for their next swing."""
-    recent = [b for t, b in runtime.external_history if now - t <= config.volatility_window_s]
+    history = runtime.external_history
+    if len(history) < 2:
+        return 0
+    recent = [b for t, b in history if now - t <= config.volatility_window_s]
     if len(recent) < 2:
         return 0
     return int((max(recent) - min(recent)) * config.volatility_factor)
@@ -47,10 +50,23 @@ def compute_budget(
     config: PolicyConfig,
     now: float,
 ) -> Budget:
-    observation = runtime.observation
     # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
     resident = sum(r.bytes for r in residents if r.accelerator == accelerator.id)
     leased = sum(lease.bytes for lease in leases if lease.accelerator == accelerator.id)
+    return budget_from_sums(accelerator, runtime, resident, leased, config, now)
+
+
+def budget_from_sums(
+    accelerator: Accelerator,
+    runtime: AcceleratorRuntime,
+    resident_bytes: int,
+    leased_bytes: int,
+    config: PolicyConfig,
+    now: float,
+) -> Budget:
+    """The invariant from bytes already summed per accelerator (the decision pass groups them
+    in one walk over residents and leases)."""
+    observation = runtime.observation
     reserve = max(accelerator.reserve_bytes, dynamic_reserve_bytes(runtime, config, now))
     external = observation.external_bytes if observation is not None else 0
     age = None if observation is None else max(0.0, now - observation.received_at)
@@ -60,10 +76,10 @@ def compute_budget(
         total_bytes=accelerator.total_bytes,
         observed_used_bytes=None if observation is None else observation.used_bytes,
         external_bytes=external,
-        resident_bytes=resident,
-        leased_bytes=leased,
+        resident_bytes=resident_bytes,
+        leased_bytes=leased_bytes,
         reserve_bytes=reserve,
-        schedulable_bytes=accelerator.total_bytes - external - resident - leased - reserve,
+        schedulable_bytes=accelerator.total_bytes - external - resident_bytes - leased_bytes - reserve,
         fresh=fresh,
         age_s=age,
     )

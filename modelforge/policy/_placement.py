@@ -1,0 +1,564 @@
+"""One decision pass: walk the queue in order and place each request in phases, in the spirit of
+the Kubernetes scheduler framework: filter (each accelerator accepted or rejected with a reason),
+score (join a ready resident > join a loading one > load), choose (best fit), and make room
+(evict the cheapest idle residents) when nothing fits.
+
+`decide` is pure: it reads the state and returns decision objects. It is also the hot path of the
+scheduler workflow, so it is built to stay near-linear in the queue and the pool:
+
+- everything the pass needs per accelerator (budget, evictable residents, always_warm bytes) is
+  computed once, grouped in one walk over residents and leases;
+- the static filter (placement list, production eligibility, measured envelope) is computed once
+  per (deployment, class) and pass; health is the only per-pass filter;
+- a pass only ever consumes capacity, so once an unplaced request of a deployment has to wait
+  (or can never fit), every later request of that deployment and the same filter outcome would
+  too: its outcome is reused rather than recomputed;
+- wait reasons are summarised per kind of reason, never one line per accelerator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modelforge.domain import Accelerator, Deployment, Priority, Residency, resident_key
+from modelforge.failures import FailureClass
+from modelforge.policy._budget import Budget, budget_from_sums
+from modelforge.policy._decisions import Assign, Decisions, Grant, Reject, StartLoad, Unload, Wait
+from modelforge.policy._order import ordered_buckets
+from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
+
+_IDLE_RUNTIME = AcceleratorRuntime()
+_PRODUCTION = Priority.PRODUCTION
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    accelerator: str
+    passed: bool
+    reason: str = ""
+    permanent: bool = True
+
+
+class _Reasons:
+    """Why a request waits, one line per kind of reason with how many accelerators gave it."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, str] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, kind: str, text: str, count: int = 1) -> None:
+        if kind in self._count:
+            self._count[kind] += count
+        else:
+            self._first[kind] = text
+            self._count[kind] = count
+
+    def __str__(self) -> str:
+        parts = []
+        for kind, text in self._first.items():
+            more = self._count[kind] - 1
+            parts.append(text if more == 0 else f"{text} (and {more} more like it)")
+        return "; ".join(parts)
+
+
+@dataclass
+class _Pass:
+    """What one decision pass knows and has committed, so it never double-books."""
+
+    state: PoolState
+    budgets: dict[str, Budget]
+    pool_accelerators: list[Accelerator]
+    unhealthy: dict[str, bool]
+    residents_of: dict[str, list[ResidentState]]
+    evictable: dict[str, list[ResidentState]]
+    pinned: dict[str, int]
+    committed: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+    evicting: dict[str, bool] = field(default_factory=dict)
+    # Accelerators on which a higher-ordered request waits for memory: later requests may join
+    # ready residents there but must not take new bytes ahead of it.
+    blocked: dict[str, bool] = field(default_factory=dict)
+    position: dict[str, int] = field(default_factory=dict)
+    static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
+    eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
+
+    def free(self, accelerator: str) -> int:
+        return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
+
+    def commit(self, accelerator: str, nbytes: int) -> None:
+        self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
+
+
+def _evictable(resident: ResidentState) -> bool:
+    return (
+        resident.phase == ResidentPhase.READY
+        and resident.active_leases == 0
+        and resident.residency != Residency.ALWAYS_WARM
+    )
+
+
+def _static_reason(accelerator: Accelerator, deployment: Deployment, production: bool) -> str:
+    if deployment.accelerators and accelerator.id not in deployment.accelerators:
+        return f"{accelerator.id}: not in the deployment's placement list"
+    if production:
+        if not accelerator.production_eligible:
+            return f"{accelerator.id}: production_eligible=false"
+        if not deployment.production_eligible:
+            return f"{accelerator.id}: deployment {deployment.deployment_id} is not production eligible"
+        if accelerator.model not in deployment.measured_on:
+            return (
+                f"{accelerator.id}: envelope of {deployment.deployment_id} not measured on "
+                f"{accelerator.model or 'this accelerator model'}"
+            )
+    return ""
+
+
+def filter_accelerators(state: PoolState, deployment: Deployment, priority: Priority, now: float) -> list[FilterResult]:
+    """Phase 1: each accelerator of the pool, accepted or rejected with its reason."""
+    results: list[FilterResult] = []
+    for accelerator in state.catalog.accelerators:
+        if accelerator.pool != state.pool:
+            continue
+        reason = _static_reason(accelerator, deployment, priority == Priority.PRODUCTION)
+        if reason:
+            results.append(FilterResult(accelerator.id, False, reason, True))
+            continue
+        runtime = state.accelerators.get(accelerator.id)
+        if runtime is not None and not runtime.healthy:
+            results.append(FilterResult(accelerator.id, False, f"{accelerator.id}: UNHEALTHY", False))
+            continue
+        results.append(FilterResult(accelerator.id, True))
+    return results
+
+
+def _start_pass(state: PoolState, now: float) -> _Pass:
+    accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
+    resident_sum: dict[str, int] = {}
+    pinned: dict[str, int] = {}
+    residents_of: dict[str, list[ResidentState]] = {}
+    evictable: dict[str, list[ResidentState]] = {}
+    for resident in state.residents.values():
+        # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
+        resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
+        residents_of.setdefault(resident.deployment, []).append(resident)
+        if resident.residency == Residency.ALWAYS_WARM:
+            pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
+        if _evictable(resident):
+            evictable.setdefault(resident.accelerator, []).append(resident)
+    leased_sum: dict[str, int] = {}
+    for lease in state.leases.values():
+        leased_sum[lease.accelerator] = leased_sum.get(lease.accelerator, 0) + lease.bytes
+    budgets = {
+        a.id: budget_from_sums(
+            a,
+            state.accelerators.get(a.id, _IDLE_RUNTIME),
+            resident_sum.get(a.id, 0),
+            leased_sum.get(a.id, 0),
+            state.config,
+            now,
+        )
+        for a in accelerators
+    }
+    # Cheapest to unload first, then the largest (fewest models go), then by key.
+    catalog = state.catalog
+    for candidates in evictable.values():
+        candidates.sort(key=lambda r: (_unload_cost(catalog.deployment(r.deployment)), -r.bytes, r.key))
+    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
+    pass_ = _Pass(
+        state=state,
+        budgets=budgets,
+        pool_accelerators=accelerators,
+        unhealthy=unhealthy,
+        residents_of=residents_of,
+        evictable=evictable,
+        pinned=pinned,
+        position={a.id: i for i, a in enumerate(accelerators)},
+    )
+    for resident in state.residents.values():
+        deployment = catalog.deployment(resident.deployment)
+        concurrency = deployment.concurrency if deployment else 1
+        pass_.slots[resident.key] = concurrency - resident.active_leases
+    return pass_
+
+
+def _unload_cost(deployment: Deployment | None) -> float:
+    return deployment.unload_s if deployment is not None else 0.0
+
+
+def _static_filter(state: PoolState, deployment: Deployment, production: bool) -> tuple[list[str], list[FilterResult]]:
+    """The filter results that depend on the catalog alone, kept with the catalog (immutable by
+    contract) so a pass over thousands of accelerators computes them once per catalog."""
+    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult]]] = state.catalog.__dict__.setdefault(
+        "_policy_static_filter", {}
+    )
+    key = (state.pool, deployment.deployment_id, production)
+    cached = cache.get(key)
+    if cached is None:
+        passed: list[str] = []
+        refused: list[FilterResult] = []
+        for accelerator in state.catalog.accelerators:
+            if accelerator.pool != state.pool:
+                continue
+            reason = _static_reason(accelerator, deployment, production)
+            if reason:
+                refused.append(FilterResult(accelerator.id, False, reason, True))
+            else:
+                passed.append(accelerator.id)
+        cached = (passed, refused)
+        cache[key] = cached
+    return cached
+
+
+def _filtered(pass_: _Pass, deployment: Deployment, production: bool) -> tuple[list[str], list[FilterResult]]:
+    """(accelerators that pass, those that do not with their reasons)."""
+    key = (deployment.deployment_id, production)
+    cached = pass_.static_filter.get(key)
+    if cached is None:
+        passed, refused = _static_filter(pass_.state, deployment, production)
+        if pass_.unhealthy:
+            refused = refused + [
+                FilterResult(a, False, f"{a}: UNHEALTHY", False) for a in passed if a in pass_.unhealthy
+            ]
+            passed = [a for a in passed if a not in pass_.unhealthy]
+            eligible = dict.fromkeys(passed, True)
+        else:
+            eligible = _static_eligible(pass_.state, deployment, production, passed)
+        cached = (passed, refused)
+        pass_.static_filter[key] = cached
+        pass_.eligible[key] = eligible
+    return cached
+
+
+def _static_eligible(state: PoolState, deployment: Deployment, production: bool, passed: list[str]) -> dict[str, bool]:
+    cache: dict[tuple[str, str, bool], dict[str, bool]] = state.catalog.__dict__.setdefault(
+        "_policy_static_eligible", {}
+    )
+    key = (state.pool, deployment.deployment_id, production)
+    eligible = cache.get(key)
+    if eligible is None:
+        eligible = cache[key] = dict.fromkeys(passed, True)
+    return eligible
+
+
+def decide(state: PoolState, now: float) -> Decisions:
+    return decide_each(state, now, reuse_settled=True)
+
+
+def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
+    """`decide`, and with `reuse_settled=False` the reference it must agree with: every request
+    placed on its own, no outcome reused (the property tests compare the two)."""
+    pass_ = _start_pass(state, now)
+    decisions = Decisions()
+    counter = state.lease_counter
+    catalog = state.catalog
+    # Per capability: its deployment and the outcome an unplaced request of it settled on in this
+    # pass, one table for production requests and one for the rest (their filters differ).
+    deployments: dict[str, Deployment | None] = {}
+    settled_production: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
+    settled_other: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
+    for bucket in ordered_buckets(state, now):
+        # A bucket holds one class, so one settled table serves all of it.
+        settled_by = settled_production if bucket[0].priority == _PRODUCTION else settled_other
+        for queued in bucket:
+            if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
+                decisions.rejects.append(_expired(queued, now))
+                continue
+            capability = queued.capability
+            if reuse_settled and not queued.assigned_to:
+                settled = settled_by.get(capability)
+                if settled is not None:
+                    # The hot path on a busy pool: most of the queue waits behind its head.
+                    if settled[0] is None:
+                        if queued.waiting_reason != settled[1]:
+                            decisions.waits.append(Wait(queued.request_id, settled[1]))
+                    else:
+                        decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
+                    continue
+            if capability in deployments:
+                deployment = deployments[capability]
+            else:
+                deployment = deployments[capability] = catalog.deployment_for(capability)
+            if deployment is None:
+                decisions.rejects.append(
+                    Reject(
+                        queued.request_id,
+                        queued.workflow_id,
+                        FailureClass.CAPABILITY_UNAVAILABLE,
+                        f"{capability} was removed from the catalog",
+                    )
+                )
+                continue
+            counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
+
+    # load_on_demand and batch residents go when their last lease has ended and nobody waits.
+    waiting_on = {a.resident_key: True for a in decisions.assigns}
+    for queued in state.queue:
+        if queued.assigned_to:
+            waiting_on[queued.assigned_to] = True
+    granted_on = {g.lease.resident_key: True for g in decisions.grants}
+    for resident in state.residents.values():
+        if (
+            resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE)
+            and _evictable(resident)
+            and resident.key not in pass_.evicting
+            and resident.key not in waiting_on
+            and resident.key not in granted_on
+        ):
+            decisions.unloads.append(Unload(resident.key, "last lease ended (load_on_demand)"))
+    return decisions
+
+
+def _expired(queued: QueuedRequest, now: float) -> Reject:
+    if now >= queued.lease_timeout_at:
+        reason = f"; last reason: {queued.waiting_reason}" if queued.waiting_reason else ""
+        return Reject(
+            queued.request_id,
+            queued.workflow_id,
+            FailureClass.LEASE_TIMEOUT,
+            f"waited {now - queued.submitted_at:.1f} s for a lease{reason}",
+        )
+    reason = f"; {queued.waiting_reason}" if queued.waiting_reason else ""
+    message = f"deadline passed while queued{reason}"
+    return Reject(queued.request_id, queued.workflow_id, FailureClass.DEADLINE_CANNOT_BE_MET, message)
+
+
+def _decide_one(
+    pass_: _Pass,
+    decisions: Decisions,
+    queued: QueuedRequest,
+    deployment: Deployment,
+    settled_by: dict[str, tuple[FailureClass, str] | tuple[None, str]],
+    now: float,
+    counter: int,
+) -> int:
+    """Place one request and record the outcome; returns the lease counter after it."""
+    outcome = _place(pass_, queued, deployment, now, counter)
+    if isinstance(outcome, Grant):
+        decisions.grants.append(outcome)
+        return counter + 1
+    if isinstance(outcome, Reject):
+        decisions.rejects.append(outcome)
+        if not queued.assigned_to and outcome.failure != FailureClass.DEADLINE_CANNOT_BE_MET:
+            settled_by[queued.capability] = (outcome.failure, outcome.message)
+    elif isinstance(outcome, StartLoad):
+        decisions.loads.append(outcome)
+    elif isinstance(outcome, Assign):
+        decisions.assigns.append(outcome)
+    elif isinstance(outcome, list):
+        decisions.unloads.extend(outcome)
+        decisions.waits.append(
+            Wait(queued.request_id, "making room: unloading " + ", ".join(u.resident_key for u in outcome))
+        )
+    else:
+        decisions.waits.append(outcome)
+        if not queued.assigned_to:
+            settled_by[queued.capability] = (None, outcome.reason)
+    return counter
+
+
+def _grant(
+    queued: QueuedRequest, deployment: Deployment, resident: ResidentState, now: float, pass_: _Pass, counter: int
+) -> Grant:
+    extra = deployment.lease_extra_bytes
+    pass_.commit(resident.accelerator, extra)
+    pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
+    lease = Lease(
+        lease_id=f"{queued.request_id}.{counter + 1}",
+        request_id=queued.request_id,
+        workflow_id=queued.workflow_id,
+        capability=queued.capability,
+        deployment=deployment.deployment_id,
+        accelerator=resident.accelerator,
+        node=resident.node,
+        resident_key=resident.key,
+        bytes=extra,
+        granted_at=now,
+        priority=queued.priority,
+        tenant=queued.tenant,
+    )
+    return Grant(queued.request_id, queued.workflow_id, lease)
+
+
+def _place(
+    pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
+) -> Grant | Reject | StartLoad | Assign | Wait | list[Unload]:
+    state = pass_.state
+    extra = deployment.lease_extra_bytes
+    # A request already waiting on a load is granted when that resident is ready.
+    if queued.assigned_to:
+        resident = state.residents.get(queued.assigned_to)
+        if resident is not None and resident.phase == ResidentPhase.LOADING:
+            return Wait(queued.request_id, f"waiting for {resident.key} to load")
+        if resident is not None and resident.phase == ResidentPhase.READY and pass_.slots.get(resident.key, 0) > 0:
+            if extra <= pass_.free(resident.accelerator) or extra == 0:
+                return _grant(queued, deployment, resident, now, pass_, counter)
+
+    production = queued.priority == Priority.PRODUCTION
+    passed, refused = _filtered(pass_, deployment, production)
+    if not passed:
+        if all(f.permanent for f in refused):
+            detail = "; ".join(f.reason for f in refused) or "the pool has no accelerators"
+            return Reject(
+                queued.request_id,
+                queued.workflow_id,
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"no {queued.priority.value} placement for {queued.capability}: {detail}",
+            )
+        reasons = _Reasons()
+        for f in refused:
+            if not f.passed:
+                reasons.add("unhealthy" if not f.permanent else "filtered", f.reason)
+        return Wait(queued.request_id, str(reasons))
+
+    # Phase 2, score: join a ready resident (no new load) > join a loading one > load with best fit.
+    reasons = _Reasons()
+    holding: dict[str, bool] = {}
+    residents = pass_.residents_of.get(deployment.deployment_id, [])
+    if residents:
+        eligible = pass_.eligible[(deployment.deployment_id, production)]
+        if len(residents) > 1:
+            # In the order of the pool's accelerators, as the filter phase returns them.
+            position = pass_.position
+            residents = sorted(residents, key=lambda r: position.get(r.accelerator, 0))
+        for resident in residents:
+            accelerator = resident.accelerator
+            if accelerator not in eligible:
+                continue
+            holding[accelerator] = True
+            if pass_.slots.get(resident.key, 0) <= 0:
+                reasons.add(
+                    "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
+                )
+                continue
+            if resident.phase == ResidentPhase.READY:
+                if extra == 0 or extra <= pass_.free(accelerator):
+                    return _grant(queued, deployment, resident, now, pass_, counter)
+                reasons.add(
+                    "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
+                )
+            elif resident.phase == ResidentPhase.LOADING:
+                pass_.slots[resident.key] -= 1
+                return Assign(queued.request_id, resident.key)
+            else:
+                reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
+
+    need = deployment.resident_bytes + extra
+    best: tuple[int, str] | None = None
+    eviction_options: list[tuple[int, str, list[str]]] = []
+    blocked = pass_.blocked
+    # Accelerators where a higher request already waits for memory are out for new bytes; on a
+    # busy pool that is most of them, so they are set aside in one sweep.
+    if not blocked:
+        open_accelerators = passed
+    elif len(blocked) == len(pass_.pool_accelerators):
+        open_accelerators = []
+    else:
+        open_accelerators = [a for a in passed if a not in blocked and a not in holding]
+    shut = len(passed) - len(open_accelerators) - len(holding) if blocked else 0
+    if shut > 0:
+        first = next(a for a in passed if a in blocked and a not in holding)
+        reasons.add("blocked", f"{first}: a higher request waits for memory here", shut)
+    budgets = pass_.budgets
+    for accelerator in open_accelerators:
+        if accelerator in holding:
+            continue
+        budget = budgets[accelerator]
+        if not budget.fresh:
+            age = "never observed" if budget.age_s is None else f"observation {budget.age_s:.0f} s old"
+            reasons.add("stale", f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})")
+            continue
+        if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
+            reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
+            continue
+        free = budget.schedulable_bytes - pass_.committed.get(accelerator, 0)
+        if need <= free:
+            if best is None or (free - need, accelerator) < best:
+                best = (free - need, accelerator)
+            continue
+        if accelerator in pass_.evictable:
+            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need)
+            if plan is not None:
+                evicted = sum(state.residents[k].bytes for k in plan)
+                eviction_options.append((evicted, accelerator, plan))
+        reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
+
+    if best is not None and queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
+        return Reject(
+            queued.request_id,
+            queued.workflow_id,
+            FailureClass.DEADLINE_CANNOT_BE_MET,
+            f"loading {deployment.deployment_id} takes {deployment.load_s:.1f} s; the deadline is in "
+            f"{queued.deadline_at - now:.1f} s",
+        )
+    if best is not None:
+        # Phase 3, choose: best fit (least schedulable left over), ties by accelerator id.
+        _, accelerator = best
+        acc = state.catalog.accelerator(accelerator)
+        assert acc is not None
+        pass_.commit(accelerator, need - extra)
+        key = resident_key(deployment.deployment_id, accelerator)
+        pass_.slots[key] = deployment.concurrency - 1
+        return StartLoad(
+            key, deployment.deployment_id, accelerator, acc.node, deployment.resident_bytes, [queued.request_id]
+        )
+    if eviction_options:
+        _, accelerator, plan = min(eviction_options)
+        for key in plan:
+            pass_.evicting[key] = True
+        pass_.blocked[accelerator] = True
+        return [Unload(key, f"making room for {queued.capability} ({queued.priority.value})") for key in plan]
+
+    # Nothing fits now. Refuse at once when no release of ModelForge's own work could ever help.
+    never = _never_fits(pass_, passed, need)
+    if never is not None:
+        return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
+    for accelerator in open_accelerators:
+        if budgets[accelerator].fresh:
+            blocked[accelerator] = True
+    return Wait(queued.request_id, str(reasons) or "waiting for capacity")
+
+
+def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int) -> list[str] | None:
+    """The cheapest idle residents whose bytes make `need` fit: fastest to unload first, then the
+    largest, so the fewest models go."""
+    candidates = pass_.evictable.get(accelerator)
+    if not candidates:
+        return None
+    free = pass_.free(accelerator)
+    chosen: list[str] = []
+    for resident in candidates:
+        if free >= need:
+            break
+        if resident.deployment == deployment_id or resident.key in pass_.evicting:
+            continue
+        chosen.append(resident.key)
+        free += resident.bytes
+    return chosen if free >= need and chosen else None
+
+
+def _never_fits(pass_: _Pass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
+    external_blocked = []
+    for accelerator in passed:
+        budget = pass_.budgets[accelerator]
+        if not budget.fresh:
+            return None
+        ceiling = budget.total_bytes - budget.reserve_bytes
+        pinned = pass_.pinned.get(accelerator, 0)
+        if need <= ceiling - budget.external_bytes - pinned:
+            return None  # releases or evictions of ModelForge work would make it fit: wait
+        if need <= ceiling - pinned:
+            external_blocked.append(
+                f"{accelerator}: external {budget.external_bytes} B leaves "
+                f"{ceiling - pinned - budget.external_bytes} B, needs {need} B"
+            )
+    if len(external_blocked) == len(passed):
+        return FailureClass.EXTERNAL_GPU_PRESSURE, "; ".join(external_blocked[:8]) + (
+            f"; and {len(external_blocked) - 8} more" if len(external_blocked) > 8 else ""
+        )
+    budgets = pass_.budgets
+    if any(need <= budgets[a].total_bytes - budgets[a].reserve_bytes - budgets[a].external_bytes for a in passed):
+        return FailureClass.EVICTION_NOT_ALLOWED, "only always_warm residents could make room"
+    return FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM, (
+        f"needs {need} B; largest possible on any eligible accelerator is "
+        f"{max(budgets[a].total_bytes - budgets[a].reserve_bytes for a in passed)} B"
+    )
