@@ -68,6 +68,17 @@ class ReleaseSignal:
     retrying: bool = False  # the request workflow will ask for a new lease
 
 
+# How often a request holding a lease tells the scheduler it is alive; well inside the
+# scheduler's stale_lease_s (60 s by default), so two lost signals never cost a live lease.
+LEASE_HEARTBEAT_S = 20.0
+
+
+@dataclass(frozen=True)
+class LeaseHeartbeat:
+    lease_id: str
+    request_id: str = ""
+
+
 @dataclass(frozen=True)
 class CancelSignal:
     request_id: str

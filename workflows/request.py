@@ -3,7 +3,9 @@ invoke -> release. Failures end the workflow as an ApplicationError whose type i
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -15,12 +17,14 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.failures import FailureClass
     from modelforge.messages import (
         DEFAULT_LEASE_TIMEOUT_S,
+        LEASE_HEARTBEAT_S,
         AdmitCall,
         AdmitReply,
         CancelSignal,
         InvokeInput,
         InvokeResult,
         LeaseDecision,
+        LeaseHeartbeat,
         ReleaseSignal,
         RequestInput,
         RequestResult,
@@ -32,6 +36,8 @@ from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
+# Requests started before lease heartbeats (session 2) replay without them.
+PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
 
 
 @workflow.defn(name="CapabilityRequestWorkflow")
@@ -63,17 +69,20 @@ class CapabilityRequestWorkflow:
             self._phase = "invoking"
             outcome, message = "ok", ""
             result: InvokeResult | None = None
+            invoke = workflow.start_activity(
+                "invoke",
+                InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
+                result_type=InvokeResult,
+                task_queue=node_task_queue(lease.node),
+                schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+                heartbeat_timeout=INVOKE_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"invoke {lease.deployment} on {lease.accelerator}",
+            )
+            if workflow.patched(PATCH_LEASE_HEARTBEATS):
+                await self._heartbeat_until_done(request, lease, invoke)
             try:
-                result = await workflow.execute_activity(
-                    "invoke",
-                    InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
-                    result_type=InvokeResult,
-                    task_queue=node_task_queue(lease.node),
-                    schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
-                    heartbeat_timeout=INVOKE_HEARTBEAT,
-                    retry_policy=RetryPolicy(maximum_attempts=1),
-                    summary=f"invoke {lease.deployment} on {lease.accelerator}",
-                )
+                result = await invoke
             except ActivityError as error:
                 outcome, message = classify(error)
             # A runtime found gone (crashed, or its node restarted since the last sample) is the one
@@ -107,6 +116,19 @@ class CapabilityRequestWorkflow:
             lease=lease,
             timings=timings,
         )
+
+    async def _heartbeat_until_done(self, request: RequestInput, lease: Lease, invoke: asyncio.Task[Any]) -> None:
+        """Tell the scheduler this lease's holder is alive while the invoke runs: a holder that
+        goes silent (terminated, lost) has its lease reclaimed after stale_lease_s."""
+        scheduler = workflow.get_external_workflow_handle(scheduler_id(request.pool))
+        while True:
+            try:
+                await workflow.wait_condition(invoke.done, timeout=lease.heartbeat_s or LEASE_HEARTBEAT_S)
+                return
+            except TimeoutError:
+                await scheduler.signal(
+                    "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
+                )
 
     async def _acquire(self, request: RequestInput) -> Lease:
         admission = AdmissionRequest(

@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         LeaseDecision,
+        LeaseHeartbeat,
         NodeSample,
         ReleaseSignal,
         ResidencyInput,
@@ -121,6 +122,11 @@ class PoolSchedulerWorkflow:
                     self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
             self._record_all(events, now)
         self._wake = True
+
+    @workflow.signal
+    def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
+        # Nothing to decide: a live holder only pushes its lease's stale deadline out.
+        policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
 
     @workflow.signal
     def cancel(self, signal: CancelSignal) -> None:
@@ -309,9 +315,13 @@ class PoolSchedulerWorkflow:
             due.append(queued.lease_timeout_at)
             if queued.deadline_at is not None:
                 due.append(queued.deadline_at)
+        stale_at = policy.stale_leases_due(self._state)
+        if stale_at is not None:
+            due.append(stale_at)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
+        self._record_all(policy.reclaim_stale_leases(self._state, now), now)
         decisions = policy.decide(self._state, now)
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})

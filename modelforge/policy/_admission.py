@@ -163,6 +163,7 @@ def apply_decisions(
     for grant in decisions.grants:
         lease = grant.lease
         state.leases[lease.lease_id] = lease
+        state.lease_seen[lease.lease_id] = now
         state.lease_counter += 1
         resident = state.residents[lease.resident_key]
         resident.active_leases += 1
@@ -222,6 +223,7 @@ def apply_decisions(
 
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str) -> list[PolicyEvent]:
     lease = state.leases.pop(lease_id, None)
+    state.lease_seen.pop(lease_id, None)
     if lease is None:
         return []
     resident = state.residents.get(lease.resident_key)
@@ -245,6 +247,66 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str) -> 
             payload={"held_s": round(now - lease.granted_at, 3), "bytes": lease.bytes},
         )
     ]
+
+
+def lease_heartbeat(state: PoolState, lease_id: str, now: float) -> bool:
+    """The holder of a lease is alive. False when the lease is no longer held (reclaimed or
+    released): the holder must stop using it."""
+    if lease_id not in state.leases:
+        return False
+    state.lease_seen[lease_id] = now
+    return True
+
+
+def stale_leases_due(state: PoolState) -> float | None:
+    """When the next lease goes stale if its holder stays silent, for the scheduler's timer."""
+    if not state.lease_seen:
+        return None
+    return min(state.lease_seen.values()) + state.config.stale_lease_s
+
+
+def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
+    """Leases whose holder has been silent for `stale_lease_s` go back to the pool: a holder
+    that was terminated or lost must not pin memory forever."""
+    limit = state.config.stale_lease_s
+    events: list[PolicyEvent] = []
+    away = state.stale_checked_at > 0 and now - state.stale_checked_at > 1.5 * limit
+    state.stale_checked_at = now
+    if away:
+        # The scheduler was not running (its worker restarted): holders' heartbeats could not
+        # land either, so silence proves nothing yet. Give every holder a full period.
+        for lease_id in state.lease_seen:
+            state.lease_seen[lease_id] = now
+        return (
+            [
+                PolicyEvent(
+                    kind="stale_lease_grace",
+                    message=f"scheduler was away; {len(state.lease_seen)} leases get {limit:.0f} s to heartbeat",
+                )
+            ]
+            if state.lease_seen
+            else []
+        )
+    for lease_id in [lid for lid, seen in state.lease_seen.items() if now - seen >= limit]:
+        lease = state.leases.get(lease_id)
+        silent = now - state.lease_seen[lease_id]
+        if lease is None:
+            state.lease_seen.pop(lease_id, None)
+            continue
+        events.append(
+            PolicyEvent(
+                kind="lease_reclaimed",
+                request_id=lease.request_id,
+                lease_id=lease_id,
+                accelerator=lease.accelerator,
+                deployment=lease.deployment,
+                workflow_id=lease.workflow_id,
+                message=f"holder silent for {silent:.0f} s (limit {limit:.0f} s)",
+                payload={"bytes": lease.bytes},
+            )
+        )
+        events.extend(release_lease(state, lease_id, now, f"reclaimed: holder silent for {silent:.0f} s"))
+    return events
 
 
 def resident_crashed(state: PoolState, key: str, granted_at: float, message: str) -> list[PolicyEvent]:

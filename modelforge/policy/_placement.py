@@ -375,6 +375,7 @@ def _grant(
         granted_at=now,
         priority=queued.priority,
         tenant=queued.tenant,
+        heartbeat_s=pass_.state.config.stale_lease_s / 3,
     )
     return Grant(queued.request_id, queued.workflow_id, lease)
 

@@ -23,6 +23,8 @@ class PolicyConfig:
     unhealthy_after_failures: int = 3
     healthy_after_successes: int = 3
     default_lease_timeout_s: float = 300.0
+    # A lease whose holder has not heart-beaten for this long is reclaimed (DESIGN §4).
+    stale_lease_s: float = 60.0
     fair_share_half_life_s: float = 3600.0
 
 
@@ -67,6 +69,8 @@ class Lease:
     granted_at: float
     priority: Priority
     tenant: str
+    # How often the holder must say it is alive; silence for stale_lease_s loses the lease.
+    heartbeat_s: float = 0.0
 
 
 @dataclass
@@ -112,6 +116,10 @@ class PoolState:
     accelerators: dict[str, AcceleratorRuntime] = field(default_factory=dict)
     residents: dict[str, ResidentState] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
+    # lease id -> when its holder last showed it is alive (granted, or a heartbeat since).
+    lease_seen: dict[str, float] = field(default_factory=dict)
+    # When stale leases were last looked for: a long gap means the scheduler itself was away.
+    stale_checked_at: float = 0.0
     queue: list[QueuedRequest] = field(default_factory=list)
     usage: dict[str, TenantUsage] = field(default_factory=dict)
     lease_counter: int = 0
