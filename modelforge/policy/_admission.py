@@ -53,6 +53,9 @@ class AdmissionRequest:
     priority: Priority | None = None
     deadline_s: float | None = None
     lease_timeout_s: float | None = None
+    # Requeued after preemption: keeps its original class and its place (submission time).
+    preempted: bool = False
+    submitted_at: float | None = None
 
 
 def resolve_priority(state: PoolState, request: AdmissionRequest) -> Priority:
@@ -105,13 +108,17 @@ def validate_request(state: PoolState, request: AdmissionRequest) -> tuple[Deplo
 
 def enqueue(state: PoolState, request: AdmissionRequest, priority: Priority, now: float) -> QueuedRequest:
     timeout = request.lease_timeout_s or state.config.default_lease_timeout_s
+    submitted = now
+    if request.preempted and request.submitted_at is not None and request.submitted_at <= now:
+        submitted = request.submitted_at
     queued = QueuedRequest(
         request_id=request.request_id,
         workflow_id=request.workflow_id,
         capability=request.capability,
         priority=priority,
         tenant=request.tenant,
-        submitted_at=now,
+        submitted_at=submitted,
+        preempted=request.preempted,
         lease_timeout_at=now + timeout,
         deadline_at=None if request.deadline_s is None else now + request.deadline_s,
     )
@@ -212,6 +219,23 @@ def apply_decisions(
                 message=unload.reason,
             )
         )
+    for preempt in decisions.preemptions:
+        preempted = state.leases.get(preempt.lease_id)
+        if preempted is None:
+            continue
+        state.preempting[preempt.lease_id] = preempt.reason
+        events.append(
+            PolicyEvent(
+                kind="preemption_requested",
+                request_id=preempt.request_id,
+                lease_id=preempt.lease_id,
+                accelerator=preempted.accelerator,
+                deployment=preempted.deployment,
+                workflow_id=preempt.workflow_id,
+                message=preempt.reason,
+                payload={"grace_s": preempt.grace_s, "priority": preempted.priority.value},
+            )
+        )
     for wait in decisions.waits:
         if wait.request_id in by_id:
             by_id[wait.request_id].waiting_reason = wait.reason
@@ -224,6 +248,7 @@ def apply_decisions(
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str) -> list[PolicyEvent]:
     lease = state.leases.pop(lease_id, None)
     state.lease_seen.pop(lease_id, None)
+    state.preempting.pop(lease_id, None)
     if lease is None:
         return []
     resident = state.residents.get(lease.resident_key)

@@ -62,6 +62,18 @@ class Unload:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    """Ask the holder of a lease to stop, release and requeue at its original priority with
+    `preempted=true`, within `grace_s`."""
+
+    lease_id: str
+    request_id: str
+    workflow_id: str
+    reason: str
+    grace_s: float
+
+
+@dataclass(frozen=True)
 class Wait:
     request_id: str
     reason: str
@@ -75,6 +87,7 @@ class Decisions:
     assigns: list[Assign] = field(default_factory=list)
     unloads: list[Unload] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
+    preemptions: list[Preempt] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.grants or self.rejects or self.loads or self.assigns or self.unloads)
+        return not (self.grants or self.rejects or self.loads or self.assigns or self.unloads or self.preemptions)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from modelforge.domain import Accelerator, Deployment, Priority, Residency, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import Budget, budget_from_sums
-from modelforge.policy._decisions import Assign, Decisions, Grant, Reject, StartLoad, Unload, Wait
-from modelforge.policy._order import ordered_buckets
+from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, StartLoad, Unload, Wait
+from modelforge.policy._order import RANK, ordered_buckets
 from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
 
 _IDLE_RUNTIME = AcceleratorRuntime()
@@ -72,6 +72,10 @@ class _Pass:
     residents_of: dict[str, list[ResidentState]]
     evictable: dict[str, list[ResidentState]]
     pinned: dict[str, int]
+    # Per accelerator: leases that may be preempted, those already being preempted first, then
+    # the lowest class, then the youngest (the least work lost).
+    preemptible: dict[str, list[Lease]] = field(default_factory=dict)
+    preempting: dict[str, bool] = field(default_factory=dict)
     committed: dict[str, int] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
     evicting: dict[str, bool] = field(default_factory=dict)
@@ -146,8 +150,25 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
         if _evictable(resident):
             evictable.setdefault(resident.accelerator, []).append(resident)
     leased_sum: dict[str, int] = {}
+    preemptible: dict[str, list[Lease]] = {}
+    min_runtime = state.config.preempt_min_runtime_s
     for lease in state.leases.values():
         leased_sum[lease.accelerator] = leased_sum.get(lease.accelerator, 0) + lease.bytes
+        if lease.lease_id in state.preempting:
+            preemptible.setdefault(lease.accelerator, []).append(lease)
+            continue
+        leased = state.catalog.deployment(lease.deployment)
+        if leased is not None and leased.preemptible and now - lease.granted_at >= min_runtime:
+            preemptible.setdefault(lease.accelerator, []).append(lease)
+    for leases in preemptible.values():
+        leases.sort(
+            key=lambda lease: (
+                lease.lease_id not in state.preempting,
+                -RANK[lease.priority],
+                -lease.granted_at,
+                lease.lease_id,
+            )
+        )
     budgets = {
         a.id: budget_from_sums(
             a,
@@ -172,6 +193,7 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
         residents_of=residents_of,
         evictable=evictable,
         pinned=pinned,
+        preemptible=preemptible,
         position={a.id: i for i, a in enumerate(accelerators)},
     )
     for resident in state.residents.values():
@@ -290,6 +312,25 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
                 continue
             counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
 
+    # An UNHEALTHY accelerator's work is preempted and requeued elsewhere (the filter keeps it
+    # off that accelerator), and its idle residents go.
+    if pass_.unhealthy:
+        for lease in state.leases.values():
+            if lease.accelerator in pass_.unhealthy and lease.lease_id not in state.preempting:
+                decisions.preemptions.append(
+                    Preempt(
+                        lease.lease_id,
+                        lease.request_id,
+                        lease.workflow_id,
+                        f"{lease.accelerator} is UNHEALTHY",
+                        state.config.preempt_grace_s,
+                    )
+                )
+        for resident in state.residents.values():
+            if resident.accelerator in pass_.unhealthy and _evictable(resident) and resident.key not in pass_.evicting:
+                pass_.evicting[resident.key] = True
+                decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
+
     # load_on_demand and batch residents go when their last lease has ended and nobody waits.
     waiting_on = {a.resident_key: True for a in decisions.assigns}
     for queued in state.queue:
@@ -344,6 +385,9 @@ def _decide_one(
         decisions.loads.append(outcome)
     elif isinstance(outcome, Assign):
         decisions.assigns.append(outcome)
+    elif isinstance(outcome, _Preemption):
+        decisions.preemptions.extend(outcome.preempts)
+        decisions.waits.append(outcome.wait)
     elif isinstance(outcome, list):
         decisions.unloads.extend(outcome)
         decisions.waits.append(
@@ -382,7 +426,7 @@ def _grant(
 
 def _place(
     pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | StartLoad | Assign | Wait | list[Unload]:
+) -> Grant | Reject | StartLoad | Assign | Wait | list[Unload] | _Preemption:
     state = pass_.state
     extra = deployment.lease_extra_bytes
     # A request already waiting on a load is granted when that resident is ready.
@@ -460,6 +504,8 @@ def _place(
         first = next(a for a in passed if a in blocked and a not in holding)
         reasons.add("blocked", f"{first}: a higher request waits for memory here", shut)
     budgets = pass_.budgets
+    # Fresh, unblocked, not under pressure: where preemption could make room if nothing else can.
+    room_candidates: list[str] = []
     for accelerator in open_accelerators:
         if accelerator in holding:
             continue
@@ -471,6 +517,7 @@ def _place(
         if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
             reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
             continue
+        room_candidates.append(accelerator)
         free = budget.schedulable_bytes - pass_.committed.get(accelerator, 0)
         if need <= free:
             if best is None or (free - need, accelerator) < best:
@@ -508,6 +555,10 @@ def _place(
             pass_.evicting[key] = True
         pass_.blocked[accelerator] = True
         return [Unload(key, f"making room for {queued.capability} ({queued.priority.value})") for key in plan]
+    if pass_.preemptible:
+        preemption = _preemption_plan(pass_, queued, deployment, need, room_candidates)
+        if preemption is not None:
+            return preemption
 
     # Nothing fits now. Refuse at once when no release of ModelForge's own work could ever help.
     never = _never_fits(pass_, passed, need)
@@ -517,6 +568,72 @@ def _place(
         if budgets[accelerator].fresh:
             blocked[accelerator] = True
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")
+
+
+@dataclass(frozen=True)
+class _Preemption:
+    accelerator: str
+    preempts: list[Preempt]
+    wait: Wait
+
+
+def _preemption_plan(
+    pass_: _Pass, queued: QueuedRequest, deployment: Deployment, need: int, accelerators: list[str]
+) -> _Preemption | None:
+    """Strictly lower, preemptible work whose leases (and, once idle, residents) make `need` fit:
+    on the accelerator needing the fewest new preemptions, then the fewest in all."""
+    state = pass_.state
+    rank = RANK[queued.priority]
+    best: tuple[int, int, str, list[Lease]] | None = None
+    for accelerator in accelerators:
+        candidates = pass_.preemptible.get(accelerator)
+        if not candidates:
+            continue
+        free = pass_.free(accelerator)
+        for resident in pass_.evictable.get(accelerator, []):
+            if resident.deployment != deployment.deployment_id and resident.key not in pass_.evicting:
+                free += resident.bytes
+        remaining: dict[str, int] = {}
+        chosen: list[Lease] = []
+        fresh = 0
+        for lease in candidates:
+            if free >= need:
+                break
+            already = lease.lease_id in state.preempting
+            if not already and (RANK[lease.priority] <= rank or lease.lease_id in pass_.preempting):
+                continue
+            chosen.append(lease)
+            fresh += 0 if already else 1
+            free += lease.bytes
+            holder = state.residents.get(lease.resident_key)
+            if holder is not None:
+                left = remaining.get(holder.key, holder.active_leases) - 1
+                remaining[holder.key] = left
+                if (
+                    left <= 0
+                    and holder.residency != Residency.ALWAYS_WARM
+                    and holder.deployment != deployment.deployment_id
+                ):
+                    free += holder.bytes
+        if free >= need and chosen and (best is None or (fresh, len(chosen), accelerator) < best[:3]):
+            best = (fresh, len(chosen), accelerator, chosen)
+    if best is None:
+        return None
+    _, _, accelerator, chosen = best
+    pass_.blocked[accelerator] = True
+    reason = f"{queued.priority.value} {queued.capability} needs room on {accelerator}"
+    preempts = []
+    for lease in chosen:
+        if lease.lease_id in state.preempting:
+            continue
+        pass_.preempting[lease.lease_id] = True
+        preempts.append(
+            Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
+        )
+    waiting = ", ".join(lease.lease_id for lease in chosen)
+    return _Preemption(
+        accelerator, preempts, Wait(queued.request_id, f"making room: preempting lower-class work ({waiting})")
+    )
 
 
 def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int) -> list[str] | None:

@@ -25,6 +25,10 @@ class PolicyConfig:
     default_lease_timeout_s: float = 300.0
     # A lease whose holder has not heart-beaten for this long is reclaimed (DESIGN §4).
     stale_lease_s: float = 60.0
+    # Preemption of strictly lower, preemptible work: never before it ran this long, and its
+    # holder gets this long to checkpoint and release.
+    preempt_min_runtime_s: float = 30.0
+    preempt_grace_s: float = 30.0
     fair_share_half_life_s: float = 3600.0
 
 
@@ -118,6 +122,8 @@ class PoolState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # lease id -> when its holder last showed it is alive (granted, or a heartbeat since).
     lease_seen: dict[str, float] = field(default_factory=dict)
+    # lease id -> why it is being preempted; its bytes are already promised to whoever asked.
+    preempting: dict[str, str] = field(default_factory=dict)
     # When stale leases were last looked for: a long gap means the scheduler itself was away.
     stale_checked_at: float = 0.0
     queue: list[QueuedRequest] = field(default_factory=list)

@@ -10,6 +10,7 @@ from modelforge.domain import GiB, Priority, Residency
 from modelforge.policy import (
     AcceleratorRuntime,
     AdmissionRejected,
+    PolicyConfig,
     PoolState,
     ResidentPhase,
     apply_decisions,
@@ -43,9 +44,10 @@ def build() -> PoolState:
         [
             deployment("emb@1", gib=1.2, queue_limit=100),
             deployment("llm@1", gib=9, idle_bytes=7 * GiB, concurrency=2, queue_limit=100),
-            deployment("job@1", gib=6, residency=Residency.LOAD_ON_DEMAND, queue_limit=100),
+            deployment("job@1", gib=6, residency=Residency.LOAD_ON_DEMAND, queue_limit=100, preemptible=True),
         ],
         tenants=[tenant("t", weight=2.0), tenant("u")],
+        config=PolicyConfig(preempt_min_runtime_s=0.0),
     )
 
 
@@ -106,12 +108,20 @@ def run(operations: list[tuple[object, ...]]) -> list[object]:
         # The fast pass reuses the outcome of a request's predecessors; it must decide exactly
         # what placing every request on its own decides (waits aside: it skips unchanged ones).
         reference = decide_each(s, now, reuse_settled=False)
-        assert (decisions.grants, decisions.rejects, decisions.loads, decisions.assigns, decisions.unloads) == (
+        assert (
+            decisions.grants,
+            decisions.rejects,
+            decisions.loads,
+            decisions.assigns,
+            decisions.unloads,
+            decisions.preemptions,
+        ) == (
             reference.grants,
             reference.rejects,
             reference.loads,
             reference.assigns,
             reference.unloads,
+            reference.preemptions,
         )
         committed: dict[str, int] = {}
         for load in decisions.loads:
