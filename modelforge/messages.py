@@ -80,6 +80,15 @@ class LeaseHeartbeat:
 
 
 @dataclass(frozen=True)
+class PreemptSignal:
+    """Stop, checkpoint where the runtime can, release and requeue within grace_s."""
+
+    lease_id: str
+    reason: str
+    grace_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class CancelSignal:
     request_id: str
     reason: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client
@@ -45,6 +46,9 @@ def build_node_worker(client: Client, node: str, backend: GpuBackend, runtimes: 
     return Worker(
         client,
         task_queue=node_task_queue(node),
+        # Heartbeats carry cancellation back: a preempted invoke must hear of it in seconds, not
+        # in the SDK's default 0.8 x heartbeat timeout (48 s for an invoke).
+        max_heartbeat_throttle_interval=timedelta(seconds=2),
         activities=[
             node_activities.sample_node,
             node_activities.load_model,

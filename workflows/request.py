@@ -10,6 +10,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import temporal as sa
@@ -25,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         InvokeResult,
         LeaseDecision,
         LeaseHeartbeat,
+        PreemptSignal,
         ReleaseSignal,
         RequestInput,
         RequestResult,
@@ -36,6 +38,7 @@ from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
+MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 # Requests started before lease heartbeats (session 2) replay without them.
 PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
 
@@ -47,10 +50,17 @@ class CapabilityRequestWorkflow:
         self._decision: LeaseDecision | None = None
         self._phase = "admitting"
         self._lease: Lease | None = None
+        self._preempt: PreemptSignal | None = None
 
     @workflow.signal
     def lease_decision(self, decision: LeaseDecision) -> None:
         self._decision = decision
+
+    @workflow.signal
+    def preempt(self, signal: PreemptSignal) -> None:
+        # Only the lease it names: a late signal about an earlier lease changes nothing.
+        if self._lease is not None and signal.lease_id == self._lease.lease_id:
+            self._preempt = signal
 
     @workflow.query
     def phase(self) -> str:
@@ -60,15 +70,18 @@ class CapabilityRequestWorkflow:
     async def run(self, request: RequestInput) -> RequestResult:
         started = workflow.now()
         timings: dict[str, float] = {}
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        crashes = preemptions = 0
+        while True:
             self._decision = None
-            lease = await self._acquire(request)
+            self._preempt = None
+            lease = await self._acquire(request, preempted=preemptions > 0, submitted_at=started.timestamp())
             self._lease = lease
             timings["lease_s"] = (workflow.now() - started).total_seconds()
             workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
             self._phase = "invoking"
             outcome, message = "ok", ""
             result: InvokeResult | None = None
+            heartbeats = workflow.patched(PATCH_LEASE_HEARTBEATS)
             invoke = workflow.start_activity(
                 "invoke",
                 InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
@@ -77,17 +90,37 @@ class CapabilityRequestWorkflow:
                 schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
                 heartbeat_timeout=INVOKE_HEARTBEAT,
                 retry_policy=RetryPolicy(maximum_attempts=1),
+                # A preempted invoke is over only when the node says so: until then its memory is in use.
+                cancellation_type=(
+                    ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+                    if heartbeats
+                    else ActivityCancellationType.TRY_CANCEL
+                ),
                 summary=f"invoke {lease.deployment} on {lease.accelerator}",
             )
-            if workflow.patched(PATCH_LEASE_HEARTBEATS):
+            if heartbeats:
                 await self._heartbeat_until_done(request, lease, invoke)
+                if self._preempt is not None and not invoke.done():
+                    # The grace time: finishing now is better than being requeued.
+                    self._phase = "preempting"
+                    try:
+                        await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
+                    except TimeoutError:
+                        invoke.cancel()
             try:
                 result = await invoke
             except ActivityError as error:
                 outcome, message = classify(error)
+            preempted = result is None and self._preempt is not None
+            if preempted:
+                assert self._preempt is not None
+                outcome, message = "preempted", self._preempt.reason
             # A runtime found gone (crashed, or its node restarted since the last sample) is the one
             # failure a fresh lease can cure: the scheduler drops the resident and loads it again.
-            retrying = outcome == FailureClass.RUNTIME_CRASH.value and attempt < MAX_ATTEMPTS
+            # Preempted work goes back to the queue at its class and place. Both are bounded.
+            retrying = (outcome == FailureClass.RUNTIME_CRASH.value and crashes + 1 < MAX_ATTEMPTS) or (
+                preempted and preemptions < MAX_PREEMPTIONS
+            )
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
                 "release",
                 ReleaseSignal(
@@ -101,14 +134,21 @@ class CapabilityRequestWorkflow:
             )
             if not retrying:
                 break
+            if preempted:
+                preemptions += 1
+            else:
+                crashes += 1
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
         if result is None:
             self._phase = "failed"
+            if preempted:
+                raise failure(FailureClass.LEASE_TIMEOUT, f"preempted {preemptions + 1} times: {message}")
             raise failure(outcome, message)
         self._phase = "done"
         timings["invoke_s"] = result.invoke_s
         timings["total_s"] = (workflow.now() - started).total_seconds()
-        timings["attempts"] = attempt
+        timings["attempts"] = crashes + preemptions + 1
+        timings["preemptions"] = preemptions
         return RequestResult(
             request_id=request.request_id,
             capability=request.capability,
@@ -123,14 +163,16 @@ class CapabilityRequestWorkflow:
         scheduler = workflow.get_external_workflow_handle(scheduler_id(request.pool))
         while True:
             try:
-                await workflow.wait_condition(invoke.done, timeout=lease.heartbeat_s or LEASE_HEARTBEAT_S)
+                await workflow.wait_condition(
+                    lambda: invoke.done() or self._preempt is not None, timeout=lease.heartbeat_s or LEASE_HEARTBEAT_S
+                )
                 return
             except TimeoutError:
                 await scheduler.signal(
                     "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
                 )
 
-    async def _acquire(self, request: RequestInput) -> Lease:
+    async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float) -> Lease:
         admission = AdmissionRequest(
             request_id=request.request_id,
             workflow_id=workflow.info().workflow_id,
@@ -139,6 +181,8 @@ class CapabilityRequestWorkflow:
             priority=Priority(request.priority) if request.priority else None,
             deadline_s=request.deadline_s,
             lease_timeout_s=request.lease_timeout_s,
+            preempted=preempted,
+            submitted_at=submitted_at if preempted else None,
         )
         try:
             reply = await workflow.execute_local_activity(

@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         LeaseDecision,
         LeaseHeartbeat,
         NodeSample,
+        PreemptSignal,
         ReleaseSignal,
         ResidencyInput,
         ResidentCommand,
@@ -43,6 +44,7 @@ from workflows.residency import ResidencyWorkflow
 PATCH_RESIDENCY_GENERATIONS = "residency-generations"
 
 EVENT_BATCH = 200
+FAILURE_CLASSES = {f.value: f for f in FailureClass}
 
 
 @workflow.defn(name="PoolSchedulerWorkflow")
@@ -56,6 +58,7 @@ class PoolSchedulerWorkflow:
         self._decisions_out: list[tuple[str, LeaseDecision]] = []
         self._commands_out: list[tuple[str, ResidentCommand]] = []
         self._loads_out: list[ResidencyInput] = []
+        self._preempts_out: list[tuple[str, PreemptSignal]] = []
         self._events: list[EventRecord] = []
         self._event_writes: list[asyncio.Future[object]] = []
 
@@ -100,10 +103,11 @@ class PoolSchedulerWorkflow:
         now = self._now()
         lease = self._state.leases.get(signal.lease_id)
         if lease is not None:
+            known = signal.outcome in FAILURE_CLASSES
             self._record(
                 policy.PolicyEvent(
-                    kind="invoke" if signal.outcome == "ok" else "invoke_failed",
-                    failure=None if signal.outcome == "ok" else FailureClass(signal.outcome),
+                    kind="invoke" if signal.outcome == "ok" else "invoke_failed" if known else signal.outcome,
+                    failure=FailureClass(signal.outcome) if known else None,
                     request_id=signal.request_id,
                     lease_id=signal.lease_id,
                     accelerator=lease.accelerator,
@@ -338,6 +342,10 @@ class PoolSchedulerWorkflow:
         self._record_all(policy.apply_decisions(self._state, decisions, now, ids), now)
         for grant in decisions.grants:
             self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
+        for preempt in decisions.preemptions:
+            self._preempts_out.append(
+                (preempt.workflow_id, PreemptSignal(preempt.lease_id, reason=preempt.reason, grace_s=preempt.grace_s))
+            )
         for reject in decisions.rejects:
             self._decisions_out.append(
                 (
@@ -368,6 +376,7 @@ class PoolSchedulerWorkflow:
         loads, self._loads_out = self._loads_out, []
         decisions, self._decisions_out = self._decisions_out, []
         commands, self._commands_out = self._commands_out, []
+        preempts, self._preempts_out = self._preempts_out, []
         sends: list[asyncio.Future[object] | asyncio.Task[object]] = []
         for load in loads:
             sends.append(asyncio.ensure_future(self._start_residency(load)))
@@ -375,6 +384,8 @@ class PoolSchedulerWorkflow:
             sends.append(asyncio.ensure_future(self._tell_requester(workflow_id, decision)))
         for workflow_id, command in commands:
             sends.append(asyncio.ensure_future(self._command_resident(workflow_id, command)))
+        for workflow_id, preempt in preempts:
+            sends.append(asyncio.ensure_future(self._preempt_holder(workflow_id, preempt)))
         if sends:
             await asyncio.gather(*sends)
         self._start_event_write()
@@ -411,6 +422,20 @@ class PoolSchedulerWorkflow:
             self._record_all(
                 policy.cancel_request(self._state, decision.request_id, now, f"requester unreachable: {error}"), now
             )
+            self._wake = True
+        return None
+
+    async def _preempt_holder(self, workflow_id: str, preempt: PreemptSignal) -> object:
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal("preempt", preempt)
+        except Exception as error:
+            # The holder is gone: nobody will release, so the lease goes back now.
+            now = self._now()
+            lease = self._state.leases.get(preempt.lease_id)
+            if lease is not None:
+                self._record_all(
+                    policy.cancel_request(self._state, lease.request_id, now, f"holder unreachable: {error}"), now
+                )
             self._wake = True
         return None
 

@@ -1,0 +1,45 @@
+"""Preemption end to end: an interactive request that cannot fit next to a running background
+job preempts it (after its minimum runtime and grace), runs, and the job is requeued at its
+original class, comes back, and finishes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.policy import PolicyConfig
+from tests.harness import running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).parent.parent / "catalogs" / "preemption.toml"
+
+
+async def test_interactive_preempts_a_background_job_which_then_finishes(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
+    config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=1.0)
+    async with running_stack(time_skipping_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
+        job = await stack.start_request("train.job@1", tenant="lab", input={"simulate_invoke_s": 6})
+        while not any(r.active_leases for r in (await stack.status()).residents):
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5)  # past the job's minimum runtime
+
+        # 24 - 1 reserve - 16 job = 7 GiB < 12 GiB: only preempting the job makes room.
+        chat = await (await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=60)).result()
+        assert chat.lease.accelerator == "lab-node/0"
+
+        done = await job.result()
+        assert done.output["simulated"] is True
+        assert done.timings["preemptions"] == 1
+
+        [asked] = await stack.events("preemption_requested", at_least=1)
+        assert asked["workflow_id"] == job.id and "interactive chat.llm@1 needs room" in asked["message"]
+        [preempted] = await stack.events("preempted", at_least=1)
+        assert preempted["request_id"] == done.request_id and preempted["payload"]["retrying"] is True
+        # The job's batch resident was unloaded for the chat model, then loaded again for the job
+        # (which evicted the idle chat model in turn).
+        assert len(await stack.events("load", at_least=3)) == 3
