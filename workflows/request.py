@@ -74,7 +74,9 @@ class CapabilityRequestWorkflow:
         while True:
             self._decision = None
             self._preempt = None
-            lease = await self._acquire(request, preempted=preemptions > 0, submitted_at=started.timestamp())
+            lease = await self._acquire(
+                request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=crashes + preemptions
+            )
             self._lease = lease
             timings["lease_s"] = (workflow.now() - started).total_seconds()
             workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
@@ -172,7 +174,7 @@ class CapabilityRequestWorkflow:
                     "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
                 )
 
-    async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float) -> Lease:
+    async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
         admission = AdmissionRequest(
             request_id=request.request_id,
             workflow_id=workflow.info().workflow_id,
@@ -187,7 +189,11 @@ class CapabilityRequestWorkflow:
         try:
             reply = await workflow.execute_local_activity(
                 "admit",
-                AdmitCall(pool=request.pool, request=admission),
+                AdmitCall(
+                    pool=request.pool,
+                    request=admission,
+                    update_id=f"admit:{workflow.info().workflow_id}:{request.request_id}:{acquisition}",
+                ),
                 result_type=AdmitReply,
                 start_to_close_timeout=timedelta(seconds=10),
                 schedule_to_close_timeout=timedelta(seconds=60),

@@ -20,6 +20,8 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass
     from modelforge.messages import (
+        AdmitBatch,
+        AdmitBatchReply,
         AdmitReply,
         CancelSignal,
         LeaseDecision,
@@ -44,6 +46,7 @@ from workflows.residency import ResidencyWorkflow
 PATCH_RESIDENCY_GENERATIONS = "residency-generations"
 
 EVENT_BATCH = 200
+MAX_ADMIT_BATCH = 500
 FAILURE_CLASSES = {f.value: f for f in FailureClass}
 
 
@@ -66,23 +69,71 @@ class PoolSchedulerWorkflow:
 
     @workflow.update
     def admit(self, request: policy.AdmissionRequest) -> AdmitReply:
+        [reply] = self._admit_all([request])
+        return reply
+
+    @workflow.update
+    def admit_batch(self, batch: AdmitBatch) -> AdmitBatchReply:
+        """Many admissions in one update: the gateway coalesces concurrent requests, so a burst
+        costs a few updates (Temporal allows 10 in flight per workflow) and one policy pass each."""
+        return AdmitBatchReply(replies=self._admit_all(batch.requests))
+
+    @admit_batch.validator
+    def _validate_admit_batch(self, batch: AdmitBatch) -> None:
+        if self._catalog_stale:
+            raise ApplicationError(
+                "the scheduler is still loading its catalog",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            )
+        if not batch.requests or len(batch.requests) > MAX_ADMIT_BATCH:
+            raise ApplicationError(
+                f"an admission batch holds 1 to {MAX_ADMIT_BATCH} requests, not {len(batch.requests)}",
+                type=FailureClass.REQUEST_INVALID.value,
+                non_retryable=True,
+            )
+
+    def _admit_all(self, requests: list[policy.AdmissionRequest]) -> list[AdmitReply]:
         now = self._now()
-        try:
-            _, priority = policy.validate_request(self._state, request)
-        except policy.AdmissionRejected as rejected:
-            # The state changed between validation and handling: answer, do not fail the update.
-            return AdmitReply(status="rejected", failure=rejected.failure.value, message=rejected.message)
-        policy.enqueue(self._state, request, priority, now)
-        self._run_policy(now)
-        for index, (_, decision) in enumerate(self._decisions_out):
-            if decision.request_id == request.request_id:
-                del self._decisions_out[index]
-                if decision.lease is not None:
-                    return AdmitReply(status="granted", lease=decision.lease, priority=priority.value)
-                return AdmitReply(
-                    status="rejected", failure=decision.failure, message=decision.message, priority=priority.value
+        replies: dict[int, AdmitReply] = {}
+        admitted: dict[str, tuple[int, str]] = {}  # request id -> (position, priority)
+        for position, request in enumerate(requests):
+            existing = policy.existing_admission(self._state, request)
+            if isinstance(existing, policy.Lease):
+                replies[position] = AdmitReply(status="granted", lease=existing, priority=existing.priority.value)
+                continue
+            if existing is not None:
+                replies[position] = AdmitReply(status="queued", priority=existing.priority.value)
+                continue
+            try:
+                _, priority = policy.validate_request(self._state, request)
+            except policy.AdmissionRejected as rejected:
+                replies[position] = AdmitReply(
+                    status="rejected", failure=rejected.failure.value, message=rejected.message
                 )
-        return AdmitReply(status="queued", priority=priority.value)
+                continue
+            policy.enqueue(self._state, request, priority, now)
+            admitted[request.request_id] = (position, priority.value)
+        if admitted:
+            self._run_policy(now)
+            # Decisions about the requests just admitted go back in the reply, not as signals.
+            kept: list[tuple[str, LeaseDecision]] = []
+            for workflow_id, decision in self._decisions_out:
+                found = admitted.get(decision.request_id)
+                if found is None:
+                    kept.append((workflow_id, decision))
+                    continue
+                position, priority_value = found
+                if decision.lease is not None:
+                    replies[position] = AdmitReply(status="granted", lease=decision.lease, priority=priority_value)
+                else:
+                    replies[position] = AdmitReply(
+                        status="rejected", failure=decision.failure, message=decision.message, priority=priority_value
+                    )
+            self._decisions_out = kept
+            for position, priority_value in admitted.values():
+                replies.setdefault(position, AdmitReply(status="queued", priority=priority_value))
+        return [replies[position] for position in range(len(requests))]
 
     @admit.validator
     def _validate_admit(self, request: policy.AdmissionRequest) -> None:
@@ -93,6 +144,8 @@ class PoolSchedulerWorkflow:
                 type=FailureClass.SCHEDULER_STATE_STALE.value,
                 non_retryable=False,
             )
+        if policy.existing_admission(self._state, request) is not None:
+            return  # a retried call: the handler answers with what it already has
         try:
             policy.validate_request(self._state, request)
         except policy.AdmissionRejected as rejected:

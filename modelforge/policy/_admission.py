@@ -24,6 +24,7 @@ from modelforge.policy._decisions import (
 )
 from modelforge.policy._order import decayed_usage, insert_in_submission_order
 from modelforge.policy._state import (
+    Lease,
     PoolState,
     QueuedRequest,
     ResidentPhase,
@@ -70,6 +71,18 @@ def resolve_priority(state: PoolState, request: AdmissionRequest) -> Priority:
             f"tenant {tenant.name!r} may ask for at most {tenant.max_priority.value!r}, not {priority.value!r}",
         )
     return priority
+
+
+def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | QueuedRequest | None:
+    """The same requester asking again for the same request (its call was retried): what it
+    already has, so admission is idempotent instead of a LEASE_CONFLICT with itself."""
+    for queued in state.queue:
+        if queued.request_id == request.request_id and queued.workflow_id == request.workflow_id:
+            return queued
+    for lease in state.leases.values():
+        if lease.request_id == request.request_id and lease.workflow_id == request.workflow_id:
+            return lease
+    return None
 
 
 def validate_request(state: PoolState, request: AdmissionRequest) -> tuple[Deployment, Priority]:

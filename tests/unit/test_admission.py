@@ -246,3 +246,23 @@ def test_decisions_are_deterministic() -> None:
         return s
 
     assert decide(build(), NOW + 10) == decide(build(), NOW + 10)
+
+
+def test_admission_is_idempotent_for_the_same_requester() -> None:
+    from modelforge.policy import existing_admission
+
+    s = state([gpu("n/0")], [deployment("emb@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1, loaded=["emb@1@n/0"])
+    resident(s, "emb@1", "n/0", 1)
+    first = ask("r1")
+    apply_decisions(s, admit(s, first), NOW, {})
+    # The same call retried (its local activity timed out): it gets the lease it already has.
+    again = existing_admission(s, first)
+    assert again is not None and again.request_id == "r1" and again in s.leases.values()
+    # Another workflow reusing the id is a conflict, not a duplicate.
+    from dataclasses import replace
+
+    with pytest.raises(AdmissionRejected) as raised:
+        validate_request(s, replace(first, workflow_id="someone-else"))
+    assert raised.value.failure == FailureClass.LEASE_CONFLICT
+    assert existing_admission(s, replace(first, workflow_id="someone-else")) is None

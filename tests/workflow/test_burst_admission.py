@@ -1,0 +1,39 @@
+"""A burst of concurrent requests is admitted in a few coalesced updates, never against
+Temporal's limit of 10 in-flight updates per workflow, and every request completes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.testing import WorkflowEnvironment
+
+from tests.harness import running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).parent.parent / "catalogs" / "burst.toml"
+BURST = 60
+
+
+async def test_a_burst_is_admitted_in_coalesced_updates(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        await (await stack.start_request("bench.embed@1", tenant="bench")).result()  # loads the model
+        handles = await asyncio.gather(
+            *(stack.start_request("bench.embed@1", tenant="bench", lease_timeout_s=120) for _ in range(BURST))
+        )
+        outcomes = await asyncio.gather(*(handle.result() for handle in handles), return_exceptions=True)
+        failures = [getattr(o, "cause", o) for o in outcomes if isinstance(o, BaseException)]
+        assert failures == [], failures[:3]
+        results = [o for o in outcomes if not isinstance(o, BaseException)]
+        assert all(result.output["simulated"] for result in results)
+        assert len({result.lease.lease_id for result in results}) == BURST
+
+        history = await stack.scheduler.fetch_history()
+        updates = sum(
+            1 for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+        )
+        # 1 for the first request, then the burst in batches: far fewer updates than requests.
+        assert updates < BURST / 2, updates
