@@ -7,7 +7,9 @@ import time
 from collections.abc import Callable
 
 from temporalio import activity
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 from modelforge.domain import Observation, ProcessUsage, resident_key
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
@@ -21,6 +23,7 @@ from modelforge.messages import (
     NodeSample,
     ReclaimInput,
     ReclaimResult,
+    ReleaseSignal,
 )
 from modelforge.runtimes import LoadedModel, Runtime
 
@@ -40,8 +43,14 @@ class NodeActivities:
     """One per node worker. `runtimes` maps a catalog runtime name to its adapter."""
 
     def __init__(
-        self, node: str, backend: GpuBackend, runtimes: dict[str, Runtime], clock: Callable[[], float] = time.time
+        self,
+        node: str,
+        backend: GpuBackend,
+        runtimes: dict[str, Runtime],
+        clock: Callable[[], float] = time.time,
+        client: Client | None = None,
     ) -> None:
+        self._client = client
         self._node = node
         self._backend = backend
         self._runtimes = runtimes
@@ -134,7 +143,20 @@ class NodeActivities:
             output = await runtime.invoke(model, request.payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
-        return InvokeResult(output=output, invoke_s=time.monotonic() - started)
+        invoke_s = time.monotonic() - started
+        released = False
+        if request.release_to and self._client is not None:
+            try:
+                await self._client.get_workflow_handle(request.release_to).signal(
+                    "release",
+                    ReleaseSignal(
+                        lease_id=request.lease_id, request_id=request.request_id, outcome="ok", invoke_s=invoke_s
+                    ),
+                )
+                released = True
+            except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
+                log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
+        return InvokeResult(output=output, invoke_s=invoke_s, released=released)
 
     @activity.defn(name="unload_model")
     async def unload_model(self, key: str) -> None:

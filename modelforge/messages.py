@@ -195,12 +195,17 @@ class InvokeInput:
     key: str
     lease_id: str
     payload: dict[str, Any]
+    # Set: on success the node releases the lease itself, one signal to the scheduler that
+    # spares the request workflow a round trip. Failures are always released by the workflow.
+    release_to: str = ""  # the scheduler's workflow id
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
 class InvokeResult:
     output: dict[str, Any]
     invoke_s: float
+    released: bool = False
 
 
 @dataclass(frozen=True)

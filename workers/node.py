@@ -42,7 +42,7 @@ def simulated_backend(node: str, catalog: Catalog, external: list[ExternalSpec])
 
 
 def build_node_worker(client: Client, node: str, backend: GpuBackend, runtimes: dict[str, Runtime]) -> Worker:
-    node_activities = NodeActivities(node, backend, runtimes)
+    node_activities = NodeActivities(node, backend, runtimes, client=client)
     return Worker(
         client,
         task_queue=node_task_queue(node),

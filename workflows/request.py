@@ -41,6 +41,8 @@ MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
 MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 # Requests started before lease heartbeats (session 2) replay without them.
 PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
+# ...and before the node released a successful invoke's lease itself.
+PATCH_NODE_RELEASES = "node-releases"
 
 
 @workflow.defn(name="CapabilityRequestWorkflow")
@@ -84,9 +86,16 @@ class CapabilityRequestWorkflow:
             outcome, message = "ok", ""
             result: InvokeResult | None = None
             heartbeats = workflow.patched(PATCH_LEASE_HEARTBEATS)
+            node_releases = workflow.patched(PATCH_NODE_RELEASES)
             invoke = workflow.start_activity(
                 "invoke",
-                InvokeInput(key=lease.resident_key, lease_id=lease.lease_id, payload=request.input),
+                InvokeInput(
+                    key=lease.resident_key,
+                    lease_id=lease.lease_id,
+                    payload=request.input,
+                    release_to=scheduler_id(request.pool) if node_releases else "",
+                    request_id=request.request_id,
+                ),
                 result_type=InvokeResult,
                 task_queue=node_task_queue(lease.node),
                 schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
@@ -123,17 +132,18 @@ class CapabilityRequestWorkflow:
             retrying = (outcome == FailureClass.RUNTIME_CRASH.value and crashes + 1 < MAX_ATTEMPTS) or (
                 preempted and preemptions < MAX_PREEMPTIONS
             )
-            await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
-                "release",
-                ReleaseSignal(
-                    lease_id=lease.lease_id,
-                    request_id=request.request_id,
-                    outcome=outcome,
-                    invoke_s=result.invoke_s if result else 0.0,
-                    message=message,
-                    retrying=retrying,
-                ),
-            )
+            if result is None or not result.released:
+                await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
+                    "release",
+                    ReleaseSignal(
+                        lease_id=lease.lease_id,
+                        request_id=request.request_id,
+                        outcome=outcome,
+                        invoke_s=result.invoke_s if result else 0.0,
+                        message=message,
+                        retrying=retrying,
+                    ),
+                )
             if not retrying:
                 break
             if preempted:
