@@ -1,10 +1,12 @@
 """Record the histories that tests/workflow/test_replay.py replays.
 
-    .venv/bin/python -m tests.workflow.record_histories
+    .venv/bin/python -m tests.workflow.record_histories v3
 
-Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown capability) on the
-time-skipping server with real Postgres, and writes one history per workflow type. Re-record when a
-workflow change is deliberately incompatible (and guard the change with `workflow.patched`)."""
+Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown capability), a
+request whose runtime crashes (retried once on a fresh load) and a request that holds its lease
+across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
+per workflow type into tests/histories/<version>/. Record a new version after each change to the
+workflows (guarded with `workflow.patched`); never rewrite an old one: they prove old runs replay."""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ from pathlib import Path
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge.policy import PolicyConfig, PoolState
 from modelforge.temporal import register_search_attributes
 from tests.harness import running_stack
 
-HERE = Path(__file__).resolve().parents[1] / "histories"
+HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 
 
-async def main() -> None:
+async def main(version: str) -> None:
     import pgserver  # type: ignore[import-untyped]
 
     server = pgserver.get_server(str(Path("/tmp") / "modelforge-record-pg"), cleanup_mode="stop")
@@ -30,7 +33,8 @@ async def main() -> None:
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=binary)
     try:
         await register_search_attributes(env.client)
-        async with running_stack(env.client, server.get_uri()) as stack:
+        config = PolicyConfig(stale_lease_s=6.0)  # heartbeats every 2 s, so a 5 s invoke records some
+        async with running_stack(env.client, server.get_uri(), config=config) as stack:
             cold = await stack.start_request("rag.embedding@1", tenant="rag", request_id="cold")
             await cold.result()
             warm = await stack.start_request("rag.embedding@1", tenant="rag", request_id="warm")
@@ -38,19 +42,33 @@ async def main() -> None:
             unknown = await stack.start_request("vision.ocr@9", request_id="unknown")
             with contextlib.suppress(WorkflowFailureError):
                 await unknown.result()
+            crash = await stack.start_request(
+                "rag.embedding@1", tenant="rag", request_id="crash", input={"simulate_fault": "RUNTIME_CRASH"}
+            )
+            with contextlib.suppress(WorkflowFailureError):
+                await crash.result()
+            held = await stack.start_request(
+                "rag.embedding@1", tenant="rag", request_id="held", input={"simulate_invoke_s": 5}
+            )
+            await held.result()
+            state = await stack.scheduler.query("state", result_type=PoolState)
+            [resident_id] = [r.workflow_id for r in state.residents.values()]
             await env.sleep(1000)
             handles = {
                 "request_cold": cold,
                 "request_warm": warm,
                 "request_unknown_capability": unknown,
+                "request_runtime_crash": crash,
+                "request_heartbeats": held,
                 "scheduler": stack.scheduler,
-                "residency": env.client.get_workflow_handle("resident:rag.embedding@1:gpu-node/0"),
+                "residency": env.client.get_workflow_handle(resident_id),
                 "telemetry": env.client.get_workflow_handle("telemetry:gpu-node"),
             }
-            HERE.mkdir(exist_ok=True)
+            out = HISTORIES / version
+            out.mkdir(parents=True, exist_ok=False)
             for name, handle in handles.items():
                 history = await handle.fetch_history()
-                (HERE / f"{name}.json").write_text(history.to_json())
+                (out / f"{name}.json").write_text(history.to_json())
                 print(f"{name}: {len(history.events)} events")
     finally:
         await env.shutdown()
@@ -58,4 +76,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m tests.workflow.record_histories <version>")
+    asyncio.run(main(sys.argv[1]))

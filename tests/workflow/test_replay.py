@@ -12,18 +12,24 @@ from temporalio.worker import Replayer
 from workers.control import workflow_runner
 from workflows import ALL_WORKFLOWS
 
-HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
+ROOT = Path(__file__).resolve().parents[1] / "histories"
+# One folder per recording (v1: session 1, v2: session 2 ...): every one must keep replaying.
+HISTORIES = sorted(ROOT.glob("*/*.json"))
+VERSIONS = sorted({path.parent.name for path in HISTORIES})
 
 
-def test_every_workflow_type_has_a_history() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_workflow_type_has_a_history(version: str) -> None:
     types = set()
     for path in HISTORIES:
+        if path.parent.name != version:
+            continue
         history = WorkflowHistory.from_json(path.stem, path.read_text())
         types.add(history.events[0].workflow_execution_started_event_attributes.workflow_type.name)
     assert types == {w.__temporal_workflow_definition.name for w in ALL_WORKFLOWS}  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+@pytest.mark.parametrize("path", HISTORIES, ids=[f"{p.parent.name}/{p.stem}" for p in HISTORIES])
 async def test_history_replays(path: Path) -> None:
     replayer = Replayer(workflows=ALL_WORKFLOWS, workflow_runner=workflow_runner())
     await replayer.replay_workflow(WorkflowHistory.from_json(path.stem, path.read_text()))
