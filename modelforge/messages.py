@@ -113,6 +113,9 @@ class SchedulerInput:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     # How often the scheduler re-evaluates with no message (staleness, timeouts).
     reconcile_interval_s: float = 30.0
+    # Continue-as-new at this history length even before Temporal suggests it: the history of a
+    # busy pool stays short to replay and well under Temporal's limits.
+    max_history_events: int = 5000
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ async def running_stack(
     catalog_path: Path | None = None,
     config: PolicyConfig | None = None,
     telemetry_interval_s: float = 10.0,
+    max_history_events: int = 5000,
 ) -> AsyncIterator[Stack]:
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
@@ -108,7 +109,9 @@ async def running_stack(
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)
             scheduler = await ensure_scheduler(
-                client, "default", SchedulerInput(pool="default", config=config or PolicyConfig())
+                client,
+                "default",
+                SchedulerInput(pool="default", config=config or PolicyConfig(), max_history_events=max_history_events),
             )
             running.scheduler = scheduler
             for node in backends:

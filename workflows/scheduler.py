@@ -44,6 +44,8 @@ from workflows.residency import ResidencyWorkflow
 
 # One residency workflow id per load (session 2); older histories used one id per key.
 PATCH_RESIDENCY_GENERATIONS = "residency-generations"
+# Continue-as-new at max_history_events as well as when suggested (session 2).
+PATCH_HISTORY_BOUND = "history-bound"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
@@ -330,7 +332,7 @@ class PoolSchedulerWorkflow:
                 await self._reload_catalog()
             self._run_policy(self._now())
             await self._flush()
-            if workflow.info().is_continue_as_new_suggested() and workflow.all_handlers_finished():
+            if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 await self._drain_event_writes()
                 workflow.continue_as_new(replace(start, state=self._state))
             try:
@@ -338,6 +340,12 @@ class PoolSchedulerWorkflow:
             except TimeoutError:
                 pass
             self._wake = False
+
+    def _should_continue_as_new(self, start: SchedulerInput) -> bool:
+        info = workflow.info()
+        if info.is_continue_as_new_suggested():
+            return True
+        return workflow.patched(PATCH_HISTORY_BOUND) and info.get_current_history_length() >= start.max_history_events
 
     async def _reload_catalog(self) -> None:
         catalog = await workflow.execute_activity(
