@@ -386,6 +386,7 @@ def resident_ready(state: PoolState, key: str, measured_bytes: int, now: float) 
     resident = state.residents.get(key)
     if resident is None:
         return []
+    state.warm_backoff.pop(resident.deployment, None)
     resident.phase = ResidentPhase.READY
     resident.loaded_at = now
     resident.last_used = now
@@ -411,6 +412,9 @@ def resident_failed(
 ) -> tuple[list[Reject], list[PolicyEvent]]:
     """A load or its health check failed: the resident goes and whoever waited on it is told why."""
     resident = state.residents.pop(key, None)
+    if resident is not None and resident.residency == Residency.ALWAYS_WARM:
+        failures = state.warm_backoff.get(resident.deployment, [0.0, 0.0])[0] + 1
+        state.warm_backoff[resident.deployment] = [failures, now + min(600.0, 10.0 * 2 ** (failures - 1))]
     rejects = [Reject(q.request_id, q.workflow_id, failure, message) for q in state.queue if q.assigned_to == key]
     if rejects:
         gone = {r.request_id for r in rejects}

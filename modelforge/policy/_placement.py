@@ -312,6 +312,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
                 continue
             counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
 
+    _keep_always_warm(pass_, decisions, now)
+
     # An UNHEALTHY accelerator's work is preempted and requeued elsewhere (the filter keeps it
     # off that accelerator), and its idle residents go.
     if pass_.unhealthy:
@@ -347,6 +349,44 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         ):
             decisions.unloads.append(Unload(resident.key, "last lease ended (load_on_demand)"))
     return decisions
+
+
+def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
+    """always_warm deployments are loaded when the pool starts and again after a loss, without a
+    request asking: on the best-fitting eligible accelerator with room, never by evicting or
+    preempting anything, and with backoff after failed loads."""
+    state = pass_.state
+    starting = {load.deployment: True for load in decisions.loads}
+    for deployment in state.catalog.deployments:
+        if deployment.residency != Residency.ALWAYS_WARM or deployment.deployment_id in starting:
+            continue
+        if pass_.residents_of.get(deployment.deployment_id):
+            continue
+        backoff = state.warm_backoff.get(deployment.deployment_id)
+        if backoff is not None and now < backoff[1]:
+            continue
+        production = deployment.production_eligible and bool(deployment.measured_on)
+        passed, _ = _filtered(pass_, deployment, production)
+        need = deployment.resident_bytes
+        best: tuple[int, str] | None = None
+        for accelerator in passed:
+            budget = pass_.budgets[accelerator]
+            if not budget.fresh or accelerator in pass_.blocked:
+                continue
+            if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
+                continue
+            free = pass_.free(accelerator)
+            if need <= free and (best is None or (free - need, accelerator) < best):
+                best = (free - need, accelerator)
+        if best is None:
+            continue
+        accelerator = best[1]
+        acc = state.catalog.accelerator(accelerator)
+        assert acc is not None
+        pass_.commit(accelerator, need)
+        key = resident_key(deployment.deployment_id, accelerator)
+        pass_.slots[key] = deployment.concurrency
+        decisions.loads.append(StartLoad(key, deployment.deployment_id, accelerator, acc.node, need, []))
 
 
 def _expired(queued: QueuedRequest, now: float) -> Reject:

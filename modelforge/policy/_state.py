@@ -122,6 +122,9 @@ class PoolState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # lease id -> when its holder last showed it is alive (granted, or a heartbeat since).
     lease_seen: dict[str, float] = field(default_factory=dict)
+    # always_warm deployment -> [consecutive failed loads, earliest next attempt]: a model that
+    # keeps failing to load is retried with backoff, never in a tight loop.
+    warm_backoff: dict[str, list[float]] = field(default_factory=dict)
     # lease id -> why it is being preempted; its bytes are already promised to whoever asked.
     preempting: dict[str, str] = field(default_factory=dict)
     # When stale leases were last looked for: a long gap means the scheduler itself was away.

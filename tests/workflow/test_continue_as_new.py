@@ -15,9 +15,7 @@ pytestmark = pytest.mark.workflow
 EMBEDDING = "rag.embedding@1"  # concurrency 1: the second request queues behind the first
 
 
-async def test_lease_and_queue_survive_continue_as_new(
-    dev_server_env: WorkflowEnvironment, database_url: str
-) -> None:
+async def test_lease_and_queue_survive_continue_as_new(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
     async with running_stack(dev_server_env.client, database_url, max_history_events=80) as stack:
         first_run = (await stack.scheduler.describe()).run_id
         holder = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 3})
