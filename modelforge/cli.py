@@ -184,6 +184,12 @@ def status(as_json: JsonOption = False) -> None:
     out.print(table)
     queue = ", ".join(f"{k} {v}" for k, v in pool.queue_depth.items())
     out.print(f"queue: {queue}; active leases: {pool.active_leases}")
+    for capability in pool.capabilities:
+        if capability.degraded:
+            out.print(
+                f"[red]DEGRADED[/red] {capability.capability}: last {capability.consecutive_failures} outcomes failed, "
+                f"last {capability.last_failure} {capability.last_message}".rstrip()
+            )
 
 
 @app.command()

@@ -173,7 +173,7 @@ class PoolSchedulerWorkflow:
                 ),
                 now,
             )
-        self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome), now)
+        self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome, signal.message), now)
         if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
             events = policy.resident_crashed(self._state, lease.resident_key, lease.granted_at, signal.message)
             for event in events:

@@ -37,6 +37,7 @@ from modelforge.policy._order import fair_share_scores, queue_order
 from modelforge.policy._placement import FilterResult, decide, filter_accelerators
 from modelforge.policy._state import (
     AcceleratorRuntime,
+    CapabilityHealth,
     Lease,
     PolicyConfig,
     PoolState,
@@ -45,7 +46,7 @@ from modelforge.policy._state import (
     ResidentState,
     TenantUsage,
 )
-from modelforge.policy._views import AcceleratorStatus, PoolStatus, ResidentStatus, pool_status
+from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolStatus, ResidentStatus, pool_status
 
 __all__ = [
     "AcceleratorRuntime",
@@ -54,6 +55,8 @@ __all__ = [
     "AdmissionRequest",
     "Assign",
     "Budget",
+    "CapabilityHealth",
+    "CapabilityStatus",
     "Decisions",
     "FilterResult",
     "Grant",

@@ -24,6 +24,7 @@ from modelforge.policy._decisions import (
 )
 from modelforge.policy._order import decayed_usage, insert_in_submission_order
 from modelforge.policy._state import (
+    CapabilityHealth,
     Lease,
     PoolState,
     QueuedRequest,
@@ -258,12 +259,32 @@ def apply_decisions(
     return events
 
 
-def release_lease(state: PoolState, lease_id: str, now: float, outcome: str) -> list[PolicyEvent]:
+_FAILURE_CLASSES = {f.value: f for f in FailureClass}
+
+
+def note_outcome(state: PoolState, capability: str, outcome: str, message: str, now: float) -> None:
+    """Count a request's or a load's outcome towards its capability's health: no retry loop hides
+    a capability that keeps failing. Outcomes that are not the capability's fault (preempted,
+    reclaimed, cancelled) count neither way."""
+    if outcome == "ok":
+        state.capability_health.pop(capability, None)
+        return
+    if outcome not in _FAILURE_CLASSES:
+        return
+    health = state.capability_health.setdefault(capability, CapabilityHealth())
+    health.consecutive_failures += 1
+    health.last_failure = outcome
+    health.last_message = message
+    health.last_failure_at = now
+
+
+def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
     lease = state.leases.pop(lease_id, None)
     state.lease_seen.pop(lease_id, None)
     state.preempting.pop(lease_id, None)
     if lease is None:
         return []
+    note_outcome(state, lease.capability, outcome, message, now)
     resident = state.residents.get(lease.resident_key)
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)
@@ -412,6 +433,8 @@ def resident_failed(
 ) -> tuple[list[Reject], list[PolicyEvent]]:
     """A load or its health check failed: the resident goes and whoever waited on it is told why."""
     resident = state.residents.pop(key, None)
+    if resident is not None:
+        note_outcome(state, resident.capability, failure.value, message, now)
     if resident is not None and resident.residency == Residency.ALWAYS_WARM:
         failures = state.warm_backoff.get(resident.deployment, [0.0, 0.0])[0] + 1
         state.warm_backoff[resident.deployment] = [failures, now + min(600.0, 10.0 * 2 ** (failures - 1))]

@@ -21,6 +21,8 @@ class PolicyConfig:
     pressure_exit_fraction: float = 0.10
     pressure_hold_s: float = 60.0
     unhealthy_after_failures: int = 3
+    # A capability whose last this-many requests or loads failed shows as degraded in `status`.
+    degraded_after_failures: int = 3
     healthy_after_successes: int = 3
     default_lease_timeout_s: float = 300.0
     # A lease whose holder has not heart-beaten for this long is reclaimed (DESIGN §4).
@@ -113,6 +115,16 @@ class TenantUsage:
 
 
 @dataclass
+class CapabilityHealth:
+    """Consecutive failed outcomes of a capability's requests and loads, reset by a success."""
+
+    consecutive_failures: int = 0
+    last_failure: str = ""
+    last_message: str = ""
+    last_failure_at: float = 0.0
+
+
+@dataclass
 class PoolState:
     pool: str
     catalog: Catalog = field(default_factory=Catalog)
@@ -122,6 +134,7 @@ class PoolState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # lease id -> when its holder last showed it is alive (granted, or a heartbeat since).
     lease_seen: dict[str, float] = field(default_factory=dict)
+    capability_health: dict[str, CapabilityHealth] = field(default_factory=dict)
     # always_warm deployment -> [consecutive failed loads, earliest next attempt]: a model that
     # keeps failing to load is retried with backoff, never in a tight loop.
     warm_backoff: dict[str, list[float]] = field(default_factory=dict)

@@ -47,6 +47,16 @@ class ResidentStatus:
 
 
 @dataclass(frozen=True)
+class CapabilityStatus:
+    capability: str
+    degraded: bool
+    consecutive_failures: int
+    last_failure: str
+    last_message: str
+    last_failure_at: float
+
+
+@dataclass(frozen=True)
 class PoolStatus:
     pool: str
     now: float
@@ -54,6 +64,8 @@ class PoolStatus:
     residents: list[ResidentStatus] = field(default_factory=list)
     queue_depth: dict[str, int] = field(default_factory=dict)
     active_leases: int = 0
+    # Capabilities whose recent requests or loads failed; `degraded` past the configured count.
+    capabilities: list[CapabilityStatus] = field(default_factory=list)
 
 
 def pool_status(state: PoolState, now: float) -> PoolStatus:
@@ -115,4 +127,15 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
         residents=residents,
         queue_depth=depth,
         active_leases=len(state.leases),
+        capabilities=[
+            CapabilityStatus(
+                capability=capability,
+                degraded=health.consecutive_failures >= state.config.degraded_after_failures,
+                consecutive_failures=health.consecutive_failures,
+                last_failure=health.last_failure,
+                last_message=health.last_message,
+                last_failure_at=health.last_failure_at,
+            )
+            for capability, health in state.capability_health.items()
+        ],
     )

@@ -266,3 +266,26 @@ def test_admission_is_idempotent_for_the_same_requester() -> None:
         validate_request(s, replace(first, workflow_id="someone-else"))
     assert raised.value.failure == FailureClass.LEASE_CONFLICT
     assert existing_admission(s, replace(first, workflow_id="someone-else")) is None
+
+
+def test_a_capability_that_keeps_failing_shows_as_degraded_until_a_success() -> None:
+    from modelforge.policy import pool_status
+
+    s = state([gpu("n/0")], [deployment("emb@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1, loaded=["emb@1@n/0"])
+    resident(s, "emb@1", "n/0", 1)
+
+    def one_request(n: int, outcome: str) -> None:
+        apply_decisions(s, admit(s, ask(f"r{n}")), NOW, {})
+        [lease_id] = s.leases
+        release_lease(s, lease_id, NOW, outcome, "bad vector")
+
+    for n, outcome in enumerate(["INVALID_OUTPUT", "preempted", "INVALID_OUTPUT"]):
+        one_request(n, outcome)
+    [health] = pool_status(s, NOW).capabilities
+    assert (health.consecutive_failures, health.degraded) == (2, False)  # preemption is not its fault
+    one_request(3, "INVALID_OUTPUT")
+    [health] = pool_status(s, NOW).capabilities
+    assert (health.degraded, health.last_failure, health.last_message) == (True, "INVALID_OUTPUT", "bad vector")
+    one_request(4, "ok")
+    assert pool_status(s, NOW).capabilities == []

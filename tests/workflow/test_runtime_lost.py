@@ -52,7 +52,10 @@ async def test_a_crashing_runtime_is_retried_once_then_fails_with_its_class(
         assert len(await stack.events("load", at_least=2)) == 2
         lost = await stack.events("resident_lost", at_least=2)
         assert [e["failure_class"] for e in lost] == ["RUNTIME_CRASH", "RUNTIME_CRASH"]
-        # Nothing stays resident or leased once the request has failed.
+        # Nothing stays resident or leased once the request has failed, and status says why
+        # the capability failed (two failures: not yet degraded, which takes three).
         status = await stack.status()
+        [health] = [c for c in status.capabilities if c.capability == EMBEDDING]
+        assert (health.consecutive_failures, health.last_failure, health.degraded) == (2, "RUNTIME_CRASH", False)
         assert [r for r in status.residents if r.capability == EMBEDDING] == []
         assert all(a.leased_bytes == 0 for a in status.accelerators)
