@@ -79,6 +79,8 @@ class _Pass:
     committed: dict[str, int] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
     evicting: dict[str, bool] = field(default_factory=dict)
+    # Residents this pass granted on or assigned to: busy from now on, whatever the state says.
+    in_use: dict[str, bool] = field(default_factory=dict)
     # Accelerators on which a higher-ordered request waits for memory: later requests may join
     # ready residents there but must not take new bytes ahead of it.
     blocked: dict[str, bool] = field(default_factory=dict)
@@ -329,7 +331,12 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
                     )
                 )
         for resident in state.residents.values():
-            if resident.accelerator in pass_.unhealthy and _evictable(resident) and resident.key not in pass_.evicting:
+            if (
+                resident.accelerator in pass_.unhealthy
+                and _evictable(resident)
+                and resident.key not in pass_.evicting
+                and resident.key not in pass_.in_use
+            ):
                 pass_.evicting[resident.key] = True
                 decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
 
@@ -446,6 +453,7 @@ def _grant(
     extra = deployment.lease_extra_bytes
     pass_.commit(resident.accelerator, extra)
     pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
+    pass_.in_use[resident.key] = True
     lease = Lease(
         lease_id=f"{queued.request_id}.{counter + 1}",
         request_id=queued.request_id,
@@ -523,6 +531,7 @@ def _place(
                 )
             elif resident.phase == ResidentPhase.LOADING:
                 pass_.slots[resident.key] -= 1
+                pass_.in_use[resident.key] = True
                 return Assign(queued.request_id, resident.key)
             else:
                 reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
@@ -631,7 +640,11 @@ def _preemption_plan(
             continue
         free = pass_.free(accelerator)
         for resident in pass_.evictable.get(accelerator, []):
-            if resident.deployment != deployment.deployment_id and resident.key not in pass_.evicting:
+            if (
+                resident.deployment != deployment.deployment_id
+                and resident.key not in pass_.evicting
+                and resident.key not in pass_.in_use
+            ):
                 free += resident.bytes
         remaining: dict[str, int] = {}
         chosen: list[Lease] = []
@@ -687,7 +700,7 @@ def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int
     for resident in candidates:
         if free >= need:
             break
-        if resident.deployment == deployment_id or resident.key in pass_.evicting:
+        if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
             continue
         chosen.append(resident.key)
         free += resident.bytes

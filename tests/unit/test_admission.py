@@ -289,3 +289,17 @@ def test_a_capability_that_keeps_failing_shows_as_degraded_until_a_success() -> 
     assert (health.degraded, health.last_failure, health.last_message) == (True, "INVALID_OUTPUT", "bad vector")
     one_request(4, "ok")
     assert pool_status(s, NOW).capabilities == []
+
+
+def test_a_resident_granted_on_in_a_pass_is_not_evicted_by_a_later_request_of_that_pass() -> None:
+    # 24 GiB card, 1 GiB reserve: chat (12 GiB) idle and warm, 11 GiB free; a job needs 16 GiB.
+    s = state([gpu("n/0", total=24)], [deployment("chat@1", gib=12), deployment("job@1", gib=16)])
+    observe(s, "n/0", managed_gib=12, loaded=["chat@1@n/0"])
+    resident(s, "chat@1", "n/0", 12)
+    enqueue(s, ask("chat-req", "chat@1"), Priority.INTERACTIVE, NOW)
+    enqueue(s, ask("job-req", "job@1"), Priority.BACKGROUND, NOW)
+    decisions = decide(s, NOW)
+    [grant] = decisions.grants
+    assert grant.lease.resident_key == "chat@1@n/0"
+    # Evicting chat would make room for the job, but chat is in use from this very pass.
+    assert decisions.unloads == []

@@ -123,6 +123,9 @@ def run(operations: list[tuple[object, ...]]) -> list[object]:
             reference.unloads,
             reference.preemptions,
         )
+        # Never unload what this same pass grants on or assigns to.
+        in_use = {g.lease.resident_key for g in decisions.grants} | {a.resident_key for a in decisions.assigns}
+        assert not in_use & {u.resident_key for u in decisions.unloads}, decisions
         committed: dict[str, int] = {}
         for load in decisions.loads:
             assert budgets[load.accelerator].fresh, "no load on stale data"
