@@ -122,7 +122,8 @@ async def running_stack(
 
 
 async def _shutdown_all(stack: Stack) -> None:
+    # Bounded: a test that fails mid-way must not hang its teardown on a still-running invoke.
     for worker in stack.node_workers.values():
         if worker.is_running and not worker.is_shutdown:
-            await worker.shutdown()
-    await asyncio.gather(*stack.node_tasks)
+            await asyncio.wait_for(worker.shutdown(), timeout=30)
+    await asyncio.wait_for(asyncio.gather(*stack.node_tasks, return_exceptions=True), timeout=30)

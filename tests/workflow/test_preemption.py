@@ -19,10 +19,10 @@ CATALOG = Path(__file__).parent.parent / "catalogs" / "preemption.toml"
 
 
 async def test_interactive_preempts_a_background_job_which_then_finishes(
-    time_skipping_env: WorkflowEnvironment, database_url: str
+    dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=1.0)
-    async with running_stack(time_skipping_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
         job = await stack.start_request("train.job@1", tenant="lab", input={"simulate_invoke_s": 6})
         while not any(r.active_leases for r in (await stack.status()).residents):
             await asyncio.sleep(0.2)

@@ -19,17 +19,17 @@ STALE_S = 3.0  # the holder heartbeats every 1 s
 
 
 async def test_live_holder_keeps_its_lease_and_a_terminated_one_loses_it(
-    time_skipping_env: WorkflowEnvironment, database_url: str
+    dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
     config = PolicyConfig(stale_lease_s=STALE_S)
-    async with running_stack(time_skipping_env.client, database_url, config=config) as stack:
+    async with running_stack(dev_server_env.client, database_url, config=config) as stack:
         # A live holder invoking for 2x the stale limit keeps its lease: its heartbeats land.
         long = await (await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 6})).result()
         assert long.lease.heartbeat_s == pytest.approx(STALE_S / 3)
         assert await stack.store.list_events(kind="lease_reclaimed") == []
 
         # A holder that dies while holding: terminated mid-invoke, it never releases.
-        doomed = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 120})
+        doomed = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 30})
         while not any(r.active_leases for r in (await stack.status()).residents):
             await asyncio.sleep(0.2)
         await doomed.terminate("simulating a lost holder")
