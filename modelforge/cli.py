@@ -125,7 +125,7 @@ def request(
         lease = result.lease
         out.print(
             f"[green]ok[/green] {capability} on {lease.accelerator if lease else '?'} "
-            f"({', '.join(f'{k} {v:.3f}s' for k, v in result.timings.items())})",
+            f"({', '.join(f'{k} {v:.3f}s' if k.endswith('_s') else f'{k} {v:g}' for k, v in result.timings.items())})",
             highlight=False,
         )
         out.print_json(json.dumps(result.output))

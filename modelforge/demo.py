@@ -23,7 +23,7 @@ def describe(result: Result) -> str:
     if result.ok:
         lease = result.lease
         where = f"{lease.accelerator} ({lease.priority.value})" if lease else "?"
-        timing = ", ".join(f"{k}={v:.2f}" for k, v in result.timings.items())
+        timing = ", ".join(f"{k}={v:.2f}" if k.endswith("_s") else f"{k}={v:g}" for k, v in result.timings.items())
         return f"OK on {where}; {timing}; output={result.output}"
     return f"{result.failure_class}: {result.message}"
 
