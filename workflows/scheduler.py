@@ -18,7 +18,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge import policy
     from modelforge.domain import Catalog, Observation
     from modelforge.events import EventRecord
-    from modelforge.failures import FailureClass
+    from modelforge.failures import FailureClass, parse_failure
     from modelforge.messages import (
         AdmitBatch,
         AdmitBatchReply,
@@ -49,7 +49,6 @@ PATCH_HISTORY_BOUND = "history-bound"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
-FAILURE_CLASSES = {f.value: f for f in FailureClass}
 
 
 @workflow.defn(name="PoolSchedulerWorkflow")
@@ -158,11 +157,11 @@ class PoolSchedulerWorkflow:
         now = self._now()
         lease = self._state.leases.get(signal.lease_id)
         if lease is not None:
-            known = signal.outcome in FAILURE_CLASSES
+            failure_class = parse_failure(signal.outcome)
             self._record(
                 policy.PolicyEvent(
-                    kind="invoke" if signal.outcome == "ok" else "invoke_failed" if known else signal.outcome,
-                    failure=FailureClass(signal.outcome) if known else None,
+                    kind="invoke" if signal.outcome == "ok" else "invoke_failed" if failure_class else signal.outcome,
+                    failure=failure_class,
                     request_id=signal.request_id,
                     lease_id=signal.lease_id,
                     accelerator=lease.accelerator,

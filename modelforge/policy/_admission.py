@@ -16,7 +16,7 @@ from modelforge.domain import (
     Priority,
     Residency,
 )
-from modelforge.failures import FailureClass
+from modelforge.failures import FailureClass, parse_failure
 from modelforge.policy._decisions import (
     Decisions,
     PolicyEvent,
@@ -259,9 +259,6 @@ def apply_decisions(
     return events
 
 
-_FAILURE_CLASSES = {f.value: f for f in FailureClass}
-
-
 def note_outcome(state: PoolState, capability: str, outcome: str, message: str, now: float) -> None:
     """Count a request's or a load's outcome towards its capability's health: no retry loop hides
     a capability that keeps failing. Outcomes that are not the capability's fault (preempted,
@@ -269,7 +266,7 @@ def note_outcome(state: PoolState, capability: str, outcome: str, message: str, 
     if outcome == "ok":
         state.capability_health.pop(capability, None)
         return
-    if outcome not in _FAILURE_CLASSES:
+    if parse_failure(outcome) is None:
         return
     health = state.capability_health.setdefault(capability, CapabilityHealth())
     health.consecutive_failures += 1

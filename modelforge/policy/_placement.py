@@ -209,12 +209,14 @@ def _unload_cost(deployment: Deployment | None) -> float:
     return deployment.unload_s if deployment is not None else 0.0
 
 
-def _static_filter(state: PoolState, deployment: Deployment, production: bool) -> tuple[list[str], list[FilterResult]]:
-    """The filter results that depend on the catalog alone, kept with the catalog (immutable by
-    contract) so a pass over thousands of accelerators computes them once per catalog."""
-    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult]]] = state.catalog.__dict__.setdefault(
-        "_policy_static_filter", {}
-    )
+def _static_filter(
+    state: PoolState, deployment: Deployment, production: bool
+) -> tuple[list[str], list[FilterResult], dict[str, bool]]:
+    """The filter results that depend on the catalog alone (passed, refused with reasons, passed
+    as a lookup), kept with the catalog (immutable by contract) so a pass over thousands of
+    accelerators computes them once per catalog."""
+    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult], dict[str, bool]]]
+    cache = state.catalog.__dict__.setdefault("_policy_static_filter", {})
     key = (state.pool, deployment.deployment_id, production)
     cached = cache.get(key)
     if cached is None:
@@ -228,40 +230,27 @@ def _static_filter(state: PoolState, deployment: Deployment, production: bool) -
                 refused.append(FilterResult(accelerator.id, False, reason, True))
             else:
                 passed.append(accelerator.id)
-        cached = (passed, refused)
-        cache[key] = cached
+        cached = cache[key] = (passed, refused, dict.fromkeys(passed, True))
     return cached
 
 
 def _filtered(pass_: _Pass, deployment: Deployment, production: bool) -> tuple[list[str], list[FilterResult]]:
-    """(accelerators that pass, those that do not with their reasons)."""
+    """(accelerators that pass, those that do not with their reasons); health is the only part
+    that changes between passes."""
     key = (deployment.deployment_id, production)
     cached = pass_.static_filter.get(key)
     if cached is None:
-        passed, refused = _static_filter(pass_.state, deployment, production)
-        if pass_.unhealthy:
+        passed, refused, eligible = _static_filter(pass_.state, deployment, production)
+        if pass_.unhealthy and any(a in pass_.unhealthy for a in passed):
             refused = refused + [
                 FilterResult(a, False, f"{a}: UNHEALTHY", False) for a in passed if a in pass_.unhealthy
             ]
             passed = [a for a in passed if a not in pass_.unhealthy]
             eligible = dict.fromkeys(passed, True)
-        else:
-            eligible = _static_eligible(pass_.state, deployment, production, passed)
         cached = (passed, refused)
         pass_.static_filter[key] = cached
         pass_.eligible[key] = eligible
     return cached
-
-
-def _static_eligible(state: PoolState, deployment: Deployment, production: bool, passed: list[str]) -> dict[str, bool]:
-    cache: dict[tuple[str, str, bool], dict[str, bool]] = state.catalog.__dict__.setdefault(
-        "_policy_static_eligible", {}
-    )
-    key = (state.pool, deployment.deployment_id, production)
-    eligible = cache.get(key)
-    if eligible is None:
-        eligible = cache[key] = dict.fromkeys(passed, True)
-    return eligible
 
 
 def decide(state: PoolState, now: float) -> Decisions:
