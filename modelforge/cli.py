@@ -26,6 +26,8 @@ worker_app = typer.Typer(no_args_is_help=True, help="Worker processes.")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(db_app, name="db")
 app.add_typer(worker_app, name="worker")
+trace_app = typer.Typer(no_args_is_help=True, help="Convert real traces into simulator scenarios.")
+app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
 T = TypeVar("T")
@@ -380,6 +382,111 @@ def worker_node(
         _run(lambda: node_worker.run(_settings(), node, simulate_from, pool))
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def simulate(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML (DESIGN §7).")],
+    policy: Annotated[
+        str, typer.Option(help="modelforge (the production policy), fifo or ollama; 'all' runs the three side by side.")
+    ] = "modelforge",
+    as_json: JsonOption = False,
+) -> None:
+    """Replay SCENARIO in virtual time through the production policy or a baseline."""
+    from modelforge.simulate import POLICIES, load_scenario
+    from modelforge.simulate import simulate as run_simulation
+
+    names = list(POLICIES) if policy == "all" else [policy]
+    if any(name not in POLICIES for name in names):
+        choices = ", ".join(POLICIES)
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"unknown policy {policy!r}; choose {choices} or all"))
+    try:
+        loaded = load_scenario(scenario)
+        results = [run_simulation(loaded, name) for name in names]
+    except ModelForgeError as error:
+        _fail(error)
+    if as_json:
+        _json(results[0].to_json() if policy != "all" else [r.to_json() for r in results])
+        return
+    table = Table(title=f"{scenario.name}: {len(loaded.requests)} requests, virtual time (simulated cards)")
+    table.add_column("metric", no_wrap=True)
+    for result in results:
+        table.add_column(result.policy, justify="right")
+    rows: list[tuple[str, list[str]]] = [
+        ("completed", [str(r.completed) for r in results]),
+        ("rejected", [", ".join(f"{k} {v}" for k, v in r.rejected.items()) or "-" for r in results]),
+    ]
+    classes = [c for c in results[0].by_class]
+    for klass in classes:
+        for key in ("wait_p50_s", "wait_p99_s", "deadline_met_ratio"):
+            cells = []
+            for r in results:
+                value = r.by_class.get(klass, {}).get(key)
+                cells.append("-" if value is None else f"{value:.3f}")
+            rows.append((f"{klass} {key}", cells))
+    for name in ("loads", "evictions", "preemptions", "invariant_violations", "oom_events"):
+        rows.append((name, [str(getattr(r, name)) for r in results]))
+    for name in ("vram_utilization", "jain_fairness"):
+        rows.append((name, [f"{getattr(r, name):.3f}" for r in results]))
+    rows.append(("replay", [f"{r.wall_s:.2f} s ({r.requests_per_s:,.0f} req/s)" for r in results]))
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    out.print(table)
+
+
+@trace_app.command("azure")
+def trace_azure(
+    trace: Annotated[Path, typer.Argument(help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for scenario.toml and requests.jsonl.")],
+    repeat: Annotated[int, typer.Option(help="Tile the trace this many times back to back.")] = 1,
+    prefill_tps: Annotated[float, typer.Option(help="Prefill tokens per second per sequence.")] = 4000.0,
+    decode_tps: Annotated[float, typer.Option(help="Decode tokens per second per sequence.")] = 40.0,
+    seed: int = 7,
+) -> None:
+    """A mixed single-GPU scenario: the trace's LLM calls (production) with embedding traffic, a
+    lab's experimental model and background evaluation jobs, on a card shared with a media server."""
+    from modelforge.traces import AzureOptions, convert_azure
+
+    if prefill_tps <= 0 or decode_tps <= 0:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "--prefill-tps and --decode-tps must be positive"))
+    options = AzureOptions(prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps, repeat=repeat, seed=seed)
+    try:
+        path = convert_azure(trace, out_dir, options)
+    except ModelForgeError as error:
+        _fail(error)
+    out.print(f"wrote {path}")
+
+
+@trace_app.command("alibaba")
+def trace_alibaba(
+    nodes_csv: Annotated[Path, typer.Argument(help="Node list CSV (sn,cpu_milli,memory_mib,gpu,model).")],
+    pods_csv: Annotated[Path, typer.Argument(help="Pod list CSV (name,...,num_gpu,gpu_milli,qos,...).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for scenario.toml and requests.jsonl.")],
+    gpu_memory: Annotated[
+        list[str] | None, typer.Option(help="MODEL=GiB for a GPU model, e.g. G2=24; repeatable.")
+    ] = None,
+    nodes: Annotated[int, typer.Option(help="A smaller cluster: N nodes evenly spaced through the file (0: all).")] = 0,
+    pods: Annotated[int, typer.Option(help="N pods evenly spaced through the file (0: all).")] = 0,
+    max_time_s: Annotated[float, typer.Option(help="Only pods created before this (0: all).")] = 0.0,
+) -> None:
+    """A cluster scenario: the trace's nodes and GPU models as accelerators, its pods as jobs."""
+    from modelforge.traces import AlibabaOptions, convert_alibaba
+
+    sizes: dict[str, float] = {}
+    for item in gpu_memory or []:
+        model, _, value = item.partition("=")
+        try:
+            sizes[model.strip()] = float(value)
+        except ValueError:
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--gpu-memory {item!r}: expected MODEL=GiB"))
+        if not model.strip() or sizes[model.strip()] <= 0:
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--gpu-memory {item!r}: expected MODEL=GiB"))
+    options = AlibabaOptions(gpu_gib=sizes, nodes=nodes, pods=pods, max_time_s=max_time_s)
+    try:
+        path = convert_alibaba(nodes_csv, pods_csv, out_dir, options)
+    except ModelForgeError as error:
+        _fail(error)
+    out.print(f"wrote {path}")
 
 
 def main() -> None:

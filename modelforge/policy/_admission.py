@@ -106,6 +106,12 @@ def validate_request(state: PoolState, request: AdmissionRequest) -> tuple[Deplo
             FailureClass.RESIDENCY_CONFLICT,
             f"residency {deployment.residency.value!r} is reserved for later and not served",
         )
+    if deployment.gpu_count > 1:
+        raise AdmissionRejected(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; "
+            "multi-GPU gang leases are not served yet",
+        )
     priority = resolve_priority(state, request)
     if any(q.request_id == request.request_id for q in state.queue) or any(
         lease.request_id == request.request_id for lease in state.leases.values()
@@ -189,6 +195,7 @@ def apply_decisions(
         resident = state.residents[lease.resident_key]
         resident.active_leases += 1
         resident.last_used = now
+        resident.last_priority = lease.priority
         done.append(grant.request_id)
         queued = by_id.get(grant.request_id)
         events.append(

@@ -36,7 +36,13 @@ def dynamic_reserve_bytes(runtime: AcceleratorRuntime, config: PolicyConfig, now
     history = runtime.external_history
     if len(history) < 2:
         return 0
-    recent = [b for t, b in history if now - t <= config.volatility_window_s]
+    # Entries are recorded on change: the last one before the window is the value in effect
+    # when the window opened, so it counts too.
+    start = now - config.volatility_window_s
+    first_inside = 0
+    while first_inside < len(history) and history[first_inside][0] < start:
+        first_inside += 1
+    recent = [b for _, b in history[max(0, first_inside - 1) :]]
     if len(recent) < 2:
         return 0
     return int((max(recent) - min(recent)) * config.volatility_factor)

@@ -21,13 +21,24 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         if not observation.healthy and observation.used_bytes < 0:
             continue
         runtime.observation = observation
-        runtime.external_history = [
-            pair for pair in runtime.external_history if now - pair[0] <= state.config.volatility_window_s
-        ]
-        runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
+        runtime.external_history = _in_window(runtime.external_history, now, state.config.volatility_window_s)
+        # Only changes are kept: a steady card keeps one entry however long the window, so an
+        # hour of memory costs nothing on the hot path.
+        if not runtime.external_history or runtime.external_history[-1][1] != float(observation.external_bytes):
+            runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
         events.extend(_reconcile_residents(state, observation))
         events.extend(_apply_pressure(state, accelerator.id, runtime, now))
     return events
+
+
+def _in_window(history: list[list[float]], now: float, window_s: float) -> list[list[float]]:
+    """The entries inside the window, plus the last one before it: the value in effect when the
+    window opened (entries are recorded on change only)."""
+    start = now - window_s
+    first_inside = 0
+    while first_inside < len(history) and history[first_inside][0] < start:
+        first_inside += 1
+    return history[max(0, first_inside - 1) :]
 
 
 def _apply_health(state: PoolState, runtime: AcceleratorRuntime, observation: Observation) -> list[PolicyEvent]:

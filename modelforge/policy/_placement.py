@@ -61,12 +61,44 @@ class _Reasons:
         return "; ".join(parts)
 
 
+class _Budgets:
+    """The invariant per accelerator, computed the first time a pass asks for it: most passes
+    (a release, a heartbeat, an empty queue) look at a handful of a large pool's cards."""
+
+    __slots__ = ("_cache", "_leased", "_now", "_resident", "_state")
+
+    def __init__(self, state: PoolState, resident: dict[str, int], leased: dict[str, int], now: float) -> None:
+        self._state = state
+        self._resident = resident
+        self._leased = leased
+        self._now = now
+        self._cache: dict[str, Budget] = {}
+
+    def __getitem__(self, accelerator_id: str) -> Budget:
+        budget = self._cache.get(accelerator_id)
+        if budget is None:
+            state = self._state
+            accelerator = state.catalog.accelerator(accelerator_id)
+            if accelerator is None:
+                raise KeyError(accelerator_id)
+            budget = budget_from_sums(
+                accelerator,
+                state.accelerators.get(accelerator_id, _IDLE_RUNTIME),
+                self._resident.get(accelerator_id, 0),
+                self._leased.get(accelerator_id, 0),
+                state.config,
+                self._now,
+            )
+            self._cache[accelerator_id] = budget
+        return budget
+
+
 @dataclass
 class _Pass:
     """What one decision pass knows and has committed, so it never double-books."""
 
     state: PoolState
-    budgets: dict[str, Budget]
+    budgets: _Budgets
     pool_accelerators: list[Accelerator]
     unhealthy: dict[str, bool]
     residents_of: dict[str, list[ResidentState]]
@@ -171,17 +203,7 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
                 lease.lease_id,
             )
         )
-    budgets = {
-        a.id: budget_from_sums(
-            a,
-            state.accelerators.get(a.id, _IDLE_RUNTIME),
-            resident_sum.get(a.id, 0),
-            leased_sum.get(a.id, 0),
-            state.config,
-            now,
-        )
-        for a in accelerators
-    }
+    budgets = _Budgets(state, resident_sum, leased_sum, now)
     # Cheapest to unload first, then the largest (fewest models go), then by key.
     catalog = state.catalog
     for candidates in evictable.values():
@@ -471,7 +493,12 @@ def _place(
         resident = state.residents.get(queued.assigned_to)
         if resident is not None and resident.phase == ResidentPhase.LOADING:
             return Wait(queued.request_id, f"waiting for {resident.key} to load")
-        if resident is not None and resident.phase == ResidentPhase.READY and pass_.slots.get(resident.key, 0) > 0:
+        if (
+            resident is not None
+            and resident.phase == ResidentPhase.READY
+            and pass_.slots.get(resident.key, 0) > 0
+            and resident.key not in pass_.evicting
+        ):
             if extra <= pass_.free(resident.accelerator) or extra == 0:
                 return _grant(queued, deployment, resident, now, pass_, counter)
 
@@ -507,6 +534,11 @@ def _place(
             if accelerator not in eligible:
                 continue
             holding[accelerator] = True
+            if resident.key in pass_.evicting:
+                # A higher request of this pass is unloading it to make room: joining it now
+                # would run work on a model that is going away.
+                reasons.add("evicting", f"{accelerator}: {resident.key} is being unloaded to make room")
+                continue
             if pass_.slots.get(resident.key, 0) <= 0:
                 reasons.add(
                     "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
@@ -562,7 +594,7 @@ def _place(
                 best = (free - need, accelerator)
             continue
         if accelerator in pass_.evictable:
-            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need)
+            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need, RANK[queued.priority])
             if plan is not None:
                 evicted = sum(state.residents[k].bytes for k in plan)
                 eviction_options.append((evicted, accelerator, plan))
@@ -678,9 +710,11 @@ def _preemption_plan(
     )
 
 
-def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int) -> list[str] | None:
+def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, rank: int) -> list[str] | None:
     """The cheapest idle residents whose bytes make `need` fit: fastest to unload first, then the
-    largest, so the fewest models go."""
+    largest, so the fewest models go. A resident that last served a higher class than the
+    request's is not the request's to evict: experimental work never unloads a warm production
+    model (it waits until that model's TTL lets it go)."""
     candidates = pass_.evictable.get(accelerator)
     if not candidates:
         return None
@@ -690,6 +724,8 @@ def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int
         if free >= need:
             break
         if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
+            continue
+        if resident.last_priority is not None and RANK[resident.last_priority] < rank:
             continue
         chosen.append(resident.key)
         free += resident.bytes

@@ -14,7 +14,7 @@ class PolicyConfig:
     # Observations older than this make an accelerator SCHEDULER_STATE_STALE.
     freshness_s: float = 30.0
     # The dynamic reserve is the spread of external usage over this window times the factor.
-    volatility_window_s: float = 300.0
+    volatility_window_s: float = 3600.0
     volatility_factor: float = 1.0
     # GPU_PRESSURE hysteresis on schedulable / total.
     pressure_enter_fraction: float = 0.05
@@ -58,6 +58,8 @@ class ResidentState:
     last_used: float = 0.0
     loaded_at: float | None = None
     requested_at: float = 0.0
+    # The class of the last lease granted on it: only that class or a higher one may evict it.
+    last_priority: Priority | None = None
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,9 @@ def test_health_hysteresis_three_failures_then_three_good_checks() -> None:
 
 
 def test_pressure_hysteresis_enters_low_leaves_high_after_hold() -> None:
-    config = PolicyConfig(pressure_enter_fraction=0.05, pressure_exit_fraction=0.10, pressure_hold_s=60)
+    config = PolicyConfig(
+        pressure_enter_fraction=0.05, pressure_exit_fraction=0.10, pressure_hold_s=60, volatility_window_s=300
+    )
     s = state([gpu("n/0", total=100, reserve=1)], [], config=config)
     observe(s, "n/0", external_gib=96, at=NOW)  # 100 - 96 - 0 - 0 - 1 = 3 GiB = 3% < 5%: enter
     assert s.accelerators["n/0"].pressure
@@ -303,3 +305,64 @@ def test_a_resident_granted_on_in_a_pass_is_not_evicted_by_a_later_request_of_th
     assert grant.lease.resident_key == "chat@1@n/0"
     # Evicting chat would make room for the job, but chat is in use from this very pass.
     assert decisions.unloads == []
+
+
+def test_a_resident_evicted_in_a_pass_is_not_joined_by_a_later_request_of_that_pass() -> None:
+    # Found by the simulator on the Azure trace: a production request evicted the idle eval
+    # runner while a requeued background job of that pass joined it, so the job ran on a model
+    # that was being unloaded. 24 GiB card, 1 GiB reserve, eval (6 GiB) idle: 17 GiB free;
+    # llm needs 20 GiB, so eval goes (17 + 6 = 23 >= 20) and the background job must wait.
+    s = state([gpu("n/0", total=24)], [deployment("llm@1", gib=20), deployment("eval@1", gib=6)])
+    observe(s, "n/0", managed_gib=6, loaded=["eval@1@n/0"])
+    resident(s, "eval@1", "n/0", 6, residency=Residency.NONE)
+    enqueue(s, ask("prod", "llm@1"), Priority.PRODUCTION, NOW)
+    enqueue(s, ask("job", "eval@1"), Priority.BACKGROUND, NOW)
+    decisions = decide(s, NOW)
+    assert [u.resident_key for u in decisions.unloads] == ["eval@1@n/0"]
+    assert decisions.grants == []
+    assert [w.request_id for w in decisions.waits] == ["prod", "job"]
+    assert "being unloaded" in decisions.waits[1].reason
+
+
+@pytest.mark.parametrize(
+    ("last_served", "asking", "evicted"),
+    [
+        # (class of the idle model's last lease, class of the request needing room, evicted?)
+        (Priority.PRODUCTION, Priority.BENCHMARK, False),  # experiments never unload production
+        (Priority.PRODUCTION, Priority.INTERACTIVE, False),
+        (Priority.PRODUCTION, Priority.PRODUCTION, True),  # production may make room for itself
+        (Priority.INTERACTIVE, Priority.PRODUCTION, True),
+        (Priority.BACKGROUND, Priority.BACKGROUND, True),
+        (None, Priority.MAINTENANCE, True),  # never used since it loaded: anyone's to evict
+    ],
+)
+def test_only_an_equal_or_higher_class_evicts_an_idle_warm_model(
+    last_served: Priority | None, asking: Priority, evicted: bool
+) -> None:
+    # 24 GiB card, 1 GiB reserve, a warm 9 GiB model idle: 14 GiB free; the request needs 16.
+    s = state([gpu("n/0", total=24)], [deployment("llm@1", gib=9), deployment("lab@1", gib=16)])
+    observe(s, "n/0", managed_gib=9, loaded=["llm@1@n/0"])
+    resident(s, "llm@1", "n/0", 9).last_priority = last_served
+    enqueue(s, ask("r1", "lab@1"), asking, NOW)
+    decisions = decide(s, NOW)
+    assert [u.resident_key for u in decisions.unloads] == (["llm@1@n/0"] if evicted else [])
+    if not evicted:
+        [wait] = decisions.waits
+        assert "needs 17179869184 B" in wait.reason
+
+
+def test_a_grant_records_the_class_the_resident_last_served() -> None:
+    s = state([gpu("n/0")], [deployment("emb@1")])
+    observe(s, "n/0", managed_gib=1, loaded=["emb@1@n/0"])
+    resident(s, "emb@1", "n/0", 1)
+    enqueue(s, ask("r1"), Priority.PRODUCTION, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert s.residents["emb@1@n/0"].last_priority == Priority.PRODUCTION
+
+
+def test_a_gang_deployment_is_refused_until_gangs_are_served() -> None:
+    s = state([gpu("n/0"), gpu("n/1")], [deployment("train@1", gib=8, gpu_count=2)])
+    with pytest.raises(AdmissionRejected) as refused:
+        validate_request(s, ask("r1", "train@1"))
+    assert refused.value.failure == FailureClass.CAPABILITY_UNAVAILABLE
+    assert "gang of 2 GPUs" in refused.value.message

@@ -1,0 +1,56 @@
+"""`modelforge simulate`: replay a scenario in virtual time through ModelForge's own policy (the
+code the scheduler workflow runs) or a baseline, and measure both on the same world."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from modelforge.simulate._baselines import FifoScheduler, OllamaScheduler
+from modelforge.simulate._engine import Simulation, SimulationResult
+from modelforge.simulate._modelforge import ModelForgeScheduler
+from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, SimScheduler, Start
+from modelforge.simulate._scenario import (
+    ExternalUsage,
+    Scenario,
+    ScenarioError,
+    SimRequest,
+    SimulationConfig,
+    load_scenario,
+    parse_request_lines,
+)
+
+POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
+    "modelforge": ModelForgeScheduler,
+    "fifo": FifoScheduler,
+    "ollama": OllamaScheduler,
+}
+
+
+def simulate(scenario: Scenario, policy: str = "modelforge") -> SimulationResult:
+    factory = POLICIES.get(policy)
+    if factory is None:
+        raise ScenarioError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return Simulation(scenario, factory(scenario)).run()
+
+
+__all__ = [
+    "POLICIES",
+    "Actions",
+    "CardView",
+    "ExternalUsage",
+    "FifoScheduler",
+    "Load",
+    "ModelForgeScheduler",
+    "OllamaScheduler",
+    "Refuse",
+    "Scenario",
+    "ScenarioError",
+    "SimRequest",
+    "SimScheduler",
+    "SimulationConfig",
+    "SimulationResult",
+    "Start",
+    "load_scenario",
+    "parse_request_lines",
+    "simulate",
+]

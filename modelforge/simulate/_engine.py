@@ -1,0 +1,444 @@
+"""Virtual time: the simulated cards, the event loop, and the measurements.
+
+The engine owns what is physically on each card (external usage from the scenario's timeline,
+models loading, loaded and unloading, the extra bytes of running work) and advances time from
+event to event. At every step it lets the scheduler decide, checks each decision against the
+invariant on the state the decision saw, and watches every card for out-of-memory moments.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from modelforge.domain import Observation, Priority, ProcessUsage
+from modelforge.failures import FailureClass
+from modelforge.simulate._protocol import Actions, SimScheduler
+from modelforge.simulate._scenario import Scenario, SimRequest
+
+# Event kinds, in the order they apply when several fall on the same instant.
+_EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE = range(7)
+
+
+@dataclass
+class _Run:
+    request: SimRequest
+    accelerator: str
+    resident_key: str
+    bytes: int
+    started: float
+    preempting: bool = False
+
+
+@dataclass
+class _Outcome:
+    arrived: float
+    first_start: float | None = None
+    ended: float | None = None
+    outcome: str = ""
+    remaining_s: float = 0.0
+    served_s: float = 0.0
+
+
+@dataclass
+class SimulationResult:
+    policy: str
+    requests: int
+    completed: int
+    rejected: dict[str, int]
+    by_class: dict[str, dict[str, float | int | None]]
+    loads: int
+    evictions: int
+    unloads: int
+    preemptions: int
+    invariant_violations: int
+    oom_events: int
+    vram_utilization: float
+    vram_busy_utilization: float
+    jain_fairness: float
+    wall_s: float
+    requests_per_s: float
+    virtual_s: float
+    by_tenant_gpu_s: dict[str, float] = field(default_factory=dict)
+    violation_examples: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "completed": self.completed,
+            "rejected": self.rejected,
+            "by_class": self.by_class,
+            "loads": self.loads,
+            "evictions": self.evictions,
+            "unloads": self.unloads,
+            "preemptions": self.preemptions,
+            "invariant_violations": self.invariant_violations,
+            "oom_events": self.oom_events,
+            "vram_utilization": self.vram_utilization,
+            "vram_busy_utilization": self.vram_busy_utilization,
+            "jain_fairness": self.jain_fairness,
+            "by_tenant_gpu_s": self.by_tenant_gpu_s,
+            "violation_examples": self.violation_examples,
+            "virtual_s": self.virtual_s,
+            "wall_s": self.wall_s,
+            "requests_per_s": self.requests_per_s,
+        }
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float | None:
+    """Nearest rank: the smallest value with at least `fraction` of the values at or below it."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(fraction * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class _Cards:
+    """The physical state of every card, with out-of-memory watch and utilization integrals."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.total = {a.id: a.total_bytes for a in scenario.catalog.accelerators}
+        self.reserve = {a.id: a.reserve_bytes for a in scenario.catalog.accelerators}
+        self.external = dict.fromkeys(self.total, 0)
+        self.held = dict.fromkeys(self.total, 0)
+        self.resident_bytes: dict[str, int] = {}
+        self.resident_on: dict[str, str] = {}
+        self.ready: dict[str, bool] = {}
+        self.ready_on: dict[str, dict[str, bool]] = {a: {} for a in self.total}
+        self.active_runs: dict[str, int] = {}
+        self.in_oom: dict[str, bool] = {}
+        self.oom_events = 0
+        self.held_sum = 0
+        self.busy_sum = 0
+        self.capacity = sum(self.total.values())
+
+    # CardView
+    def free_bytes(self, accelerator: str) -> int:
+        return self.total[accelerator] - self.external[accelerator] - self.held[accelerator]
+
+    def sample(self, accelerator: str, now: float) -> Observation:
+        external = self.external[accelerator]
+        held = self.held[accelerator]
+        return Observation(
+            accelerator=accelerator,
+            total_bytes=self.total[accelerator],
+            used_bytes=external + held,
+            processes=[
+                ProcessUsage(pid=1, used_bytes=external, name="external (simulated)"),
+                ProcessUsage(pid=2, used_bytes=held, name="modelforge (simulated)", managed=True),
+            ],
+            loaded=list(self.ready_on[accelerator]),
+            observed_at=now,
+            received_at=now,
+            simulated=True,
+        )
+
+    def change(self, accelerator: str, delta_held: int = 0, delta_external: int = 0) -> None:
+        self.held[accelerator] += delta_held
+        self.held_sum += delta_held
+        self.external[accelerator] += delta_external
+        over = self.held[accelerator] + self.external[accelerator] > self.total[accelerator]
+        if over and accelerator not in self.in_oom:
+            self.in_oom[accelerator] = True
+            self.oom_events += 1
+        elif not over and accelerator in self.in_oom:
+            del self.in_oom[accelerator]
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, scheduler: SimScheduler) -> None:
+        self.scenario = scenario
+        self.scheduler = scheduler
+        self.cards = _Cards(scenario)
+        self.deployments = {d.capability: d for d in scenario.catalog.deployments}
+        self.by_deployment_id = {d.deployment_id: d for d in scenario.catalog.deployments}
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.runs: dict[str, _Run] = {}
+        self.outcomes: list[_Outcome] = [_Outcome(arrived=r.t, remaining_s=r.service_s) for r in scenario.requests]
+        self.loads = 0
+        self.evictions = 0
+        self.unloads = 0
+        self.preemptions = 0
+        self.violations = 0
+        self.violation_examples: list[str] = []
+        self.wake_at = math.inf
+        self.touched: dict[str, bool] = {}
+        self.busy_area = 0.0
+        self.held_area = 0.0
+        self.last_t = 0.0
+        self.unloading: dict[str, bool] = {}
+        self.ended = 0
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, kind, self.seq, payload))
+
+    def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        for request in self.scenario.requests:
+            self._push(request.t, _ARRIVE, request)
+        for usage in self.scenario.external:
+            self._push(usage.start_s, _EXTERNAL, (usage.accelerator, usage.bytes))
+            if math.isfinite(usage.end_s):
+                self._push(usage.end_s, _EXTERNAL, (usage.accelerator, -usage.bytes))
+        self.touched = dict.fromkeys(self.cards.total, True)
+        first = self.events[0][0] if self.events else 0.0
+        self.last_t = first
+        end = first
+        while self.events:
+            now = self.events[0][0]
+            self._integrate(now)
+            while self.events and self.events[0][0] == now:
+                _, kind, _, payload = heapq.heappop(self.events)
+                self._apply(kind, payload, now)
+            actions = self.scheduler.step(now, self.cards, self.touched)
+            self.touched = {}
+            self._carry_out(actions, now)
+            wake = self.scheduler.next_wakeup(now)
+            if wake is not None and now < wake < self.wake_at:
+                self.wake_at = wake
+                self._push(wake, _WAKE, None)
+            end = now
+            if not self._work_left():
+                break
+        self._integrate(end)
+        return self._result(time.perf_counter() - started, end - first)
+
+    def _work_left(self) -> bool:
+        # Only timers (TTLs, unloads) remain once every request has ended: the run is over.
+        return self.ended < len(self.outcomes) or bool(self.runs)
+
+    def _integrate(self, now: float) -> None:
+        dt = now - self.last_t
+        if dt > 0:
+            self.held_area += self.cards.held_sum * dt
+            self.busy_area += self.cards.busy_sum * dt
+            self.last_t = now
+
+    def _apply(self, kind: int, payload: object, now: float) -> None:
+        cards = self.cards
+        if kind == _ARRIVE:
+            assert isinstance(payload, SimRequest)
+            refusal = self.scheduler.submit(payload, now)
+            if refusal is not None:
+                self._end(payload.index, refusal.failure.value, now)
+        elif kind == _EXTERNAL:
+            assert isinstance(payload, tuple)
+            external_on: str = payload[0]
+            cards.change(external_on, delta_external=payload[1])
+            self.touched[external_on] = True
+        elif kind == _LOADED:
+            key = payload
+            assert isinstance(key, str)
+            if key in cards.resident_bytes and key not in self.unloading:
+                cards.ready[key] = True
+                cards.ready_on[cards.resident_on[key]][key] = True
+                self.touched[cards.resident_on[key]] = True
+                self.scheduler.loaded(key, now)
+        elif kind == _UNLOADED:
+            key = payload
+            assert isinstance(key, str)
+            self._drop_resident(key)
+            self.scheduler.unloaded(key, now)
+        elif kind == _DONE:
+            lease_id = payload
+            assert isinstance(lease_id, str)
+            run = self.runs.pop(lease_id, None)
+            if run is None:
+                return
+            self._stop_run(run, now)
+            outcome = self.outcomes[run.request.index]
+            outcome.remaining_s = 0.0
+            result = "ok"
+            limit = run.request.max_duration_s
+            if limit is not None and run.request.service_s > limit:
+                result = FailureClass.TIMEOUT.value
+            self._end(run.request.index, result, now)
+            self.scheduler.finished(lease_id, now, result)
+        elif kind == _CHECKPOINTED:
+            lease_id = payload
+            assert isinstance(lease_id, str)
+            run = self.runs.pop(lease_id, None)
+            if run is None:
+                return
+            self._stop_run(run, now)
+            outcome = self.outcomes[run.request.index]
+            outcome.remaining_s = max(0.0, outcome.remaining_s - (now - run.started))
+            self.preemptions += 1
+            self.scheduler.checkpointed(lease_id, run.request, now)
+        elif kind == _WAKE:
+            if self.wake_at <= now:
+                self.wake_at = math.inf
+
+    def _drop_resident(self, key: str) -> None:
+        cards = self.cards
+        nbytes = cards.resident_bytes.pop(key, None)
+        if nbytes is None:
+            return
+        accelerator = cards.resident_on.pop(key)
+        cards.ready.pop(key, None)
+        cards.ready_on[accelerator].pop(key, None)
+        self.unloading.pop(key, None)
+        cards.change(accelerator, delta_held=-nbytes)
+        self.touched[accelerator] = True
+
+    def _stop_run(self, run: _Run, now: float) -> None:
+        cards = self.cards
+        cards.change(run.accelerator, delta_held=-run.bytes)
+        self.touched[run.accelerator] = True
+        outcome = self.outcomes[run.request.index]
+        outcome.served_s += now - run.started
+        left = cards.active_runs.get(run.resident_key, 0) - 1
+        cards.busy_sum -= run.bytes
+        if left <= 0:
+            cards.active_runs.pop(run.resident_key, None)
+            cards.busy_sum -= cards.resident_bytes.get(run.resident_key, 0)
+        else:
+            cards.active_runs[run.resident_key] = left
+
+    def _end(self, index: int, result: str, now: float) -> None:
+        outcome = self.outcomes[index]
+        if outcome.outcome:
+            return
+        outcome.outcome = result
+        outcome.ended = now
+        self.ended += 1
+
+    def _check_invariant(self, actions: Actions, now: float) -> None:
+        """Every load and every start must fit, on the card as the decision saw it, within
+        total - external - resident - leased - reserve (the accelerator's static reserve)."""
+        cards = self.cards
+        adding: dict[str, int] = {}
+        for load in actions.loads:
+            adding[load.accelerator] = adding.get(load.accelerator, 0) + load.bytes
+        for start in actions.starts:
+            if start.bytes:
+                adding[start.accelerator] = adding.get(start.accelerator, 0) + start.bytes
+        for accelerator, nbytes in adding.items():
+            used = cards.external[accelerator] + cards.held[accelerator]
+            limit = cards.total[accelerator] - used - cards.reserve[accelerator]
+            if nbytes > limit:
+                self.violations += 1
+                if len(self.violation_examples) < 5:
+                    self.violation_examples.append(
+                        f"t={now:.1f} {accelerator}: placed {nbytes} B with {limit} B schedulable "
+                        f"(external {cards.external[accelerator]} B, held {cards.held[accelerator]} B, "
+                        f"reserve {cards.reserve[accelerator]} B)"
+                    )
+
+    def _carry_out(self, actions: Actions, now: float) -> None:
+        cards = self.cards
+        self._check_invariant(actions, now)
+        for refusal in actions.refusals:
+            self._end(refusal.request_index, refusal.failure.value, now)
+        for key, eviction in actions.unloads:
+            if key not in cards.resident_bytes or key in self.unloading:
+                continue
+            self.unloading[key] = True
+            cards.ready.pop(key, None)
+            cards.ready_on[cards.resident_on[key]].pop(key, None)
+            self.unloads += 1
+            self.evictions += 1 if eviction else 0
+            deployment = self.by_deployment_id.get(key.split("@", 1)[0])
+            self._push(now + (deployment.unload_s if deployment else 0.0), _UNLOADED, key)
+        for load in actions.loads:
+            deployment = self.by_deployment_id[load.deployment]
+            cards.resident_bytes[load.key] = load.bytes
+            cards.resident_on[load.key] = load.accelerator
+            cards.change(load.accelerator, delta_held=load.bytes)
+            self.touched[load.accelerator] = True
+            self.loads += 1
+            self._push(now + deployment.load_s, _LOADED, load.key)
+        for start in actions.starts:
+            request = self.scenario.requests[start.request_index]
+            outcome = self.outcomes[start.request_index]
+            if outcome.first_start is None:
+                outcome.first_start = now
+            run = _Run(request, start.accelerator, start.resident_key, start.bytes, now)
+            self.runs[start.lease_id] = run
+            cards.change(start.accelerator, delta_held=start.bytes)
+            self.touched[start.accelerator] = True
+            if start.resident_key not in cards.active_runs:
+                cards.active_runs[start.resident_key] = 0
+                cards.busy_sum += cards.resident_bytes.get(start.resident_key, 0)
+            cards.active_runs[start.resident_key] += 1
+            cards.busy_sum += start.bytes
+            limit = request.max_duration_s
+            duration = outcome.remaining_s if limit is None else min(outcome.remaining_s, limit - outcome.served_s)
+            self._push(now + max(0.0, duration), _DONE, start.lease_id)
+        for lease_id in actions.preempts:
+            held = self.runs.get(lease_id)
+            if held is None or held.preempting:
+                continue
+            held.preempting = True
+            self._push(now + self.scenario.config.checkpoint_s, _CHECKPOINTED, lease_id)
+
+    def _result(self, wall_s: float, virtual_s: float) -> SimulationResult:
+        requests = self.scenario.requests
+        rejected: dict[str, int] = {}
+        waits: dict[str, list[float]] = {}
+        completed: dict[str, int] = {}
+        deadline_total: dict[str, int] = {}
+        deadline_met: dict[str, int] = {}
+        tenant_s: dict[str, float] = {}
+        total_completed = 0
+        for request, outcome in zip(requests, self.outcomes, strict=True):
+            klass = request.priority.value if request.priority else "default"
+            deadline_total[klass] = deadline_total.get(klass, 0) + 1
+            tenant_s[request.tenant] = tenant_s.get(request.tenant, 0.0) + outcome.served_s
+            if outcome.outcome == "ok":
+                total_completed += 1
+                completed[klass] = completed.get(klass, 0) + 1
+                assert outcome.first_start is not None and outcome.ended is not None
+                waits.setdefault(klass, []).append(outcome.first_start - outcome.arrived)
+                if request.deadline_s is None or outcome.ended <= outcome.arrived + request.deadline_s:
+                    deadline_met[klass] = deadline_met.get(klass, 0) + 1
+            elif outcome.outcome:
+                rejected[outcome.outcome] = rejected.get(outcome.outcome, 0) + 1
+            else:
+                rejected["UNFINISHED"] = rejected.get("UNFINISHED", 0) + 1
+        by_class: dict[str, dict[str, float | int | None]] = {}
+        order = [p.value for p in Priority] + ["default"]
+        for klass in order:
+            if klass not in deadline_total:
+                continue
+            values = sorted(waits.get(klass, []))
+            p50 = _percentile(values, 0.50)
+            p99 = _percentile(values, 0.99)
+            by_class[klass] = {
+                "requests": deadline_total[klass],
+                "completed": completed.get(klass, 0),
+                "wait_p50_s": None if p50 is None else round(p50, 6),
+                "wait_p99_s": None if p99 is None else round(p99, 6),
+                "deadline_met_ratio": round(deadline_met.get(klass, 0) / deadline_total[klass], 6),
+            }
+        weights = {t.name: t.weight for t in self.scenario.catalog.tenants}
+        shares = [tenant_s[t] / weights.get(t, 1.0) for t in tenant_s if tenant_s[t] > 0]
+        jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if shares else 1.0
+        span = max(virtual_s, 1e-9)
+        capacity = self.cards.capacity or 1
+        return SimulationResult(
+            policy=self.scheduler.name,
+            requests=len(requests),
+            completed=total_completed,
+            rejected=dict(sorted(rejected.items())),
+            by_class=by_class,
+            loads=self.loads,
+            evictions=self.evictions,
+            unloads=self.unloads,
+            preemptions=self.preemptions,
+            invariant_violations=self.violations,
+            oom_events=self.cards.oom_events,
+            vram_utilization=round(self.held_area / (capacity * span), 6),
+            vram_busy_utilization=round(self.busy_area / (capacity * span), 6),
+            jain_fairness=round(jain, 6),
+            wall_s=round(wall_s, 3),
+            requests_per_s=round(len(requests) / wall_s, 1) if wall_s > 0 else 0.0,
+            virtual_s=round(virtual_s, 3),
+            by_tenant_gpu_s={t: round(s, 3) for t, s in sorted(tenant_s.items())},
+            violation_examples=self.violation_examples,
+        )

@@ -1,0 +1,263 @@
+"""Scenario files (DESIGN §7): a catalog TOML (accelerators, external usage, deployments, tenants)
+plus `[requests] path` to a JSON-lines file, one request a line. Validated strictly: an error
+names the line and the field."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from modelforge.catalog import CatalogError, ExternalSpec, parse_catalog
+from modelforge.domain import Catalog, Deployment, Priority
+
+MAX_REQUESTS = 10_000_000
+_REQUEST_FIELDS = {
+    "t",
+    "capability",
+    "priority",
+    "tenant",
+    "service_s",
+    "deadline_s",
+    "gpu_count",
+    "bytes_per_gpu",
+    "nvlink_required",
+    "preemptible",
+    "max_duration_s",
+    "id",
+}
+
+
+class ScenarioError(CatalogError):
+    """A scenario file or request line that cannot be simulated; the message names where."""
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    index: int
+    request_id: str
+    t: float
+    # The capability as the scheduler sees it: a request line that overrides its deployment's
+    # shape (a batch job's own size) gets a variant deployment of its own, see `_variant`.
+    capability: str
+    priority: Priority | None
+    tenant: str
+    service_s: float
+    deadline_s: float | None = None
+    # A run longer than this is cut there and ends TIMEOUT.
+    max_duration_s: float | None = None
+    # The capability the line named, for reports.
+    base_capability: str = ""
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    # How long a preempted holder takes to checkpoint and release (its progress is kept).
+    checkpoint_s: float = 1.0
+    # Simulated telemetry: a card is sampled whenever its memory changes, and at least this
+    # often while it is under GPU_PRESSURE (so the hysteresis can clear).
+    telemetry_s: float = 10.0
+    # How long a request may wait for a lease before LEASE_TIMEOUT (ModelForge's policy).
+    lease_timeout_s: float = 300.0
+    # The Ollama baseline's one global overhead reserve per GPU (OLLAMA_GPU_OVERHEAD).
+    ollama_overhead_bytes: int = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class ExternalUsage:
+    accelerator: str
+    bytes: int
+    start_s: float
+    end_s: float
+    name: str = "external"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    catalog: Catalog
+    requests: list[SimRequest]
+    external: list[ExternalUsage] = field(default_factory=list)
+    config: SimulationConfig = field(default_factory=SimulationConfig)
+    name: str = ""
+
+
+def _external(specs: list[ExternalSpec]) -> list[ExternalUsage]:
+    return [
+        ExternalUsage(s.accelerator, s.bytes, s.start_s, math.inf if s.end_s is None else s.end_s, s.name)
+        for s in specs
+    ]
+
+
+def _number(line: int, data: dict[str, Any], name: str, *, minimum: float, required: bool) -> float | None:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise ScenarioError(f"request line {line}: {name} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ScenarioError(f"request line {line}: {name} must be a finite number, got {value!r}")
+    if value < minimum:
+        raise ScenarioError(f"request line {line}: {name} must be at least {minimum}, got {value!r}")
+    return float(value)
+
+
+class _Variants:
+    """Request lines that carry their own shape (gpu_count, bytes_per_gpu, nvlink_required,
+    preemptible, max_duration_s) are served by a copy of their deployment with that shape:
+    one copy per distinct shape, named `<capability>#<n>`, sharing the deployment's limits."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.by_shape: dict[tuple[str, int, int, bool, bool], str] = {}
+        self.added: list[Deployment] = []
+
+    def capability(self, line: int, base: Deployment, data: dict[str, Any]) -> str:
+        overrides = {k: data[k] for k in ("gpu_count", "bytes_per_gpu", "nvlink_required", "preemptible") if k in data}
+        if not overrides:
+            return base.capability
+        gpu_count = overrides.get("gpu_count", base.gpu_count)
+        if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 1 <= gpu_count <= 1024:
+            raise ScenarioError(f"request line {line}: gpu_count must be an integer from 1 to 1024, got {gpu_count!r}")
+        nbytes = overrides.get("bytes_per_gpu", base.envelope_bytes)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= 2**50:
+            raise ScenarioError(f"request line {line}: bytes_per_gpu must be a positive integer, got {nbytes!r}")
+        flags = []
+        for name in ("nvlink_required", "preemptible"):
+            value = overrides.get(name, getattr(base, name))
+            if not isinstance(value, bool):
+                raise ScenarioError(f"request line {line}: {name} must be true or false, got {value!r}")
+            flags.append(value)
+        shape = (base.capability, gpu_count, nbytes, flags[0], flags[1])
+        if (
+            gpu_count == base.gpu_count
+            and nbytes == base.envelope_bytes
+            and flags == [base.nvlink_required, base.preemptible]
+        ):
+            return base.capability
+        known = self.by_shape.get(shape)
+        if known is not None:
+            return known
+        name = f"{base.capability}#{len(self.by_shape) + 1}"
+        self.by_shape[shape] = name
+        self.added.append(
+            replace(
+                base,
+                capability=name,
+                name="",
+                envelope_bytes=nbytes,
+                idle_bytes=None if base.idle_bytes is None else min(base.idle_bytes, nbytes),
+                gpu_count=gpu_count,
+                nvlink_required=flags[0],
+                preemptible=flags[1],
+            )
+        )
+        return name
+
+
+def parse_request_lines(lines: list[str], catalog: Catalog) -> tuple[list[SimRequest], Catalog]:
+    """Request lines in, validated requests and the catalog with variant deployments out."""
+    variants = _Variants(catalog)
+    requests: list[SimRequest] = []
+    last_t = -math.inf
+    ids: dict[str, int] = {}
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        if len(requests) >= MAX_REQUESTS:
+            raise ScenarioError(f"more than {MAX_REQUESTS} requests")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ScenarioError(f"request line {number}: not JSON ({error.msg})") from None
+        if not isinstance(data, dict):
+            raise ScenarioError(f"request line {number}: expected an object, got {type(data).__name__}")
+        unknown = sorted(set(data) - _REQUEST_FIELDS)
+        if unknown:
+            raise ScenarioError(f"request line {number}: unknown field {unknown[0]!r}")
+        t = _number(number, data, "t", minimum=0.0, required=True)
+        service_s = _number(number, data, "service_s", minimum=0.0, required=True)
+        deadline_s = _number(number, data, "deadline_s", minimum=0.0, required=False)
+        max_duration = _number(number, data, "max_duration_s", minimum=0.0, required=False)
+        assert t is not None and service_s is not None
+        if t < last_t:
+            raise ScenarioError(f"request line {number}: t={t} is earlier than the line before ({last_t})")
+        last_t = t
+        capability = data.get("capability")
+        if not isinstance(capability, str) or not capability:
+            raise ScenarioError(f"request line {number}: capability must be a non-empty string")
+        base = catalog.deployment_for(capability)
+        if base is None:
+            raise ScenarioError(f"request line {number}: capability {capability!r} has no deployment in the scenario")
+        tenant = data.get("tenant", "default")
+        if not isinstance(tenant, str) or catalog.tenant(tenant) is None:
+            raise ScenarioError(f"request line {number}: tenant {tenant!r} is not in the scenario's [[tenants]]")
+        raw_priority = data.get("priority")
+        try:
+            priority = None if raw_priority is None else Priority(raw_priority)
+        except ValueError:
+            choices = ", ".join(p.value for p in Priority)
+            raise ScenarioError(f"request line {number}: priority {raw_priority!r} is not one of {choices}") from None
+        request_id = str(data.get("id", f"r{number}"))
+        if request_id in ids:
+            raise ScenarioError(f"request line {number}: id {request_id!r} repeats line {ids[request_id]}")
+        ids[request_id] = number
+        requests.append(
+            SimRequest(
+                index=len(requests),
+                request_id=request_id,
+                t=t,
+                capability=variants.capability(number, base, data),
+                priority=priority,
+                tenant=tenant,
+                service_s=service_s,
+                deadline_s=deadline_s,
+                max_duration_s=max_duration,
+                base_capability=capability,
+            )
+        )
+    if variants.added:
+        catalog = replace(catalog, deployments=[*catalog.deployments, *variants.added])
+    return requests, catalog
+
+
+def _simulation_config(data: Any) -> SimulationConfig:
+    if data is None:
+        return SimulationConfig()
+    if not isinstance(data, dict):
+        raise ScenarioError("[simulation] must be a table")
+    defaults = SimulationConfig()
+    values: dict[str, float | int] = {}
+    for name, value in data.items():
+        if not hasattr(defaults, name):
+            raise ScenarioError(f"simulation.{name}: unknown setting")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or not math.isfinite(value):
+            raise ScenarioError(f"simulation.{name}: must be a non-negative number, got {value!r}")
+        values[name] = int(value) if name.endswith("_bytes") else float(value)
+    return replace(defaults, **values)  # type: ignore[arg-type]
+
+
+def load_scenario(path: Path) -> Scenario:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ScenarioError(f"scenario file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ScenarioError(f"scenario file {path} is not valid TOML: {error}") from None
+    requests_table = data.pop("requests", None)
+    config = _simulation_config(data.pop("simulation", None))
+    data.pop("name", None)
+    if not isinstance(requests_table, dict) or not isinstance(requests_table.get("path"), str):
+        raise ScenarioError(f'{path}: [requests] path = "...jsonl" is required')
+    catalog, external = parse_catalog(data)
+    requests_path = (path.parent / requests_table["path"]).resolve()
+    try:
+        lines = requests_path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ScenarioError(f"requests file not found: {requests_path}") from None
+    except UnicodeDecodeError as error:
+        raise ScenarioError(f"requests file {requests_path} is not UTF-8: {error}") from None
+    requests, catalog = parse_request_lines(lines, catalog)
+    return Scenario(catalog=catalog, requests=requests, external=_external(external), config=config, name=path.stem)
