@@ -117,6 +117,9 @@ class _Pass:
     # ready residents there but must not take new bytes ahead of it.
     blocked: dict[str, bool] = field(default_factory=dict)
     position: dict[str, int] = field(default_factory=dict)
+    # Lease bytes held for requests that wait on a load (request id -> bytes): promised when the
+    # load was decided, so nothing ordered after them takes them while the model loads.
+    reserved: dict[str, int] = field(default_factory=dict)
     static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
     eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
 
@@ -224,6 +227,16 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
         deployment = catalog.deployment(resident.deployment)
         concurrency = deployment.concurrency if deployment else 1
         pass_.slots[resident.key] = concurrency - resident.active_leases
+    for queued in state.queue:
+        if queued.assigned_to:
+            waited_on = state.residents.get(queued.assigned_to)
+            if waited_on is None or waited_on.phase not in (ResidentPhase.LOADING, ResidentPhase.READY):
+                continue
+            deployment = catalog.deployment(waited_on.deployment)
+            extra = deployment.lease_extra_bytes if deployment is not None else 0
+            if extra:
+                pass_.commit(waited_on.accelerator, extra)
+                pass_.reserved[queued.request_id] = extra
     return pass_
 
 
@@ -493,6 +506,9 @@ def _place(
         resident = state.residents.get(queued.assigned_to)
         if resident is not None and resident.phase == ResidentPhase.LOADING:
             return Wait(queued.request_id, f"waiting for {resident.key} to load")
+        held = pass_.reserved.pop(queued.request_id, 0)
+        if held and resident is not None:
+            pass_.commit(resident.accelerator, -held)  # the grant below takes them for real
         if (
             resident is not None
             and resident.phase == ResidentPhase.READY
@@ -551,8 +567,14 @@ def _place(
                     "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
                 )
             elif resident.phase == ResidentPhase.LOADING:
+                if extra and extra > pass_.free(accelerator):
+                    reasons.add(
+                        "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
+                    )
+                    continue
                 pass_.slots[resident.key] -= 1
                 pass_.in_use[resident.key] = True
+                pass_.commit(accelerator, extra)
                 return Assign(queued.request_id, resident.key)
             else:
                 reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
@@ -613,7 +635,8 @@ def _place(
         _, accelerator = best
         acc = state.catalog.accelerator(accelerator)
         assert acc is not None
-        pass_.commit(accelerator, need - extra)
+        # The model's bytes and this request's lease bytes: both are promised from now on.
+        pass_.commit(accelerator, need)
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency - 1
         return StartLoad(
