@@ -86,9 +86,15 @@ def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | Q
     return None
 
 
-def validate_request(state: PoolState, request: AdmissionRequest) -> tuple[Deployment, Priority]:
+def validate_request(
+    state: PoolState, request: AdmissionRequest, *, gangs: bool = False
+) -> tuple[Deployment, Priority]:
     """Everything that can be refused without touching the queue: a refused admission update
-    writes no history."""
+    writes no history.
+
+    `gangs`: admit multi-GPU batch jobs (`gpu_count > 1`, residency none). The policy places
+    them; the request and node workflows do not run them yet, so the scheduler workflow leaves
+    this off and only the simulator turns it on."""
     if not request.request_id or not request.capability:
         raise AdmissionRejected(FailureClass.REQUEST_INVALID, "request_id and capability are required")
     if len(request.capability) > MAX_CAPABILITY_LENGTH or len(request.tenant) > MAX_TENANT_LENGTH:
@@ -106,11 +112,13 @@ def validate_request(state: PoolState, request: AdmissionRequest) -> tuple[Deplo
             FailureClass.RESIDENCY_CONFLICT,
             f"residency {deployment.residency.value!r} is reserved for later and not served",
         )
-    if deployment.gpu_count > 1:
+    if deployment.gpu_count > 1 and (not gangs or deployment.residency != Residency.NONE):
+        what = "multi-GPU gang leases are not run by the workflows yet"
+        if deployment.residency != Residency.NONE:
+            what = "a model server spread over several GPUs is not served; gangs are batch jobs (residency none)"
         raise AdmissionRejected(
             FailureClass.CAPABILITY_UNAVAILABLE,
-            f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; "
-            "multi-GPU gang leases are not served yet",
+            f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; {what}",
         )
     priority = resolve_priority(state, request)
     if any(q.request_id == request.request_id for q in state.queue) or any(
@@ -192,10 +200,11 @@ def apply_decisions(
         state.leases[lease.lease_id] = lease
         state.lease_seen[lease.lease_id] = now
         state.lease_counter += 1
-        resident = state.residents[lease.resident_key]
-        resident.active_leases += 1
-        resident.last_used = now
-        resident.last_priority = lease.priority
+        if lease.resident_key:  # a gang job's lease is the whole job: no resident
+            resident = state.residents[lease.resident_key]
+            resident.active_leases += 1
+            resident.last_used = now
+            resident.last_priority = lease.priority
         done.append(grant.request_id)
         queued = by_id.get(grant.request_id)
         events.append(

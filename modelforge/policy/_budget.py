@@ -58,7 +58,7 @@ def compute_budget(
 ) -> Budget:
     # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
     resident = sum(r.bytes for r in residents if r.accelerator == accelerator.id)
-    leased = sum(lease.bytes for lease in leases if lease.accelerator == accelerator.id)
+    leased = sum(lease.bytes for lease in leases if accelerator.id in lease.accelerators)
     return budget_from_sums(accelerator, runtime, resident, leased, config, now)
 
 

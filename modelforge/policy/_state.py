@@ -79,6 +79,12 @@ class Lease:
     tenant: str
     # How often the holder must say it is alive; silence for stale_lease_s loses the lease.
     heartbeat_s: float = 0.0
+    # A multi-GPU gang lease: the other accelerators it holds `bytes` on, besides `accelerator`.
+    gang: list[str] = field(default_factory=list)
+
+    @property
+    def accelerators(self) -> list[str]:
+        return [self.accelerator, *self.gang] if self.gang else [self.accelerator]
 
 
 @dataclass

@@ -25,7 +25,7 @@ _EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE = range(7)
 @dataclass
 class _Run:
     request: SimRequest
-    accelerator: str
+    accelerators: tuple[str, ...]
     resident_key: str
     bytes: int
     started: float
@@ -40,6 +40,7 @@ class _Outcome:
     outcome: str = ""
     remaining_s: float = 0.0
     served_s: float = 0.0
+    gpu_s: float = 0.0
 
 
 @dataclass
@@ -61,6 +62,8 @@ class SimulationResult:
     wall_s: float
     requests_per_s: float
     virtual_s: float
+    gang_starts: int = 0
+    gang_splits: int = 0
     by_tenant_gpu_s: dict[str, float] = field(default_factory=dict)
     violation_examples: list[str] = field(default_factory=list)
 
@@ -80,12 +83,19 @@ class SimulationResult:
             "vram_utilization": self.vram_utilization,
             "vram_busy_utilization": self.vram_busy_utilization,
             "jain_fairness": self.jain_fairness,
+            "gang_starts": self.gang_starts,
+            "gang_splits": self.gang_splits,
             "by_tenant_gpu_s": self.by_tenant_gpu_s,
             "violation_examples": self.violation_examples,
             "virtual_s": self.virtual_s,
             "wall_s": self.wall_s,
             "requests_per_s": self.requests_per_s,
         }
+
+
+def request_nvlink(scenario: Scenario, request: SimRequest) -> bool:
+    deployment = scenario.catalog.deployment_for(request.capability)
+    return deployment is not None and deployment.nvlink_required
 
 
 def _percentile(sorted_values: list[float], fraction: float) -> float | None:
@@ -172,6 +182,10 @@ class Simulation:
         self.last_t = 0.0
         self.unloading: dict[str, bool] = {}
         self.ended = 0
+        self.nvlink_group = {a.id: a.nvlink_group for a in scenario.catalog.accelerators}
+        self.gang_starts = 0
+        # Gang runs that needed one NVLink group and were spread over several (or none).
+        self.gang_splits = 0
 
     def _push(self, at: float, kind: int, payload: object) -> None:
         self.seq += 1
@@ -288,12 +302,16 @@ class Simulation:
 
     def _stop_run(self, run: _Run, now: float) -> None:
         cards = self.cards
-        cards.change(run.accelerator, delta_held=-run.bytes)
-        self.touched[run.accelerator] = True
+        for accelerator in run.accelerators:
+            cards.change(accelerator, delta_held=-run.bytes)
+            self.touched[accelerator] = True
         outcome = self.outcomes[run.request.index]
         outcome.served_s += now - run.started
+        outcome.gpu_s += (now - run.started) * len(run.accelerators)
+        cards.busy_sum -= run.bytes * len(run.accelerators)
+        if not run.resident_key:
+            return
         left = cards.active_runs.get(run.resident_key, 0) - 1
-        cards.busy_sum -= run.bytes
         if left <= 0:
             cards.active_runs.pop(run.resident_key, None)
             cards.busy_sum -= cards.resident_bytes.get(run.resident_key, 0)
@@ -317,7 +335,8 @@ class Simulation:
             adding[load.accelerator] = adding.get(load.accelerator, 0) + load.bytes
         for start in actions.starts:
             if start.bytes:
-                adding[start.accelerator] = adding.get(start.accelerator, 0) + start.bytes
+                for accelerator in start.accelerators:
+                    adding[accelerator] = adding.get(accelerator, 0) + start.bytes
         for accelerator, nbytes in adding.items():
             used = cards.external[accelerator] + cards.held[accelerator]
             limit = cards.total[accelerator] - used - cards.reserve[accelerator]
@@ -358,15 +377,22 @@ class Simulation:
             outcome = self.outcomes[start.request_index]
             if outcome.first_start is None:
                 outcome.first_start = now
-            run = _Run(request, start.accelerator, start.resident_key, start.bytes, now)
+            run = _Run(request, start.accelerators, start.resident_key, start.bytes, now)
             self.runs[start.lease_id] = run
-            cards.change(start.accelerator, delta_held=start.bytes)
-            self.touched[start.accelerator] = True
-            if start.resident_key not in cards.active_runs:
-                cards.active_runs[start.resident_key] = 0
-                cards.busy_sum += cards.resident_bytes.get(start.resident_key, 0)
-            cards.active_runs[start.resident_key] += 1
-            cards.busy_sum += start.bytes
+            for accelerator in start.accelerators:
+                cards.change(accelerator, delta_held=start.bytes)
+                self.touched[accelerator] = True
+            if start.gang:
+                self.gang_starts += 1
+                groups = {self.nvlink_group.get(a, "") for a in start.accelerators}
+                if request_nvlink(self.scenario, request) and (len(groups) > 1 or "" in groups):
+                    self.gang_splits += 1
+            if start.resident_key:
+                if start.resident_key not in cards.active_runs:
+                    cards.active_runs[start.resident_key] = 0
+                    cards.busy_sum += cards.resident_bytes.get(start.resident_key, 0)
+                cards.active_runs[start.resident_key] += 1
+            cards.busy_sum += start.bytes * len(start.accelerators)
             limit = request.max_duration_s
             duration = outcome.remaining_s if limit is None else min(outcome.remaining_s, limit - outcome.served_s)
             self._push(now + max(0.0, duration), _DONE, start.lease_id)
@@ -389,7 +415,7 @@ class Simulation:
         for request, outcome in zip(requests, self.outcomes, strict=True):
             klass = request.priority.value if request.priority else "default"
             deadline_total[klass] = deadline_total.get(klass, 0) + 1
-            tenant_s[request.tenant] = tenant_s.get(request.tenant, 0.0) + outcome.served_s
+            tenant_s[request.tenant] = tenant_s.get(request.tenant, 0.0) + outcome.gpu_s
             if outcome.outcome == "ok":
                 total_completed += 1
                 completed[klass] = completed.get(klass, 0) + 1
@@ -439,6 +465,8 @@ class Simulation:
             wall_s=round(wall_s, 3),
             requests_per_s=round(len(requests) / wall_s, 1) if wall_s > 0 else 0.0,
             virtual_s=round(virtual_s, 3),
+            gang_starts=self.gang_starts,
+            gang_splits=self.gang_splits,
             by_tenant_gpu_s={t: round(s, 3) for t, s in sorted(tenant_s.items())},
             violation_examples=self.violation_examples,
         )

@@ -68,7 +68,7 @@ class ModelForgeScheduler:
             lease_timeout_s=self.sim.lease_timeout_s,
         )
         try:
-            _, priority = validate_request(self.state, admission)
+            _, priority = validate_request(self.state, admission, gangs=True)
         except AdmissionRejected as rejected:
             return Refuse(request.index, rejected.failure, rejected.message)
         self.index_of[request.request_id] = request.index
@@ -112,7 +112,8 @@ class ModelForgeScheduler:
             lease = grant.lease
             heapq.heappush(self.preemptible_at, (lease.granted_at + min_runtime, lease.lease_id))
             index = self.index_of.pop(grant.request_id)
-            actions.starts.append(Start(index, lease.lease_id, lease.accelerator, lease.resident_key, lease.bytes))
+            start = Start(index, lease.lease_id, lease.accelerator, lease.resident_key, lease.bytes, tuple(lease.gang))
+            actions.starts.append(start)
         for unload in decisions.unloads:
             actions.unloads.append((unload.resident_key, unload.reason.startswith(_EVICTION_PREFIX)))
         actions.preempts.extend(p.lease_id for p in decisions.preemptions)

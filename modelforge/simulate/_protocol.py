@@ -29,6 +29,12 @@ class Start:
     accelerator: str
     resident_key: str
     bytes: int
+    # A gang job's other accelerators, each also holding `bytes`.
+    gang: tuple[str, ...] = ()
+
+    @property
+    def accelerators(self) -> tuple[str, ...]:
+        return (self.accelerator, *self.gang)
 
 
 @dataclass(frozen=True)

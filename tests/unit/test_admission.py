@@ -360,14 +360,6 @@ def test_a_grant_records_the_class_the_resident_last_served() -> None:
     assert s.residents["emb@1@n/0"].last_priority == Priority.PRODUCTION
 
 
-def test_a_gang_deployment_is_refused_until_gangs_are_served() -> None:
-    s = state([gpu("n/0"), gpu("n/1")], [deployment("train@1", gib=8, gpu_count=2)])
-    with pytest.raises(AdmissionRejected) as refused:
-        validate_request(s, ask("r1", "train@1"))
-    assert refused.value.failure == FailureClass.CAPABILITY_UNAVAILABLE
-    assert "gang of 2 GPUs" in refused.value.message
-
-
 def test_lease_bytes_of_a_request_waiting_on_a_load_are_promised_to_it() -> None:
     # Found by the simulator on the Alibaba trace (220,015 loads for 6,129 jobs): a batch job's
     # model holds nothing idle (idle_bytes 0), so its lease carries all 10 GiB; the load promised
@@ -387,3 +379,63 @@ def test_lease_bytes_of_a_request_waiting_on_a_load_are_promised_to_it() -> None
     assert later.loads == []
     assert [w.request_id for w in later.waits] == ["job", "big"]
     assert "needs 15032385536 B, 13958643712 B schedulable" in later.waits[1].reason
+
+
+def nvlink_pool() -> list:  # type: ignore[type-arg]
+    # Two nodes of two 24 GiB cards, each node one NVLink group, and a loose card.
+    return [
+        gpu("a/0", nvlink_group="nvl-a"),
+        gpu("a/1", nvlink_group="nvl-a"),
+        gpu("b/0", nvlink_group="nvl-b"),
+        gpu("b/1", nvlink_group="nvl-b"),
+        gpu("c/0"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("busy_gib", "gpus", "nvlink", "expected"),
+    [
+        # (GiB already used on a/0, b/0, c/0; gang size; NVLink required; accelerators granted)
+        # 23 GiB usable per card; 10 GiB per GPU. a/0 has 3 left: group a cannot; group b can.
+        ({"a/0": 20}, 2, True, ["b/0", "b/1"]),
+        # Both groups short of room: it waits, all or nothing (no half-placed gang).
+        ({"a/0": 20, "b/1": 20}, 2, True, None),
+        # Without NVLink the two cards with most room left over fewest: best fit across nodes.
+        ({"a/0": 20, "b/1": 20}, 2, False, ["a/1", "b/0"]),
+        # Three GPUs in one NVLink group never exist here: refused at once.
+        ({}, 3, True, "INSUFFICIENT_SCHEDULABLE_VRAM"),
+    ],
+)
+def test_gang_placement_is_all_or_nothing_inside_one_nvlink_group(
+    busy_gib: dict[str, float], gpus: int, nvlink: bool, expected: list[str] | str | None
+) -> None:
+    job = deployment("train@1", gib=10, residency=Residency.NONE, idle_bytes=0, gpu_count=gpus, nvlink_required=nvlink)
+    s = state(nvlink_pool(), [job])
+    for accelerator in ("a/0", "a/1", "b/0", "b/1", "c/0"):
+        observe(s, accelerator, external_gib=busy_gib.get(accelerator, 0))
+    _, priority = validate_request(s, ask("r1", "train@1"), gangs=True)
+    enqueue(s, ask("r1", "train@1"), priority, NOW)
+    decisions = decide(s, NOW)
+    if isinstance(expected, list):
+        [grant] = decisions.grants
+        assert grant.lease.accelerators == expected
+        assert grant.lease.bytes == 10 * GiB and grant.lease.resident_key == ""
+        apply_decisions(s, decisions, NOW, {})
+        assert s.leases[grant.lease.lease_id].gang == expected[1:]
+    elif expected is None:
+        assert decisions.grants == [] and decisions.rejects == []
+        assert "gang of 2" in decisions.waits[0].reason
+    else:
+        [reject] = decisions.rejects
+        assert reject.failure.value == expected
+
+
+def test_the_workflows_refuse_gangs_until_they_run_them() -> None:
+    job = deployment("train@1", gib=10, residency=Residency.NONE, gpu_count=2)
+    s = state(nvlink_pool(), [job])
+    with pytest.raises(AdmissionRejected, match="not run by the workflows yet"):
+        validate_request(s, ask("r1", "train@1"))
+    server = deployment("tp@1", gib=10, gpu_count=2)
+    s = state(nvlink_pool(), [server])
+    with pytest.raises(AdmissionRejected, match="gangs are batch jobs"):
+        validate_request(s, ask("r1", "tp@1"), gangs=True)

@@ -295,13 +295,27 @@ def test_a_request_with_its_own_shape_gets_a_variant_deployment() -> None:
     assert variant is not None and variant.envelope_bytes == 3 * GiB
 
 
-def test_a_gang_job_is_refused_with_a_typed_reason_by_every_policy() -> None:
+def test_a_gang_job_runs_inside_one_nvlink_group_under_modelforge_only() -> None:
+    # Four cards, two NVLink groups. A 1-GPU job holds 20 GiB of a0 first; a 2-GPU NVLink job
+    # (8 GiB each) then fits only in group b: 2 starts, no split. The baselines place single-GPU
+    # work only and refuse the gang, typed.
+    cards = [
+        Accelerator(id=f"{g}{i}", node=f"node-{g}", total_bytes=24 * GiB, production_eligible=True, model="M",
+                    nvlink_group=f"nvl-{g}")
+        for g in "ab" for i in range(2)
+    ]  # fmt: skip
     s = scenario(
-        [card("gpu/0"), card("gpu/1")],
-        [model("train@1", 8, residency=Residency.NONE)],
-        [{"t": 0, "capability": "train@1", "service_s": 10.0, "gpu_count": 2, "nvlink_required": True}],
+        cards,
+        [model("train@1", 8, residency=Residency.NONE, idle_bytes=0, concurrency=4)],
+        [
+            {"t": 0, "capability": "train@1", "service_s": 100.0, "bytes_per_gpu": 20 * GiB},
+            {"t": 1, "capability": "train@1", "service_s": 10.0, "gpu_count": 2, "nvlink_required": True},
+        ],
     )
-    for policy in POLICIES:
+    result = simulate(s, "modelforge")
+    assert (result.completed, result.gang_starts, result.gang_splits) == (2, 1, 0)
+    assert result.by_class["interactive"]["wait_p99_s"] == 0.0
+    for policy in ("fifo", "ollama"):
         assert simulate(s, policy).rejected == {FailureClass.CAPABILITY_UNAVAILABLE.value: 1}, policy
 
 
