@@ -424,7 +424,15 @@ def simulate(
                 value = r.by_class.get(klass, {}).get(key)
                 cells.append("-" if value is None else f"{value:.3f}")
             rows.append((f"{klass} {key}", cells))
-    for name in ("loads", "evictions", "preemptions", "invariant_violations", "oom_events"):
+    for name in (
+        "loads",
+        "evictions",
+        "preemptions",
+        "invariant_violations",
+        "oom_events",
+        "gang_starts",
+        "gang_splits",
+    ):
         rows.append((name, [str(getattr(r, name)) for r in results]))
     for name in ("vram_utilization", "jain_fairness"):
         rows.append((name, [f"{getattr(r, name):.3f}" for r in results]))
