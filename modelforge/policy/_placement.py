@@ -29,6 +29,7 @@ from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, Queue
 
 _IDLE_RUNTIME = AcceleratorRuntime()
 _PRODUCTION = Priority.PRODUCTION
+_PRODUCTION_RANK = RANK[Priority.PRODUCTION]
 
 
 @dataclass(frozen=True)
@@ -854,9 +855,10 @@ def _preemption_plan(
 
 def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, rank: int) -> list[str] | None:
     """The cheapest idle residents whose bytes make `need` fit: fastest to unload first, then the
-    largest, so the fewest models go. A resident that last served a higher class than the
-    request's is not the request's to evict: experimental work never unloads a warm production
-    model (it waits until that model's TTL lets it go)."""
+    largest, so the fewest models go. A model that last served production is evicted only for
+    production: no other work unloads a warm production model (it waits until that model's TTL
+    lets it go). Below production, any class may evict an idle model, as the seed's making-room
+    order says."""
     candidates = pass_.evictable.get(accelerator)
     if not candidates:
         return None
@@ -867,7 +869,7 @@ def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int
             break
         if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
             continue
-        if resident.last_priority is not None and RANK[resident.last_priority] < rank:
+        if resident.last_priority == _PRODUCTION and rank != _PRODUCTION_RANK:
             continue
         chosen.append(resident.key)
         free += resident.bytes

@@ -58,7 +58,8 @@ class ResidentState:
     last_used: float = 0.0
     loaded_at: float | None = None
     requested_at: float = 0.0
-    # The class of the last lease granted on it: only that class or a higher one may evict it.
+    # The class of the last lease granted on it: a model that last served production is evicted
+    # only to make room for production.
     last_priority: Priority | None = None
 
 

@@ -329,14 +329,15 @@ def test_a_resident_evicted_in_a_pass_is_not_joined_by_a_later_request_of_that_p
     [
         # (class of the idle model's last lease, class of the request needing room, evicted?)
         (Priority.PRODUCTION, Priority.BENCHMARK, False),  # experiments never unload production
-        (Priority.PRODUCTION, Priority.INTERACTIVE, False),
+        (Priority.PRODUCTION, Priority.INTERACTIVE, False),  # nor does any other class
         (Priority.PRODUCTION, Priority.PRODUCTION, True),  # production may make room for itself
         (Priority.INTERACTIVE, Priority.PRODUCTION, True),
+        (Priority.INTERACTIVE, Priority.BACKGROUND, True),  # below production: cheapest first
         (Priority.BACKGROUND, Priority.BACKGROUND, True),
         (None, Priority.MAINTENANCE, True),  # never used since it loaded: anyone's to evict
     ],
 )
-def test_only_an_equal_or_higher_class_evicts_an_idle_warm_model(
+def test_only_production_evicts_an_idle_model_that_last_served_production(
     last_served: Priority | None, asking: Priority, evicted: bool
 ) -> None:
     # 24 GiB card, 1 GiB reserve, a warm 9 GiB model idle: 14 GiB free; the request needs 16.
