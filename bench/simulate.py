@@ -17,47 +17,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from modelforge.simulate import SimulationResult, load_scenario, simulate
+from modelforge.simulate import SimulationResult, comparison_rows, load_scenario, simulate
 from modelforge.traces import AlibabaOptions, AzureOptions, convert_alibaba, convert_azure
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 POLICIES = ("modelforge", "fifo", "ollama")
 
 
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
 def table(title: str, results: list[SimulationResult]) -> None:
     print(f"\n## {title}\n")
     print("| metric | " + " | ".join(r.policy for r in results) + " |")
     print("|---|" + "---:|" * len(results))
-    rows: list[tuple[str, list[object]]] = [
-        ("requests", [r.requests for r in results]),
-        ("completed", [r.completed for r in results]),
-        ("rejected", [", ".join(f"{k} {v}" for k, v in r.rejected.items()) or "-" for r in results]),
-    ]
-    for klass in results[0].by_class:
-        for key in ("wait_p50_s", "wait_p99_s", "deadline_met_ratio"):
-            rows.append((f"{klass} {key}", [r.by_class.get(klass, {}).get(key) for r in results]))
-    for name in (
-        "loads",
-        "evictions",
-        "preemptions",
-        "invariant_violations",
-        "oom_events",
-        "gang_starts",
-        "gang_splits",
-    ):
-        rows.append((name, [getattr(r, name) for r in results]))
-    for name in ("vram_utilization", "jain_fairness", "wall_s"):
-        rows.append((name, [getattr(r, name) for r in results]))
-    for label, cells in rows:
-        print(f"| {label} | " + " | ".join(_cell(c) for c in cells) + " |")
+    for label, cells in comparison_rows(results):
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def check(label: str, ok: bool, detail: str) -> bool:

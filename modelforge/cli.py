@@ -393,7 +393,7 @@ def simulate(
     as_json: JsonOption = False,
 ) -> None:
     """Replay SCENARIO in virtual time through the production policy or a baseline."""
-    from modelforge.simulate import POLICIES, load_scenario
+    from modelforge.simulate import POLICIES, comparison_rows, load_scenario
     from modelforge.simulate import simulate as run_simulation
 
     names = list(POLICIES) if policy == "all" else [policy]
@@ -412,32 +412,7 @@ def simulate(
     table.add_column("metric", no_wrap=True)
     for result in results:
         table.add_column(result.policy, justify="right")
-    rows: list[tuple[str, list[str]]] = [
-        ("completed", [str(r.completed) for r in results]),
-        ("rejected", [", ".join(f"{k} {v}" for k, v in r.rejected.items()) or "-" for r in results]),
-    ]
-    classes = [c for c in results[0].by_class]
-    for klass in classes:
-        for key in ("wait_p50_s", "wait_p99_s", "deadline_met_ratio"):
-            cells = []
-            for r in results:
-                value = r.by_class.get(klass, {}).get(key)
-                cells.append("-" if value is None else f"{value:.3f}")
-            rows.append((f"{klass} {key}", cells))
-    for name in (
-        "loads",
-        "evictions",
-        "preemptions",
-        "invariant_violations",
-        "oom_events",
-        "gang_starts",
-        "gang_splits",
-    ):
-        rows.append((name, [str(getattr(r, name)) for r in results]))
-    for name in ("vram_utilization", "jain_fairness"):
-        rows.append((name, [f"{getattr(r, name):.3f}" for r in results]))
-    rows.append(("replay", [f"{r.wall_s:.2f} s ({r.requests_per_s:,.0f} req/s)" for r in results]))
-    for label, cells in rows:
+    for label, cells in comparison_rows(results):
         table.add_row(label, *cells)
     out.print(table)
 

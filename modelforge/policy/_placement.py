@@ -479,6 +479,35 @@ def _decide_one(
     return counter
 
 
+def _lease(
+    pass_: _Pass,
+    queued: QueuedRequest,
+    deployment: Deployment,
+    accelerators: list[str],
+    node: str,
+    resident: str,
+    nbytes: int,
+    now: float,
+    counter: int,
+) -> Lease:
+    return Lease(
+        lease_id=f"{queued.request_id}.{counter + 1}",
+        request_id=queued.request_id,
+        workflow_id=queued.workflow_id,
+        capability=queued.capability,
+        deployment=deployment.deployment_id,
+        accelerator=accelerators[0],
+        node=node,
+        resident_key=resident,
+        bytes=nbytes,
+        granted_at=now,
+        priority=queued.priority,
+        tenant=queued.tenant,
+        heartbeat_s=pass_.state.config.stale_lease_s / 3,
+        gang=accelerators[1:],
+    )
+
+
 def _grant(
     queued: QueuedRequest, deployment: Deployment, resident: ResidentState, now: float, pass_: _Pass, counter: int
 ) -> Grant:
@@ -486,21 +515,7 @@ def _grant(
     pass_.commit(resident.accelerator, extra)
     pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
     pass_.in_use[resident.key] = True
-    lease = Lease(
-        lease_id=f"{queued.request_id}.{counter + 1}",
-        request_id=queued.request_id,
-        workflow_id=queued.workflow_id,
-        capability=queued.capability,
-        deployment=deployment.deployment_id,
-        accelerator=resident.accelerator,
-        node=resident.node,
-        resident_key=resident.key,
-        bytes=extra,
-        granted_at=now,
-        priority=queued.priority,
-        tenant=queued.tenant,
-        heartbeat_s=pass_.state.config.stale_lease_s / 3,
-    )
+    lease = _lease(pass_, queued, deployment, [resident.accelerator], resident.node, resident.key, extra, now, counter)
     return Grant(queued.request_id, queued.workflow_id, lease)
 
 
@@ -764,22 +779,7 @@ def _place_gang(
         pass_.commit(accelerator, need)
     first = catalog.accelerator(chosen[0])
     assert first is not None
-    lease = Lease(
-        lease_id=f"{queued.request_id}.{counter + 1}",
-        request_id=queued.request_id,
-        workflow_id=queued.workflow_id,
-        capability=queued.capability,
-        deployment=deployment.deployment_id,
-        accelerator=chosen[0],
-        node=first.node,
-        resident_key="",
-        bytes=need,
-        granted_at=now,
-        priority=queued.priority,
-        tenant=queued.tenant,
-        heartbeat_s=state.config.stale_lease_s / 3,
-        gang=chosen[1:],
-    )
+    lease = _lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
     return Grant(queued.request_id, queued.workflow_id, lease)
 
 

@@ -9,6 +9,7 @@ from modelforge.simulate._baselines import FifoScheduler, OllamaScheduler
 from modelforge.simulate._engine import Simulation, SimulationResult
 from modelforge.simulate._modelforge import ModelForgeScheduler
 from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, SimScheduler, Start
+from modelforge.simulate._report import comparison_rows
 from modelforge.simulate._scenario import (
     ExternalUsage,
     Scenario,
@@ -50,6 +51,7 @@ __all__ = [
     "SimulationConfig",
     "SimulationResult",
     "Start",
+    "comparison_rows",
     "load_scenario",
     "parse_request_lines",
     "simulate",

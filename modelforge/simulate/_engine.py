@@ -259,12 +259,10 @@ class Simulation:
             self._drop_resident(key)
             self.scheduler.unloaded(key, now)
         elif kind == _DONE:
-            lease_id = payload
-            assert isinstance(lease_id, str)
-            run = self.runs.pop(lease_id, None)
+            assert isinstance(payload, str)
+            run = self._take_run(payload, now)
             if run is None:
                 return
-            self._stop_run(run, now)
             outcome = self.outcomes[run.request.index]
             outcome.remaining_s = 0.0
             result = "ok"
@@ -272,21 +270,26 @@ class Simulation:
             if limit is not None and run.request.service_s > limit:
                 result = FailureClass.TIMEOUT.value
             self._end(run.request.index, result, now)
-            self.scheduler.finished(lease_id, now, result)
+            self.scheduler.finished(payload, now, result)
         elif kind == _CHECKPOINTED:
-            lease_id = payload
-            assert isinstance(lease_id, str)
-            run = self.runs.pop(lease_id, None)
+            assert isinstance(payload, str)
+            run = self._take_run(payload, now)
             if run is None:
                 return
-            self._stop_run(run, now)
             outcome = self.outcomes[run.request.index]
             outcome.remaining_s = max(0.0, outcome.remaining_s - (now - run.started))
             self.preemptions += 1
-            self.scheduler.checkpointed(lease_id, run.request, now)
+            self.scheduler.checkpointed(payload, run.request, now)
         elif kind == _WAKE:
             if self.wake_at <= now:
                 self.wake_at = math.inf
+
+    def _take_run(self, lease_id: str, now: float) -> _Run | None:
+        """The run of a lease, stopped (its bytes back); None when it already ended."""
+        run = self.runs.pop(lease_id, None)
+        if run is not None:
+            self._stop_run(run, now)
+        return run
 
     def _drop_resident(self, key: str) -> None:
         cards = self.cards
