@@ -57,11 +57,16 @@ class NvmlGpuBackend:
                             processes[int(proc.pid)] = GpuProcess(
                                 int(proc.pid), max(used, previous.used_bytes if previous else 0)
                             )
+                    # Not every card reports these (NOT_SUPPORTED): each reads as 0 on its own,
+                    # never failing the sample.
                     try:
                         utilization = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                    except nvml.NVMLError:
+                        utilization = 0.0
+                    try:
                         temperature = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
                     except nvml.NVMLError:
-                        utilization, temperature = 0.0, 0.0
+                        temperature = 0.0
                     samples.append(
                         DeviceSample(
                             index=index,
