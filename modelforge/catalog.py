@@ -44,8 +44,12 @@ class AcceleratorSpec(_Strict):
 
 
 class ExternalSpec(_Strict):
+    """Unmanaged usage of an accelerator: `bytes`, or every process (and the driver's reserved
+    memory) of a real card's `nvidia-smi -q -x` recording (a path relative to the file)."""
+
     accelerator: ID
-    bytes: Annotated[int, Field(gt=0, le=2**50)]
+    bytes: Annotated[int, Field(gt=0, le=2**50)] = 0
+    recording: str = Field(default="", max_length=4096)
     name: str = Field(default="external", max_length=100)
     start_s: Annotated[float, Field(ge=0)] = 0.0
     end_s: Annotated[float, Field(gt=0)] | None = None
@@ -99,7 +103,30 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
+def _expand_recordings(specs: list[ExternalSpec], base_dir: Path, problems: list[str]) -> list[ExternalSpec]:
+    from modelforge.gpu import load_nvidia_smi
+
+    expanded: list[ExternalSpec] = []
+    for index, spec in enumerate(specs):
+        if bool(spec.bytes) == bool(spec.recording):
+            problems.append(f"external[{index}]: give bytes or recording, not {'both' if spec.bytes else 'neither'}")
+            continue
+        if not spec.recording:
+            expanded.append(spec)
+            continue
+        try:
+            [first, *_] = load_nvidia_smi(base_dir / spec.recording)
+        except ModelForgeError as error:
+            problems.append(f"external[{index}].recording: {error.message}")
+            continue
+        for process in first.external():
+            expanded.append(
+                spec.model_copy(update={"bytes": process.used_bytes, "recording": "", "name": process.name[:100]})
+            )
+    return expanded
+
+
+def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[Catalog, list[ExternalSpec]]:
     try:
         spec = CatalogFile.model_validate(data)
     except ValidationError as error:
@@ -138,6 +165,7 @@ def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
     for index, ext in enumerate(spec.external):
         if ext.accelerator not in ids:
             problems.append(f"external[{index}].accelerator: unknown accelerator {ext.accelerator!r}")
+    external = _expand_recordings(list(spec.external), base_dir or Path.cwd(), problems)
     if problems:
         raise CatalogError("invalid catalog: " + "; ".join(problems))
     catalog = Catalog(
@@ -162,7 +190,7 @@ def parse_catalog(data: dict[str, Any]) -> tuple[Catalog, list[ExternalSpec]]:
         deployments=[Deployment(**d.model_dump()) for d in spec.deployments],
         tenants=[Tenant(**t.model_dump()) for t in spec.tenants],
     )
-    return catalog, list(spec.external)
+    return catalog, external
 
 
 def load_catalog_file(path: Path) -> tuple[Catalog, list[ExternalSpec]]:
@@ -172,7 +200,7 @@ def load_catalog_file(path: Path) -> tuple[Catalog, list[ExternalSpec]]:
         raise CatalogError(f"catalog file not found: {path}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise CatalogError(f"catalog file {path} is not valid TOML: {error}") from None
-    return parse_catalog(data)
+    return parse_catalog(data, path.parent)
 
 
 def example_catalog_path() -> Path:

@@ -251,7 +251,7 @@ def load_scenario(path: Path) -> Scenario:
     data.pop("name", None)
     if not isinstance(requests_table, dict) or not isinstance(requests_table.get("path"), str):
         raise ScenarioError(f'{path}: [requests] path = "...jsonl" is required')
-    catalog, external = parse_catalog(data)
+    catalog, external = parse_catalog(data, path.parent)
     requests_path = (path.parent / requests_table["path"]).resolve()
     try:
         lines = requests_path.read_text(encoding="utf-8").splitlines()

@@ -70,3 +70,38 @@ def test_unreadable_files(tmp_path: Path) -> None:
     broken.write_text("[[accelerators]\nid=")
     with pytest.raises(CatalogError, match="not valid TOML"):
         load_catalog_file(broken)
+
+
+RECORDINGS = Path(__file__).resolve().parents[2] / "data" / "nvidia-smi"
+
+
+def test_external_usage_can_come_from_a_real_recording(tmp_path: Path) -> None:
+    # A T4 recording: 388 MiB driver-reserved, 5 MiB no process accounts for, and two processes
+    # (22 and 1,005 MiB): four unmanaged entries, 1,420 MiB in all.
+    (tmp_path / "t4.xml").write_bytes((RECORDINGS / "tesla-t4.xml").read_bytes())
+    (tmp_path / "c.toml").write_text(
+        '[[accelerators]]\nid = "n/0"\nnode = "n"\ntotal_bytes = 16106127360\n'
+        '[[external]]\naccelerator = "n/0"\nrecording = "t4.xml"\nstart_s = 5\n'
+    )
+    _, external = load_catalog_file(tmp_path / "c.toml")
+    assert sum(e.bytes for e in external) == 1420 * 1024**2
+    assert [e.name for e in external][:2] == ["driver reserved (recorded)", "unattributed (recorded)"]
+    assert {e.start_s for e in external} == {5.0}
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        ('bytes = 10\nrecording = "t4.xml"', "give bytes or recording, not both"),
+        ("", "give bytes or recording, not neither"),
+        ('recording = "missing.xml"', "external[0].recording: recording not found"),
+    ],
+)
+def test_bad_recorded_external_usage_is_refused_naming_the_field(tmp_path: Path, entry: str, fragment: str) -> None:
+    (tmp_path / "c.toml").write_text(
+        '[[accelerators]]\nid = "n/0"\nnode = "n"\ntotal_bytes = 16106127360\n'
+        f'[[external]]\naccelerator = "n/0"\n{entry}\n'
+    )
+    with pytest.raises(CatalogError) as error:
+        load_catalog_file(tmp_path / "c.toml")
+    assert fragment in error.value.message
