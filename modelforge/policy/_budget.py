@@ -30,19 +30,23 @@ class Budget:
     age_s: float | None
 
 
+def in_window(history: list[list[float]], now: float, window_s: float) -> list[list[float]]:
+    """The [time, external bytes] entries inside the window, plus the last one before it: the
+    value in effect when the window opened (entries are recorded on change only)."""
+    start = now - window_s
+    first_inside = 0
+    while first_inside < len(history) and history[first_inside][0] < start:
+        first_inside += 1
+    return history[max(0, first_inside - 1) :]
+
+
 def dynamic_reserve_bytes(runtime: AcceleratorRuntime, config: PolicyConfig, now: float) -> int:
     """Spread of external usage over the recent window: a card whose unmanaged users swing by
     4 GiB keeps 4 GiB (times the factor) free for their next swing."""
     history = runtime.external_history
     if len(history) < 2:
         return 0
-    # Entries are recorded on change: the last one before the window is the value in effect
-    # when the window opened, so it counts too.
-    start = now - config.volatility_window_s
-    first_inside = 0
-    while first_inside < len(history) and history[first_inside][0] < start:
-        first_inside += 1
-    recent = [b for _, b in history[max(0, first_inside - 1) :]]
+    recent = [b for _, b in in_window(history, now, config.volatility_window_s)]
     if len(recent) < 2:
         return 0
     return int((max(recent) - min(recent)) * config.volatility_factor)

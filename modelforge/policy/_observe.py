@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from modelforge.domain import Observation
 from modelforge.failures import FailureClass
-from modelforge.policy._budget import compute_budget
+from modelforge.policy._budget import compute_budget, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
 
@@ -21,7 +21,7 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         if not observation.healthy and observation.used_bytes < 0:
             continue
         runtime.observation = observation
-        runtime.external_history = _in_window(runtime.external_history, now, state.config.volatility_window_s)
+        runtime.external_history = in_window(runtime.external_history, now, state.config.volatility_window_s)
         # Only changes are kept: a steady card keeps one entry however long the window, so an
         # hour of memory costs nothing on the hot path.
         if not runtime.external_history or runtime.external_history[-1][1] != float(observation.external_bytes):
@@ -29,16 +29,6 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         events.extend(_reconcile_residents(state, observation))
         events.extend(_apply_pressure(state, accelerator.id, runtime, now))
     return events
-
-
-def _in_window(history: list[list[float]], now: float, window_s: float) -> list[list[float]]:
-    """The entries inside the window, plus the last one before it: the value in effect when the
-    window opened (entries are recorded on change only)."""
-    start = now - window_s
-    first_inside = 0
-    while first_inside < len(history) and history[first_inside][0] < start:
-        first_inside += 1
-    return history[max(0, first_inside - 1) :]
 
 
 def _apply_health(state: PoolState, runtime: AcceleratorRuntime, observation: Observation) -> list[PolicyEvent]:
