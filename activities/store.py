@@ -7,14 +7,16 @@ from temporalio import activity
 from modelforge.domain import Catalog
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
+from modelforge.messages import SnapshotBatch
 from modelforge.store import Store
 
 log = get_logger("modelforge.events")
 
 
 class StoreActivities:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, snapshot_retention_s: float = 30 * 86400.0) -> None:
         self._store = store
+        self._snapshot_retention_s = snapshot_retention_s
 
     @activity.defn(name="load_catalog")
     async def load_catalog(self) -> Catalog:
@@ -33,5 +35,10 @@ class StoreActivities:
                     accelerator=event.accelerator,
                     deployment=event.deployment,
                     message=event.message,
+                    alert=event.alert,
                 )
         return written
+
+    @activity.defn(name="record_snapshots")
+    async def record_snapshots(self, batch: SnapshotBatch) -> int:
+        return await self._store.record_snapshots(batch, self._snapshot_retention_s)

@@ -62,6 +62,37 @@ def _json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, default=default, indent=2, sort_keys=True) + "\n")
 
 
+def _database_url(settings: Settings) -> str:
+    url = settings.resolved_database_url()
+    if url is None:
+        _fail(
+            ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})",
+            )
+        )
+    return url
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `30m`, `1h`, `7d` (or plain seconds) as seconds; anything else is REQUEST_INVALID."""
+    value = text.strip().lower()
+    unit = _UNITS.get(value[-1:]) if value else None
+    number = value[:-1] if unit is not None else value
+    try:
+        seconds = float(number) * (unit or 1.0)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"a duration is a positive number with s, m, h or d (e.g. 1h), not {text!r}"
+        )
+    return seconds
+
+
 def human_bytes(value: int | None) -> str:
     if value is None:
         return "-"
@@ -238,20 +269,15 @@ def events(
     kind: Annotated[str | None, typer.Option(help="Only this kind (lease_granted, load, ...).")] = None,
     failure_class: Annotated[str | None, typer.Option(help="Only this failure class.")] = None,
     accelerator: Annotated[str | None, typer.Option(help="Only this accelerator.")] = None,
+    alert: Annotated[
+        str | None, typer.Option(help="Only alerts: GPU_PRESSURE, CAPABILITY_CAPACITY, or '*' for every alert.")
+    ] = None,
     limit: Annotated[int, typer.Option(help="The newest N events.")] = 200,
 ) -> None:
     """The structured event log, from Postgres."""
     from modelforge.store import Store
 
-    settings = _settings()
-    url = settings.resolved_database_url()
-    if url is None:
-        _fail(
-            ModelForgeError(
-                FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})",
-            )
-        )
+    url = _database_url(_settings())
 
     def show(rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -259,6 +285,7 @@ def events(
                 sys.stdout.write(json.dumps(row, default=str, sort_keys=True) + "\n")
             elif not as_json:
                 fc = f" [red]{row['failure_class']}[/red]" if row["failure_class"] else ""
+                fc += f" [yellow]ALERT {row['alert']}[/yellow]" if row.get("alert") else ""
                 ids = " ".join(
                     f"{k}={row[k]}" for k in ("request_id", "lease_id", "accelerator", "deployment") if row[k]
                 )
@@ -274,6 +301,7 @@ def events(
                 "kind": kind,
                 "failure_class": failure_class,
                 "accelerator": accelerator,
+                "alert": alert,
             }
             rows = await store.list_events(limit=limit, **filters)
             if as_json and not follow:
@@ -295,6 +323,108 @@ def events(
         pass
 
 
+@app.command()
+def usage(
+    as_json: JsonOption = False,
+    since: Annotated[str | None, typer.Option(help="Only leases granted within this window (30m, 24h, 7d).")] = None,
+    by: Annotated[str, typer.Option(help="Group by tenant or capability.")] = "tenant",
+) -> None:
+    """GPU-seconds per tenant (or capability) from the lease ledger."""
+    from modelforge.store import Store
+
+    url = _database_url(_settings())
+    try:
+        since_s = parse_duration(since) if since else None
+    except ModelForgeError as error:
+        _fail(error)
+
+    async def go() -> list[dict[str, Any]]:
+        store = await Store.open(url)
+        try:
+            return await store.usage(since_s=since_s, by=by)
+        finally:
+            await store.close()
+
+    rows = _run(go)
+    if as_json:
+        _json(rows)
+        return
+    table = Table(title=f"usage by {by}" + (f" since {since} ago" if since else ""))
+    for column in (by, "leases", "open", "GPU-hours", "GiB·GPU-hours", "ok", "failed"):
+        table.add_column(column, justify="left" if column == by else "right")
+    for row in rows:
+        table.add_row(
+            str(row[by]),
+            str(row["leases"]),
+            str(row["open"]),
+            f"{float(row['gpu_seconds']) / 3600:.3f}",
+            f"{float(row['gib_gpu_seconds']) / 3600:.3f}",
+            str(row["ok"]),
+            str(row["not_ok"]),
+        )
+    out.print(table)
+
+
+@app.command()
+def capacity(
+    as_json: JsonOption = False,
+    since: Annotated[str, typer.Option(help="How far back (30m, 1h, 7d).")] = "1h",
+    accelerator: Annotated[str | None, typer.Option(help="Only this accelerator.")] = None,
+    buckets: Annotated[int, typer.Option(min=1, max=500, help="Time buckets per accelerator.")] = 12,
+) -> None:
+    """The capacity trend from the per-minute snapshots: the least schedulable and the most
+    external bytes per time bucket, with pressure, health and freshness."""
+    from modelforge.store import Store
+
+    url = _database_url(_settings())
+    try:
+        since_s = parse_duration(since)
+    except ModelForgeError as error:
+        _fail(error)
+
+    async def go() -> list[dict[str, Any]]:
+        store = await Store.open(url)
+        try:
+            return await store.capacity(since_s=since_s, buckets=buckets, accelerator=accelerator)
+        finally:
+            await store.close()
+
+    rows = _run(go)
+    if as_json:
+        _json(rows)
+        return
+    table = Table(title=f"capacity over the last {since}")
+    for column in ("accelerator", "from", "samples", "total", "min schedulable", "max external", "resident", "leased"):
+        table.add_column(column, justify="left" if column in ("accelerator", "from") else "right")
+    table.add_column("flags")
+    for row in rows:
+        flags = [
+            flag
+            for flag, on in (
+                ("[yellow]PRESSURE[/yellow]", row["pressure"]),
+                ("[red]UNHEALTHY[/red]", not row["healthy"]),
+                ("[red]STALE[/red]", not row["fresh"]),
+                ("simulated", row["simulated"]),
+            )
+            if on
+        ]
+        table.add_row(
+            row["accelerator"],
+            row["bucket"][:19].replace("T", " "),
+            str(row["samples"]),
+            human_bytes(row["total_bytes"]),
+            human_bytes(row["min_schedulable_bytes"]),
+            human_bytes(row["max_external_bytes"]),
+            human_bytes(row["mean_resident_bytes"]),
+            human_bytes(row["mean_leased_bytes"]),
+            " ".join(flags),
+        )
+    if not rows:
+        out.print(f"no snapshots in the last {since} (the scheduler writes one per minute)")
+        return
+    out.print(table)
+
+
 @catalog_app.command("apply")
 def catalog_apply(file: Path) -> None:
     """Validate FILE and apply it atomically; the running scheduler reloads it."""
@@ -306,9 +436,7 @@ def catalog_apply(file: Path) -> None:
         catalog, _ = load_catalog_file(file)
     except ModelForgeError as error:
         _fail(error)
-    url = settings.resolved_database_url()
-    if url is None:
-        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "no database: set MODELFORGE_DATABASE_URL"))
+    url = _database_url(settings)
 
     async def go() -> dict[str, int]:
         assert url is not None
@@ -322,7 +450,8 @@ def catalog_apply(file: Path) -> None:
 
         try:
             client = await connect(settings)
-            await client.get_workflow_handle("scheduler:default").signal("catalog_changed")
+            for pool in sorted({acc.pool for acc in catalog.accelerators}):
+                await client.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
         except Exception as error:  # the catalog is stored; the scheduler reads it when it starts
             err.print(
                 f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start"
@@ -338,9 +467,7 @@ def db_migrate() -> None:
     from modelforge.store import Store
 
     settings = _settings()
-    url = settings.resolved_database_url()
-    if url is None:
-        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "no database: set MODELFORGE_DATABASE_URL"))
+    url = _database_url(settings)
 
     async def go() -> list[str]:
         assert url is not None

@@ -19,3 +19,4 @@ class EventRecord:
     workflow_id: str = ""
     message: str = ""
     payload: dict[str, Any] = field(default_factory=dict)
+    alert: str | None = None

@@ -33,6 +33,13 @@ class FailureClass(StrEnum):
     REQUEST_INVALID = "REQUEST_INVALID"
 
 
+class Alert(StrEnum):
+    """Operator alerts: recorded as events, shown and filtered; never a control of any process."""
+
+    GPU_PRESSURE = "GPU_PRESSURE"
+    CAPABILITY_CAPACITY = "CAPABILITY_CAPACITY"
+
+
 # Transient classes: the same work may succeed if tried again (a crashed runtime restarts, a
 # driver hiccup passes). Everything else is a decision or a defect that retrying cannot change.
 RETRYABLE: frozenset[FailureClass] = frozenset(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelforge.domain import Accelerator, Deployment, Observation
-from modelforge.policy import AdmissionRequest, Lease, PolicyConfig, PoolState
+from modelforge.policy import AcceleratorStatus, AdmissionRequest, Lease, PolicyConfig, PoolState
 
 DEFAULT_LEASE_TIMEOUT_S = 300.0
 MAX_INPUT_BYTES = 1_000_000
@@ -116,6 +116,8 @@ class SchedulerInput:
     # Continue-as-new at this history length even before Temporal suggests it: the history of a
     # busy pool stays short to replay and well under Temporal's limits.
     max_history_events: int = 5000
+    # A capacity snapshot per accelerator into Postgres this often (0: none).
+    snapshot_interval_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -228,3 +230,12 @@ def device_index(accelerator_id: str) -> int:
     """Accelerator ids are `<node>/<device index>`."""
     tail = accelerator_id.rsplit("/", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+@dataclass(frozen=True)
+class SnapshotBatch:
+    """What `modelforge status` shows per accelerator, at one moment, for the capacity history."""
+
+    pool: str
+    at: float
+    accelerators: list[AcceleratorStatus] = field(default_factory=list)

@@ -43,6 +43,8 @@ class Settings:
     home: Path = Path.home() / ".modelforge"
     gpu_backend: str = "auto"
     metrics_port: int = 9464
+    # Capacity snapshots older than this are dropped (MODELFORGE_SNAPSHOT_RETENTION_DAYS).
+    snapshot_retention_days: float = 30.0
 
     @property
     def run_dir(self) -> Path:
@@ -67,6 +69,16 @@ class Settings:
         port = os.environ.get("MODELFORGE_METRICS_PORT", "9464")
         if not port.isdigit():
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"MODELFORGE_METRICS_PORT must be a port, not {port!r}")
+        retention = os.environ.get("MODELFORGE_SNAPSHOT_RETENTION_DAYS", "30")
+        try:
+            retention_days = float(retention)
+        except ValueError:
+            retention_days = -1.0
+        if not retention_days > 0:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"MODELFORGE_SNAPSHOT_RETENTION_DAYS must be a positive number of days, not {retention!r}",
+            )
         return cls(
             temporal_address=os.environ.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233"),
             temporal_namespace=os.environ.get("MODELFORGE_TEMPORAL_NAMESPACE", "default"),
@@ -79,4 +91,5 @@ class Settings:
             home=Path(os.environ.get("MODELFORGE_HOME", str(Path.home() / ".modelforge"))),
             gpu_backend=backend,
             metrics_port=int(port),
+            snapshot_retention_days=retention_days,
         )

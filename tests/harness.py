@@ -83,6 +83,7 @@ async def running_stack(
     config: PolicyConfig | None = None,
     telemetry_interval_s: float = 10.0,
     max_history_events: int = 5000,
+    snapshot_interval_s: float = 60.0,
 ) -> AsyncIterator[Stack]:
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
@@ -111,7 +112,12 @@ async def running_stack(
             scheduler = await ensure_scheduler(
                 client,
                 "default",
-                SchedulerInput(pool="default", config=config or PolicyConfig(), max_history_events=max_history_events),
+                SchedulerInput(
+                    pool="default",
+                    config=config or PolicyConfig(),
+                    max_history_events=max_history_events,
+                    snapshot_interval_s=snapshot_interval_s,
+                ),
             )
             running.scheduler = scheduler
             for node in backends:

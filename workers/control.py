@@ -31,15 +31,17 @@ def workflow_runner() -> SandboxedWorkflowRunner:
     )
 
 
-def build_control_worker(client: Client, store: Store, task_queue: str = CONTROL_TASK_QUEUE) -> Worker:
+def build_control_worker(
+    client: Client, store: Store, task_queue: str = CONTROL_TASK_QUEUE, snapshot_retention_s: float = 30 * 86400.0
+) -> Worker:
     gateway = SchedulerGatewayActivities(client)
-    records = StoreActivities(store)
+    records = StoreActivities(store, snapshot_retention_s)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=ALL_WORKFLOWS,
         workflow_runner=workflow_runner(),
-        activities=[gateway.admit, records.load_catalog, records.record_events],
+        activities=[gateway.admit, records.load_catalog, records.record_events, records.record_snapshots],
         activity_executor=ThreadPoolExecutor(4),
     )
 
@@ -71,7 +73,7 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
         await store.migrate()
         with contextlib.suppress(Exception):
             await register_search_attributes(client)
-        worker = build_control_worker(client, store)
+        worker = build_control_worker(client, store, snapshot_retention_s=settings.snapshot_retention_days * 86400.0)
         async with worker:
             await ensure_scheduler(client, pool)
             log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool)

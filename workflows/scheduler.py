@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         ResidentIdle,
         ResidentReport,
         SchedulerInput,
+        SnapshotBatch,
         UnloadReport,
         device_index,
     )
@@ -46,6 +47,9 @@ from workflows.residency import ResidencyWorkflow
 PATCH_RESIDENCY_GENERATIONS = "residency-generations"
 # Continue-as-new at max_history_events as well as when suggested (session 2).
 PATCH_HISTORY_BOUND = "history-bound"
+# Capacity snapshots into Postgres and CAPABILITY_CAPACITY alerts (session 4).
+PATCH_SNAPSHOTS = "telemetry-snapshots"
+PATCH_CAPACITY_ALERTS = "capacity-alerts"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
@@ -65,6 +69,8 @@ class PoolSchedulerWorkflow:
         self._preempts_out: list[tuple[str, PreemptSignal]] = []
         self._events: list[EventRecord] = []
         self._event_writes: list[asyncio.Future[object]] = []
+        self._snapshot_interval_s = start.snapshot_interval_s
+        self._next_snapshot_at: float | None = None
 
     # --- messages ---------------------------------------------------------------------------
 
@@ -210,6 +216,8 @@ class PoolSchedulerWorkflow:
                 if acc.node == sample.node
             ]
         events = policy.apply_observations(self._state, observations, now)
+        if workflow.patched(PATCH_CAPACITY_ALERTS):
+            events.extend(policy.capacity_alerts(self._state, now))
         for event in events:
             if event.kind == "resident_lost" and event.workflow_id:
                 self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
@@ -330,6 +338,7 @@ class PoolSchedulerWorkflow:
             if self._catalog_stale:
                 await self._reload_catalog()
             self._run_policy(self._now())
+            self._snapshot()
             await self._flush()
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 await self._drain_event_writes()
@@ -382,6 +391,8 @@ class PoolSchedulerWorkflow:
         stale_at = policy.stale_leases_due(self._state)
         if stale_at is not None:
             due.append(stale_at)
+        if self._next_snapshot_at is not None:
+            due.append(self._next_snapshot_at)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -509,6 +520,29 @@ class PoolSchedulerWorkflow:
             )
         return None
 
+    def _snapshot(self) -> None:
+        """Once per interval, what `status` shows per accelerator goes to the capacity history;
+        written like events, off the admission path and retried until it lands."""
+        if self._snapshot_interval_s <= 0 or not workflow.patched(PATCH_SNAPSHOTS):
+            return
+        now = self._now()
+        if self._next_snapshot_at is not None and now < self._next_snapshot_at:
+            return
+        self._next_snapshot_at = now + self._snapshot_interval_s
+        status = policy.pool_status(self._state, now)
+        if not status.accelerators:
+            return
+        self._event_writes.append(
+            workflow.start_activity(
+                "record_snapshots",
+                SnapshotBatch(pool=self._state.pool, at=now, accelerators=status.accelerators),
+                task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=STORE_RETRY,
+                summary=f"capacity snapshot of {len(status.accelerators)} accelerators",
+            )
+        )
+
     def _start_event_write(self) -> None:
         self._event_writes = [w for w in self._event_writes if not w.done()]
         while self._events:
@@ -547,6 +581,7 @@ class PoolSchedulerWorkflow:
                 workflow_id=event.workflow_id,
                 message=event.message,
                 payload=dict(event.payload),
+                alert=event.alert.value if event.alert else None,
             )
         )
 

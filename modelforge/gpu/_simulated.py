@@ -80,6 +80,11 @@ class SimulatedGpuBackend:
         with self._lock:
             self._external.append(process)
 
+    def remove_external(self, pid: int) -> None:
+        """The unmanaged process exits (a transcode finishes)."""
+        with self._lock:
+            self._external = [p for p in self._external if p.pid != pid]
+
     def _active_external(self, device_index: int) -> list[ExternalProcess]:
         elapsed = self._clock() - self._started
         return [

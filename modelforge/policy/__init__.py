@@ -20,6 +20,7 @@ from modelforge.policy._admission import (
     stale_leases_due,
     validate_request,
 )
+from modelforge.policy._alerts import capacity_alerts, production_headroom
 from modelforge.policy._budget import Budget, compute_budget, dynamic_reserve_bytes
 from modelforge.policy._decisions import (
     Assign,
@@ -78,6 +79,7 @@ __all__ = [
     "apply_decisions",
     "apply_observations",
     "cancel_request",
+    "capacity_alerts",
     "compute_budget",
     "decide",
     "dynamic_reserve_bytes",
@@ -88,6 +90,7 @@ __all__ = [
     "keep_warm_check",
     "lease_heartbeat",
     "pool_status",
+    "production_headroom",
     "queue_order",
     "reclaim_stale_leases",
     "release_lease",

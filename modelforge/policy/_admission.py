@@ -219,6 +219,9 @@ def apply_decisions(
                     "bytes": lease.bytes,
                     "priority": lease.priority.value,
                     "tenant": lease.tenant,
+                    "capability": lease.capability,
+                    "pool": state.pool,
+                    "accelerators": ",".join(lease.accelerators),
                     "waited_s": round(now - queued.submitted_at, 3) if queued else None,
                 },
             )
@@ -316,7 +319,18 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
             deployment=lease.deployment,
             workflow_id=lease.workflow_id,
             message=outcome,
-            payload={"held_s": round(now - lease.granted_at, 3), "bytes": lease.bytes},
+            # Everything the lease ledger needs, so its row is whole even if this event lands first.
+            payload={
+                "held_s": round(now - lease.granted_at, 3),
+                "bytes": lease.bytes,
+                "outcome": outcome,
+                "tenant": lease.tenant,
+                "capability": lease.capability,
+                "priority": lease.priority.value,
+                "pool": state.pool,
+                "accelerators": ",".join(lease.accelerators),
+                "granted_at": lease.granted_at,
+            },
         )
     ]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelforge.failures import FailureClass
+from modelforge.failures import Alert, FailureClass
 from modelforge.policy._state import Lease
 
 
@@ -19,6 +19,8 @@ class PolicyEvent:
     deployment: str = ""
     workflow_id: str = ""
     payload: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    # Set on events an operator is alerted by (GPU_PRESSURE, CAPABILITY_CAPACITY).
+    alert: Alert | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ GPU_PRESSURE with watermark hysteresis, external volatility and resident reconci
 from __future__ import annotations
 
 from modelforge.domain import Observation
-from modelforge.failures import FailureClass
+from modelforge.failures import Alert, FailureClass
 from modelforge.policy._budget import compute_budget, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
@@ -116,6 +116,7 @@ def _apply_pressure(
             return [
                 PolicyEvent(
                     kind="gpu_pressure_entered",
+                    alert=Alert.GPU_PRESSURE,
                     accelerator=accelerator_id,
                     payload=payload,
                     message=f"schedulable {fraction:.1%} of total < {config.pressure_enter_fraction:.0%}",
@@ -133,6 +134,7 @@ def _apply_pressure(
         return [
             PolicyEvent(
                 kind="gpu_pressure_left",
+                alert=Alert.GPU_PRESSURE,
                 accelerator=accelerator_id,
                 payload=payload,
                 message=f"schedulable above {config.pressure_exit_fraction:.0%} for {config.pressure_hold_s:.0f} s",

@@ -664,6 +664,23 @@ def _place(
         pass_.commit(accelerator, need)
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency - 1
+        # Later requests of this pass join the load (up to its concurrency) instead of starting
+        # a second one under the same key on the same card.
+        pass_.residents_of.setdefault(deployment.deployment_id, []).append(
+            ResidentState(
+                key=key,
+                deployment=deployment.deployment_id,
+                capability=deployment.capability,
+                accelerator=accelerator,
+                node=acc.node,
+                bytes=deployment.resident_bytes,
+                phase=ResidentPhase.LOADING,
+                residency=deployment.residency,
+                ttl_s=deployment.ttl_s,
+                workflow_id="",
+                requested_at=now,
+            )
+        )
         return StartLoad(
             key, deployment.deployment_id, accelerator, acc.node, deployment.resident_bytes, [queued.request_id]
         )

@@ -155,6 +155,8 @@ class PoolState:
     usage: dict[str, TenantUsage] = field(default_factory=dict)
     lease_counter: int = 0
     load_counter: int = 0
+    # Production deployments under a raised CAPABILITY_CAPACITY alert, in the order raised.
+    capacity_short: list[str] = field(default_factory=list)
 
     def pool_accelerators(self) -> list[str]:
         return [a.id for a in self.catalog.accelerators if a.pool == self.pool]

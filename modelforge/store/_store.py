@@ -18,6 +18,7 @@ from modelforge.catalog import parse_catalog
 from modelforge.domain import Catalog
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.messages import SnapshotBatch
 
 _MIGRATION_LOCK = 0x6D666F7267  # "mforg": one migrator at a time
 
@@ -134,17 +135,22 @@ class Store:
         return catalog
 
     async def record_events(self, events: list[EventRecord]) -> int:
+        """Write events and the lease-ledger rows they imply, in one transaction. Idempotent:
+        the writer chooses event ids, and ledger columns are set from their own event only."""
         if not events:
             return 0
+        grants = [e for e in events if e.kind == "lease_granted" and e.lease_id]
+        ends = [e for e in events if e.kind == "lease_released" and e.lease_id]
         async with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             await cur.executemany(
                 "INSERT INTO events (event_id, at, kind, failure_class, request_id, lease_id, accelerator,"
-                " deployment, workflow_id, message, payload) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " deployment, workflow_id, message, payload, alert)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (event_id) DO NOTHING",
                 [
                     (
                         e.event_id,
-                        datetime.fromtimestamp(e.at, tz=UTC),
+                        _timestamp(e.at),
                         e.kind,
                         e.failure_class,
                         e.request_id,
@@ -154,11 +160,137 @@ class Store:
                         e.workflow_id,
                         e.message,
                         Jsonb(e.payload),
+                        e.alert,
                     )
                     for e in events
                 ],
             )
+            if grants:
+                await cur.executemany(
+                    "INSERT INTO lease_ledger (lease_id, request_id, pool, tenant, capability, deployment, priority,"
+                    " accelerators, bytes, granted_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (lease_id) DO UPDATE SET request_id = EXCLUDED.request_id,"
+                    " pool = EXCLUDED.pool, tenant = EXCLUDED.tenant, capability = EXCLUDED.capability,"
+                    " deployment = EXCLUDED.deployment, priority = EXCLUDED.priority,"
+                    " accelerators = EXCLUDED.accelerators, bytes = EXCLUDED.bytes,"
+                    " granted_at = EXCLUDED.granted_at, updated_at = now()",
+                    [_ledger_grant(e) for e in grants],
+                )
+            if ends:
+                await cur.executemany(
+                    "INSERT INTO lease_ledger (lease_id, request_id, pool, tenant, capability, deployment, priority,"
+                    " accelerators, bytes, granted_at, ended_at, outcome, held_s, gpu_seconds)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (lease_id) DO UPDATE SET ended_at = EXCLUDED.ended_at,"
+                    " outcome = EXCLUDED.outcome, held_s = EXCLUDED.held_s, gpu_seconds = EXCLUDED.gpu_seconds,"
+                    " updated_at = now()",
+                    [_ledger_end(e) for e in ends],
+                )
         return len(events)
+
+    async def record_snapshots(self, batch: SnapshotBatch, retention_s: float) -> int:
+        """One row per accelerator at the batch's moment (a retry inserts nothing twice), then
+        rows older than the retention dropped."""
+        at = _timestamp(batch.at)
+        async with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            await cur.executemany(
+                "INSERT INTO telemetry_snapshots (accelerator, at, pool, node, simulated, total_bytes,"
+                " observed_used_bytes, external_bytes, resident_bytes, leased_bytes, reserve_bytes,"
+                " schedulable_bytes, pressure, healthy, fresh, observed_at, received_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (accelerator, at) DO NOTHING",
+                [
+                    (
+                        a.id,
+                        at,
+                        batch.pool,
+                        a.node,
+                        a.simulated,
+                        a.total_bytes,
+                        a.observed_used_bytes,
+                        a.external_bytes,
+                        a.resident_bytes,
+                        a.leased_bytes,
+                        a.reserve_bytes,
+                        a.schedulable_bytes,
+                        a.pressure,
+                        a.healthy,
+                        a.fresh,
+                        _timestamp(a.observed_at) if a.observed_at else None,
+                        _timestamp(batch.at - a.observation_age_s) if a.observation_age_s is not None else None,
+                    )
+                    for a in batch.accelerators
+                ],
+            )
+            await cur.execute(
+                "DELETE FROM telemetry_snapshots WHERE at < %s - make_interval(secs => %s)", (at, retention_s)
+            )
+        return len(batch.accelerators)
+
+    async def capacity(
+        self, *, since_s: float, buckets: int = 12, accelerator: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The capacity trend: per accelerator and time bucket, the least schedulable, the most
+        external and the mean leased and resident bytes, and whether pressure or staleness was seen."""
+        bucket_s = max(1.0, since_s / max(1, buckets))
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT accelerator, date_bin(make_interval(secs => %(bucket)s), at,"
+                "  TIMESTAMPTZ '2000-01-01') AS bucket,"
+                " count(*) AS samples, max(total_bytes) AS total_bytes,"
+                " min(schedulable_bytes) AS min_schedulable_bytes, max(external_bytes) AS max_external_bytes,"
+                " avg(resident_bytes)::bigint AS mean_resident_bytes, avg(leased_bytes)::bigint AS mean_leased_bytes,"
+                " max(reserve_bytes) AS max_reserve_bytes, bool_or(pressure) AS pressure,"
+                " bool_and(healthy) AS healthy, bool_and(fresh) AS fresh, bool_or(simulated) AS simulated"
+                " FROM telemetry_snapshots WHERE at >= now() - make_interval(secs => %(since)s)"
+                " AND (%(accelerator)s::text IS NULL OR accelerator = %(accelerator)s)"
+                " GROUP BY accelerator, bucket ORDER BY accelerator, bucket",
+                {"bucket": bucket_s, "since": since_s, "accelerator": accelerator},
+            )
+            rows = await cur.fetchall()
+        for row in rows:
+            row["bucket"] = row["bucket"].isoformat()
+        return rows
+
+    async def snapshots(self, *, accelerator: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT * FROM telemetry_snapshots"
+                " WHERE (%(accelerator)s::text IS NULL OR accelerator = %(accelerator)s)"
+                " ORDER BY at DESC, accelerator LIMIT %(limit)s",
+                {"accelerator": accelerator, "limit": limit},
+            )
+            return await cur.fetchall()
+
+    async def usage(self, *, since_s: float | None = None, by: str = "tenant") -> list[dict[str, Any]]:
+        """Per-tenant (or per-capability) accounting from the lease ledger: leases, GPU-seconds
+        of ended leases, GiB-seconds, outcomes, and leases still open."""
+        if by not in ("tenant", "capability"):
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"usage --by must be tenant or capability, not {by!r}")
+        group = psycopg.sql.Identifier(by)
+        query = psycopg.sql.SQL(
+            "SELECT coalesce({group}, '?') AS {group}, count(*) AS leases,"
+            " count(*) FILTER (WHERE ended_at IS NULL) AS open,"
+            " coalesce(sum(gpu_seconds), 0) AS gpu_seconds,"
+            " coalesce(sum(gpu_seconds * bytes), 0) / 1073741824.0 AS gib_gpu_seconds,"
+            " count(*) FILTER (WHERE outcome = 'ok') AS ok,"
+            " count(*) FILTER (WHERE outcome IS NOT NULL AND outcome <> 'ok') AS not_ok"
+            " FROM lease_ledger WHERE (%(since)s::float8 IS NULL"
+            "  OR coalesce(granted_at, ended_at) >= now() - make_interval(secs => %(since)s))"
+            " GROUP BY 1 ORDER BY gpu_seconds DESC, 1"
+        ).format(group=group)
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(query, {"since": since_s})
+            return await cur.fetchall()
+
+    async def ledger(self, *, lease_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT * FROM lease_ledger WHERE (%(lease)s::text IS NULL OR lease_id = %(lease)s)"
+                " ORDER BY granted_at NULLS LAST, lease_id LIMIT %(limit)s",
+                {"lease": lease_id, "limit": limit},
+            )
+            return await cur.fetchall()
 
     async def list_events(
         self,
@@ -169,16 +301,18 @@ class Store:
         kind: str | None = None,
         failure_class: str | None = None,
         accelerator: str | None = None,
+        alert: str | None = None,
     ) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(
                 "SELECT seq, event_id, at, kind, failure_class, request_id, lease_id, accelerator, deployment,"
-                " workflow_id, message, payload FROM ("
+                " workflow_id, message, payload, alert FROM ("
                 "  SELECT * FROM events WHERE seq > %(after)s"
                 "  AND (%(request_id)s::text IS NULL OR request_id = %(request_id)s)"
                 "  AND (%(kind)s::text IS NULL OR kind = %(kind)s)"
                 "  AND (%(failure)s::text IS NULL OR failure_class = %(failure)s)"
                 "  AND (%(accelerator)s::text IS NULL OR accelerator = %(accelerator)s)"
+                "  AND (%(alert)s::text IS NULL OR alert = %(alert)s OR (%(alert)s = '*' AND alert IS NOT NULL))"
                 "  ORDER BY seq DESC LIMIT %(limit)s) newest ORDER BY seq",
                 {
                     "after": after_seq,
@@ -186,6 +320,7 @@ class Store:
                     "kind": kind,
                     "failure": failure_class,
                     "accelerator": accelerator,
+                    "alert": alert,
                     "limit": limit,
                 },
             )
@@ -193,6 +328,55 @@ class Store:
         for row in rows:
             row["at"] = row["at"].isoformat()
         return rows
+
+
+def _timestamp(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _accelerators(payload: dict[str, Any], fallback: str) -> list[str]:
+    listed = str(payload.get("accelerators") or "")
+    return [a for a in listed.split(",") if a] or ([fallback] if fallback else [])
+
+
+def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
+    p = e.payload
+    return (
+        e.lease_id,
+        e.request_id,
+        p.get("pool"),
+        p.get("tenant"),
+        p.get("capability"),
+        e.deployment,
+        p.get("priority"),
+        _accelerators(p, e.accelerator),
+        p.get("bytes"),
+        _timestamp(e.at),
+    )
+
+
+def _ledger_end(e: EventRecord) -> tuple[Any, ...]:
+    p = e.payload
+    accelerators = _accelerators(p, e.accelerator)
+    held_s = float(p.get("held_s") or 0.0)
+    granted_at = p.get("granted_at")
+    return (
+        e.lease_id,
+        e.request_id,
+        p.get("pool"),
+        p.get("tenant"),
+        p.get("capability"),
+        e.deployment,
+        p.get("priority"),
+        accelerators,
+        p.get("bytes"),
+        _timestamp(float(granted_at)) if granted_at is not None else None,
+        _timestamp(e.at),
+        str(p.get("outcome") or e.message),
+        held_s,
+        # A gang lease holds every card it names for the whole time.
+        held_s * len(accelerators),
+    )
 
 
 def dumps(value: Any) -> str:

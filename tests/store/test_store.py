@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import pytest
+
 from modelforge.catalog import example_catalog_path, load_catalog_file
 from modelforge.events import EventRecord
+from modelforge.failures import ModelForgeError
+from modelforge.messages import SnapshotBatch
+from modelforge.policy import AcceleratorStatus
 from modelforge.store import Store, redact
 
 
 async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) -> None:
     store = await Store.open(database_url)
     try:
-        assert await store.migrate() == ["0001_initial.sql"]
+        assert await store.migrate() == ["0001_initial.sql", "0002_ledger_snapshots_alerts.sql"]
         assert await store.migrate() == []  # re-run: nothing new
         catalog, _ = load_catalog_file(example_catalog_path())
         await store.apply_catalog(catalog)
@@ -53,3 +61,154 @@ async def test_event_writes_are_idempotent(database_url: str) -> None:
 def test_redacted_urls_never_show_the_password() -> None:
     shown = redact("postgresql://modelforge:s3cret@db.internal:5432/mf")
     assert "s3cret" not in shown and "db.internal" in shown
+
+
+def _granted(lease: str, at: float, *, tenant: str = "acme", accelerators: str = "node-a/0", nbytes: int = 2 << 30):
+    return EventRecord(
+        event_id=f"g-{lease}",
+        at=at,
+        kind="lease_granted",
+        request_id=f"r-{lease}",
+        lease_id=lease,
+        accelerator=accelerators.split(",")[0],
+        deployment="chat",
+        payload={
+            "bytes": nbytes,
+            "tenant": tenant,
+            "capability": "chat.llm@1",
+            "priority": "production",
+            "pool": "default",
+            "accelerators": accelerators,
+        },
+    )
+
+
+def _released(lease: str, at: float, held_s: float, outcome: str = "ok", **kwargs: Any) -> EventRecord:
+    granted = _granted(lease, at - held_s, **kwargs)
+    return EventRecord(
+        event_id=f"x-{lease}",
+        at=at,
+        kind="lease_released",
+        request_id=granted.request_id,
+        lease_id=lease,
+        accelerator=granted.accelerator,
+        deployment="chat",
+        message=outcome,
+        payload={**granted.payload, "held_s": held_s, "outcome": outcome, "granted_at": at - held_s},
+    )
+
+
+async def test_lease_ledger_is_whole_whichever_event_lands_first(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        now = time.time()
+        # l1: grant then release; l2: the release batch lands first (a retried write), then the grant;
+        # l3: a two-card gang lease; l4: still held.
+        await store.record_events([_granted("l1", now - 100)])
+        await store.record_events([_released("l1", now - 40, 60.0)])
+        await store.record_events([_released("l2", now - 10, 30.0, outcome="RUNTIME_CRASH", tenant="lab")])
+        await store.record_events([_granted("l2", now - 40, tenant="lab")])
+        await store.record_events([_released("l3", now - 5, 10.0, accelerators="node-a/0,node-a/1", tenant="lab")])
+        await store.record_events([_granted("l4", now - 1)])
+        await store.record_events([_released("l1", now - 40, 60.0)])  # a retry changes nothing
+        rows = {row["lease_id"]: row for row in await store.ledger()}
+        assert set(rows) == {"l1", "l2", "l3", "l4"}
+        assert rows["l1"]["outcome"] == "ok" and rows["l1"]["gpu_seconds"] == 60.0
+        assert rows["l2"]["outcome"] == "RUNTIME_CRASH" and rows["l2"]["tenant"] == "lab"
+        assert rows["l2"]["granted_at"] is not None and rows["l2"]["ended_at"] is not None
+        assert rows["l3"]["accelerators"] == ["node-a/0", "node-a/1"]
+        assert rows["l3"]["gpu_seconds"] == 20.0  # 10 s on each of two cards
+        assert rows["l4"]["ended_at"] is None
+        usage = {row["tenant"]: row for row in await store.usage()}
+        # acme: l1 60 GPU-s + l4 open; lab: l2 30 + l3 2 x 10 = 50 GPU-s.
+        assert (usage["acme"]["leases"], usage["acme"]["open"], usage["acme"]["gpu_seconds"]) == (2, 1, 60.0)
+        assert (usage["lab"]["leases"], usage["lab"]["gpu_seconds"], usage["lab"]["not_ok"]) == (2, 50.0, 1)
+        # 2 GiB x 60 GPU-s
+        assert usage["acme"]["gib_gpu_seconds"] == pytest.approx(120.0)
+        recent = {row["tenant"]: row for row in await store.usage(since_s=30)}
+        assert set(recent) == {"lab", "acme"} and recent["acme"]["leases"] == 1  # only l4 started within 30 s
+        by_capability = await store.usage(by="capability")
+        assert [row["capability"] for row in by_capability] == ["chat.llm@1"]
+        with pytest.raises(ModelForgeError, match="tenant or capability"):
+            await store.usage(by="priority; DROP TABLE lease_ledger")
+    finally:
+        await store.close()
+
+
+def _accelerator_status(acc: str, schedulable: int, external: int, *, pressure: bool = False) -> AcceleratorStatus:
+    return AcceleratorStatus(
+        id=acc,
+        node="node-a",
+        kind="gpu",
+        model="sim",
+        production_eligible=True,
+        simulated=True,
+        total_bytes=24 << 30,
+        observed_used_bytes=external + (4 << 30),
+        external_bytes=external,
+        resident_bytes=4 << 30,
+        leased_bytes=0,
+        reserve_bytes=1 << 30,
+        schedulable_bytes=schedulable,
+        pressure=pressure,
+        healthy=True,
+        fresh=True,
+        observation_age_s=2.0,
+        observed_at=None,
+    )
+
+
+async def test_snapshots_keep_the_retention_and_show_the_trend(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        now = time.time()
+        day = 86400.0
+        old = SnapshotBatch(pool="default", at=now - 3 * day, accelerators=[_accelerator_status("a/0", 1, 1)])
+        await store.record_snapshots(old, retention_s=7 * day)
+        for minutes_ago, schedulable, external, pressure in [(50, 10, 5, False), (20, 3, 12, True), (5, 8, 6, False)]:
+            batch = SnapshotBatch(
+                pool="default",
+                at=now - minutes_ago * 60,
+                accelerators=[_accelerator_status("a/0", schedulable << 30, external << 30, pressure=pressure)],
+            )
+            await store.record_snapshots(batch, retention_s=7 * day)
+            await store.record_snapshots(batch, retention_s=7 * day)  # a retry inserts nothing twice
+        assert len(await store.snapshots()) == 4
+        # A shorter retention drops the three-day-old row at the next write.
+        await store.record_snapshots(
+            SnapshotBatch(pool="default", at=now, accelerators=[_accelerator_status("a/0", 9 << 30, 5 << 30)]),
+            retention_s=1 * day,
+        )
+        rows = await store.snapshots()
+        assert len(rows) == 4 and min(r["at"].timestamp() for r in rows) > now - day
+        assert rows[0]["received_at"].timestamp() == pytest.approx(now - 2.0, abs=0.01)
+        whole = await store.capacity(since_s=3600, buckets=1)
+        # One bucket may straddle the hour's edge: at most two, and the worst values are those of 20 min ago.
+        assert 1 <= len(whole) <= 2
+        assert min(r["min_schedulable_bytes"] for r in whole) == 3 << 30
+        assert max(r["max_external_bytes"] for r in whole) == 12 << 30
+        assert any(r["pressure"] for r in whole) and sum(r["samples"] for r in whole) == 4
+        fine = await store.capacity(since_s=3600, buckets=60)
+        assert sum(r["samples"] for r in fine) == 4 and len(fine) == 4
+        assert await store.capacity(since_s=3600, accelerator="other/0") == []
+    finally:
+        await store.close()
+
+
+async def test_events_filter_by_alert(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.record_events(
+            [
+                EventRecord(event_id="p1", at=1.0, kind="gpu_pressure_entered", alert="GPU_PRESSURE"),
+                EventRecord(event_id="c1", at=2.0, kind="capacity_alert_raised", alert="CAPABILITY_CAPACITY"),
+                EventRecord(event_id="n1", at=3.0, kind="lease_granted"),
+            ]
+        )
+        assert [e["event_id"] for e in await store.list_events(alert="GPU_PRESSURE")] == ["p1"]
+        assert [e["event_id"] for e in await store.list_events(alert="*")] == ["p1", "c1"]
+    finally:
+        await store.close()

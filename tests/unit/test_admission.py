@@ -440,3 +440,28 @@ def test_the_workflows_refuse_gangs_until_they_run_them() -> None:
     s = state(nvlink_pool(), [server])
     with pytest.raises(AdmissionRejected, match="gangs are batch jobs"):
         validate_request(s, ask("r1", "tp@1"), gangs=True)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "joined", "waiting"),
+    [
+        # Three cold requests in one pass (one admission batch) for a model with 2 slots: one
+        # load, the second request joins it, the third waits for a slot. Never a second load
+        # of the same model on the same card (its resident key would collide).
+        (2, ["r2"], ["r3"]),
+        (1, [], ["r2", "r3"]),
+        (3, ["r2", "r3"], []),
+    ],
+)
+def test_cold_requests_of_one_pass_share_one_load(concurrency: int, joined: list[str], waiting: list[str]) -> None:
+    s = state([gpu("n/0")], [deployment("emb@1", gib=1, concurrency=concurrency)])
+    observe(s, "n/0")
+    for request_id in ("r1", "r2", "r3"):
+        _, priority = validate_request(s, ask(request_id))
+        enqueue(s, ask(request_id), priority, NOW)
+    decisions = decide(s, NOW)
+    [load] = decisions.loads
+    assert (load.accelerator, load.for_requests) == ("n/0", ["r1"])
+    assert [a.request_id for a in decisions.assigns] == joined
+    assert all(a.resident_key == load.resident_key for a in decisions.assigns)
+    assert [w.request_id for w in decisions.waits] == waiting

@@ -1,0 +1,123 @@
+"""What the running scheduler writes to Postgres after real requests: the lease ledger (and the
+usage it adds up to), capacity snapshots that match `status`, and alerts as events."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.domain import GiB
+from modelforge.gpu import ExternalProcess
+from modelforge.policy import PolicyConfig
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+
+async def _until(probe: Any, within_s: float = 30.0) -> Any:
+    """Poll an async probe until it returns something truthy: the store trails the workflows."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        found = await probe()
+        if found or loop.time() > deadline:
+            return found
+        await asyncio.sleep(0.2)
+
+
+async def test_ledger_holds_one_row_per_lease_and_usage_adds_it_up(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(time_skipping_env.client, database_url) as stack:
+        handles = [await stack.start_request("rag.embedding@1", tenant="rag") for _ in range(3)]
+        handles += [await stack.start_request("chat.small@1", tenant="default") for _ in range(2)]
+        results = [await h.result() for h in handles]
+        leases = {r.lease.lease_id: r for r in results}
+
+        async def ended() -> list[dict[str, Any]]:
+            rows = await stack.store.ledger()
+            return rows if len(rows) == 5 and all(r["ended_at"] for r in rows) else []
+
+        rows = await _until(ended)
+        assert {r["lease_id"] for r in rows} == set(leases)
+        for row in rows:
+            result = leases[row["lease_id"]]
+            assert row["request_id"] == result.request_id
+            assert row["capability"] == result.capability
+            assert row["tenant"] == ("rag" if result.capability == "rag.embedding@1" else "default")
+            assert row["outcome"] == "ok"
+            assert row["accelerators"] == [result.lease.accelerator]
+            assert row["bytes"] == result.lease.bytes
+            assert row["gpu_seconds"] == pytest.approx(row["held_s"]) and row["held_s"] >= 0
+            assert row["ended_at"] >= row["granted_at"]
+        granted = await stack.events("lease_granted", at_least=5)
+        assert sorted(e["lease_id"] for e in granted) == sorted(leases)
+        usage = {u["tenant"]: u for u in await stack.store.usage()}
+        assert (usage["rag"]["leases"], usage["default"]["leases"]) == (3, 2)
+        for tenant in ("rag", "default"):
+            assert usage[tenant]["gpu_seconds"] == pytest.approx(
+                sum(r["gpu_seconds"] for r in rows if r["tenant"] == tenant)
+            )
+
+
+async def test_snapshots_carry_what_status_shows(time_skipping_env: WorkflowEnvironment, database_url: str) -> None:
+    async with running_stack(
+        time_skipping_env.client, database_url, telemetry_interval_s=1.0, snapshot_interval_s=1.0
+    ) as stack:
+        await (await stack.start_request("rag.embedding@1", tenant="rag")).result()
+
+        async def settled() -> list[dict[str, Any]]:
+            # The newest snapshot of gpu-node/0 after the embedding model is resident.
+            rows = await stack.store.snapshots(accelerator="gpu-node/0", limit=1)
+            return rows if rows and rows[0]["resident_bytes"] > 0 and rows[0]["fresh"] else []
+
+        [row] = await _until(settled)
+        gpu = next(a for a in (await stack.status()).accelerators if a.id == "gpu-node/0")
+        # Nothing moves on the card now: the snapshot and `status` must agree byte for byte.
+        for column in ("total_bytes", "external_bytes", "resident_bytes", "leased_bytes", "reserve_bytes"):
+            assert row[column] == getattr(gpu, column), column
+        assert row["schedulable_bytes"] == gpu.schedulable_bytes
+        # schedulable = total - external - resident - leased - reserve
+        assert row["schedulable_bytes"] == (
+            row["total_bytes"] - row["external_bytes"] - row["resident_bytes"] - row["leased_bytes"]
+        ) - row["reserve_bytes"]
+        assert row["external_bytes"] == 6 * GiB and row["simulated"] is True
+        assert row["received_at"] is not None and row["received_at"] <= row["at"]
+        trend = await stack.store.capacity(since_s=600, buckets=1)
+        assert {r["accelerator"] for r in trend} == {"gpu-node/0", "desktop/0"}
+
+
+async def _alerts(stack: Stack, kind: str, deployment: str) -> list[dict[str, Any]]:
+    return [e for e in await stack.store.list_events(kind=kind) if e["deployment"] == deployment]
+
+
+async def test_capacity_and_pressure_alerts_follow_an_external_burst(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
+    config = PolicyConfig(volatility_window_s=3.0, pressure_hold_s=2.0)
+    async with running_stack(time_skipping_env.client, database_url, config=config, telemetry_interval_s=1.0) as stack:
+        await (await stack.start_request("chat.small@1", tenant="rag")).result()
+        assert await stack.store.list_events(alert="*") == []
+        # A 15 GiB transcode on the 24 GiB card that already carries Ollama's 6 GiB: at most
+        # 24 - 6 - 15 - 1 (reserve) = 2 GiB is left, less than chat.small@1's 4 GiB envelope.
+        transcode = ExternalProcess(device_index=0, pid=4242, name="tdarr", used_bytes=15 * GiB)
+        stack.backends["gpu-node"].add_external(transcode)
+        [raised] = await _until(lambda: _alerts(stack, "capacity_alert_raised", "chat.small@1"))
+        assert raised["alert"] == "CAPABILITY_CAPACITY"
+        assert raised["payload"]["envelope_bytes"] == 4 * GiB
+        assert raised["payload"]["headroom_bytes"] < 4 * GiB
+        [pressure] = await stack.events("gpu_pressure_entered", at_least=1)
+        assert pressure["alert"] == "GPU_PRESSURE" and pressure["accelerator"] == "gpu-node/0"
+        # The transcode ends: once the volatility window has passed, the envelope fits again.
+        stack.backends["gpu-node"].remove_external(4242)
+        [cleared] = await _until(lambda: _alerts(stack, "capacity_alert_cleared", "chat.small@1"))
+        assert cleared["alert"] == "CAPABILITY_CAPACITY"
+        assert await stack.events("gpu_pressure_left", at_least=1)
+        # Transitions only: one raise, one clear, however many samples were taken.
+        assert len(await _alerts(stack, "capacity_alert_raised", "chat.small@1")) == 1
+        # No alert touched the external process: it was the test that ended it.
+        status = await stack.status()
+        assert next(a for a in status.accelerators if a.id == "gpu-node/0").external_bytes == 6 * GiB
