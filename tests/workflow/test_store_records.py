@@ -81,9 +81,11 @@ async def test_snapshots_carry_what_status_shows(time_skipping_env: WorkflowEnvi
             assert row[column] == getattr(gpu, column), column
         assert row["schedulable_bytes"] == gpu.schedulable_bytes
         # schedulable = total - external - resident - leased - reserve
-        assert row["schedulable_bytes"] == (
-            row["total_bytes"] - row["external_bytes"] - row["resident_bytes"] - row["leased_bytes"]
-        ) - row["reserve_bytes"]
+        assert (
+            row["schedulable_bytes"]
+            == (row["total_bytes"] - row["external_bytes"] - row["resident_bytes"] - row["leased_bytes"])
+            - row["reserve_bytes"]
+        )
         assert row["external_bytes"] == 6 * GiB and row["simulated"] is True
         assert row["received_at"] is not None and row["received_at"] <= row["at"]
         trend = await stack.store.capacity(since_s=600, buckets=1)
