@@ -15,6 +15,7 @@ from temporalio.workflow import ActivityCancellationType
 with workflow.unsafe.imports_passed_through():
     from modelforge import temporal as sa
     from modelforge.domain import Priority
+    from modelforge.events import EventRecord
     from modelforge.failures import FailureClass
     from modelforge.messages import (
         DEFAULT_LEASE_TIMEOUT_S,
@@ -32,9 +33,10 @@ with workflow.unsafe.imports_passed_through():
         RequestResult,
     )
     from modelforge.policy import AdmissionRequest, Lease
-    from modelforge.settings import node_task_queue
+    from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
 from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
+from workflows.records import RecordEventsWorkflow
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
@@ -43,6 +45,8 @@ MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
 # ...and before the node released a successful invoke's lease itself.
 PATCH_NODE_RELEASES = "node-releases"
+# ...and before admissions the scheduler never saw were recorded as events (session 4).
+PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
 
 
 @workflow.defn(name="CapabilityRequestWorkflow")
@@ -213,9 +217,13 @@ class CapabilityRequestWorkflow:
                 ),
                 summary=f"admit {request.capability}",
             )
-        except ActivityError as error:
+        except (ActivityError, ApplicationError) as error:
+            # A failed local activity arrives as its ApplicationError itself (SDK 1.35), not
+            # wrapped in an ActivityError as a regular activity's failure is.
             cls, message = classify(error)
             self._end(cls)
+            if workflow.patched(PATCH_RECORD_ADMIT_FAILURES):
+                await self._record_unseen_failure(request, cls, message, acquisition)
             raise failure(cls, message) from None
         if reply.status == "granted" and reply.lease is not None:
             granted: Lease = reply.lease
@@ -243,6 +251,32 @@ class CapabilityRequestWorkflow:
             self._end(decision.failure or FailureClass.LEASE_TIMEOUT.value)
             raise failure(decision.failure or FailureClass.LEASE_TIMEOUT, decision.message)
         return decision.lease
+
+    async def _record_unseen_failure(self, request: RequestInput, cls: str, message: str, acquisition: int) -> None:
+        """The scheduler never took this admission (not running, still starting, or the call
+        failed), so no scheduler event tells it: record it durably without waiting for the write."""
+        info = workflow.info()
+        event = EventRecord(
+            event_id=str(workflow.uuid4()),
+            at=workflow.now().timestamp(),
+            kind="admission_failed",
+            failure_class=cls,
+            request_id=request.request_id,
+            workflow_id=info.workflow_id,
+            message=message,
+            payload={"capability": request.capability[:200], "tenant": request.tenant[:200], "pool": request.pool},
+        )
+        try:
+            await workflow.start_child_workflow(
+                RecordEventsWorkflow.run,
+                [event],
+                id=f"events:{info.workflow_id}:{acquisition}",
+                task_queue=CONTROL_TASK_QUEUE,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                static_summary=f"record {cls} of {request.request_id}",
+            )
+        except Exception as error:  # already started by an earlier attempt of this workflow task
+            workflow.logger.warning("event write not started: %s", error)
 
     def _end(self, outcome: str) -> None:
         self._phase = "failed"

@@ -50,6 +50,8 @@ PATCH_HISTORY_BOUND = "history-bound"
 # Capacity snapshots into Postgres and CAPABILITY_CAPACITY alerts (session 4).
 PATCH_SNAPSHOTS = "telemetry-snapshots"
 PATCH_CAPACITY_ALERTS = "capacity-alerts"
+# Admission refusals (REQUEST_INVALID, QUEUE_FULL, ...) recorded as events (session 4).
+PATCH_RECORD_REFUSALS = "record-refusals"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
@@ -118,6 +120,19 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(
                     status="rejected", failure=rejected.failure.value, message=rejected.message
                 )
+                if workflow.patched(PATCH_RECORD_REFUSALS):
+                    # Bad input and full queues are in the event log too, never only in a reply.
+                    self._record(
+                        policy.PolicyEvent(
+                            kind="request_refused",
+                            failure=rejected.failure,
+                            request_id=request.request_id,
+                            workflow_id=request.workflow_id,
+                            message=rejected.message,
+                            payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
+                        ),
+                        now,
+                    )
                 continue
             policy.enqueue(self._state, request, priority, now)
             admitted[request.request_id] = (position, priority.value)

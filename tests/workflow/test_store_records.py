@@ -7,8 +7,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge import temporal as sa
 from modelforge.domain import GiB
 from modelforge.gpu import ExternalProcess
 from modelforge.policy import PolicyConfig
@@ -123,3 +126,31 @@ async def test_capacity_and_pressure_alerts_follow_an_external_burst(
         # No alert touched the external process: it was the test that ended it.
         status = await stack.status()
         assert next(a for a in status.accelerators if a.id == "gpu-node/0").external_bytes == 6 * GiB
+
+
+async def test_refused_admissions_are_in_the_event_log(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(time_skipping_env.client, database_url) as stack:
+        unknown_tenant = await stack.start_request("rag.embedding@1", tenant="mallory", request_id="bad-tenant")
+        with pytest.raises(WorkflowFailureError) as refused:
+            await unknown_tenant.result()
+        assert isinstance(refused.value.cause, ApplicationError)
+        assert refused.value.cause.type == "REQUEST_INVALID"
+        # A pool whose scheduler is not running: the scheduler cannot tell, the requester does.
+        nowhere = await stack.start_request("rag.embedding@1", tenant="rag", request_id="no-pool", pool="nowhere")
+        with pytest.raises(WorkflowFailureError) as unavailable:
+            await nowhere.result()
+        assert isinstance(unavailable.value.cause, ApplicationError)
+        assert unavailable.value.cause.type == "CAPABILITY_UNAVAILABLE"
+        # Operators find both in the UI by outcome (a failed admission set none before session 4).
+        for handle, outcome in ((unknown_tenant, "REQUEST_INVALID"), (nowhere, "CAPABILITY_UNAVAILABLE")):
+            described = await handle.describe()
+            assert described.typed_search_attributes.get(sa.OUTCOME) == outcome
+
+        [invalid] = await stack.events("request_refused", at_least=1)
+        assert (invalid["request_id"], invalid["failure_class"]) == ("bad-tenant", "REQUEST_INVALID")
+        assert "mallory" in invalid["message"]
+        [lost] = await stack.events("admission_failed", at_least=1)
+        assert (lost["request_id"], lost["failure_class"]) == ("no-pool", "CAPABILITY_UNAVAILABLE")
+        assert lost["payload"]["pool"] == "nowhere"
