@@ -76,6 +76,8 @@ class DeploymentSpec(_Strict):
     artifact_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     runtime_config: dict[str, str] = Field(default_factory=dict)
     name: str = Field(default="", max_length=200)
+    # Model names OpenAI-compatible clients use for this capability (the gateway's mapping).
+    openai_models: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list)
 
 
 class TenantSpec(_Strict):
@@ -153,6 +155,10 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
         for acc_id in dep.accelerators:
             if acc_id not in ids:
                 problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")
+        for model in dep.openai_models:
+            owners = [d.capability for d in spec.deployments if model in d.openai_models or model == d.capability]
+            if len(owners) > 1:
+                problems.append(f"deployments[{index}].openai_models: {model!r} names {' and '.join(owners)}")
     names = [t.name for t in spec.tenants]
     for index, tenant in enumerate(spec.tenants):
         if names.count(tenant.name) > 1:

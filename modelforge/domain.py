@@ -93,6 +93,7 @@ class Deployment:
     artifact_sha256: str = ""
     runtime_config: dict[str, str] = field(default_factory=dict)
     name: str = ""
+    openai_models: list[str] = field(default_factory=list)
 
     @property
     def deployment_id(self) -> str:

@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
-from workflows._common import ALL_FAILURES, classify, failure, scheduler_id
+from workflows._common import ALL_FAILURES, classify, failure, request_workflow_id, scheduler_id
 from workflows.records import RecordEventsWorkflow
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
@@ -220,10 +220,11 @@ class CapabilityRequestWorkflow:
         except (ActivityError, ApplicationError) as error:
             # A failed local activity arrives as its ApplicationError itself (SDK 1.35), not
             # wrapped in an ActivityError as a regular activity's failure is.
+            if not workflow.patched(PATCH_RECORD_ADMIT_FAILURES) and isinstance(error, ApplicationError):
+                raise  # as requests started before session 4 did: no outcome attribute, no event
             cls, message = classify(error)
             self._end(cls)
-            if workflow.patched(PATCH_RECORD_ADMIT_FAILURES):
-                await self._record_unseen_failure(request, cls, message, acquisition)
+            await self._record_unseen_failure(request, cls, message, acquisition)
             raise failure(cls, message) from None
         if reply.status == "granted" and reply.lease is not None:
             granted: Lease = reply.lease
@@ -270,7 +271,8 @@ class CapabilityRequestWorkflow:
             await workflow.start_child_workflow(
                 RecordEventsWorkflow.run,
                 [event],
-                id=f"events:{info.workflow_id}:{acquisition}",
+                # From the input, not the run: the same id whatever the workflow id (replays too).
+                id=f"events:{request_workflow_id(request.capability, request.request_id)}:{acquisition}",
                 task_queue=CONTROL_TASK_QUEUE,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                 static_summary=f"record {cls} of {request.request_id}",

@@ -31,6 +31,12 @@ def _fault(payload: dict[str, Any]) -> FailureClass | None:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"simulate_fault: unknown class {name!r}") from error
 
 
+def _vector(deployment: str, text: str) -> list[float]:
+    """A deterministic 8-dimensional stand-in for an embedding: the same text, the same vector."""
+    digest = hashlib.sha256(f"{deployment}:{text}".encode()).digest()
+    return [round(b / 255.0 - 0.5, 4) for b in digest[:8]]
+
+
 class SimulatedRuntime:
     name = "simulated"
 
@@ -81,12 +87,21 @@ class SimulatedRuntime:
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
         text = str(payload.get("text", payload.get("prompt", "")))
-        digest = hashlib.sha256(f"{model.deployment}:{text}".encode()).digest()
-        return {
+        output: dict[str, Any] = {
             "simulated": True,
             "deployment": model.deployment,
-            "embedding": [round(b / 255.0 - 0.5, 4) for b in digest[:8]],
+            "embedding": _vector(model.deployment, text),
         }
+        texts = payload.get("texts")
+        if isinstance(texts, list):
+            output["embeddings"] = [_vector(model.deployment, str(t)) for t in texts]
+        messages = payload.get("messages")
+        if isinstance(messages, list) and messages:
+            last = messages[-1]
+            said = str(last.get("content", "")) if isinstance(last, dict) else str(last)
+            output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
+            output["finish_reason"] = "stop"
+        return output
 
     async def unload(self, model: LoadedModel) -> None:
         self._backend.free(model.pid)

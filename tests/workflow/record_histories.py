@@ -3,6 +3,7 @@
     .venv/bin/python -m tests.workflow.record_histories v3
 
 Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown capability), a
+request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
 request whose runtime crashes (retried once on a fresh load) and a request that holds its lease
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
 per workflow type into tests/histories/<version>/. Record a new version after each change to the
@@ -53,13 +54,21 @@ async def main(version: str) -> None:
             await held.result()
             state = await stack.scheduler.query("state", result_type=PoolState)
             [resident_id] = [r.workflow_id for r in state.residents.values()]
-            await env.sleep(1000)
+            for _ in range(20):  # in steps: one long skip outlasts the RPC timeout
+                await env.sleep(50)
+            # Last: after it, the time-skipping server no longer skipped time here (env.sleep timed out).
+            # A pool without a scheduler: the request records its failure through RecordEventsWorkflow.
+            orphan = await stack.start_request("rag.embedding@1", tenant="rag", request_id="orphan", pool="nowhere")
+            with contextlib.suppress(WorkflowFailureError):
+                await orphan.result()
             handles = {
                 "request_cold": cold,
                 "request_warm": warm,
                 "request_unknown_capability": unknown,
                 "request_runtime_crash": crash,
                 "request_heartbeats": held,
+                "request_no_scheduler": orphan,
+                "record_events": env.client.get_workflow_handle(f"events:{orphan.id}:0"),
                 "scheduler": stack.scheduler,
                 "residency": env.client.get_workflow_handle(resident_id),
                 "telemetry": env.client.get_workflow_handle("telemetry:gpu-node"),
