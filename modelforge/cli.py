@@ -512,6 +512,51 @@ def worker_node(
 
 
 @app.command()
+def gateway(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8080,
+    pool: Annotated[str, typer.Option(help="The pool whose scheduler admits the requests.")] = "default",
+) -> None:
+    """The HTTP gateway: POST /v1/requests, GET /v1/status, and OpenAI-compatible /v1/embeddings,
+    /v1/chat/completions and /v1/models. API keys (key = tenant) from the TOML file named by
+    MODELFORGE_GATEWAY_API_KEYS_FILE; without it, the tenant comes from X-ModelForge-Tenant."""
+    import uvicorn
+
+    from modelforge.client import ModelForgeClient
+    from modelforge.gateway import GatewayConfig, create_app, load_api_keys
+    from modelforge.logging import configure
+    from modelforge.store import Store
+
+    configure()
+    settings = _settings()
+    url = _database_url(settings)
+    keys_path = os.environ.get("MODELFORGE_GATEWAY_API_KEYS_FILE")
+    try:
+        keys = load_api_keys(Path(keys_path)) if keys_path else {}
+    except ModelForgeError as error:
+        _fail(error)
+
+    async def go() -> None:
+        client = await ModelForgeClient.connect(settings, pool)
+        store = await Store.open(url)
+        try:
+            app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+            err.print(
+                f"gateway on http://{host}:{port} (pool {pool}; "
+                f"{'API keys required' if keys else 'no API keys: tenant from X-ModelForge-Tenant'})"
+            )
+            await server.serve()
+        finally:
+            await store.close()
+
+    try:
+        _run(go)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
 def simulate(
     scenario: Annotated[Path, typer.Argument(help="Scenario TOML (DESIGN §7).")],
     policy: Annotated[

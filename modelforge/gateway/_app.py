@@ -262,6 +262,14 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
         if call.tenant is not None and call.tenant != tenant and config.api_keys:
             raise GatewayError(FailureClass.REQUEST_INVALID, "the tenant comes from the API key, not the body")
         request_id = request_id_of(request, call.request_id)
+        known = await catalog.get()
+        if known.deployment_for(call.capability) is None:
+            raise GatewayError(
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"no deployment serves {call.capability!r}",
+                status=404,
+                request_id=request_id,
+            )
         result = await run(
             request,
             call.capability,

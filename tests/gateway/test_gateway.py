@@ -1,0 +1,188 @@
+"""The HTTP gateway against the dev stack, with the official `openai` package as the client:
+an application built on the OpenAI SDK uses ModelForge by changing its base URL only."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.client import ModelForgeClient
+from modelforge.failures import FailureClass
+from modelforge.gateway import GatewayConfig, create_app, http_status, load_api_keys
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "gateway.toml"
+TEAM_KEY = "sk-team-0123456789abcdef"
+
+
+class _Served:
+    def __init__(self, stack: Stack, base_url: str) -> None:
+        self.stack = stack
+        self.base_url = base_url
+
+
+async def _serve(stack: Stack, config: GatewayConfig) -> AsyncIterator[_Served]:
+    app = create_app(ModelForgeClient(stack.client), stack.store.load_catalog, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield _Served(stack, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> AsyncIterator[_Served]:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        async for served in _serve(stack, GatewayConfig()):
+            yield served
+
+
+async def test_openai_sdk_embeddings_and_chat_through_the_gateway(gateway: _Served) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+    # The SDK asks for base64 unless told otherwise, and decodes it: both encodings must work.
+    first = await client.embeddings.create(model="text-embedding-3-small", input=["hello world", "goodbye"])
+    assert [d.index for d in first.data] == [0, 1]
+    assert all(len(d.embedding) == 8 for d in first.data)  # the simulated runtime's 8 dimensions
+    again = await client.embeddings.create(model="all-MiniLM-L6-v2", input="hello world", encoding_format="float")
+    # Same text, same deployment: the same vector (float32 round trip through base64 aside).
+    assert again.data[0].embedding == pytest.approx(first.data[0].embedding, abs=1e-6)
+    assert first.data[0].embedding != pytest.approx(first.data[1].embedding, abs=1e-6)
+    assert first.usage.prompt_tokens == 3 and first.model == "text-embedding-3-small"
+
+    chat = await client.chat.completions.create(
+        model="small-chat", messages=[{"role": "user", "content": "is the card busy?"}]
+    )
+    assert "is the card busy?" in (chat.choices[0].message.content or "")
+    assert chat.choices[0].finish_reason == "stop" and chat.usage is not None and chat.usage.prompt_tokens == 4
+
+    models = {m.id for m in (await client.models.list()).data}
+    assert {"small-chat", "all-MiniLM-L6-v2", "rag.embedding@1"} <= models
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.embeddings.create(model="gpt-17", input="x")
+    assert unknown.value.code == FailureClass.CAPABILITY_UNAVAILABLE.value
+    with pytest.raises(openai.UnprocessableEntityError) as streaming:
+        await client.chat.completions.create(
+            model="small-chat", messages=[{"role": "user", "content": "x"}], stream=True
+        )
+    assert streaming.value.code == FailureClass.REQUEST_INVALID.value
+
+    # Each call was one request workflow, with the lease in the ledger like any other.
+    granted = await gateway.stack.events("lease_granted", at_least=3)
+    assert {e["deployment"] for e in granted} == {"rag.embedding@1", "chat.small@1"}
+
+
+async def test_requests_status_and_failure_classes_over_http(gateway: _Served) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        ok = await http.post(
+            "/v1/requests",
+            json={"capability": "rag.embedding@1", "input": {"text": "hi"}, "request_id": "gw-1"},
+            headers={"X-ModelForge-Tenant": "rag"},
+        )
+        assert ok.status_code == 200, ok.text
+        body = ok.json()
+        assert body["request_id"] == "gw-1" and body["lease"]["tenant"] == "rag"
+        assert body["lease"]["priority"] == "production" and body["output"]["simulated"] is True
+
+        status = (await http.get("/v1/status")).json()
+        [gpu] = status["accelerators"]
+        assert gpu["id"] == "gpu-node/0" and gpu["simulated"] is True and gpu["external_bytes"] == 6 * 1024**3
+
+        cases = [
+            ({"capability": "rag.embedding@1", "input": "not an object"}, {}, 422, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "surprise": 1}, {}, 422, "REQUEST_INVALID"),
+            ({"capability": "vision.ocr@9"}, {}, 404, "CAPABILITY_UNAVAILABLE"),
+            ({"capability": "rag.embedding@1"}, {"X-ModelForge-Tenant": "mallory"}, 422, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "request_id": "../../etc"}, {}, 422, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "priority": "root"}, {}, 422, "REQUEST_INVALID"),
+        ]
+        for payload, headers, expected_status, failure in cases:
+            answer = await http.post("/v1/requests", json=payload, headers=headers)
+            assert (answer.status_code, answer.json()["failure_class"]) == (expected_status, failure), payload
+            assert answer.json()["error"]["message"]
+
+        huge = await http.post("/v1/requests", content=b"{" + b" " * (3 * 1024 * 1024) + b"}")
+        assert (huge.status_code, huge.json()["failure_class"]) == (413, "REQUEST_INVALID")
+
+        # A full queue is 429 with Retry-After: one slow job runs, one waits, the third is refused.
+        slow = {"capability": "slow.job@1", "input": {"simulate_invoke_s": 6}}
+        running = asyncio.create_task(http.post("/v1/requests", json=slow))
+        for _ in range(100):
+            if (await http.get("/v1/status")).json()["active_leases"] >= 1:
+                break
+            await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(http.post("/v1/requests", json=slow))
+        await asyncio.sleep(1.0)
+        full = await http.post("/v1/requests", json=slow)
+        assert full.status_code == 429, full.text
+        assert full.json()["failure_class"] == "QUEUE_FULL" and int(full.headers["retry-after"]) > 0
+        assert (await running).status_code == 200 and (await waiting).status_code == 200
+
+
+async def test_api_keys_choose_the_tenant(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[api_keys]\n"{TEAM_KEY}" = "rag"\n')
+    config = GatewayConfig(api_keys=load_api_keys(keys_file))
+    assert TEAM_KEY not in repr(config)  # keys never show in logs or reprs
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        async for served in _serve(stack, config):
+            anonymous = openai.AsyncOpenAI(
+                base_url=f"{served.base_url}/v1", api_key="sk-wrong-wrong-wrong", max_retries=0
+            )
+            with pytest.raises(openai.AuthenticationError):
+                await anonymous.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+            team = openai.AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=TEAM_KEY, max_retries=0)
+            await team.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+            [granted] = await stack.events("lease_granted", at_least=1)
+            assert granted["payload"]["tenant"] == "rag"
+
+
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [
+        ("REQUEST_INVALID", 422),
+        ("QUEUE_FULL", 429),
+        ("DEADLINE_CANNOT_BE_MET", 504),
+        ("LEASE_TIMEOUT", 504),
+        ("CAPABILITY_UNAVAILABLE", 503),
+        ("INSUFFICIENT_SCHEDULABLE_VRAM", 503),
+        ("RUNTIME_CRASH", 502),
+        ("something new", 500),
+    ],
+)
+def test_every_failure_class_has_an_http_status(failure: str, status: int) -> None:
+    assert http_status(failure) == status
+
+
+def test_every_failure_class_is_mapped_explicitly() -> None:
+    assert all(http_status(f.value) != 500 for f in FailureClass)
+
+
+def test_bad_key_files_are_refused_with_the_reason(tmp_path: Path) -> None:
+    from modelforge.failures import ModelForgeError
+
+    for text, fragment in [
+        ("nonsense = [", "not TOML"),
+        ("[other]\n", "[api_keys]"),
+        ('[api_keys]\n"short" = "rag"\n', "16+"),
+    ]:
+        path = tmp_path / "k.toml"
+        path.write_text(text)
+        with pytest.raises(ModelForgeError, match=fragment.replace("[", r"\[").replace("+", r"\+")):
+            load_api_keys(path)
