@@ -8,15 +8,19 @@ from modelforge.domain import Catalog
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
 from modelforge.messages import SnapshotBatch
+from modelforge.metrics import Metrics
 from modelforge.store import Store
 
 log = get_logger("modelforge.events")
 
 
 class StoreActivities:
-    def __init__(self, store: Store, snapshot_retention_s: float = 30 * 86400.0) -> None:
+    def __init__(
+        self, store: Store, snapshot_retention_s: float = 30 * 86400.0, metrics: Metrics | None = None
+    ) -> None:
         self._store = store
         self._snapshot_retention_s = snapshot_retention_s
+        self._metrics = metrics
 
     @activity.defn(name="load_catalog")
     async def load_catalog(self) -> Catalog:
@@ -25,6 +29,8 @@ class StoreActivities:
     @activity.defn(name="record_events")
     async def record_events(self, events: list[EventRecord]) -> int:
         written = await self._store.record_events(events)
+        if self._metrics is not None:
+            self._metrics.observe_events(events)
         if activity.info().attempt == 1:
             for event in events:
                 log.info(

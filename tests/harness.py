@@ -18,6 +18,7 @@ from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_
 from modelforge.domain import Catalog
 from modelforge.gpu import SimulatedGpuBackend
 from modelforge.messages import RequestInput, SchedulerInput
+from modelforge.metrics import Metrics
 from modelforge.policy import PolicyConfig, PoolStatus
 from modelforge.runtimes import SimulatedRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
@@ -84,6 +85,7 @@ async def running_stack(
     telemetry_interval_s: float = 10.0,
     max_history_events: int = 5000,
     snapshot_interval_s: float = 60.0,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[Stack]:
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
@@ -105,7 +107,7 @@ async def running_stack(
     )
     try:
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(build_control_worker(client, store))
+            await stack.enter_async_context(build_control_worker(client, store, metrics=metrics))
             # Node workers run as tasks, not contexts, so a test can restart one.
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)

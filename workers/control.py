@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities import SchedulerGatewayActivities, StoreActivities
 from modelforge.logging import get_logger
 from modelforge.messages import SchedulerInput
+from modelforge.metrics import Metrics
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
@@ -32,10 +32,14 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 
 def build_control_worker(
-    client: Client, store: Store, task_queue: str = CONTROL_TASK_QUEUE, snapshot_retention_s: float = 30 * 86400.0
+    client: Client,
+    store: Store,
+    task_queue: str = CONTROL_TASK_QUEUE,
+    snapshot_retention_s: float = 30 * 86400.0,
+    metrics: Metrics | None = None,
 ) -> Worker:
     gateway = SchedulerGatewayActivities(client)
-    records = StoreActivities(store, snapshot_retention_s)
+    records = StoreActivities(store, snapshot_retention_s, metrics)
     return Worker(
         client,
         task_queue=task_queue,
@@ -73,10 +77,14 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
         await store.migrate()
         with contextlib.suppress(Exception):
             await register_search_attributes(client)
-        worker = build_control_worker(client, store, snapshot_retention_s=settings.snapshot_retention_days * 86400.0)
+        metrics = Metrics()
+        worker = build_control_worker(
+            client, store, snapshot_retention_s=settings.snapshot_retention_days * 86400.0, metrics=metrics
+        )
         async with worker:
-            await ensure_scheduler(client, pool)
-            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool)
-            await asyncio.Event().wait()
+            handle = await ensure_scheduler(client, pool)
+            port = metrics.serve(settings.metrics_port)
+            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool, metrics_port=port)
+            await metrics.poll(pool, lambda: handle.query(PoolSchedulerWorkflow.status))
     finally:
         await store.close()

@@ -1,0 +1,148 @@
+"""Prometheus metrics of the control worker (`/metrics` on MODELFORGE_METRICS_PORT).
+
+Gauges come from the scheduler's `status` query, sampled every few seconds; counters and the
+admission-latency histogram come from the event batches the control worker writes to Postgres,
+so they count what the event log holds (at least once: a batch retried after a write that did
+land is counted again)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from modelforge.events import EventRecord
+from modelforge.logging import get_logger
+from modelforge.policy import PoolStatus
+
+log = get_logger("modelforge.metrics")
+
+BYTE_KINDS = ("total", "external", "resident", "leased", "reserve", "schedulable")
+# Seconds from submission to lease: a warm grant is milliseconds, a cold load seconds, a queue minutes.
+ADMISSION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.accelerator_bytes = Gauge(
+            "modelforge_accelerator_bytes",
+            "Bytes per accelerator by kind (the admission invariant's terms)",
+            ["pool", "accelerator", "kind", "simulated"],
+            registry=r,
+        )
+        self.accelerator_state = Gauge(
+            "modelforge_accelerator_state",
+            "1 when the accelerator is in the state: pressure, unhealthy, stale",
+            ["pool", "accelerator", "state"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "modelforge_queue_depth", "Requests waiting per priority class", ["pool", "priority"], registry=r
+        )
+        self.active_leases = Gauge("modelforge_active_leases", "Leases held now", ["pool"], registry=r)
+        self.residents = Gauge(
+            "modelforge_resident_models", "Resident model instances by state", ["pool", "state"], registry=r
+        )
+        self.scrape_ok = Gauge(
+            "modelforge_scheduler_up", "1 when the last status query of the scheduler answered", ["pool"], registry=r
+        )
+        self.admission_seconds = Histogram(
+            "modelforge_admission_seconds",
+            "Seconds from submission to lease grant",
+            ["priority"],
+            buckets=ADMISSION_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "modelforge_failures",
+            "Typed failures recorded, by class and event kind",
+            ["failure_class", "kind"],
+            registry=r,
+        )
+        self.loads = Counter("modelforge_loads", "Model loads completed", ["deployment"], registry=r)
+        self.unloads = Counter(
+            "modelforge_unloads",
+            "Unloads requested, by why (ttl, eviction, other)",
+            ["deployment", "reason"],
+            registry=r,
+        )
+        self.alerts = Counter("modelforge_alerts", "Alert events raised or cleared", ["alert", "kind"], registry=r)
+        self.events = Counter("modelforge_events", "Events recorded, by kind", ["kind"], registry=r)
+
+    def observe_events(self, events: list[EventRecord]) -> None:
+        for event in events:
+            self.events.labels(event.kind).inc()
+            if event.failure_class:
+                self.failures.labels(event.failure_class, event.kind).inc()
+            if event.alert:
+                self.alerts.labels(event.alert, event.kind).inc()
+            if event.kind == "lease_granted":
+                waited = event.payload.get("waited_s")
+                if isinstance(waited, int | float):
+                    self.admission_seconds.labels(str(event.payload.get("priority", ""))).observe(max(0.0, waited))
+            elif event.kind == "load":
+                self.loads.labels(event.deployment).inc()
+            elif event.kind == "unload_requested":
+                reason = (
+                    "ttl"
+                    if "keep_warm TTL" in event.message
+                    else "eviction"
+                    if "making room" in event.message
+                    else "other"
+                )
+                self.unloads.labels(event.deployment, reason).inc()
+
+    def observe_status(self, status: PoolStatus) -> None:
+        pool = status.pool
+        self.scrape_ok.labels(pool).set(1)
+        for acc in status.accelerators:
+            values = {
+                "total": acc.total_bytes,
+                "external": acc.external_bytes,
+                "resident": acc.resident_bytes,
+                "leased": acc.leased_bytes,
+                "reserve": acc.reserve_bytes,
+                "schedulable": acc.schedulable_bytes,
+            }
+            for kind in BYTE_KINDS:
+                self.accelerator_bytes.labels(pool, acc.id, kind, str(acc.simulated).lower()).set(values[kind])
+            self.accelerator_state.labels(pool, acc.id, "pressure").set(int(acc.pressure))
+            self.accelerator_state.labels(pool, acc.id, "unhealthy").set(int(not acc.healthy))
+            self.accelerator_state.labels(pool, acc.id, "stale").set(int(not acc.fresh))
+        for priority, depth in status.queue_depth.items():
+            self.queue_depth.labels(pool, priority).set(depth)
+        self.active_leases.labels(pool).set(status.active_leases)
+        states: dict[str, int] = {}
+        for resident in status.residents:
+            states[resident.state] = states.get(resident.state, 0) + 1
+        for state in ("loading", "ready", "unloading", "unreclaimed"):
+            self.residents.labels(pool, state).set(states.get(state, 0))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics; returns the bound port (0 picks a free one)."""
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        bound: int = server.server_address[1]
+        return bound
+
+    async def poll(
+        self, pool: str, query: Callable[[], Awaitable[PoolStatus]], interval_s: float = 5.0, stop: Any = None
+    ) -> None:
+        """Sample the scheduler's status until cancelled or `stop` is set (at least once)."""
+        while True:
+            try:
+                self.observe_status(await query())
+            except Exception as error:  # a scheduler that does not answer shows as down, not a crash
+                self.scrape_ok.labels(pool).set(0)
+                log.warning("metrics_status_failed", pool=pool, error=type(error).__name__)
+            if stop is not None and stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                if stop is None:
+                    await asyncio.sleep(interval_s)
+                else:
+                    await asyncio.wait_for(stop.wait(), timeout=interval_s)
