@@ -122,6 +122,14 @@ async def running_stack(
                 ),
             )
             running.scheduler = scheduler
+            # Ready when the scheduler has its catalog: a request sent before would be refused
+            # as SCHEDULER_STATE_STALE and, with time skipped, could use up its retries.
+            for _ in range(300):
+                if (await running.status()).accelerators:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError("the scheduler did not load its catalog within 30 s")
             for node in backends:
                 await ensure_telemetry(client, node, interval_s=telemetry_interval_s)
             yield running

@@ -52,7 +52,11 @@ async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> Asy
 
 
 async def test_openai_sdk_embeddings_and_chat_through_the_gateway(gateway: _Served) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+    async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
+        await _embeddings_and_chat(gateway, client)
+
+
+async def _embeddings_and_chat(gateway: _Served, client: openai.AsyncOpenAI) -> None:
     # The SDK asks for base64 unless told otherwise, and decodes it: both encodings must work.
     first = await client.embeddings.create(model="text-embedding-3-small", input=["hello world", "goodbye"])
     assert [d.index for d in first.data] == [0, 1]
@@ -142,13 +146,12 @@ async def test_api_keys_choose_the_tenant(
     assert TEAM_KEY not in repr(config)  # keys never show in logs or reprs
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
         async for served in _serve(stack, config):
-            anonymous = openai.AsyncOpenAI(
-                base_url=f"{served.base_url}/v1", api_key="sk-wrong-wrong-wrong", max_retries=0
-            )
-            with pytest.raises(openai.AuthenticationError):
-                await anonymous.embeddings.create(model="all-MiniLM-L6-v2", input="x")
-            team = openai.AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=TEAM_KEY, max_retries=0)
-            await team.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+            base_url = f"{served.base_url}/v1"
+            async with openai.AsyncOpenAI(base_url=base_url, api_key="sk-wrong-wrong-wrong", max_retries=0) as anon:
+                with pytest.raises(openai.AuthenticationError):
+                    await anon.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=TEAM_KEY, max_retries=0) as team:
+                await team.embeddings.create(model="all-MiniLM-L6-v2", input="x")
             [granted] = await stack.events("lease_granted", at_least=1)
             assert granted["payload"]["tenant"] == "rag"
 
