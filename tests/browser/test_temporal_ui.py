@@ -1,0 +1,97 @@
+"""The Temporal UI as an operator uses it: headless Chromium (Debian's `chromium`) opens the dev
+server's UI, lists request workflows filtered by the ModelForgeCapability search attribute, finds
+the request, and saves the screenshot the README shows (docs/img/temporal-ui.png)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.client import ModelForgeClient
+from modelforge.temporal import register_search_attributes
+from tests.harness import running_stack
+
+pytestmark = pytest.mark.workflow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "docs" / "img" / "temporal-ui.png"
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        raise RuntimeError("Debian's chromium is needed for the browser test: apt-get install chromium (.ci/run does)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+async def ui_env() -> AsyncIterator[tuple[WorkflowEnvironment, int]]:
+    ui_port = _free_port()
+    binary = str(Path(sys.executable).parent / "temporal")
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary, ui=True, ui_port=ui_port, dev_server_log_level="error"
+    )
+    try:
+        await register_search_attributes(env.client)
+        yield env, ui_port
+    finally:
+        await env.shutdown()
+
+
+def _render(url: str, *, screenshot: Path | None = None) -> str:
+    """The page's DOM after its scripts ran (the UI is a single-page app), and optionally a
+    screenshot of it."""
+    args = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",  # CI runs as root
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--window-size=1440,900",
+        "--virtual-time-budget=15000",
+    ]
+    args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    done = subprocess.run([*args, url], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+async def test_an_operator_finds_a_request_by_capability_in_the_ui(
+    ui_env: tuple[WorkflowEnvironment, int], database_url: str
+) -> None:
+    env, ui_port = ui_env
+    async with running_stack(env.client, database_url) as stack:
+        client = ModelForgeClient(stack.client)
+        found = await client.request("rag.embedding@1", input={"text": "hello"}, tenant="rag", request_id="ui-demo")
+        other = await client.request("chat.small@1", input={"prompt": "hi"}, request_id="ui-other")
+        assert found.ok and other.ok
+        query = urllib.parse.quote('ModelForgeCapability="rag.embedding@1"')
+        url = f"http://127.0.0.1:{ui_port}/namespaces/default/workflows?query={query}"
+        dom = ""
+        for _ in range(10):  # visibility trails the workflow by a moment
+            dom = await asyncio.to_thread(_render, url)
+            if "request:rag.embedding@1:ui-demo" in dom:
+                break
+            await asyncio.sleep(1.0)
+        assert "request:rag.embedding@1:ui-demo" in dom
+        assert "request:chat.small@1:ui-other" not in dom  # the filter is the search attribute
+        assert "CapabilityRequestWorkflow" in dom
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(_render, url, screenshot=SCREENSHOT)
+        assert SCREENSHOT.stat().st_size > 10_000
