@@ -7,7 +7,7 @@ from temporalio import activity
 from modelforge.domain import Catalog
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
-from modelforge.messages import SnapshotBatch
+from modelforge.messages import SnapshotBatch, UsageQuery
 from modelforge.metrics import Metrics
 from modelforge.store import Store
 
@@ -44,6 +44,10 @@ class StoreActivities:
                     alert=event.alert,
                 )
         return written
+
+    @activity.defn(name="usage_from_ledger")
+    async def usage_from_ledger(self, query: UsageQuery) -> dict[str, float]:
+        return await self._store.decayed_usage(pool=query.pool, half_life_s=query.half_life_s, as_of=query.as_of)
 
     @activity.defn(name="record_snapshots")
     async def record_snapshots(self, batch: SnapshotBatch) -> int:

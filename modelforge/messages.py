@@ -239,3 +239,10 @@ class SnapshotBatch:
     pool: str
     at: float
     accelerators: list[AcceleratorStatus] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    pool: str
+    half_life_s: float
+    as_of: float

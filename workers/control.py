@@ -45,7 +45,13 @@ def build_control_worker(
         task_queue=task_queue,
         workflows=ALL_WORKFLOWS,
         workflow_runner=workflow_runner(),
-        activities=[gateway.admit, records.load_catalog, records.record_events, records.record_snapshots],
+        activities=[
+            gateway.admit,
+            records.load_catalog,
+            records.record_events,
+            records.record_snapshots,
+            records.usage_from_ledger,
+        ],
         activity_executor=ThreadPoolExecutor(4),
     )
 

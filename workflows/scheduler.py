@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         SchedulerInput,
         SnapshotBatch,
         UnloadReport,
+        UsageQuery,
         device_index,
     )
     from modelforge.settings import CONTROL_TASK_QUEUE
@@ -52,6 +53,8 @@ PATCH_SNAPSHOTS = "telemetry-snapshots"
 PATCH_CAPACITY_ALERTS = "capacity-alerts"
 # Admission refusals (REQUEST_INVALID, QUEUE_FULL, ...) recorded as events (session 4).
 PATCH_RECORD_REFUSALS = "record-refusals"
+# A fresh scheduler starts fair share from the lease ledger, not from zero (session 4).
+PATCH_USAGE_FROM_LEDGER = "usage-from-ledger"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
@@ -64,6 +67,7 @@ class PoolSchedulerWorkflow:
         self._state = start.state or policy.PoolState(pool=start.pool, config=start.config)
         self._reconcile_s = start.reconcile_interval_s
         self._catalog_stale = start.state is None or not self._state.catalog.accelerators
+        self._usage_unseeded = start.state is None
         self._wake = False
         self._decisions_out: list[tuple[str, LeaseDecision]] = []
         self._commands_out: list[tuple[str, ResidentCommand]] = []
@@ -380,6 +384,22 @@ class PoolSchedulerWorkflow:
             summary="load catalog",
         )
         self._state.catalog = catalog
+        # Admission waits for the usage too: the first decisions already see past consumption.
+        if self._usage_unseeded and workflow.patched(PATCH_USAGE_FROM_LEDGER):
+            self._usage_unseeded = False
+            now = self._now()
+            usage = await workflow.execute_activity(
+                "usage_from_ledger",
+                UsageQuery(self._state.pool, self._state.config.fair_share_half_life_s, now),
+                result_type=dict[str, float],
+                task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=STORE_RETRY,
+                summary="fair-share usage from the lease ledger",
+            )
+            for tenant, gpu_seconds in sorted(usage.items()):
+                if tenant not in self._state.usage:
+                    self._state.usage[tenant] = policy.TenantUsage(gpu_seconds=gpu_seconds, updated_at=now)
         self._catalog_stale = False
         self._record(
             policy.PolicyEvent(

@@ -283,6 +283,24 @@ class Store:
             await cur.execute(query, {"since": since_s})
             return await cur.fetchall()
 
+    async def decayed_usage(self, *, pool: str, half_life_s: float, as_of: float) -> dict[str, float]:
+        """GPU-seconds per tenant from the ledger, each lease decayed from its end to `as_of` with
+        the fair-share half-life: what a fresh scheduler starts its fair share from."""
+        if half_life_s <= 0:
+            return {}
+        async with self._pool.connection() as conn:
+            rows = await (
+                await conn.execute(
+                    "SELECT tenant, sum(gpu_seconds * power(0.5,"
+                    "  greatest(0, extract(epoch FROM (%(as_of)s - ended_at)))::float8 / %(half)s))"
+                    " FROM lease_ledger WHERE pool = %(pool)s AND tenant IS NOT NULL AND ended_at IS NOT NULL"
+                    " AND gpu_seconds > 0 AND ended_at > %(as_of)s - make_interval(secs => %(half)s * 30)"
+                    " GROUP BY tenant ORDER BY tenant",
+                    {"as_of": _timestamp(as_of), "half": half_life_s, "pool": pool},
+                )
+            ).fetchall()
+        return {str(tenant): float(total) for tenant, total in rows if total}
+
     async def ledger(self, *, lease_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(

@@ -212,3 +212,26 @@ async def test_events_filter_by_alert(database_url: str) -> None:
         assert [e["event_id"] for e in await store.list_events(alert="*")] == ["p1", "c1"]
     finally:
         await store.close()
+
+
+async def test_decayed_usage_from_the_ledger(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        now = time.time()
+        hour = 3600.0
+        # acme: 100 GPU-s ended now, 100 ended one half-life ago -> 100 + 50 = 150.
+        # lab: 80 GPU-s ended two half-lives ago -> 20; an open lease counts nothing yet.
+        await store.record_events(
+            [
+                _released("a1", now, 100.0),
+                _released("a2", now - hour, 100.0),
+                _released("b1", now - 2 * hour, 80.0, tenant="lab"),
+                _granted("b2", now, tenant="lab"),
+            ]
+        )
+        usage = await store.decayed_usage(pool="default", half_life_s=hour, as_of=now)
+        assert usage == {"acme": pytest.approx(150.0, rel=1e-6), "lab": pytest.approx(20.0, rel=1e-6)}
+        assert await store.decayed_usage(pool="other", half_life_s=hour, as_of=now) == {}
+    finally:
+        await store.close()

@@ -4,6 +4,7 @@ usage it adds up to), capacity snapshots that match `status`, and alerts as even
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,10 +13,14 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge import temporal as sa
-from modelforge.domain import GiB
+from modelforge.catalog import example_catalog_path, load_catalog_file
+from modelforge.domain import Deployment, GiB
 from modelforge.gpu import ExternalProcess
-from modelforge.policy import PolicyConfig
+from modelforge.messages import SchedulerInput
+from modelforge.policy import PolicyConfig, PoolState
 from tests.harness import Stack, running_stack
+from workers.control import ensure_scheduler
+from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow
 
@@ -154,3 +159,36 @@ async def test_refused_admissions_are_in_the_event_log(
         [lost] = await stack.events("admission_failed", at_least=1)
         assert (lost["request_id"], lost["failure_class"]) == ("no-pool", "CAPABILITY_UNAVAILABLE")
         assert lost["payload"]["pool"] == "nowhere"
+
+
+async def test_a_fresh_scheduler_starts_fair_share_from_the_ledger_and_reloads_the_catalog(
+    time_skipping_env: WorkflowEnvironment, database_url: str
+) -> None:
+    client = time_skipping_env.client
+    async with running_stack(client, database_url) as stack:
+        await (await stack.start_request("chat.small@1", tenant="default", input={"simulate_invoke_s": 2})).result()
+        [row] = await _until(lambda: _ended(stack))
+        # The pool's scheduler is replaced by a fresh one (a new cluster, a reset): its fair share
+        # starts from the ledger, not from zero.
+        await stack.scheduler.terminate("test: a fresh scheduler")
+        fresh = await ensure_scheduler(client, "default", SchedulerInput(pool="default"))
+        state = await _until(lambda: _state_with_catalog(fresh))
+        assert state.usage["default"].gpu_seconds == pytest.approx(row["gpu_seconds"], rel=0.05)
+
+        # A catalog change reaches the running scheduler without a restart.
+        catalog, _ = load_catalog_file(example_catalog_path())
+        added = Deployment(capability="ocr.small@1", envelope_bytes=GiB, measured_on=["Simulated RTX 3090 24GB"])
+        await stack.store.apply_catalog(replace(catalog, deployments=[*catalog.deployments, added]))
+        await fresh.signal(PoolSchedulerWorkflow.catalog_changed)
+        stack.scheduler = fresh
+        result = await (await stack.start_request("ocr.small@1", tenant="rag")).result()
+        assert result.lease.deployment == "ocr.small@1"
+
+
+async def _ended(stack: Stack) -> list[dict[str, Any]]:
+    return [r for r in await stack.store.ledger() if r["ended_at"] is not None]
+
+
+async def _state_with_catalog(handle: Any) -> PoolState | None:
+    state: PoolState = await handle.query(PoolSchedulerWorkflow.state)
+    return state if state.catalog.accelerators else None
