@@ -147,9 +147,27 @@ def request(
 
     async def go() -> Result:
         client = await ModelForgeClient.connect(settings)
-        return await client.request(
-            capability, payload, priority=priority, tenant=tenant, deadline_s=deadline, lease_timeout_s=lease_timeout
-        )
+        if as_json or not err.is_terminal:
+            return await client.request(
+                capability,
+                payload,
+                priority=priority,
+                tenant=tenant,
+                deadline_s=deadline,
+                lease_timeout_s=lease_timeout,
+            )
+        # On a terminal: a live line of what the request waits on (the queue, a model load with
+        # its progress from the load activity's heartbeats, the invoke).
+        with err.status(f"{capability}: submitting") as live:
+            return await client.request(
+                capability,
+                payload,
+                priority=priority,
+                tenant=tenant,
+                deadline_s=deadline,
+                lease_timeout_s=lease_timeout,
+                on_progress=lambda line: live.update(f"{capability}: {line}"),
+            )
 
     result = _run(go)
     if as_json:

@@ -8,14 +8,16 @@ result.ok, result.output, result.failure_class, result.message, result.lease, re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from temporalio.client import Client, WorkflowFailureError
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
@@ -72,7 +74,11 @@ class ModelForgeClient:
         deadline_s: float | None = None,
         lease_timeout_s: float | None = None,
         request_id: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> Result:
+        """One request, start to end. `on_progress` hears, about twice a second, what the request
+        waits on: admission, the queue, a model loading (from its load activity's heartbeats),
+        the invoke."""
         request_id = request_id or uuid.uuid4().hex[:16]
         payload = {} if input is None else input
         if not isinstance(capability, str) or not _CAPABILITY.match(capability) or len(capability) > 200:
@@ -115,8 +121,16 @@ class ModelForgeClient:
                 search_attributes=TypedSearchAttributes(attributes),
                 result_type=RequestResult,
                 static_summary=f"{capability} for {tenant}",
+                memo={"capability": capability, "tenant": tenant, "input_bytes": size},
             )
-            result: RequestResult = await handle.result()
+            watcher = asyncio.create_task(self._watch(handle, capability, on_progress)) if on_progress else None
+            try:
+                result: RequestResult = await handle.result()
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
         except WorkflowFailureError as error:
             cause = error.cause
             if isinstance(cause, ApplicationError) and cause.type:
@@ -151,6 +165,43 @@ class ModelForgeClient:
             timings=result.timings,
             workflow_id=workflow_id,
         )
+
+    async def _watch(self, handle: WorkflowHandle[Any, Any], capability: str, report: Callable[[str], None]) -> None:
+        last = ""
+        while True:
+            try:
+                line = await self._progress(handle, capability)
+            except (RPCError, WorkflowQueryFailedError, ModelForgeError):
+                line = ""  # not started yet, or already done: nothing to say this time
+            if line and line != last:
+                report(line)
+                last = line
+            await asyncio.sleep(0.5)
+
+    async def _progress(self, handle: WorkflowHandle[Any, Any], capability: str) -> str:
+        phase = str(await handle.query("phase", result_type=str, rpc_timeout=timedelta(seconds=5)))
+        if phase in ("admitting", "queued"):
+            status = await self.status()
+            for resident in status.residents:
+                if resident.capability == capability and resident.state == "loading" and resident.workflow_id:
+                    detail = await self._heartbeat(
+                        self.temporal.get_workflow_handle(resident.workflow_id), "load_model"
+                    )
+                    return f"{phase}: {detail or f'loading {resident.deployment}'} on {resident.accelerator}"
+            return f"{phase}: waiting for a lease"
+        if phase in ("invoking", "preempting"):
+            detail = await self._heartbeat(handle, "invoke")
+            return f"{phase}" + (f": {detail}" if detail else "")
+        return phase
+
+    async def _heartbeat(self, handle: WorkflowHandle[Any, Any], activity_type: str) -> str:
+        """The latest heartbeat detail of a running activity of the workflow, or ''."""
+        described = await handle.describe(rpc_timeout=timedelta(seconds=5))
+        for pending in described.raw_description.pending_activities:
+            if pending.activity_type.name == activity_type and pending.heartbeat_details.payloads:
+                values = await self.temporal.data_converter.decode(pending.heartbeat_details.payloads)
+                return str(values[0]) if values else ""
+        return ""
 
     async def status(self) -> PoolStatus:
         try:
