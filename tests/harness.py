@@ -86,7 +86,10 @@ async def running_stack(
     max_history_events: int = 5000,
     snapshot_interval_s: float = 60.0,
     metrics: Metrics | None = None,
+    control_in_process: bool = True,
 ) -> AsyncIterator[Stack]:
+    """`control_in_process=False`: the caller runs the control worker (a process of its own, to
+    be killed and restarted); the stack brings only Postgres rows, node workers and telemetry."""
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
     await store.migrate()
@@ -107,7 +110,8 @@ async def running_stack(
     )
     try:
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(build_control_worker(client, store, metrics=metrics))
+            if control_in_process:
+                await stack.enter_async_context(build_control_worker(client, store, metrics=metrics))
             # Node workers run as tasks, not contexts, so a test can restart one.
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)
