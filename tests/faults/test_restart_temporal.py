@@ -1,0 +1,70 @@
+"""The Temporal server stopped and restarted during a burst (issue 9, item 3): with the dev
+server persisting to a file, every request ends once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.temporal import register_search_attributes
+from tests.harness import running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "burst.toml"
+BURST = 40
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def _server(port: int, db_file: Path) -> WorkflowEnvironment:
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(Path(sys.executable).parent / "temporal"),
+        port=port,
+        dev_server_log_level="error",
+        dev_server_extra_args=["--db-filename", str(db_file)],
+    )
+
+
+async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp_path: Path) -> None:
+    port = _free_port()
+    db_file = tmp_path / "temporal.db"
+    first = await _server(port, db_file)
+    second: WorkflowEnvironment | None = None
+    try:
+        await register_search_attributes(first.client)
+        async with running_stack(first.client, database_url, catalog_path=CATALOG) as stack:
+            handles = [
+                await stack.start_request("bench.embed@1", tenant="bench", input={"simulate_invoke_s": 2})
+                for _ in range(BURST)
+            ]
+            await asyncio.sleep(1.0)
+            await first.shutdown()  # the server goes away mid-burst; its state is in the file
+            await asyncio.sleep(3.0)
+            second = await _server(port, db_file)
+            outcomes: Counter[str] = Counter()
+            for handle in handles:  # the stack's client reconnects to the same address
+                try:
+                    await asyncio.wait_for(handle.result(), timeout=180)
+                    outcomes["ok"] += 1
+                except WorkflowFailureError as error:
+                    assert isinstance(error.cause, ApplicationError), error
+                    outcomes[str(error.cause.type)] += 1
+            assert sum(outcomes.values()) == BURST, outcomes
+            assert outcomes["ok"] == BURST, outcomes
+            assert (await stack.status()).active_leases == 0
+    finally:
+        if second is not None:
+            await second.shutdown()
