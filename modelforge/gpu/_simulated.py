@@ -50,6 +50,7 @@ class SimulatedGpuBackend:
         self._started = clock()
         self._lock = threading.Lock()
         self._driver_errors = 0
+        self._unreclaimed = 0
 
     def devices(self) -> list[SimulatedDevice]:
         return list(self._devices.values())
@@ -69,7 +70,16 @@ class SimulatedGpuBackend:
 
     def free(self, pid: int) -> None:
         with self._lock:
+            if self._unreclaimed > 0 and pid in self._allocations:
+                # The process is gone but the driver still shows its memory (a leaked context).
+                self._unreclaimed -= 1
+                return
             self._allocations.pop(pid, None)
+
+    def inject_unreclaimed(self, count: int) -> None:
+        """The next `count` frees leave their memory held, as a leaked CUDA context would."""
+        with self._lock:
+            self._unreclaimed = count
 
     def inject_driver_errors(self, count: int) -> None:
         """The next `count` samples fail as NVML would with a driver fault."""
