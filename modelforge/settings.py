@@ -10,6 +10,9 @@ from pathlib import Path
 from modelforge.failures import FailureClass, ModelForgeError
 
 CONTROL_TASK_QUEUE = "modelforge-control"
+# The pool schedulers' own task queue (served by the control worker process): a backlog of
+# request workflows on the control queue never delays an admission.
+SCHEDULER_TASK_QUEUE = "modelforge-scheduler"
 DEFAULT_POOL = "default"
 
 
