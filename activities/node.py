@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from temporalio import activity
 from temporalio.client import Client
@@ -25,7 +26,7 @@ from modelforge.messages import (
     ReclaimResult,
     ReleaseSignal,
 )
-from modelforge.runtimes import LoadedModel, Runtime
+from modelforge.runtimes import LoadedModel, Runtime, resolve_artifact, verify_artifact
 
 log = get_logger("modelforge.node")
 
@@ -49,8 +50,10 @@ class NodeActivities:
         runtimes: dict[str, Runtime],
         clock: Callable[[], float] = time.time,
         client: Client | None = None,
+        artifact_roots: list[Path] | None = None,
     ) -> None:
         self._client = client
+        self._artifact_roots = artifact_roots or []
         self._node = node
         self._backend = backend
         self._runtimes = runtimes
@@ -106,6 +109,10 @@ class NodeActivities:
             _, existing = self._loaded[request.key]
             return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
         try:
+            if request.deployment.artifact:
+                # Before any runtime sees it: inside the roots, and the bytes the catalog names.
+                path = resolve_artifact(request.deployment.artifact, self._artifact_roots)
+                await asyncio.to_thread(verify_artifact, path, request.deployment.artifact_sha256)
             model = await runtime.load(
                 request.key, request.deployment, request.device_index, request.device_uuid, _heartbeat
             )

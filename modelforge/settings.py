@@ -48,6 +48,12 @@ class Settings:
     metrics_port: int = 9464
     # Capacity snapshots older than this are dropped (MODELFORGE_SNAPSHOT_RETENTION_DAYS).
     snapshot_retention_days: float = 30.0
+    # Where model artifacts may be read from (MODELFORGE_ARTIFACT_ROOTS, os.pathsep-separated);
+    # empty: $MODELFORGE_HOME/artifacts.
+    artifact_roots: tuple[Path, ...] = ()
+
+    def resolved_artifact_roots(self) -> list[Path]:
+        return list(self.artifact_roots) or [self.home / "artifacts"]
 
     @property
     def run_dir(self) -> Path:
@@ -95,4 +101,7 @@ class Settings:
             gpu_backend=backend,
             metrics_port=int(port),
             snapshot_retention_days=retention_days,
+            artifact_roots=tuple(
+                Path(root) for root in os.environ.get("MODELFORGE_ARTIFACT_ROOTS", "").split(os.pathsep) if root
+            ),
         )

@@ -41,8 +41,14 @@ def simulated_backend(node: str, catalog: Catalog, external: list[ExternalSpec])
     return SimulatedGpuBackend(devices, processes)
 
 
-def build_node_worker(client: Client, node: str, backend: GpuBackend, runtimes: dict[str, Runtime]) -> Worker:
-    node_activities = NodeActivities(node, backend, runtimes, client=client)
+def build_node_worker(
+    client: Client,
+    node: str,
+    backend: GpuBackend,
+    runtimes: dict[str, Runtime],
+    artifact_roots: list[Path] | None = None,
+) -> Worker:
+    node_activities = NodeActivities(node, backend, runtimes, client=client, artifact_roots=artifact_roots)
     return Worker(
         client,
         task_queue=node_task_queue(node),
@@ -94,7 +100,7 @@ def choose_backend(settings: Settings, node: str, simulate_from: Path | None) ->
 async def run(settings: Settings, node: str, simulate_from: Path | None, pool: str = DEFAULT_POOL) -> None:
     backend, runtimes = choose_backend(settings, node, simulate_from)
     client = await connect(settings)
-    worker = build_node_worker(client, node, backend, runtimes)
+    worker = build_node_worker(client, node, backend, runtimes, settings.resolved_artifact_roots())
     async with worker:
         await ensure_telemetry(client, node, pool)
         log.info("node_worker_started", node=node, backend=backend.label)
