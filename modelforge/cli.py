@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -147,18 +148,10 @@ def request(
 
     async def go() -> Result:
         client = await ModelForgeClient.connect(settings)
-        if as_json or not err.is_terminal:
-            return await client.request(
-                capability,
-                payload,
-                priority=priority,
-                tenant=tenant,
-                deadline_s=deadline,
-                lease_timeout_s=lease_timeout,
-            )
         # On a terminal: a live line of what the request waits on (the queue, a model load with
         # its progress from the load activity's heartbeats, the invoke).
-        with err.status(f"{capability}: submitting") as live:
+        live = err.status(f"{capability}: submitting") if not as_json and err.is_terminal else None
+        with live or contextlib.nullcontext():
             return await client.request(
                 capability,
                 payload,
@@ -166,7 +159,7 @@ def request(
                 tenant=tenant,
                 deadline_s=deadline,
                 lease_timeout_s=lease_timeout,
-                on_progress=lambda line: live.update(f"{capability}: {line}"),
+                on_progress=(lambda line: live.update(f"{capability}: {line}")) if live is not None else None,
             )
 
     result = _run(go)

@@ -357,7 +357,9 @@ def _accelerators(payload: dict[str, Any], fallback: str) -> list[str]:
     return [a for a in listed.split(",") if a] or ([fallback] if fallback else [])
 
 
-def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
+def _ledger_lease(e: EventRecord) -> tuple[Any, ...]:
+    """The columns both lease events carry: lease, request, pool, tenant, capability,
+    deployment, class, accelerators, bytes."""
     p = e.payload
     return (
         e.lease_id,
@@ -369,31 +371,25 @@ def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
         p.get("priority"),
         _accelerators(p, e.accelerator),
         p.get("bytes"),
-        _timestamp(e.at),
     )
 
 
+def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
+    return (*_ledger_lease(e), _timestamp(e.at))
+
+
 def _ledger_end(e: EventRecord) -> tuple[Any, ...]:
-    p = e.payload
-    accelerators = _accelerators(p, e.accelerator)
-    held_s = float(p.get("held_s") or 0.0)
-    granted_at = p.get("granted_at")
+    lease = _ledger_lease(e)
+    held_s = float(e.payload.get("held_s") or 0.0)
+    granted_at = e.payload.get("granted_at")
     return (
-        e.lease_id,
-        e.request_id,
-        p.get("pool"),
-        p.get("tenant"),
-        p.get("capability"),
-        e.deployment,
-        p.get("priority"),
-        accelerators,
-        p.get("bytes"),
+        *lease,
         _timestamp(float(granted_at)) if granted_at is not None else None,
         _timestamp(e.at),
-        str(p.get("outcome") or e.message),
+        str(e.payload.get("outcome") or e.message),
         held_s,
         # A gang lease holds every card it names for the whole time.
-        held_s * len(accelerators),
+        held_s * len(lease[7]),
     )
 
 
