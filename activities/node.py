@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 
 from modelforge.domain import Observation, ProcessUsage, resident_key
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
-from modelforge.gpu import GpuBackend
+from modelforge.gpu import CPU_DEVICE_INDEX, GpuBackend
 from modelforge.logging import get_logger
 from modelforge.messages import (
     InvokeInput,
@@ -25,8 +25,9 @@ from modelforge.messages import (
     ReclaimInput,
     ReclaimResult,
     ReleaseSignal,
+    device_index,
 )
-from modelforge.runtimes import LoadedModel, Runtime, resolve_artifact, verify_artifact
+from modelforge.runtimes import LoadedModel, Runtime, process_tree, resolve_artifact, verify_artifact
 
 log = get_logger("modelforge.node")
 
@@ -58,6 +59,8 @@ class NodeActivities:
         self._backend = backend
         self._runtimes = runtimes
         self._loaded: dict[str, tuple[Runtime, LoadedModel]] = {}
+        # Processes of unloaded models, until their memory is seen gone (verify_reclaim).
+        self._unloaded_pids: dict[str, set[int]] = {}
         self._clock = clock
 
     def _runtime(self, name: str) -> Runtime:
@@ -76,11 +79,11 @@ class NodeActivities:
             devices = await asyncio.to_thread(self._backend.sample)
         except ModelForgeError as error:
             raise as_application_error(error) from None
-        managed = {model.pid: key for key, (_, model) in self._loaded.items()}
+        managed = self._managed_pids()
         observed_at = self._clock()
         observations = []
         for device in devices:
-            accelerator = f"{self._node}/{device.index}"
+            accelerator = f"{self._node}/{'cpu' if device.index == CPU_DEVICE_INDEX else device.index}"
             observations.append(
                 Observation(
                     accelerator=accelerator,
@@ -97,10 +100,19 @@ class NodeActivities:
                     utilization_pct=device.utilization_pct,
                     temperature_c=device.temperature_c,
                     observed_at=observed_at,
-                    simulated=self._backend.label == "simulated",
+                    # The host CPU device is read from the host itself, never simulated.
+                    simulated=self._backend.label == "simulated" and device.index != CPU_DEVICE_INDEX,
                 )
             )
         return NodeSample(node=self._node, observations=observations, backend=self._backend.label)
+
+    def _managed_pids(self) -> set[int]:
+        """ModelForge's processes: each loaded model's process and what it forked (a server's
+        workers hold GPU memory too). The worker's own pid when a model runs inside it."""
+        pids: set[int] = set()
+        for _, model in self._loaded.values():
+            pids |= process_tree(model.pid) if model.owns_process else {model.pid}
+        return pids
 
     @activity.defn(name="load_model")
     async def load_model(self, request: LoadInput) -> LoadResult:
@@ -171,6 +183,10 @@ class NodeActivities:
         if entry is None:
             return  # already gone: unloading is idempotent
         runtime, model = entry
+        # An in-process model shares the worker's pid (and its CUDA context, which stays): only a
+        # process ModelForge started is watched by pid; the rest by name.
+        if model.owns_process:
+            self._unloaded_pids[key] = process_tree(model.pid)
         try:
             await runtime.unload(model)
         except ModelForgeError as error:
@@ -181,14 +197,16 @@ class NodeActivities:
         """Poll NVML until no process of this model holds memory on the device."""
         deadline = time.monotonic() + request.timeout_s
         tag = f"modelforge:{request.key}"
-        index = request.accelerator_id.rsplit("/", 1)[-1]
+        index = device_index(request.accelerator_id)
+        pids = self._unloaded_pids.get(request.key, set())
         while True:
             try:
                 devices = await asyncio.to_thread(self._backend.sample)
             except ModelForgeError as error:
                 raise as_application_error(error) from None
-            lingering = [p for d in devices if str(d.index) == index for p in d.processes if p.name == tag]
+            lingering = [p for d in devices if d.index == index for p in d.processes if p.name == tag or p.pid in pids]
             if not lingering:
+                self._unloaded_pids.pop(request.key, None)
                 return ReclaimResult(reclaimed=True)
             if time.monotonic() >= deadline:
                 held = sum(p.used_bytes for p in lingering)

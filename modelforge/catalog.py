@@ -76,6 +76,8 @@ class DeploymentSpec(_Strict):
     artifact_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     runtime_config: dict[str, str] = Field(default_factory=dict)
     name: str = Field(default="", max_length=200)
+    # subprocess_http: the server's argument list; {port} {host} {artifact} {served_model} are filled in.
+    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list, max_length=200)
     # Model names OpenAI-compatible clients use for this capability (the gateway's mapping).
     openai_models: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list)
 
@@ -128,6 +130,27 @@ def _expand_recordings(specs: list[ExternalSpec], base_dir: Path, problems: list
     return expanded
 
 
+def _runtime_problems(dep: DeploymentSpec) -> list[str]:
+    """The runtime's own configuration, checked when the catalog is applied, not at first load."""
+    if dep.runtime == "subprocess_http":
+        from modelforge.runtimes import SubprocessHttpConfig
+
+        try:
+            SubprocessHttpConfig.of(Deployment(**dep.model_dump()))
+        except ModelForgeError as error:
+            return [error.message]
+    elif dep.runtime == "sentence_transformers":
+        from modelforge.runtimes import SentenceTransformersConfig
+
+        try:
+            SentenceTransformersConfig.of(Deployment(**dep.model_dump()))
+        except ModelForgeError as error:
+            return [error.message]
+    elif dep.command:
+        return [f"command: only subprocess_http runs a command, not {dep.runtime}"]
+    return []
+
+
 def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[Catalog, list[ExternalSpec]]:
     try:
         spec = CatalogFile.model_validate(data)
@@ -152,6 +175,7 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
             )
         if dep.idle_bytes is not None and dep.idle_bytes > dep.envelope_bytes:
             problems.append(f"deployments[{index}].idle_bytes: {dep.idle_bytes} exceeds envelope_bytes")
+        problems.extend(f"deployments[{index}].{problem}" for problem in _runtime_problems(dep))
         for acc_id in dep.accelerators:
             if acc_id not in ids:
                 problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")

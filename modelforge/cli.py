@@ -94,6 +94,29 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+_BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MiB` (or plain bytes); anything else is REQUEST_INVALID."""
+    value = text.strip().lower().replace(" ", "")
+    for unit in ("tib", "gib", "mib", "kib", "b"):
+        if value.endswith(unit):
+            number, scale = value[: -len(unit)], _BYTE_UNITS[unit]
+            break
+    else:
+        number, scale = value, 1
+    try:
+        amount = float(number) * scale
+    except ValueError:
+        amount = -1.0
+    if not 0 < amount < 2**50:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"a size is a positive number with B, KiB, MiB, GiB or TiB, not {text!r}"
+        )
+    return int(amount)
+
+
 def human_bytes(value: int | None) -> str:
     if value is None:
         return "-"
@@ -510,6 +533,10 @@ def worker_node(
     node: Annotated[str, typer.Option(help="This GPU host's node name.")],
     simulate_from: Annotated[Path | None, typer.Option(help="Catalog whose devices to simulate.")] = None,
     pool: str = "default",
+    cpu_device_bytes: Annotated[
+        str | None,
+        typer.Option(help="Serve this host's CPU as the device <node>/cpu with this memory budget (e.g. 4GiB)."),
+    ] = None,
 ) -> None:
     """A node worker: NVML and runtimes of one GPU host."""
     from modelforge.logging import configure
@@ -517,7 +544,11 @@ def worker_node(
 
     configure()
     try:
-        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool))
+        budget = parse_bytes(cpu_device_bytes) if cpu_device_bytes else None
+    except ModelForgeError as error:
+        _fail(error)
+    try:
+        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool, budget))
     except KeyboardInterrupt:
         pass
 

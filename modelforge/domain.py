@@ -93,6 +93,8 @@ class Deployment:
     artifact_sha256: str = ""
     runtime_config: dict[str, str] = field(default_factory=dict)
     name: str = ""
+    # subprocess_http: the model server's argument list (never a shell string).
+    command: list[str] = field(default_factory=list)
     openai_models: list[str] = field(default_factory=list)
 
     @property

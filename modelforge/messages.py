@@ -227,8 +227,10 @@ class ReclaimResult:
 
 
 def device_index(accelerator_id: str) -> int:
-    """Accelerator ids are `<node>/<device index>`."""
+    """Accelerator ids are `<node>/<device index>`, and `<node>/cpu` for a declared host CPU (-1)."""
     tail = accelerator_id.rsplit("/", 1)[-1]
+    if tail == "cpu":
+        return -1
     return int(tail) if tail.isdigit() else 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,15 +17,14 @@ from temporalio.worker import Worker
 
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
-from modelforge.gpu import SimulatedGpuBackend
+from modelforge.gpu import NodeDevices, SimulatedGpuBackend
 from modelforge.messages import RequestInput, SchedulerInput
 from modelforge.metrics import Metrics
 from modelforge.policy import PolicyConfig, PoolStatus
-from modelforge.runtimes import SimulatedRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
 from workers.control import build_control_worker, ensure_scheduler
-from workers.node import build_node_worker, ensure_telemetry, simulated_backend
+from workers.node import build_node_worker, ensure_telemetry, host_device, node_runtimes, simulated_backend
 from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import request_workflow_id
 
@@ -57,7 +57,7 @@ class Stack:
         await self.node_workers[node].shutdown()
         backend = simulated_backend(node, self.catalog, self.external)
         self.backends[node] = backend
-        worker = build_node_worker(self.client, node, backend, {"simulated": SimulatedRuntime(backend)})
+        worker = _node_worker(self.client, node, backend, self.catalog)
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 
@@ -74,6 +74,13 @@ class Stack:
             id=request_workflow_id(capability, request_id),
             task_queue=CONTROL_TASK_QUEUE,
         )
+
+
+def _node_worker(client: Client, node: str, backend: SimulatedGpuBackend, catalog: Catalog) -> Worker:
+    """A node worker as `modelforge worker node --simulate-from` builds one: every runtime, the
+    catalog's CPU device when it declares one on this node."""
+    devices = NodeDevices(backend, host_device(node, catalog, None))
+    return build_node_worker(client, node, devices, node_runtimes(devices, Path(tempfile.gettempdir()) / "modelforge"))
 
 
 @contextlib.asynccontextmanager
@@ -95,10 +102,7 @@ async def running_stack(
     await store.migrate()
     await store.apply_catalog(catalog)
     backends = {node: simulated_backend(node, catalog, external) for node in catalog.nodes()}
-    node_workers = {
-        node: build_node_worker(client, node, backend, {"simulated": SimulatedRuntime(backend)})
-        for node, backend in backends.items()
-    }
+    node_workers = {node: _node_worker(client, node, backend, catalog) for node, backend in backends.items()}
     running = Stack(
         client=client,
         store=store,

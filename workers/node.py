@@ -13,10 +13,18 @@ from temporalio.worker import Worker
 from activities import NodeActivities
 from modelforge.catalog import ExternalSpec, load_catalog_file
 from modelforge.domain import Catalog
-from modelforge.gpu import ExternalProcess, GpuBackend, NvmlGpuBackend, SimulatedDevice, SimulatedGpuBackend
+from modelforge.gpu import (
+    ExternalProcess,
+    GpuBackend,
+    HostMemoryDevice,
+    NodeDevices,
+    NvmlGpuBackend,
+    SimulatedDevice,
+    SimulatedGpuBackend,
+)
 from modelforge.logging import get_logger
 from modelforge.messages import TelemetryInput, device_index
-from modelforge.runtimes import Runtime, SimulatedRuntime
+from modelforge.runtimes import Runtime, SentenceTransformersRuntime, SimulatedRuntime, SubprocessHttpRuntime
 from modelforge.settings import DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
 from workflows import TelemetryWorkflow
@@ -39,6 +47,27 @@ def simulated_backend(node: str, catalog: Catalog, external: list[ExternalSpec])
         if e.accelerator in ids
     ]
     return SimulatedGpuBackend(devices, processes)
+
+
+def host_device(node: str, catalog: Catalog | None, cpu_device_bytes: int | None) -> HostMemoryDevice | None:
+    """The node's declared CPU device: `--cpu-device-bytes`, else a `kind = "cpu"` accelerator the
+    catalog puts on this node. Never implied: without either, no model runs on the CPU here."""
+    if cpu_device_bytes:
+        return HostMemoryDevice(node, cpu_device_bytes)
+    declared = [a for a in (catalog.accelerators if catalog else []) if a.node == node and a.kind == "cpu"]
+    return HostMemoryDevice(node, declared[0].total_bytes) if declared else None
+
+
+def node_runtimes(devices: NodeDevices, home: Path) -> dict[str, Runtime]:
+    """Every runtime a node serves. The simulated runtime only beside simulated cards: on a real
+    one it would count bytes no process holds."""
+    runtimes: dict[str, Runtime] = {
+        "subprocess_http": SubprocessHttpRuntime(devices, home / "runtime-logs"),
+        "sentence_transformers": SentenceTransformersRuntime(devices),
+    }
+    if devices.simulated_gpus:
+        runtimes["simulated"] = SimulatedRuntime(devices)
+    return runtimes
 
 
 def build_node_worker(
@@ -77,10 +106,15 @@ async def ensure_telemetry(client: Client, node: str, pool: str = DEFAULT_POOL, 
     )
 
 
-def choose_backend(settings: Settings, node: str, simulate_from: Path | None) -> tuple[GpuBackend, dict[str, Runtime]]:
+def choose_backend(
+    settings: Settings, node: str, simulate_from: Path | None, cpu_device_bytes: int | None = None
+) -> tuple[NodeDevices, dict[str, Runtime]]:
     use_nvml = settings.gpu_backend == "nvml" or (settings.gpu_backend == "auto" and NvmlGpuBackend.available())
+    catalog = load_catalog_file(simulate_from)[0] if simulate_from is not None else None
+    host = host_device(node, catalog, cpu_device_bytes)
     if use_nvml:
-        return NvmlGpuBackend(), {}
+        devices = NodeDevices(NvmlGpuBackend(), host)
+        return devices, node_runtimes(devices, settings.home)
     if simulate_from is None:
         raise SystemExit(
             f"modelforge worker node: no NVIDIA GPU here (MODELFORGE_GPU_BACKEND={settings.gpu_backend});"
@@ -94,14 +128,32 @@ def choose_backend(settings: Settings, node: str, simulate_from: Path | None) ->
         devices=len(backend.devices()),
         note="no NVIDIA GPU in use: devices and memory on this node are SIMULATED",
     )
-    return backend, {"simulated": SimulatedRuntime(backend)}
+    devices = NodeDevices(backend, host)
+    return devices, node_runtimes(devices, settings.home)
 
 
-async def run(settings: Settings, node: str, simulate_from: Path | None, pool: str = DEFAULT_POOL) -> None:
-    backend, runtimes = choose_backend(settings, node, simulate_from)
+async def run(
+    settings: Settings,
+    node: str,
+    simulate_from: Path | None,
+    pool: str = DEFAULT_POOL,
+    cpu_device_bytes: int | None = None,
+) -> None:
+    backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
     client = await connect(settings)
     worker = build_node_worker(client, node, backend, runtimes, settings.resolved_artifact_roots())
-    async with worker:
-        await ensure_telemetry(client, node, pool)
-        log.info("node_worker_started", node=node, backend=backend.label)
-        await asyncio.Event().wait()
+    try:
+        async with worker:
+            await ensure_telemetry(client, node, pool)
+            log.info(
+                "node_worker_started",
+                node=node,
+                backend=backend.label,
+                cpu_device_bytes=backend.host.budget_bytes if backend.host else None,
+                runtimes=sorted(runtimes),
+            )
+            await asyncio.Event().wait()
+    finally:
+        for runtime in runtimes.values():
+            if isinstance(runtime, SubprocessHttpRuntime):
+                await runtime.close()  # no model server outlives its node worker

@@ -1,15 +1,30 @@
-"""Model runtimes behind one Protocol."""
+"""Model runtimes behind one Protocol: simulated, a model server as a subprocess over HTTP, and
+the built-in sentence-transformers embedding runtime."""
 
 from modelforge.runtimes._artifacts import artifact_digest, resolve_artifact, verify_artifact
+from modelforge.runtimes._process import process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, Runtime
+from modelforge.runtimes._sentence_transformers import (
+    BUILTIN_MODEL,
+    SentenceTransformersConfig,
+    SentenceTransformersRuntime,
+)
 from modelforge.runtimes._simulated import SimulatedRuntime
+from modelforge.runtimes._subprocess_http import SubprocessHttpConfig, SubprocessHttpRuntime
 
 __all__ = [
+    "BUILTIN_MODEL",
     "Heartbeat",
     "LoadedModel",
     "Runtime",
+    "SentenceTransformersConfig",
+    "SentenceTransformersRuntime",
     "SimulatedRuntime",
+    "SubprocessHttpConfig",
+    "SubprocessHttpRuntime",
     "artifact_digest",
+    "process_tree",
     "resolve_artifact",
+    "rss_bytes",
     "verify_artifact",
 ]

@@ -15,6 +15,8 @@ class LoadedModel:
     pid: int
     measured_bytes: int
     load_s: float
+    # True when `pid` is a real process ModelForge started: it and all it forks are ModelForge's.
+    owns_process: bool = False
 
 
 Heartbeat = Callable[[str], None]

@@ -14,7 +14,7 @@ from typing import Any
 
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.gpu import SimulatedGpuBackend
+from modelforge.gpu import NodeDevices, SimulatedGpuBackend
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel
 
 MAX_SIMULATED_INVOKE_S = 3600.0
@@ -40,8 +40,8 @@ def _vector(deployment: str, text: str) -> list[float]:
 class SimulatedRuntime:
     name = "simulated"
 
-    def __init__(self, backend: SimulatedGpuBackend) -> None:
-        self._backend = backend
+    def __init__(self, backend: SimulatedGpuBackend | NodeDevices) -> None:
+        self._devices = backend if isinstance(backend, NodeDevices) else NodeDevices(backend)
 
     async def load(
         self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
@@ -59,7 +59,7 @@ class SimulatedRuntime:
         if fault:
             raise ModelForgeError(FailureClass(fault), f"simulated load fault for {deployment.deployment_id}")
         pid = next(_pids)
-        self._backend.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
+        self._devices.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
         return LoadedModel(
             key, deployment.deployment_id, device_index, pid, deployment.resident_bytes, time.monotonic() - started
         )
@@ -104,4 +104,4 @@ class SimulatedRuntime:
         return output
 
     async def unload(self, model: LoadedModel) -> None:
-        self._backend.free(model.pid)
+        self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")

@@ -1,0 +1,173 @@
+"""ModelForge's own small model server: the OpenAI embeddings and chat routes, TEI's /embed and a
+/health probe, on the standard library alone. It is what the subprocess_http runtime is tested
+against, and a way to try that runtime without a real model. Its vectors are hashed bags of
+words (a paraphrase shares words, so it lands closer than an unrelated sentence); its chat
+answers say they are from the toy server. `--fault` breaks it on purpose, as real servers break.
+
+    python -m modelforge.runtimes.toy_server --port 8081 [--fault never-ready|exit-at-start|
+        crash-on-invoke|garbage|nan|hang] [--hold-mib 64] [--ready-after 0.5] [--ignore-term] [--orphan-worker]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+DIMENSIONS = 64
+FAULTS = ("never-ready", "exit-at-start", "crash-on-invoke", "garbage", "nan", "hang")
+
+
+def embed(text: str) -> list[float]:
+    vector = [0.0] * DIMENSIONS
+    for word in re.findall(r"[a-z0-9]+", text.lower()):
+        digest = hashlib.sha256(word.encode()).digest()
+        vector[digest[0] % DIMENSIONS] += 1.0 if digest[1] % 2 else -1.0
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [round(x / norm, 6) for x in vector]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _ToyServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        sys.stderr.write("toy_server: " + format % args + "\n")
+
+    def _answer(self, status: int, body: Any, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/info":  # what the server was started with, for tests and for users
+            self._answer(
+                200,
+                {
+                    "pid": os.getpid(),
+                    "argv": sys.argv,
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "children": self.server.children,
+                },
+            )
+        elif self.path != "/health":
+            self._answer(404, {"error": "not found"})
+        elif self.server.fault == "never-ready" or time.monotonic() < self.server.ready_at:
+            self._answer(503, {"status": "loading"})
+        else:
+            self._answer(200, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            self._answer(400, {"error": "body is not JSON"})
+            return
+        fault = self.server.fault
+        if fault == "crash-on-invoke":
+            sys.stderr.write("toy_server: crashing on purpose (--fault crash-on-invoke)\n")
+            sys.stderr.flush()
+            os._exit(3)
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "garbage":
+            self._answer(200, None, raw=b"<html>definitely not JSON</html>")
+            return
+        if self.path == "/v1/embeddings":
+            texts = body.get("input")
+            texts = [texts] if isinstance(texts, str) else texts
+            if not isinstance(texts, list) or not texts:
+                self._answer(400, {"error": "input must be a string or a list of strings"})
+                return
+            vectors = [embed(str(t)) for t in texts]
+            if fault == "nan":
+                vectors[0][0] = float("nan")
+            self._answer(
+                200,
+                {
+                    "object": "list",
+                    "model": body.get("model", "toy"),
+                    "data": [{"object": "embedding", "index": n, "embedding": v} for n, v in enumerate(vectors)],
+                },
+            )
+        elif self.path == "/embed":
+            texts = body.get("inputs")
+            texts = [texts] if isinstance(texts, str) else texts
+            self._answer(200, [embed(str(t)) for t in texts or []])
+        elif self.path == "/v1/chat/completions":
+            messages = body.get("messages") or [{}]
+            said = str(messages[-1].get("content", ""))[:200] if isinstance(messages[-1], dict) else ""
+            self._answer(
+                200,
+                {
+                    "object": "chat.completion",
+                    "model": body.get("model", "toy"),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": f"[toy server] ready. You said: {said}"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                },
+            )
+        else:
+            self._answer(404, {"error": "not found"})
+
+
+class _ToyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    fault: str = ""
+    ready_at: float = 0.0
+    children: list[int] = []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fault", choices=FAULTS, default="")
+    parser.add_argument("--ready-after", type=float, default=0.3, help="seconds before /health answers 200")
+    parser.add_argument("--hold-mib", type=int, default=0, help="host memory to hold, as a model's weights would")
+    parser.add_argument("--note", default="", help="free text, ignored (shows in /info's argv)")
+    parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a server that will not stop)")
+    parser.add_argument(
+        "--orphan-worker",
+        action="store_true",
+        help="fork a worker into a session of its own, which outlives the server (memory left behind)",
+    )
+    options = parser.parse_args(argv)
+    if options.fault == "exit-at-start":
+        sys.stderr.write("toy_server: model file not found (--fault exit-at-start)\n")
+        raise SystemExit(2)
+    if options.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    weights = bytearray(options.hold_mib * 1024 * 1024)
+    for offset in range(0, len(weights), 4096):  # touch every page so it is resident
+        weights[offset] = 1
+    server = _ToyServer((options.host, options.port), _Handler)
+    server.children = []
+    if options.orphan_worker:
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        server.children.append(worker.pid)
+    server.fault = options.fault
+    server.ready_at = time.monotonic() + options.ready_after
+    sys.stderr.write(f"toy_server: listening on {options.host}:{options.port}, pid {os.getpid()}\n")
+    sys.stderr.flush()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

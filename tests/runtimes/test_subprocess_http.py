@@ -1,0 +1,316 @@
+"""The subprocess_http runtime against ModelForge's own toy model server, a real child process on
+loopback: each dialect, each failure class a real server shows (never ready, exits at start,
+crashes mid-request, answers garbage or NaN, hangs, will not stop, leaves memory behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import NodeActivities
+from modelforge.catalog import CatalogError, parse_catalog
+from modelforge.domain import Deployment, GiB
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.gpu import (
+    CPU_DEVICE_INDEX,
+    DeviceSample,
+    GpuProcess,
+    HostMemoryDevice,
+    NodeDevices,
+    SimulatedDevice,
+    SimulatedGpuBackend,
+)
+from modelforge.messages import InvokeInput, LoadInput, ReclaimInput
+from modelforge.runtimes import LoadedModel, SubprocessHttpRuntime, process_tree
+from modelforge.runtimes._process import alive
+
+MiB = 1024**2
+UUID = "GPU-5a1e0000-0000-4000-8000-00000000abcd"
+
+
+def toy(*extra: str, api: str = "openai_embeddings", **config: str) -> Deployment:
+    return Deployment(
+        capability="toy.embedding@1",
+        envelope_bytes=2 * GiB,
+        idle_bytes=1 * GiB,
+        runtime="subprocess_http",
+        command=[sys.executable, "-m", "modelforge.runtimes.toy_server", "--port", "{port}", *extra],
+        runtime_config={"api": api, "ready_timeout_s": "20", "stop_grace_s": "2", **config},
+    )
+
+
+def devices(host: bool = False) -> NodeDevices:
+    gpus = SimulatedGpuBackend([SimulatedDevice(0, UUID, "Simulated L4", 24 * GiB)])
+    return NodeDevices(gpus, HostMemoryDevice("n", 8 * GiB) if host else None)
+
+
+def quiet(_: str) -> None:
+    return None
+
+
+async def loaded(runtime: SubprocessHttpRuntime, deployment: Deployment, device: int = 0) -> LoadedModel:
+    return await runtime.load(f"{deployment.capability}@n/{device}", deployment, device, UUID, quiet)
+
+
+async def info(runtime: SubprocessHttpRuntime, model: LoadedModel) -> dict[str, Any]:
+    server = runtime._servers[model.resident_key]
+    answer = await server.client.get("/info")
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+@pytest.mark.parametrize("api", ["openai_embeddings", "tei_embed"])
+async def test_an_embedding_server_is_loaded_checked_invoked_and_stopped(tmp_path: Path, api: str) -> None:
+    node = devices()
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    model = await loaded(runtime, toy("--hold-mib", "1", "--note", "; $(touch pwned)", api=api))
+    try:
+        started = await info(runtime, model)
+        # An argument list reaches the server verbatim: no shell ever read it.
+        assert started["argv"][-1] == "; $(touch pwned)" and not Path("pwned").exists()
+        assert started["cuda_visible_devices"] == UUID  # the leased card, by UUID
+        # On a simulated card the catalog's idle bytes are recorded for the server's pid.
+        [sample] = node.sample()
+        assert [(p.pid, p.used_bytes) for p in sample.processes] == [(model.pid, 1 * GiB)]
+        assert model.measured_bytes == 1 * GiB and model.owns_process
+        await runtime.health_check(model)
+        output = await runtime.invoke(model, {"texts": ["a cat on a mat", "stock prices"]}, quiet)
+        assert len(output["embeddings"]) == 2 and output["dimensions"] == 64
+        assert output["embedding"] == output["embeddings"][0]
+    finally:
+        await runtime.unload(model)
+    assert not alive(model.pid)
+    assert node.sample()[0].processes == []
+
+
+async def test_a_chat_server_answers_in_modelforge_shape(tmp_path: Path) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy(api="openai_chat"))
+    try:
+        await runtime.health_check(model)
+        output = await runtime.invoke(model, {"messages": [{"role": "user", "content": "hello"}]}, quiet)
+        assert output == {"text": "[toy server] ready. You said: hello", "finish_reason": "stop"}
+        with pytest.raises(ModelForgeError) as refused:
+            await runtime.invoke(model, {"text": "no messages"}, quiet)
+        assert refused.value.failure == FailureClass.REQUEST_INVALID
+    finally:
+        await runtime.unload(model)
+
+
+async def test_on_the_cpu_device_its_bytes_are_the_process_resident_memory(tmp_path: Path) -> None:
+    node = devices(host=True)
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    model = await loaded(runtime, toy("--hold-mib", "96"), device=CPU_DEVICE_INDEX)
+    try:
+        assert (await info(runtime, model))["cuda_visible_devices"] == ""  # it sees no GPU
+        # 96 MiB of touched pages plus the interpreter: at least the 96 MiB.
+        assert 96 * MiB <= model.measured_bytes < 400 * MiB
+        host = node.sample()[-1]
+        assert host.index == CPU_DEVICE_INDEX
+        assert [p.pid for p in host.processes if p.name.startswith("modelforge:")] == [model.pid]
+    finally:
+        await runtime.unload(model)
+    assert not [p for p in node.sample()[-1].processes if p.name.startswith("modelforge:")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "config", "message"),
+    [
+        (("--fault", "never-ready"), {"ready_timeout_s": "1.5"}, "not ready on http://127.0.0.1:"),
+        (("--fault", "exit-at-start"), {}, "exited with code 2 before it was ready"),
+    ],
+)
+async def test_a_server_that_never_becomes_ready_is_a_load_failure_and_is_stopped(
+    tmp_path: Path, extra: tuple[str, ...], config: dict[str, str], message: str
+) -> None:
+    node = devices()
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    before = process_tree(os.getpid())
+    with pytest.raises(ModelForgeError) as failed:
+        await loaded(runtime, toy(*extra, **config))
+    assert failed.value.failure == FailureClass.MODEL_LOAD_FAILED
+    assert message in failed.value.message
+    assert "server log" in failed.value.message  # the log's tail, for the operator
+    if "exit-at-start" in extra:
+        assert "model file not found" in failed.value.message
+    await asyncio.sleep(0.2)
+    assert process_tree(os.getpid()) <= before  # nothing left running
+    assert node.sample()[0].processes == []
+
+
+async def test_a_missing_program_is_a_load_failure_naming_it(tmp_path: Path) -> None:
+    deployment = toy()
+    deployment = Deployment(**{**deployment.__dict__, "command": ["/nonexistent/vllm", "serve"]})
+    with pytest.raises(ModelForgeError, match="cannot start '/nonexistent/vllm'") as failed:
+        await loaded(SubprocessHttpRuntime(devices(), tmp_path), deployment)
+    assert failed.value.failure == FailureClass.MODEL_LOAD_FAILED
+
+
+@pytest.mark.parametrize(
+    ("fault", "failure", "message"),
+    [
+        ("crash-on-invoke", FailureClass.RUNTIME_CRASH, "crashing on purpose"),
+        ("garbage", FailureClass.INVALID_OUTPUT, "non-JSON"),
+        ("nan", FailureClass.INVALID_OUTPUT, "not a finite number"),
+        ("hang", FailureClass.TIMEOUT, "no answer from"),
+    ],
+)
+async def test_invoke_failures_are_classified(tmp_path: Path, fault: str, failure: FailureClass, message: str) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy("--fault", fault, request_timeout_s="1", stop_grace_s="0.5"))
+    try:
+        with pytest.raises(ModelForgeError) as failed:
+            await runtime.invoke(model, {"text": "hello"}, quiet)
+        assert failed.value.failure == failure
+        assert message in failed.value.message
+        # The functional health check fails the same server, as HEALTHCHECK_FAILED.
+        if fault != "crash-on-invoke":
+            with pytest.raises(ModelForgeError) as unhealthy:
+                await runtime.health_check(model)
+            assert unhealthy.value.failure == FailureClass.HEALTHCHECK_FAILED
+    finally:
+        await runtime.unload(model)
+    assert not alive(model.pid)
+
+
+async def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_time(tmp_path: Path) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy("--ignore-term", stop_grace_s="0.5"))
+    started = asyncio.get_running_loop().time()
+    await runtime.unload(model)
+    assert not alive(model.pid)
+    assert 0.5 <= asyncio.get_running_loop().time() - started < 5
+
+
+class PidGpu:
+    """A card as NVML would show it: 3 GiB for each live process it was told holds memory."""
+
+    label = "nvml"
+
+    def __init__(self) -> None:
+        self.holders: set[int] = set()
+
+    def sample(self) -> list[DeviceSample]:
+        processes = [GpuProcess(pid, 3 * GiB) for pid in sorted(self.holders) if alive(pid)]
+        used = sum(p.used_bytes for p in processes)
+        return [DeviceSample(0, UUID, "NVIDIA L4", 24 * GiB, used, processes)]
+
+
+async def test_a_worker_that_outlives_its_server_is_memory_not_reclaimed(tmp_path: Path) -> None:
+    gpu = PidGpu()
+    node = NodeDevices(gpu)
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    activities = NodeActivities("n", node, {"subprocess_http": runtime})
+    environment = ActivityEnvironment()
+    deployment = toy("--orphan-worker", stop_grace_s="1")
+    key = "toy.embedding@1@n/0"
+    await environment.run(activities.load_model, LoadInput(key, deployment, "n/0", 0, UUID))
+    server_pid = runtime._servers[key].process.pid
+    [worker_pid] = (await info(runtime, activities._loaded[key][1]))["children"]
+    gpu.holders = {server_pid, worker_pid}  # the server and its forked worker each hold a context
+    try:
+        [observation] = (await environment.run(activities.sample_node, "n")).observations
+        # Both are ModelForge's: nothing external on the card.
+        assert observation.external_bytes == 0 and observation.managed_bytes == 6 * GiB
+        await environment.run(activities.unload_model, key)
+        result = await environment.run(activities.verify_reclaim, ReclaimInput(key, "n/0", timeout_s=1.0))
+        assert not result.reclaimed
+        assert f"{3 * GiB} B still held" in result.message
+    finally:
+        os.kill(worker_pid, signal.SIGKILL)
+    await asyncio.sleep(0.2)
+    result = await environment.run(activities.verify_reclaim, ReclaimInput(key, "n/0", timeout_s=2.0))
+    assert result.reclaimed
+
+
+async def test_an_invoke_on_a_dead_server_is_a_runtime_crash_through_the_activity(tmp_path: Path) -> None:
+    node = devices()
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    activities = NodeActivities("n", node, {"subprocess_http": runtime})
+    environment = ActivityEnvironment()
+    key = "toy.embedding@1@n/0"
+    await environment.run(activities.load_model, LoadInput(key, toy(), "n/0", 0, UUID))
+    os.kill(runtime._servers[key].process.pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    with pytest.raises(ApplicationError) as failed:
+        await environment.run(activities.invoke, InvokeInput(key=key, lease_id="L1", payload={"text": "x"}))
+    assert failed.value.type == FailureClass.RUNTIME_CRASH.value
+    await environment.run(activities.unload_model, key)
+
+
+def _catalog(**deployment: Any) -> dict[str, Any]:
+    return {
+        "accelerators": [{"id": "n/0", "node": "n", "total_bytes": 24 * GiB}],
+        "deployments": [{"capability": "c@1", "envelope_bytes": GiB, "runtime": "subprocess_http", **deployment}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "deployments[0].subprocess_http needs `command`"),
+        ({"command": ["vllm"], "runtime_config": {"api": "grpc"}}, "runtime_config.api: 'grpc' is not one of"),
+        ({"command": ["vllm"], "runtime_config": {"host": "0.0.0.0"}}, "is not loopback"),
+        ({"command": ["vllm"], "runtime_config": {"ready_timeout_s": "soon"}}, "is not a number"),
+        ({"command": ["vllm"], "runtime_config": {"shell": "true"}}, "runtime_config.shell: unknown"),
+        ({"command": "vllm serve model"}, "command: Input should be a valid list"),
+    ],
+)
+def test_bad_runtime_configuration_is_refused_when_the_catalog_is_applied(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(CatalogError, match="invalid catalog") as refused:
+        parse_catalog(_catalog(**fields))
+    assert message in refused.value.message
+
+
+def test_vllm_llama_cpp_and_tei_are_configuration_alone() -> None:
+    catalog, _ = parse_catalog(
+        {
+            "accelerators": [{"id": "n/0", "node": "n", "total_bytes": 24 * GiB}],
+            "deployments": [
+                {
+                    "capability": "chat@1",
+                    "envelope_bytes": 20 * GiB,
+                    "runtime": "subprocess_http",
+                    "artifact": "/models/qwen",
+                    "command": ["vllm", "serve", "{artifact}", "--port", "{port}", "--enable-sleep-mode"],
+                    "runtime_config": {"api": "openai_chat", "served_model": "{artifact}"},
+                },
+                {
+                    "capability": "chat.gguf@1",
+                    "envelope_bytes": 6 * GiB,
+                    "runtime": "subprocess_http",
+                    "command": ["llama-server", "-m", "{artifact}", "--port", "{port}", "-ngl", "99"],
+                    "runtime_config": {"api": "openai_chat"},
+                },
+                {
+                    "capability": "emb@1",
+                    "envelope_bytes": 2 * GiB,
+                    "runtime": "subprocess_http",
+                    "command": ["text-embeddings-router", "--model-id", "{artifact}", "--port", "{port}"],
+                    "runtime_config": {"api": "tei_embed", "dimensions": "384"},
+                },
+            ],
+        }
+    )
+    assert [d.command[0] for d in catalog.deployments] == ["vllm", "llama-server", "text-embeddings-router"]
+
+
+async def test_httpx_is_not_asked_to_use_a_proxy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A host's HTTP_PROXY must not send loopback traffic to a proxy.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy())
+    try:
+        assert (await runtime.invoke(model, {"text": "x"}, quiet))["dimensions"] == 64
+        assert isinstance(runtime._servers[model.resident_key].client, httpx.AsyncClient)
+    finally:
+        await runtime.unload(model)
