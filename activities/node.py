@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 
 from modelforge.domain import Observation, ProcessUsage, resident_key
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
-from modelforge.gpu import CPU_DEVICE_INDEX, GpuBackend
+from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
 from modelforge.messages import (
     InvokeInput,
@@ -52,7 +52,11 @@ class NodeActivities:
         clock: Callable[[], float] = time.time,
         client: Client | None = None,
         artifact_roots: list[Path] | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
+        """`labels`: what this node advertises for all its accelerators (`rack_id`,
+        `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML."""
+        self._labels = dict(labels or {})
         self._client = client
         self._artifact_roots = artifact_roots or []
         self._node = node
@@ -99,12 +103,20 @@ class NodeActivities:
                     health_reason=device.health_reason,
                     utilization_pct=device.utilization_pct,
                     temperature_c=device.temperature_c,
+                    labels=self._device_labels(device),
                     observed_at=observed_at,
                     # The host CPU device is read from the host itself, never simulated.
                     simulated=self._backend.label == "simulated" and device.index != CPU_DEVICE_INDEX,
                 )
             )
         return NodeSample(node=self._node, observations=observations, backend=self._backend.label)
+
+    def _device_labels(self, device: DeviceSample) -> dict[str, str]:
+        labels = dict(self._labels)
+        # Only a real card's topology is authoritative: a simulated one has none to tell.
+        if self._backend.label == "nvml" and device.index != CPU_DEVICE_INDEX:
+            labels["nvlink_group_id"] = device.nvlink_group
+        return labels
 
     def _managed_pids(self) -> set[int]:
         """ModelForge's processes: each loaded model's process and what it forked (a server's

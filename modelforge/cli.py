@@ -537,6 +537,11 @@ def worker_node(
         str | None,
         typer.Option(help="Serve this host's CPU as the device <node>/cpu with this memory budget (e.g. 4GiB)."),
     ] = None,
+    rack_id: Annotated[str, typer.Option(envvar="MODELFORGE_RACK_ID", help="Rack label of this node's devices.")] = "",
+    network_bandwidth_gbps: Annotated[
+        float | None,
+        typer.Option(envvar="MODELFORGE_NETWORK_BANDWIDTH_GBPS", min=0, help="This node's network bandwidth."),
+    ] = None,
 ) -> None:
     """A node worker: NVML and runtimes of one GPU host."""
     from modelforge.logging import configure
@@ -548,7 +553,10 @@ def worker_node(
     except ModelForgeError as error:
         _fail(error)
     try:
-        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool, budget))
+        labels = {"rack_id": rack_id} if rack_id else {}
+        if network_bandwidth_gbps is not None:
+            labels["network_bandwidth_gbps"] = f"{network_bandwidth_gbps:g}"
+        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool, budget, labels))
     except KeyboardInterrupt:
         pass
 

@@ -197,6 +197,9 @@ class Observation:
     health_reason: str = ""
     utilization_pct: float = 0.0
     temperature_c: float = 0.0
+    # What the node advertises about the accelerator: `nvlink_group_id` (from NVML's topology),
+    # `rack_id` and `network_bandwidth_gbps` (from the node's configuration).
+    labels: dict[str, str] = field(default_factory=dict)
     observed_at: float = 0.0  # the node's clock, for display
     received_at: float = 0.0  # workflow time when the sample reached the scheduler: freshness
     simulated: bool = False

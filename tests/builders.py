@@ -70,6 +70,7 @@ def observe(
     at: float = NOW,
     healthy: bool = True,
     loaded: list[str] | None = None,
+    labels: dict[str, str] | None = None,
 ) -> None:
     """One NVML sample. The node holds the resident keys in `loaded` (none by default: a READY
     resident missing from a later sample is reconciled as lost)."""
@@ -91,6 +92,7 @@ def observe(
                 processes=processes,
                 healthy=healthy,
                 loaded=loaded or [],
+                labels=labels or {},
                 health_reason="" if healthy else "xid 79",
                 received_at=at,
                 observed_at=at,

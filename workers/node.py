@@ -76,8 +76,11 @@ def build_node_worker(
     backend: GpuBackend,
     runtimes: dict[str, Runtime],
     artifact_roots: list[Path] | None = None,
+    labels: dict[str, str] | None = None,
 ) -> Worker:
-    node_activities = NodeActivities(node, backend, runtimes, client=client, artifact_roots=artifact_roots)
+    node_activities = NodeActivities(
+        node, backend, runtimes, client=client, artifact_roots=artifact_roots, labels=labels
+    )
     return Worker(
         client,
         task_queue=node_task_queue(node),
@@ -138,10 +141,11 @@ async def run(
     simulate_from: Path | None,
     pool: str = DEFAULT_POOL,
     cpu_device_bytes: int | None = None,
+    labels: dict[str, str] | None = None,
 ) -> None:
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
     client = await connect(settings)
-    worker = build_node_worker(client, node, backend, runtimes, settings.resolved_artifact_roots())
+    worker = build_node_worker(client, node, backend, runtimes, settings.resolved_artifact_roots(), labels)
     try:
         async with worker:
             await ensure_telemetry(client, node, pool)
@@ -151,6 +155,7 @@ async def run(
                 backend=backend.label,
                 cpu_device_bytes=backend.host.budget_bytes if backend.host else None,
                 runtimes=sorted(runtimes),
+                labels=labels or {},
             )
             await asyncio.Event().wait()
     finally:

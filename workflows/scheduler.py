@@ -412,6 +412,8 @@ class PoolSchedulerWorkflow:
             ),
             self._now(),
         )
+        # The nodes' advertised labels (NVLink groups from NVML) outlive a catalog change.
+        self._record_all(policy.relabel(self._state), self._now())
 
     def _now(self) -> float:
         return workflow.now().timestamp()

@@ -23,6 +23,8 @@ class DeviceSample:
     temperature_c: float = 0.0
     healthy: bool = True
     health_reason: str = ""
+    # Cards NVLink joins share a group id (NVML topology); "" for none.
+    nvlink_group: str = ""
 
 
 class GpuBackend(Protocol):

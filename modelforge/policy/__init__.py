@@ -33,7 +33,7 @@ from modelforge.policy._decisions import (
     Unload,
     Wait,
 )
-from modelforge.policy._observe import apply_observations
+from modelforge.policy._observe import ADVERTISED_LABELS, apply_observations, relabel, with_advertised_labels
 from modelforge.policy._order import fair_share_scores, queue_order
 from modelforge.policy._placement import FilterResult, decide, filter_accelerators
 from modelforge.policy._state import (
@@ -50,6 +50,7 @@ from modelforge.policy._state import (
 from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolStatus, ResidentStatus, pool_status
 
 __all__ = [
+    "ADVERTISED_LABELS",
     "AcceleratorRuntime",
     "AcceleratorStatus",
     "AdmissionRejected",
@@ -93,6 +94,7 @@ __all__ = [
     "production_headroom",
     "queue_order",
     "reclaim_stale_leases",
+    "relabel",
     "release_lease",
     "resident_crashed",
     "resident_failed",
@@ -101,4 +103,5 @@ __all__ = [
     "resolve_priority",
     "stale_leases_due",
     "validate_request",
+    "with_advertised_labels",
 ]

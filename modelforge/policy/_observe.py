@@ -3,19 +3,80 @@ GPU_PRESSURE with watermark hysteresis, external volatility and resident reconci
 
 from __future__ import annotations
 
-from modelforge.domain import Observation
+from dataclasses import replace
+
+from modelforge.domain import Accelerator, Observation
 from modelforge.failures import Alert, FailureClass
 from modelforge.policy._budget import compute_budget, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
 
+# Labels a node advertises for its accelerators, and the catalog field each one sets.
+ADVERTISED_LABELS = {
+    "nvlink_group_id": "nvlink_group",
+    "rack_id": "rack",
+    "network_bandwidth_gbps": "network_bandwidth_gbps",
+}
+
+
+def with_advertised_labels(accelerator: Accelerator, labels: dict[str, str]) -> Accelerator:
+    """The accelerator as its node describes it: what NVML measured (the NVLink group) and what
+    the node was configured with (rack, bandwidth) win over the catalog's declaration."""
+    changes: dict[str, str | float] = {}
+    for key in sorted(labels):
+        field = ADVERTISED_LABELS.get(key)
+        if field is None:
+            continue
+        value: str | float = labels[key]
+        if field == "network_bandwidth_gbps":
+            try:
+                value = float(labels[key])
+            except ValueError:
+                continue
+            if not 0 <= value < float("inf"):
+                continue
+        if getattr(accelerator, field) != value:
+            changes[field] = value
+    return replace(accelerator, **changes) if changes else accelerator  # type: ignore[arg-type]
+
+
+def relabel(state: PoolState) -> list[PolicyEvent]:
+    """Apply every accelerator's advertised labels to the catalog (after each change of labels
+    and each catalog reload), one event per accelerator whose description changed."""
+    events: list[PolicyEvent] = []
+    accelerators = []
+    for accelerator in state.catalog.accelerators:
+        runtime = state.accelerators.get(accelerator.id)
+        labels = runtime.observation.labels if runtime is not None and runtime.observation is not None else {}
+        updated = with_advertised_labels(accelerator, labels)
+        if updated is not accelerator:
+            events.append(
+                PolicyEvent(
+                    kind="accelerator_labels",
+                    accelerator=accelerator.id,
+                    message=(
+                        f"advertised by {accelerator.node}: nvlink_group={updated.nvlink_group!r} "
+                        f"rack={updated.rack!r} network_bandwidth_gbps={updated.network_bandwidth_gbps:g}"
+                        f" (catalog: {accelerator.nvlink_group!r}, {accelerator.rack!r}, "
+                        f"{accelerator.network_bandwidth_gbps:g})"
+                    ),
+                )
+            )
+        accelerators.append(updated)
+    if events:
+        state.catalog = replace(state.catalog, accelerators=accelerators)
+    return events
+
 
 def apply_observations(state: PoolState, observations: list[Observation], now: float) -> list[PolicyEvent]:
     events: list[PolicyEvent] = []
+    labels_changed = False
     for observation in observations:
         accelerator = state.catalog.accelerator(observation.accelerator)
         if accelerator is None:
             continue
+        if observation.labels and with_advertised_labels(accelerator, observation.labels) is not accelerator:
+            labels_changed = True
         runtime = state.accelerators.setdefault(accelerator.id, AcceleratorRuntime())
         events.extend(_apply_health(state, runtime, observation))
         if not observation.healthy and observation.used_bytes < 0:
@@ -28,6 +89,8 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
             runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
         events.extend(_reconcile_residents(state, observation))
         events.extend(_apply_pressure(state, accelerator.id, runtime, now))
+    if labels_changed:
+        events.extend(relabel(state))
     return events
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelforge.domain import GiB, Priority, Residency
+from modelforge.domain import Catalog, GiB, Priority, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy import (
     AdmissionRejected,
@@ -15,6 +15,7 @@ from modelforge.policy import (
     enqueue,
     keep_warm_check,
     queue_order,
+    relabel,
     release_lease,
     validate_request,
 )
@@ -429,6 +430,38 @@ def test_gang_placement_is_all_or_nothing_inside_one_nvlink_group(
     else:
         [reject] = decisions.rejects
         assert reject.failure.value == expected
+
+
+def test_nvlink_groups_the_nodes_advertise_replace_the_catalogs_and_survive_a_reload() -> None:
+    # Four cards on one host; the catalog knows no NVLink. NVML on the node finds 0-1 and 2-3.
+    cards = [gpu(f"h/{n}") for n in range(4)]
+    job = deployment("train@1", gib=10, residency=Residency.NONE, idle_bytes=0, gpu_count=2, nvlink_required=True)
+    s = state(cards, [job])
+    for n in range(4):
+        observe(s, f"h/{n}")
+    enqueue(s, ask("r1", "train@1"), validate_request(s, ask("r1", "train@1"), gangs=True)[1], NOW)
+    [reject] = decide(s, NOW).rejects
+    assert reject.failure.value == "CAPABILITY_UNAVAILABLE"  # no group known: refused, not guessed
+
+    s = state(cards, [job])
+    for n in range(4):
+        group = "nvlink:GPU-0" if n < 2 else "nvlink:GPU-2"
+        labels = {"nvlink_group_id": group, "rack_id": "r1", "network_bandwidth_gbps": "200"}
+        observe(s, f"h/{n}", external_gib=15 if n == 0 else 0, labels=labels)
+    acc = s.catalog.accelerator("h/3")
+    assert acc is not None and (acc.nvlink_group, acc.rack, acc.network_bandwidth_gbps) == ("nvlink:GPU-2", "r1", 200)
+    enqueue(s, ask("r1", "train@1"), validate_request(s, ask("r1", "train@1"), gangs=True)[1], NOW)
+    [grant] = decide(s, NOW).grants
+    # h/0 has 15 GiB of external use (8 left < 10): the 2-3 group takes the job.
+    assert grant.lease.accelerators == ["h/2", "h/3"]
+    # A catalog reload (an operator's apply) brings the catalog's description back; the
+    # advertised labels are applied again at once, with an event per changed accelerator.
+    s.catalog = Catalog(accelerators=cards, deployments=[job], tenants=s.catalog.tenants)
+    relabelled = relabel(s)
+    assert [e.accelerator for e in relabelled] == ["h/0", "h/1", "h/2", "h/3"]
+    assert "nvlink_group='nvlink:GPU-0'" in relabelled[0].message
+    assert s.catalog.accelerator("h/1").nvlink_group == "nvlink:GPU-0"  # type: ignore[union-attr]
+    assert relabel(s) == []  # nothing new: no event
 
 
 def test_the_workflows_refuse_gangs_until_they_run_them() -> None:

@@ -3,13 +3,16 @@ fed by real `nvidia-smi -q -x` recordings, and simulated devices built from thos
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pynvml
 import pytest
+from temporalio.testing import ActivityEnvironment
 
+from activities.node import NodeActivities
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import NvmlGpuBackend, RecordedGpu, backend_from_recording, load_nvidia_smi
 
@@ -50,10 +53,23 @@ def test_a_file_that_is_not_a_recording_is_refused_with_a_reason(tmp_path: Path)
 class FakeNvml:
     """pynvml's functions over recorded cards; `fail` names a function that raises NVMLError."""
 
-    def __init__(self, gpus: list[RecordedGpu], fail: str = "", fail_with: int = pynvml.NVML_ERROR_GPU_IS_LOST):
+    def __init__(
+        self,
+        gpus: list[RecordedGpu],
+        fail: str = "",
+        fail_with: int = pynvml.NVML_ERROR_GPU_IS_LOST,
+        nvlinks: list[tuple[int, int]] | None = None,
+        ecc: dict[int, int] | None = None,
+        xid_events: bool = True,
+    ):
         self.gpus = gpus
         self.fail = fail
         self.fail_with = fail_with
+        self.nvlinks = {frozenset(pair) for pair in nvlinks or []}
+        # None: the card has no ECC (NOT_SUPPORTED), as consumer cards have not.
+        self.ecc = ecc or {}
+        self.xid_events = xid_events
+        self.pending_xids: list[tuple[int, int]] = []  # (device index, xid)
 
     def _check(self, name: str) -> None:
         if name == self.fail:
@@ -80,7 +96,36 @@ class FakeNvml:
             self._check("nvmlDeviceGetUtilizationRates")
             return SimpleNamespace(gpu=gpu.utilization_pct, memory=0)
 
+        def p2p(first: RecordedGpu, second: RecordedGpu, capability: int) -> int:
+            assert capability == pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+            pair = frozenset((self.gpus.index(first), self.gpus.index(second)))
+            if not self.nvlinks:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return pynvml.NVML_P2P_STATUS_OK if pair in self.nvlinks else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+
+        def ecc_errors(gpu: RecordedGpu, error_type: int, counter: int) -> int:
+            assert (error_type, counter) == (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+            index = self.gpus.index(gpu)
+            if index not in self.ecc:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return self.ecc[index]
+
+        def register(gpu: RecordedGpu, kinds: int, events: object) -> None:
+            if not self.xid_events:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+        def wait(events: object, timeout_ms: int) -> Any:
+            if not self.pending_xids:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            index, xid = self.pending_xids.pop(0)
+            return SimpleNamespace(device=self.gpus[index], eventData=xid, eventType=8)
+
         functions = {
+            "nvmlDeviceGetP2PStatus": p2p,
+            "nvmlDeviceGetTotalEccErrors": ecc_errors,
+            "nvmlEventSetCreate": lambda: object(),
+            "nvmlDeviceRegisterEvents": register,
+            "nvmlEventSetWait_v2": wait,
             "nvmlInit": lambda: self._check("nvmlInit"),
             "nvmlShutdown": lambda: None,
             "nvmlDeviceGetCount": lambda: len(self.gpus),
@@ -136,3 +181,67 @@ def test_utilization_unsupported_reads_as_zero_not_a_failure(monkeypatch: pytest
     [sample] = NvmlGpuBackend().sample()
     assert sample.utilization_pct == 0.0 and sample.temperature_c == 31.0
     assert sample.name == "NVIDIA GeForce RTX 3080"
+
+
+def eight_a100s() -> list[RecordedGpu]:
+    """The recorded A100 eight times over, each with its own index and UUID."""
+    [a100] = load_nvidia_smi(RECORDINGS / "a100-sxm4-v12.xml")
+    return [replace(a100, device=replace(a100.device, index=n, uuid=f"GPU-a100-{n}")) for n in range(8)]
+
+
+def test_nvlink_groups_come_from_nvml_peer_to_peer_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two NVLink islands of four (0-1-2-3 as a chain, 4-5-6-7 as pairs joined 5-6), no links across.
+    links = [(0, 1), (1, 2), (2, 3), (4, 5), (6, 7), (5, 6)]
+    FakeNvml(eight_a100s(), nvlinks=links).install(monkeypatch)
+    samples = NvmlGpuBackend().sample()
+    assert [s.nvlink_group for s in samples] == ["nvlink:GPU-a100-0"] * 4 + ["nvlink:GPU-a100-4"] * 4
+
+
+def test_cards_without_nvlink_have_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(eight_a100s()[:2]).install(monkeypatch)  # P2P over NVLink: NOT_SUPPORTED
+    assert [s.nvlink_group for s in NvmlGpuBackend().sample()] == ["", ""]
+    FakeNvml(eight_a100s()[:3], nvlinks=[(0, 1)]).install(monkeypatch)
+    assert [s.nvlink_group for s in NvmlGpuBackend().sample()] == ["nvlink:GPU-a100-0"] * 2 + [""]
+
+
+def test_uncorrected_ecc_errors_make_a_card_unhealthy_and_it_stays_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeNvml(eight_a100s()[:2], ecc={0: 0, 1: 0})
+    fake.install(monkeypatch)
+    backend = NvmlGpuBackend()
+    assert [s.healthy for s in backend.sample()] == [True, True]
+    fake.ecc[1] = 2
+    first, second = backend.sample()
+    assert first.healthy and not second.healthy
+    assert second.health_reason == "2 uncorrected ECC errors since the driver loaded; reset the card"
+    assert not backend.sample()[1].healthy
+
+
+def test_critical_xids_make_their_card_unhealthy_and_application_xids_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeNvml(eight_a100s()[:3])
+    fake.install(monkeypatch)
+    backend = NvmlGpuBackend()
+    # XID 13 (a kernel's own bad access) on card 0, XID 79 on card 2, then 13 again.
+    fake.pending_xids = [(0, 13), (2, 79), (0, 31)]
+    samples = backend.sample()
+    assert [s.healthy for s in samples] == [True, True, False]
+    assert samples[2].health_reason == "XID 79: GPU has fallen off the bus; reset the card"
+    assert not backend.sample()[2].healthy  # sticky until the card is reset and the node restarts
+
+
+def test_cards_that_cannot_report_xids_or_ecc_still_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(load_nvidia_smi(RECORDINGS / "rtx-3080-v12.xml"), xid_events=False).install(monkeypatch)
+    [sample] = NvmlGpuBackend().sample()
+    assert sample.healthy and sample.nvlink_group == ""
+
+
+async def test_the_node_advertises_nvml_groups_and_its_configured_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(eight_a100s()[:4], nvlinks=[(0, 1), (2, 3)]).install(monkeypatch)
+    node = NodeActivities("dgx", NvmlGpuBackend(), {}, labels={"rack_id": "r7", "network_bandwidth_gbps": "400"})
+    sample = await ActivityEnvironment().run(node.sample_node, "dgx")
+    assert [(o.accelerator, o.labels) for o in sample.observations] == [
+        (f"dgx/{n}", {"rack_id": "r7", "network_bandwidth_gbps": "400", "nvlink_group_id": group})
+        for n, group in enumerate(["nvlink:GPU-a100-0"] * 2 + ["nvlink:GPU-a100-2"] * 2)
+    ]
+    assert not any(o.simulated for o in sample.observations)
