@@ -6,13 +6,15 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from modelforge.domain import Observation, ProcessUsage, resident_key
+from activities._profile import PROFILE_OPERATION, run_profile
+from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
@@ -27,7 +29,7 @@ from modelforge.messages import (
     ReleaseSignal,
     device_index,
 )
-from modelforge.runtimes import LoadedModel, Runtime, process_tree, resolve_artifact, verify_artifact
+from modelforge.runtimes import LoadedModel, Runtime, process_tree, resolve_artifact, rss_bytes, verify_artifact
 
 log = get_logger("modelforge.node")
 
@@ -63,6 +65,7 @@ class NodeActivities:
         self._backend = backend
         self._runtimes = runtimes
         self._loaded: dict[str, tuple[Runtime, LoadedModel]] = {}
+        self._deployments: dict[str, Deployment] = {}
         # Processes of unloaded models, until their memory is seen gone (verify_reclaim).
         self._unloaded_pids: dict[str, set[int]] = {}
         self._clock = clock
@@ -144,6 +147,7 @@ class NodeActivities:
             log.warning("load_failed", key=request.key, failure=error.failure.value, message=error.message)
             raise as_application_error(error) from None
         self._loaded[request.key] = (runtime, model)
+        self._deployments[request.key] = request.deployment
         log.info("model_loaded", key=request.key, bytes=model.measured_bytes, load_s=round(model.load_s, 3))
         return LoadResult(model.measured_bytes, model.load_s, model.pid)
 
@@ -171,7 +175,10 @@ class NodeActivities:
         runtime, model = self._model(request.key)
         started = time.monotonic()
         try:
-            output = await runtime.invoke(model, request.payload, _heartbeat)
+            if request.payload.get("modelforge_operation") == PROFILE_OPERATION:
+                output = await self._profile(runtime, model, request.payload)
+            else:
+                output = await runtime.invoke(model, request.payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
@@ -188,6 +195,46 @@ class NodeActivities:
             except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
         return InvokeResult(output=output, invoke_s=invoke_s, released=released)
+
+    async def _profile(self, runtime: Runtime, model: LoadedModel, spec: dict[str, Any]) -> dict[str, Any]:
+        deployment = self._deployments.get(model.resident_key)
+        chat = deployment is not None and deployment.runtime_config.get("api") == "openai_chat"
+        on_cpu = model.device_index == CPU_DEVICE_INDEX
+        pids = process_tree(model.pid) if model.owns_process else {model.pid}
+        rss_at_start = rss_bytes(pids) if on_cpu else 0
+
+        def held_bytes() -> int:
+            if on_cpu:
+                rss = rss_bytes(pids)
+                # A model inside the worker shares its pid: its bytes are what it measured at load
+                # plus the worker's growth since; a process of its own is its resident memory.
+                return rss if model.owns_process else model.measured_bytes + max(0, rss - rss_at_start)
+            return sum(
+                p.used_bytes
+                for d in self._backend.sample()
+                if d.index == model.device_index
+                for p in d.processes
+                if p.pid in pids
+            )
+
+        measured = await run_profile(
+            spec, chat, lambda payload: runtime.invoke(model, payload, _heartbeat), held_bytes, _heartbeat
+        )
+        device = next((d for d in self._backend.sample() if d.index == model.device_index), None)
+        return {
+            "profile": {
+                **measured,
+                "runtime": runtime.name,
+                "runtime_version": runtime.version(),
+                "device_name": device.name if device is not None else "",
+                "simulated": self._backend.label == "simulated" and not on_cpu,
+                "configuration": {
+                    "runtime_config": dict(deployment.runtime_config) if deployment else {},
+                    "command": list(deployment.command) if deployment else [],
+                    "concurrency": deployment.concurrency if deployment else 1,
+                },
+            }
+        }
 
     @activity.defn(name="unload_model")
     async def unload_model(self, key: str) -> None:

@@ -459,6 +459,143 @@ def capacity(
     out.print(table)
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"{option}: comma-separated whole numbers, not {text!r}"))
+
+
+@app.command()
+def profile(
+    deployment: str,
+    batch_sizes: Annotated[str, typer.Option(help="Texts per embedding call, comma-separated.")] = "1,8,32",
+    context_words: Annotated[str, typer.Option(help="Words per text or prompt, comma-separated.")] = "16,256",
+    concurrency: Annotated[str, typer.Option(help="Calls in flight at once, comma-separated.")] = "1,2",
+    priority: Annotated[str, typer.Option(help="Class of the profiling lease.")] = "benchmark",
+    tenant: Annotated[str, typer.Option(help="Tenant the profiling lease is charged to.")] = "default",
+    as_json: JsonOption = False,
+) -> None:
+    """Measure DEPLOYMENT's idle and peak bytes under a lease of its own (it waits like any
+    request and never displaces production), store the envelope, and make the deployment
+    production eligible on that accelerator model."""
+    from modelforge.client import ModelForgeClient
+    from modelforge.store import Store
+    from modelforge.temporal import connect
+
+    settings = _settings()
+    url = _database_url(settings)
+    spec = {
+        "modelforge_operation": "profile",
+        "batch_sizes": _int_list(batch_sizes, "--batch-sizes"),
+        "context_words": _int_list(context_words, "--context-words"),
+        "concurrency": _int_list(concurrency, "--concurrency"),
+    }
+
+    async def go() -> dict[str, Any]:
+        store = await Store.open(url)
+        try:
+            catalog = await store.load_catalog()
+            target = catalog.deployment(deployment)
+            if target is None:
+                known = ", ".join(sorted(d.deployment_id for d in catalog.deployments)) or "none"
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID, f"no deployment {deployment!r} in the catalog (known: {known})"
+                )
+            client = await ModelForgeClient.connect(settings)
+            result = await client.request(target.capability, spec, priority=priority, tenant=tenant)
+            if not result.ok or result.lease is None or not isinstance((result.output or {}).get("profile"), dict):
+                raise ModelForgeError(
+                    FailureClass(result.failure_class or FailureClass.INVALID_OUTPUT.value),
+                    result.message or "the node returned no profile",
+                )
+            accelerator = catalog.accelerator(result.lease.accelerator)
+            measured = dict((result.output or {})["profile"])
+            envelope = {
+                **measured,
+                "deployment": target.deployment_id,
+                "accelerator": result.lease.accelerator,
+                "accelerator_model": accelerator.model if accelerator is not None and accelerator.model else "",
+                "measured_at": time.time(),
+            }
+            if not envelope["accelerator_model"]:
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID,
+                    f"{result.lease.accelerator} has no `model` in the catalog: an envelope is per accelerator model",
+                )
+            await store.record_envelope(envelope)
+        finally:
+            await store.close()
+        pools = sorted({a.pool for a in catalog.accelerators})
+        temporal = await connect(settings)
+        for pool in pools:  # the schedulers reload the catalog, now with the measured envelope
+            await temporal.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+        return envelope
+
+    try:
+        envelope = _run(go)
+    except ModelForgeError as error:
+        _fail(error, 1)
+    if as_json:
+        _json(envelope)
+        return
+    label = " (SIMULATED device)" if envelope.get("simulated") else ""
+    out.print(
+        f"{envelope['deployment']} on {envelope['accelerator_model']} ({envelope['accelerator']}){label}: "
+        f"idle {human_bytes(envelope['idle_bytes'])}, peak {human_bytes(envelope['peak_bytes'])}; "
+        f"{envelope['runtime']} ({envelope['runtime_version']})"
+    )
+    table = Table(title="cases")
+    for column in ("batch", "words", "concurrency", "peak", "seconds"):
+        table.add_column(column, justify="right")
+    for case in envelope["cases"]:
+        table.add_row(
+            str(case["batch_size"]),
+            str(case["context_words"]),
+            str(case["concurrency"]),
+            human_bytes(case["peak_bytes"]),
+            f"{case['seconds']:.3f}",
+        )
+    out.print(table)
+    out.print("stored; production requests may now use this accelerator model")
+
+
+@app.command()
+def envelopes(
+    deployment: Annotated[str | None, typer.Option(help="Only this deployment.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Measured envelopes (from `modelforge profile`)."""
+    from modelforge.store import Store
+
+    url = _database_url(_settings())
+
+    async def go() -> list[dict[str, Any]]:
+        store = await Store.open(url)
+        try:
+            return await store.envelopes(deployment=deployment)
+        finally:
+            await store.close()
+
+    rows = _run(go)
+    if as_json:
+        _json(rows)
+        return
+    table = Table(title="measured envelopes")
+    for column in ("deployment", "accelerator model", "idle", "peak", "runtime", "measured"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["deployment"],
+            row["accelerator_model"] + (" (simulated)" if row["simulated"] else ""),
+            human_bytes(row["idle_bytes"]),
+            human_bytes(row["peak_bytes"]),
+            f"{row['runtime']} ({row['runtime_version']})",
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(row["measured_at"]))),
+        )
+    out.print(table)
+
+
 @catalog_app.command("apply")
 def catalog_apply(file: Path) -> None:
     """Validate FILE and apply it atomically; the running scheduler reloads it."""

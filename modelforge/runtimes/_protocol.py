@@ -27,6 +27,10 @@ class Runtime(Protocol):
 
     name: str
 
+    def version(self) -> str:
+        """What ran, for envelopes: the runtime library's version or the server's program."""
+        ...
+
     async def load(
         self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
     ) -> LoadedModel: ...

@@ -81,6 +81,18 @@ class SentenceTransformersRuntime:
         # torch numbers cards fastest-first unless told otherwise; NVML, and so ModelForge, by PCI bus.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
+    def version(self) -> str:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        parts = []
+        for package in ("sentence-transformers", "torch", BUILTIN_MODEL):
+            try:
+                parts.append(f"{package} {installed(package)}")
+            except PackageNotFoundError:
+                continue
+        return ", ".join(parts) or "sentence-transformers (not installed)"
+
     async def load(
         self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
     ) -> LoadedModel:

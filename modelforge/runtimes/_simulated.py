@@ -43,6 +43,9 @@ class SimulatedRuntime:
     def __init__(self, backend: SimulatedGpuBackend | NodeDevices) -> None:
         self._devices = backend if isinstance(backend, NodeDevices) else NodeDevices(backend)
 
+    def version(self) -> str:
+        return "simulated"
+
     async def load(
         self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
     ) -> LoadedModel:

@@ -135,6 +135,10 @@ class SubprocessHttpRuntime:
         self._artifact_root = artifact_root
         self._servers: dict[str, _Server] = {}
 
+    def version(self) -> str:
+        # The server's own version is its business; the command that ran is in the envelope.
+        return "subprocess_http"
+
     def _log_tail(self, path: Path, limit: int = 600) -> str:
         try:
             text = path.read_bytes()[-limit:].decode("utf-8", errors="replace").strip()

@@ -125,6 +125,12 @@ class Store:
             accs = await (await conn.execute("SELECT spec FROM catalog_accelerators ORDER BY id")).fetchall()
             deps = await (await conn.execute("SELECT spec FROM catalog_deployments ORDER BY capability")).fetchall()
             tenants = await (await conn.execute("SELECT spec FROM catalog_tenants ORDER BY name")).fetchall()
+            measured = await (
+                await conn.execute(
+                    "SELECT deployment, accelerator_model, idle_bytes, peak_bytes FROM envelopes"
+                    " ORDER BY deployment, accelerator_model"
+                )
+            ).fetchall()
         catalog, _ = parse_catalog(
             {
                 "accelerators": [row[0] for row in accs],
@@ -132,7 +138,45 @@ class Store:
                 "tenants": [row[0] for row in tenants],
             }
         )
-        return catalog
+        return with_measured_envelopes(catalog, [(str(d), str(m), int(i), int(p)) for d, m, i, p in measured])
+
+    async def record_envelope(self, envelope: dict[str, Any]) -> None:
+        """Store one measured envelope (replacing the last one for its deployment and model)."""
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO envelopes (deployment, accelerator_model, accelerator, idle_bytes, peak_bytes, runtime,"
+                " runtime_version, configuration, cases, simulated, measured_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (deployment, accelerator_model) DO UPDATE SET accelerator = EXCLUDED.accelerator,"
+                " idle_bytes = EXCLUDED.idle_bytes, peak_bytes = EXCLUDED.peak_bytes, runtime = EXCLUDED.runtime,"
+                " runtime_version = EXCLUDED.runtime_version, configuration = EXCLUDED.configuration,"
+                " cases = EXCLUDED.cases, simulated = EXCLUDED.simulated, measured_at = EXCLUDED.measured_at",
+                (
+                    envelope["deployment"],
+                    envelope["accelerator_model"],
+                    envelope["accelerator"],
+                    envelope["idle_bytes"],
+                    envelope["peak_bytes"],
+                    envelope["runtime"],
+                    envelope["runtime_version"],
+                    Jsonb(envelope["configuration"]),
+                    Jsonb(envelope["cases"]),
+                    envelope["simulated"],
+                    _timestamp(envelope["measured_at"]),
+                ),
+            )
+
+    async def envelopes(self, *, deployment: str | None = None) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT deployment, accelerator_model, accelerator, idle_bytes, peak_bytes, runtime, runtime_version,"
+                " configuration, cases, simulated, extract(epoch from measured_at)::float8 AS measured_at FROM envelopes"
+                " WHERE %(deployment)s::text IS NULL OR deployment = %(deployment)s"
+                " ORDER BY deployment, accelerator_model",
+                {"deployment": deployment},
+            )
+            columns = [c.name for c in cursor.description or []]
+            return [dict(zip(columns, row, strict=True)) for row in await cursor.fetchall()]
 
     async def record_events(self, events: list[EventRecord]) -> int:
         """Write events and the lease-ledger rows they imply, in one transaction. Idempotent:
@@ -346,6 +390,30 @@ class Store:
         for row in rows:
             row["at"] = row["at"].isoformat()
         return rows
+
+
+def with_measured_envelopes(catalog: Catalog, measured: list[tuple[str, str, int, int]]) -> Catalog:
+    """The catalog as admission uses it: a deployment is eligible for production on every
+    accelerator model it has a measured envelope for, and its envelope is never smaller than the
+    largest peak measured (a declared envelope below a measured peak would admit what crashes)."""
+    by_deployment: dict[str, list[tuple[str, int, int]]] = {}
+    for deployment, model, idle, peak in measured:
+        by_deployment.setdefault(deployment, []).append((model, idle, peak))
+    if not by_deployment:
+        return catalog
+    deployments = []
+    for dep in catalog.deployments:
+        rows = by_deployment.get(dep.deployment_id, [])
+        if rows:
+            envelope = max([dep.envelope_bytes, *(peak for _, _, peak in rows)])
+            idle = max(idle for _, idle, _ in rows)
+            models = sorted({*dep.measured_on, *(model for model, _, _ in rows)})
+            resident = dep.idle_bytes if dep.idle_bytes is not None else idle
+            dep = dataclasses.replace(
+                dep, envelope_bytes=envelope, idle_bytes=min(envelope, max(resident, idle)), measured_on=models
+            )
+        deployments.append(dep)
+    return dataclasses.replace(catalog, deployments=deployments)
 
 
 def _timestamp(seconds: float) -> datetime:
