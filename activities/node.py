@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from modelforge.messages import (
     ReclaimInput,
     ReclaimResult,
     ReleaseSignal,
+    RuntimeOpResult,
     device_index,
 )
 from modelforge.runtimes import LoadedModel, Runtime, process_tree, resolve_artifact, rss_bytes, verify_artifact
@@ -236,20 +237,52 @@ class NodeActivities:
             }
         }
 
+    async def _operate(self, key: str, operation: str, action: Callable[[Runtime, LoadedModel], Awaitable[Any]]) -> Any:
+        runtime, model = self._model(key)
+        started = time.monotonic()
+        try:
+            result = await action(runtime, model)
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+        seconds = time.monotonic() - started
+        log.info(f"model_{operation}", key=key, seconds=round(seconds, 3))
+        return result, seconds
+
+    @activity.defn(name="sleep_model")
+    async def sleep_model(self, key: str) -> RuntimeOpResult:
+        """Free most of a resident's device memory (where its runtime can), timed."""
+        asleep, seconds = await self._operate(key, "sleep", lambda runtime, model: runtime.sleep(model))
+        return RuntimeOpResult(key, "sleep", seconds, bytes_after=int(asleep))
+
+    @activity.defn(name="wake_model")
+    async def wake_model(self, key: str) -> RuntimeOpResult:
+        awake, seconds = await self._operate(key, "wake", lambda runtime, model: runtime.wake(model, _heartbeat))
+        return RuntimeOpResult(key, "wake", seconds, bytes_after=int(awake))
+
+    @activity.defn(name="checkpoint_model")
+    async def checkpoint_model(self, key: str) -> RuntimeOpResult:
+        location, seconds = await self._operate(key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, {}))
+        return RuntimeOpResult(key, "checkpoint", seconds, location=str(location))
+
     @activity.defn(name="unload_model")
-    async def unload_model(self, key: str) -> None:
+    async def unload_model(self, key: str) -> float | None:
+        """Stop the model; returns how long the runtime took (None when it was already gone)."""
         entry = self._loaded.pop(key, None)
         if entry is None:
-            return  # already gone: unloading is idempotent
+            return None  # already gone: unloading is idempotent
         runtime, model = entry
         # An in-process model shares the worker's pid (and its CUDA context, which stays): only a
         # process ModelForge started is watched by pid; the rest by name.
         if model.owns_process:
             self._unloaded_pids[key] = process_tree(model.pid)
+        started = time.monotonic()
         try:
             await runtime.unload(model)
         except ModelForgeError as error:
             raise as_application_error(error) from None
+        seconds = time.monotonic() - started
+        log.info("model_unloaded", key=key, unload_s=round(seconds, 3))
+        return seconds
 
     @activity.defn(name="verify_reclaim")
     async def verify_reclaim(self, request: ReclaimInput) -> ReclaimResult:

@@ -214,6 +214,17 @@ class InvokeResult:
 
 
 @dataclass(frozen=True)
+class RuntimeOpResult:
+    """A sleep, wake, checkpoint or unload as the node measured it."""
+
+    key: str
+    operation: str
+    seconds: float
+    bytes_after: int = 0  # what the model holds after it (sleep, wake)
+    location: str = ""  # checkpoint
+
+
+@dataclass(frozen=True)
 class ReclaimInput:
     key: str
     accelerator_id: str

@@ -94,6 +94,9 @@ def build_node_worker(
             node_activities.invoke,
             node_activities.unload_model,
             node_activities.verify_reclaim,
+            node_activities.sleep_model,
+            node_activities.wake_model,
+            node_activities.checkpoint_model,
         ],
     )
 

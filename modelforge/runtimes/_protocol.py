@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from modelforge.domain import Deployment
+from modelforge.failures import FailureClass, ModelForgeError
 
 
 @dataclass
@@ -40,6 +41,28 @@ class Runtime(Protocol):
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]: ...
 
     async def unload(self, model: LoadedModel) -> None: ...
+
+    # Optional operations: a runtime that cannot do one raises CAPABILITY_UNAVAILABLE naming why.
+    def supports(self, deployment: Deployment) -> list[str]:
+        """Which of "sleep" (frees most device memory, far cheaper to undo than a load, as vLLM's
+        sleep mode) and "checkpoint" (saves a job's progress) this deployment can do."""
+        ...
+
+    async def sleep(self, model: LoadedModel) -> int:
+        """Free what can be freed; returns the bytes the model still holds asleep."""
+        ...
+
+    async def wake(self, model: LoadedModel, heartbeat: Heartbeat) -> int:
+        """Undo sleep; returns the bytes the model holds awake again."""
+        ...
+
+    async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
+        """Save progress; returns the checkpoint's location for the resumed run."""
+        ...
+
+
+def unsupported(runtime: str, operation: str, why: str) -> ModelForgeError:
+    return ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"{runtime} runtime cannot {operation}: {why}")
 
 
 Sleep = Callable[[float], Awaitable[None]]

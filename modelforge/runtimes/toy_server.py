@@ -75,6 +75,23 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._answer(400, {"error": "body is not JSON"})
             return
+        if self.path in ("/sleep?level=1", "/sleep"):  # vLLM's sleep mode: weights leave the card
+            self.server.weights = bytearray()
+            self.server.asleep = True
+            self._answer(200, {"asleep": True})
+            return
+        if self.path == "/wake_up":
+            self.server.weights = _touched(self.server.hold_mib)
+            self.server.asleep = False
+            self._answer(200, {"asleep": False})
+            return
+        if self.path == "/checkpoint":
+            self.server.checkpoints += 1
+            self._answer(200, {"location": f"toy://{os.getpid()}/checkpoint-{self.server.checkpoints}"})
+            return
+        if self.server.asleep:
+            self._answer(503, {"error": "asleep: POST /wake_up first"})
+            return
         fault = self.server.fault
         if fault == "crash-on-invoke":
             sys.stderr.write("toy_server: crashing on purpose (--fault crash-on-invoke)\n")
@@ -132,6 +149,18 @@ class _ToyServer(ThreadingHTTPServer):
     fault: str = ""
     ready_at: float = 0.0
     children: list[int] = []
+    weights: bytearray = bytearray()
+    hold_mib: int = 0
+    asleep: bool = False
+    checkpoints: int = 0
+
+
+def _touched(mib: int) -> bytearray:
+    """`mib` MiB with every page written, so it is resident memory, as loaded weights are."""
+    weights = bytearray(mib * 1024 * 1024)
+    for offset in range(0, len(weights), 4096):
+        weights[offset] = 1
+    return weights
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,10 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     if options.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    weights = bytearray(options.hold_mib * 1024 * 1024)
-    for offset in range(0, len(weights), 4096):  # touch every page so it is resident
-        weights[offset] = 1
     server = _ToyServer((options.host, options.port), _Handler)
+    server.hold_mib = options.hold_mib
+    server.weights = _touched(options.hold_mib)
     server.children = []
     if options.orphan_worker:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)

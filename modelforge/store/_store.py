@@ -170,7 +170,8 @@ class Store:
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 "SELECT deployment, accelerator_model, accelerator, idle_bytes, peak_bytes, runtime, runtime_version,"
-                " configuration, cases, simulated, extract(epoch from measured_at)::float8 AS measured_at FROM envelopes"
+                " configuration, cases, simulated, extract(epoch from measured_at)::float8 AS measured_at"
+                " FROM envelopes"
                 " WHERE %(deployment)s::text IS NULL OR deployment = %(deployment)s"
                 " ORDER BY deployment, accelerator_model",
                 {"deployment": deployment},

@@ -314,3 +314,66 @@ async def test_httpx_is_not_asked_to_use_a_proxy(monkeypatch: pytest.MonkeyPatch
         assert isinstance(runtime._servers[model.resident_key].client, httpx.AsyncClient)
     finally:
         await runtime.unload(model)
+
+
+async def test_sleep_wake_and_checkpoint_through_the_node_are_timed_and_measured(tmp_path: Path) -> None:
+    # On the CPU device the bytes are real: the server's 256 MiB of weights leave and come back.
+    node = devices(host=True)
+    runtime = SubprocessHttpRuntime(node, tmp_path)
+    activities = NodeActivities("n", node, {"subprocess_http": runtime})
+    environment = ActivityEnvironment()
+    deployment = toy(
+        "--hold-mib", "256", sleep_path="/sleep?level=1", wake_path="/wake_up", checkpoint_path="/checkpoint"
+    )
+    assert runtime.supports(deployment) == ["sleep", "checkpoint"]
+    key = "toy.embedding@1@n/cpu"
+    await environment.run(activities.load_model, LoadInput(key, deployment, "n/cpu", CPU_DEVICE_INDEX, ""))
+    loaded_bytes = activities._loaded[key][1].measured_bytes
+    assert loaded_bytes >= 256 * MiB
+    asleep = await environment.run(activities.sleep_model, key)
+    assert asleep.operation == "sleep" and asleep.seconds >= 0
+    assert asleep.bytes_after < loaded_bytes - 200 * MiB  # most of it given back
+    with pytest.raises(ApplicationError) as refused:  # asleep: it answers 503, a crash to the runtime
+        await environment.run(activities.invoke, InvokeInput(key=key, lease_id="L", payload={"text": "x"}))
+    assert refused.value.type == FailureClass.RUNTIME_CRASH.value
+    awake = await environment.run(activities.wake_model, key)
+    assert awake.bytes_after >= 256 * MiB
+    checkpoint = await environment.run(activities.checkpoint_model, key)
+    assert checkpoint.location.startswith("toy://") and checkpoint.location.endswith("/checkpoint-1")
+    unload_s = await environment.run(activities.unload_model, key)
+    assert unload_s is not None and 0 <= unload_s < 5
+    assert await environment.run(activities.unload_model, key) is None  # idempotent
+
+
+async def test_operations_a_runtime_cannot_do_say_why(tmp_path: Path) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    activities = NodeActivities("n", runtime._devices, {"subprocess_http": runtime})
+    environment = ActivityEnvironment()
+    key = "toy.embedding@1@n/0"
+    await environment.run(activities.load_model, LoadInput(key, toy(), "n/0", 0, UUID))
+    try:
+        for operation in (activities.sleep_model, activities.checkpoint_model):
+            with pytest.raises(ApplicationError) as refused:
+                await environment.run(operation, key)
+            assert refused.value.type == FailureClass.CAPABILITY_UNAVAILABLE.value
+            assert "_path is not set" in str(refused.value)
+    finally:
+        await environment.run(activities.unload_model, key)
+    with pytest.raises(CatalogError, match="sleep_path and wake_path come together"):
+        parse_catalog(_catalog(command=["vllm"], runtime_config={"sleep_path": "/sleep"}))
+
+
+async def test_the_simulated_runtime_sleeps_to_a_tenth_on_its_card() -> None:
+    from modelforge.runtimes import SimulatedRuntime
+
+    node = devices()
+    runtime = SimulatedRuntime(node)
+    deployment = Deployment(capability="llm@1", envelope_bytes=10 * GiB)
+    model = await runtime.load("llm@1@n/0", deployment, 0, UUID, quiet)
+    assert node.sample()[0].used_bytes == 10 * GiB
+    assert await runtime.sleep(model) == GiB and node.sample()[0].used_bytes == GiB
+    assert await runtime.wake(model, quiet) == 10 * GiB and node.sample()[0].used_bytes == 10 * GiB
+    with pytest.raises(ModelForgeError, match="cannot checkpoint"):
+        await runtime.checkpoint(model, {})
+    await runtime.unload(model)
+    assert node.sample()[0].used_bytes == 0
