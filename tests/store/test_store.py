@@ -18,7 +18,7 @@ from modelforge.store import Store, redact
 async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) -> None:
     store = await Store.open(database_url)
     try:
-        assert await store.migrate() == ["0001_initial.sql", "0002_ledger_snapshots_alerts.sql"]
+        assert await store.migrate() == ["0001_initial.sql", "0002_ledger_snapshots_alerts.sql", "0003_envelopes.sql"]
         assert await store.migrate() == []  # re-run: nothing new
         catalog, _ = load_catalog_file(example_catalog_path())
         await store.apply_catalog(catalog)

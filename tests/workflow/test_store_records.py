@@ -97,7 +97,8 @@ async def test_snapshots_carry_what_status_shows(time_skipping_env: WorkflowEnvi
         assert row["external_bytes"] == 6 * GiB and row["simulated"] is True
         assert row["received_at"] is not None and row["received_at"] <= row["at"]
         trend = await stack.store.capacity(since_s=600, buckets=1)
-        assert {r["accelerator"] for r in trend} == {"gpu-node/0", "desktop/0"}
+        # Every accelerator of the example catalog, the declared CPU device included.
+        assert {r["accelerator"] for r in trend} == {"gpu-node/0", "gpu-node/cpu", "desktop/0"}
 
 
 async def _alerts(stack: Stack, kind: str, deployment: str) -> list[dict[str, Any]]:
