@@ -23,6 +23,7 @@ from modelforge.policy._decisions import (
     Reject,
 )
 from modelforge.policy._order import decayed_usage, insert_in_submission_order
+from modelforge.policy._queue_index import current_index, queue_index
 from modelforge.policy._state import (
     CapabilityHealth,
     Lease,
@@ -121,11 +122,12 @@ def validate_request(
             f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; {what}",
         )
     priority = resolve_priority(state, request)
-    if any(q.request_id == request.request_id for q in state.queue) or any(
+    index = queue_index(state)
+    if request.request_id in index.by_id or any(
         lease.request_id == request.request_id for lease in state.leases.values()
     ):
         raise AdmissionRejected(FailureClass.LEASE_CONFLICT, f"request {request.request_id} is already admitted")
-    queued = sum(1 for q in state.queue if q.capability == request.capability)
+    queued = index.per_capability.get(request.capability, 0)
     if queued >= deployment.queue_limit:
         raise AdmissionRejected(
             FailureClass.QUEUE_FULL,
@@ -150,7 +152,10 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: Priority, now
         lease_timeout_at=now + timeout,
         deadline_at=None if request.deadline_s is None else now + request.deadline_s,
     )
+    index = current_index(state)
     insert_in_submission_order(state.queue, queued)
+    if index is not None:
+        index.added(queued)
     return queued
 
 
@@ -163,7 +168,8 @@ def apply_decisions(
     """Carry out decisions on the state. `workflow_ids` maps a new resident key to the id of the
     residency workflow that will own it."""
     events: list[PolicyEvent] = []
-    by_id = {q.request_id: q for q in state.queue}
+    index = queue_index(state)
+    by_id = index.by_id
     done: list[str] = []
     for load in decisions.loads:
         deployment = state.catalog.deployment(load.deployment)
@@ -183,7 +189,7 @@ def apply_decisions(
         )
         for request_id in load.for_requests:
             if request_id in by_id:
-                by_id[request_id].assigned_to = load.resident_key
+                index.assign(by_id[request_id], load.resident_key)
         events.append(
             PolicyEvent(
                 kind="load_requested",
@@ -194,7 +200,7 @@ def apply_decisions(
         )
     for assign in decisions.assigns:
         if assign.request_id in by_id:
-            by_id[assign.request_id].assigned_to = assign.resident_key
+            index.assign(by_id[assign.request_id], assign.resident_key)
     for grant in decisions.grants:
         lease = grant.lease
         state.leases[lease.lease_id] = lease
@@ -271,11 +277,18 @@ def apply_decisions(
         )
     for wait in decisions.waits:
         if wait.request_id in by_id:
-            by_id[wait.request_id].waiting_reason = wait.reason
+            index.set_reason(by_id[wait.request_id], wait.reason)
     if done:
-        finished = set(done)
-        state.queue = [q for q in state.queue if q.request_id not in finished]
+        _drop(state, dict.fromkeys(done, True))
     return events
+
+
+def _drop(state: PoolState, gone: dict[str, bool]) -> None:
+    """Take requests off the queue, and out of its index."""
+    index = current_index(state)
+    state.queue = [q for q in state.queue if q.request_id not in gone]
+    if index is not None:
+        index.removed(gone, state.queue)
 
 
 def note_outcome(state: PoolState, capability: str, outcome: str, message: str, now: float) -> None:
@@ -422,7 +435,7 @@ def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -
     """The requester gave up (timeout, cancel): drop it from the queue and release any lease."""
     events: list[PolicyEvent] = []
     before = len(state.queue)
-    state.queue = [q for q in state.queue if q.request_id != request_id]
+    _drop(state, {request_id: True})
     if len(state.queue) != before:
         events.append(PolicyEvent(kind="request_cancelled", request_id=request_id, message=reason))
     for lease_id in [lid for lid, lease in state.leases.items() if lease.request_id == request_id]:
@@ -467,8 +480,7 @@ def resident_failed(
         state.warm_backoff[resident.deployment] = [failures, now + min(600.0, 10.0 * 2 ** (failures - 1))]
     rejects = [Reject(q.request_id, q.workflow_id, failure, message) for q in state.queue if q.assigned_to == key]
     if rejects:
-        gone = {r.request_id for r in rejects}
-        state.queue = [q for q in state.queue if q.request_id not in gone]
+        _drop(state, {r.request_id: True for r in rejects})
     events = [
         PolicyEvent(
             kind="load_failed",

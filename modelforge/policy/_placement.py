@@ -13,18 +13,23 @@ scheduler workflow, so it is built to stay near-linear in the queue and the pool
 - a pass only ever consumes capacity, so once an unplaced request of a deployment has to wait
   (or can never fit), every later request of that deployment and the same filter outcome would
   too: its outcome is reused rather than recomputed;
-- wait reasons are summarised per kind of reason, never one line per accelerator.
+- wait reasons are summarised per kind of reason, never one line per accelerator;
+- the queue is walked through an index kept across passes (`_queue_index.py`): a lane of
+  requests that would only be told, again, the reason they already wait for is passed over whole.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from modelforge.domain import Accelerator, Deployment, Priority, Residency, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import Budget, budget_from_sums
 from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, StartLoad, Unload, Wait
-from modelforge.policy._order import RANK, ordered_buckets
+from modelforge.policy._order import RANK, fair_share_scores, ordered_buckets
+from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
 
 _IDLE_RUNTIME = AcceleratorRuntime()
@@ -232,7 +237,7 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
         deployment = catalog.deployment(resident.deployment)
         concurrency = deployment.concurrency if deployment else 1
         pass_.slots[resident.key] = concurrency - resident.active_leases
-    for queued in state.queue:
+    for queued in queue_index(state).assigned.values():
         if queued.assigned_to:
             waited_on = state.residents.get(queued.assigned_to)
             if waited_on is None or waited_on.phase not in (ResidentPhase.LOADING, ResidentPhase.READY):
@@ -309,7 +314,9 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     deployments: dict[str, Deployment | None] = {}
     settled_production: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
     settled_other: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
-    for bucket in ordered_buckets(state, now):
+    if reuse_settled:
+        counter = _decide_queue(pass_, decisions, settled_production, settled_other, now, counter)
+    for bucket in [] if reuse_settled else ordered_buckets(state, now):
         # A bucket holds one class, so one settled table serves all of it.
         settled_by = settled_production if bucket[0].priority == _PRODUCTION else settled_other
         for queued in bucket:
@@ -374,9 +381,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
 
     # load_on_demand and batch residents go when their last lease has ended and nobody waits.
     waiting_on = {a.resident_key: True for a in decisions.assigns}
-    for queued in state.queue:
-        if queued.assigned_to:
-            waiting_on[queued.assigned_to] = True
+    for queued in queue_index(state).assigned.values():
+        waiting_on[queued.assigned_to] = True
     granted_on = {g.lease.resident_key: True for g in decisions.grants}
     for resident in state.residents.values():
         if (
@@ -388,6 +394,104 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         ):
             decisions.unloads.append(Unload(resident.key, "last lease ended (load_on_demand)"))
     return decisions
+
+
+Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]
+
+
+def _decide_queue(
+    pass_: _Pass, decisions: Decisions, settled_production: Settled, settled_other: Settled, now: float, counter: int
+) -> int:
+    """The queue in order (class, fair-share score, submission time, request id), walked through
+    its index: lanes of one class, tenant and capability, merged by submission time where several
+    share a (class, score). Once a capability has settled on waiting in this pass, a lane of it
+    whose every request already carries that reason (none expired, none waiting on a load) is
+    passed over whole: it would decide nothing. Everything else is decided request by request,
+    exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare."""
+    state = pass_.state
+    catalog = state.catalog
+    scores = fair_share_scores(state, now)
+    groups: dict[tuple[int, float], list[Lane]] = {}
+    for lane in queue_index(state).lanes.values():
+        key = (RANK[lane.priority], -scores.get(lane.tenant, 0.0))
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [lane]
+        else:
+            group.append(lane)
+    deployments: dict[str, Deployment | None] = {}
+    for key in sorted(groups):
+        lanes = groups[key]
+        settled_by = settled_production if key[0] == _PRODUCTION_RANK else settled_other
+
+        walk = _single(lanes[0], settled_by, now) if len(lanes) == 1 else _merged(lanes, settled_by, now)
+        for queued in walk:
+            if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
+                decisions.rejects.append(_expired(queued, now))
+                continue
+            capability = queued.capability
+            if not queued.assigned_to:
+                settled = settled_by.get(capability)
+                if settled is not None:
+                    if settled[0] is None:
+                        if queued.waiting_reason != settled[1]:
+                            decisions.waits.append(Wait(queued.request_id, settled[1]))
+                    else:
+                        decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
+                    continue
+            if capability in deployments:
+                deployment = deployments[capability]
+            else:
+                deployment = deployments[capability] = catalog.deployment_for(capability)
+            if deployment is None:
+                decisions.rejects.append(
+                    Reject(
+                        queued.request_id,
+                        queued.workflow_id,
+                        FailureClass.CAPABILITY_UNAVAILABLE,
+                        f"{capability} was removed from the catalog",
+                    )
+                )
+                continue
+            counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
+    return counter
+
+
+def _skippable(lane: Lane, settled_by: Settled, now: float) -> bool:
+    settled = settled_by.get(lane.capability)
+    return settled is not None and settled[0] is None and lane.uniformly_waiting(settled[1], now)
+
+
+def _single(lane: Lane, settled_by: Settled, now: float) -> Iterator[QueuedRequest]:
+    capability = lane.capability
+    items = iter(lane.items)
+    # Until the capability settles, request by request; once it has (it stays so for the pass),
+    # the lane is skipped whole or walked to the end.
+    for queued in items:
+        settled = settled_by.get(capability)
+        if settled is not None:
+            if settled[0] is None and lane.uniformly_waiting(settled[1], now):
+                return
+            yield queued
+            yield from items
+            return
+        yield queued
+
+
+def _merged(lanes: list[Lane], settled_by: Settled, now: float) -> Iterator[QueuedRequest]:
+    """Requests of several lanes in submission order; a lane leaves once it is skippable."""
+    heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
+    heapq.heapify(heads)
+    while heads:
+        _, _, n, position = heapq.heappop(heads)
+        lane = lanes[n]
+        if _skippable(lane, settled_by, now):
+            continue
+        yield lane.items[position]
+        position += 1
+        if position < len(lane.items):
+            following = lane.items[position]
+            heapq.heappush(heads, (following.submitted_at, following.request_id, n, position))
 
 
 def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:

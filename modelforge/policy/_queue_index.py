@@ -1,0 +1,166 @@
+"""An index of the queue kept across decision passes, so a pass costs what changed rather than
+the length of the queue.
+
+The queue (`PoolState.queue`, in submission order) stays the truth: it is what the scheduler
+carries across continue-as-new and what `status` shows. The index is derived from it and kept
+beside it (in the state's `__dict__`, never serialized): lanes of requests sharing a class, a
+tenant and a capability, each in submission order with what lets a pass skip it whole (how many
+wait on a load, the earliest expiry, how many carry each waiting reason), plus lookups by id and
+per capability. Every transition that changes the queue tells the index; a queue replaced or
+resized behind its back (its identity or length differ) is re-indexed from scratch, so a missed
+update costs speed, never a wrong decision."""
+
+from __future__ import annotations
+
+import math
+from bisect import insort
+
+from modelforge.domain import Priority
+from modelforge.policy._state import PoolState, QueuedRequest
+
+_KEY = "_policy_queue_index"
+
+
+def expiry(queued: QueuedRequest) -> float:
+    return queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
+
+
+def _submission_key(queued: QueuedRequest) -> tuple[float, str]:
+    return (queued.submitted_at, queued.request_id)
+
+
+class Lane:
+    """The queued requests of one (class, tenant, capability), in submission order."""
+
+    __slots__ = ("assigned", "capability", "items", "min_expiry", "priority", "reasons", "tenant")
+
+    def __init__(self, priority: Priority, tenant: str, capability: str) -> None:
+        self.priority = priority
+        self.tenant = tenant
+        self.capability = capability
+        self.items: list[QueuedRequest] = []
+        self.assigned = 0  # requests waiting on a load (never settled in bulk)
+        self.reasons: dict[str, int] = {}  # waiting reason -> how many carry it
+        self.min_expiry = math.inf  # never above the earliest expiry in the lane
+
+    def add(self, queued: QueuedRequest) -> None:
+        if not self.items or _submission_key(self.items[-1]) <= _submission_key(queued):
+            self.items.append(queued)
+        else:
+            insort(self.items, queued, key=_submission_key)
+        self.assigned += bool(queued.assigned_to)
+        self.reasons[queued.waiting_reason] = self.reasons.get(queued.waiting_reason, 0) + 1
+        self.min_expiry = min(self.min_expiry, expiry(queued))
+
+    def remove(self, gone: dict[str, bool]) -> None:
+        kept = []
+        for queued in self.items:
+            if queued.request_id in gone:
+                self.assigned -= bool(queued.assigned_to)
+                left = self.reasons[queued.waiting_reason] - 1
+                if left:
+                    self.reasons[queued.waiting_reason] = left
+                else:
+                    del self.reasons[queued.waiting_reason]
+            else:
+                kept.append(queued)
+        self.items = kept
+        # `min_expiry` stays a lower bound (removing can only raise the true minimum); it is made
+        # exact again only when a pass needs it (`uniformly_waiting`).
+        if not kept:
+            self.min_expiry = math.inf
+
+    def uniformly_waiting(self, reason: str, now: float) -> bool:
+        """Nothing in this lane would change by being told `reason` now: none waits on a load,
+        none has expired, and every one already carries that reason."""
+        if self.assigned or self.reasons.get(reason, 0) != len(self.items):
+            return False
+        if self.min_expiry <= now:
+            self.min_expiry = min((expiry(q) for q in self.items), default=math.inf)
+        return self.min_expiry > now
+
+
+class QueueIndex:
+    def __init__(self, queue: list[QueuedRequest]) -> None:
+        self.queue = queue
+        self.length = 0
+        self.by_id: dict[str, QueuedRequest] = {}
+        self.lanes: dict[tuple[Priority, str, str], Lane] = {}
+        self.per_capability: dict[str, int] = {}
+        # Requests waiting on a load, in the order they were assigned.
+        self.assigned: dict[str, QueuedRequest] = {}
+        for queued in queue:
+            self._add(queued)
+
+    def _add(self, queued: QueuedRequest) -> None:
+        key = (queued.priority, queued.tenant, queued.capability)
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane(*key)
+        lane.add(queued)
+        self.by_id[queued.request_id] = queued
+        self.per_capability[queued.capability] = self.per_capability.get(queued.capability, 0) + 1
+        if queued.assigned_to:
+            self.assigned[queued.request_id] = queued
+        self.length += 1
+
+    def added(self, queued: QueuedRequest) -> None:
+        """`queued` was just inserted into the indexed queue."""
+        self._add(queued)
+
+    def removed(self, gone: dict[str, bool], queue: list[QueuedRequest]) -> None:
+        """The requests in `gone` left; `queue` is the queue without them."""
+        touched: dict[tuple[Priority, str, str], bool] = {}
+        for request_id in gone:
+            queued = self.by_id.pop(request_id, None)
+            if queued is None:
+                continue
+            touched[(queued.priority, queued.tenant, queued.capability)] = True
+            left = self.per_capability[queued.capability] - 1
+            if left:
+                self.per_capability[queued.capability] = left
+            else:
+                del self.per_capability[queued.capability]
+            self.assigned.pop(request_id, None)
+            self.length -= 1
+        for key in touched:
+            lane = self.lanes[key]
+            lane.remove(gone)
+            if not lane.items:
+                del self.lanes[key]
+        self.queue = queue
+
+    def assign(self, queued: QueuedRequest, resident_key: str) -> None:
+        if not queued.assigned_to and resident_key:
+            self.lanes[(queued.priority, queued.tenant, queued.capability)].assigned += 1
+            self.assigned[queued.request_id] = queued
+        queued.assigned_to = resident_key
+
+    def set_reason(self, queued: QueuedRequest, reason: str) -> None:
+        if queued.waiting_reason == reason:
+            return
+        reasons = self.lanes[(queued.priority, queued.tenant, queued.capability)].reasons
+        left = reasons[queued.waiting_reason] - 1
+        if left:
+            reasons[queued.waiting_reason] = left
+        else:
+            del reasons[queued.waiting_reason]
+        reasons[reason] = reasons.get(reason, 0) + 1
+        queued.waiting_reason = reason
+
+
+def queue_index(state: PoolState) -> QueueIndex:
+    """The index of `state.queue`, rebuilt when the queue changed behind its back."""
+    index: QueueIndex | None = state.__dict__.get(_KEY)
+    if index is None or index.queue is not state.queue or index.length != len(state.queue):
+        index = QueueIndex(state.queue)
+        state.__dict__[_KEY] = index
+    return index
+
+
+def current_index(state: PoolState) -> QueueIndex | None:
+    """The index when it matches the queue as it is now, else None (it will be rebuilt)."""
+    index: QueueIndex | None = state.__dict__.get(_KEY)
+    if index is None or index.queue is not state.queue or index.length != len(state.queue):
+        return None
+    return index
