@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
 from modelforge.messages import (
+    RESUME_KEY,
+    CheckpointInput,
     InvokeInput,
     InvokeResult,
     LoadInput,
@@ -56,10 +59,12 @@ class NodeActivities:
         client: Client | None = None,
         artifact_roots: list[Path] | None = None,
         labels: dict[str, str] | None = None,
+        checkpoint_root: Path | None = None,
     ) -> None:
         """`labels`: what this node advertises for all its accelerators (`rack_id`,
         `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML."""
         self._labels = dict(labels or {})
+        self._checkpoint_root = checkpoint_root
         self._client = client
         self._artifact_roots = artifact_roots or []
         self._node = node
@@ -179,7 +184,10 @@ class NodeActivities:
             if request.payload.get("modelforge_operation") == PROFILE_OPERATION:
                 output = await self._profile(runtime, model, request.payload)
             else:
-                output = await runtime.invoke(model, request.payload, _heartbeat)
+                self._check_resume(request.payload.get(RESUME_KEY))
+                # The lease names the invocation for a checkpoint taken while it runs.
+                payload = {**request.payload, "modelforge_lease_id": request.lease_id}
+                output = await runtime.invoke(model, payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
@@ -259,10 +267,35 @@ class NodeActivities:
         awake, seconds = await self._operate(key, "wake", lambda runtime, model: runtime.wake(model, _heartbeat))
         return RuntimeOpResult(key, "wake", seconds, bytes_after=int(awake))
 
-    @activity.defn(name="checkpoint_model")
-    async def checkpoint_model(self, key: str) -> RuntimeOpResult:
-        location, seconds = await self._operate(key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, {}))
-        return RuntimeOpResult(key, "checkpoint", seconds, location=str(location))
+    def _check_resume(self, location: object) -> None:
+        """A resume location on this filesystem must be inside the checkpoint store: a request's
+        input never makes a runtime read an arbitrary file."""
+        if location is None:
+            return
+        if not isinstance(location, str) or not location:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{RESUME_KEY} must be a non-empty string")
+        path = location.removeprefix("file://")
+        if path.startswith("/"):
+            root = self._checkpoint_root
+            if root is None or not Path(path).resolve().is_relative_to(root.resolve()):
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID, f"{RESUME_KEY}: {location!r} is outside the checkpoint store"
+                )
+
+    @activity.defn(name="checkpoint_invocation")
+    async def checkpoint_invocation(self, request: CheckpointInput) -> RuntimeOpResult:
+        """Save the running invoke's progress into the checkpoint store; returns its location."""
+        if self._checkpoint_root is None:
+            raise as_application_error(
+                ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"node {self._node} has no checkpoint store")
+            )
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", request.request_id)[:200] or "request"
+        destination = self._checkpoint_root / safe / str(request.preemption)
+        spec = {"lease_id": request.lease_id, "destination": str(destination)}
+        location, seconds = await self._operate(
+            request.key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, spec)
+        )
+        return RuntimeOpResult(request.key, "checkpoint", seconds, location=str(location))
 
     @activity.defn(name="unload_model")
     async def unload_model(self, key: str) -> float | None:

@@ -214,6 +214,20 @@ class InvokeResult:
 
 
 @dataclass(frozen=True)
+class CheckpointInput:
+    """Save the progress of the invoke running under `lease_id` before it is preempted."""
+
+    key: str
+    lease_id: str
+    request_id: str
+    preemption: int  # how many times this request was preempted before: one checkpoint each
+
+
+RESUME_KEY = "modelforge_resume_from"
+"""A request input key: the checkpoint a resumed run starts from (set by the request workflow)."""
+
+
+@dataclass(frozen=True)
 class RuntimeOpResult:
     """A sleep, wake, checkpoint or unload as the node measured it."""
 

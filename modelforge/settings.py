@@ -51,6 +51,12 @@ class Settings:
     # Where model artifacts may be read from (MODELFORGE_ARTIFACT_ROOTS, os.pathsep-separated);
     # empty: $MODELFORGE_HOME/artifacts.
     artifact_roots: tuple[Path, ...] = ()
+    # The checkpoint store of preempted work (MODELFORGE_CHECKPOINT_DIR); empty:
+    # $MODELFORGE_HOME/checkpoints. A shared filesystem when jobs may resume on another node.
+    checkpoint_dir: Path | None = None
+
+    def resolved_checkpoint_dir(self) -> Path:
+        return self.checkpoint_dir or self.home / "checkpoints"
 
     def resolved_artifact_roots(self) -> list[Path]:
         return list(self.artifact_roots) or [self.home / "artifacts"]
@@ -104,4 +110,7 @@ class Settings:
             artifact_roots=tuple(
                 Path(root) for root in os.environ.get("MODELFORGE_ARTIFACT_ROOTS", "").split(os.pathsep) if root
             ),
+            checkpoint_dir=Path(os.environ["MODELFORGE_CHECKPOINT_DIR"])
+            if os.environ.get("MODELFORGE_CHECKPOINT_DIR")
+            else None,
         )

@@ -80,7 +80,8 @@ def _node_worker(client: Client, node: str, backend: SimulatedGpuBackend, catalo
     """A node worker as `modelforge worker node --simulate-from` builds one: every runtime, the
     catalog's CPU device when it declares one on this node."""
     devices = NodeDevices(backend, host_device(node, catalog, None))
-    return build_node_worker(client, node, devices, node_runtimes(devices, Path(tempfile.gettempdir()) / "modelforge"))
+    home = Path(tempfile.gettempdir()) / "modelforge"
+    return build_node_worker(client, node, devices, node_runtimes(devices, home), checkpoint_root=home / "checkpoints")
 
 
 @contextlib.asynccontextmanager

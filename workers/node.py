@@ -77,9 +77,16 @@ def build_node_worker(
     runtimes: dict[str, Runtime],
     artifact_roots: list[Path] | None = None,
     labels: dict[str, str] | None = None,
+    checkpoint_root: Path | None = None,
 ) -> Worker:
     node_activities = NodeActivities(
-        node, backend, runtimes, client=client, artifact_roots=artifact_roots, labels=labels
+        node,
+        backend,
+        runtimes,
+        client=client,
+        artifact_roots=artifact_roots,
+        labels=labels,
+        checkpoint_root=checkpoint_root,
     )
     return Worker(
         client,
@@ -96,7 +103,7 @@ def build_node_worker(
             node_activities.verify_reclaim,
             node_activities.sleep_model,
             node_activities.wake_model,
-            node_activities.checkpoint_model,
+            node_activities.checkpoint_invocation,
         ],
     )
 
@@ -148,7 +155,15 @@ async def run(
 ) -> None:
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
     client = await connect(settings)
-    worker = build_node_worker(client, node, backend, runtimes, settings.resolved_artifact_roots(), labels)
+    worker = build_node_worker(
+        client,
+        node,
+        backend,
+        runtimes,
+        settings.resolved_artifact_roots(),
+        labels,
+        settings.resolved_checkpoint_dir(),
+    )
     try:
         async with worker:
             await ensure_telemetry(client, node, pool)

@@ -20,9 +20,11 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.messages import (
         DEFAULT_LEASE_TIMEOUT_S,
         LEASE_HEARTBEAT_S,
+        RESUME_KEY,
         AdmitCall,
         AdmitReply,
         CancelSignal,
+        CheckpointInput,
         InvokeInput,
         InvokeResult,
         LeaseDecision,
@@ -31,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         ReleaseSignal,
         RequestInput,
         RequestResult,
+        RuntimeOpResult,
     )
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
@@ -47,6 +50,9 @@ PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
 PATCH_NODE_RELEASES = "node-releases"
 # ...and before admissions the scheduler never saw were recorded as events (session 4).
 PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
+# ...and before preempted work was checkpointed and resumed from its checkpoint (session 5).
+PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
+CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
 @workflow.defn(name="CapabilityRequestWorkflow")
@@ -77,6 +83,7 @@ class CapabilityRequestWorkflow:
         started = workflow.now()
         timings: dict[str, float] = {}
         crashes = preemptions = 0
+        resume_from = ""  # the checkpoint the next run starts from, once one was taken
         while True:
             self._decision = None
             self._preempt = None
@@ -96,7 +103,7 @@ class CapabilityRequestWorkflow:
                 InvokeInput(
                     key=lease.resident_key,
                     lease_id=lease.lease_id,
-                    payload=request.input,
+                    payload={**request.input, RESUME_KEY: resume_from} if resume_from else request.input,
                     release_to=scheduler_id(request.pool) if node_releases else "",
                     request_id=request.request_id,
                 ),
@@ -121,6 +128,8 @@ class CapabilityRequestWorkflow:
                     try:
                         await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
                     except TimeoutError:
+                        if workflow.patched(PATCH_CHECKPOINT_ON_PREEMPT):
+                            resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
                         invoke.cancel()
             try:
                 result = await invoke
@@ -130,6 +139,8 @@ class CapabilityRequestWorkflow:
             if preempted:
                 assert self._preempt is not None
                 outcome, message = "preempted", self._preempt.reason
+                if resume_from:
+                    message += f"; resumes from checkpoint {resume_from}"
             # A runtime found gone (crashed, or its node restarted since the last sample) is the one
             # failure a fresh lease can cure: the scheduler drops the resident and loads it again.
             # Preempted work goes back to the queue at its class and place. Both are bounded.
@@ -172,6 +183,32 @@ class CapabilityRequestWorkflow:
             lease=lease,
             timings=timings,
         )
+
+    async def _checkpoint(self, request: RequestInput, lease: Lease, preemption: int) -> str:
+        """Ask the node to save the preempted invoke's progress; "" when its runtime cannot (the
+        run then starts over, as before checkpoints)."""
+        self._phase = "checkpointing"
+        try:
+            saved = await workflow.execute_activity(
+                "checkpoint_invocation",
+                CheckpointInput(
+                    key=lease.resident_key,
+                    lease_id=lease.lease_id,
+                    request_id=request.request_id,
+                    preemption=preemption,
+                ),
+                result_type=RuntimeOpResult,
+                task_queue=node_task_queue(lease.node),
+                # A node that is gone never picks it up: bounded from scheduling, not from start.
+                schedule_to_close_timeout=CHECKPOINT_TIMEOUT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"checkpoint {lease.deployment} before preemption",
+            )
+        except ActivityError as error:
+            workflow.logger.info("no checkpoint of %s: %s", lease.lease_id, classify(error)[1])
+            return ""
+        location: str = saved.location
+        return location
 
     async def _heartbeat_until_done(self, request: RequestInput, lease: Lease, invoke: asyncio.Task[Any]) -> None:
         """Tell the scheduler this lease's holder is alive while the invoke runs: a holder that

@@ -8,6 +8,7 @@ and no handler is running."""
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 from datetime import timedelta
 
@@ -55,6 +56,8 @@ PATCH_CAPACITY_ALERTS = "capacity-alerts"
 PATCH_RECORD_REFUSALS = "record-refusals"
 # A fresh scheduler starts fair share from the lease ledger, not from zero (session 4).
 PATCH_USAGE_FROM_LEDGER = "usage-from-ledger"
+# ...and before leases on a node silent past node_silent_s were preempted (session 5).
+PATCH_SILENT_NODES = "preempt-silent-nodes"
 
 EVENT_BATCH = 200
 MAX_ADMIT_BATCH = 500
@@ -434,7 +437,14 @@ class PoolSchedulerWorkflow:
 
     def _run_policy(self, now: float) -> None:
         self._record_all(policy.reclaim_stale_leases(self._state, now), now)
-        decisions = policy.decide(self._state, now)
+        config = self._state.config
+        if not workflow.patched(PATCH_SILENT_NODES):
+            # A scheduler run recorded before the rule replays without it.
+            self._state.config = replace(config, node_silent_s=math.inf)
+        try:
+            decisions = policy.decide(self._state, now)
+        finally:
+            self._state.config = config
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})
             return

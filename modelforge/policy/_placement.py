@@ -379,6 +379,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
                 pass_.evicting[resident.key] = True
                 decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
 
+    _preempt_on_silent_nodes(pass_, decisions, now)
+
     # load_on_demand and batch residents go when their last lease has ended and nobody waits.
     waiting_on = {a.resident_key: True for a in decisions.assigns}
     for queued in queue_index(state).assigned.values():
@@ -492,6 +494,32 @@ def _merged(lanes: list[Lane], settled_by: Settled, now: float) -> Iterator[Queu
         if position < len(lane.items):
             following = lane.items[position]
             heapq.heappush(heads, (following.submitted_at, following.request_id, n, position))
+
+
+def _preempt_on_silent_nodes(pass_: _Pass, decisions: Decisions, now: float) -> None:
+    """Leases on an accelerator whose node has said nothing for `node_silent_s` are preempted:
+    whatever runs there is out of sight, and its holder should stop and requeue rather than keep
+    a lease nobody can verify. (Nothing new lands there meanwhile: the accelerator is stale.)"""
+    state = pass_.state
+    limit = state.config.node_silent_s
+    asked = {p.lease_id: True for p in decisions.preemptions}
+    for lease in state.leases.values():
+        if lease.lease_id in state.preempting or lease.lease_id in asked:
+            continue
+        for accelerator in lease.accelerators:
+            observation = state.accelerators.get(accelerator, _IDLE_RUNTIME).observation
+            if observation is None or now - observation.received_at < limit:
+                continue
+            decisions.preemptions.append(
+                Preempt(
+                    lease.lease_id,
+                    lease.request_id,
+                    lease.workflow_id,
+                    f"{accelerator}: node silent for {now - observation.received_at:.0f} s",
+                    state.config.preempt_grace_s,
+                )
+            )
+            break
 
 
 def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:

@@ -31,6 +31,10 @@ class PolicyConfig:
     # holder gets this long to checkpoint and release.
     preempt_min_runtime_s: float = 30.0
     preempt_grace_s: float = 30.0
+    # A node whose telemetry has been silent this long (its accelerators long stale) loses its
+    # leases: they are preempted, so their holders stop and requeue, and the node's residents are
+    # reconciled against NVML when it samples again.
+    node_silent_s: float = 120.0
     fair_share_half_life_s: float = 3600.0
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
-from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel
 
 MAX_SIMULATED_INVOKE_S = 3600.0
 _pids = itertools.count(40_000)
@@ -29,6 +31,14 @@ def _fault(payload: dict[str, Any]) -> FailureClass | None:
         return FailureClass(str(name))
     except ValueError as error:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"simulate_fault: unknown class {name!r}") from error
+
+
+def _checkpointed_seconds(location: str) -> float:
+    try:
+        saved = json.loads(Path(location.removeprefix("file://")).read_text(encoding="utf-8"))
+        return max(0.0, float(saved["done_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"cannot resume from {location!r}") from None
 
 
 def _seconds(deployment: Deployment | None, name: str) -> float:
@@ -50,6 +60,7 @@ class SimulatedRuntime:
     def __init__(self, backend: SimulatedGpuBackend | NodeDevices) -> None:
         self._devices = backend if isinstance(backend, NodeDevices) else NodeDevices(backend)
         self._deployments: dict[str, Deployment] = {}
+        self._progress: dict[str, float] = {}  # lease id -> seconds of its invoke done
 
     def version(self) -> str:
         return "simulated"
@@ -89,12 +100,21 @@ class SimulatedRuntime:
                 FailureClass.REQUEST_INVALID,
                 f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}",
             )
-        remaining = float(hold)
-        while remaining > 0:
-            step = min(1.0, remaining)
-            await asyncio.sleep(step)
-            remaining -= step
-            heartbeat(f"invoking: {hold - remaining:.0f}/{hold} s")
+        # A resumed run starts where its checkpoint left off (the node has checked the location).
+        resumed_from = payload.get("modelforge_resume_from")
+        done = _checkpointed_seconds(resumed_from) if isinstance(resumed_from, str) else 0.0
+        done = min(done, float(hold))
+        lease_id = str(payload.get("modelforge_lease_id", ""))
+        self._progress[lease_id] = done
+        try:
+            while done < hold:
+                step = min(1.0, hold - done)
+                await asyncio.sleep(step)
+                done += step
+                self._progress[lease_id] = done
+                heartbeat(f"invoking: {done:.0f}/{hold} s")
+        finally:
+            self._progress.pop(lease_id, None)
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
@@ -104,6 +124,8 @@ class SimulatedRuntime:
             "deployment": model.deployment,
             "embedding": _vector(model.deployment, text),
         }
+        if isinstance(resumed_from, str):
+            output["resumed_from"] = resumed_from
         texts = payload.get("texts")
         if isinstance(texts, list):
             output["embeddings"] = [_vector(model.deployment, str(t)) for t in texts]
@@ -114,9 +136,6 @@ class SimulatedRuntime:
             output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
             output["finish_reason"] = "stop"
         return output
-
-    def supports(self, deployment: Deployment) -> list[str]:
-        return ["sleep"]
 
     async def sleep(self, model: LoadedModel) -> int:
         """As vLLM's level-1 sleep: weights leave the card, a context stays (a tenth, simulated)."""
@@ -132,8 +151,24 @@ class SimulatedRuntime:
         self._devices.allocate(model.device_index, model.pid, model.measured_bytes, f"modelforge:{model.resident_key}")
         return model.measured_bytes
 
+    def supports(self, deployment: Deployment) -> list[str]:
+        return ["sleep", "checkpoint"]
+
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
-        raise unsupported(self.name, "checkpoint", "a simulated invoke has no state to save")
+        """The seconds of `simulate_invoke_s` done so far, as JSON in the checkpoint store."""
+        lease_id = str(payload.get("lease_id", ""))
+        if lease_id not in self._progress:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no invoke of lease {lease_id!r} is running")
+        destination = Path(str(payload["destination"]))
+        done = self._progress[lease_id]
+
+        def write() -> Path:
+            destination.mkdir(parents=True, exist_ok=True)
+            target = destination / "checkpoint.json"
+            target.write_text(json.dumps({"simulated": True, "done_s": done, "lease_id": lease_id}))
+            return target
+
+        return str(await asyncio.to_thread(write))
 
     async def unload(self, model: LoadedModel) -> None:
         self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")

@@ -338,11 +338,13 @@ class SubprocessHttpRuntime:
         config = SubprocessHttpConfig.of(deployment)
         return [op for op, path in (("sleep", config.sleep_path), ("checkpoint", config.checkpoint_path)) if path]
 
-    async def _post(self, server: _Server, path: str, operation: str) -> httpx.Response:
+    async def _post(
+        self, server: _Server, path: str, operation: str, body: dict[str, Any] | None = None
+    ) -> httpx.Response:
         if not path:
             raise unsupported(self.name, operation, f"runtime_config.{operation}_path is not set")
         try:
-            answer = await server.client.post(path, timeout=server.config.request_timeout_s)
+            answer = await server.client.post(path, json=body, timeout=server.config.request_timeout_s)
         except httpx.HTTPError as error:
             raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{operation} {path}: {type(error).__name__}") from None
         if answer.status_code != 200:
@@ -373,7 +375,8 @@ class SubprocessHttpRuntime:
 
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         server = self._server(model)
-        answer = await self._post(server, server.config.checkpoint_path, "checkpoint")
+        # The server writes its state where the node's checkpoint store says and names it.
+        answer = await self._post(server, server.config.checkpoint_path, "checkpoint", payload)
         try:
             location = answer.json()["location"]
         except (ValueError, KeyError, TypeError):

@@ -87,7 +87,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/checkpoint":
             self.server.checkpoints += 1
-            self._answer(200, {"location": f"toy://{os.getpid()}/checkpoint-{self.server.checkpoints}"})
+            spec = body if isinstance(body, dict) else {}
+            destination = spec.get("destination")
+            if destination:  # the node's checkpoint store: write the state there
+                os.makedirs(destination, exist_ok=True)
+                target = os.path.join(destination, "toy-state.json")
+                with open(target, "w", encoding="utf-8") as state:
+                    json.dump({"checkpoints": self.server.checkpoints, "lease_id": spec.get("lease_id")}, state)
+                self._answer(200, {"location": target})
+            else:
+                self._answer(200, {"location": f"toy://{os.getpid()}/checkpoint-{self.server.checkpoints}"})
             return
         if self.server.asleep:
             self._answer(503, {"error": "asleep: POST /wake_up first"})

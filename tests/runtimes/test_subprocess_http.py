@@ -5,6 +5,7 @@ crashes mid-request, answers garbage or NaN, hangs, will not stop, leaves memory
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -29,7 +30,7 @@ from modelforge.gpu import (
     SimulatedDevice,
     SimulatedGpuBackend,
 )
-from modelforge.messages import InvokeInput, LoadInput, ReclaimInput
+from modelforge.messages import CheckpointInput, InvokeInput, LoadInput, ReclaimInput
 from modelforge.runtimes import LoadedModel, SubprocessHttpRuntime, process_tree
 from modelforge.runtimes._process import alive
 
@@ -320,7 +321,8 @@ async def test_sleep_wake_and_checkpoint_through_the_node_are_timed_and_measured
     # On the CPU device the bytes are real: the server's 256 MiB of weights leave and come back.
     node = devices(host=True)
     runtime = SubprocessHttpRuntime(node, tmp_path)
-    activities = NodeActivities("n", node, {"subprocess_http": runtime})
+    store = tmp_path / "checkpoints"
+    activities = NodeActivities("n", node, {"subprocess_http": runtime}, checkpoint_root=store)
     environment = ActivityEnvironment()
     deployment = toy(
         "--hold-mib", "256", sleep_path="/sleep?level=1", wake_path="/wake_up", checkpoint_path="/checkpoint"
@@ -338,8 +340,15 @@ async def test_sleep_wake_and_checkpoint_through_the_node_are_timed_and_measured
     assert refused.value.type == FailureClass.RUNTIME_CRASH.value
     awake = await environment.run(activities.wake_model, key)
     assert awake.bytes_after >= 256 * MiB
-    checkpoint = await environment.run(activities.checkpoint_model, key)
-    assert checkpoint.location.startswith("toy://") and checkpoint.location.endswith("/checkpoint-1")
+    # The server writes its state into the node's checkpoint store, under the request's id.
+    checkpoint = await environment.run(activities.checkpoint_invocation, CheckpointInput(key, "L", "../r/1", 0))
+    assert checkpoint.location == str(store / ".._r_1" / "0" / "toy-state.json")
+    assert json.loads(Path(checkpoint.location).read_text()) == {"checkpoints": 1, "lease_id": "L"}
+    # A resume location outside the store is refused before any runtime sees it.
+    outside = InvokeInput(key=key, lease_id="L2", payload={"text": "x", "modelforge_resume_from": "/etc/passwd"})
+    with pytest.raises(ApplicationError, match="outside the checkpoint store") as refused:
+        await environment.run(activities.invoke, outside)
+    assert refused.value.type == FailureClass.REQUEST_INVALID.value
     unload_s = await environment.run(activities.unload_model, key)
     assert unload_s is not None and 0 <= unload_s < 5
     assert await environment.run(activities.unload_model, key) is None  # idempotent
@@ -347,14 +356,17 @@ async def test_sleep_wake_and_checkpoint_through_the_node_are_timed_and_measured
 
 async def test_operations_a_runtime_cannot_do_say_why(tmp_path: Path) -> None:
     runtime = SubprocessHttpRuntime(devices(), tmp_path)
-    activities = NodeActivities("n", runtime._devices, {"subprocess_http": runtime})
+    activities = NodeActivities("n", runtime._devices, {"subprocess_http": runtime}, checkpoint_root=tmp_path)
     environment = ActivityEnvironment()
     key = "toy.embedding@1@n/0"
     await environment.run(activities.load_model, LoadInput(key, toy(), "n/0", 0, UUID))
     try:
-        for operation in (activities.sleep_model, activities.checkpoint_model):
+        for operation, argument in (
+            (activities.sleep_model, key),
+            (activities.checkpoint_invocation, CheckpointInput(key, "L", "r", 0)),
+        ):
             with pytest.raises(ApplicationError) as refused:
-                await environment.run(operation, key)
+                await environment.run(operation, argument)  # type: ignore[arg-type]
             assert refused.value.type == FailureClass.CAPABILITY_UNAVAILABLE.value
             assert "_path is not set" in str(refused.value)
     finally:
@@ -373,7 +385,7 @@ async def test_the_simulated_runtime_sleeps_to_a_tenth_on_its_card() -> None:
     assert node.sample()[0].used_bytes == 10 * GiB
     assert await runtime.sleep(model) == GiB and node.sample()[0].used_bytes == GiB
     assert await runtime.wake(model, quiet) == 10 * GiB and node.sample()[0].used_bytes == 10 * GiB
-    with pytest.raises(ModelForgeError, match="cannot checkpoint"):
-        await runtime.checkpoint(model, {})
+    with pytest.raises(ModelForgeError, match="no invoke of lease 'L' is running"):
+        await runtime.checkpoint(model, {"lease_id": "L", "destination": "/nonexistent"})
     await runtime.unload(model)
     assert node.sample()[0].used_bytes == 0

@@ -118,3 +118,28 @@ def test_an_unhealthy_accelerator_has_all_its_work_preempted() -> None:
     decisions = decide(s, NOW + 3)
     [preempt] = decisions.preemptions
     assert preempt.request_id == "job" and "UNHEALTHY" in preempt.reason
+
+
+@pytest.mark.parametrize(
+    ("last_sample_ago_s", "preemptible", "preempted"),
+    [
+        # node_silent_s is 120 s: the node's last sample came 119 s ago, the lease stays.
+        (119, True, False),
+        # 121 s of silence: the lease is preempted, whatever the deployment says (as UNHEALTHY).
+        (121, True, True),
+        (121, False, True),
+    ],
+)
+def test_leases_on_a_silent_node_are_preempted(last_sample_ago_s: float, preemptible: bool, preempted: bool) -> None:
+    s = busy_card(preemptible=preemptible)  # the job holds its lease since NOW; last sample at NOW
+    [lease] = s.leases.values()
+    decisions = decide(s, NOW + last_sample_ago_s)
+    assert decisions.grants == []
+    if preempted:
+        [preempt] = decisions.preemptions
+        assert preempt.lease_id == lease.lease_id
+        assert preempt.reason == f"n/0: node silent for {last_sample_ago_s} s"
+        apply_decisions(s, decisions, NOW + last_sample_ago_s, {})
+        assert decide(s, NOW + last_sample_ago_s + 1).preemptions == []  # asked once
+    else:
+        assert decisions.preemptions == []

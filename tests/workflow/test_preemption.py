@@ -5,6 +5,7 @@ original class, comes back, and finishes."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,19 @@ async def test_interactive_preempts_a_background_job_which_then_finishes(
         done = await job.result()
         assert done.output["simulated"] is True
         assert done.timings["preemptions"] == 1
+        # It was checkpointed before it was stopped, and the resumed run started from there:
+        # at least the 1.5 s it ran plus the 1 s grace were saved, and not redone.
+        checkpoint = Path(done.output["resumed_from"])
+        assert checkpoint.name == "checkpoint.json" and "checkpoints" in checkpoint.parts
+        saved = json.loads(checkpoint.read_text())
+        assert 2.0 <= saved["done_s"] < 6.0
+        assert done.timings["invoke_s"] < 6.0 - saved["done_s"] + 1.5
 
         [asked] = await stack.events("preemption_requested", at_least=1)
         assert asked["workflow_id"] == job.id and "interactive chat.llm@1 needs room" in asked["message"]
         [preempted] = await stack.events("preempted", at_least=1)
         assert preempted["request_id"] == done.request_id and preempted["payload"]["retrying"] is True
+        assert f"resumes from checkpoint {checkpoint}" in preempted["message"]
         # The job's batch resident was unloaded for the chat model, then loaded again for the job
         # (which evicted the idle chat model in turn).
         assert len(await stack.events("load", at_least=3)) == 3
