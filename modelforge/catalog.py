@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from modelforge.domain import Accelerator, Catalog, Deployment, GiB, Priority, Residency, Tenant
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.policy._topology import shape_problems
 
 ID = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 Bytes = Annotated[int, Field(ge=0, le=2**50)]
@@ -67,6 +68,10 @@ class DeploymentSpec(_Strict):
     idle_bytes: Bytes | None = None
     gpu_count: Annotated[int, Field(ge=1, le=1024)] = 1
     nvlink_required: bool = False
+    gpu_per_node: Annotated[int, Field(ge=0, le=1024)] = 0
+    anti_affinity: Literal["", "node", "rack"] = ""
+    rack_affinity: Literal["preferred", "required", "none"] = "preferred"
+    min_network_bandwidth_gbps: Annotated[float, Field(ge=0, le=1e6)] = 0.0
     preemptible: bool = False
     production_eligible: bool = True
     accelerators: list[ID] = Field(default_factory=list)
@@ -176,6 +181,9 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
         if dep.idle_bytes is not None and dep.idle_bytes > dep.envelope_bytes:
             problems.append(f"deployments[{index}].idle_bytes: {dep.idle_bytes} exceeds envelope_bytes")
         problems.extend(f"deployments[{index}].{problem}" for problem in _runtime_problems(dep))
+        problems.extend(
+            f"deployments[{index}].{problem}" for problem in shape_problems(Deployment(**dep.model_dump()))
+        )
         for acc_id in dep.accelerators:
             if acc_id not in ids:
                 problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")

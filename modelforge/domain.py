@@ -82,6 +82,12 @@ class Deployment:
     idle_bytes: int | None = None
     gpu_count: int = 1
     nvlink_required: bool = False
+    # Gang topology: cards per node (0: any split), no two cards on one "node" or in one "rack",
+    # rack affinity ("preferred", "required", "none") and the nodes' network bandwidth floor.
+    gpu_per_node: int = 0
+    anti_affinity: str = ""
+    rack_affinity: str = "preferred"
+    min_network_bandwidth_gbps: float = 0.0
     preemptible: bool = False
     production_eligible: bool = True
     # Accelerator ids this deployment may be placed on; empty means any in the pool.

@@ -31,6 +31,7 @@ from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reje
 from modelforge.policy._order import RANK, fair_share_scores, ordered_buckets
 from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
+from modelforge.policy._topology import GangShape, choose_gang
 
 _IDLE_RUNTIME = AcceleratorRuntime()
 _PRODUCTION = Priority.PRODUCTION
@@ -876,6 +877,8 @@ def _place_gang(
             f"no NVLink group has {count} eligible accelerators with {need} B each"
             + (f" ({detail})" if detail else ""),
         )
+    shape = GangShape.of(deployment)
+    topology = {a: acc for a in passed if (acc := catalog.accelerator(a)) is not None}
     if not deployment.nvlink_required and sum(len(m) for m in possible) < count:
         ever = sum(1 for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes)
         if ever < count:
@@ -884,6 +887,16 @@ def _place_gang(
                 queued.workflow_id,
                 FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
                 f"needs {count} accelerators with {need} B each; the pool has {ever}",
+            )
+    if not deployment.nvlink_required:
+        # Could its shape ever be satisfied, with every card empty? Else refuse now, with why.
+        empty = [(0, a) for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes]
+        if choose_gang(empty, shape, topology) is None:
+            return Reject(
+                queued.request_id,
+                queued.workflow_id,
+                FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
+                f"no placement in the pool satisfies {shape.describe()} with {need} B each",
             )
     if queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
         return Reject(
@@ -908,20 +921,21 @@ def _place_gang(
         return room
 
     best: tuple[int, str, list[str]] | None = None
-    for key, members in groups.items():
-        room = fitting(members)
-        if len(room) >= count:
-            chosen = [a for _, a in room[:count]]
-            leftover = sum(left for left, _ in room[:count])
-            if best is None or (leftover, key) < best[:2]:
-                best = (leftover, key, chosen)
-    if best is None and not deployment.nvlink_required:
-        # Across nodes when no single node has room: best fit over the pool.
-        room = fitting(passed)
-        if len(room) >= count:
-            best = (sum(left for left, _ in room[:count]), "", [a for _, a in room[:count]])
+    if deployment.nvlink_required:
+        for key, members in groups.items():
+            room = fitting(members)
+            if len(room) >= count:
+                chosen = [a for _, a in room[:count]]
+                leftover = sum(left for left, _ in room[:count])
+                if best is None or (leftover, key) < best[:2]:
+                    best = (leftover, key, chosen)
+    else:
+        # One node if it fits there, else one rack, else the pool (as the shape allows).
+        picked = choose_gang(fitting(passed), shape, topology)
+        if picked is not None:
+            best = (0, "", picked)
     if best is None:
-        where = "in one NVLink group" if deployment.nvlink_required else "in the pool"
+        where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
         return Wait(queued.request_id, f"gang of {count} x {need} B: not enough room {where} yet")
     chosen = best[2]
     for accelerator in chosen:

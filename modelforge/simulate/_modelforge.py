@@ -39,10 +39,14 @@ class ModelForgeScheduler:
         pools = {a.pool for a in scenario.catalog.accelerators}
         pool = sorted(pools)[0] if pools else "default"
         # Simulated telemetry samples a card whenever its memory changes, so observations are
-        # never older than the last change: the freshness bound cannot lapse in simulation
-        # (telemetry outages are the fault tests' business, not the simulator's).
+        # never older than the last change: neither the freshness bound nor the silent-node bound
+        # can lapse in simulation (telemetry outages are the fault tests' business).
         base = config or PolicyConfig()
-        self.state = PoolState(pool=pool, catalog=scenario.catalog, config=replace(base, freshness_s=math.inf))
+        self.state = PoolState(
+            pool=pool,
+            catalog=scenario.catalog,
+            config=replace(base, freshness_s=math.inf, node_silent_s=math.inf),
+        )
         self.sim: SimulationConfig = scenario.config
         # Request id -> its index in the scenario, while queued (or requeued after preemption).
         self.index_of: dict[str, int] = {}

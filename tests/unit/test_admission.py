@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelforge.domain import Catalog, GiB, Priority, Residency
+from modelforge.domain import Accelerator, Catalog, GiB, Priority, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy import (
     AdmissionRejected,
@@ -498,3 +498,83 @@ def test_cold_requests_of_one_pass_share_one_load(concurrency: int, joined: list
     assert [a.request_id for a in decisions.assigns] == joined
     assert all(a.resident_key == load.resident_key for a in decisions.assigns)
     assert [w.request_id for w in decisions.waits] == waiting
+
+
+def rack_pool() -> list[Accelerator]:
+    """Two racks of two nodes of two 24 GiB cards: r1 = {a, b}, r2 = {c, d}; d is on 10 Gb/s."""
+    cards = []
+    for rack, nodes in (("r1", "ab"), ("r2", "cd")):
+        for node in nodes:
+            for n in range(2):
+                bandwidth = 10.0 if node == "d" else 100.0
+                cards.append(gpu(f"{node}/{n}", rack=rack, network_bandwidth_gbps=bandwidth))
+    return cards
+
+
+@pytest.mark.parametrize(
+    ("shape", "busy", "expected"),
+    [
+        # (gang shape; GiB used by others per card; cards granted, or the refusal class)
+        # 23 GiB usable per card, 10 GiB per card wanted. Two cards fit on node a: one node.
+        ({"gpu_count": 2}, {}, ["a/0", "a/1"]),
+        # a/0 full: no node has two free cards but b does; b's pair is chosen (one node still).
+        ({"gpu_count": 2}, {"a/0": 20}, ["b/0", "b/1"]),
+        # Four cards: no node has four, rack r1 does (a and b): kept inside one rack.
+        ({"gpu_count": 4}, {}, ["a/0", "a/1", "b/0", "b/1"]),
+        # One card busy in each rack: no rack has four: across the pool, best fit.
+        ({"gpu_count": 4}, {"a/0": 20, "c/0": 20}, ["a/1", "b/0", "b/1", "c/1"]),
+        # ...unless the rack is required: it waits (None), all or nothing.
+        ({"gpu_count": 4, "rack_affinity": "required"}, {"a/0": 20, "c/0": 20}, None),
+        # Two per node on two nodes: a and b (rack r1 first).
+        ({"gpu_count": 4, "gpu_per_node": 2}, {}, ["a/0", "a/1", "b/0", "b/1"]),
+        # Spread: no two cards on one node, inside one rack when possible.
+        ({"gpu_count": 2, "anti_affinity": "node"}, {}, ["a/0", "b/0"]),
+        # Spread across racks: one card in each.
+        ({"gpu_count": 2, "anti_affinity": "rack"}, {}, ["a/0", "c/0"]),
+        # Three racks do not exist: refused at once, with the shape in the reason.
+        ({"gpu_count": 3, "anti_affinity": "rack"}, {}, "INSUFFICIENT_SCHEDULABLE_VRAM"),
+        # 50 Gb/s floor: node d (10 Gb/s) is out; four per... two per node on c and d cannot be.
+        (
+            {"gpu_count": 4, "gpu_per_node": 2, "min_network_bandwidth_gbps": 50.0},
+            {"a/0": 20},
+            ["b/0", "b/1", "c/0", "c/1"],
+        ),
+    ],
+)
+def test_gang_topology_shapes(
+    shape: dict[str, object], busy: dict[str, float], expected: list[str] | str | None
+) -> None:
+    job = deployment("train@1", gib=10, residency=Residency.NONE, idle_bytes=0, **shape)
+    s = state(rack_pool(), [job])
+    for card in s.catalog.accelerators:
+        observe(s, card.id, external_gib=busy.get(card.id, 0))
+    _, priority = validate_request(s, ask("r1", "train@1"), gangs=True)
+    enqueue(s, ask("r1", "train@1"), priority, NOW)
+    decisions = decide(s, NOW)
+    if isinstance(expected, list):
+        [grant] = decisions.grants
+        assert sorted(grant.lease.accelerators) == expected
+    elif expected is None:
+        assert decisions.grants == [] and decisions.rejects == []
+    else:
+        [reject] = decisions.rejects
+        assert reject.failure.value == expected and "no two on one rack" in reject.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"gpu_count": 4, "gpu_per_node": 3}, "gpu_per_node: 3 does not divide gpu_count 4"),
+        ({"gpu_count": 4, "gpu_per_node": 2, "anti_affinity": "node"}, "cannot hold with more than one card"),
+        ({"gpu_count": 2, "anti_affinity": "rack", "rack_affinity": "required"}, "contradict"),
+    ],
+)
+def test_impossible_gang_shapes_are_refused_by_the_catalog(fields: dict[str, object], problem: str) -> None:
+    from modelforge.catalog import CatalogError, parse_catalog
+
+    data = {
+        "accelerators": [{"id": "a/0", "node": "a", "total_bytes": 24 * GiB}],
+        "deployments": [{"capability": "t@1", "envelope_bytes": GiB, "residency": "none", **fields}],
+    }
+    with pytest.raises(CatalogError, match=problem):
+        parse_catalog(data)
