@@ -58,8 +58,15 @@ PATCH_RECORD_REFUSALS = "record-refusals"
 PATCH_USAGE_FROM_LEDGER = "usage-from-ledger"
 # ...and before leases on a node silent past node_silent_s were preempted (session 5).
 PATCH_SILENT_NODES = "preempt-silent-nodes"
+# ...and before the loop kept one wake-up timer and one event write in flight (session 5): a timer
+# started and cancelled, and an event write, per loop iteration cost ~10 history events per request.
+PATCH_QUIET_LOOP = "quiet-loop"
 
 EVENT_BATCH = 200
+# With the quiet loop, events are written at most this often (a backlog of a batch goes at once):
+# the event log trails by up to this much, and a busy pool writes one batch a second, not one
+# per request.
+EVENT_WRITE_INTERVAL_S = 1.0
 MAX_ADMIT_BATCH = 500
 
 
@@ -78,6 +85,12 @@ class PoolSchedulerWorkflow:
         self._preempts_out: list[tuple[str, PreemptSignal]] = []
         self._events: list[EventRecord] = []
         self._event_writes: list[asyncio.Future[object]] = []
+        self._quiet = False  # PATCH_QUIET_LOOP, decided once per run
+        self._timer: asyncio.Task[None] | None = None
+        self._timer_at = 0.0
+        self._timer_fired = False
+        self._events_in_flight: asyncio.Future[object] | None = None
+        self._events_written_at = 0.0
         self._snapshot_interval_s = start.snapshot_interval_s
         self._next_snapshot_at: float | None = None
 
@@ -356,6 +369,7 @@ class PoolSchedulerWorkflow:
 
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
+        self._quiet = workflow.patched(PATCH_QUIET_LOOP)
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
@@ -365,11 +379,45 @@ class PoolSchedulerWorkflow:
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 await self._drain_event_writes()
                 workflow.continue_as_new(replace(start, state=self._state))
-            try:
-                await workflow.wait_condition(lambda: self._wake or self._catalog_stale, timeout=self._next_wake())
-            except TimeoutError:
-                pass
+            if self._quiet:
+                self._arm_timer(self._next_wake())
+                await workflow.wait_condition(
+                    lambda: self._wake or self._catalog_stale or self._timer_fired or self._events_writable()
+                )
+                self._timer_fired = False
+            else:
+                try:
+                    await workflow.wait_condition(lambda: self._wake or self._catalog_stale, timeout=self._next_wake())
+                except TimeoutError:
+                    pass
             self._wake = False
+
+    def _arm_timer(self, delay: float) -> None:
+        """One wake-up timer in flight: replaced only when something is due earlier than it."""
+        deadline = self._now() + delay
+        if self._timer is not None and not self._timer.done():
+            if deadline >= self._timer_at - 0.001:
+                return
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = asyncio.ensure_future(self._sleep_then_wake(delay))
+
+    async def _sleep_then_wake(self, delay: float) -> None:
+        try:
+            await workflow.sleep(delay)
+        except asyncio.CancelledError:
+            return
+        self._timer_fired = True
+
+    def _events_writable(self) -> bool:
+        """Events wait while one write is in flight, and for the write interval (they go in the
+        next write, together), unless a batch is full."""
+        if not self._events:
+            return False
+        if len(self._events) >= EVENT_BATCH:
+            return True
+        idle = self._events_in_flight is None or self._events_in_flight.done()
+        return idle and self._now() >= self._events_written_at + EVENT_WRITE_INTERVAL_S
 
     def _should_continue_as_new(self, start: SchedulerInput) -> bool:
         info = workflow.info()
@@ -433,6 +481,8 @@ class PoolSchedulerWorkflow:
             due.append(stale_at)
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
+        if self._quiet and self._events:
+            due.append(self._events_written_at + EVENT_WRITE_INTERVAL_S)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -590,8 +640,26 @@ class PoolSchedulerWorkflow:
             )
         )
 
-    def _start_event_write(self) -> None:
+    def _start_event_write(self, now_or_never: bool = False) -> None:
+        """`now_or_never`: before continue-as-new, every pending event goes now."""
         self._event_writes = [w for w in self._event_writes if not w.done()]
+        if self._quiet and not now_or_never:
+            # One write in flight, at most one a second; a full batch (a burst, or a backlog
+            # through a database outage) is never held.
+            if not self._events_writable():
+                return
+            self._events_written_at = self._now()
+            batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
+            self._events_in_flight = workflow.start_activity(
+                "record_events",
+                batch,
+                task_queue=CONTROL_TASK_QUEUE,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=STORE_RETRY,
+                summary=f"record {len(batch)} events",
+            )
+            self._event_writes.append(self._events_in_flight)
+            return
         while self._events:
             batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
             # Not awaited: the event log never sits on the admission path. Retried until it lands.
@@ -607,7 +675,8 @@ class PoolSchedulerWorkflow:
             )
 
     async def _drain_event_writes(self) -> None:
-        self._start_event_write()
+        while self._events:
+            self._start_event_write(now_or_never=True)
         if self._event_writes:
             await asyncio.gather(*self._event_writes)
         self._event_writes = []

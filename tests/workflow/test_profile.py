@@ -66,6 +66,9 @@ async def test_profile_stores_the_envelope_and_opens_production(
             ("Simulated L4 24GB", GiB, True)
         ]
         # The profile's lease went through admission like any other and is in the ledger.
+        # (The event log trails the scheduler by up to a second.)
+        granted = await stack.events("lease_granted", at_least=1)
+        assert any(e["payload"]["priority"] == "benchmark" for e in granted)
         ledger = await stack.store.ledger()
         assert any(row["priority"] == "benchmark" and row["capability"] == "toy.embedding@1" for row in ledger)
 
