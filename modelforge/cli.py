@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rich.table import Table
 
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.settings import Settings
+
+if TYPE_CHECKING:
+    from modelforge.store import Store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="ModelForge: GPU admission on Temporal.")
 catalog_app = typer.Typer(no_args_is_help=True, help="The catalog of accelerators, deployments and tenants.")
@@ -61,6 +64,20 @@ def _json(value: Any) -> None:
         return str(obj)
 
     sys.stdout.write(json.dumps(value, default=default, indent=2, sort_keys=True) + "\n")
+
+
+def _store_rows(url: str, query: Callable[[Store], Awaitable[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Rows from one store query, the store opened and closed around it."""
+    from modelforge.store import Store
+
+    async def go() -> list[dict[str, Any]]:
+        store = await Store.open(url)
+        try:
+            return await query(store)
+        finally:
+            await store.close()
+
+    return _run(go)
 
 
 def _database_url(settings: Settings) -> str:
@@ -364,7 +381,6 @@ def usage(
     by: Annotated[str, typer.Option(help="Group by tenant or capability.")] = "tenant",
 ) -> None:
     """GPU-seconds per tenant (or capability) from the lease ledger."""
-    from modelforge.store import Store
 
     url = _database_url(_settings())
     try:
@@ -372,14 +388,7 @@ def usage(
     except ModelForgeError as error:
         _fail(error)
 
-    async def go() -> list[dict[str, Any]]:
-        store = await Store.open(url)
-        try:
-            return await store.usage(since_s=since_s, by=by)
-        finally:
-            await store.close()
-
-    rows = _run(go)
+    rows = _store_rows(url, lambda store: store.usage(since_s=since_s, by=by))
     if as_json:
         _json(rows)
         return
@@ -408,7 +417,6 @@ def capacity(
 ) -> None:
     """The capacity trend from the per-minute snapshots: the least schedulable and the most
     external bytes per time bucket, with pressure, health and freshness."""
-    from modelforge.store import Store
 
     url = _database_url(_settings())
     try:
@@ -416,14 +424,7 @@ def capacity(
     except ModelForgeError as error:
         _fail(error)
 
-    async def go() -> list[dict[str, Any]]:
-        store = await Store.open(url)
-        try:
-            return await store.capacity(since_s=since_s, buckets=buckets, accelerator=accelerator)
-        finally:
-            await store.close()
-
-    rows = _run(go)
+    rows = _store_rows(url, lambda store: store.capacity(since_s=since_s, buckets=buckets, accelerator=accelerator))
     if as_json:
         _json(rows)
         return
@@ -566,18 +567,10 @@ def envelopes(
     as_json: JsonOption = False,
 ) -> None:
     """Measured envelopes (from `modelforge profile`)."""
-    from modelforge.store import Store
 
     url = _database_url(_settings())
 
-    async def go() -> list[dict[str, Any]]:
-        store = await Store.open(url)
-        try:
-            return await store.envelopes(deployment=deployment)
-        finally:
-            await store.close()
-
-    rows = _run(go)
+    rows = _store_rows(url, lambda store: store.envelopes(deployment=deployment))
     if as_json:
         _json(rows)
         return

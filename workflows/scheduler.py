@@ -649,30 +649,24 @@ class PoolSchedulerWorkflow:
             if not self._events_writable():
                 return
             self._events_written_at = self._now()
-            batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
-            self._events_in_flight = workflow.start_activity(
-                "record_events",
-                batch,
-                task_queue=CONTROL_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=STORE_RETRY,
-                summary=f"record {len(batch)} events",
-            )
-            self._event_writes.append(self._events_in_flight)
+            self._events_in_flight = self._write_next_batch()
             return
         while self._events:
-            batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
-            # Not awaited: the event log never sits on the admission path. Retried until it lands.
-            self._event_writes.append(
-                workflow.start_activity(
-                    "record_events",
-                    batch,
-                    task_queue=CONTROL_TASK_QUEUE,
-                    start_to_close_timeout=timedelta(seconds=30),
-                    retry_policy=STORE_RETRY,
-                    summary=f"record {len(batch)} events",
-                )
-            )
+            self._write_next_batch()
+
+    def _write_next_batch(self) -> asyncio.Future[object]:
+        """Not awaited: the event log never sits on the admission path. Retried until it lands."""
+        batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
+        write = workflow.start_activity(
+            "record_events",
+            batch,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=STORE_RETRY,
+            summary=f"record {len(batch)} events",
+        )
+        self._event_writes.append(write)
+        return write
 
     async def _drain_event_writes(self) -> None:
         while self._events:

@@ -309,7 +309,6 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     pass_ = _start_pass(state, now)
     decisions = Decisions()
     counter = state.lease_counter
-    catalog = state.catalog
     # Per capability: its deployment and the outcome an unplaced request of it settled on in this
     # pass, one table for production requests and one for the rest (their filters differ).
     deployments: dict[str, Deployment | None] = {}
@@ -321,35 +320,7 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         # A bucket holds one class, so one settled table serves all of it.
         settled_by = settled_production if bucket[0].priority == _PRODUCTION else settled_other
         for queued in bucket:
-            if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
-                decisions.rejects.append(_expired(queued, now))
-                continue
-            capability = queued.capability
-            if reuse_settled and not queued.assigned_to:
-                settled = settled_by.get(capability)
-                if settled is not None:
-                    # The hot path on a busy pool: most of the queue waits behind its head.
-                    if settled[0] is None:
-                        if queued.waiting_reason != settled[1]:
-                            decisions.waits.append(Wait(queued.request_id, settled[1]))
-                    else:
-                        decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
-                    continue
-            if capability in deployments:
-                deployment = deployments[capability]
-            else:
-                deployment = deployments[capability] = catalog.deployment_for(capability)
-            if deployment is None:
-                decisions.rejects.append(
-                    Reject(
-                        queued.request_id,
-                        queued.workflow_id,
-                        FailureClass.CAPABILITY_UNAVAILABLE,
-                        f"{capability} was removed from the catalog",
-                    )
-                )
-                continue
-            counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
+            counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=False)
 
     _keep_always_warm(pass_, decisions, now)
 
@@ -412,7 +383,6 @@ def _decide_queue(
     passed over whole: it would decide nothing. Everything else is decided request by request,
     exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare."""
     state = pass_.state
-    catalog = state.catalog
     scores = fair_share_scores(state, now)
     groups: dict[tuple[int, float], list[Lane]] = {}
     for lane in queue_index(state).lanes.values():
@@ -426,38 +396,52 @@ def _decide_queue(
     for key in sorted(groups):
         lanes = groups[key]
         settled_by = settled_production if key[0] == _PRODUCTION_RANK else settled_other
-
         walk = _single(lanes[0], settled_by, now) if len(lanes) == 1 else _merged(lanes, settled_by, now)
         for queued in walk:
-            if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
-                decisions.rejects.append(_expired(queued, now))
-                continue
-            capability = queued.capability
-            if not queued.assigned_to:
-                settled = settled_by.get(capability)
-                if settled is not None:
-                    if settled[0] is None:
-                        if queued.waiting_reason != settled[1]:
-                            decisions.waits.append(Wait(queued.request_id, settled[1]))
-                    else:
-                        decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
-                    continue
-            if capability in deployments:
-                deployment = deployments[capability]
-            else:
-                deployment = deployments[capability] = catalog.deployment_for(capability)
-            if deployment is None:
-                decisions.rejects.append(
-                    Reject(
-                        queued.request_id,
-                        queued.workflow_id,
-                        FailureClass.CAPABILITY_UNAVAILABLE,
-                        f"{capability} was removed from the catalog",
-                    )
-                )
-                continue
-            counter = _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
+            counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=True)
     return counter
+
+
+def _visit(
+    pass_: _Pass,
+    decisions: Decisions,
+    queued: QueuedRequest,
+    settled_by: Settled,
+    deployments: dict[str, Deployment | None],
+    now: float,
+    counter: int,
+    reuse_settled: bool,
+) -> int:
+    """One queued request's outcome in this pass; returns the lease counter after it."""
+    if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
+        decisions.rejects.append(_expired(queued, now))
+        return counter
+    capability = queued.capability
+    if reuse_settled and not queued.assigned_to:
+        settled = settled_by.get(capability)
+        if settled is not None:
+            # The hot path on a busy pool: most of the queue waits behind its head.
+            if settled[0] is None:
+                if queued.waiting_reason != settled[1]:
+                    decisions.waits.append(Wait(queued.request_id, settled[1]))
+            else:
+                decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
+            return counter
+    if capability in deployments:
+        deployment = deployments[capability]
+    else:
+        deployment = deployments[capability] = pass_.state.catalog.deployment_for(capability)
+    if deployment is None:
+        decisions.rejects.append(
+            Reject(
+                queued.request_id,
+                queued.workflow_id,
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"{capability} was removed from the catalog",
+            )
+        )
+        return counter
+    return _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
 
 
 def _skippable(lane: Lane, settled_by: Settled, now: float) -> bool:
