@@ -69,6 +69,8 @@ class DeploymentSpec(_Strict):
     gpu_count: Annotated[int, Field(ge=1, le=1024)] = 1
     nvlink_required: bool = False
     gpu_per_node: Annotated[int, Field(ge=0, le=1024)] = 0
+    node_count: Annotated[int, Field(ge=0, le=1024)] = 0
+    gpu_memory_min: Bytes = 0
     anti_affinity: Literal["", "node", "rack"] = ""
     rack_affinity: Literal["preferred", "required", "none"] = "preferred"
     min_network_bandwidth_gbps: Annotated[float, Field(ge=0, le=1e6)] = 0.0
@@ -135,6 +137,21 @@ def _expand_recordings(specs: list[ExternalSpec], base_dir: Path, problems: list
     return expanded
 
 
+def _deployment(spec: DeploymentSpec) -> Deployment:
+    fields = spec.model_dump()
+    if spec.node_count and spec.gpu_per_node and spec.gpu_count == 1:
+        fields["gpu_count"] = spec.node_count * spec.gpu_per_node  # node_count x gpu_per_node
+    return Deployment(**fields)
+
+
+def _shape_problems(dep: DeploymentSpec) -> list[str]:
+    if dep.node_count and not dep.gpu_per_node:
+        return ["node_count: needs gpu_per_node (the gang is node_count x gpu_per_node cards)"]
+    if dep.node_count and dep.gpu_count not in (1, dep.node_count * dep.gpu_per_node):
+        return [f"gpu_count: {dep.gpu_count} is not node_count x gpu_per_node = {dep.node_count * dep.gpu_per_node}"]
+    return shape_problems(_deployment(dep))
+
+
 def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     """The runtime's own configuration, checked when the catalog is applied, not at first load."""
     if dep.runtime == "subprocess_http":
@@ -181,9 +198,7 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
         if dep.idle_bytes is not None and dep.idle_bytes > dep.envelope_bytes:
             problems.append(f"deployments[{index}].idle_bytes: {dep.idle_bytes} exceeds envelope_bytes")
         problems.extend(f"deployments[{index}].{problem}" for problem in _runtime_problems(dep))
-        problems.extend(
-            f"deployments[{index}].{problem}" for problem in shape_problems(Deployment(**dep.model_dump()))
-        )
+        problems.extend(f"deployments[{index}].{problem}" for problem in _shape_problems(dep))
         for acc_id in dep.accelerators:
             if acc_id not in ids:
                 problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")
@@ -225,7 +240,7 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
             )
             for a in spec.accelerators
         ],
-        deployments=[Deployment(**d.model_dump()) for d in spec.deployments],
+        deployments=[_deployment(d) for d in spec.deployments],
         tenants=[Tenant(**t.model_dump()) for t in spec.tenants],
     )
     return catalog, external

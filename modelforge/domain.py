@@ -85,6 +85,9 @@ class Deployment:
     # Gang topology: cards per node (0: any split), no two cards on one "node" or in one "rack",
     # rack affinity ("preferred", "required", "none") and the nodes' network bandwidth floor.
     gpu_per_node: int = 0
+    node_count: int = 0  # with gpu_per_node: the gang is node_count x gpu_per_node cards
+    # Cards smaller than this (total memory) are never used, whatever is free on them.
+    gpu_memory_min: int = 0
     anti_affinity: str = ""
     rack_affinity: str = "preferred"
     min_network_bandwidth_gbps: float = 0.0

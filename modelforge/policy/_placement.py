@@ -148,6 +148,10 @@ def _evictable(resident: ResidentState) -> bool:
 def _static_reason(accelerator: Accelerator, deployment: Deployment, production: bool) -> str:
     if deployment.accelerators and accelerator.id not in deployment.accelerators:
         return f"{accelerator.id}: not in the deployment's placement list"
+    if deployment.gpu_memory_min and accelerator.total_bytes < deployment.gpu_memory_min:
+        return (
+            f"{accelerator.id}: {accelerator.total_bytes} B in all, below gpu_memory_min {deployment.gpu_memory_min} B"
+        )
     if production:
         if not accelerator.production_eligible:
             return f"{accelerator.id}: production_eligible=false"

@@ -13,6 +13,7 @@ from modelforge.policy import (
     apply_decisions,
     decide,
     enqueue,
+    filter_accelerators,
     keep_warm_check,
     queue_order,
     relabel,
@@ -578,3 +579,46 @@ def test_impossible_gang_shapes_are_refused_by_the_catalog(fields: dict[str, obj
     }
     with pytest.raises(CatalogError, match=problem):
         parse_catalog(data)
+
+
+def test_node_count_by_gpu_per_node_and_gpu_memory_min() -> None:
+    from modelforge.catalog import CatalogError, parse_catalog
+
+    accelerators = [
+        {"id": f"{node}/{n}", "node": node, "total_bytes": (48 if node != "small" else 16) * GiB, "rack": "r1"}
+        for node in ("a", "b", "small")
+        for n in range(2)
+    ]
+    job = {"capability": "t@1", "envelope_bytes": 10 * GiB, "idle_bytes": 0, "residency": "none"}
+    catalog, _ = parse_catalog(
+        {"accelerators": accelerators, "deployments": [{**job, "node_count": 2, "gpu_per_node": 2}]}
+    )
+    [dep] = catalog.deployments
+    assert dep.gpu_count == 4  # 2 nodes x 2 cards
+    with pytest.raises(CatalogError, match="node_count: needs gpu_per_node"):
+        parse_catalog({"accelerators": accelerators, "deployments": [{**job, "node_count": 2}]})
+    with pytest.raises(CatalogError, match="gpu_count: 3 is not node_count x gpu_per_node = 4"):
+        parse_catalog(
+            {"accelerators": accelerators, "deployments": [{**job, "node_count": 2, "gpu_per_node": 2, "gpu_count": 3}]}
+        )
+    # 32 GiB minimum: the two 16 GiB cards on `small` are filtered out with their reason, so the
+    # 2 x 2 gang lands on a and b even though `small` is empty.
+    catalog, _ = parse_catalog(
+        {
+            "accelerators": accelerators,
+            "deployments": [{**job, "node_count": 2, "gpu_per_node": 2, "gpu_memory_min": 32 * GiB}],
+        }
+    )
+    s = state(catalog.accelerators, catalog.deployments)
+    for card in ("a/0", "b/0"):
+        observe(s, card, external_gib=5)
+    for card in ("a/1", "b/1", "small/0", "small/1"):
+        observe(s, card)
+    _, priority = validate_request(s, ask("r1", "t@1"), gangs=True)
+    enqueue(s, ask("r1", "t@1"), priority, NOW)
+    [grant] = decide(s, NOW).grants
+    assert sorted(grant.lease.accelerators) == ["a/0", "a/1", "b/0", "b/1"]
+    refused = {
+        f.accelerator: f.reason for f in filter_accelerators(s, catalog.deployments[0], Priority.BACKGROUND, NOW)
+    }
+    assert refused["small/0"].endswith(f"below gpu_memory_min {32 * GiB} B")
