@@ -45,7 +45,7 @@ async def check() -> dict[str, Any]:
         ]
     }
     card = report["inventory"][0]
-    node = NodeActivities("gpu-check", devices, node_runtimes(devices, Path("/tmp/modelforge-gpu-check")))
+    node = NodeActivities("gpu-check", devices, node_runtimes(devices, Path("/tmp/modelforge-gpu-check"), "gpu-check"))
     environment = ActivityEnvironment()
     deployment = Deployment(capability="rag.embedding@1", envelope_bytes=2 * GiB, runtime="sentence_transformers")
     key = "rag.embedding@1@gpu-check/0"

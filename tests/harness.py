@@ -21,6 +21,7 @@ from modelforge.gpu import NodeDevices, SimulatedGpuBackend
 from modelforge.messages import RequestInput, SchedulerInput
 from modelforge.metrics import Metrics
 from modelforge.policy import PolicyConfig, PoolStatus
+from modelforge.runtimes import SubprocessHttpRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
 from workers.control import build_control_worker, ensure_scheduler
@@ -81,7 +82,14 @@ def _node_worker(client: Client, node: str, backend: SimulatedGpuBackend, catalo
     catalog's CPU device when it declares one on this node."""
     devices = NodeDevices(backend, host_device(node, catalog, None))
     home = Path(tempfile.gettempdir()) / "modelforge"
-    return build_node_worker(client, node, devices, node_runtimes(devices, home), checkpoint_root=home / "checkpoints")
+    runtimes = node_runtimes(devices, home, node)
+    worker = build_node_worker(client, node, devices, runtimes, checkpoint_root=home / "checkpoints")
+    _SERVERS[worker] = [r for r in runtimes.values() if isinstance(r, SubprocessHttpRuntime)]
+    return worker
+
+
+# Each node worker's model-server runtime, stopped with the stack as `modelforge worker node` does.
+_SERVERS: dict[Worker, list[SubprocessHttpRuntime]] = {}
 
 
 @contextlib.asynccontextmanager
@@ -152,3 +160,6 @@ async def _shutdown_all(stack: Stack) -> None:
         if worker.is_running and not worker.is_shutdown:
             await asyncio.wait_for(worker.shutdown(), timeout=30)
     await asyncio.wait_for(asyncio.gather(*stack.node_tasks, return_exceptions=True), timeout=30)
+    for worker in stack.node_workers.values():
+        for servers in _SERVERS.pop(worker, []):
+            await asyncio.wait_for(servers.close(), timeout=30)

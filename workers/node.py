@@ -58,11 +58,16 @@ def host_device(node: str, catalog: Catalog | None, cpu_device_bytes: int | None
     return HostMemoryDevice(node, declared[0].total_bytes) if declared else None
 
 
-def node_runtimes(devices: NodeDevices, home: Path) -> dict[str, Runtime]:
+def node_runtimes(devices: NodeDevices, home: Path, node: str) -> dict[str, Runtime]:
     """Every runtime a node serves. The simulated runtime only beside simulated cards: on a real
-    one it would count bytes no process holds."""
+    one it would count bytes no process holds. Model servers an earlier run of this node's worker
+    left behind (it was killed) are stopped first: their memory is not anyone's any more."""
+    servers = SubprocessHttpRuntime(devices, home / "runtime-logs" / node)
+    reaped = servers.reap_orphans()
+    if reaped:
+        log.warning("orphaned_model_servers_stopped", node=node, pids=reaped)
     runtimes: dict[str, Runtime] = {
-        "subprocess_http": SubprocessHttpRuntime(devices, home / "runtime-logs"),
+        "subprocess_http": servers,
         "sentence_transformers": SentenceTransformersRuntime(devices),
     }
     if devices.simulated_gpus:
@@ -127,7 +132,7 @@ def choose_backend(
     host = host_device(node, catalog, cpu_device_bytes)
     if use_nvml:
         devices = NodeDevices(NvmlGpuBackend(), host)
-        return devices, node_runtimes(devices, settings.home)
+        return devices, node_runtimes(devices, settings.home, node)
     if simulate_from is None:
         raise SystemExit(
             f"modelforge worker node: no NVIDIA GPU here (MODELFORGE_GPU_BACKEND={settings.gpu_backend});"
@@ -142,7 +147,7 @@ def choose_backend(
         note="no NVIDIA GPU in use: devices and memory on this node are SIMULATED",
     )
     devices = NodeDevices(backend, host)
-    return devices, node_runtimes(devices, settings.home)
+    return devices, node_runtimes(devices, settings.home, node)
 
 
 async def run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -134,6 +135,7 @@ def _free_port(host: str) -> int:
 
 @dataclass
 class _Server:
+    key: str
     process: asyncio.subprocess.Process
     config: SubprocessHttpConfig
     base_url: str
@@ -197,8 +199,13 @@ class SubprocessHttpRuntime:
                 raise ModelForgeError(
                     FailureClass.MODEL_LOAD_FAILED, f"cannot start {argv[0]!r}: {error.strerror or error}"
                 ) from None
+        # A node worker killed outright leaves its servers running (they have sessions of their
+        # own): the next start of the worker finds them by this file and stops them.
+        self._pid_file(key).write_text(json.dumps({"pid": process.pid, "argv": argv}), encoding="utf-8")
         base_url = f"http://{'[' + config.host + ']' if ':' in config.host else config.host}:{port}"
-        server = _Server(process, config, base_url, log_path, httpx.AsyncClient(base_url=base_url, trust_env=False))
+        server = _Server(
+            key, process, config, base_url, log_path, httpx.AsyncClient(base_url=base_url, trust_env=False)
+        )
         try:
             await self._wait_ready(server, heartbeat)
         except BaseException:
@@ -216,6 +223,30 @@ class SubprocessHttpRuntime:
         return LoadedModel(
             key, deployment.deployment_id, device_index, process.pid, measured, time.monotonic() - started, True
         )
+
+    def _pid_file(self, key: str) -> Path:
+        return self._log_dir / f"{key.replace('/', '_').replace('@', '_at_')}.pid"
+
+    def reap_orphans(self) -> list[int]:
+        """Stop model servers a previous run of this node worker started and never stopped (it
+        was killed): each is found by the pid file it left, checked against the command it ran
+        (a reused pid is never touched). Returns the pids stopped."""
+        reaped: list[int] = []
+        if not self._log_dir.is_dir():
+            return reaped
+        for pid_file in sorted(self._log_dir.glob("*.pid")):
+            try:
+                record = json.loads(pid_file.read_text(encoding="utf-8"))
+                pid, argv = int(record["pid"]), [str(a) for a in record["argv"]]
+                running = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[:-1]
+            except (OSError, ValueError, KeyError, TypeError):
+                running, pid, argv = [], 0, []
+            if pid and [a.decode(errors="replace") for a in running] == argv and alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                reaped.append(pid)
+            pid_file.unlink(missing_ok=True)
+        return reaped
 
     async def _wait_ready(self, server: _Server, heartbeat: Heartbeat) -> None:
         deadline = time.monotonic() + server.config.ready_timeout_s
@@ -333,6 +364,7 @@ class SubprocessHttpRuntime:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         await server.client.aclose()
+        self._pid_file(server.key).unlink(missing_ok=True)
 
     def supports(self, deployment: Deployment) -> list[str]:
         config = SubprocessHttpConfig.of(deployment)

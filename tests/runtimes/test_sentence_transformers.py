@@ -38,8 +38,10 @@ async def test_minilm_loads_on_the_cpu_device_answers_and_frees_its_budget() -> 
     runtime = SentenceTransformersRuntime(devices)
     model = await runtime.load("emb@1@n/cpu", minilm(), CPU_DEVICE_INDEX, "", quiet)
     try:
-        # Its resident-memory growth, recorded on the CPU device (tens of MiB of weights at least).
-        assert 20 * MiB < model.measured_bytes < 2 * GiB
+        # Its resident-memory growth, recorded on the CPU device: hundreds of MiB with torch's
+        # first import, much less when this process already loaded the model once (mapped weights
+        # are shared), never nothing.
+        assert MiB < model.measured_bytes < 2 * GiB
         managed = [p for p in host.sample().processes if p.name == "modelforge:emb@1@n/cpu"]
         assert [(p.pid, p.used_bytes) for p in managed] == [(os.getpid(), model.measured_bytes)]
         assert devices.gpus.sample()[0].processes == []  # nothing on the card

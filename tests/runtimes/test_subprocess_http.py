@@ -389,3 +389,19 @@ async def test_the_simulated_runtime_sleeps_to_a_tenth_on_its_card() -> None:
         await runtime.checkpoint(model, {"lease_id": "L", "destination": "/nonexistent"})
     await runtime.unload(model)
     assert node.sample()[0].used_bytes == 0
+
+
+async def test_servers_left_by_a_killed_node_worker_are_stopped_at_the_next_start(tmp_path: Path) -> None:
+    first = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(first, toy())
+    # The worker dies without stopping anything: its server lives on, in a session of its own.
+    assert alive(model.pid)
+    # A pid file whose pid is alive but is not the recorded command (a reused pid) is left alone.
+    (tmp_path / "stranger.pid").write_text(json.dumps({"pid": os.getpid(), "argv": ["vllm", "serve"]}))
+    second = SubprocessHttpRuntime(devices(), tmp_path)
+    assert second.reap_orphans() == [model.pid]
+    await asyncio.sleep(0.3)
+    assert not alive(model.pid) and alive(os.getpid())
+    assert list(tmp_path.glob("*.pid")) == []
+    assert second.reap_orphans() == []
+    await first.close()  # nothing left to stop; closing twice is harmless
