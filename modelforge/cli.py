@@ -134,6 +134,18 @@ def parse_bytes(text: str) -> int:
     return int(amount)
 
 
+def shown_output(value: Any) -> Any:
+    """A request's output as a terminal shows it: long vectors summarised (`--json` keeps them whole)."""
+    if isinstance(value, dict):
+        return {key: shown_output(item) for key, item in value.items()}
+    if isinstance(value, list):
+        if len(value) > 8 and all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
+            head = ", ".join(f"{x:.4g}" for x in value[:3])
+            return f"[{len(value)} numbers: {head}, ...]"
+        return [shown_output(item) for item in value]
+    return value
+
+
 def human_bytes(value: int | None) -> str:
     if value is None:
         return "-"
@@ -212,7 +224,7 @@ def request(
             f"({', '.join(f'{k} {v:.3f}s' if k.endswith('_s') else f'{k} {v:g}' for k, v in result.timings.items())})",
             highlight=False,
         )
-        out.print_json(json.dumps(result.output))
+        out.print_json(json.dumps(shown_output(result.output)))
     else:
         err.print(f"[red]{result.failure_class}[/red]: {result.message}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if result.ok else 1)

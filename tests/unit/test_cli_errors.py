@@ -71,3 +71,16 @@ def test_durations(text: str, seconds: float) -> None:
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ModelForgeError, match="duration"):
         parse_duration(text)
+
+
+def test_long_vectors_are_summarised_on_the_terminal_and_kept_whole_in_json() -> None:
+    from modelforge.cli import shown_output
+
+    output = {"embeddings": [[0.5] * 384, [0.25] * 384], "dimensions": 384, "text": "hi", "short": [1, 2, 3]}
+    assert shown_output(output) == {
+        "embeddings": ["[384 numbers: 0.5, 0.5, 0.5, ...]", "[384 numbers: 0.25, 0.25, 0.25, ...]"],
+        "dimensions": 384,
+        "text": "hi",
+        "short": [1, 2, 3],
+    }
+    assert len(output["embeddings"][0]) == 384  # the result itself is untouched
