@@ -9,7 +9,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from modelforge.domain import Accelerator, Catalog, Deployment, GiB, Priority, Residency, Tenant
+from modelforge.domain import (
+    DEFAULT_QUEUES,
+    Accelerator,
+    Catalog,
+    Deployment,
+    GiB,
+    Priority,
+    PriorityClass,
+    PriorityLevel,
+    Queue,
+    Residency,
+    Tenant,
+    build_classes,
+    class_id,
+    level_ref,
+)
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy._topology import shape_problems
 
@@ -89,11 +104,31 @@ class DeploymentSpec(_Strict):
     openai_models: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list)
 
 
+QueueName = Annotated[str, Field(min_length=1, max_length=60, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+
+
+class LevelSpec(_Strict):
+    name: QueueName
+    # Orders levels across queues (higher first) and is the seed's fair-share `priority` factor.
+    priority: Annotated[int, Field(ge=1, le=1_000_000)]
+    preempts: list[Annotated[str, Field(min_length=1, max_length=130)]] = Field(default_factory=list)
+    production: bool = False
+
+
+class QueueSpec(_Strict):
+    name: QueueName
+    weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    levels: list[LevelSpec] = Field(min_length=1, max_length=32)
+
+
 class TenantSpec(_Strict):
     name: ID
     weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
-    default_priority: Priority = Priority.INTERACTIVE
-    max_priority: Priority = Priority.INTERACTIVE
+    # Class ids; empty: `interactive` with the built-in classes, else the first queue's lowest level.
+    default_priority: str = Field(default="", max_length=130)
+    # Empty: the default class (a tenant asks for more only when the catalog says so).
+    max_priority: str = Field(default="", max_length=130)
+    queues: list[QueueName] = Field(default_factory=list)
 
 
 class CatalogFile(_Strict):
@@ -101,6 +136,7 @@ class CatalogFile(_Strict):
     external: list[ExternalSpec] = Field(default_factory=list)
     deployments: list[DeploymentSpec] = Field(default_factory=list)
     tenants: list[TenantSpec] = Field(default_factory=list)
+    queues: list[QueueSpec] = Field(default_factory=list, max_length=64)
 
 
 def _describe(error: ValidationError) -> str:
@@ -206,15 +242,13 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
             owners = [d.capability for d in spec.deployments if model in d.openai_models or model == d.capability]
             if len(owners) > 1:
                 problems.append(f"deployments[{index}].openai_models: {model!r} names {' and '.join(owners)}")
+    queues = _queues(spec.queues, problems)
+    classes = build_classes(queues or DEFAULT_QUEUES)
+    tenants = [_tenant(index, t, queues or DEFAULT_QUEUES, classes, problems) for index, t in enumerate(spec.tenants)]
     names = [t.name for t in spec.tenants]
-    for index, tenant in enumerate(spec.tenants):
-        if names.count(tenant.name) > 1:
-            problems.append(f"tenants[{index}].name: duplicate {tenant.name!r}")
-        if tenant.default_priority.rank < tenant.max_priority.rank:
-            problems.append(
-                f"tenants[{index}].default_priority: {tenant.default_priority.value!r} is above "
-                f"max_priority {tenant.max_priority.value!r}"
-            )
+    for index, tenant_spec in enumerate(spec.tenants):
+        if names.count(tenant_spec.name) > 1:
+            problems.append(f"tenants[{index}].name: duplicate {tenant_spec.name!r}")
     for index, ext in enumerate(spec.external):
         if ext.accelerator not in ids:
             problems.append(f"external[{index}].accelerator: unknown accelerator {ext.accelerator!r}")
@@ -241,9 +275,81 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
             for a in spec.accelerators
         ],
         deployments=[_deployment(d) for d in spec.deployments],
-        tenants=[Tenant(**t.model_dump()) for t in spec.tenants],
+        tenants=tenants,
+        queues=queues,
     )
     return catalog, external
+
+
+def _queues(specs: list[QueueSpec], problems: list[str]) -> list[Queue]:
+    """Seed 003's queues. A level preempts only strictly lower priorities, so preemption can
+    never cycle (A stops B to run, B stops A to run)."""
+    queues = [
+        Queue(
+            name=q.name,
+            weight=q.weight,
+            levels=[
+                PriorityLevel(name=lv.name, priority=lv.priority, preempts=list(lv.preempts), production=lv.production)
+                for lv in q.levels
+            ],
+        )
+        for q in specs
+    ]
+    names = [q.name for q in specs]
+    classes = build_classes(queues)
+    # Production admission rules (eligible accelerators, measured envelopes) follow the level, and
+    # the queue orders by priority: a production level shares its priority with no other kind.
+    kinds: dict[int, set[bool]] = {}
+    for klass in classes.values():
+        kinds.setdefault(klass.priority, set()).add(klass.production)
+    for priority, flags in sorted(kinds.items()):
+        if len(flags) > 1:
+            shared = ", ".join(k.id for k in classes.values() if k.priority == priority)
+            problems.append(f"queues: priority {priority} is shared by production and other levels ({shared})")
+    for index, queue in enumerate(specs):
+        if names.count(queue.name) > 1:
+            problems.append(f"queues[{index}].name: duplicate {queue.name!r}")
+        levels = [level.name for level in queue.levels]
+        for position, level in enumerate(queue.levels):
+            where = f"queues[{index}].levels[{position}]"
+            if levels.count(level.name) > 1:
+                problems.append(f"{where}.name: duplicate level {level.name!r} in queue {queue.name!r}")
+            for target in level.preempts:
+                victim = classes.get(level_ref(queue.name, target))
+                if victim is None:
+                    problems.append(f"{where}.preempts: no level {target!r} (known: {', '.join(classes)})")
+                elif victim.priority >= level.priority:
+                    problems.append(
+                        f"{where}.preempts: {level.name!r} (priority {level.priority}) may only preempt lower "
+                        f"priorities, not {target!r} ({victim.priority})"
+                    )
+    return queues
+
+
+def _tenant(
+    index: int, spec: TenantSpec, queues: list[Queue], typed: dict[str, PriorityClass], problems: list[str]
+) -> Tenant:
+    if queues is DEFAULT_QUEUES:
+        fallback = Priority.INTERACTIVE.value
+    else:
+        fallback = class_id(queues[0].name, queues[0].levels[-1].name)
+    default = spec.default_priority or fallback
+    ceiling = spec.max_priority or default
+    where = f"tenants[{index}]"
+    for field_name, value in (("default_priority", default), ("max_priority", ceiling)):
+        if value not in typed:
+            problems.append(f"{where}.{field_name}: no class {value!r} (known: {', '.join(typed)})")
+    for queue in spec.queues:
+        if all(q.name != queue for q in queues):
+            problems.append(f"{where}.queues: no queue {queue!r}")
+    if default in typed and ceiling in typed:
+        if typed[default].priority > typed[ceiling].priority:
+            problems.append(f"{where}.default_priority: {default!r} is above max_priority {ceiling!r}")
+        if spec.queues and typed[default].queue not in spec.queues:
+            problems.append(f"{where}.default_priority: {default!r} is not in the tenant's queues")
+    return Tenant(
+        name=spec.name, weight=spec.weight, default_priority=default, max_priority=ceiling, queues=list(spec.queues)
+    )
 
 
 def load_catalog_file(path: Path) -> tuple[Catalog, list[ExternalSpec]]:

@@ -182,7 +182,14 @@ def request(
     capability: str,
     input: Annotated[str, typer.Option("--input", help="JSON object passed to the model.")] = "{}",
     priority: Annotated[
-        str | None, typer.Option(help="production|interactive|background|benchmark|maintenance")
+        str | None,
+        typer.Option(
+            help="Class: production|interactive|background|benchmark|maintenance, or a level of the "
+            "catalog's queues (critical, merge.critical). Default: the tenant's."
+        ),
+    ] = None,
+    queue: Annotated[
+        str | None, typer.Option(help="Queue whose --priority level is meant (catalogs with [[queues]]).")
     ] = None,
     tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
     deadline: Annotated[float | None, typer.Option(help="Seconds until the answer is useless.")] = None,
@@ -208,6 +215,7 @@ def request(
                 capability,
                 payload,
                 priority=priority,
+                queue=queue,
                 tenant=tenant,
                 deadline_s=deadline,
                 lease_timeout_s=lease_timeout,

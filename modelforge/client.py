@@ -23,13 +23,15 @@ from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutErro
 from temporalio.service import RPCError
 
 from modelforge import temporal as sa
-from modelforge.domain import Priority
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import MAX_INPUT_BYTES, RequestInput, RequestResult
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings
 
 _CAPABILITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?$")
+_CLASS_PART = re.compile(r"^[a-z0-9][a-z0-9_-]{0,59}$")
+# A level, or queue.level (the scheduler checks it against the catalog's queues).
+_CLASS = re.compile(r"^[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?$")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class ModelForgeClient:
         input: dict[str, Any] | None = None,
         *,
         priority: str | None = None,
+        queue: str | None = None,
         tenant: str = "default",
         deadline_s: float | None = None,
         lease_timeout_s: float | None = None,
@@ -91,9 +94,17 @@ class ModelForgeClient:
             return _invalid(request_id, capability, f"input is not JSON: {error}")
         if size > MAX_INPUT_BYTES:
             return _invalid(request_id, capability, f"input is {size} bytes; the limit is {MAX_INPUT_BYTES}")
-        if priority is not None and priority not in {p.value for p in Priority}:
+        if queue is not None:
+            if not _CLASS_PART.match(queue):
+                return _invalid(request_id, capability, f"queue {queue[:80]!r} is not a queue name")
+            if priority is None or "." in priority:
+                return _invalid(request_id, capability, "a queue needs a level: --queue merge --priority critical")
+            priority = f"{queue}.{priority}"
+        if priority is not None and not _CLASS.match(priority):
             return _invalid(
-                request_id, capability, f"priority {priority!r} is not one of {', '.join(p.value for p in Priority)}"
+                request_id,
+                capability,
+                f"priority {priority[:80]!r} is not a class name (a level such as 'interactive', or 'queue.level')",
             )
         for name, value in (("deadline_s", deadline_s), ("lease_timeout_s", lease_timeout_s)):
             if value is not None and not (0 < value <= 7 * 24 * 3600):

@@ -22,7 +22,7 @@ DEMO_REQUESTS: list[tuple[str, str, dict[str, object], str | None]] = [
 def describe(result: Result) -> str:
     if result.ok:
         lease = result.lease
-        where = f"{lease.accelerator} ({lease.priority.value})" if lease else "?"
+        where = f"{lease.accelerator} ({lease.priority})" if lease else "?"
         timing = ", ".join(f"{k}={v:.2f}" if k.endswith("_s") else f"{k}={v:g}" for k, v in result.timings.items())
         return f"OK on {where}; {timing}; output={result.output}"
     return f"{result.failure_class}: {result.message}"

@@ -14,7 +14,8 @@ GiB = 1024**3
 
 
 class Priority(StrEnum):
-    """Seed 000's classes, highest first."""
+    """Seed 000's classes, highest first: the built-in class model of a catalog that configures no
+    queues (`DEFAULT_QUEUES`). A catalog's `[[queues]]` replace them (seed 003)."""
 
     PRODUCTION = "production"
     INTERACTIVE = "interactive"
@@ -48,6 +49,123 @@ class Residency(StrEnum):
 
 
 RESERVED_RESIDENCIES = (Residency.EXCLUSIVE, Residency.LAB_ONLY)
+
+DEFAULT_QUEUE = "default"
+
+
+@dataclass(frozen=True)
+class PriorityLevel:
+    """One level of a queue. `priority` orders levels across all queues (higher first) and is the
+    `priority` factor of seed 003's fair-share formula; `preempts` names the levels whose
+    preemptible work this level may stop (same queue by name, another as `queue.level`), each of
+    strictly lower priority; `production` marks the level production admission rules apply to
+    (eligible accelerators, measured envelopes)."""
+
+    name: str
+    priority: int
+    preempts: list[str] = field(default_factory=list)
+    production: bool = False
+
+
+@dataclass(frozen=True)
+class Queue:
+    """A named queue (seed 003): its levels, highest first, and its fair-share weight."""
+
+    name: str
+    levels: list[PriorityLevel]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    """A queue's level as requests name it: `level` in the default queue, `queue.level` in any
+    other. Built from the catalog's queues; what the policy orders and preempts by."""
+
+    id: str
+    queue: str
+    level: str
+    priority: int
+    queue_weight: float
+    preempts: tuple[str, ...]
+    production: bool
+
+    @property
+    def rank(self) -> int:
+        """Sort key: lower sorts first (the highest priority)."""
+        return -self.priority
+
+
+def class_id(queue: str, level: str) -> str:
+    return level if queue == DEFAULT_QUEUE else f"{queue}.{level}"
+
+
+def level_ref(queue: str, ref: str) -> str:
+    """A `preempts` entry as a class id: `level` within `queue`, or `other_queue.level`."""
+    other, dot, level = ref.partition(".")
+    return class_id(other, level) if dot else class_id(queue, ref)
+
+
+def queue_of(class_id_: str) -> str:
+    queue, dot, _ = class_id_.partition(".")
+    return queue if dot else DEFAULT_QUEUE
+
+
+def queue_entity(queue: str, tenant: str) -> str:
+    """Whom usage is counted against: the tenant within a queue. In the default queue that is
+    the tenant's name alone (the seed-000 model, and what older ledgers and histories hold);
+    elsewhere `queue/tenant` (queue names cannot contain `/` or `.`)."""
+    return tenant if queue == DEFAULT_QUEUE else f"{queue}/{tenant}"
+
+
+def fair_share_entity(class_id_: str, tenant: str) -> str:
+    return queue_entity(queue_of(class_id_), tenant)
+
+
+_BUILT_IN_PRIORITIES = {
+    Priority.PRODUCTION: 50,
+    Priority.INTERACTIVE: 40,
+    Priority.BACKGROUND: 30,
+    Priority.BENCHMARK: 20,
+    Priority.MAINTENANCE: 10,
+}
+
+# Seed 000: five classes, each preempting the preemptible work of every class below it.
+DEFAULT_QUEUES: list[Queue] = [
+    Queue(
+        name=DEFAULT_QUEUE,
+        weight=1.0,
+        levels=[
+            PriorityLevel(
+                name=priority.value,
+                priority=_BUILT_IN_PRIORITIES[priority],
+                preempts=[lower.value for lower in list(Priority)[position + 1 :]],
+                production=priority == Priority.PRODUCTION,
+            )
+            for position, priority in enumerate(Priority)
+        ],
+    )
+]
+
+
+def build_classes(queues: list[Queue]) -> dict[str, PriorityClass]:
+    """Class id -> class, highest priority first (then queue order, then level order)."""
+    classes: list[PriorityClass] = []
+    for queue in queues:
+        for level in queue.levels:
+            preempts = tuple(level_ref(queue.name, ref) for ref in level.preempts)
+            classes.append(
+                PriorityClass(
+                    id=class_id(queue.name, level.name),
+                    queue=queue.name,
+                    level=level.name,
+                    priority=level.priority,
+                    queue_weight=queue.weight,
+                    preempts=preempts,
+                    production=level.production,
+                )
+            )
+    ordered = sorted(enumerate(classes), key=lambda item: (-item[1].priority, item[0]))
+    return {klass.id: klass for _, klass in ordered}
 
 
 @dataclass(frozen=True)
@@ -124,10 +242,13 @@ class Deployment:
 class Tenant:
     name: str
     weight: float = 1.0
-    default_priority: Priority = Priority.INTERACTIVE
+    # Class ids (`interactive`, or `merge.normal` with configured queues).
+    default_priority: str = Priority.INTERACTIVE.value
     # The highest class this identity may ask for (seed 000, M6: ExampleRAG shadow jobs are
-    # stamped background from their scoped identity).
-    max_priority: Priority = Priority.INTERACTIVE
+    # stamped background from their scoped identity): compared by priority across queues.
+    max_priority: str = Priority.INTERACTIVE.value
+    # The queues this tenant may submit to; empty: any.
+    queues: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,6 +256,8 @@ class Catalog:
     accelerators: list[Accelerator] = field(default_factory=list)
     deployments: list[Deployment] = field(default_factory=list)
     tenants: list[Tenant] = field(default_factory=list)
+    # Seed 003's named queues; empty: seed 000's five classes (`DEFAULT_QUEUES`).
+    queues: list[Queue] = field(default_factory=list)
 
     # Lookups are by index: the scheduler asks them per queued request, on catalogs of thousands
     # of accelerators. A catalog is immutable by contract (frozen; its lists are never mutated
@@ -166,6 +289,14 @@ class Catalog:
         for tenant in self.tenants:
             index.setdefault(tenant.name, tenant)
         return index
+
+    @cached_property
+    def classes(self) -> dict[str, PriorityClass]:
+        """Every priority class of this catalog's queues, highest first."""
+        return build_classes(self.queues or DEFAULT_QUEUES)
+
+    def priority_class(self, class_id_: str) -> PriorityClass | None:
+        return self.classes.get(class_id_)
 
     def deployment_for(self, capability: str) -> Deployment | None:
         return self._deployments_by_capability.get(capability)

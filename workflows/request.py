@@ -14,7 +14,6 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import temporal as sa
-    from modelforge.domain import Priority
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass
     from modelforge.messages import (
@@ -231,7 +230,7 @@ class CapabilityRequestWorkflow:
             workflow_id=workflow.info().workflow_id,
             capability=request.capability,
             tenant=request.tenant,
-            priority=Priority(request.priority) if request.priority else None,
+            priority=request.priority or None,
             deadline_s=request.deadline_s,
             lease_timeout_s=request.lease_timeout_s,
             preempted=preempted,

@@ -129,10 +129,10 @@ class PoolSchedulerWorkflow:
         for position, request in enumerate(requests):
             existing = policy.existing_admission(self._state, request)
             if isinstance(existing, policy.Lease):
-                replies[position] = AdmitReply(status="granted", lease=existing, priority=existing.priority.value)
+                replies[position] = AdmitReply(status="granted", lease=existing, priority=existing.priority)
                 continue
             if existing is not None:
-                replies[position] = AdmitReply(status="queued", priority=existing.priority.value)
+                replies[position] = AdmitReply(status="queued", priority=existing.priority)
                 continue
             try:
                 _, priority = policy.validate_request(self._state, request)
@@ -155,7 +155,7 @@ class PoolSchedulerWorkflow:
                     )
                 continue
             policy.enqueue(self._state, request, priority, now)
-            admitted[request.request_id] = (position, priority.value)
+            admitted[request.request_id] = (position, priority)
         if admitted:
             self._run_policy(now)
             # Decisions about the requests just admitted go back in the reply, not as signals.

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelforge.domain import (
+    DEFAULT_QUEUE,
     RESERVED_RESIDENCIES,
     Deployment,
-    Priority,
     Residency,
+    level_ref,
 )
 from modelforge.failures import FailureClass, parse_failure
 from modelforge.policy._decisions import (
@@ -53,7 +54,8 @@ class AdmissionRequest:
     workflow_id: str
     capability: str
     tenant: str
-    priority: Priority | None = None
+    # A class id (`interactive`, `merge.critical`) or a bare level resolved in the tenant's queue.
+    priority: str | None = None
     deadline_s: float | None = None
     lease_timeout_s: float | None = None
     # Requeued after preemption: keeps its original class and its place (submission time).
@@ -61,18 +63,48 @@ class AdmissionRequest:
     submitted_at: float | None = None
 
 
-def resolve_priority(state: PoolState, request: AdmissionRequest) -> Priority:
-    """The class stamped from identity: the tenant's default, never above its ceiling."""
-    tenant = state.catalog.tenant(request.tenant)
+def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
+    """The class stamped from identity: the tenant's default, never above its ceiling, only in
+    the tenant's queues. A bare level (`critical`) means that level of the tenant's default
+    queue, or of the one queue that has it."""
+    catalog = state.catalog
+    tenant = catalog.tenant(request.tenant)
     if tenant is None:
         raise AdmissionRejected(FailureClass.REQUEST_INVALID, f"unknown tenant {request.tenant!r}")
-    priority = request.priority or tenant.default_priority
-    if priority.rank < tenant.max_priority.rank:
+    asked = request.priority or tenant.default_priority
+    if "." in asked:
+        asked = level_ref(DEFAULT_QUEUE, asked)  # `default.production` is `production`
+    klass = catalog.priority_class(asked)
+    if klass is None and "." not in asked:
+        home = catalog.priority_class(tenant.default_priority)
+        same_queue = [k for k in catalog.classes.values() if k.level == asked and home and k.queue == home.queue]
+        anywhere = [k for k in catalog.classes.values() if k.level == asked]
+        if same_queue:
+            klass = same_queue[0]
+        elif len(anywhere) == 1:
+            klass = anywhere[0]
+        elif anywhere:
+            raise AdmissionRejected(
+                FailureClass.REQUEST_INVALID,
+                f"priority {asked!r} is a level of {', '.join(k.queue for k in anywhere)}: name the queue "
+                f"({', '.join(k.id for k in anywhere)})",
+            )
+    if klass is None:
+        raise AdmissionRejected(
+            FailureClass.REQUEST_INVALID, f"unknown priority {asked!r} (classes: {', '.join(catalog.classes)})"
+        )
+    if tenant.queues and klass.queue not in tenant.queues:
         raise AdmissionRejected(
             FailureClass.REQUEST_INVALID,
-            f"tenant {tenant.name!r} may ask for at most {tenant.max_priority.value!r}, not {priority.value!r}",
+            f"tenant {tenant.name!r} may submit to {', '.join(tenant.queues)}, not queue {klass.queue!r}",
         )
-    return priority
+    ceiling = catalog.priority_class(tenant.max_priority)
+    if ceiling is not None and klass.priority > ceiling.priority:
+        raise AdmissionRejected(
+            FailureClass.REQUEST_INVALID,
+            f"tenant {tenant.name!r} may ask for at most {ceiling.id!r}, not {klass.id!r}",
+        )
+    return klass.id
 
 
 def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | QueuedRequest | None:
@@ -87,9 +119,7 @@ def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | Q
     return None
 
 
-def validate_request(
-    state: PoolState, request: AdmissionRequest, *, gangs: bool = False
-) -> tuple[Deployment, Priority]:
+def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool = False) -> tuple[Deployment, str]:
     """Everything that can be refused without touching the queue: a refused admission update
     writes no history.
 
@@ -136,7 +166,7 @@ def validate_request(
     return deployment, priority
 
 
-def enqueue(state: PoolState, request: AdmissionRequest, priority: Priority, now: float) -> QueuedRequest:
+def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: float) -> QueuedRequest:
     timeout = request.lease_timeout_s or state.config.default_lease_timeout_s
     submitted = now
     if request.preempted and request.submitted_at is not None and request.submitted_at <= now:
@@ -223,7 +253,7 @@ def apply_decisions(
                 workflow_id=grant.workflow_id,
                 payload={
                     "bytes": lease.bytes,
-                    "priority": lease.priority.value,
+                    "priority": lease.priority,
                     "tenant": lease.tenant,
                     "capability": lease.capability,
                     "pool": state.pool,
@@ -272,7 +302,7 @@ def apply_decisions(
                 deployment=preempted.deployment,
                 workflow_id=preempt.workflow_id,
                 message=preempt.reason,
-                payload={"grace_s": preempt.grace_s, "priority": preempted.priority.value},
+                payload={"grace_s": preempt.grace_s, "priority": preempted.priority},
             )
         )
     for wait in decisions.waits:
@@ -339,7 +369,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
                 "outcome": outcome,
                 "tenant": lease.tenant,
                 "capability": lease.capability,
-                "priority": lease.priority.value,
+                "priority": lease.priority,
                 "pool": state.pool,
                 "accelerators": ",".join(lease.accelerators),
                 "granted_at": lease.granted_at,

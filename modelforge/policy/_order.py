@@ -11,10 +11,32 @@ import itertools
 from bisect import insort
 from collections.abc import Iterator
 
-from modelforge.domain import Priority
+from modelforge.domain import Catalog, fair_share_entity, queue_entity
 from modelforge.policy._state import PoolState, QueuedRequest, TenantUsage
 
-RANK: dict[Priority, int] = {priority: priority.rank for priority in Priority}
+
+def class_rank(catalog: Catalog, class_id: str) -> int:
+    """Sort key of a class (lower first). A class the catalog no longer has (a request queued
+    before a reload that removed its queue) sorts after every known class."""
+    klass = catalog.classes.get(class_id)
+    return klass.rank if klass is not None else 1
+
+
+def is_production(catalog: Catalog, class_id: str) -> bool:
+    klass = catalog.classes.get(class_id)
+    return klass is not None and klass.production
+
+
+def production_ranks(catalog: Catalog) -> dict[int, bool]:
+    """Ranks of production classes. The catalog keeps production and other levels on distinct
+    priorities, so a rank alone says which admission rules apply."""
+    return {klass.rank: True for klass in catalog.classes.values() if klass.production}
+
+
+def may_preempt(catalog: Catalog, by: str, victim: str) -> bool:
+    """Whether class `by` may stop preemptible work of class `victim` (its level's `preempts`)."""
+    klass = catalog.classes.get(by)
+    return klass is not None and victim in klass.preempts
 
 
 def decayed_usage(usage: TenantUsage, half_life_s: float, now: float) -> float:
@@ -26,7 +48,10 @@ def decayed_usage(usage: TenantUsage, half_life_s: float, now: float) -> float:
 
 def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
     """Seed 003: `score = priority * (1 + (target - consumed) / target)`, clamped at zero, where
-    `target` is the tenant's weighted share of all decayed usage and `consumed` its own.
+    `target` is the entity's weighted share of all decayed usage and `consumed` its own.
+
+    The entity is a tenant within a queue (`fair_share_entity`), weighted by the queue's weight
+    times the tenant's: with seed 000's single default queue that is the tenant alone.
 
     `priority` in the seed's formula is the job's priority level. The queue is ordered by class
     first, so within a class that factor is the same for every request and the order is the
@@ -34,20 +59,26 @@ def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
     to its weight (the property tests check within 10% on a saturated two-tenant pool); using
     the weight as the factor instead would over-serve the heavier tenant (2:1 weights settle
     near 5:1)."""
-    tenants = state.catalog.tenants
-    total_weight = sum(t.weight for t in tenants) or 1.0
-    consumed = {
-        t.name: decayed_usage(state.usage.get(t.name, TenantUsage()), state.config.fair_share_half_life_s, now)
-        for t in tenants
-    }
+    catalog = state.catalog
+    weights: dict[str, float] = {}
+    queue_weights: dict[str, float] = {}
+    for klass in catalog.classes.values():
+        queue_weights.setdefault(klass.queue, klass.queue_weight)
+    for queue, queue_weight in queue_weights.items():
+        for tenant in catalog.tenants:
+            if not tenant.queues or queue in tenant.queues:
+                weights[queue_entity(queue, tenant.name)] = queue_weight * tenant.weight
+    total_weight = sum(weights.values()) or 1.0
+    half_life = state.config.fair_share_half_life_s
+    consumed = {entity: decayed_usage(state.usage.get(entity, TenantUsage()), half_life, now) for entity in weights}
     total = sum(consumed.values())
     scores: dict[str, float] = {}
-    for tenant in tenants:
-        target = total * tenant.weight / total_weight
+    for entity, weight in weights.items():
+        target = total * weight / total_weight
         if target <= 0:
-            scores[tenant.name] = 1.0 if total <= 0 else 0.0
+            scores[entity] = 1.0 if total <= 0 else 0.0
             continue
-        scores[tenant.name] = max(0.0, 1 + (target - consumed[tenant.name]) / target)
+        scores[entity] = max(0.0, 1 + (target - consumed[entity]) / target)
     return scores
 
 
@@ -71,14 +102,18 @@ def ordered_buckets(state: PoolState, now: float) -> list[list[QueuedRequest]]:
     Relies on `state.queue` being in submission order, which every transition that adds to it
     keeps (`insert_in_submission_order`); the property tests check it after every step."""
     scores = fair_share_scores(state, now)
+    catalog = state.catalog
     # One bucket per (class, tenant) key, built once per pass rather than once per request.
-    keys: dict[Priority, dict[str, tuple[int, float]]] = {p: {} for p in Priority}
+    keys: dict[tuple[str, str], tuple[int, float]] = {}
     buckets: dict[tuple[int, float], list[QueuedRequest]] = {}
     for queued in state.queue:
-        by_tenant = keys[queued.priority]
-        key = by_tenant.get(queued.tenant)
+        key = keys.get((queued.priority, queued.tenant))
         if key is None:
-            key = by_tenant[queued.tenant] = (RANK[queued.priority], -scores.get(queued.tenant, 0.0))
+            entity = fair_share_entity(queued.priority, queued.tenant)
+            key = keys[(queued.priority, queued.tenant)] = (
+                class_rank(catalog, queued.priority),
+                -scores.get(entity, 0.0),
+            )
         bucket = buckets.get(key)
         if bucket is None:
             buckets[key] = [queued]

@@ -24,18 +24,23 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from modelforge.domain import Accelerator, Deployment, Priority, Residency, resident_key
+from modelforge.domain import Accelerator, Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import Budget, budget_from_sums
 from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, StartLoad, Unload, Wait
-from modelforge.policy._order import RANK, fair_share_scores, ordered_buckets
+from modelforge.policy._order import (
+    class_rank,
+    fair_share_scores,
+    is_production,
+    may_preempt,
+    ordered_buckets,
+    production_ranks,
+)
 from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
 from modelforge.policy._topology import GangShape, choose_gang
 
 _IDLE_RUNTIME = AcceleratorRuntime()
-_PRODUCTION = Priority.PRODUCTION
-_PRODUCTION_RANK = RANK[Priority.PRODUCTION]
 
 
 @dataclass(frozen=True)
@@ -165,13 +170,13 @@ def _static_reason(accelerator: Accelerator, deployment: Deployment, production:
     return ""
 
 
-def filter_accelerators(state: PoolState, deployment: Deployment, priority: Priority, now: float) -> list[FilterResult]:
+def filter_accelerators(state: PoolState, deployment: Deployment, priority: str, now: float) -> list[FilterResult]:
     """Phase 1: each accelerator of the pool, accepted or rejected with its reason."""
     results: list[FilterResult] = []
     for accelerator in state.catalog.accelerators:
         if accelerator.pool != state.pool:
             continue
-        reason = _static_reason(accelerator, deployment, priority == Priority.PRODUCTION)
+        reason = _static_reason(accelerator, deployment, is_production(state.catalog, priority))
         if reason:
             results.append(FilterResult(accelerator.id, False, reason, True))
             continue
@@ -216,7 +221,7 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
         leases.sort(
             key=lambda lease: (
                 lease.lease_id not in state.preempting,
-                -RANK[lease.priority],
+                class_rank(state.catalog, lease.priority),
                 -lease.granted_at,
                 lease.lease_id,
             )
@@ -322,7 +327,7 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         counter = _decide_queue(pass_, decisions, settled_production, settled_other, now, counter)
     for bucket in [] if reuse_settled else ordered_buckets(state, now):
         # A bucket holds one class, so one settled table serves all of it.
-        settled_by = settled_production if bucket[0].priority == _PRODUCTION else settled_other
+        settled_by = settled_production if is_production(state.catalog, bucket[0].priority) else settled_other
         for queued in bucket:
             counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=False)
 
@@ -387,10 +392,12 @@ def _decide_queue(
     passed over whole: it would decide nothing. Everything else is decided request by request,
     exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare."""
     state = pass_.state
+    catalog = state.catalog
     scores = fair_share_scores(state, now)
+    production = production_ranks(catalog)
     groups: dict[tuple[int, float], list[Lane]] = {}
     for lane in queue_index(state).lanes.values():
-        key = (RANK[lane.priority], -scores.get(lane.tenant, 0.0))
+        key = (class_rank(catalog, lane.priority), -scores.get(fair_share_entity(lane.priority, lane.tenant), 0.0))
         group = groups.get(key)
         if group is None:
             groups[key] = [lane]
@@ -399,7 +406,7 @@ def _decide_queue(
     deployments: dict[str, Deployment | None] = {}
     for key in sorted(groups):
         lanes = groups[key]
-        settled_by = settled_production if key[0] == _PRODUCTION_RANK else settled_other
+        settled_by = settled_production if key[0] in production else settled_other
         walk = _single(lanes[0], settled_by, now) if len(lanes) == 1 else _merged(lanes, settled_by, now)
         for queued in walk:
             counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=True)
@@ -664,7 +671,7 @@ def _place(
             if extra <= pass_.free(resident.accelerator) or extra == 0:
                 return _grant(queued, deployment, resident, now, pass_, counter)
 
-    production = queued.priority == Priority.PRODUCTION
+    production = is_production(pass_.state.catalog, queued.priority)
     passed, refused = _filtered(pass_, deployment, production)
     if not passed:
         if all(f.permanent for f in refused):
@@ -673,7 +680,7 @@ def _place(
                 queued.request_id,
                 queued.workflow_id,
                 FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no {queued.priority.value} placement for {queued.capability}: {detail}",
+                f"no {queued.priority} placement for {queued.capability}: {detail}",
             )
         reasons = _Reasons()
         for f in refused:
@@ -762,7 +769,7 @@ def _place(
                 best = (free - need, accelerator)
             continue
         if accelerator in pass_.evictable:
-            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need, RANK[queued.priority])
+            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need, production)
             if plan is not None:
                 evicted = sum(state.residents[k].bytes for k in plan)
                 eviction_options.append((evicted, accelerator, plan))
@@ -810,7 +817,7 @@ def _place(
         for key in plan:
             pass_.evicting[key] = True
         pass_.blocked[accelerator] = True
-        return [Unload(key, f"making room for {queued.capability} ({queued.priority.value})") for key in plan]
+        return [Unload(key, f"making room for {queued.capability} ({queued.priority})") for key in plan]
     if pass_.preemptible:
         preemption = _preemption_plan(pass_, queued, deployment, need, room_candidates)
         if preemption is not None:
@@ -838,7 +845,7 @@ def _place_gang(
     state = pass_.state
     count = deployment.gpu_count
     need = deployment.envelope_bytes
-    production = queued.priority == Priority.PRODUCTION
+    production = is_production(pass_.state.catalog, queued.priority)
     passed, refused = _filtered(pass_, deployment, production)
     catalog = state.catalog
     groups: dict[str, list[str]] = {}
@@ -947,7 +954,7 @@ def _preemption_plan(
     """Strictly lower, preemptible work whose leases (and, once idle, residents) make `need` fit:
     on the accelerator needing the fewest new preemptions, then the fewest in all."""
     state = pass_.state
-    rank = RANK[queued.priority]
+    catalog = state.catalog
     best: tuple[int, int, str, list[Lease]] | None = None
     for accelerator in accelerators:
         candidates = pass_.preemptible.get(accelerator)
@@ -968,7 +975,9 @@ def _preemption_plan(
             if free >= need:
                 break
             already = lease.lease_id in state.preempting
-            if not already and (RANK[lease.priority] <= rank or lease.lease_id in pass_.preempting):
+            if not already and (
+                not may_preempt(catalog, queued.priority, lease.priority) or lease.lease_id in pass_.preempting
+            ):
                 continue
             chosen.append(lease)
             fresh += 0 if already else 1
@@ -989,7 +998,7 @@ def _preemption_plan(
         return None
     _, _, accelerator, chosen = best
     pass_.blocked[accelerator] = True
-    reason = f"{queued.priority.value} {queued.capability} needs room on {accelerator}"
+    reason = f"{queued.priority} {queued.capability} needs room on {accelerator}"
     preempts = []
     for lease in chosen:
         if lease.lease_id in state.preempting:
@@ -1004,7 +1013,7 @@ def _preemption_plan(
     )
 
 
-def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, rank: int) -> list[str] | None:
+def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, production: bool) -> list[str] | None:
     """The cheapest idle residents whose bytes make `need` fit: fastest to unload first, then the
     largest, so the fewest models go. A model that last served production is evicted only for
     production: no other work unloads a warm production model (it waits until that model's TTL
@@ -1013,6 +1022,7 @@ def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int
     candidates = pass_.evictable.get(accelerator)
     if not candidates:
         return None
+    catalog = pass_.state.catalog
     free = pass_.free(accelerator)
     chosen: list[str] = []
     for resident in candidates:
@@ -1020,7 +1030,7 @@ def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int
             break
         if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
             continue
-        if resident.last_priority == _PRODUCTION and rank != _PRODUCTION_RANK:
+        if not production and resident.last_priority is not None and is_production(catalog, resident.last_priority):
             continue
         chosen.append(resident.key)
         free += resident.bytes

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from bisect import insort
 
-from modelforge.domain import Priority
 from modelforge.policy._state import PoolState, QueuedRequest
 
 _KEY = "_policy_queue_index"
@@ -34,7 +33,7 @@ class Lane:
 
     __slots__ = ("assigned", "capability", "items", "min_expiry", "priority", "reasons", "tenant")
 
-    def __init__(self, priority: Priority, tenant: str, capability: str) -> None:
+    def __init__(self, priority: str, tenant: str, capability: str) -> None:
         self.priority = priority
         self.tenant = tenant
         self.capability = capability
@@ -85,7 +84,7 @@ class QueueIndex:
         self.queue = queue
         self.length = 0
         self.by_id: dict[str, QueuedRequest] = {}
-        self.lanes: dict[tuple[Priority, str, str], Lane] = {}
+        self.lanes: dict[tuple[str, str, str], Lane] = {}
         self.per_capability: dict[str, int] = {}
         # Requests waiting on a load, in the order they were assigned.
         self.assigned: dict[str, QueuedRequest] = {}
@@ -110,7 +109,7 @@ class QueueIndex:
 
     def removed(self, gone: dict[str, bool], queue: list[QueuedRequest]) -> None:
         """The requests in `gone` left; `queue` is the queue without them."""
-        touched: dict[tuple[Priority, str, str], bool] = {}
+        touched: dict[tuple[str, str, str], bool] = {}
         for request_id in gone:
             queued = self.by_id.pop(request_id, None)
             if queued is None:

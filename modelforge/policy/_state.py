@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from modelforge.domain import Catalog, Observation, Priority, Residency
+from modelforge.domain import Catalog, Observation, Residency
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ResidentState:
     requested_at: float = 0.0
     # The class of the last lease granted on it: a model that last served production is evicted
     # only to make room for production.
-    last_priority: Priority | None = None
+    last_priority: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Lease:
     # Bytes this lease adds on top of residency (envelope peak minus idle).
     bytes: int
     granted_at: float
-    priority: Priority
+    priority: str  # the class id (`production`, `merge.critical`)
     tenant: str
     # How often the holder must say it is alive; silence for stale_lease_s loses the lease.
     heartbeat_s: float = 0.0
@@ -97,7 +97,7 @@ class QueuedRequest:
     request_id: str
     workflow_id: str
     capability: str
-    priority: Priority
+    priority: str  # the class id (`production`, `merge.critical`)
     tenant: str
     submitted_at: float
     lease_timeout_at: float

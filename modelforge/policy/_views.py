@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelforge.domain import Priority
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._state import AcceleratorRuntime, PoolState
 
@@ -117,9 +116,9 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
         )
         for r in state.residents.values()
     ]
-    depth = {p.value: 0 for p in Priority}
+    depth = dict.fromkeys(state.catalog.classes, 0)
     for queued in state.queue:
-        depth[queued.priority.value] += 1
+        depth[queued.priority] = depth.get(queued.priority, 0) + 1
     return PoolStatus(
         pool=state.pool,
         now=now,
