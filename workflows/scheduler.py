@@ -448,9 +448,10 @@ class PoolSchedulerWorkflow:
                 retry_policy=STORE_RETRY,
                 summary="fair-share usage from the lease ledger",
             )
-            for tenant, gpu_seconds in sorted(usage.items()):
-                if tenant not in self._state.usage:
-                    self._state.usage[tenant] = policy.TenantUsage(gpu_seconds=gpu_seconds, updated_at=now)
+            # Keyed by fair-share entity: the tenant, or `queue/tenant` outside the default queue.
+            for entity, gpu_seconds in sorted(usage.items()):
+                if entity not in self._state.usage:
+                    self._state.usage[entity] = policy.TenantUsage(gpu_seconds=gpu_seconds, updated_at=now)
         self._catalog_stale = False
         self._record(
             policy.PolicyEvent(

@@ -15,6 +15,7 @@ from modelforge.domain import (
     RESERVED_RESIDENCIES,
     Deployment,
     Residency,
+    fair_share_entity,
     level_ref,
 )
 from modelforge.failures import FailureClass, parse_failure
@@ -348,7 +349,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)
         resident.last_used = now
-    usage = state.usage.setdefault(lease.tenant, TenantUsage(updated_at=now))
+    usage = state.usage.setdefault(fair_share_entity(lease.priority, lease.tenant), TenantUsage(updated_at=now))
     usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + max(
         0.0, now - lease.granted_at
     )

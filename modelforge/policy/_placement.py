@@ -691,6 +691,9 @@ def _place(
     # Phase 2, score: join a ready resident (no new load) > join a loading one > load with best fit.
     reasons = _Reasons()
     holding: dict[str, bool] = {}
+    # Ready residents of this deployment with every slot taken: their slots are where a request
+    # of a class that preempts the holders' gets in (seed 003: merge Critical stops merge Low).
+    full: list[ResidentState] = []
     residents = pass_.residents_of.get(deployment.deployment_id, [])
     if residents:
         eligible = pass_.eligible[(deployment.deployment_id, production)]
@@ -712,6 +715,8 @@ def _place(
                 reasons.add(
                     "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
                 )
+                if resident.phase == ResidentPhase.READY:
+                    full.append(resident)
                 continue
             if resident.phase == ResidentPhase.READY:
                 if extra == 0 or extra <= pass_.free(accelerator):
@@ -819,7 +824,9 @@ def _place(
         pass_.blocked[accelerator] = True
         return [Unload(key, f"making room for {queued.capability} ({queued.priority})") for key in plan]
     if pass_.preemptible:
-        preemption = _preemption_plan(pass_, queued, deployment, need, room_candidates)
+        preemption = _slot_preemption(pass_, queued, full) if full else None
+        if preemption is None:
+            preemption = _preemption_plan(pass_, queued, deployment, need, room_candidates)
         if preemption is not None:
             return preemption
 
@@ -1011,6 +1018,36 @@ def _preemption_plan(
     return _Preemption(
         accelerator, preempts, Wait(queued.request_id, f"making room: preempting lower-class work ({waiting})")
     )
+
+
+def _slot_preemption(pass_: _Pass, queued: QueuedRequest, full: list[ResidentState]) -> _Preemption | None:
+    """A slot on a ready resident of the asked deployment, freed by stopping one lease on it that
+    the asker's class may preempt: no load, no bytes to find. A slot already being freed (its
+    holder was told to stop in an earlier pass) is waited for rather than freeing another."""
+    state = pass_.state
+    catalog = state.catalog
+    for resident in full:
+        for lease in pass_.preemptible.get(resident.accelerator, []):
+            if lease.resident_key != resident.key or lease.lease_id in pass_.preempting:
+                continue
+            already = lease.lease_id in state.preempting
+            if not already and not may_preempt(catalog, queued.priority, lease.priority):
+                continue
+            pass_.preempting[lease.lease_id] = True
+            reason = f"{queued.priority} {queued.capability} needs a slot of {resident.key}"
+            preempts = (
+                []
+                if already
+                else [
+                    Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
+                ]
+            )
+            return _Preemption(
+                resident.accelerator,
+                preempts,
+                Wait(queued.request_id, f"making room: preempting {lease.priority} work ({lease.lease_id})"),
+            )
+    return None
 
 
 def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, production: bool) -> list[str] | None:

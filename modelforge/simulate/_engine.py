@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from modelforge.domain import Observation, Priority, ProcessUsage
+from modelforge.domain import Observation, ProcessUsage
 from modelforge.failures import FailureClass
 from modelforge.simulate._protocol import Actions, SimScheduler
 from modelforge.simulate._scenario import Scenario, SimRequest
@@ -416,7 +416,7 @@ class Simulation:
         tenant_s: dict[str, float] = {}
         total_completed = 0
         for request, outcome in zip(requests, self.outcomes, strict=True):
-            klass = request.priority.value if request.priority else "default"
+            klass = request.priority or "default"
             deadline_total[klass] = deadline_total.get(klass, 0) + 1
             tenant_s[request.tenant] = tenant_s.get(request.tenant, 0.0) + outcome.gpu_s
             if outcome.outcome == "ok":
@@ -431,7 +431,7 @@ class Simulation:
             else:
                 rejected["UNFINISHED"] = rejected.get("UNFINISHED", 0) + 1
         by_class: dict[str, dict[str, float | int | None]] = {}
-        order = [p.value for p in Priority] + ["default"]
+        order = [*self.scenario.catalog.classes, "default"]
         for klass in order:
             if klass not in deadline_total:
                 continue

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from modelforge.catalog import CatalogError, ExternalSpec, parse_catalog
-from modelforge.domain import Catalog, Deployment, Priority
+from modelforge.domain import Catalog, Deployment
 
 MAX_REQUESTS = 10_000_000
 _REQUEST_FIELDS = {
@@ -43,7 +43,7 @@ class SimRequest:
     # The capability as the scheduler sees it: a request line that overrides its deployment's
     # shape (a batch job's own size) gets a variant deployment of its own, see `_variant`.
     capability: str
-    priority: Priority | None
+    priority: str | None  # a class id of the scenario's catalog
     tenant: str
     service_s: float
     deadline_s: float | None = None
@@ -195,11 +195,12 @@ def parse_request_lines(lines: list[str], catalog: Catalog) -> tuple[list[SimReq
         if not isinstance(tenant, str) or catalog.tenant(tenant) is None:
             raise ScenarioError(f"request line {number}: tenant {tenant!r} is not in the scenario's [[tenants]]")
         raw_priority = data.get("priority")
-        try:
-            priority = None if raw_priority is None else Priority(raw_priority)
-        except ValueError:
-            choices = ", ".join(p.value for p in Priority)
-            raise ScenarioError(f"request line {number}: priority {raw_priority!r} is not one of {choices}") from None
+        priority: str | None = None
+        if raw_priority is not None:
+            if not isinstance(raw_priority, str) or catalog.priority_class(raw_priority) is None:
+                choices = ", ".join(catalog.classes)
+                raise ScenarioError(f"request line {number}: priority {raw_priority!r} is not one of {choices}")
+            priority = raw_priority
         request_id = str(data.get("id", f"r{number}"))
         if request_id in ids:
             raise ScenarioError(f"request line {number}: id {request_id!r} repeats line {ids[request_id]}")

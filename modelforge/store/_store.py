@@ -15,7 +15,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from modelforge.catalog import parse_catalog
-from modelforge.domain import Catalog
+from modelforge.domain import Catalog, fair_share_entity
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import SnapshotBatch
@@ -114,10 +114,22 @@ class Store:
             await conn.execute(
                 "DELETE FROM catalog_tenants WHERE NOT (name = ANY(%s))", ([t.name for t in catalog.tenants],)
             )
+            for position, queue in enumerate(catalog.queues):
+                await conn.execute(
+                    "INSERT INTO catalog_queues (name, position, spec) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (name) DO UPDATE SET position = EXCLUDED.position, spec = EXCLUDED.spec,"
+                    " updated_at = now()"
+                    " WHERE catalog_queues.spec <> EXCLUDED.spec OR catalog_queues.position <> EXCLUDED.position",
+                    (queue.name, position, Jsonb(dataclasses.asdict(queue))),
+                )
+            await conn.execute(
+                "DELETE FROM catalog_queues WHERE NOT (name = ANY(%s))", ([q.name for q in catalog.queues],)
+            )
         return {
             "accelerators": len(catalog.accelerators),
             "deployments": len(catalog.deployments),
             "tenants": len(catalog.tenants),
+            "queues": len(catalog.queues),
         }
 
     async def load_catalog(self) -> Catalog:
@@ -125,6 +137,7 @@ class Store:
             accs = await (await conn.execute("SELECT spec FROM catalog_accelerators ORDER BY id")).fetchall()
             deps = await (await conn.execute("SELECT spec FROM catalog_deployments ORDER BY capability")).fetchall()
             tenants = await (await conn.execute("SELECT spec FROM catalog_tenants ORDER BY name")).fetchall()
+            queues = await (await conn.execute("SELECT spec FROM catalog_queues ORDER BY position, name")).fetchall()
             measured = await (
                 await conn.execute(
                     "SELECT deployment, accelerator_model, idle_bytes, peak_bytes FROM envelopes"
@@ -136,6 +149,7 @@ class Store:
                 "accelerators": [row[0] for row in accs],
                 "deployments": [row[0] for row in deps],
                 "tenants": [row[0] for row in tenants],
+                "queues": [row[0] for row in queues],
             }
         )
         return with_measured_envelopes(catalog, [(str(d), str(m), int(i), int(p)) for d, m, i, p in measured])
@@ -329,22 +343,29 @@ class Store:
             return await cur.fetchall()
 
     async def decayed_usage(self, *, pool: str, half_life_s: float, as_of: float) -> dict[str, float]:
-        """GPU-seconds per tenant from the ledger, each lease decayed from its end to `as_of` with
-        the fair-share half-life: what a fresh scheduler starts its fair share from."""
+        """GPU-seconds per fair-share entity (the tenant within its class's queue: the tenant's
+        name in the default queue, `queue/tenant` in others) from the ledger, each lease decayed
+        from its end to `as_of` with the fair-share half-life: what a fresh scheduler starts its
+        fair share from."""
         if half_life_s <= 0:
             return {}
         async with self._pool.connection() as conn:
             rows = await (
                 await conn.execute(
-                    "SELECT tenant, sum(gpu_seconds * power(0.5,"
+                    "SELECT tenant, coalesce(priority, ''), sum(gpu_seconds * power(0.5,"
                     "  greatest(0, extract(epoch FROM (%(as_of)s - ended_at)))::float8 / %(half)s))"
                     " FROM lease_ledger WHERE pool = %(pool)s AND tenant IS NOT NULL AND ended_at IS NOT NULL"
                     " AND gpu_seconds > 0 AND ended_at > %(as_of)s - make_interval(secs => %(half)s * 30)"
-                    " GROUP BY tenant ORDER BY tenant",
+                    " GROUP BY 1, 2 ORDER BY 1, 2",
                     {"as_of": _timestamp(as_of), "half": half_life_s, "pool": pool},
                 )
             ).fetchall()
-        return {str(tenant): float(total) for tenant, total in rows if total}
+        usage: dict[str, float] = {}
+        for tenant, class_id, total in rows:
+            if total:
+                entity = fair_share_entity(str(class_id), str(tenant))
+                usage[entity] = usage.get(entity, 0.0) + float(total)
+        return usage
 
     async def ledger(self, *, lease_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

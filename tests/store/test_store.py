@@ -18,7 +18,12 @@ from modelforge.store import Store, redact
 async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) -> None:
     store = await Store.open(database_url)
     try:
-        assert await store.migrate() == ["0001_initial.sql", "0002_ledger_snapshots_alerts.sql", "0003_envelopes.sql"]
+        assert await store.migrate() == [
+            "0001_initial.sql",
+            "0002_ledger_snapshots_alerts.sql",
+            "0003_envelopes.sql",
+            "0004_catalog_queues.sql",
+        ]
         assert await store.migrate() == []  # re-run: nothing new
         catalog, _ = load_catalog_file(example_catalog_path())
         await store.apply_catalog(catalog)
@@ -35,6 +40,17 @@ async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) 
         )
         await store.apply_catalog(smaller)
         assert [d.capability for d in (await store.load_catalog()).deployments] == ["rag.embedding@1"]
+
+        # Seed 003's queues round-trip in the file's order (it breaks ties between equal
+        # priorities); a catalog without queues goes back to the built-in classes.
+        queued, _ = load_catalog_file(example_catalog_path().parent / "queues-seed003.toml")
+        await store.apply_catalog(queued)
+        loaded = await store.load_catalog()
+        assert loaded.queues == queued.queues
+        assert list(loaded.classes) == list(queued.classes)
+        assert sorted(loaded.tenants, key=lambda t: t.name) == sorted(queued.tenants, key=lambda t: t.name)
+        await store.apply_catalog(catalog)
+        assert (await store.load_catalog()).queues == []
     finally:
         await store.close()
 
