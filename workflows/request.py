@@ -235,6 +235,7 @@ class CapabilityRequestWorkflow:
             lease_timeout_s=request.lease_timeout_s,
             preempted=preempted,
             submitted_at=submitted_at if preempted else None,
+            max_duration_s=request.max_duration_s,
         )
         try:
             reply = await workflow.execute_local_activity(

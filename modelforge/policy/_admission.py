@@ -40,6 +40,10 @@ MAX_CAPABILITY_LENGTH = 200
 MAX_TENANT_LENGTH = 100
 
 
+# A month: batch jobs of the Alibaba trace run for days.
+MAX_DURATION_S = 30 * 24 * 3600.0
+
+
 class AdmissionRejected(Exception):
     """Raised by `validate_request`; carries the typed class for the update validator."""
 
@@ -62,6 +66,9 @@ class AdmissionRequest:
     # Requeued after preemption: keeps its original class and its place (submission time).
     preempted: bool = False
     submitted_at: float | None = None
+    # The longest the lease will be held once granted (the request's max_duration): lets work
+    # that ends before a waiting gang's reservation starts backfill the reserved accelerators.
+    max_duration_s: float | None = None
 
 
 def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
@@ -136,6 +143,11 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
             raise AdmissionRejected(
                 FailureClass.REQUEST_INVALID, f"{name} must be between 0 and 604800 seconds, got {value!r}"
             )
+    if request.max_duration_s is not None and not (0 < request.max_duration_s <= MAX_DURATION_S):
+        raise AdmissionRejected(
+            FailureClass.REQUEST_INVALID,
+            f"max_duration_s must be between 0 and {MAX_DURATION_S:.0f} seconds, got {request.max_duration_s!r}",
+        )
     deployment = state.catalog.deployment_for(request.capability)
     if deployment is None:
         raise AdmissionRejected(FailureClass.CAPABILITY_UNAVAILABLE, f"no deployment serves {request.capability!r}")
@@ -182,6 +194,7 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: flo
         preempted=request.preempted,
         lease_timeout_at=now + timeout,
         deadline_at=None if request.deadline_s is None else now + request.deadline_s,
+        max_duration_s=request.max_duration_s,
     )
     index = current_index(state)
     insert_in_submission_order(state.queue, queued)

@@ -21,6 +21,7 @@ scheduler workflow, so it is built to stay near-linear in the queue and the pool
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from modelforge.policy._order import (
     production_ranks,
 )
 from modelforge.policy._queue_index import Lane, queue_index
+from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
 from modelforge.policy._topology import GangShape, choose_gang
 
@@ -134,12 +136,51 @@ class _Pass:
     reserved: dict[str, int] = field(default_factory=dict)
     static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
     eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
+    # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    # Set while placing a request whose outcome depended on its own max_duration (backfill) or
+    # made a reservation: its wait is not reused for the rest of its capability in this pass.
+    duration_sensitive: bool = False
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
 
     def commit(self, accelerator: str, nbytes: int) -> None:
         self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
+
+    def reserved_refusal(
+        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
+    ) -> str:
+        """Why `nbytes` may not be taken on `accelerator` for `queued` now ("" if they may): a
+        reservation lets through work that ends before it starts, and bytes within its spare."""
+        reservation = self.reservations.get(accelerator)
+        if reservation is None or nbytes <= 0:
+            return ""
+        self.duration_sensitive = True
+        if not persists and _ends_by(queued, now + lead_s) <= reservation.starts_at:
+            return ""
+        if nbytes <= reservation.spare:
+            return ""
+        return (
+            f"{accelerator}: reserved for gang {reservation.gang} starting in {reservation.starts_at - now:.0f} s "
+            "(only work that ends by then may use it)"
+        )
+
+    def take_reserved(
+        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
+    ) -> None:
+        """Bytes taken on a reserved accelerator that outlast the reservation's start come out
+        of its spare."""
+        reservation = self.reservations.get(accelerator)
+        if reservation is None or nbytes <= 0:
+            return
+        if not persists and _ends_by(queued, now + lead_s) <= reservation.starts_at:
+            return
+        reservation.spare -= nbytes
+
+
+def _ends_by(queued: QueuedRequest, start: float) -> float:
+    return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
 
 
 def _evictable(resident: ResidentState) -> bool:
@@ -540,6 +581,9 @@ def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
             budget = pass_.budgets[accelerator]
             if not budget.fresh or accelerator in pass_.blocked:
                 continue
+            reservation = pass_.reservations.get(accelerator)
+            if reservation is not None and need > reservation.spare:
+                continue  # a model stays: it may only take what a waiting gang will not need
             if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
                 continue
             free = pass_.free(accelerator)
@@ -551,6 +595,8 @@ def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
         acc = state.catalog.accelerator(accelerator)
         assert acc is not None
         pass_.commit(accelerator, need)
+        if accelerator in pass_.reservations:
+            pass_.reservations[accelerator].spare -= need
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency
         decisions.loads.append(StartLoad(key, deployment.deployment_id, accelerator, acc.node, need, []))
@@ -580,6 +626,7 @@ def _decide_one(
     counter: int,
 ) -> int:
     """Place one request and record the outcome; returns the lease counter after it."""
+    pass_.duration_sensitive = False
     outcome = _place(pass_, queued, deployment, now, counter)
     if isinstance(outcome, Grant):
         decisions.grants.append(outcome)
@@ -602,7 +649,7 @@ def _decide_one(
         )
     else:
         decisions.waits.append(outcome)
-        if not queued.assigned_to:
+        if not queued.assigned_to and not pass_.duration_sensitive:
             settled_by[queued.capability] = (None, outcome.reason)
     return counter
 
@@ -633,6 +680,7 @@ def _lease(
         tenant=queued.tenant,
         heartbeat_s=pass_.state.config.stale_lease_s / 3,
         gang=accelerators[1:],
+        ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
     )
 
 
@@ -718,8 +766,13 @@ def _place(
                 if resident.phase == ResidentPhase.READY:
                     full.append(resident)
                 continue
+            refusal = pass_.reserved_refusal(accelerator, queued, extra, False, now) if pass_.reservations else ""
+            if refusal:
+                reasons.add("reserved", refusal)
+                continue
             if resident.phase == ResidentPhase.READY:
                 if extra == 0 or extra <= pass_.free(accelerator):
+                    pass_.take_reserved(accelerator, queued, extra, False, now)
                     return _grant(queued, deployment, resident, now, pass_, counter)
                 reasons.add(
                     "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
@@ -730,6 +783,7 @@ def _place(
                         "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
                     )
                     continue
+                pass_.take_reserved(accelerator, queued, extra, False, now, deployment.load_s)
                 pass_.slots[resident.key] -= 1
                 pass_.in_use[resident.key] = True
                 pass_.commit(accelerator, extra)
@@ -738,6 +792,8 @@ def _place(
                 reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
 
     need = deployment.resident_bytes + extra
+    # A batch resident (residency none) goes with its lease; any other stays after it.
+    persists = deployment.residency != Residency.NONE
     best: tuple[int, str] | None = None
     eviction_options: list[tuple[int, str, list[str]]] = []
     blocked = pass_.blocked
@@ -756,6 +812,7 @@ def _place(
     budgets = pass_.budgets
     # Fresh, unblocked, not under pressure: where preemption could make room if nothing else can.
     room_candidates: list[str] = []
+    backfill_only: dict[str, bool] = {}
     for accelerator in open_accelerators:
         if accelerator in holding:
             continue
@@ -767,6 +824,14 @@ def _place(
         if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
             reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
             continue
+        if pass_.reservations:
+            refusal = pass_.reserved_refusal(accelerator, queued, need, persists, now, deployment.load_s)
+            if refusal:
+                # Held for a gang, not for this request: later work that ends in time may still
+                # backfill it, so this wait blocks nothing there.
+                reasons.add("reserved", refusal)
+                backfill_only[accelerator] = True
+                continue
         room_candidates.append(accelerator)
         free = budget.schedulable_bytes - pass_.committed.get(accelerator, 0)
         if need <= free:
@@ -795,6 +860,7 @@ def _place(
         assert acc is not None
         # The model's bytes and this request's lease bytes: both are promised from now on.
         pass_.commit(accelerator, need)
+        pass_.take_reserved(accelerator, queued, need, persists, now, deployment.load_s)
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency - 1
         # Later requests of this pass join the load (up to its concurrency) instead of starting
@@ -835,7 +901,7 @@ def _place(
     if never is not None:
         return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
     for accelerator in open_accelerators:
-        if budgets[accelerator].fresh:
+        if budgets[accelerator].fresh and accelerator not in backfill_only:
             blocked[accelerator] = True
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")
 
@@ -916,6 +982,8 @@ def _place_gang(
                 continue
             if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
                 continue
+            if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, deployment.load_s):
+                continue
             free = pass_.free(accelerator)
             if need <= free:
                 room.append((free - need, accelerator))
@@ -938,14 +1006,77 @@ def _place_gang(
             best = (0, "", picked)
     if best is None:
         where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
-        return Wait(queued.request_id, f"gang of {count} x {need} B: not enough room {where} yet")
+        waiting = f"gang of {count} x {need} B: not enough room {where} yet"
+        reserved = _reserve_for_gang(
+            pass_, queued, deployment, passed, groups if deployment.nvlink_required else None, shape, topology, now
+        )
+        return Wait(queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
     chosen = best[2]
     for accelerator in chosen:
         pass_.commit(accelerator, need)
+        pass_.take_reserved(accelerator, queued, need, False, now, deployment.load_s)
     first = catalog.accelerator(chosen[0])
     assert first is not None
     lease = _lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
     return Grant(queued.request_id, queued.workflow_id, lease)
+
+
+def _reserve_for_gang(
+    pass_: _Pass,
+    queued: QueuedRequest,
+    deployment: Deployment,
+    passed: list[str],
+    nvlink_groups: dict[str, list[str]] | None,
+    shape: GangShape,
+    topology: dict[str, Accelerator],
+    now: float,
+) -> str:
+    """Reserve the accelerators where this waiting gang can start soonest, when the work there
+    has known end times and it would start before its own lease timeout and deadline; returns
+    what was reserved, or "" (nothing can be promised)."""
+    state = pass_.state
+    need = deployment.envelope_bytes
+    production = is_production(state.catalog, queued.priority)
+    on: dict[str, list[Lease]] = {}
+    for lease in state.leases.values():
+        for accelerator in lease.accelerators:
+            on.setdefault(accelerator, []).append(lease)
+    # Lease bytes promised to requests waiting on a load: back when their work ends.
+    promised: dict[str, list[tuple[float, int]]] = {}
+    if pass_.reserved:
+        by_id = queue_index(state).by_id
+        for request_id, held in pass_.reserved.items():
+            waiting = by_id.get(request_id)
+            holder = state.residents.get(waiting.assigned_to) if waiting is not None else None
+            if waiting is None or holder is None or waiting.max_duration_s is None:
+                continue
+            loading = state.catalog.deployment(holder.deployment)
+            start = now + (loading.load_s if loading is not None and holder.phase == ResidentPhase.LOADING else 0.0)
+            promised.setdefault(holder.accelerator, []).append((start + waiting.max_duration_s, held))
+    timelines: dict[str, list[tuple[float, int]]] = {}
+    ready_at: dict[str, float] = {}
+    for accelerator in passed:
+        if accelerator in pass_.blocked or accelerator in pass_.reservations or not pass_.budgets[accelerator].fresh:
+            continue
+        if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
+            continue
+        timeline = release_timeline(on.get(accelerator, []), state.residents, now, promised.get(accelerator, []))
+        timelines[accelerator] = timeline
+        ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, need, now)
+    chosen = choose_reserved(ready_at, deployment.gpu_count, shape, topology, nvlink_groups)
+    if chosen is None:
+        return ""
+    starts_at, accelerators = chosen
+    latest = queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
+    if starts_at + deployment.load_s >= latest:
+        return ""
+    pass_.duration_sensitive = True
+    for accelerator in accelerators:
+        spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - need
+        pass_.reservations[accelerator] = Reservation(queued.request_id, starts_at, max(0, spare))
+    return (
+        f"reserved {', '.join(sorted(accelerators))} from {starts_at - now:.0f} s on (backfill: work that ends by then)"
+    )
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,9 @@ class Lease:
     heartbeat_s: float = 0.0
     # A multi-GPU gang lease: the other accelerators it holds `bytes` on, besides `accelerator`.
     gang: list[str] = field(default_factory=list)
+    # When the holder's max_duration ends its work at the latest (None: unknown): what a waiting
+    # gang's reservation counts on, and what backfill is measured against.
+    ends_by: float | None = None
 
     @property
     def accelerators(self) -> list[str]:
@@ -107,6 +110,8 @@ class QueuedRequest:
     preempted: bool = False
     # Why it is still waiting, for `status` and for the failure message when it times out.
     waiting_reason: str = ""
+    # The longest its lease will be held (the request's max_duration); None: unknown.
+    max_duration_s: float | None = None
 
 
 @dataclass

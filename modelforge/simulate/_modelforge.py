@@ -70,6 +70,7 @@ class ModelForgeScheduler:
             priority=request.priority,
             deadline_s=request.deadline_s,
             lease_timeout_s=self.sim.lease_timeout_s,
+            max_duration_s=request.max_duration_s,
         )
         try:
             _, priority = validate_request(self.state, admission, gangs=True)
@@ -171,6 +172,7 @@ class ModelForgeScheduler:
             lease_timeout_s=self.sim.lease_timeout_s,
             preempted=True,
             submitted_at=self.submitted_at.get(request.request_id, now),
+            max_duration_s=request.max_duration_s,
         )
         self._queued(enqueue(self.state, again, lease.priority, now))
 

@@ -28,7 +28,13 @@ from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, 
 
 operation = st.one_of(
     # A burst of 1 to 4 requests arrives between two decisions.
-    st.tuples(st.just("request"), st.integers(0, 2), st.sampled_from(list(Priority)[:4]), st.integers(1, 4)),
+    st.tuples(
+        st.just("request"),
+        st.integers(0, 3),
+        st.sampled_from(list(Priority)[:4]),
+        st.integers(1, 4),
+        st.sampled_from([None, 30.0, 300.0]),  # max_duration_s: lets work backfill a gang's reservation
+    ),
     st.tuples(st.just("external"), st.integers(0, 1), st.integers(0, 20)),
     st.tuples(st.just("release"), st.integers(0, 50)),
     st.tuples(st.just("loaded"), st.integers(0, 50)),
@@ -45,6 +51,8 @@ def build() -> PoolState:
             deployment("emb@1", gib=1.2, queue_limit=100),
             deployment("llm@1", gib=9, idle_bytes=7 * GiB, concurrency=2, queue_limit=100),
             deployment("job@1", gib=6, residency=Residency.LOAD_ON_DEMAND, queue_limit=100, preemptible=True),
+            # A two-card batch gang: it reserves both cards while it waits on work with end times.
+            deployment("gang@1", gib=5, residency=Residency.NONE, idle_bytes=0, gpu_count=2, queue_limit=100),
         ],
         tenants=[tenant("t", weight=2.0), tenant("u")],
         config=PolicyConfig(preempt_min_runtime_s=0.0),
@@ -63,10 +71,17 @@ def run(operations: list[tuple[object, ...]]) -> list[object]:
         kind = op[0]
         if kind == "request":
             for k in range(int(op[3])):  # type: ignore[call-overload]
-                capability = ["emb@1", "llm@1", "job@1"][(int(op[1]) + k) % 3 if k % 2 else int(op[1])]  # type: ignore[call-overload]
-                request = ask(f"r{n}.{k}", capability, tenant_name="tu"[k % 2], priority=op[2])  # type: ignore[arg-type]
+                capabilities = ["emb@1", "llm@1", "job@1", "gang@1"]
+                capability = capabilities[(int(op[1]) + k) % 4 if k % 2 else int(op[1])]  # type: ignore[call-overload]
+                request = ask(
+                    f"r{n}.{k}",
+                    capability,
+                    tenant_name="tu"[k % 2],
+                    priority=op[2],
+                    max_duration_s=op[4],
+                )
                 try:
-                    _, priority = validate_request(s, request)
+                    _, priority = validate_request(s, request, gangs=True)
                     enqueue(s, request, priority, now)
                 except AdmissionRejected:
                     pass

@@ -1,0 +1,94 @@
+"""Reservations for waiting gangs, with backfill (EASY backfilling, as batch schedulers do it).
+
+A gang that cannot start now reserves the accelerators where it can start soonest, counting on
+the work there ending by its `max_duration` (`Lease.ends_by`). Until then, later work may still
+use them, but only work that ends before the reservation starts, or bytes the gang will not need
+(the reservation's spare). Without end times nothing can be promised, so nothing is reserved and
+the gang waits as before (draining a node for days starved 1,577 other jobs in simulation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from modelforge.domain import Accelerator, Residency
+from modelforge.policy._state import Lease, ResidentState
+from modelforge.policy._topology import GangShape, choose_gang
+
+
+@dataclass
+class Reservation:
+    gang: str  # the waiting gang's request id
+    starts_at: float  # when every reserved accelerator will have the gang's bytes
+    spare: int  # bytes on this accelerator beyond the gang's, at starts_at: free to take now
+
+
+def release_timeline(
+    leases: list[Lease], residents: dict[str, ResidentState], now: float, promised: list[tuple[float, int]]
+) -> list[tuple[float, int]]:
+    """(when, bytes) this accelerator gets back as its leases end by their max_duration: a lease's
+    own bytes, and its batch resident's (residency none: unloaded with its only lease); plus
+    `promised`, the lease bytes held for requests waiting on a load, by when those will end.
+    Leases without an end time free nothing that can be counted on."""
+    timeline: list[tuple[float, int]] = list(promised)
+    for lease in leases:
+        if lease.ends_by is None:
+            continue
+        freed = lease.bytes
+        holder = residents.get(lease.resident_key)
+        if holder is not None and holder.residency == Residency.NONE and holder.active_leases <= 1:
+            freed += holder.bytes
+        timeline.append((max(now, lease.ends_by), freed))
+    timeline.sort()
+    return timeline
+
+
+def free_at(free_now: int, timeline: list[tuple[float, int]], need: int, now: float) -> float:
+    """The earliest time `need` bytes are free, or infinity."""
+    if need <= free_now:
+        return now
+    free = free_now
+    for when, freed in timeline:
+        free += freed
+        if free >= need:
+            return when
+    return math.inf
+
+
+def freed_by(timeline: list[tuple[float, int]], when: float) -> int:
+    return sum(freed for at, freed in timeline if at <= when)
+
+
+def choose_reserved(
+    ready_at: dict[str, float],
+    count: int,
+    shape: GangShape,
+    topology: dict[str, Accelerator],
+    nvlink_groups: dict[str, list[str]] | None,
+) -> tuple[float, list[str]] | None:
+    """The accelerators where the gang starts soonest (ties: the topology's choice), and when.
+    `nvlink_groups`: the gang must fit inside one of them."""
+    if nvlink_groups is not None:
+        best: tuple[float, str, list[str]] | None = None
+        for key in sorted(nvlink_groups):
+            times = sorted((ready_at[a], a) for a in nvlink_groups[key] if a in ready_at)
+            if len(times) < count or math.isinf(times[count - 1][0]):
+                continue
+            chosen = (times[count - 1][0], key, [a for _, a in times[:count]])
+            if best is None or chosen[:2] < best[:2]:
+                best = chosen
+        return None if best is None else (best[0], best[2])
+    finite = sorted((t, a) for a, t in ready_at.items() if not math.isinf(t))
+    if len(finite) < count:
+        return None
+    # The first moment enough of them are ready in a shape the topology allows.
+    thresholds = sorted({t: True for t, _ in finite})
+    for threshold in thresholds:
+        room = [(0, a) for t, a in finite if t <= threshold]
+        if len(room) < count:
+            continue
+        picked = choose_gang(room, shape, topology)
+        if picked is not None:
+            return threshold, picked
+    return None
