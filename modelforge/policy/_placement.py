@@ -179,6 +179,19 @@ class _Pass:
         reservation.spare -= nbytes
 
 
+def _idle_residents(pass_: _Pass, accelerator: str, production: bool) -> list[ResidentState]:
+    """Idle residents an asker of this kind may unload on `accelerator` (a model that last
+    served production goes only for production), none already going or in use this pass."""
+    catalog = pass_.state.catalog
+    return [
+        r
+        for r in pass_.evictable.get(accelerator, [])
+        if r.key not in pass_.evicting
+        and r.key not in pass_.in_use
+        and (production or r.last_priority is None or not is_production(catalog, r.last_priority))
+    ]
+
+
 def _ends_by(queued: QueuedRequest, start: float) -> float:
     return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
 
@@ -766,13 +779,22 @@ def _place(
                 if resident.phase == ResidentPhase.READY:
                     full.append(resident)
                 continue
-            refusal = pass_.reserved_refusal(accelerator, queued, extra, False, now) if pass_.reservations else ""
+            # Joining an idle resident keeps it from being unloaded until this lease ends: on a
+            # reserved accelerator that counts as taking its bytes too.
+            joined = extra
+            if (
+                resident.phase == ResidentPhase.READY
+                and resident.active_leases == 0
+                and resident.key not in pass_.in_use
+            ):
+                joined += resident.bytes
+            refusal = pass_.reserved_refusal(accelerator, queued, joined, False, now) if pass_.reservations else ""
             if refusal:
                 reasons.add("reserved", refusal)
                 continue
             if resident.phase == ResidentPhase.READY:
                 if extra == 0 or extra <= pass_.free(accelerator):
-                    pass_.take_reserved(accelerator, queued, extra, False, now)
+                    pass_.take_reserved(accelerator, queued, joined, False, now)
                     return _grant(queued, deployment, resident, now, pass_, counter)
                 reasons.add(
                     "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
@@ -908,7 +930,7 @@ def _place(
 
 def _place_gang(
     pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | Wait:
+) -> Grant | Reject | Wait | list[Unload]:
     """A multi-GPU batch job, all or nothing: `gpu_count` accelerators that each have the job's
     bytes schedulable, inside one NVLink group when the job requires it, else on as few nodes as
     possible; best fit (least left over) among the candidates. Nothing stays resident: the lease
@@ -975,7 +997,9 @@ def _place_gang(
             f"{queued.deadline_at - now:.1f} s",
         )
 
-    def fitting(members: list[str]) -> list[tuple[int, str]]:
+    def fitting(members: list[str], evicting: bool) -> list[tuple[int, str]]:
+        """(bytes left over, accelerator) where the job fits now, or (`evicting`) once the idle
+        residents there are unloaded."""
         room = []
         for accelerator in members:
             if accelerator in pass_.blocked or not budgets[accelerator].fresh:
@@ -985,32 +1009,51 @@ def _place_gang(
             if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, deployment.load_s):
                 continue
             free = pass_.free(accelerator)
+            if evicting:
+                free += sum(r.bytes for r in _idle_residents(pass_, accelerator, production))
             if need <= free:
                 room.append((free - need, accelerator))
         room.sort()
         return room
 
-    best: tuple[int, str, list[str]] | None = None
-    if deployment.nvlink_required:
+    def select(evicting: bool) -> list[str] | None:
+        if not deployment.nvlink_required:
+            # One node if it fits there, else one rack, else the pool (as the shape allows).
+            return choose_gang(fitting(passed, evicting), shape, topology)
+        best: tuple[int, str, list[str]] | None = None
         for key, members in groups.items():
-            room = fitting(members)
+            room = fitting(members, evicting)
             if len(room) >= count:
-                chosen = [a for _, a in room[:count]]
                 leftover = sum(left for left, _ in room[:count])
                 if best is None or (leftover, key) < best[:2]:
-                    best = (leftover, key, chosen)
-    else:
-        # One node if it fits there, else one rack, else the pool (as the shape allows).
-        picked = choose_gang(fitting(passed), shape, topology)
-        if picked is not None:
-            best = (0, "", picked)
-    if best is None:
+                    best = (leftover, key, [a for _, a in room[:count]])
+        return None if best is None else best[2]
+
+    picked = select(evicting=False)
+    if picked is None and pass_.evictable:
+        # Making room as a single request does: the idle residents in the way go first.
+        room_after = select(evicting=True)
+        plans = [_eviction_plan(pass_, a, deployment.deployment_id, need, production) or [] for a in room_after or []]
+        if room_after is not None and any(plans):
+            unloads = []
+            for accelerator, plan in zip(room_after, plans, strict=True):
+                pass_.blocked[accelerator] = True
+                for key in plan:
+                    pass_.evicting[key] = True
+                    unloads.append(Unload(key, f"making room for {queued.capability} ({queued.priority})"))
+            return unloads
+    if picked is None:
         where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
         waiting = f"gang of {count} x {need} B: not enough room {where} yet"
-        reserved = _reserve_for_gang(
-            pass_, queued, deployment, passed, groups if deployment.nvlink_required else None, shape, topology, now
+        reserved = (
+            _reserve_for_gang(
+                pass_, queued, deployment, passed, groups if deployment.nvlink_required else None, shape, topology, now
+            )
+            if state.config.gang_reservations
+            else ""
         )
         return Wait(queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
+    best = (0, "", picked)
     chosen = best[2]
     for accelerator in chosen:
         pass_.commit(accelerator, need)
@@ -1041,8 +1084,14 @@ def _reserve_for_gang(
     for lease in state.leases.values():
         for accelerator in lease.accelerators:
             on.setdefault(accelerator, []).append(lease)
-    # Lease bytes promised to requests waiting on a load: back when their work ends.
+    # Lease bytes promised to requests waiting on a load: back when their work ends. Residents
+    # being unloaded: back once the unload is done.
     promised: dict[str, list[tuple[float, int]]] = {}
+    for resident in state.residents.values():
+        if resident.phase == ResidentPhase.UNLOADING:
+            unloading = state.catalog.deployment(resident.deployment)
+            done = now + (unloading.unload_s if unloading is not None else 0.0)
+            promised.setdefault(resident.accelerator, []).append((done, resident.bytes))
     if pass_.reserved:
         by_id = queue_index(state).by_id
         for request_id, held in pass_.reserved.items():
@@ -1060,7 +1109,12 @@ def _reserve_for_gang(
             continue
         if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
             continue
-        timeline = release_timeline(on.get(accelerator, []), state.residents, now, promised.get(accelerator, []))
+        coming = promised.get(accelerator, [])
+        for idle in _idle_residents(pass_, accelerator, production):
+            # Unloaded to make room when the gang's time comes (as it does when it fits now).
+            unloading = state.catalog.deployment(idle.deployment)
+            coming = [*coming, (now + (unloading.unload_s if unloading is not None else 0.0), idle.bytes)]
+        timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
         timelines[accelerator] = timeline
         ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, need, now)
     chosen = choose_reserved(ready_at, deployment.gpu_count, shape, topology, nvlink_groups)

@@ -35,6 +35,9 @@ class PolicyConfig:
     # leases: they are preempted, so their holders stop and requeue, and the node's residents are
     # reconciled against NVML when it samples again.
     node_silent_s: float = 120.0
+    # A waiting gang reserves the accelerators where it starts soonest; later work backfills them
+    # only if it ends in time (off: the gang waits for room to appear, as before session 6).
+    gang_reservations: bool = True
     fair_share_half_life_s: float = 3600.0
 
 
