@@ -81,6 +81,9 @@ class DeploymentSpec(_Strict):
     load_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
     unload_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
     idle_bytes: Bytes | None = None
+    sleep_bytes: Bytes | None = None
+    sleep_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
+    wake_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
     gpu_count: Annotated[int, Field(ge=1, le=1024)] = 1
     nvlink_required: bool = False
     gpu_per_node: Annotated[int, Field(ge=0, le=1024)] = 0
@@ -188,6 +191,21 @@ def _shape_problems(dep: DeploymentSpec) -> list[str]:
     return shape_problems(_deployment(dep))
 
 
+def _sleep_problems(dep: DeploymentSpec) -> list[str]:
+    if dep.sleep_bytes is None:
+        return []
+    awake = dep.idle_bytes if dep.idle_bytes is not None else dep.envelope_bytes
+    if dep.sleep_bytes >= awake:
+        return [f"sleep_bytes: {dep.sleep_bytes} frees nothing (the model holds {awake} B awake)"]
+    if dep.residency != Residency.KEEP_WARM:
+        return [f"sleep_bytes: only keep_warm models sleep (a {dep.residency.value} one never idles warm)"]
+    if dep.runtime == "subprocess_http" and not (
+        dep.runtime_config.get("sleep_path") and dep.runtime_config.get("wake_path")
+    ):
+        return ["sleep_bytes: the server needs runtime_config.sleep_path and wake_path to sleep"]
+    return []
+
+
 def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     """The runtime's own configuration, checked when the catalog is applied, not at first load."""
     if dep.runtime == "subprocess_http":
@@ -233,6 +251,7 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
             )
         if dep.idle_bytes is not None and dep.idle_bytes > dep.envelope_bytes:
             problems.append(f"deployments[{index}].idle_bytes: {dep.idle_bytes} exceeds envelope_bytes")
+        problems.extend(f"deployments[{index}].{problem}" for problem in _sleep_problems(dep))
         problems.extend(f"deployments[{index}].{problem}" for problem in _runtime_problems(dep))
         problems.extend(f"deployments[{index}].{problem}" for problem in _shape_problems(dep))
         for acc_id in dep.accelerators:

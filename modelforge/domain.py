@@ -198,6 +198,12 @@ class Deployment:
     unload_s: float = 0.0
     # Bytes the model holds while idle; a lease adds envelope_bytes - idle_bytes on top.
     idle_bytes: int | None = None
+    # Set when its runtime can sleep (vLLM's sleep mode): the bytes it keeps asleep. Making room
+    # then puts it to sleep rather than unloading it when that frees enough and costs less
+    # (sleep_s + wake_s against unload_s + load_s).
+    sleep_bytes: int | None = None
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
     gpu_count: int = 1
     nvlink_required: bool = False
     # Gang topology: cards per node (0: any split), no two cards on one "node" or in one "rack",

@@ -143,7 +143,7 @@ class ResidentReport:
 
 @dataclass(frozen=True)
 class ResidentCommand:
-    action: str  # extend | unload
+    action: str  # extend | unload | sleep | wake | lost
     until: float = 0.0
     reason: str = ""
 

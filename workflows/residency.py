@@ -5,6 +5,7 @@ scheduler knows), unload, and the reclaim check that proves the bytes came back.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -21,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         ResidentCommand,
         ResidentIdle,
         ResidentReport,
+        RuntimeOpResult,
         UnloadReport,
     )
     from modelforge.settings import node_task_queue
@@ -131,6 +133,13 @@ class ResidencyWorkflow:
                 continue
             if command.action == "unload":
                 break
+            if command.action == "sleep":
+                await self._sleep(start, queue, scheduler)
+                continue
+            if command.action == "wake":
+                if not await self._wake_up(start, queue, scheduler):
+                    return "wake failed"
+                continue
             if command.action == "lost":
                 self._phase = "lost"
                 return "lost: " + command.reason
@@ -139,6 +148,67 @@ class ResidencyWorkflow:
         await scheduler.signal("resident_unloaded", report)
         self._phase = "unloaded" if report.reclaimed else "unreclaimed"
         return self._phase
+
+    async def _sleep(self, start: ResidencyInput, queue: str, scheduler: workflow.ExternalWorkflowHandle[Any]) -> None:
+        """Sleep to make room: the runtime keeps its process and a little memory. A runtime that
+        cannot stays awake; the scheduler will unload it instead."""
+        self._phase = "sleeping"
+        try:
+            result = await workflow.execute_activity(
+                "sleep_model",
+                start.key,
+                result_type=RuntimeOpResult,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(seconds=max(60.0, start.deployment.sleep_s * 10)),
+                retry_policy=RUNTIME_RETRY,
+                summary=f"sleep {start.deployment.deployment_id}",
+            )
+        except ActivityError as error:
+            cls, message = classify(error)
+            self._phase = "ready"
+            await scheduler.signal(
+                "resident_slept",
+                ResidentReport(key=start.key, ok=False, failure=cls, message=f"sleep: {message}", workflow_id=self._id),
+            )
+            return
+        self._phase = "asleep"
+        await scheduler.signal(
+            "resident_slept",
+            ResidentReport(key=start.key, ok=True, measured_bytes=result.bytes_after, workflow_id=self._id),
+        )
+
+    async def _wake_up(
+        self, start: ResidencyInput, queue: str, scheduler: workflow.ExternalWorkflowHandle[Any]
+    ) -> bool:
+        """Wake for the requests waiting on it. A failed wake unloads the model: the waiters hear
+        the failure as after a failed load, and a later request loads it afresh."""
+        self._phase = "waking"
+        try:
+            result = await workflow.execute_activity(
+                "wake_model",
+                start.key,
+                result_type=RuntimeOpResult,
+                task_queue=queue,
+                start_to_close_timeout=timedelta(seconds=max(60.0, start.deployment.wake_s * 10)),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=RUNTIME_RETRY,
+                summary=f"wake {start.deployment.deployment_id}",
+            )
+        except ActivityError as error:
+            cls, message = classify(error)
+            await self._unload(start, queue)
+            self._phase = "unloaded"
+            await scheduler.signal(
+                "resident_woke",
+                ResidentReport(key=start.key, ok=False, failure=cls, message=f"wake: {message}", workflow_id=self._id),
+            )
+            return False
+        self._phase = "ready"
+        await scheduler.signal(
+            "resident_woke",
+            ResidentReport(key=start.key, ok=True, measured_bytes=result.bytes_after, workflow_id=self._id),
+        )
+        return True
 
     async def _unload(self, start: ResidencyInput, queue: str) -> UnloadReport:
         started = workflow.now()

@@ -302,6 +302,36 @@ class PoolSchedulerWorkflow:
         self._wake = True
 
     @workflow.signal
+    def resident_slept(self, report: ResidentReport) -> None:
+        """A resident put to sleep to make room (measured_bytes: what it still holds), or not."""
+        if not self._current(report.key, report.workflow_id):
+            return
+        now = self._now()
+        self._record_all(
+            policy.resident_slept(self._state, report.key, report.ok, report.measured_bytes, report.message), now
+        )
+        self._wake = True
+
+    @workflow.signal
+    def resident_woke(self, report: ResidentReport) -> None:
+        """Awake again for the requests waiting on it, or the wake failed (the residency workflow
+        has unloaded it): those requests are told why, as after a failed load."""
+        if not self._current(report.key, report.workflow_id):
+            return
+        now = self._now()
+        if report.ok:
+            self._record_all(policy.resident_woke(self._state, report.key, report.measured_bytes, now), now)
+        else:
+            cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
+            rejects, events = policy.resident_failed(self._state, report.key, cls, report.message, now)
+            self._record_all(events, now)
+            self._decisions_out.extend(
+                (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message))
+                for r in rejects
+            )
+        self._wake = True
+
+    @workflow.signal
     def resident_idle(self, idle: ResidentIdle) -> None:
         now = self._now()
         resident = self._state.residents.get(idle.key)
@@ -539,6 +569,14 @@ class PoolSchedulerWorkflow:
             resident = self._state.residents.get(unload.resident_key)
             if resident is not None:
                 self._commands_out.append((resident.workflow_id, ResidentCommand("unload", reason=unload.reason)))
+        for sleep in decisions.sleeps:
+            resident = self._state.residents.get(sleep.resident_key)
+            if resident is not None:
+                self._commands_out.append((resident.workflow_id, ResidentCommand("sleep", reason=sleep.reason)))
+        for wake in decisions.wakes:
+            resident = self._state.residents.get(wake.resident_key)
+            if resident is not None:
+                self._commands_out.append((resident.workflow_id, ResidentCommand("wake")))
         self._wake = True
 
     async def _flush(self) -> None:

@@ -302,6 +302,40 @@ def apply_decisions(
                 message=unload.reason,
             )
         )
+    for sleep in decisions.sleeps:
+        sleeper = state.residents.get(sleep.resident_key)
+        if sleeper is None:
+            continue
+        sleeper.phase = ResidentPhase.SLEEPING
+        events.append(
+            PolicyEvent(
+                kind="sleep_requested",
+                accelerator=sleeper.accelerator,
+                deployment=sleeper.deployment,
+                workflow_id=sleeper.workflow_id,
+                message=sleep.reason,
+            )
+        )
+    for wake in decisions.wakes:
+        waking = state.residents.get(wake.resident_key)
+        if waking is None:
+            continue
+        waking.phase = ResidentPhase.WAKING
+        waking.requested_at = now
+        # Its awake bytes are promised from now on, before the node has them back.
+        waking.bytes = max(waking.bytes, wake.bytes)
+        for request_id in wake.for_requests:
+            if request_id in by_id:
+                index.assign(by_id[request_id], wake.resident_key)
+        events.append(
+            PolicyEvent(
+                kind="wake_requested",
+                accelerator=waking.accelerator,
+                deployment=waking.deployment,
+                workflow_id=waking.workflow_id,
+                payload={"bytes": wake.bytes},
+            )
+        )
     for preempt in decisions.preemptions:
         preempted = state.leases.get(preempt.lease_id)
         if preempted is None:
@@ -577,11 +611,66 @@ def resident_unloaded(state: PoolState, key: str, reclaimed: bool, message: str)
     ]
 
 
+def resident_slept(state: PoolState, key: str, ok: bool, bytes_after: int, message: str) -> list[PolicyEvent]:
+    """The node put a resident to sleep (its bytes now what it still holds), or could not (it
+    stays awake and ready; making room will unload it instead)."""
+    resident = state.residents.get(key)
+    if resident is None or resident.phase != ResidentPhase.SLEEPING:
+        return []
+    if not ok:
+        resident.phase = ResidentPhase.READY
+        return [
+            PolicyEvent(
+                kind="sleep_failed",
+                accelerator=resident.accelerator,
+                deployment=resident.deployment,
+                workflow_id=resident.workflow_id,
+                message=message,
+            )
+        ]
+    freed = max(0, resident.bytes - bytes_after)
+    resident.awake_bytes = resident.bytes
+    resident.bytes = min(resident.bytes, bytes_after)
+    resident.phase = ResidentPhase.ASLEEP
+    return [
+        PolicyEvent(
+            kind="resident_asleep",
+            accelerator=resident.accelerator,
+            deployment=resident.deployment,
+            workflow_id=resident.workflow_id,
+            payload={"bytes": resident.bytes, "freed_bytes": freed},
+        )
+    ]
+
+
+def resident_woke(state: PoolState, key: str, measured_bytes: int, now: float) -> list[PolicyEvent]:
+    """Awake again: ready, its waiters granted on the next pass. (A failed wake is a failed
+    load: `resident_failed`.)"""
+    resident = state.residents.get(key)
+    if resident is None or resident.phase != ResidentPhase.WAKING:
+        return []
+    resident.phase = ResidentPhase.READY
+    resident.bytes = max(resident.bytes, measured_bytes)
+    resident.awake_bytes = None
+    resident.last_used = now
+    return [
+        PolicyEvent(
+            kind="resident_awake",
+            accelerator=resident.accelerator,
+            deployment=resident.deployment,
+            workflow_id=resident.workflow_id,
+            payload={"bytes": resident.bytes, "wake_s": round(now - resident.requested_at, 3)},
+        )
+    ]
+
+
 def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     """Called when a resident's TTL timer fires. Returns the time to check again (the TTL was
     reset by a later use, or leases are active), or None: unload it now."""
     resident = state.residents.get(key)
-    if resident is None or resident.phase != ResidentPhase.READY:
+    if resident is not None and resident.phase in (ResidentPhase.SLEEPING, ResidentPhase.WAKING):
+        return now + resident.ttl_s  # asked again once the transition is over
+    if resident is None or resident.phase not in (ResidentPhase.READY, ResidentPhase.ASLEEP):
         return None
     if resident.residency == Residency.ALWAYS_WARM:
         return now + 3600.0

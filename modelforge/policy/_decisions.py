@@ -64,6 +64,23 @@ class Unload:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """Put an idle resident to sleep: it keeps a little memory and wakes faster than it loads."""
+
+    resident_key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Wake a sleeping resident for the requests that wait on it (granted when it is awake)."""
+
+    resident_key: str
+    bytes: int
+    for_requests: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Preempt:
     """Ask the holder of a lease to stop, release and requeue at its original priority with
     `preempted=true`, within `grace_s`."""
@@ -90,6 +107,17 @@ class Decisions:
     unloads: list[Unload] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
     preemptions: list[Preempt] = field(default_factory=list)
+    sleeps: list[Sleep] = field(default_factory=list)
+    wakes: list[Wake] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.grants or self.rejects or self.loads or self.assigns or self.unloads or self.preemptions)
+        return not (
+            self.grants
+            or self.rejects
+            or self.loads
+            or self.assigns
+            or self.unloads
+            or self.preemptions
+            or self.sleeps
+            or self.wakes
+        )

@@ -137,7 +137,10 @@ def _reconcile_residents(state: PoolState, observation: Observation) -> list[Pol
     events: list[PolicyEvent] = []
     for key in list(state.residents):
         resident = state.residents[key]
-        if resident.accelerator != observation.accelerator or resident.phase != ResidentPhase.READY:
+        if resident.accelerator != observation.accelerator or resident.phase not in (
+            ResidentPhase.READY,
+            ResidentPhase.ASLEEP,
+        ):
             continue
         if resident.loaded_at is not None and observation.observed_at and observation.observed_at < resident.loaded_at:
             continue

@@ -28,7 +28,18 @@ from dataclasses import dataclass, field
 from modelforge.domain import Accelerator, Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import Budget, budget_from_sums
-from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, StartLoad, Unload, Wait
+from modelforge.policy._decisions import (
+    Assign,
+    Decisions,
+    Grant,
+    Preempt,
+    Reject,
+    Sleep,
+    StartLoad,
+    Unload,
+    Wait,
+    Wake,
+)
 from modelforge.policy._order import (
     class_rank,
     fair_share_scores,
@@ -136,6 +147,8 @@ class _Pass:
     reserved: dict[str, int] = field(default_factory=dict)
     static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
     eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
+    # Asleep residents this pass decided to wake: later requests wait on them as on a load.
+    waking: dict[str, bool] = field(default_factory=dict)
     # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
     reservations: dict[str, Reservation] = field(default_factory=dict)
     # Set while placing a request whose outcome depended on its own max_duration (backfill) or
@@ -196,9 +209,14 @@ def _ends_by(queued: QueuedRequest, start: float) -> float:
     return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
 
 
+_BECOMING_READY = (ResidentPhase.LOADING, ResidentPhase.WAKING, ResidentPhase.READY)
+
+
 def _evictable(resident: ResidentState) -> bool:
+    """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
+    An asleep resident still holds its kept bytes: it may be unloaded too."""
     return (
-        resident.phase == ResidentPhase.READY
+        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
         and resident.active_leases == 0
         and resident.residency != Residency.ALWAYS_WARM
     )
@@ -304,7 +322,7 @@ def _start_pass(state: PoolState, now: float) -> _Pass:
     for queued in queue_index(state).assigned.values():
         if queued.assigned_to:
             waited_on = state.residents.get(queued.assigned_to)
-            if waited_on is None or waited_on.phase not in (ResidentPhase.LOADING, ResidentPhase.READY):
+            if waited_on is None or waited_on.phase not in _BECOMING_READY:
                 continue
             deployment = catalog.deployment(waited_on.deployment)
             extra = deployment.lease_extra_bytes if deployment is not None else 0
@@ -655,11 +673,19 @@ def _decide_one(
     elif isinstance(outcome, _Preemption):
         decisions.preemptions.extend(outcome.preempts)
         decisions.waits.append(outcome.wait)
+    elif isinstance(outcome, Wake):
+        decisions.wakes.append(outcome)
     elif isinstance(outcome, list):
-        decisions.unloads.extend(outcome)
-        decisions.waits.append(
-            Wait(queued.request_id, "making room: unloading " + ", ".join(u.resident_key for u in outcome))
-        )
+        unloads = [u for u in outcome if isinstance(u, Unload)]
+        sleeps = [u for u in outcome if isinstance(u, Sleep)]
+        decisions.unloads.extend(unloads)
+        decisions.sleeps.extend(sleeps)
+        doing = []
+        if sleeps:
+            doing.append("putting to sleep " + ", ".join(u.resident_key for u in sleeps))
+        if unloads:
+            doing.append("unloading " + ", ".join(u.resident_key for u in unloads))
+        decisions.waits.append(Wait(queued.request_id, "making room: " + "; ".join(doing)))
     else:
         decisions.waits.append(outcome)
         if not queued.assigned_to and not pass_.duration_sensitive:
@@ -710,7 +736,7 @@ def _grant(
 
 def _place(
     pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | StartLoad | Assign | Wait | list[Unload] | _Preemption:
+) -> Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | _Preemption:
     state = pass_.state
     if deployment.gpu_count > 1:
         return _place_gang(pass_, queued, deployment, now, counter)
@@ -718,8 +744,9 @@ def _place(
     # A request already waiting on a load is granted when that resident is ready.
     if queued.assigned_to:
         resident = state.residents.get(queued.assigned_to)
-        if resident is not None and resident.phase == ResidentPhase.LOADING:
-            return Wait(queued.request_id, f"waiting for {resident.key} to load")
+        if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+            verb = "load" if resident.phase == ResidentPhase.LOADING else "wake"
+            return Wait(queued.request_id, f"waiting for {resident.key} to {verb}")
         held = pass_.reserved.pop(queued.request_id, 0)
         if held and resident is not None:
             pass_.commit(resident.accelerator, -held)  # the grant below takes them for real
@@ -755,6 +782,8 @@ def _place(
     # Ready residents of this deployment with every slot taken: their slots are where a request
     # of a class that preempts the holders' gets in (seed 003: merge Critical stops merge Low).
     full: list[ResidentState] = []
+    # Asleep residents of this deployment too big to wake now: making room may wake them later.
+    asleep: list[tuple[ResidentState, int]] = []
     residents = pass_.residents_of.get(deployment.deployment_id, [])
     if residents:
         eligible = pass_.eligible[(deployment.deployment_id, production)]
@@ -799,7 +828,7 @@ def _place(
                 reasons.add(
                     "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
                 )
-            elif resident.phase == ResidentPhase.LOADING:
+            elif resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING) or resident.key in pass_.waking:
                 if extra and extra > pass_.free(accelerator):
                     reasons.add(
                         "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
@@ -810,6 +839,29 @@ def _place(
                 pass_.in_use[resident.key] = True
                 pass_.commit(accelerator, extra)
                 return Assign(queued.request_id, resident.key)
+            elif resident.phase == ResidentPhase.ASLEEP and resident.key not in pass_.evicting:
+                # Waking takes back what it gave up, plus this lease's bytes: far cheaper than a load.
+                awake = resident.awake_bytes if resident.awake_bytes is not None else deployment.resident_bytes
+                wake_need = max(0, awake - resident.bytes) + extra
+                free = pass_.free(accelerator)
+                if accelerator in pass_.blocked:
+                    reasons.add("blocked", f"{accelerator}: a higher request waits for memory here")
+                    continue
+                refusal = (
+                    pass_.reserved_refusal(accelerator, queued, wake_need, True, now) if pass_.reservations else ""
+                )
+                if refusal:
+                    reasons.add("reserved", refusal)
+                    continue
+                if wake_need <= free:
+                    pass_.commit(accelerator, wake_need)
+                    pass_.take_reserved(accelerator, queued, wake_need, True, now)
+                    pass_.slots[resident.key] -= 1
+                    pass_.in_use[resident.key] = True
+                    pass_.waking[resident.key] = True
+                    return Wake(resident.key, awake, [queued.request_id])
+                asleep.append((resident, wake_need))
+                reasons.add("asleep", f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable")
             else:
                 reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
 
@@ -817,7 +869,7 @@ def _place(
     # A batch resident (residency none) goes with its lease; any other stays after it.
     persists = deployment.residency != Residency.NONE
     best: tuple[int, str] | None = None
-    eviction_options: list[tuple[int, str, list[str]]] = []
+    eviction_options: list[tuple[int, str, list[tuple[str, bool]]]] = []
     blocked = pass_.blocked
     # Accelerators where a higher request already waits for memory are out for new bytes; on a
     # busy pool that is most of them, so they are set aside in one sweep.
@@ -863,9 +915,18 @@ def _place(
         if accelerator in pass_.evictable:
             plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need, production)
             if plan is not None:
-                evicted = sum(state.residents[k].bytes for k in plan)
+                evicted = sum(state.residents[k].bytes for k, _ in plan)
                 eviction_options.append((evicted, accelerator, plan))
         reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
+    # An asleep copy of this model whose wake does not fit yet: making room for the wake is an
+    # option as good as making room for a load elsewhere.
+    for sleeper, wake_need in asleep:
+        accelerator = sleeper.accelerator
+        if accelerator in pass_.evictable and accelerator not in pass_.reservations:
+            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, wake_need, production)
+            if plan is not None:
+                evicted = sum(state.residents[k].bytes for k, _ in plan)
+                eviction_options.append((evicted, accelerator, plan))
 
     if best is not None and queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
         return Reject(
@@ -907,10 +968,10 @@ def _place(
         )
     if eviction_options:
         _, accelerator, plan = min(eviction_options)
-        for key in plan:
+        for key, _ in plan:
             pass_.evicting[key] = True
         pass_.blocked[accelerator] = True
-        return [Unload(key, f"making room for {queued.capability} ({queued.priority})") for key in plan]
+        return _room_decisions(plan, f"making room for {queued.capability} ({queued.priority})")
     if pass_.preemptible:
         preemption = _slot_preemption(pass_, queued, full) if full else None
         if preemption is None:
@@ -930,7 +991,7 @@ def _place(
 
 def _place_gang(
     pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | Wait | list[Unload]:
+) -> Grant | Reject | Wait | list[Unload | Sleep]:
     """A multi-GPU batch job, all or nothing: `gpu_count` accelerators that each have the job's
     bytes schedulable, inside one NVLink group when the job requires it, else on as few nodes as
     possible; best fit (least left over) among the candidates. Nothing stays resident: the lease
@@ -1038,9 +1099,9 @@ def _place_gang(
             unloads = []
             for accelerator, plan in zip(room_after, plans, strict=True):
                 pass_.blocked[accelerator] = True
-                for key in plan:
+                for key, _ in plan:
                     pass_.evicting[key] = True
-                    unloads.append(Unload(key, f"making room for {queued.capability} ({queued.priority})"))
+                unloads.extend(_room_decisions(plan, f"making room for {queued.capability} ({queued.priority})"))
             return unloads
     if picked is None:
         where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
@@ -1235,28 +1296,68 @@ def _slot_preemption(pass_: _Pass, queued: QueuedRequest, full: list[ResidentSta
     return None
 
 
-def _eviction_plan(pass_: _Pass, accelerator: str, deployment_id: str, need: int, production: bool) -> list[str] | None:
-    """The cheapest idle residents whose bytes make `need` fit: fastest to unload first, then the
-    largest, so the fewest models go. A model that last served production is evicted only for
-    production: no other work unloads a warm production model (it waits until that model's TTL
-    lets it go). Below production, any class may evict an idle model, as the seed's making-room
-    order says."""
+def _eviction_plan(
+    pass_: _Pass, accelerator: str, deployment_id: str, need: int, production: bool
+) -> list[tuple[str, bool]] | None:
+    """The idle residents whose memory makes `need` fit, as (key, put to sleep rather than
+    unloaded). Sleepers first, the cheapest sleep (sleep_s + wake_s) first: a model whose runtime
+    can sleep gives back all but `sleep_bytes` far more cheaply than an unload and a reload (it
+    sleeps only where sleep_s + wake_s is below unload_s + load_s). Then unloads, fastest first, then the
+    largest, so the fewest models go; if sleeping frees too little, sleepers are unloaded
+    instead. A model that last served production is evicted only for production: no other work
+    unloads a warm production model (it waits until that model's TTL lets it go). Below
+    production, any class may evict an idle model, as the seed's making-room order says."""
     candidates = pass_.evictable.get(accelerator)
     if not candidates:
         return None
     catalog = pass_.state.catalog
     free = pass_.free(accelerator)
-    chosen: list[str] = []
+    sleepers: list[tuple[float, int, str, int]] = []  # (sleep + wake s, -freed, key, kept bytes)
+    others: list[ResidentState] = []
     for resident in candidates:
-        if free >= need:
-            break
         if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
             continue
         if not production and resident.last_priority is not None and is_production(catalog, resident.last_priority):
             continue
-        chosen.append(resident.key)
+        deployment = catalog.deployment(resident.deployment)
+        if (
+            resident.phase == ResidentPhase.READY
+            and deployment is not None
+            and deployment.sleep_bytes is not None
+            and deployment.sleep_s + deployment.wake_s < deployment.unload_s + deployment.load_s
+        ):
+            kept = min(resident.bytes, deployment.sleep_bytes)
+            sleepers.append((deployment.sleep_s + deployment.wake_s, kept - resident.bytes, resident.key, kept))
+        else:
+            others.append(resident)
+    sleepers.sort()
+    keys: list[str] = []
+    asleep_keeps: list[int] = []  # per chosen key: bytes it keeps asleep; -1 if unloaded
+    for _, negative_freed, key, kept in sleepers:
+        if free >= need:
+            break
+        keys.append(key)
+        asleep_keeps.append(kept)
+        free -= negative_freed
+    for resident in others:
+        if free >= need:
+            break
+        keys.append(resident.key)
+        asleep_keeps.append(-1)
         free += resident.bytes
-    return chosen if free >= need and chosen else None
+    for position, kept in enumerate(asleep_keeps):
+        if free >= need:
+            break
+        if kept >= 0:
+            asleep_keeps[position] = -1  # unloaded after all: its kept bytes come back too
+            free += kept
+    if free < need or not keys:
+        return None
+    return [(key, kept >= 0) for key, kept in zip(keys, asleep_keeps, strict=True)]
+
+
+def _room_decisions(plan: list[tuple[str, bool]], reason: str) -> list[Unload | Sleep]:
+    return [Sleep(key, reason) if sleep else Unload(key, reason) for key, sleep in plan]
 
 
 def _never_fits(pass_: _Pass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:

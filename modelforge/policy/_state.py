@@ -47,6 +47,11 @@ class ResidentPhase(StrEnum):
     UNLOADING = "unloading"
     # Unloaded, but NVML never showed the bytes back: they stay counted (GPU_MEMORY_NOT_RECLAIMED).
     UNRECLAIMED = "unreclaimed"
+    # Sleep (vLLM's sleep mode and the like): most of the memory given back, the process kept, so
+    # a wake costs far less than a load. Its full bytes stay counted until the node says it slept.
+    SLEEPING = "sleeping"
+    ASLEEP = "asleep"
+    WAKING = "waking"
 
 
 @dataclass
@@ -68,6 +73,8 @@ class ResidentState:
     # The class of the last lease granted on it: a model that last served production is evicted
     # only to make room for production.
     last_priority: str | None = None
+    # While asleep: the bytes it held awake, which a wake takes back.
+    awake_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,12 @@ class _Baseline:
             self.idle.pop(key, None)
             self.with_backlog.pop(key, None)
 
+    def slept(self, key: str, kept_bytes: int, now: float) -> None:
+        raise AssertionError(f"{self.name} never puts a model to sleep ({key})")
+
+    def woke(self, key: str, now: float) -> None:
+        raise AssertionError(f"{self.name} never wakes a model ({key})")
+
     def finished(self, lease_id: str, now: float, outcome: str) -> None:
         key, _ = self.lease_of.pop(lease_id)
         runner = self.runners[key]

@@ -13,13 +13,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from modelforge.domain import Observation, ProcessUsage
+from modelforge.domain import Deployment, Observation, ProcessUsage
 from modelforge.failures import FailureClass
 from modelforge.simulate._protocol import Actions, SimScheduler
 from modelforge.simulate._scenario import Scenario, SimRequest
 
 # Event kinds, in the order they apply when several fall on the same instant.
-_EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE = range(7)
+_EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE, _SLEPT, _WOKE = range(9)
 
 
 @dataclass
@@ -64,6 +64,8 @@ class SimulationResult:
     virtual_s: float
     gang_starts: int = 0
     gang_splits: int = 0
+    sleeps: int = 0
+    wakes: int = 0
     by_tenant_gpu_s: dict[str, float] = field(default_factory=dict)
     violation_examples: list[str] = field(default_factory=list)
 
@@ -85,6 +87,8 @@ class SimulationResult:
             "jain_fairness": self.jain_fairness,
             "gang_starts": self.gang_starts,
             "gang_splits": self.gang_splits,
+            "sleeps": self.sleeps,
+            "wakes": self.wakes,
             "by_tenant_gpu_s": self.by_tenant_gpu_s,
             "violation_examples": self.violation_examples,
             "virtual_s": self.virtual_s,
@@ -171,6 +175,8 @@ class Simulation:
         self.outcomes: list[_Outcome] = [_Outcome(arrived=r.t, remaining_s=r.service_s) for r in scenario.requests]
         self.loads = 0
         self.evictions = 0
+        self.sleeps = 0
+        self.wakes = 0
         self.unloads = 0
         self.preemptions = 0
         self.violations = 0
@@ -258,6 +264,24 @@ class Simulation:
             assert isinstance(key, str)
             self._drop_resident(key)
             self.scheduler.unloaded(key, now)
+        elif kind == _SLEPT:
+            assert isinstance(payload, tuple)
+            key, kept = payload
+            if key in cards.resident_bytes and key not in self.unloading:
+                # The card gets back all but what the sleeping model keeps.
+                accelerator = cards.resident_on[key]
+                cards.change(accelerator, delta_held=kept - cards.resident_bytes[key])
+                cards.resident_bytes[key] = kept
+                self.touched[accelerator] = True
+                self.scheduler.slept(key, kept, now)
+        elif kind == _WOKE:
+            key = payload
+            assert isinstance(key, str)
+            if key in cards.resident_bytes and key not in self.unloading:
+                cards.ready[key] = True
+                cards.ready_on[cards.resident_on[key]][key] = True
+                self.touched[cards.resident_on[key]] = True
+                self.scheduler.woke(key, now)
         elif kind == _DONE:
             assert isinstance(payload, str)
             run = self._take_run(payload, now)
@@ -290,6 +314,14 @@ class Simulation:
         if run is not None:
             self._stop_run(run, now)
         return run
+
+    def _deployment_of(self, key: str) -> Deployment | None:
+        """A resident key is `deployment@accelerator`, and deployment ids hold `@` themselves
+        (`rag.embedding@1`): cut at the accelerator the key is on."""
+        accelerator = self.cards.resident_on.get(key)
+        if accelerator is None or not key.endswith("@" + accelerator):
+            return None
+        return self.by_deployment_id.get(key[: -len(accelerator) - 1])
 
     def _drop_resident(self, key: str) -> None:
         cards = self.cards
@@ -365,8 +397,27 @@ class Simulation:
             cards.ready_on[cards.resident_on[key]].pop(key, None)
             self.unloads += 1
             self.evictions += 1 if eviction else 0
-            deployment = self.by_deployment_id.get(key.split("@", 1)[0])
+            deployment = self._deployment_of(key)
             self._push(now + (deployment.unload_s if deployment else 0.0), _UNLOADED, key)
+        for key, kept in actions.sleeps:
+            if key not in cards.resident_bytes or key in self.unloading:
+                continue
+            # Still held by the node (listed in its samples), just not runnable until woken.
+            cards.ready.pop(key, None)
+            self.sleeps += 1
+            sleeper = self._deployment_of(key)
+            self._push(now + (sleeper.sleep_s if sleeper else 0.0), _SLEPT, (key, kept))
+        for key, awake in actions.wakes:
+            if key not in cards.resident_bytes or key in self.unloading:
+                continue
+            # The waking model takes its memory back as it wakes: held from the start.
+            accelerator = cards.resident_on[key]
+            cards.change(accelerator, delta_held=awake - cards.resident_bytes[key])
+            cards.resident_bytes[key] = awake
+            self.touched[accelerator] = True
+            self.wakes += 1
+            waker = self._deployment_of(key)
+            self._push(now + (waker.wake_s if waker else 0.0), _WOKE, key)
         for load in actions.loads:
             deployment = self.by_deployment_id[load.deployment]
             cards.resident_bytes[load.key] = load.bytes
@@ -458,6 +509,8 @@ class Simulation:
             by_class=by_class,
             loads=self.loads,
             evictions=self.evictions,
+            sleeps=self.sleeps,
+            wakes=self.wakes,
             unloads=self.unloads,
             preemptions=self.preemptions,
             invariant_violations=self.violations,

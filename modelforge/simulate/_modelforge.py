@@ -23,13 +23,17 @@ from modelforge.policy import (
     keep_warm_check,
     release_lease,
     resident_ready,
+    resident_slept,
     resident_unloaded,
+    resident_woke,
     validate_request,
 )
 from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, Start
 from modelforge.simulate._scenario import Scenario, SimRequest, SimulationConfig
 
 _EVICTION_PREFIX = "making room"
+# A keep_warm TTL runs while a model is awake or asleep (and is asked again after a transition).
+_TTL_PHASES = (ResidentPhase.READY, ResidentPhase.ASLEEP, ResidentPhase.SLEEPING, ResidentPhase.WAKING)
 
 
 class ModelForgeScheduler:
@@ -101,7 +105,7 @@ class ModelForgeScheduler:
         while self.ttl_timers and self.ttl_timers[0][0] <= now:
             _, key = heapq.heappop(self.ttl_timers)
             resident = state.residents.get(key)
-            if resident is None or resident.phase != ResidentPhase.READY:
+            if resident is None or resident.phase not in _TTL_PHASES:
                 continue
             check_at = keep_warm_check(state, key, now)
             if check_at is None:
@@ -121,6 +125,12 @@ class ModelForgeScheduler:
             actions.starts.append(start)
         for unload in decisions.unloads:
             actions.unloads.append((unload.resident_key, unload.reason.startswith(_EVICTION_PREFIX)))
+        for sleep in decisions.sleeps:
+            resident = state.residents[sleep.resident_key]
+            sleeper = state.catalog.deployment(resident.deployment)
+            kept = sleeper.sleep_bytes if sleeper is not None and sleeper.sleep_bytes is not None else resident.bytes
+            actions.sleeps.append((sleep.resident_key, min(kept, resident.bytes)))
+        actions.wakes.extend((wake.resident_key, wake.bytes) for wake in decisions.wakes)
         actions.preempts.extend(p.lease_id for p in decisions.preemptions)
         for reject in decisions.rejects:
             actions.refusals.append(Refuse(self.index_of.pop(reject.request_id), reject.failure, reject.message))
@@ -151,6 +161,13 @@ class ModelForgeScheduler:
 
     def unloaded(self, key: str, now: float) -> None:
         resident_unloaded(self.state, key, True, "")
+
+    def slept(self, key: str, kept_bytes: int, now: float) -> None:
+        resident_slept(self.state, key, True, kept_bytes, "")
+
+    def woke(self, key: str, now: float) -> None:
+        resident = self.state.residents.get(key)
+        resident_woke(self.state, key, resident.bytes if resident is not None else 0, now)
 
     def finished(self, lease_id: str, now: float, outcome: str) -> None:
         release_lease(self.state, lease_id, now, outcome)

@@ -53,6 +53,9 @@ class Actions:
     unloads: list[tuple[str, bool]] = field(default_factory=list)
     preempts: list[str] = field(default_factory=list)
     refusals: list[Refuse] = field(default_factory=list)
+    # Idle residents put to sleep (to keep `bytes`), and asleep ones woken (back to `bytes`).
+    sleeps: list[tuple[str, int]] = field(default_factory=list)
+    wakes: list[tuple[str, int]] = field(default_factory=list)
 
 
 class CardView(Protocol):
@@ -77,6 +80,14 @@ class SimScheduler(Protocol):
     def loaded(self, key: str, now: float) -> None: ...
 
     def unloaded(self, key: str, now: float) -> None: ...
+
+    def slept(self, key: str, kept_bytes: int, now: float) -> None:
+        """A resident it put to sleep is asleep, holding `kept_bytes`."""
+        ...
+
+    def woke(self, key: str, now: float) -> None:
+        """A resident it woke is ready again."""
+        ...
 
     def finished(self, lease_id: str, now: float, outcome: str) -> None: ...
 

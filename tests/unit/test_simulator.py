@@ -407,3 +407,35 @@ def test_a_gang_reservation_stops_a_stream_of_small_jobs_from_starving_the_gang(
     # Without a reservation each freed card goes to the next small job: the gang waits for the
     # stream to end (the last job arrives at 3,000 s and runs 300 s).
     assert waiting.by_class["interactive"]["wait_p99_s"] >= 3000.0
+
+
+@pytest.mark.parametrize(("sleepy", "second_wait_s", "loads"), [(True, 4.0, 2), (False, 32.0, 3)])
+def test_a_model_that_can_sleep_is_woken_in_seconds_instead_of_reloaded(
+    sleepy: bool, second_wait_s: float, loads: int
+) -> None:
+    # One 24 GiB card (1 GiB reserve). a@1: 16 GiB, loads in 30 s, unloads in 2; asleep it keeps
+    # 2 GiB, sleeps in 1 s, wakes in 2. b@1: 12 GiB, loads in 5 s, cannot sleep.
+    # a at 0 (loads 0-30, runs to 40); b at 50: 23 - 16 = 7 < 12, so a sleeps (50-51) or is
+    # unloaded (50-52), and b loads. a again at 100: waking needs 14 GiB, 23 - 2 - 12 = 9 are
+    # free, so b (idle) is unloaded (100-102) and a woken (102-104): a 4 s wait. Without sleep a
+    # loads again after b's unload: 102 + 30 = 132, a 32 s wait.
+    sleep = {"sleep_bytes": 2 * GiB, "sleep_s": 1.0, "wake_s": 2.0} if sleepy else {}
+    s = scenario(
+        [card(gib=24)],
+        [
+            model("a@1", 16, load_s=30.0, unload_s=2.0, ttl_s=1000.0, **sleep),
+            model("b@1", 12, load_s=5.0, unload_s=2.0, ttl_s=1000.0),
+        ],
+        [
+            {"t": 0.0, "capability": "a@1", "service_s": 10.0},
+            {"t": 50.0, "capability": "b@1", "service_s": 10.0},
+            {"t": 100.0, "capability": "a@1", "service_s": 10.0},
+        ],
+    )
+    simulation = Simulation(s, ModelForgeScheduler(s))
+    result = simulation.run()
+    assert result.completed == 3 and result.invariant_violations == 0
+    third = simulation.outcomes[2]
+    assert third.first_start is not None
+    assert third.first_start - third.arrived == pytest.approx(second_wait_s)
+    assert (result.loads, result.sleeps, result.wakes) == (loads, int(sleepy), int(sleepy))
