@@ -317,11 +317,13 @@ class Simulation:
 
     def _deployment_of(self, key: str) -> Deployment | None:
         """A resident key is `deployment@accelerator`, and deployment ids hold `@` themselves
-        (`rag.embedding@1`): cut at the accelerator the key is on."""
+        (`rag.embedding@1`): cut at the accelerator the key is on. (Cutting at the first `@`
+        found no deployment, so every unload took no time until session 6.)"""
         accelerator = self.cards.resident_on.get(key)
-        if accelerator is None or not key.endswith("@" + accelerator):
+        base = key.split("#", 1)[0]  # the baselines number their runners: `deployment@accelerator#n`
+        if accelerator is None or not base.endswith("@" + accelerator):
             return None
-        return self.by_deployment_id.get(key[: -len(accelerator) - 1])
+        return self.by_deployment_id.get(base[: -len(accelerator) - 1])
 
     def _drop_resident(self, key: str) -> None:
         cards = self.cards

@@ -6,7 +6,8 @@ Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown ca
 request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
 request whose runtime crashes (retried once on a fresh load) and a request that holds its lease
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
-per workflow type into tests/histories/<version>/. Record a new version after each change to the
+per workflow type into tests/histories/<version>/; then, on a second server, a model put to sleep
+for another and woken again (scheduler and residency histories). Record a new version after each change to the
 workflows (guarded with `workflow.patched`); never rewrite an old one: they prove old runs replay."""
 
 from __future__ import annotations
@@ -75,6 +76,37 @@ async def main(version: str) -> None:
             }
             out = HISTORIES / version
             out.mkdir(parents=True, exist_ok=False)
+            for name, handle in handles.items():
+                history = await handle.fetch_history()
+                (out / f"{name}.json").write_text(history.to_json())
+                print(f"{name}: {len(history.events)} events")
+    finally:
+        await env.shutdown()
+        server.cleanup()
+    await record_sleep(version)
+
+
+async def record_sleep(version: str) -> None:
+    """Sleep-aware making room (v5 on): a model put to sleep for another and woken for its next
+    request, on its own server and database (another catalog, so another scheduler)."""
+    import pgserver
+
+    server = pgserver.get_server(str(Path("/tmp") / "modelforge-record-pg-sleep"), cleanup_mode="stop")
+    binary = str(Path(sys.executable).parent / "temporal-test-server")
+    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=binary)
+    catalog = Path(__file__).resolve().parents[1] / "catalogs" / "sleep.toml"
+    try:
+        await register_search_attributes(env.client)
+        async with running_stack(env.client, server.get_uri(), catalog_path=catalog) as stack:
+            for request_id, capability in (("big1", "big.chat@1"), ("small", "small.chat@1"), ("big2", "big.chat@1")):
+                await (await stack.start_request(capability, tenant="app", request_id=request_id)).result()
+            state = await stack.scheduler.query("state", result_type=PoolState)
+            [big] = [r.workflow_id for r in state.residents.values() if r.deployment == "big.chat@1"]
+            handles = {
+                "scheduler_sleep_wake": stack.scheduler,
+                "residency_sleep_wake": env.client.get_workflow_handle(big),
+            }
+            out = HISTORIES / version
             for name, handle in handles.items():
                 history = await handle.fetch_history()
                 (out / f"{name}.json").write_text(history.to_json())
