@@ -991,7 +991,7 @@ def _place(
 
 def _place_gang(
     pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | Wait | list[Unload | Sleep]:
+) -> Grant | Reject | Wait | list[Unload | Sleep] | _Preemption:
     """A multi-GPU batch job, all or nothing: `gpu_count` accelerators that each have the job's
     bytes schedulable, inside one NVLink group when the job requires it, else on as few nodes as
     possible; best fit (least left over) among the candidates. Nothing stays resident: the lease
@@ -1058,9 +1058,9 @@ def _place_gang(
             f"{queued.deadline_at - now:.1f} s",
         )
 
-    def fitting(members: list[str], evicting: bool) -> list[tuple[int, str]]:
+    def fitting(members: list[str], evicting: bool, preempting: bool = False) -> list[tuple[int, str]]:
         """(bytes left over, accelerator) where the job fits now, or (`evicting`) once the idle
-        residents there are unloaded."""
+        residents there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
         room = []
         for accelerator in members:
             if accelerator in pass_.blocked or not budgets[accelerator].fresh:
@@ -1070,20 +1070,35 @@ def _place_gang(
             if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, deployment.load_s):
                 continue
             free = pass_.free(accelerator)
-            if evicting:
+            if evicting or preempting:
                 free += sum(r.bytes for r in _idle_residents(pass_, accelerator, production))
+            if preempting:
+                # Ranked by the bytes of work newly stopped for it: cards whose work is already
+                # being preempted (by an earlier pass) first, so passes do not spread the damage.
+                stoppable = _preemptible_for(pass_, queued, accelerator)
+                free += sum(freed for lease, freed in stoppable if lease.lease_id in state.preempting)
+                fresh = 0
+                for lease, freed in stoppable:
+                    if free >= need:
+                        break
+                    if lease.lease_id not in state.preempting:
+                        free += freed
+                        fresh += freed
+                if need <= free:
+                    room.append((fresh, accelerator))
+                continue
             if need <= free:
                 room.append((free - need, accelerator))
         room.sort()
         return room
 
-    def select(evicting: bool) -> list[str] | None:
+    def select(evicting: bool, preempting: bool = False) -> list[str] | None:
         if not deployment.nvlink_required:
             # One node if it fits there, else one rack, else the pool (as the shape allows).
-            return choose_gang(fitting(passed, evicting), shape, topology)
+            return choose_gang(fitting(passed, evicting, preempting), shape, topology)
         best: tuple[int, str, list[str]] | None = None
         for key, members in groups.items():
-            room = fitting(members, evicting)
+            room = fitting(members, evicting, preempting)
             if len(room) >= count:
                 leftover = sum(left for left, _ in room[:count])
                 if best is None or (leftover, key) < best[:2]:
@@ -1103,6 +1118,13 @@ def _place_gang(
                     pass_.evicting[key] = True
                 unloads.extend(_room_decisions(plan, f"making room for {queued.capability} ({queued.priority})"))
             return unloads
+    if picked is None and pass_.preemptible:
+        # Then preemption of work its class may preempt, on the cards needing the least of it.
+        room_after = select(evicting=True, preempting=True)
+        if room_after is not None:
+            preemption = _preempt_for_gang(pass_, queued, room_after, need, production)
+            if preemption is not None:
+                return preemption
     if picked is None:
         where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
         waiting = f"gang of {count} x {need} B: not enough room {where} yet"
@@ -1123,6 +1145,61 @@ def _place_gang(
     assert first is not None
     lease = _lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
     return Grant(queued.request_id, queued.workflow_id, lease)
+
+
+def _preemptible_for(pass_: _Pass, queued: QueuedRequest, accelerator: str) -> list[tuple[Lease, int]]:
+    """Leases on `accelerator` the asker's class may preempt (past their minimum runtime), in
+    preemption order, each with the bytes its end gives back there (its batch runner's too)."""
+    state = pass_.state
+    found: list[tuple[Lease, int]] = []
+    for lease in pass_.preemptible.get(accelerator, []):
+        if lease.lease_id in pass_.preempting:
+            continue
+        if lease.lease_id not in state.preempting and not may_preempt(state.catalog, queued.priority, lease.priority):
+            continue
+        freed = lease.bytes
+        holder = state.residents.get(lease.resident_key)
+        if holder is not None and holder.residency == Residency.NONE and holder.active_leases <= 1:
+            freed += holder.bytes
+        found.append((lease, freed))
+    return found
+
+
+def _preempt_for_gang(
+    pass_: _Pass, queued: QueuedRequest, accelerators: list[str], need: int, production: bool
+) -> _Preemption | None:
+    """On each chosen card, as little preemption as makes the gang's bytes fit with the idle
+    residents gone too (their unloads follow on the next pass)."""
+    state = pass_.state
+    preempts: list[Preempt] = []
+    stopping: list[str] = []
+    reason = f"{queued.priority} {queued.capability} (a gang) needs room on {', '.join(sorted(accelerators))}"
+    for accelerator in accelerators:
+        free = pass_.free(accelerator) + sum(r.bytes for r in _idle_residents(pass_, accelerator, production))
+        # A gang lease stopped for an earlier card frees this one too.
+        free += sum(
+            lease.bytes for lease in state.leases.values() if lease.lease_id in stopping and accelerator in lease.gang
+        )
+        for lease, freed in _preemptible_for(pass_, queued, accelerator):
+            if free >= need:
+                break
+            free += freed
+            pass_.preempting[lease.lease_id] = True
+            stopping.append(lease.lease_id)
+            if lease.lease_id not in state.preempting:
+                preempts.append(
+                    Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
+                )
+        if free < need:
+            return None
+        pass_.blocked[accelerator] = True
+    if not stopping:
+        return None
+    return _Preemption(
+        accelerators[0],
+        preempts,
+        Wait(queued.request_id, f"making room: preempting lower-class work ({', '.join(stopping)})"),
+    )
 
 
 def _reserve_for_gang(

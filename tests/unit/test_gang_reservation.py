@@ -119,3 +119,39 @@ def test_the_gang_starts_when_the_reserved_work_ends_and_backfill_never_delayed_
     decisions = decide(s, at)
     [grant] = decisions.grants
     assert grant.request_id == "gang" and grant.lease.accelerators == ["n/0", "n/1"]
+
+
+@pytest.mark.parametrize(("gang_class", "preempted"), [(Priority.INTERACTIVE, True), (Priority.BACKGROUND, False)])
+def test_a_gang_preempts_lower_preemptible_work_on_the_cards_it_needs(gang_class: Priority, preempted: bool) -> None:
+    """Two 24 GiB cards, each running a preemptible background job of 16 GiB (23 - 16 = 7 GiB
+    free, < 12). A 2 x 12 GiB gang of a higher class preempts both (after their 30 s minimum
+    runtime); one of the same class waits."""
+    s = state(
+        [gpu("n/0"), gpu("n/1")],
+        [
+            deployment("job@1", gib=16, residency=Residency.NONE, preemptible=True, concurrency=1),
+            deployment("gang@1", gib=12, residency=Residency.NONE, idle_bytes=0, gpu_count=2),
+        ],
+    )
+    for card in ("n/0", "n/1"):
+        observe(s, card)
+    for name in ("j0", "j1"):
+        enqueue(s, ask(name, "job@1"), Priority.BACKGROUND, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    for card in ("n/0", "n/1"):
+        resident_ready(s, f"job@1@{card}", 16 * GiB, NOW)
+        observe(s, card, managed_gib=16, loaded=[f"job@1@{card}"])
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.leases) == 2
+    at = NOW + 60
+    for card in ("n/0", "n/1"):
+        observe(s, card, managed_gib=16, loaded=[f"job@1@{card}"], at=at)
+    _, _ = validate_request(s, ask("gang", "gang@1"), gangs=True)
+    enqueue(s, ask("gang", "gang@1"), gang_class, at)
+    decisions = decide(s, at)
+    assert decisions.grants == []
+    if preempted:
+        assert sorted(p.request_id for p in decisions.preemptions) == ["j0", "j1"]
+        assert "interactive gang@1 (a gang) needs room on n/0, n/1" in decisions.preemptions[0].reason
+    else:
+        assert decisions.preemptions == []
