@@ -22,6 +22,7 @@ from modelforge.logging import get_logger
 from modelforge.messages import (
     RESUME_KEY,
     CheckpointInput,
+    GangJobInput,
     InvokeInput,
     InvokeResult,
     LoadInput,
@@ -204,6 +205,26 @@ class NodeActivities:
             except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
         return InvokeResult(output=output, invoke_s=invoke_s, released=released)
+
+    @activity.defn(name="run_gang_job")
+    async def run_gang_job(self, job: GangJobInput) -> InvokeResult:
+        """This node's part of a multi-GPU batch job: the deployment's runtime runs it on the
+        leased cards of this node, holding the job's bytes on each while it runs."""
+        runtime = self._runtimes.get(job.deployment.runtime)
+        mine = job.accelerators  # the request workflow sends each node its own cards
+        if runtime is None:
+            raise ApplicationError(
+                f"node {self._node} has no {job.deployment.runtime} runtime",
+                type=FailureClass.CAPABILITY_UNAVAILABLE.value,
+                non_retryable=True,
+            )
+        started = time.monotonic()
+        payload = {**job.payload, "modelforge_lease_id": job.lease_id, "modelforge_rank": job.rank}
+        try:
+            output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+        return InvokeResult(output=output, invoke_s=time.monotonic() - started)
 
     async def _profile(self, runtime: Runtime, model: LoadedModel, spec: dict[str, Any]) -> dict[str, Any]:
         deployment = self._deployments.get(model.resident_key)

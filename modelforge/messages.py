@@ -207,6 +207,20 @@ class InvokeInput:
 
 
 @dataclass(frozen=True)
+class GangJobInput:
+    """One node's part of a multi-GPU batch job (a gang lease): its cards, its rank among the
+    nodes, the job's input."""
+
+    lease_id: str
+    request_id: str
+    deployment: Deployment
+    accelerators: list[str]
+    payload: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
 class InvokeResult:
     output: dict[str, Any]
     invoke_s: float

@@ -109,6 +109,7 @@ def build_node_worker(
             node_activities.sleep_model,
             node_activities.wake_model,
             node_activities.checkpoint_invocation,
+            node_activities.run_gang_job,
         ],
     )
 

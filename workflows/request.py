@@ -14,6 +14,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import temporal as sa
+    from modelforge.domain import Catalog
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass
     from modelforge.messages import (
@@ -24,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         CheckpointInput,
+        GangJobInput,
         InvokeInput,
         InvokeResult,
         LeaseDecision,
@@ -37,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
-from workflows._common import ALL_FAILURES, classify, failure, request_workflow_id, scheduler_id
+from workflows._common import ALL_FAILURES, STORE_RETRY, classify, failure, request_workflow_id, scheduler_id
 from workflows.records import RecordEventsWorkflow
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
@@ -97,28 +99,12 @@ class CapabilityRequestWorkflow:
             result: InvokeResult | None = None
             heartbeats = workflow.patched(PATCH_LEASE_HEARTBEATS)
             node_releases = workflow.patched(PATCH_NODE_RELEASES)
-            invoke = workflow.start_activity(
-                "invoke",
-                InvokeInput(
-                    key=lease.resident_key,
-                    lease_id=lease.lease_id,
-                    payload={**request.input, RESUME_KEY: resume_from} if resume_from else request.input,
-                    release_to=scheduler_id(request.pool) if node_releases else "",
-                    request_id=request.request_id,
-                ),
-                result_type=InvokeResult,
-                task_queue=node_task_queue(lease.node),
-                schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
-                heartbeat_timeout=INVOKE_HEARTBEAT,
-                retry_policy=RetryPolicy(maximum_attempts=1),
-                # A preempted invoke is over only when the node says so: until then its memory is in use.
-                cancellation_type=(
-                    ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
-                    if heartbeats
-                    else ActivityCancellationType.TRY_CANCEL
-                ),
-                summary=f"invoke {lease.deployment} on {lease.accelerator}",
-            )
+            payload = {**request.input, RESUME_KEY: resume_from} if resume_from else request.input
+            invoke: asyncio.Future[InvokeResult | None]
+            if lease.gang:
+                invoke = asyncio.ensure_future(self._run_gang(request, lease, payload))
+            else:
+                invoke = self._invoke_resident(request, lease, payload, node_releases, heartbeats)
             if heartbeats:
                 await self._heartbeat_until_done(request, lease, invoke)
                 if self._preempt is not None and not invoke.done():
@@ -127,12 +113,12 @@ class CapabilityRequestWorkflow:
                     try:
                         await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
                     except TimeoutError:
-                        if workflow.patched(PATCH_CHECKPOINT_ON_PREEMPT):
+                        if workflow.patched(PATCH_CHECKPOINT_ON_PREEMPT) and not lease.gang:
                             resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
                         invoke.cancel()
             try:
                 result = await invoke
-            except ActivityError as error:
+            except (ActivityError, ApplicationError) as error:
                 outcome, message = classify(error)
             preempted = result is None and self._preempt is not None
             if preempted:
@@ -183,6 +169,88 @@ class CapabilityRequestWorkflow:
             timings=timings,
         )
 
+    def _invoke_resident(
+        self, request: RequestInput, lease: Lease, payload: dict[str, Any], node_releases: bool, heartbeats: bool
+    ) -> asyncio.Future[InvokeResult | None]:
+        return workflow.start_activity(
+            "invoke",
+            InvokeInput(
+                key=lease.resident_key,
+                lease_id=lease.lease_id,
+                payload=payload,
+                release_to=scheduler_id(request.pool) if node_releases else "",
+                request_id=request.request_id,
+            ),
+            result_type=InvokeResult,
+            task_queue=node_task_queue(lease.node),
+            schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+            heartbeat_timeout=INVOKE_HEARTBEAT,
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            # A preempted invoke is over only when the node says so: until then its memory is in use.
+            cancellation_type=(
+                ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+                if heartbeats
+                else ActivityCancellationType.TRY_CANCEL
+            ),
+            summary=f"invoke {lease.deployment} on {lease.accelerator}",
+        )
+
+    async def _run_gang(self, request: RequestInput, lease: Lease, payload: dict[str, Any]) -> InvokeResult | None:
+        """A gang lease's job: one `run_gang_job` per node on that node's cards, all at once,
+        rank 0 first. A member that fails stops the others (all or nothing). Cancelled (the
+        lease preempted): every member is stopped and awaited, and None comes back: a gang job
+        is not checkpointed, it starts over when its lease comes back."""
+        catalog = await workflow.execute_activity(
+            "load_catalog",
+            result_type=Catalog,
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=STORE_RETRY,
+            summary="the gang job's deployment",
+        )
+        deployment = catalog.deployment(lease.deployment)
+        if deployment is None:
+            raise failure(FailureClass.CAPABILITY_UNAVAILABLE, f"{lease.deployment} was removed from the catalog")
+        by_node: dict[str, list[str]] = {}
+        for accelerator, node in zip(lease.accelerators, lease.nodes, strict=True):
+            by_node.setdefault(node, []).append(accelerator)
+        members = [
+            workflow.start_activity(
+                "run_gang_job",
+                GangJobInput(
+                    lease_id=lease.lease_id,
+                    request_id=request.request_id,
+                    deployment=deployment,
+                    accelerators=cards,
+                    payload=payload,
+                    rank=rank,
+                    world_size=len(by_node),
+                ),
+                result_type=InvokeResult,
+                task_queue=node_task_queue(node),
+                schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+                heartbeat_timeout=INVOKE_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                summary=f"{lease.deployment}: rank {rank} on {', '.join(cards)}",
+            )
+            for rank, (node, cards) in enumerate(by_node.items())
+        ]
+        try:
+            results = await asyncio.gather(*members)
+        except asyncio.CancelledError:
+            for member in members:
+                member.cancel()
+            await asyncio.gather(*members, return_exceptions=True)
+            return None
+        except ActivityError:
+            for member in members:
+                member.cancel()
+            await asyncio.gather(*members, return_exceptions=True)
+            raise
+        output = {**results[0].output, "nodes": list(by_node), "accelerators": lease.accelerators}
+        return InvokeResult(output=output, invoke_s=max(r.invoke_s for r in results))
+
     async def _checkpoint(self, request: RequestInput, lease: Lease, preemption: int) -> str:
         """Ask the node to save the preempted invoke's progress; "" when its runtime cannot (the
         run then starts over, as before checkpoints)."""
@@ -209,7 +277,7 @@ class CapabilityRequestWorkflow:
         location: str = saved.location
         return location
 
-    async def _heartbeat_until_done(self, request: RequestInput, lease: Lease, invoke: asyncio.Task[Any]) -> None:
+    async def _heartbeat_until_done(self, request: RequestInput, lease: Lease, invoke: asyncio.Future[Any]) -> None:
         """Tell the scheduler this lease's holder is alive while the invoke runs: a holder that
         goes silent (terminated, lost) has its lease reclaimed after stale_lease_s."""
         scheduler = workflow.get_external_workflow_handle(scheduler_id(request.pool))

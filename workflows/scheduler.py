@@ -135,7 +135,7 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(status="queued", priority=existing.priority)
                 continue
             try:
-                _, priority = policy.validate_request(self._state, request)
+                _, priority = policy.validate_request(self._state, request, gangs=True)
             except policy.AdmissionRejected as rejected:
                 replies[position] = AdmitReply(
                     status="rejected", failure=rejected.failure.value, message=rejected.message
@@ -189,7 +189,7 @@ class PoolSchedulerWorkflow:
         if policy.existing_admission(self._state, request) is not None:
             return  # a retried call: the handler answers with what it already has
         try:
-            policy.validate_request(self._state, request)
+            policy.validate_request(self._state, request, gangs=True)
         except policy.AdmissionRejected as rejected:
             raise ApplicationError(rejected.message, type=rejected.failure.value, non_retryable=True) from None
 

@@ -127,13 +127,12 @@ def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | Q
     return None
 
 
-def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool = False) -> tuple[Deployment, str]:
+def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool = True) -> tuple[Deployment, str]:
     """Everything that can be refused without touching the queue: a refused admission update
     writes no history.
 
-    `gangs`: admit multi-GPU batch jobs (`gpu_count > 1`, residency none). The policy places
-    them; the request and node workflows do not run them yet, so the scheduler workflow leaves
-    this off and only the simulator turns it on."""
+    `gangs` (on): admit multi-GPU batch jobs (`gpu_count > 1`, residency none); off refuses
+    them, for a caller that cannot run them (the request workflows ran them from session 6 on)."""
     if not request.request_id or not request.capability:
         raise AdmissionRejected(FailureClass.REQUEST_INVALID, "request_id and capability are required")
     if len(request.capability) > MAX_CAPABILITY_LENGTH or len(request.tenant) > MAX_TENANT_LENGTH:
@@ -156,13 +155,15 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
             FailureClass.RESIDENCY_CONFLICT,
             f"residency {deployment.residency.value!r} is reserved for later and not served",
         )
-    if deployment.gpu_count > 1 and (not gangs or deployment.residency != Residency.NONE):
-        what = "multi-GPU gang leases are not run by the workflows yet"
-        if deployment.residency != Residency.NONE:
-            what = "a model server spread over several GPUs is not served; gangs are batch jobs (residency none)"
+    if deployment.gpu_count > 1 and deployment.residency != Residency.NONE:
         raise AdmissionRejected(
             FailureClass.CAPABILITY_UNAVAILABLE,
-            f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; {what}",
+            f"{request.capability} needs a gang of {deployment.gpu_count} GPUs; a model server spread over "
+            "several GPUs is not served: gangs are batch jobs (residency none)",
+        )
+    if deployment.gpu_count > 1 and not gangs:
+        raise AdmissionRejected(
+            FailureClass.CAPABILITY_UNAVAILABLE, f"{request.capability} needs a gang of {deployment.gpu_count} GPUs"
         )
     priority = resolve_priority(state, request)
     index = queue_index(state)

@@ -205,6 +205,11 @@ def _idle_residents(pass_: _Pass, accelerator: str, production: bool) -> list[Re
     ]
 
 
+def _nodes_of(pass_: _Pass, accelerators: list[str]) -> list[str]:
+    catalog = pass_.state.catalog
+    return [acc.node if (acc := catalog.accelerator(a)) is not None else "" for a in accelerators]
+
+
 def _ends_by(queued: QueuedRequest, start: float) -> float:
     return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
 
@@ -719,6 +724,7 @@ def _lease(
         tenant=queued.tenant,
         heartbeat_s=pass_.state.config.stale_lease_s / 3,
         gang=accelerators[1:],
+        nodes=_nodes_of(pass_, accelerators) if len(accelerators) > 1 else [],
         ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
     )
 

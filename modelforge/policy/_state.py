@@ -94,8 +94,10 @@ class Lease:
     tenant: str
     # How often the holder must say it is alive; silence for stale_lease_s loses the lease.
     heartbeat_s: float = 0.0
-    # A multi-GPU gang lease: the other accelerators it holds `bytes` on, besides `accelerator`.
+    # A multi-GPU gang lease: the other accelerators it holds `bytes` on, besides `accelerator`,
+    # and the node of each of `accelerators` (what the request workflow runs the job on).
     gang: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
     # When the holder's max_duration ends its work at the latest (None: unknown): what a waiting
     # gang's reservation counts on, and what backfill is measured against.
     ends_by: float | None = None

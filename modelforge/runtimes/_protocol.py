@@ -60,6 +60,13 @@ class Runtime(Protocol):
         """Save progress; returns the checkpoint's location for the resumed run."""
         ...
 
+    async def run_job(
+        self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> dict[str, Any]:
+        """A batch job on several devices of this node (this node's part of a gang lease), run
+        to its end: it holds its bytes on each device only while it runs."""
+        ...
+
 
 def unsupported(runtime: str, operation: str, why: str) -> ModelForgeError:
     return ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"{runtime} runtime cannot {operation}: {why}")

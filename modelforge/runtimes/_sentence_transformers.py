@@ -196,6 +196,11 @@ class SentenceTransformersRuntime:
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         raise unsupported(self.name, "checkpoint", "an embedding call is short and stateless: it is retried instead")
 
+    async def run_job(
+        self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> dict[str, Any]:
+        raise unsupported(self.name, "run a multi-GPU job", "it serves one model on one device")
+
     async def unload(self, model: LoadedModel) -> None:
         entry = self._models.pop(model.resident_key, None)
         if entry is None:

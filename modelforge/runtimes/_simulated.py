@@ -41,6 +41,16 @@ def _checkpointed_seconds(location: str) -> float:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"cannot resume from {location!r}") from None
 
 
+def _hold_seconds(payload: dict[str, Any]) -> float:
+    hold = payload.get("simulate_invoke_s", 0)
+    if not isinstance(hold, int | float) or isinstance(hold, bool) or not 0 <= hold <= MAX_SIMULATED_INVOKE_S:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}",
+        )
+    return float(hold)
+
+
 def _seconds(deployment: Deployment | None, name: str) -> float:
     try:
         return min(60.0, max(0.0, float((deployment.runtime_config if deployment else {}).get(name, "0"))))
@@ -94,12 +104,7 @@ class SimulatedRuntime:
             raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, "simulated runtime returned nothing")
 
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
-        hold = payload.get("simulate_invoke_s", 0)
-        if not isinstance(hold, int | float) or isinstance(hold, bool) or not 0 <= hold <= MAX_SIMULATED_INVOKE_S:
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID,
-                f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}",
-            )
+        hold = _hold_seconds(payload)
         # A resumed run starts where its checkpoint left off (the node has checked the location).
         resumed_from = payload.get("modelforge_resume_from")
         done = _checkpointed_seconds(resumed_from) if isinstance(resumed_from, str) else 0.0
@@ -153,6 +158,38 @@ class SimulatedRuntime:
 
     def supports(self, deployment: Deployment) -> list[str]:
         return ["sleep", "checkpoint"]
+
+    async def run_job(
+        self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> dict[str, Any]:
+        """Holds the job's envelope on each device for `simulate_invoke_s`, one process per
+        device (as torchrun starts one per GPU)."""
+        hold = _hold_seconds(payload)
+        tag = f"modelforge:job:{payload.get('modelforge_lease_id', '')}"
+        pids: dict[int, int] = {}
+        done = 0.0
+        try:
+            for index in device_indices:
+                pid = next(_pids)
+                self._devices.allocate(index, pid, deployment.envelope_bytes, tag)
+                pids[index] = pid  # allocated: freed below whatever happens next
+            while done < hold:
+                step = min(1.0, hold - done)
+                await asyncio.sleep(step)
+                done += step
+                heartbeat(f"gang job: {done:.0f}/{hold} s on {len(device_indices)} devices")
+        finally:
+            for index, pid in pids.items():
+                self._devices.free(index, pid, tag)
+        fault = _fault(payload)
+        if fault is not None:
+            raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
+        return {
+            "simulated": True,
+            "deployment": deployment.deployment_id,
+            "devices": device_indices,
+            "rank": payload.get("modelforge_rank", 0),
+        }
 
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         """The seconds of `simulate_invoke_s` done so far, as JSON in the checkpoint store."""

@@ -405,6 +405,11 @@ class SubprocessHttpRuntime:
         await self._post(server, server.config.wake_path, "wake")
         return await asyncio.to_thread(self._bytes_now, model, model.measured_bytes)
 
+    async def run_job(
+        self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> dict[str, Any]:
+        raise unsupported(self.name, "run a multi-GPU job", "it serves a model; gang jobs run as batch jobs")
+
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         server = self._server(model)
         # The server writes its state where the node's checkpoint store says and names it.

@@ -465,15 +465,14 @@ def test_nvlink_groups_the_nodes_advertise_replace_the_catalogs_and_survive_a_re
     assert relabel(s) == []  # nothing new: no event
 
 
-def test_the_workflows_refuse_gangs_until_they_run_them() -> None:
+def test_gangs_are_batch_jobs_and_a_model_server_over_several_gpus_is_refused() -> None:
     job = deployment("train@1", gib=10, residency=Residency.NONE, gpu_count=2)
     s = state(nvlink_pool(), [job])
-    with pytest.raises(AdmissionRejected, match="not run by the workflows yet"):
-        validate_request(s, ask("r1", "train@1"))
+    validate_request(s, ask("r1", "train@1"))  # admitted: the request workflow runs gangs
     server = deployment("tp@1", gib=10, gpu_count=2)
     s = state(nvlink_pool(), [server])
     with pytest.raises(AdmissionRejected, match="gangs are batch jobs"):
-        validate_request(s, ask("r1", "tp@1"), gangs=True)
+        validate_request(s, ask("r1", "tp@1"))
 
 
 @pytest.mark.parametrize(

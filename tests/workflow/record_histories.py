@@ -6,8 +6,9 @@ Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown ca
 request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
 request whose runtime crashes (retried once on a fresh load) and a request that holds its lease
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
-per workflow type into tests/histories/<version>/; then, on a second server, a model put to sleep
-for another and woken again (scheduler and residency histories). Record a new version after each change to the
+per workflow type into tests/histories/<version>/; then, each on a server of its own, a model put
+to sleep for another and woken again (scheduler and residency histories) and a two-node gang job
+(its request history). Record a new version after each change to the
 workflows (guarded with `workflow.patched`); never rewrite an old one: they prove old runs replay."""
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig, PoolState
 from modelforge.temporal import register_search_attributes
-from tests.harness import running_stack
+from tests.harness import Stack, running_stack
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 
@@ -87,25 +90,41 @@ async def main(version: str) -> None:
 
 
 async def record_sleep(version: str) -> None:
-    """Sleep-aware making room (v5 on): a model put to sleep for another and woken for its next
-    request, on its own server and database (another catalog, so another scheduler)."""
+    """On a server and database of their own (other catalogs, other schedulers): a model put to
+    sleep for another and woken for its next request (v5 on), and a two-node gang job (v5 on)."""
+    root = Path(__file__).resolve().parents[1] / "catalogs"
+    await _record_catalog(version, root / "sleep.toml", _sleep_story)
+    await _record_catalog(version, root / "gang.toml", _gang_story)
+
+
+async def _sleep_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
+    for request_id, capability in (("big1", "big.chat@1"), ("small", "small.chat@1"), ("big2", "big.chat@1")):
+        await (await stack.start_request(capability, tenant="app", request_id=request_id)).result()
+    state = await stack.scheduler.query("state", result_type=PoolState)
+    [big] = [r.workflow_id for r in state.residents.values() if r.deployment == "big.chat@1"]
+    return {"scheduler_sleep_wake": stack.scheduler, "residency_sleep_wake": env.client.get_workflow_handle(big)}
+
+
+async def _gang_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
+    gang = await stack.start_request("train.wide@1", tenant="lab", request_id="gang", input={"simulate_invoke_s": 2})
+    await gang.result()
+    return {"request_gang": gang}
+
+
+async def _record_catalog(
+    version: str,
+    catalog: Path,
+    story: Callable[[WorkflowEnvironment, Stack], Awaitable[dict[str, WorkflowHandle[Any, Any]]]],
+) -> None:
     import pgserver
 
-    server = pgserver.get_server(str(Path("/tmp") / "modelforge-record-pg-sleep"), cleanup_mode="stop")
+    server = pgserver.get_server(str(Path("/tmp") / f"modelforge-record-pg-{catalog.stem}"), cleanup_mode="stop")
     binary = str(Path(sys.executable).parent / "temporal-test-server")
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=binary)
-    catalog = Path(__file__).resolve().parents[1] / "catalogs" / "sleep.toml"
     try:
         await register_search_attributes(env.client)
         async with running_stack(env.client, server.get_uri(), catalog_path=catalog) as stack:
-            for request_id, capability in (("big1", "big.chat@1"), ("small", "small.chat@1"), ("big2", "big.chat@1")):
-                await (await stack.start_request(capability, tenant="app", request_id=request_id)).result()
-            state = await stack.scheduler.query("state", result_type=PoolState)
-            [big] = [r.workflow_id for r in state.residents.values() if r.deployment == "big.chat@1"]
-            handles = {
-                "scheduler_sleep_wake": stack.scheduler,
-                "residency_sleep_wake": env.client.get_workflow_handle(big),
-            }
+            handles = await story(env, stack)
             out = HISTORIES / version
             for name, handle in handles.items():
                 history = await handle.fetch_history()
