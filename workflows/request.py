@@ -56,7 +56,7 @@ PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
-@workflow.defn(name="CapabilityRequestWorkflow")
+@workflow.defn(name="CapabilityRequestWorkflow", sandboxed=False)
 class CapabilityRequestWorkflow:
     @workflow.init
     def __init__(self, request: RequestInput) -> None:

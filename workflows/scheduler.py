@@ -70,7 +70,7 @@ EVENT_WRITE_INTERVAL_S = 1.0
 MAX_ADMIT_BATCH = 500
 
 
-@workflow.defn(name="PoolSchedulerWorkflow")
+@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
 class PoolSchedulerWorkflow:
     @workflow.init
     def __init__(self, start: SchedulerInput) -> None:

@@ -44,3 +44,38 @@ def test_the_same_import_is_fine_outside_the_policy() -> None:
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("line", "use"),
+    [
+        ("import time", "time.time()"),
+        ("from datetime import datetime", "datetime.now()"),
+        ("import datetime", "datetime.datetime.now()"),
+        ("import random", "random.random()"),
+        ("import uuid", "uuid.uuid4()"),
+        ("import os", "os.environ"),
+        ("import asyncio", "asyncio.sleep(1)"),
+    ],
+)
+def test_nondeterministic_calls_in_workflow_code_are_lint_errors(line: str, use: str) -> None:
+    # The request and scheduler workflows run outside Temporal's sandbox: this rule stands in.
+    done = subprocess.run(
+        [RUFF, "check", "--no-cache", "--stdin-filename", "workflows/_probe.py", "-"],
+        input=f"{line}\n\nx = {use}\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1 and "TID251" in done.stdout, done.stdout
+
+
+def test_workflow_code_may_use_timedelta_and_asyncio_tasks() -> None:
+    done = subprocess.run(
+        [RUFF, "check", "--no-cache", "--stdin-filename", "workflows/_probe.py", "-"],
+        input="import asyncio\nfrom datetime import timedelta\n\nx = (timedelta(seconds=1), asyncio.ensure_future)\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout
