@@ -1222,6 +1222,9 @@ def _reserve_for_gang(
     has known end times and it would start before its own lease timeout and deadline; returns
     what was reserved, or "" (nothing can be promised)."""
     state = pass_.state
+    # Whether a reservation is made depends on this request's own lease timeout and deadline:
+    # its wait is never reused for the rest of its capability.
+    pass_.duration_sensitive = True
     need = deployment.envelope_bytes
     production = is_production(state.catalog, queued.priority)
     on: dict[str, list[Lease]] = {}
@@ -1268,7 +1271,6 @@ def _reserve_for_gang(
     latest = queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
     if starts_at + deployment.load_s >= latest:
         return ""
-    pass_.duration_sensitive = True
     for accelerator in accelerators:
         spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - need
         pass_.reservations[accelerator] = Reservation(queued.request_id, starts_at, max(0, spare))
