@@ -48,7 +48,7 @@ def _hold_seconds(payload: dict[str, Any]) -> float:
             FailureClass.REQUEST_INVALID,
             f"simulate_invoke_s must be a number from 0 to {MAX_SIMULATED_INVOKE_S:.0f}",
         )
-    return float(hold)
+    return hold  # as given: a progress line says "1/3 s" for 3
 
 
 def _seconds(deployment: Deployment | None, name: str) -> float:
