@@ -1,6 +1,6 @@
 """Record the histories that tests/workflow/test_replay.py replays.
 
-    .venv/bin/python -m tests.workflow.record_histories v5
+    .venv/bin/python -m tests.workflow.record_histories v6
 
 Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown capability), a
 request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
