@@ -292,13 +292,7 @@ class PoolSchedulerWorkflow:
             )
             self._record_all(policy.resident_ready(self._state, report.key, report.measured_bytes, now), now)
         else:
-            cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
-            rejects, events = policy.resident_failed(self._state, report.key, cls, report.message, now)
-            self._record_all(events, now)
-            self._decisions_out.extend(
-                (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message))
-                for r in rejects
-            )
+            self._resident_failed(report, now)
         self._wake = True
 
     @workflow.signal
@@ -322,14 +316,18 @@ class PoolSchedulerWorkflow:
         if report.ok:
             self._record_all(policy.resident_woke(self._state, report.key, report.measured_bytes, now), now)
         else:
-            cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
-            rejects, events = policy.resident_failed(self._state, report.key, cls, report.message, now)
-            self._record_all(events, now)
-            self._decisions_out.extend(
-                (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message))
-                for r in rejects
-            )
+            self._resident_failed(report, now)
         self._wake = True
+
+    def _resident_failed(self, report: ResidentReport, now: float) -> None:
+        """A load, its health check or a wake failed: the resident is gone and whoever waited on
+        it hears the failure class."""
+        cls = FailureClass(report.failure or FailureClass.MODEL_LOAD_FAILED.value)
+        rejects, events = policy.resident_failed(self._state, report.key, cls, report.message, now)
+        self._record_all(events, now)
+        self._decisions_out.extend(
+            (r.workflow_id, LeaseDecision(r.request_id, failure=r.failure.value, message=r.message)) for r in rejects
+        )
 
     @workflow.signal
     def resident_idle(self, idle: ResidentIdle) -> None:

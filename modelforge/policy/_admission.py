@@ -23,6 +23,7 @@ from modelforge.policy._decisions import (
     Decisions,
     PolicyEvent,
     Reject,
+    resident_event,
 )
 from modelforge.policy._order import decayed_usage, insert_in_submission_order
 from modelforge.policy._queue_index import current_index, queue_index
@@ -294,29 +295,13 @@ def apply_decisions(
             continue
         resident = unloading
         resident.phase = ResidentPhase.UNLOADING
-        events.append(
-            PolicyEvent(
-                kind="unload_requested",
-                accelerator=resident.accelerator,
-                deployment=resident.deployment,
-                workflow_id=resident.workflow_id,
-                message=unload.reason,
-            )
-        )
+        events.append(resident_event(resident, "unload_requested", unload.reason))
     for sleep in decisions.sleeps:
         sleeper = state.residents.get(sleep.resident_key)
         if sleeper is None:
             continue
         sleeper.phase = ResidentPhase.SLEEPING
-        events.append(
-            PolicyEvent(
-                kind="sleep_requested",
-                accelerator=sleeper.accelerator,
-                deployment=sleeper.deployment,
-                workflow_id=sleeper.workflow_id,
-                message=sleep.reason,
-            )
-        )
+        events.append(resident_event(sleeper, "sleep_requested", sleep.reason))
     for wake in decisions.wakes:
         waking = state.residents.get(wake.resident_key)
         if waking is None:
@@ -328,15 +313,7 @@ def apply_decisions(
         for request_id in wake.for_requests:
             if request_id in by_id:
                 index.assign(by_id[request_id], wake.resident_key)
-        events.append(
-            PolicyEvent(
-                kind="wake_requested",
-                accelerator=waking.accelerator,
-                deployment=waking.deployment,
-                workflow_id=waking.workflow_id,
-                payload={"bytes": wake.bytes},
-            )
-        )
+        events.append(resident_event(waking, "wake_requested", payload={"bytes": wake.bytes}))
     for preempt in decisions.preemptions:
         preempted = state.leases.get(preempt.lease_id)
         if preempted is None:
@@ -620,28 +597,12 @@ def resident_slept(state: PoolState, key: str, ok: bool, bytes_after: int, messa
         return []
     if not ok:
         resident.phase = ResidentPhase.READY
-        return [
-            PolicyEvent(
-                kind="sleep_failed",
-                accelerator=resident.accelerator,
-                deployment=resident.deployment,
-                workflow_id=resident.workflow_id,
-                message=message,
-            )
-        ]
+        return [resident_event(resident, "sleep_failed", message)]
     freed = max(0, resident.bytes - bytes_after)
     resident.awake_bytes = resident.bytes
     resident.bytes = min(resident.bytes, bytes_after)
     resident.phase = ResidentPhase.ASLEEP
-    return [
-        PolicyEvent(
-            kind="resident_asleep",
-            accelerator=resident.accelerator,
-            deployment=resident.deployment,
-            workflow_id=resident.workflow_id,
-            payload={"bytes": resident.bytes, "freed_bytes": freed},
-        )
-    ]
+    return [resident_event(resident, "resident_asleep", payload={"bytes": resident.bytes, "freed_bytes": freed})]
 
 
 def resident_woke(state: PoolState, key: str, measured_bytes: int, now: float) -> list[PolicyEvent]:
@@ -654,15 +615,11 @@ def resident_woke(state: PoolState, key: str, measured_bytes: int, now: float) -
     resident.bytes = max(resident.bytes, measured_bytes)
     resident.awake_bytes = None
     resident.last_used = now
-    return [
-        PolicyEvent(
-            kind="resident_awake",
-            accelerator=resident.accelerator,
-            deployment=resident.deployment,
-            workflow_id=resident.workflow_id,
-            payload={"bytes": resident.bytes, "wake_s": round(now - resident.requested_at, 3)},
-        )
-    ]
+    payload: dict[str, str | int | float | bool | None] = {
+        "bytes": resident.bytes,
+        "wake_s": round(now - resident.requested_at, 3),
+    }
+    return [resident_event(resident, "resident_awake", payload=payload)]
 
 
 def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:

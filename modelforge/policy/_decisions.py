@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from modelforge.failures import Alert, FailureClass
-from modelforge.policy._state import Lease
+from modelforge.policy._state import Lease, ResidentState
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,23 @@ class PolicyEvent:
     payload: dict[str, str | int | float | bool | None] = field(default_factory=dict)
     # Set on events an operator is alerted by (GPU_PRESSURE, CAPABILITY_CAPACITY).
     alert: Alert | None = None
+
+
+def resident_event(
+    resident: ResidentState,
+    kind: str,
+    message: str = "",
+    payload: dict[str, str | int | float | bool | None] | None = None,
+) -> PolicyEvent:
+    """An event about one resident model: where it is and which workflow owns it."""
+    return PolicyEvent(
+        kind=kind,
+        accelerator=resident.accelerator,
+        deployment=resident.deployment,
+        workflow_id=resident.workflow_id,
+        message=message,
+        payload=payload or {},
+    )
 
 
 @dataclass(frozen=True)

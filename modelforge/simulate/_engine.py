@@ -252,13 +252,9 @@ class Simulation:
             cards.change(external_on, delta_external=payload[1])
             self.touched[external_on] = True
         elif kind == _LOADED:
-            key = payload
-            assert isinstance(key, str)
-            if key in cards.resident_bytes and key not in self.unloading:
-                cards.ready[key] = True
-                cards.ready_on[cards.resident_on[key]][key] = True
-                self.touched[cards.resident_on[key]] = True
-                self.scheduler.loaded(key, now)
+            assert isinstance(payload, str)
+            if self._ready(payload):
+                self.scheduler.loaded(payload, now)
         elif kind == _UNLOADED:
             key = payload
             assert isinstance(key, str)
@@ -275,13 +271,9 @@ class Simulation:
                 self.touched[accelerator] = True
                 self.scheduler.slept(key, kept, now)
         elif kind == _WOKE:
-            key = payload
-            assert isinstance(key, str)
-            if key in cards.resident_bytes and key not in self.unloading:
-                cards.ready[key] = True
-                cards.ready_on[cards.resident_on[key]][key] = True
-                self.touched[cards.resident_on[key]] = True
-                self.scheduler.woke(key, now)
+            assert isinstance(payload, str)
+            if self._ready(payload):
+                self.scheduler.woke(payload, now)
         elif kind == _DONE:
             assert isinstance(payload, str)
             run = self._take_run(payload, now)
@@ -314,6 +306,16 @@ class Simulation:
         if run is not None:
             self._stop_run(run, now)
         return run
+
+    def _ready(self, key: str) -> bool:
+        """A resident loaded or woken: runnable, unless it went (or is going) meanwhile."""
+        cards = self.cards
+        if key not in cards.resident_bytes or key in self.unloading:
+            return False
+        cards.ready[key] = True
+        cards.ready_on[cards.resident_on[key]][key] = True
+        self.touched[cards.resident_on[key]] = True
+        return True
 
     def _deployment_of(self, key: str) -> Deployment | None:
         """A resident key is `deployment@accelerator`, and deployment ids hold `@` themselves
