@@ -9,7 +9,7 @@ from modelforge.domain import Deployment
 from modelforge.failures import Alert
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import PolicyEvent
-from modelforge.policy._placement import _evictable, _static_reason
+from modelforge.policy._pass import is_evictable, static_reason
 from modelforge.policy._state import PoolState
 
 _GiB = 1024**3
@@ -25,7 +25,7 @@ def production_headroom(state: PoolState, deployment: Deployment, now: float) ->
     leases = list(state.leases.values())
     best: tuple[int, str] | None = None
     for accelerator in state.catalog.accelerators:
-        if accelerator.pool != state.pool or _static_reason(accelerator, deployment, production=True):
+        if accelerator.pool != state.pool or static_reason(accelerator, deployment, production=True):
             continue
         runtime = state.accelerators.get(accelerator.id)
         if runtime is None or not runtime.healthy:
@@ -36,7 +36,7 @@ def production_headroom(state: PoolState, deployment: Deployment, now: float) ->
         reclaimable = sum(
             r.bytes
             for r in residents
-            if r.accelerator == accelerator.id and (r.deployment == deployment.deployment_id or _evictable(r))
+            if r.accelerator == accelerator.id and (r.deployment == deployment.deployment_id or is_evictable(r))
         )
         headroom = budget.schedulable_bytes + reclaimable
         if best is None or headroom > best[0]:

@@ -21,368 +21,29 @@ scheduler workflow, so it is built to stay near-linear in the queue and the pool
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from modelforge.domain import Accelerator, Deployment, Residency, fair_share_entity, resident_key
+from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
-from modelforge.policy._budget import Budget, budget_from_sums
-from modelforge.policy._decisions import (
-    Assign,
-    Decisions,
-    Grant,
-    Preempt,
-    Reject,
-    Sleep,
-    StartLoad,
-    Unload,
-    Wait,
-    Wake,
-)
-from modelforge.policy._order import (
-    class_rank,
-    fair_share_scores,
-    is_production,
-    may_preempt,
-    ordered_buckets,
-    production_ranks,
+from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, Sleep, StartLoad, Unload, Wait, Wake
+from modelforge.policy._gang import place_gang
+from modelforge.policy._order import class_rank, fair_share_scores, is_production, ordered_buckets, production_ranks
+from modelforge.policy._pass import (
+    IDLE_RUNTIME,
+    DecisionPass,
+    FilterResult,
+    Reasons,
+    filter_accelerators,
+    filtered_accelerators,
+    grant_on,
+    is_evictable,
+    start_pass,
 )
 from modelforge.policy._queue_index import Lane, queue_index
-from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
-from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
-from modelforge.policy._topology import GangShape, choose_gang
+from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
+from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState
 
-_IDLE_RUNTIME = AcceleratorRuntime()
-
-
-@dataclass(frozen=True)
-class FilterResult:
-    accelerator: str
-    passed: bool
-    reason: str = ""
-    permanent: bool = True
-
-
-class _Reasons:
-    """Why a request waits, one line per kind of reason with how many accelerators gave it."""
-
-    def __init__(self) -> None:
-        self._first: dict[str, str] = {}
-        self._count: dict[str, int] = {}
-
-    def add(self, kind: str, text: str, count: int = 1) -> None:
-        if kind in self._count:
-            self._count[kind] += count
-        else:
-            self._first[kind] = text
-            self._count[kind] = count
-
-    def __str__(self) -> str:
-        parts = []
-        for kind, text in self._first.items():
-            more = self._count[kind] - 1
-            parts.append(text if more == 0 else f"{text} (and {more} more like it)")
-        return "; ".join(parts)
-
-
-class _Budgets:
-    """The invariant per accelerator, computed the first time a pass asks for it: most passes
-    (a release, a heartbeat, an empty queue) look at a handful of a large pool's cards."""
-
-    __slots__ = ("_cache", "_leased", "_now", "_resident", "_state")
-
-    def __init__(self, state: PoolState, resident: dict[str, int], leased: dict[str, int], now: float) -> None:
-        self._state = state
-        self._resident = resident
-        self._leased = leased
-        self._now = now
-        self._cache: dict[str, Budget] = {}
-
-    def __getitem__(self, accelerator_id: str) -> Budget:
-        budget = self._cache.get(accelerator_id)
-        if budget is None:
-            state = self._state
-            accelerator = state.catalog.accelerator(accelerator_id)
-            if accelerator is None:
-                raise KeyError(accelerator_id)
-            budget = budget_from_sums(
-                accelerator,
-                state.accelerators.get(accelerator_id, _IDLE_RUNTIME),
-                self._resident.get(accelerator_id, 0),
-                self._leased.get(accelerator_id, 0),
-                state.config,
-                self._now,
-            )
-            self._cache[accelerator_id] = budget
-        return budget
-
-
-@dataclass
-class _Pass:
-    """What one decision pass knows and has committed, so it never double-books."""
-
-    state: PoolState
-    budgets: _Budgets
-    pool_accelerators: list[Accelerator]
-    unhealthy: dict[str, bool]
-    residents_of: dict[str, list[ResidentState]]
-    evictable: dict[str, list[ResidentState]]
-    pinned: dict[str, int]
-    # Per accelerator: leases that may be preempted, those already being preempted first, then
-    # the lowest class, then the youngest (the least work lost).
-    preemptible: dict[str, list[Lease]] = field(default_factory=dict)
-    preempting: dict[str, bool] = field(default_factory=dict)
-    committed: dict[str, int] = field(default_factory=dict)
-    slots: dict[str, int] = field(default_factory=dict)
-    evicting: dict[str, bool] = field(default_factory=dict)
-    # Residents this pass granted on or assigned to: busy from now on, whatever the state says.
-    in_use: dict[str, bool] = field(default_factory=dict)
-    # Accelerators on which a higher-ordered request waits for memory: later requests may join
-    # ready residents there but must not take new bytes ahead of it.
-    blocked: dict[str, bool] = field(default_factory=dict)
-    position: dict[str, int] = field(default_factory=dict)
-    # Lease bytes held for requests that wait on a load (request id -> bytes): promised when the
-    # load was decided, so nothing ordered after them takes them while the model loads.
-    reserved: dict[str, int] = field(default_factory=dict)
-    static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
-    eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
-    # Asleep residents this pass decided to wake: later requests wait on them as on a load.
-    waking: dict[str, bool] = field(default_factory=dict)
-    # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
-    reservations: dict[str, Reservation] = field(default_factory=dict)
-    # Set while placing a request whose outcome depended on its own max_duration (backfill) or
-    # made a reservation: its wait is not reused for the rest of its capability in this pass.
-    duration_sensitive: bool = False
-
-    def free(self, accelerator: str) -> int:
-        return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
-
-    def commit(self, accelerator: str, nbytes: int) -> None:
-        self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
-
-    def reserved_refusal(
-        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
-    ) -> str:
-        """Why `nbytes` may not be taken on `accelerator` for `queued` now ("" if they may): a
-        reservation lets through work that ends before it starts, and bytes within its spare."""
-        reservation = self.reservations.get(accelerator)
-        if reservation is None or nbytes <= 0:
-            return ""
-        self.duration_sensitive = True
-        if not persists and _ends_by(queued, now + lead_s) <= reservation.starts_at:
-            return ""
-        if nbytes <= reservation.spare:
-            return ""
-        return (
-            f"{accelerator}: reserved for gang {reservation.gang} starting in {reservation.starts_at - now:.0f} s "
-            "(only work that ends by then may use it)"
-        )
-
-    def take_reserved(
-        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
-    ) -> None:
-        """Bytes taken on a reserved accelerator that outlast the reservation's start come out
-        of its spare."""
-        reservation = self.reservations.get(accelerator)
-        if reservation is None or nbytes <= 0:
-            return
-        if not persists and _ends_by(queued, now + lead_s) <= reservation.starts_at:
-            return
-        reservation.spare -= nbytes
-
-
-def _idle_residents(pass_: _Pass, accelerator: str, production: bool) -> list[ResidentState]:
-    """Idle residents an asker of this kind may unload on `accelerator` (a model that last
-    served production goes only for production), none already going or in use this pass."""
-    catalog = pass_.state.catalog
-    return [
-        r
-        for r in pass_.evictable.get(accelerator, [])
-        if r.key not in pass_.evicting
-        and r.key not in pass_.in_use
-        and (production or r.last_priority is None or not is_production(catalog, r.last_priority))
-    ]
-
-
-def _nodes_of(pass_: _Pass, accelerators: list[str]) -> list[str]:
-    catalog = pass_.state.catalog
-    return [acc.node if (acc := catalog.accelerator(a)) is not None else "" for a in accelerators]
-
-
-def _ends_by(queued: QueuedRequest, start: float) -> float:
-    return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
-
-
-_BECOMING_READY = (ResidentPhase.LOADING, ResidentPhase.WAKING, ResidentPhase.READY)
-
-
-def _evictable(resident: ResidentState) -> bool:
-    """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
-    An asleep resident still holds its kept bytes: it may be unloaded too."""
-    return (
-        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
-        and resident.active_leases == 0
-        and resident.residency != Residency.ALWAYS_WARM
-    )
-
-
-def _static_reason(accelerator: Accelerator, deployment: Deployment, production: bool) -> str:
-    if deployment.accelerators and accelerator.id not in deployment.accelerators:
-        return f"{accelerator.id}: not in the deployment's placement list"
-    if deployment.gpu_memory_min and accelerator.total_bytes < deployment.gpu_memory_min:
-        return (
-            f"{accelerator.id}: {accelerator.total_bytes} B in all, below gpu_memory_min {deployment.gpu_memory_min} B"
-        )
-    if production:
-        if not accelerator.production_eligible:
-            return f"{accelerator.id}: production_eligible=false"
-        if not deployment.production_eligible:
-            return f"{accelerator.id}: deployment {deployment.deployment_id} is not production eligible"
-        if accelerator.model not in deployment.measured_on:
-            return (
-                f"{accelerator.id}: envelope of {deployment.deployment_id} not measured on "
-                f"{accelerator.model or 'this accelerator model'}"
-            )
-    return ""
-
-
-def filter_accelerators(state: PoolState, deployment: Deployment, priority: str, now: float) -> list[FilterResult]:
-    """Phase 1: each accelerator of the pool, accepted or rejected with its reason."""
-    results: list[FilterResult] = []
-    for accelerator in state.catalog.accelerators:
-        if accelerator.pool != state.pool:
-            continue
-        reason = _static_reason(accelerator, deployment, is_production(state.catalog, priority))
-        if reason:
-            results.append(FilterResult(accelerator.id, False, reason, True))
-            continue
-        runtime = state.accelerators.get(accelerator.id)
-        if runtime is not None and not runtime.healthy:
-            results.append(FilterResult(accelerator.id, False, f"{accelerator.id}: UNHEALTHY", False))
-            continue
-        results.append(FilterResult(accelerator.id, True))
-    return results
-
-
-def _start_pass(state: PoolState, now: float) -> _Pass:
-    accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
-    resident_sum: dict[str, int] = {}
-    pinned: dict[str, int] = {}
-    residents_of: dict[str, list[ResidentState]] = {}
-    evictable: dict[str, list[ResidentState]] = {}
-    for resident in state.residents.values():
-        # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
-        resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
-        residents_of.setdefault(resident.deployment, []).append(resident)
-        if resident.residency == Residency.ALWAYS_WARM:
-            pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
-        if _evictable(resident):
-            evictable.setdefault(resident.accelerator, []).append(resident)
-    leased_sum: dict[str, int] = {}
-    preemptible: dict[str, list[Lease]] = {}
-    min_runtime = state.config.preempt_min_runtime_s
-    for lease in state.leases.values():
-        held_on = lease.accelerators if lease.gang else (lease.accelerator,)
-        for accelerator_id in held_on:
-            leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
-        if lease.lease_id in state.preempting:
-            for accelerator_id in held_on:
-                preemptible.setdefault(accelerator_id, []).append(lease)
-            continue
-        leased = state.catalog.deployment(lease.deployment)
-        if leased is not None and leased.preemptible and now - lease.granted_at >= min_runtime:
-            for accelerator_id in held_on:
-                preemptible.setdefault(accelerator_id, []).append(lease)
-    for leases in preemptible.values():
-        leases.sort(
-            key=lambda lease: (
-                lease.lease_id not in state.preempting,
-                class_rank(state.catalog, lease.priority),
-                -lease.granted_at,
-                lease.lease_id,
-            )
-        )
-    budgets = _Budgets(state, resident_sum, leased_sum, now)
-    # Cheapest to unload first, then the largest (fewest models go), then by key.
-    catalog = state.catalog
-    for candidates in evictable.values():
-        candidates.sort(key=lambda r: (_unload_cost(catalog.deployment(r.deployment)), -r.bytes, r.key))
-    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
-    pass_ = _Pass(
-        state=state,
-        budgets=budgets,
-        pool_accelerators=accelerators,
-        unhealthy=unhealthy,
-        residents_of=residents_of,
-        evictable=evictable,
-        pinned=pinned,
-        preemptible=preemptible,
-        position={a.id: i for i, a in enumerate(accelerators)},
-    )
-    for resident in state.residents.values():
-        deployment = catalog.deployment(resident.deployment)
-        concurrency = deployment.concurrency if deployment else 1
-        pass_.slots[resident.key] = concurrency - resident.active_leases
-    for queued in queue_index(state).assigned.values():
-        if queued.assigned_to:
-            waited_on = state.residents.get(queued.assigned_to)
-            if waited_on is None or waited_on.phase not in _BECOMING_READY:
-                continue
-            deployment = catalog.deployment(waited_on.deployment)
-            extra = deployment.lease_extra_bytes if deployment is not None else 0
-            if extra:
-                pass_.commit(waited_on.accelerator, extra)
-                pass_.reserved[queued.request_id] = extra
-    return pass_
-
-
-def _unload_cost(deployment: Deployment | None) -> float:
-    return deployment.unload_s if deployment is not None else 0.0
-
-
-def _static_filter(
-    state: PoolState, deployment: Deployment, production: bool
-) -> tuple[list[str], list[FilterResult], dict[str, bool]]:
-    """The filter results that depend on the catalog alone (passed, refused with reasons, passed
-    as a lookup), kept with the catalog (immutable by contract) so a pass over thousands of
-    accelerators computes them once per catalog."""
-    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult], dict[str, bool]]]
-    cache = state.catalog.__dict__.setdefault("_policy_static_filter", {})
-    key = (state.pool, deployment.deployment_id, production)
-    cached = cache.get(key)
-    if cached is None:
-        passed: list[str] = []
-        refused: list[FilterResult] = []
-        for accelerator in state.catalog.accelerators:
-            if accelerator.pool != state.pool:
-                continue
-            reason = _static_reason(accelerator, deployment, production)
-            if reason:
-                refused.append(FilterResult(accelerator.id, False, reason, True))
-            else:
-                passed.append(accelerator.id)
-        cached = cache[key] = (passed, refused, dict.fromkeys(passed, True))
-    return cached
-
-
-def _filtered(pass_: _Pass, deployment: Deployment, production: bool) -> tuple[list[str], list[FilterResult]]:
-    """(accelerators that pass, those that do not with their reasons); health is the only part
-    that changes between passes."""
-    key = (deployment.deployment_id, production)
-    cached = pass_.static_filter.get(key)
-    if cached is None:
-        passed, refused, eligible = _static_filter(pass_.state, deployment, production)
-        if pass_.unhealthy and any(a in pass_.unhealthy for a in passed):
-            refused = refused + [
-                FilterResult(a, False, f"{a}: UNHEALTHY", False) for a in passed if a in pass_.unhealthy
-            ]
-            passed = [a for a in passed if a not in pass_.unhealthy]
-            eligible = dict.fromkeys(passed, True)
-        cached = (passed, refused)
-        pass_.static_filter[key] = cached
-        pass_.eligible[key] = eligible
-    return cached
+__all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators"]
 
 
 def decide(state: PoolState, now: float) -> Decisions:
@@ -392,7 +53,7 @@ def decide(state: PoolState, now: float) -> Decisions:
 def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     """`decide`, and with `reuse_settled=False` the reference it must agree with: every request
     placed on its own, no outcome reused (the property tests compare the two)."""
-    pass_ = _start_pass(state, now)
+    pass_ = start_pass(state, now)
     decisions = Decisions()
     counter = state.lease_counter
     # Per capability: its deployment and the outcome an unplaced request of it settled on in this
@@ -430,7 +91,7 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         for resident in state.residents.values():
             if (
                 resident.accelerator in pass_.unhealthy
-                and _evictable(resident)
+                and is_evictable(resident)
                 and resident.key not in pass_.evicting
                 and resident.key not in pass_.in_use
             ):
@@ -447,7 +108,7 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     for resident in state.residents.values():
         if (
             resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE)
-            and _evictable(resident)
+            and is_evictable(resident)
             and resident.key not in pass_.evicting
             and resident.key not in waiting_on
             and resident.key not in granted_on
@@ -460,7 +121,12 @@ Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]
 
 
 def _decide_queue(
-    pass_: _Pass, decisions: Decisions, settled_production: Settled, settled_other: Settled, now: float, counter: int
+    pass_: DecisionPass,
+    decisions: Decisions,
+    settled_production: Settled,
+    settled_other: Settled,
+    now: float,
+    counter: int,
 ) -> int:
     """The queue in order (class, fair-share score, submission time, request id), walked through
     its index: lanes of one class, tenant and capability, merged by submission time where several
@@ -491,7 +157,7 @@ def _decide_queue(
 
 
 def _visit(
-    pass_: _Pass,
+    pass_: DecisionPass,
     decisions: Decisions,
     queued: QueuedRequest,
     settled_by: Settled,
@@ -569,7 +235,7 @@ def _merged(lanes: list[Lane], settled_by: Settled, now: float) -> Iterator[Queu
             heapq.heappush(heads, (following.submitted_at, following.request_id, n, position))
 
 
-def _preempt_on_silent_nodes(pass_: _Pass, decisions: Decisions, now: float) -> None:
+def _preempt_on_silent_nodes(pass_: DecisionPass, decisions: Decisions, now: float) -> None:
     """Leases on an accelerator whose node has said nothing for `node_silent_s` are preempted:
     whatever runs there is out of sight, and its holder should stop and requeue rather than keep
     a lease nobody can verify. (Nothing new lands there meanwhile: the accelerator is stale.)"""
@@ -580,7 +246,7 @@ def _preempt_on_silent_nodes(pass_: _Pass, decisions: Decisions, now: float) -> 
         if lease.lease_id in state.preempting or lease.lease_id in asked:
             continue
         for accelerator in lease.accelerators:
-            observation = state.accelerators.get(accelerator, _IDLE_RUNTIME).observation
+            observation = state.accelerators.get(accelerator, IDLE_RUNTIME).observation
             if observation is None or now - observation.received_at < limit:
                 continue
             decisions.preemptions.append(
@@ -595,7 +261,7 @@ def _preempt_on_silent_nodes(pass_: _Pass, decisions: Decisions, now: float) -> 
             break
 
 
-def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
+def _keep_always_warm(pass_: DecisionPass, decisions: Decisions, now: float) -> None:
     """always_warm deployments are loaded when the pool starts and again after a loss, without a
     request asking: on the best-fitting eligible accelerator with room, never by evicting or
     preempting anything, and with backoff after failed loads."""
@@ -610,7 +276,7 @@ def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
         if backoff is not None and now < backoff[1]:
             continue
         production = deployment.production_eligible and bool(deployment.measured_on)
-        passed, _ = _filtered(pass_, deployment, production)
+        passed, _ = filtered_accelerators(pass_, deployment, production)
         need = deployment.resident_bytes
         best: tuple[int, str] | None = None
         for accelerator in passed:
@@ -620,7 +286,7 @@ def _keep_always_warm(pass_: _Pass, decisions: Decisions, now: float) -> None:
             reservation = pass_.reservations.get(accelerator)
             if reservation is not None and need > reservation.spare:
                 continue  # a model stays: it may only take what a waiting gang will not need
-            if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
+            if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
                 continue
             free = pass_.free(accelerator)
             if need <= free and (best is None or (free - need, accelerator) < best):
@@ -653,7 +319,7 @@ def _expired(queued: QueuedRequest, now: float) -> Reject:
 
 
 def _decide_one(
-    pass_: _Pass,
+    pass_: DecisionPass,
     decisions: Decisions,
     queued: QueuedRequest,
     deployment: Deployment,
@@ -675,7 +341,7 @@ def _decide_one(
         decisions.loads.append(outcome)
     elif isinstance(outcome, Assign):
         decisions.assigns.append(outcome)
-    elif isinstance(outcome, _Preemption):
+    elif isinstance(outcome, Preemption):
         decisions.preemptions.extend(outcome.preempts)
         decisions.waits.append(outcome.wait)
     elif isinstance(outcome, Wake):
@@ -698,54 +364,12 @@ def _decide_one(
     return counter
 
 
-def _lease(
-    pass_: _Pass,
-    queued: QueuedRequest,
-    deployment: Deployment,
-    accelerators: list[str],
-    node: str,
-    resident: str,
-    nbytes: int,
-    now: float,
-    counter: int,
-) -> Lease:
-    return Lease(
-        lease_id=f"{queued.request_id}.{counter + 1}",
-        request_id=queued.request_id,
-        workflow_id=queued.workflow_id,
-        capability=queued.capability,
-        deployment=deployment.deployment_id,
-        accelerator=accelerators[0],
-        node=node,
-        resident_key=resident,
-        bytes=nbytes,
-        granted_at=now,
-        priority=queued.priority,
-        tenant=queued.tenant,
-        heartbeat_s=pass_.state.config.stale_lease_s / 3,
-        gang=accelerators[1:],
-        nodes=_nodes_of(pass_, accelerators) if len(accelerators) > 1 else [],
-        ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
-    )
-
-
-def _grant(
-    queued: QueuedRequest, deployment: Deployment, resident: ResidentState, now: float, pass_: _Pass, counter: int
-) -> Grant:
-    extra = deployment.lease_extra_bytes
-    pass_.commit(resident.accelerator, extra)
-    pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
-    pass_.in_use[resident.key] = True
-    lease = _lease(pass_, queued, deployment, [resident.accelerator], resident.node, resident.key, extra, now, counter)
-    return Grant(queued.request_id, queued.workflow_id, lease)
-
-
 def _place(
-    pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | _Preemption:
+    pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
+) -> Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | Preemption:
     state = pass_.state
     if deployment.gpu_count > 1:
-        return _place_gang(pass_, queued, deployment, now, counter)
+        return place_gang(pass_, queued, deployment, now, counter)
     extra = deployment.lease_extra_bytes
     # A request already waiting on a load is granted when that resident is ready.
     if queued.assigned_to:
@@ -763,10 +387,10 @@ def _place(
             and resident.key not in pass_.evicting
         ):
             if extra <= pass_.free(resident.accelerator) or extra == 0:
-                return _grant(queued, deployment, resident, now, pass_, counter)
+                return grant_on(queued, deployment, resident, now, pass_, counter)
 
     production = is_production(pass_.state.catalog, queued.priority)
-    passed, refused = _filtered(pass_, deployment, production)
+    passed, refused = filtered_accelerators(pass_, deployment, production)
     if not passed:
         if all(f.permanent for f in refused):
             detail = "; ".join(f.reason for f in refused) or "the pool has no accelerators"
@@ -776,14 +400,14 @@ def _place(
                 FailureClass.CAPABILITY_UNAVAILABLE,
                 f"no {queued.priority} placement for {queued.capability}: {detail}",
             )
-        reasons = _Reasons()
+        reasons = Reasons()
         for f in refused:
             if not f.passed:
                 reasons.add("unhealthy" if not f.permanent else "filtered", f.reason)
         return Wait(queued.request_id, str(reasons))
 
     # Phase 2, score: join a ready resident (no new load) > join a loading one > load with best fit.
-    reasons = _Reasons()
+    reasons = Reasons()
     holding: dict[str, bool] = {}
     # Ready residents of this deployment with every slot taken: their slots are where a request
     # of a class that preempts the holders' gets in (seed 003: merge Critical stops merge Low).
@@ -830,7 +454,7 @@ def _place(
             if resident.phase == ResidentPhase.READY:
                 if extra == 0 or extra <= pass_.free(accelerator):
                     pass_.take_reserved(accelerator, queued, joined, False, now)
-                    return _grant(queued, deployment, resident, now, pass_, counter)
+                    return grant_on(queued, deployment, resident, now, pass_, counter)
                 reasons.add(
                     "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
                 )
@@ -901,7 +525,7 @@ def _place(
             age = "never observed" if budget.age_s is None else f"observation {budget.age_s:.0f} s old"
             reasons.add("stale", f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})")
             continue
-        if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
+        if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
             reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
             continue
         if pass_.reservations:
@@ -919,7 +543,7 @@ def _place(
                 best = (free - need, accelerator)
             continue
         if accelerator in pass_.evictable:
-            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, need, production)
+            plan = eviction_plan(pass_, accelerator, deployment.deployment_id, need, production)
             if plan is not None:
                 evicted = sum(state.residents[k].bytes for k, _ in plan)
                 eviction_options.append((evicted, accelerator, plan))
@@ -929,7 +553,7 @@ def _place(
     for sleeper, wake_need in asleep:
         accelerator = sleeper.accelerator
         if accelerator in pass_.evictable and accelerator not in pass_.reservations:
-            plan = _eviction_plan(pass_, accelerator, deployment.deployment_id, wake_need, production)
+            plan = eviction_plan(pass_, accelerator, deployment.deployment_id, wake_need, production)
             if plan is not None:
                 evicted = sum(state.residents[k].bytes for k, _ in plan)
                 eviction_options.append((evicted, accelerator, plan))
@@ -977,11 +601,11 @@ def _place(
         for key, _ in plan:
             pass_.evicting[key] = True
         pass_.blocked[accelerator] = True
-        return _room_decisions(plan, f"making room for {queued.capability} ({queued.priority})")
+        return room_decisions(plan, f"making room for {queued.capability} ({queued.priority})")
     if pass_.preemptible:
-        preemption = _slot_preemption(pass_, queued, full) if full else None
+        preemption = slot_preemption(pass_, queued, full) if full else None
         if preemption is None:
-            preemption = _preemption_plan(pass_, queued, deployment, need, room_candidates)
+            preemption = preemption_plan(pass_, queued, deployment, need, room_candidates)
         if preemption is not None:
             return preemption
 
@@ -995,457 +619,7 @@ def _place(
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")
 
 
-def _place_gang(
-    pass_: _Pass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | Wait | list[Unload | Sleep] | _Preemption:
-    """A multi-GPU batch job, all or nothing: `gpu_count` accelerators that each have the job's
-    bytes schedulable, inside one NVLink group when the job requires it, else on as few nodes as
-    possible; best fit (least left over) among the candidates. Nothing stays resident: the lease
-    is the whole job. A waiting gang drains nothing: holding back a node for days (the Alibaba
-    trace's jobs run that long) timed out 1,577 other jobs in simulation, so a stream of small
-    jobs can still delay a gang (reservations with backfill are the next step)."""
-    state = pass_.state
-    count = deployment.gpu_count
-    need = deployment.envelope_bytes
-    production = is_production(pass_.state.catalog, queued.priority)
-    passed, refused = _filtered(pass_, deployment, production)
-    catalog = state.catalog
-    groups: dict[str, list[str]] = {}
-    for accelerator in passed:
-        acc = catalog.accelerator(accelerator)
-        assert acc is not None
-        key = acc.nvlink_group if deployment.nvlink_required else acc.node
-        if deployment.nvlink_required and not key:
-            continue
-        groups.setdefault(key, []).append(accelerator)
-    # Could it ever fit, with every ModelForge byte gone? Only the card sizes and reserves count.
-    budgets = pass_.budgets
-    possible = [
-        members
-        for members in groups.values()
-        if sum(1 for a in members if need <= budgets[a].total_bytes - budgets[a].reserve_bytes) >= count
-    ]
-    if deployment.nvlink_required and not possible:
-        detail = "; ".join(f.reason for f in refused[:3])
-        return Reject(
-            queued.request_id,
-            queued.workflow_id,
-            FailureClass.CAPABILITY_UNAVAILABLE if not groups else FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
-            f"no NVLink group has {count} eligible accelerators with {need} B each"
-            + (f" ({detail})" if detail else ""),
-        )
-    shape = GangShape.of(deployment)
-    topology = {a: acc for a in passed if (acc := catalog.accelerator(a)) is not None}
-    if not deployment.nvlink_required and sum(len(m) for m in possible) < count:
-        ever = sum(1 for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes)
-        if ever < count:
-            return Reject(
-                queued.request_id,
-                queued.workflow_id,
-                FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
-                f"needs {count} accelerators with {need} B each; the pool has {ever}",
-            )
-    if not deployment.nvlink_required:
-        # Could its shape ever be satisfied, with every card empty? Else refuse now, with why.
-        empty = [(0, a) for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes]
-        if choose_gang(empty, shape, topology) is None:
-            return Reject(
-                queued.request_id,
-                queued.workflow_id,
-                FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
-                f"no placement in the pool satisfies {shape.describe()} with {need} B each",
-            )
-    if queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
-        return Reject(
-            queued.request_id,
-            queued.workflow_id,
-            FailureClass.DEADLINE_CANNOT_BE_MET,
-            f"starting {deployment.deployment_id} takes {deployment.load_s:.1f} s; the deadline is in "
-            f"{queued.deadline_at - now:.1f} s",
-        )
-
-    def fitting(members: list[str], evicting: bool, preempting: bool = False) -> list[tuple[int, str]]:
-        """(bytes left over, accelerator) where the job fits now, or (`evicting`) once the idle
-        residents there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
-        room = []
-        for accelerator in members:
-            if accelerator in pass_.blocked or not budgets[accelerator].fresh:
-                continue
-            if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
-                continue
-            if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, deployment.load_s):
-                continue
-            free = pass_.free(accelerator)
-            if evicting or preempting:
-                free += sum(r.bytes for r in _idle_residents(pass_, accelerator, production))
-            if preempting:
-                # Ranked by the bytes of work newly stopped for it: cards whose work is already
-                # being preempted (by an earlier pass) first, so passes do not spread the damage.
-                stoppable = _preemptible_for(pass_, queued, accelerator)
-                free += sum(freed for lease, freed in stoppable if lease.lease_id in state.preempting)
-                fresh = 0
-                for lease, freed in stoppable:
-                    if free >= need:
-                        break
-                    if lease.lease_id not in state.preempting:
-                        free += freed
-                        fresh += freed
-                if need <= free:
-                    room.append((fresh, accelerator))
-                continue
-            if need <= free:
-                room.append((free - need, accelerator))
-        room.sort()
-        return room
-
-    def select(evicting: bool, preempting: bool = False) -> list[str] | None:
-        if not deployment.nvlink_required:
-            # One node if it fits there, else one rack, else the pool (as the shape allows).
-            return choose_gang(fitting(passed, evicting, preempting), shape, topology)
-        best: tuple[int, str, list[str]] | None = None
-        for key, members in groups.items():
-            room = fitting(members, evicting, preempting)
-            if len(room) >= count:
-                leftover = sum(left for left, _ in room[:count])
-                if best is None or (leftover, key) < best[:2]:
-                    best = (leftover, key, [a for _, a in room[:count]])
-        return None if best is None else best[2]
-
-    picked = select(evicting=False)
-    if picked is None and pass_.evictable:
-        # Making room as a single request does: the idle residents in the way go first.
-        room_after = select(evicting=True)
-        plans = [_eviction_plan(pass_, a, deployment.deployment_id, need, production) or [] for a in room_after or []]
-        if room_after is not None and any(plans):
-            unloads = []
-            for accelerator, plan in zip(room_after, plans, strict=True):
-                pass_.blocked[accelerator] = True
-                for key, _ in plan:
-                    pass_.evicting[key] = True
-                unloads.extend(_room_decisions(plan, f"making room for {queued.capability} ({queued.priority})"))
-            return unloads
-    if picked is None and pass_.preemptible:
-        # Then preemption of work its class may preempt, on the cards needing the least of it.
-        room_after = select(evicting=True, preempting=True)
-        if room_after is not None:
-            preemption = _preempt_for_gang(pass_, queued, room_after, need, production)
-            if preemption is not None:
-                return preemption
-    if picked is None:
-        where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
-        waiting = f"gang of {count} x {need} B: not enough room {where} yet"
-        reserved = (
-            _reserve_for_gang(
-                pass_, queued, deployment, passed, groups if deployment.nvlink_required else None, shape, topology, now
-            )
-            if state.config.gang_reservations
-            else ""
-        )
-        return Wait(queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
-    best = (0, "", picked)
-    chosen = best[2]
-    for accelerator in chosen:
-        pass_.commit(accelerator, need)
-        pass_.take_reserved(accelerator, queued, need, False, now, deployment.load_s)
-    first = catalog.accelerator(chosen[0])
-    assert first is not None
-    lease = _lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
-    return Grant(queued.request_id, queued.workflow_id, lease)
-
-
-def _preemptible_for(pass_: _Pass, queued: QueuedRequest, accelerator: str) -> list[tuple[Lease, int]]:
-    """Leases on `accelerator` the asker's class may preempt (past their minimum runtime), in
-    preemption order, each with the bytes its end gives back there (its batch runner's too)."""
-    state = pass_.state
-    found: list[tuple[Lease, int]] = []
-    for lease in pass_.preemptible.get(accelerator, []):
-        if lease.lease_id in pass_.preempting:
-            continue
-        if lease.lease_id not in state.preempting and not may_preempt(state.catalog, queued.priority, lease.priority):
-            continue
-        freed = lease.bytes
-        holder = state.residents.get(lease.resident_key)
-        if holder is not None and holder.residency == Residency.NONE and holder.active_leases <= 1:
-            freed += holder.bytes
-        found.append((lease, freed))
-    return found
-
-
-def _preempt_for_gang(
-    pass_: _Pass, queued: QueuedRequest, accelerators: list[str], need: int, production: bool
-) -> _Preemption | None:
-    """On each chosen card, as little preemption as makes the gang's bytes fit with the idle
-    residents gone too (their unloads follow on the next pass)."""
-    state = pass_.state
-    preempts: list[Preempt] = []
-    stopping: list[str] = []
-    reason = f"{queued.priority} {queued.capability} (a gang) needs room on {', '.join(sorted(accelerators))}"
-    for accelerator in accelerators:
-        free = pass_.free(accelerator) + sum(r.bytes for r in _idle_residents(pass_, accelerator, production))
-        # A gang lease stopped for an earlier card frees this one too.
-        free += sum(
-            lease.bytes for lease in state.leases.values() if lease.lease_id in stopping and accelerator in lease.gang
-        )
-        for lease, freed in _preemptible_for(pass_, queued, accelerator):
-            if free >= need:
-                break
-            free += freed
-            pass_.preempting[lease.lease_id] = True
-            stopping.append(lease.lease_id)
-            if lease.lease_id not in state.preempting:
-                preempts.append(
-                    Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
-                )
-        if free < need:
-            return None
-        pass_.blocked[accelerator] = True
-    if not stopping:
-        return None
-    return _Preemption(
-        accelerators[0],
-        preempts,
-        Wait(queued.request_id, f"making room: preempting lower-class work ({', '.join(stopping)})"),
-    )
-
-
-def _reserve_for_gang(
-    pass_: _Pass,
-    queued: QueuedRequest,
-    deployment: Deployment,
-    passed: list[str],
-    nvlink_groups: dict[str, list[str]] | None,
-    shape: GangShape,
-    topology: dict[str, Accelerator],
-    now: float,
-) -> str:
-    """Reserve the accelerators where this waiting gang can start soonest, when the work there
-    has known end times and it would start before its own lease timeout and deadline; returns
-    what was reserved, or "" (nothing can be promised)."""
-    state = pass_.state
-    # Whether a reservation is made depends on this request's own lease timeout and deadline:
-    # its wait is never reused for the rest of its capability.
-    pass_.duration_sensitive = True
-    need = deployment.envelope_bytes
-    production = is_production(state.catalog, queued.priority)
-    on: dict[str, list[Lease]] = {}
-    for lease in state.leases.values():
-        for accelerator in lease.accelerators:
-            on.setdefault(accelerator, []).append(lease)
-    # Lease bytes promised to requests waiting on a load: back when their work ends. Residents
-    # being unloaded: back once the unload is done.
-    promised: dict[str, list[tuple[float, int]]] = {}
-    for resident in state.residents.values():
-        if resident.phase == ResidentPhase.UNLOADING:
-            unloading = state.catalog.deployment(resident.deployment)
-            done = now + (unloading.unload_s if unloading is not None else 0.0)
-            promised.setdefault(resident.accelerator, []).append((done, resident.bytes))
-    if pass_.reserved:
-        by_id = queue_index(state).by_id
-        for request_id, held in pass_.reserved.items():
-            waiting = by_id.get(request_id)
-            holder = state.residents.get(waiting.assigned_to) if waiting is not None else None
-            if waiting is None or holder is None or waiting.max_duration_s is None:
-                continue
-            loading = state.catalog.deployment(holder.deployment)
-            start = now + (loading.load_s if loading is not None and holder.phase == ResidentPhase.LOADING else 0.0)
-            promised.setdefault(holder.accelerator, []).append((start + waiting.max_duration_s, held))
-    timelines: dict[str, list[tuple[float, int]]] = {}
-    ready_at: dict[str, float] = {}
-    for accelerator in passed:
-        if accelerator in pass_.blocked or accelerator in pass_.reservations or not pass_.budgets[accelerator].fresh:
-            continue
-        if not production and state.accelerators.get(accelerator, _IDLE_RUNTIME).pressure:
-            continue
-        coming = promised.get(accelerator, [])
-        for idle in _idle_residents(pass_, accelerator, production):
-            # Unloaded to make room when the gang's time comes (as it does when it fits now).
-            unloading = state.catalog.deployment(idle.deployment)
-            coming = [*coming, (now + (unloading.unload_s if unloading is not None else 0.0), idle.bytes)]
-        timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
-        timelines[accelerator] = timeline
-        ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, need, now)
-    chosen = choose_reserved(ready_at, deployment.gpu_count, shape, topology, nvlink_groups)
-    if chosen is None:
-        return ""
-    starts_at, accelerators = chosen
-    latest = queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
-    if starts_at + deployment.load_s >= latest:
-        return ""
-    for accelerator in accelerators:
-        spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - need
-        pass_.reservations[accelerator] = Reservation(queued.request_id, starts_at, max(0, spare))
-    return (
-        f"reserved {', '.join(sorted(accelerators))} from {starts_at - now:.0f} s on (backfill: work that ends by then)"
-    )
-
-
-@dataclass(frozen=True)
-class _Preemption:
-    accelerator: str
-    preempts: list[Preempt]
-    wait: Wait
-
-
-def _preemption_plan(
-    pass_: _Pass, queued: QueuedRequest, deployment: Deployment, need: int, accelerators: list[str]
-) -> _Preemption | None:
-    """Strictly lower, preemptible work whose leases (and, once idle, residents) make `need` fit:
-    on the accelerator needing the fewest new preemptions, then the fewest in all."""
-    state = pass_.state
-    catalog = state.catalog
-    best: tuple[int, int, str, list[Lease]] | None = None
-    for accelerator in accelerators:
-        candidates = pass_.preemptible.get(accelerator)
-        if not candidates:
-            continue
-        free = pass_.free(accelerator)
-        for resident in pass_.evictable.get(accelerator, []):
-            if (
-                resident.deployment != deployment.deployment_id
-                and resident.key not in pass_.evicting
-                and resident.key not in pass_.in_use
-            ):
-                free += resident.bytes
-        remaining: dict[str, int] = {}
-        chosen: list[Lease] = []
-        fresh = 0
-        for lease in candidates:
-            if free >= need:
-                break
-            already = lease.lease_id in state.preempting
-            if not already and (
-                not may_preempt(catalog, queued.priority, lease.priority) or lease.lease_id in pass_.preempting
-            ):
-                continue
-            chosen.append(lease)
-            fresh += 0 if already else 1
-            free += lease.bytes
-            holder = state.residents.get(lease.resident_key)
-            if holder is not None:
-                left = remaining.get(holder.key, holder.active_leases) - 1
-                remaining[holder.key] = left
-                if (
-                    left <= 0
-                    and holder.residency != Residency.ALWAYS_WARM
-                    and holder.deployment != deployment.deployment_id
-                ):
-                    free += holder.bytes
-        if free >= need and chosen and (best is None or (fresh, len(chosen), accelerator) < best[:3]):
-            best = (fresh, len(chosen), accelerator, chosen)
-    if best is None:
-        return None
-    _, _, accelerator, chosen = best
-    pass_.blocked[accelerator] = True
-    reason = f"{queued.priority} {queued.capability} needs room on {accelerator}"
-    preempts = []
-    for lease in chosen:
-        if lease.lease_id in state.preempting:
-            continue
-        pass_.preempting[lease.lease_id] = True
-        preempts.append(
-            Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
-        )
-    waiting = ", ".join(lease.lease_id for lease in chosen)
-    return _Preemption(
-        accelerator, preempts, Wait(queued.request_id, f"making room: preempting lower-class work ({waiting})")
-    )
-
-
-def _slot_preemption(pass_: _Pass, queued: QueuedRequest, full: list[ResidentState]) -> _Preemption | None:
-    """A slot on a ready resident of the asked deployment, freed by stopping one lease on it that
-    the asker's class may preempt: no load, no bytes to find. A slot already being freed (its
-    holder was told to stop in an earlier pass) is waited for rather than freeing another."""
-    state = pass_.state
-    catalog = state.catalog
-    for resident in full:
-        for lease in pass_.preemptible.get(resident.accelerator, []):
-            if lease.resident_key != resident.key or lease.lease_id in pass_.preempting:
-                continue
-            already = lease.lease_id in state.preempting
-            if not already and not may_preempt(catalog, queued.priority, lease.priority):
-                continue
-            pass_.preempting[lease.lease_id] = True
-            reason = f"{queued.priority} {queued.capability} needs a slot of {resident.key}"
-            preempts = (
-                []
-                if already
-                else [
-                    Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
-                ]
-            )
-            return _Preemption(
-                resident.accelerator,
-                preempts,
-                Wait(queued.request_id, f"making room: preempting {lease.priority} work ({lease.lease_id})"),
-            )
-    return None
-
-
-def _eviction_plan(
-    pass_: _Pass, accelerator: str, deployment_id: str, need: int, production: bool
-) -> list[tuple[str, bool]] | None:
-    """The idle residents whose memory makes `need` fit, as (key, put to sleep rather than
-    unloaded). Sleepers first, the cheapest sleep (sleep_s + wake_s) first: a model whose runtime
-    can sleep gives back all but `sleep_bytes` far more cheaply than an unload and a reload (it
-    sleeps only where sleep_s + wake_s is below unload_s + load_s). Then unloads, fastest first, then the
-    largest, so the fewest models go; if sleeping frees too little, sleepers are unloaded
-    instead. A model that last served production is evicted only for production: no other work
-    unloads a warm production model (it waits until that model's TTL lets it go). Below
-    production, any class may evict an idle model, as the seed's making-room order says."""
-    candidates = pass_.evictable.get(accelerator)
-    if not candidates:
-        return None
-    catalog = pass_.state.catalog
-    free = pass_.free(accelerator)
-    sleepers: list[tuple[float, int, str, int]] = []  # (sleep + wake s, -freed, key, kept bytes)
-    others: list[ResidentState] = []
-    for resident in candidates:
-        if resident.deployment == deployment_id or resident.key in pass_.evicting or resident.key in pass_.in_use:
-            continue
-        if not production and resident.last_priority is not None and is_production(catalog, resident.last_priority):
-            continue
-        deployment = catalog.deployment(resident.deployment)
-        if (
-            resident.phase == ResidentPhase.READY
-            and deployment is not None
-            and deployment.sleep_bytes is not None
-            and deployment.sleep_s + deployment.wake_s < deployment.unload_s + deployment.load_s
-        ):
-            kept = min(resident.bytes, deployment.sleep_bytes)
-            sleepers.append((deployment.sleep_s + deployment.wake_s, kept - resident.bytes, resident.key, kept))
-        else:
-            others.append(resident)
-    sleepers.sort()
-    keys: list[str] = []
-    asleep_keeps: list[int] = []  # per chosen key: bytes it keeps asleep; -1 if unloaded
-    for _, negative_freed, key, kept in sleepers:
-        if free >= need:
-            break
-        keys.append(key)
-        asleep_keeps.append(kept)
-        free -= negative_freed
-    for resident in others:
-        if free >= need:
-            break
-        keys.append(resident.key)
-        asleep_keeps.append(-1)
-        free += resident.bytes
-    for position, kept in enumerate(asleep_keeps):
-        if free >= need:
-            break
-        if kept >= 0:
-            asleep_keeps[position] = -1  # unloaded after all: its kept bytes come back too
-            free += kept
-    if free < need or not keys:
-        return None
-    return [(key, kept >= 0) for key, kept in zip(keys, asleep_keeps, strict=True)]
-
-
-def _room_decisions(plan: list[tuple[str, bool]], reason: str) -> list[Unload | Sleep]:
-    return [Sleep(key, reason) if sleep else Unload(key, reason) for key, sleep in plan]
-
-
-def _never_fits(pass_: _Pass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
+def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
     external_blocked = []
     for accelerator in passed:
         budget = pass_.budgets[accelerator]

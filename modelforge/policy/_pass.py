@@ -1,0 +1,397 @@
+"""What one decision pass knows and has promised (budgets, slots, bytes committed, residents
+being evicted, reservations), built once per pass, and the filter phase."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from modelforge.domain import Accelerator, Deployment, Residency
+from modelforge.policy._budget import Budget, budget_from_sums
+from modelforge.policy._decisions import Grant
+from modelforge.policy._order import class_rank, is_production
+from modelforge.policy._queue_index import queue_index
+from modelforge.policy._reservation import Reservation
+from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
+
+IDLE_RUNTIME = AcceleratorRuntime()
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    accelerator: str
+    passed: bool
+    reason: str = ""
+    permanent: bool = True
+
+
+class Reasons:
+    """Why a request waits, one line per kind of reason with how many accelerators gave it."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, str] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, kind: str, text: str, count: int = 1) -> None:
+        if kind in self._count:
+            self._count[kind] += count
+        else:
+            self._first[kind] = text
+            self._count[kind] = count
+
+    def __str__(self) -> str:
+        parts = []
+        for kind, text in self._first.items():
+            more = self._count[kind] - 1
+            parts.append(text if more == 0 else f"{text} (and {more} more like it)")
+        return "; ".join(parts)
+
+
+class Budgets:
+    """The invariant per accelerator, computed the first time a pass asks for it: most passes
+    (a release, a heartbeat, an empty queue) look at a handful of a large pool's cards."""
+
+    __slots__ = ("_cache", "_leased", "_now", "_resident", "_state")
+
+    def __init__(self, state: PoolState, resident: dict[str, int], leased: dict[str, int], now: float) -> None:
+        self._state = state
+        self._resident = resident
+        self._leased = leased
+        self._now = now
+        self._cache: dict[str, Budget] = {}
+
+    def __getitem__(self, accelerator_id: str) -> Budget:
+        budget = self._cache.get(accelerator_id)
+        if budget is None:
+            state = self._state
+            accelerator = state.catalog.accelerator(accelerator_id)
+            if accelerator is None:
+                raise KeyError(accelerator_id)
+            budget = budget_from_sums(
+                accelerator,
+                state.accelerators.get(accelerator_id, IDLE_RUNTIME),
+                self._resident.get(accelerator_id, 0),
+                self._leased.get(accelerator_id, 0),
+                state.config,
+                self._now,
+            )
+            self._cache[accelerator_id] = budget
+        return budget
+
+
+@dataclass
+class DecisionPass:
+    """What one decision pass knows and has committed, so it never double-books."""
+
+    state: PoolState
+    budgets: Budgets
+    pool_accelerators: list[Accelerator]
+    unhealthy: dict[str, bool]
+    residents_of: dict[str, list[ResidentState]]
+    evictable: dict[str, list[ResidentState]]
+    pinned: dict[str, int]
+    # Per accelerator: leases that may be preempted, those already being preempted first, then
+    # the lowest class, then the youngest (the least work lost).
+    preemptible: dict[str, list[Lease]] = field(default_factory=dict)
+    preempting: dict[str, bool] = field(default_factory=dict)
+    committed: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+    evicting: dict[str, bool] = field(default_factory=dict)
+    # Residents this pass granted on or assigned to: busy from now on, whatever the state says.
+    in_use: dict[str, bool] = field(default_factory=dict)
+    # Accelerators on which a higher-ordered request waits for memory: later requests may join
+    # ready residents there but must not take new bytes ahead of it.
+    blocked: dict[str, bool] = field(default_factory=dict)
+    position: dict[str, int] = field(default_factory=dict)
+    # Lease bytes held for requests that wait on a load (request id -> bytes): promised when the
+    # load was decided, so nothing ordered after them takes them while the model loads.
+    reserved: dict[str, int] = field(default_factory=dict)
+    static_filter: dict[tuple[str, bool], tuple[list[str], list[FilterResult]]] = field(default_factory=dict)
+    eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
+    # Asleep residents this pass decided to wake: later requests wait on them as on a load.
+    waking: dict[str, bool] = field(default_factory=dict)
+    # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    # Set while placing a request whose outcome depended on its own max_duration (backfill) or
+    # made a reservation: its wait is not reused for the rest of its capability in this pass.
+    duration_sensitive: bool = False
+
+    def free(self, accelerator: str) -> int:
+        return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
+
+    def commit(self, accelerator: str, nbytes: int) -> None:
+        self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
+
+    def reserved_refusal(
+        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
+    ) -> str:
+        """Why `nbytes` may not be taken on `accelerator` for `queued` now ("" if they may): a
+        reservation lets through work that ends before it starts, and bytes within its spare."""
+        reservation = self.reservations.get(accelerator)
+        if reservation is None or nbytes <= 0:
+            return ""
+        self.duration_sensitive = True
+        if not persists and request_ends_by(queued, now + lead_s) <= reservation.starts_at:
+            return ""
+        if nbytes <= reservation.spare:
+            return ""
+        return (
+            f"{accelerator}: reserved for gang {reservation.gang} starting in {reservation.starts_at - now:.0f} s "
+            "(only work that ends by then may use it)"
+        )
+
+    def take_reserved(
+        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
+    ) -> None:
+        """Bytes taken on a reserved accelerator that outlast the reservation's start come out
+        of its spare."""
+        reservation = self.reservations.get(accelerator)
+        if reservation is None or nbytes <= 0:
+            return
+        if not persists and request_ends_by(queued, now + lead_s) <= reservation.starts_at:
+            return
+        reservation.spare -= nbytes
+
+
+def idle_residents(pass_: DecisionPass, accelerator: str, production: bool) -> list[ResidentState]:
+    """Idle residents an asker of this kind may unload on `accelerator` (a model that last
+    served production goes only for production), none already going or in use this pass."""
+    catalog = pass_.state.catalog
+    return [
+        r
+        for r in pass_.evictable.get(accelerator, [])
+        if r.key not in pass_.evicting
+        and r.key not in pass_.in_use
+        and (production or r.last_priority is None or not is_production(catalog, r.last_priority))
+    ]
+
+
+def nodes_of(pass_: DecisionPass, accelerators: list[str]) -> list[str]:
+    catalog = pass_.state.catalog
+    return [acc.node if (acc := catalog.accelerator(a)) is not None else "" for a in accelerators]
+
+
+def request_ends_by(queued: QueuedRequest, start: float) -> float:
+    return math.inf if queued.max_duration_s is None else start + queued.max_duration_s
+
+
+BECOMING_READY = (ResidentPhase.LOADING, ResidentPhase.WAKING, ResidentPhase.READY)
+
+
+def is_evictable(resident: ResidentState) -> bool:
+    """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
+    An asleep resident still holds its kept bytes: it may be unloaded too."""
+    return (
+        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
+        and resident.active_leases == 0
+        and resident.residency != Residency.ALWAYS_WARM
+    )
+
+
+def static_reason(accelerator: Accelerator, deployment: Deployment, production: bool) -> str:
+    if deployment.accelerators and accelerator.id not in deployment.accelerators:
+        return f"{accelerator.id}: not in the deployment's placement list"
+    if deployment.gpu_memory_min and accelerator.total_bytes < deployment.gpu_memory_min:
+        return (
+            f"{accelerator.id}: {accelerator.total_bytes} B in all, below gpu_memory_min {deployment.gpu_memory_min} B"
+        )
+    if production:
+        if not accelerator.production_eligible:
+            return f"{accelerator.id}: production_eligible=false"
+        if not deployment.production_eligible:
+            return f"{accelerator.id}: deployment {deployment.deployment_id} is not production eligible"
+        if accelerator.model not in deployment.measured_on:
+            return (
+                f"{accelerator.id}: envelope of {deployment.deployment_id} not measured on "
+                f"{accelerator.model or 'this accelerator model'}"
+            )
+    return ""
+
+
+def filter_accelerators(state: PoolState, deployment: Deployment, priority: str, now: float) -> list[FilterResult]:
+    """Phase 1: each accelerator of the pool, accepted or rejected with its reason."""
+    results: list[FilterResult] = []
+    for accelerator in state.catalog.accelerators:
+        if accelerator.pool != state.pool:
+            continue
+        reason = static_reason(accelerator, deployment, is_production(state.catalog, priority))
+        if reason:
+            results.append(FilterResult(accelerator.id, False, reason, True))
+            continue
+        runtime = state.accelerators.get(accelerator.id)
+        if runtime is not None and not runtime.healthy:
+            results.append(FilterResult(accelerator.id, False, f"{accelerator.id}: UNHEALTHY", False))
+            continue
+        results.append(FilterResult(accelerator.id, True))
+    return results
+
+
+def start_pass(state: PoolState, now: float) -> DecisionPass:
+    accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
+    resident_sum: dict[str, int] = {}
+    pinned: dict[str, int] = {}
+    residents_of: dict[str, list[ResidentState]] = {}
+    evictable: dict[str, list[ResidentState]] = {}
+    for resident in state.residents.values():
+        # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
+        resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
+        residents_of.setdefault(resident.deployment, []).append(resident)
+        if resident.residency == Residency.ALWAYS_WARM:
+            pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
+        if is_evictable(resident):
+            evictable.setdefault(resident.accelerator, []).append(resident)
+    leased_sum: dict[str, int] = {}
+    preemptible: dict[str, list[Lease]] = {}
+    min_runtime = state.config.preempt_min_runtime_s
+    for lease in state.leases.values():
+        held_on = lease.accelerators if lease.gang else (lease.accelerator,)
+        for accelerator_id in held_on:
+            leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
+        if lease.lease_id in state.preempting:
+            for accelerator_id in held_on:
+                preemptible.setdefault(accelerator_id, []).append(lease)
+            continue
+        leased = state.catalog.deployment(lease.deployment)
+        if leased is not None and leased.preemptible and now - lease.granted_at >= min_runtime:
+            for accelerator_id in held_on:
+                preemptible.setdefault(accelerator_id, []).append(lease)
+    for leases in preemptible.values():
+        leases.sort(
+            key=lambda lease: (
+                lease.lease_id not in state.preempting,
+                class_rank(state.catalog, lease.priority),
+                -lease.granted_at,
+                lease.lease_id,
+            )
+        )
+    budgets = Budgets(state, resident_sum, leased_sum, now)
+    # Cheapest to unload first, then the largest (fewest models go), then by key.
+    catalog = state.catalog
+    for candidates in evictable.values():
+        candidates.sort(key=lambda r: (unload_cost(catalog.deployment(r.deployment)), -r.bytes, r.key))
+    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
+    pass_ = DecisionPass(
+        state=state,
+        budgets=budgets,
+        pool_accelerators=accelerators,
+        unhealthy=unhealthy,
+        residents_of=residents_of,
+        evictable=evictable,
+        pinned=pinned,
+        preemptible=preemptible,
+        position={a.id: i for i, a in enumerate(accelerators)},
+    )
+    for resident in state.residents.values():
+        deployment = catalog.deployment(resident.deployment)
+        concurrency = deployment.concurrency if deployment else 1
+        pass_.slots[resident.key] = concurrency - resident.active_leases
+    for queued in queue_index(state).assigned.values():
+        if queued.assigned_to:
+            waited_on = state.residents.get(queued.assigned_to)
+            if waited_on is None or waited_on.phase not in BECOMING_READY:
+                continue
+            deployment = catalog.deployment(waited_on.deployment)
+            extra = deployment.lease_extra_bytes if deployment is not None else 0
+            if extra:
+                pass_.commit(waited_on.accelerator, extra)
+                pass_.reserved[queued.request_id] = extra
+    return pass_
+
+
+def unload_cost(deployment: Deployment | None) -> float:
+    return deployment.unload_s if deployment is not None else 0.0
+
+
+def static_filter(
+    state: PoolState, deployment: Deployment, production: bool
+) -> tuple[list[str], list[FilterResult], dict[str, bool]]:
+    """The filter results that depend on the catalog alone (passed, refused with reasons, passed
+    as a lookup), kept with the catalog (immutable by contract) so a pass over thousands of
+    accelerators computes them once per catalog."""
+    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult], dict[str, bool]]]
+    cache = state.catalog.__dict__.setdefault("_policy_static_filter", {})
+    key = (state.pool, deployment.deployment_id, production)
+    cached = cache.get(key)
+    if cached is None:
+        passed: list[str] = []
+        refused: list[FilterResult] = []
+        for accelerator in state.catalog.accelerators:
+            if accelerator.pool != state.pool:
+                continue
+            reason = static_reason(accelerator, deployment, production)
+            if reason:
+                refused.append(FilterResult(accelerator.id, False, reason, True))
+            else:
+                passed.append(accelerator.id)
+        cached = cache[key] = (passed, refused, dict.fromkeys(passed, True))
+    return cached
+
+
+def filtered_accelerators(
+    pass_: DecisionPass, deployment: Deployment, production: bool
+) -> tuple[list[str], list[FilterResult]]:
+    """(accelerators that pass, those that do not with their reasons); health is the only part
+    that changes between passes."""
+    key = (deployment.deployment_id, production)
+    cached = pass_.static_filter.get(key)
+    if cached is None:
+        passed, refused, eligible = static_filter(pass_.state, deployment, production)
+        if pass_.unhealthy and any(a in pass_.unhealthy for a in passed):
+            refused = refused + [
+                FilterResult(a, False, f"{a}: UNHEALTHY", False) for a in passed if a in pass_.unhealthy
+            ]
+            passed = [a for a in passed if a not in pass_.unhealthy]
+            eligible = dict.fromkeys(passed, True)
+        cached = (passed, refused)
+        pass_.static_filter[key] = cached
+        pass_.eligible[key] = eligible
+    return cached
+
+
+def new_lease(
+    pass_: DecisionPass,
+    queued: QueuedRequest,
+    deployment: Deployment,
+    accelerators: list[str],
+    node: str,
+    resident: str,
+    nbytes: int,
+    now: float,
+    counter: int,
+) -> Lease:
+    return Lease(
+        lease_id=f"{queued.request_id}.{counter + 1}",
+        request_id=queued.request_id,
+        workflow_id=queued.workflow_id,
+        capability=queued.capability,
+        deployment=deployment.deployment_id,
+        accelerator=accelerators[0],
+        node=node,
+        resident_key=resident,
+        bytes=nbytes,
+        granted_at=now,
+        priority=queued.priority,
+        tenant=queued.tenant,
+        heartbeat_s=pass_.state.config.stale_lease_s / 3,
+        gang=accelerators[1:],
+        nodes=nodes_of(pass_, accelerators) if len(accelerators) > 1 else [],
+        ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
+    )
+
+
+def grant_on(
+    queued: QueuedRequest,
+    deployment: Deployment,
+    resident: ResidentState,
+    now: float,
+    pass_: DecisionPass,
+    counter: int,
+) -> Grant:
+    extra = deployment.lease_extra_bytes
+    pass_.commit(resident.accelerator, extra)
+    pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
+    pass_.in_use[resident.key] = True
+    lease = new_lease(
+        pass_, queued, deployment, [resident.accelerator], resident.node, resident.key, extra, now, counter
+    )
+    return Grant(queued.request_id, queued.workflow_id, lease)
