@@ -302,7 +302,7 @@ class PoolSchedulerWorkflow:
             return
         now = self._now()
         self._record_all(
-            policy.resident_slept(self._state, report.key, report.ok, report.measured_bytes, report.message), now
+            policy.resident_slept(self._state, report.key, report.ok, report.measured_bytes, report.message, now), now
         )
         self._wake = True
 
@@ -372,7 +372,7 @@ class PoolSchedulerWorkflow:
                 ),
                 now,
             )
-        self._record_all(policy.resident_unloaded(self._state, report.key, report.reclaimed, report.message), now)
+        self._record_all(policy.resident_unloaded(self._state, report.key, report.reclaimed, report.message, now), now)
         self._wake = True
 
     def _current(self, key: str, workflow_id: str) -> bool:

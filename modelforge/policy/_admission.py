@@ -35,6 +35,7 @@ from modelforge.policy._state import (
     ResidentPhase,
     ResidentState,
     TenantUsage,
+    measured,
 )
 
 MAX_CAPABILITY_LENGTH = 200
@@ -295,12 +296,14 @@ def apply_decisions(
             continue
         resident = unloading
         resident.phase = ResidentPhase.UNLOADING
+        resident.requested_at = now
         events.append(resident_event(resident, "unload_requested", unload.reason))
     for sleep in decisions.sleeps:
         sleeper = state.residents.get(sleep.resident_key)
         if sleeper is None:
             continue
         sleeper.phase = ResidentPhase.SLEEPING
+        sleeper.requested_at = now
         events.append(resident_event(sleeper, "sleep_requested", sleep.reason))
     for wake in decisions.wakes:
         waking = state.residents.get(wake.resident_key)
@@ -504,6 +507,8 @@ def resident_ready(state: PoolState, key: str, measured_bytes: int, now: float) 
     if resident is None:
         return []
     state.warm_backoff.pop(resident.deployment, None)
+    if resident.phase == ResidentPhase.LOADING:
+        measured(state, resident.deployment, "load", now - resident.requested_at)
     resident.phase = ResidentPhase.READY
     resident.loaded_at = now
     resident.last_used = now
@@ -560,10 +565,15 @@ def resident_failed(
     return rejects, events
 
 
-def resident_unloaded(state: PoolState, key: str, reclaimed: bool, message: str) -> list[PolicyEvent]:
+def resident_unloaded(
+    state: PoolState, key: str, reclaimed: bool, message: str, now: float | None = None
+) -> list[PolicyEvent]:
+    """The node unloaded a resident and checked NVML; `now` (when known) times the unload."""
     resident = state.residents.get(key)
     if resident is None:
         return []
+    if now is not None and resident.phase == ResidentPhase.UNLOADING:
+        measured(state, resident.deployment, "unload", now - resident.requested_at)
     if reclaimed:
         del state.residents[key]
         return [
@@ -589,7 +599,9 @@ def resident_unloaded(state: PoolState, key: str, reclaimed: bool, message: str)
     ]
 
 
-def resident_slept(state: PoolState, key: str, ok: bool, bytes_after: int, message: str) -> list[PolicyEvent]:
+def resident_slept(
+    state: PoolState, key: str, ok: bool, bytes_after: int, message: str, now: float
+) -> list[PolicyEvent]:
     """The node put a resident to sleep (its bytes now what it still holds), or could not (it
     stays awake and ready; making room will unload it instead)."""
     resident = state.residents.get(key)
@@ -598,6 +610,7 @@ def resident_slept(state: PoolState, key: str, ok: bool, bytes_after: int, messa
     if not ok:
         resident.phase = ResidentPhase.READY
         return [resident_event(resident, "sleep_failed", message)]
+    measured(state, resident.deployment, "sleep", now - resident.requested_at)
     freed = max(0, resident.bytes - bytes_after)
     resident.awake_bytes = resident.bytes
     resident.bytes = min(resident.bytes, bytes_after)
@@ -611,6 +624,7 @@ def resident_woke(state: PoolState, key: str, measured_bytes: int, now: float) -
     resident = state.residents.get(key)
     if resident is None or resident.phase != ResidentPhase.WAKING:
         return []
+    measured(state, resident.deployment, "wake", now - resident.requested_at)
     resident.phase = ResidentPhase.READY
     resident.bytes = max(resident.bytes, measured_bytes)
     resident.awake_bytes = None
@@ -638,4 +652,5 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     if expires > now:
         return expires
     resident.phase = ResidentPhase.UNLOADING
+    resident.requested_at = now
     return None

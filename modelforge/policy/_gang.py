@@ -11,7 +11,7 @@ from modelforge.policy._pass import IDLE_RUNTIME, DecisionPass, filtered_acceler
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
-from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase
+from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
 
@@ -25,6 +25,7 @@ def place_gang(
     trace's jobs run that long) timed out 1,577 other jobs in simulation, so a stream of small
     jobs can still delay a gang (reservations with backfill are the next step)."""
     state = pass_.state
+    load_s = operation_seconds(state, deployment, "load")  # measured here, else the catalog's
     count = deployment.gpu_count
     need = deployment.envelope_bytes
     production = is_production(pass_.state.catalog, queued.priority)
@@ -75,12 +76,12 @@ def place_gang(
                 FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
                 f"no placement in the pool satisfies {shape.describe()} with {need} B each",
             )
-    if queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
+    if queued.deadline_at is not None and now + load_s > queued.deadline_at:
         return Reject(
             queued.request_id,
             queued.workflow_id,
             FailureClass.DEADLINE_CANNOT_BE_MET,
-            f"starting {deployment.deployment_id} takes {deployment.load_s:.1f} s; the deadline is in "
+            f"starting {deployment.deployment_id} takes {load_s:.1f} s; the deadline is in "
             f"{queued.deadline_at - now:.1f} s",
         )
 
@@ -93,7 +94,7 @@ def place_gang(
                 continue
             if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
                 continue
-            if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, deployment.load_s):
+            if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, load_s):
                 continue
             free = pass_.free(accelerator)
             if evicting or preempting:
@@ -166,7 +167,7 @@ def place_gang(
     chosen = best[2]
     for accelerator in chosen:
         pass_.commit(accelerator, need)
-        pass_.take_reserved(accelerator, queued, need, False, now, deployment.load_s)
+        pass_.take_reserved(accelerator, queued, need, False, now, load_s)
     first = catalog.accelerator(chosen[0])
     assert first is not None
     lease = new_lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
@@ -239,7 +240,7 @@ def _reserve_for_gang(
     for resident in state.residents.values():
         if resident.phase == ResidentPhase.UNLOADING:
             unloading = state.catalog.deployment(resident.deployment)
-            done = now + (unloading.unload_s if unloading is not None else 0.0)
+            done = now + (operation_seconds(state, unloading, "unload") if unloading is not None else 0.0)
             promised.setdefault(resident.accelerator, []).append((done, resident.bytes))
     if pass_.reserved:
         by_id = queue_index(state).by_id
@@ -249,7 +250,11 @@ def _reserve_for_gang(
             if waiting is None or holder is None or waiting.max_duration_s is None:
                 continue
             loading = state.catalog.deployment(holder.deployment)
-            start = now + (loading.load_s if loading is not None and holder.phase == ResidentPhase.LOADING else 0.0)
+            start = now + (
+                operation_seconds(state, loading, "load")
+                if loading is not None and holder.phase == ResidentPhase.LOADING
+                else 0.0
+            )
             promised.setdefault(holder.accelerator, []).append((start + waiting.max_duration_s, held))
     timelines: dict[str, list[tuple[float, int]]] = {}
     ready_at: dict[str, float] = {}
@@ -262,7 +267,10 @@ def _reserve_for_gang(
         for idle in idle_residents(pass_, accelerator, production):
             # Unloaded to make room when the gang's time comes (as it does when it fits now).
             unloading = state.catalog.deployment(idle.deployment)
-            coming = [*coming, (now + (unloading.unload_s if unloading is not None else 0.0), idle.bytes)]
+            coming = [
+                *coming,
+                (now + (operation_seconds(state, unloading, "unload") if unloading is not None else 0.0), idle.bytes),
+            ]
         timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
         timelines[accelerator] = timeline
         ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, need, now)
@@ -271,7 +279,7 @@ def _reserve_for_gang(
         return ""
     starts_at, accelerators = chosen
     latest = queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
-    if starts_at + deployment.load_s >= latest:
+    if starts_at + operation_seconds(state, deployment, "load") >= latest:
         return ""
     for accelerator in accelerators:
         spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - need

@@ -12,7 +12,15 @@ from modelforge.policy._decisions import Grant
 from modelforge.policy._order import class_rank, is_production
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation
-from modelforge.policy._state import AcceleratorRuntime, Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState
+from modelforge.policy._state import (
+    AcceleratorRuntime,
+    Lease,
+    PoolState,
+    QueuedRequest,
+    ResidentPhase,
+    ResidentState,
+    operation_seconds,
+)
 
 IDLE_RUNTIME = AcceleratorRuntime()
 
@@ -268,7 +276,7 @@ def start_pass(state: PoolState, now: float) -> DecisionPass:
     # Cheapest to unload first, then the largest (fewest models go), then by key.
     catalog = state.catalog
     for candidates in evictable.values():
-        candidates.sort(key=lambda r: (unload_cost(catalog.deployment(r.deployment)), -r.bytes, r.key))
+        candidates.sort(key=lambda r: (unload_cost(state, catalog.deployment(r.deployment)), -r.bytes, r.key))
     unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
     pass_ = DecisionPass(
         state=state,
@@ -298,8 +306,8 @@ def start_pass(state: PoolState, now: float) -> DecisionPass:
     return pass_
 
 
-def unload_cost(deployment: Deployment | None) -> float:
-    return deployment.unload_s if deployment is not None else 0.0
+def unload_cost(state: PoolState, deployment: Deployment | None) -> float:
+    return operation_seconds(state, deployment, "unload") if deployment is not None else 0.0
 
 
 def static_filter(

@@ -41,7 +41,7 @@ from modelforge.policy._pass import (
 )
 from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
-from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState
+from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators"]
 
@@ -368,6 +368,7 @@ def _place(
     pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
 ) -> Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | Preemption:
     state = pass_.state
+    load_s = operation_seconds(state, deployment, "load")  # measured here, else the catalog's
     if deployment.gpu_count > 1:
         return place_gang(pass_, queued, deployment, now, counter)
     extra = deployment.lease_extra_bytes
@@ -464,7 +465,7 @@ def _place(
                         "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
                     )
                     continue
-                pass_.take_reserved(accelerator, queued, extra, False, now, deployment.load_s)
+                pass_.take_reserved(accelerator, queued, extra, False, now, load_s)
                 pass_.slots[resident.key] -= 1
                 pass_.in_use[resident.key] = True
                 pass_.commit(accelerator, extra)
@@ -529,7 +530,7 @@ def _place(
             reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
             continue
         if pass_.reservations:
-            refusal = pass_.reserved_refusal(accelerator, queued, need, persists, now, deployment.load_s)
+            refusal = pass_.reserved_refusal(accelerator, queued, need, persists, now, load_s)
             if refusal:
                 # Held for a gang, not for this request: later work that ends in time may still
                 # backfill it, so this wait blocks nothing there.
@@ -558,12 +559,12 @@ def _place(
                 evicted = sum(state.residents[k].bytes for k, _ in plan)
                 eviction_options.append((evicted, accelerator, plan))
 
-    if best is not None and queued.deadline_at is not None and now + deployment.load_s > queued.deadline_at:
+    if best is not None and queued.deadline_at is not None and now + load_s > queued.deadline_at:
         return Reject(
             queued.request_id,
             queued.workflow_id,
             FailureClass.DEADLINE_CANNOT_BE_MET,
-            f"loading {deployment.deployment_id} takes {deployment.load_s:.1f} s; the deadline is in "
+            f"loading {deployment.deployment_id} takes {load_s:.1f} s; the deadline is in "
             f"{queued.deadline_at - now:.1f} s",
         )
     if best is not None:
@@ -573,7 +574,7 @@ def _place(
         assert acc is not None
         # The model's bytes and this request's lease bytes: both are promised from now on.
         pass_.commit(accelerator, need)
-        pass_.take_reserved(accelerator, queued, need, persists, now, deployment.load_s)
+        pass_.take_reserved(accelerator, queued, need, persists, now, load_s)
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency - 1
         # Later requests of this pass join the load (up to its concurrency) instead of starting

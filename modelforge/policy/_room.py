@@ -9,7 +9,7 @@ from modelforge.domain import Deployment, Residency
 from modelforge.policy._decisions import Preempt, Sleep, Unload, Wait
 from modelforge.policy._order import is_production, may_preempt
 from modelforge.policy._pass import DecisionPass
-from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, ResidentState
+from modelforge.policy._state import Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,10 @@ def eviction_plan(
     pass_: DecisionPass, accelerator: str, deployment_id: str, need: int, production: bool
 ) -> list[tuple[str, bool]] | None:
     """The idle residents whose memory makes `need` fit, as (key, put to sleep rather than
-    unloaded). Sleepers first, the cheapest sleep (sleep_s + wake_s) first: a model whose runtime
-    can sleep gives back all but `sleep_bytes` far more cheaply than an unload and a reload (it
-    sleeps only where sleep_s + wake_s is below unload_s + load_s). Then unloads, fastest first, then the
+    unloaded). Sleepers first, the cheapest sleep (sleep + wake seconds) first: a model whose
+    runtime can sleep gives back all but `sleep_bytes` far more cheaply than an unload and a
+    reload (it sleeps only where that is so, by the times measured in this pool, else the
+    catalog's). Then unloads, fastest first, then the
     largest, so the fewest models go; if sleeping frees too little, sleepers are unloaded
     instead. A model that last served production is evicted only for production: no other work
     unloads a warm production model (it waits until that model's TTL lets it go). Below
@@ -156,14 +157,10 @@ def eviction_plan(
         if not production and resident.last_priority is not None and is_production(catalog, resident.last_priority):
             continue
         deployment = catalog.deployment(resident.deployment)
-        if (
-            resident.phase == ResidentPhase.READY
-            and deployment is not None
-            and deployment.sleep_bytes is not None
-            and deployment.sleep_s + deployment.wake_s < deployment.unload_s + deployment.load_s
-        ):
+        sleeping = _sleep_cost(pass_.state, deployment) if resident.phase == ResidentPhase.READY else None
+        if deployment is not None and deployment.sleep_bytes is not None and sleeping is not None:
             kept = min(resident.bytes, deployment.sleep_bytes)
-            sleepers.append((deployment.sleep_s + deployment.wake_s, kept - resident.bytes, resident.key, kept))
+            sleepers.append((sleeping, kept - resident.bytes, resident.key, kept))
         else:
             others.append(resident)
     sleepers.sort()
@@ -190,6 +187,16 @@ def eviction_plan(
     if free < need or not keys:
         return None
     return [(key, kept >= 0) for key, kept in zip(keys, asleep_keeps, strict=True)]
+
+
+def _sleep_cost(state: PoolState, deployment: Deployment | None) -> float | None:
+    """Seconds to sleep and wake again, when the model can sleep and that is cheaper than an
+    unload and a reload (measured times where seen); else None."""
+    if deployment is None or deployment.sleep_bytes is None:
+        return None
+    sleeping = operation_seconds(state, deployment, "sleep") + operation_seconds(state, deployment, "wake")
+    reloading = operation_seconds(state, deployment, "unload") + operation_seconds(state, deployment, "load")
+    return sleeping if sleeping < reloading else None
 
 
 def room_decisions(plan: list[tuple[str, bool]], reason: str) -> list[Unload | Sleep]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from modelforge.domain import Catalog, Observation, Residency
+from modelforge.domain import Catalog, Deployment, Observation, Residency
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,31 @@ class CapabilityHealth:
 
 
 @dataclass
+class MeasuredTimes:
+    """The latest measured seconds of a deployment's operations in this pool, from request to
+    done (a load's includes its health check: the time until the model serves). None: not seen
+    yet, and the catalog's figure stands in."""
+
+    load_s: float | None = None
+    unload_s: float | None = None
+    sleep_s: float | None = None
+    wake_s: float | None = None
+
+
+def operation_seconds(state: PoolState, deployment: Deployment, operation: str) -> float:
+    """How long `operation` (load, unload, sleep, wake) of `deployment` takes: measured here if
+    it has been, else as the catalog says. What making room weighs."""
+    measured = state.measured.get(deployment.deployment_id)
+    seconds = getattr(measured, f"{operation}_s") if measured is not None else None
+    return float(getattr(deployment, f"{operation}_s")) if seconds is None else float(seconds)
+
+
+def measured(state: PoolState, deployment_id: str, operation: str, seconds: float) -> None:
+    times = state.measured.setdefault(deployment_id, MeasuredTimes())
+    setattr(times, f"{operation}_s", max(0.0, seconds))
+
+
+@dataclass
 class PoolState:
     pool: str
     catalog: Catalog = field(default_factory=Catalog)
@@ -178,6 +203,8 @@ class PoolState:
     load_counter: int = 0
     # Production deployments under a raised CAPABILITY_CAPACITY alert, in the order raised.
     capacity_short: list[str] = field(default_factory=list)
+    # deployment id -> its operations' latest measured seconds (cost-aware making room).
+    measured: dict[str, MeasuredTimes] = field(default_factory=dict)
 
     def pool_accelerators(self) -> list[str]:
         return [a.id for a in self.catalog.accelerators if a.pool == self.pool]

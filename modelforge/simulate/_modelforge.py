@@ -160,10 +160,10 @@ class ModelForgeScheduler:
             heapq.heappush(self.ttl_timers, (now + resident.ttl_s, key))
 
     def unloaded(self, key: str, now: float) -> None:
-        resident_unloaded(self.state, key, True, "")
+        resident_unloaded(self.state, key, True, "", now)
 
     def slept(self, key: str, kept_bytes: int, now: float) -> None:
-        resident_slept(self.state, key, True, kept_bytes, "")
+        resident_slept(self.state, key, True, kept_bytes, "", now)
 
     def woke(self, key: str, now: float) -> None:
         resident = self.state.residents.get(key)

@@ -9,6 +9,7 @@ import pytest
 from modelforge.catalog import CatalogError, parse_catalog
 from modelforge.domain import GiB, Priority
 from modelforge.policy import (
+    Decisions,
     PoolState,
     ResidentPhase,
     apply_decisions,
@@ -72,7 +73,7 @@ def test_a_model_asleep_is_woken_for_its_next_request_instead_of_loaded() -> Non
     assert s.residents["a@1@n/0"].phase == ResidentPhase.SLEEPING
     # Its 16 GiB stay counted until the node says it slept: b@1 still waits.
     assert decide(s, NOW).loads == []
-    resident_slept(s, "a@1@n/0", True, 2 * GiB, "")
+    resident_slept(s, "a@1@n/0", True, 2 * GiB, "", NOW + 1)
     asleep = s.residents["a@1@n/0"]
     assert (asleep.phase, asleep.bytes, asleep.awake_bytes) == (ResidentPhase.ASLEEP, 2 * GiB, 16 * GiB)
     observe(s, "n/0", managed_gib=2, loaded=["a@1@n/0"])
@@ -111,14 +112,14 @@ def test_a_model_asleep_is_woken_for_its_next_request_instead_of_loaded() -> Non
 def test_a_failed_sleep_leaves_the_model_awake_and_making_room_unloads_it_next() -> None:
     s = card_with_idle(SLEEPY, 12)
     apply_decisions(s, decide(s, NOW), NOW, {})
-    [event] = resident_slept(s, "a@1@n/0", False, 0, "sleep: runtime cannot")
+    [event] = resident_slept(s, "a@1@n/0", False, 0, "sleep: runtime cannot", NOW + 1)
     assert event.kind == "sleep_failed" and s.residents["a@1@n/0"].phase == ResidentPhase.READY
 
 
 def test_an_asleep_model_goes_when_its_keep_warm_ttl_runs_out() -> None:
     s = card_with_idle(SLEEPY, 12)
     apply_decisions(s, decide(s, NOW), NOW, {})
-    resident_slept(s, "a@1@n/0", True, 2 * GiB, "")
+    resident_slept(s, "a@1@n/0", True, 2 * GiB, "", NOW + 1)
     ttl = s.residents["a@1@n/0"].ttl_s  # 901 s since its last use at NOW
     assert keep_warm_check(s, "a@1@n/0", NOW + 10) == NOW + ttl
     assert keep_warm_check(s, "a@1@n/0", NOW + ttl + 1) is None
@@ -137,3 +138,48 @@ def test_sleep_settings_a_model_cannot_honour_are_refused(fields: dict[str, obje
     with pytest.raises(CatalogError) as caught:
         parse_catalog({"deployments": [{"capability": "a@1", "envelope_bytes": 16 * GiB, **fields}]})
     assert problem in caught.value.message
+
+
+def test_measured_times_replace_the_catalogs_in_the_choice_to_sleep() -> None:
+    """The catalog says sleeping and waking take 1 + 2 s; this pool measured a wake of 40 s, so
+    sleep + wake (1 + 40) no longer beats unload + reload (2 + 30): the next time room is needed
+    the model is unloaded."""
+    s = card_with_idle(SLEEPY, 12)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    resident_slept(s, "a@1@n/0", True, 2 * GiB, "", NOW + 1)
+    s.queue.clear()
+    from modelforge.policy import Wake
+
+    apply_decisions(s, Decisions(wakes=[Wake("a@1@n/0", 16 * GiB, [])]), NOW + 10, {})
+    resident_woke(s, "a@1@n/0", 16 * GiB, NOW + 50)  # woke 40 s after it was asked
+    times = s.measured["a@1"]
+    assert (times.sleep_s, times.wake_s) == (1.0, 40.0)
+    observe(s, "n/0", managed_gib=16, loaded=["a@1@n/0"], at=NOW + 60)
+    enqueue(s, ask("rb2", "b@1"), Priority.INTERACTIVE, NOW + 60)
+    decisions = decide(s, NOW + 60)
+    assert [u.resident_key for u in decisions.unloads] == ["a@1@n/0"] and decisions.sleeps == []
+
+
+def test_measured_unload_times_order_what_is_evicted_first() -> None:
+    """Two idle models that together block a load; either one suffices. The catalog gives both
+    a 2 s unload; c@1 was measured at 20 s, d@1 at 1 s: d@1 goes."""
+    s = state(
+        [gpu("n/0")],
+        [
+            deployment("c@1", gib=8, unload_s=2.0),
+            deployment("d@1", gib=8, unload_s=2.0),
+            deployment("e@1", gib=12),
+        ],
+    )
+    resident(s, "c@1", "n/0", 8)
+    resident(s, "d@1", "n/0", 8)
+    observe(s, "n/0", managed_gib=16, loaded=["c@1@n/0", "d@1@n/0"])
+    from modelforge.policy import MeasuredTimes
+
+    s.measured["c@1"] = MeasuredTimes(unload_s=20.0)
+    s.measured["d@1"] = MeasuredTimes(unload_s=1.0)
+    enqueue(s, ask("re", "e@1"), Priority.INTERACTIVE, NOW)
+    # 23 - 16 = 7 GiB free < 12; one unload frees 8: 15 >= 12.
+    assert [u.resident_key for u in decide(s, NOW).unloads] == ["d@1@n/0"]
+    s.measured["c@1"] = MeasuredTimes(unload_s=0.5)
+    assert [u.resident_key for u in decide(s, NOW).unloads] == ["c@1@n/0"]
