@@ -286,7 +286,8 @@ def status(as_json: JsonOption = False) -> None:
             age if acc.fresh else f"[red]STALE {age}[/red]",
         )
     out.print(table)
-    queue = ", ".join(f"{k} {v}" for k, v in pool.queue_depth.items())
+    order = [c for c in pool.classes if c in pool.queue_depth] + sorted(set(pool.queue_depth) - set(pool.classes))
+    queue = ", ".join(f"{name} {pool.queue_depth[name]}" for name in order)
     out.print(f"queue: {queue}; active leases: {pool.active_leases}")
     for capability in pool.capabilities:
         if capability.degraded:

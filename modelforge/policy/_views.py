@@ -65,6 +65,8 @@ class PoolStatus:
     active_leases: int = 0
     # Capabilities whose recent requests or loads failed; `degraded` past the configured count.
     capabilities: list[CapabilityStatus] = field(default_factory=list)
+    # The pool's classes, highest priority first (`queue_depth` may come back sorted by name).
+    classes: list[str] = field(default_factory=list)
 
 
 def pool_status(state: PoolState, now: float) -> PoolStatus:
@@ -125,6 +127,7 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
         accelerators=accelerators,
         residents=residents,
         queue_depth=depth,
+        classes=list(state.catalog.classes),
         active_leases=len(state.leases),
         capabilities=[
             CapabilityStatus(

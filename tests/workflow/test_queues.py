@@ -40,6 +40,7 @@ async def test_merge_critical_preempts_merge_low_while_eval_high_waits(
         status = await stack.status()
         assert status.queue_depth["eval.high"] == 1
         assert set(status.queue_depth) >= {"merge.critical", "eval.high", "inference.realtime"}
+        assert status.classes[:4] == ["inference.realtime", "merge.critical", "merge.high", "eval.high"]
         assert await stack.events("preemption_requested", at_least=1, within_s=1.0) == []
 
         # Merge Critical preempts Normal and Low of its own queue.
