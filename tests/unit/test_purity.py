@@ -12,6 +12,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RUFF = str(Path(sys.executable).parent / "ruff")
 
 
+def ruff_on(path: str, source: str) -> subprocess.CompletedProcess[str]:
+    """Lint `source` as if it were the file at `path` (its folder's ruff.toml applies)."""
+    return subprocess.run(
+        [RUFF, "check", "--no-cache", "--stdin-filename", path, "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
 @pytest.mark.parametrize(
     "line",
     [
@@ -25,24 +36,12 @@ RUFF = str(Path(sys.executable).parent / "ruff")
     ],
 )
 def test_impure_imports_in_the_policy_are_lint_errors(line: str) -> None:
-    done = subprocess.run(
-        [RUFF, "check", "--no-cache", "--stdin-filename", "modelforge/policy/_probe.py", "-"],
-        input=f"{line}\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    done = ruff_on("modelforge/policy/_probe.py", f"{line}\n")
     assert done.returncode == 1 and "TID251" in done.stdout, done.stdout
 
 
 def test_the_same_import_is_fine_outside_the_policy() -> None:
-    done = subprocess.run(
-        [RUFF, "check", "--no-cache", "--stdin-filename", "modelforge/_probe.py", "-"],
-        input="import time\n\nprint(time.time())\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    done = ruff_on("modelforge/_probe.py", "import time\n\nprint(time.time())\n")
     assert done.returncode == 0, done.stdout
 
 
@@ -60,22 +59,13 @@ def test_the_same_import_is_fine_outside_the_policy() -> None:
 )
 def test_nondeterministic_calls_in_workflow_code_are_lint_errors(line: str, use: str) -> None:
     # The request and scheduler workflows run outside Temporal's sandbox: this rule stands in.
-    done = subprocess.run(
-        [RUFF, "check", "--no-cache", "--stdin-filename", "workflows/_probe.py", "-"],
-        input=f"{line}\n\nx = {use}\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    done = ruff_on("workflows/_probe.py", f"{line}\n\nx = {use}\n")
     assert done.returncode == 1 and "TID251" in done.stdout, done.stdout
 
 
 def test_workflow_code_may_use_timedelta_and_asyncio_tasks() -> None:
-    done = subprocess.run(
-        [RUFF, "check", "--no-cache", "--stdin-filename", "workflows/_probe.py", "-"],
-        input="import asyncio\nfrom datetime import timedelta\n\nx = (timedelta(seconds=1), asyncio.ensure_future)\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    done = ruff_on(
+        "workflows/_probe.py",
+        "import asyncio\nfrom datetime import timedelta\n\nx = (timedelta(seconds=1), asyncio.ensure_future)\n",
     )
     assert done.returncode == 0, done.stdout

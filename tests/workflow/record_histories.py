@@ -77,16 +77,19 @@ async def main(version: str) -> None:
                 "residency": env.client.get_workflow_handle(resident_id),
                 "telemetry": env.client.get_workflow_handle("telemetry:gpu-node"),
             }
-            out = HISTORIES / version
-            out.mkdir(parents=True, exist_ok=False)
-            for name, handle in handles.items():
-                history = await handle.fetch_history()
-                (out / f"{name}.json").write_text(history.to_json())
-                print(f"{name}: {len(history.events)} events")
+            (HISTORIES / version).mkdir(parents=True, exist_ok=False)
+            await _write(version, handles)
     finally:
         await env.shutdown()
         server.cleanup()
     await record_sleep(version)
+
+
+async def _write(version: str, handles: dict[str, WorkflowHandle[Any, Any]]) -> None:
+    for name, handle in handles.items():
+        history = await handle.fetch_history()
+        (HISTORIES / version / f"{name}.json").write_text(history.to_json())
+        print(f"{name}: {len(history.events)} events")
 
 
 async def record_sleep(version: str) -> None:
@@ -124,12 +127,7 @@ async def _record_catalog(
     try:
         await register_search_attributes(env.client)
         async with running_stack(env.client, server.get_uri(), catalog_path=catalog) as stack:
-            handles = await story(env, stack)
-            out = HISTORIES / version
-            for name, handle in handles.items():
-                history = await handle.fetch_history()
-                (out / f"{name}.json").write_text(history.to_json())
-                print(f"{name}: {len(history.events)} events")
+            await _write(version, await story(env, stack))
     finally:
         await env.shutdown()
         server.cleanup()
