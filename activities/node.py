@@ -61,10 +61,14 @@ class NodeActivities:
         artifact_roots: list[Path] | None = None,
         labels: dict[str, str] | None = None,
         checkpoint_root: Path | None = None,
+        request_queue: str = "",
     ) -> None:
         """`labels`: what this node advertises for all its accelerators (`rack_id`,
-        `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML."""
+        `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML.
+        `request_queue`: this node's worker runs request workflows there too (invoke results name
+        it, so clients route later requests for the capability to it)."""
         self._labels = dict(labels or {})
+        self._request_queue = request_queue
         self._checkpoint_root = checkpoint_root
         self._client = client
         self._artifact_roots = artifact_roots or []
@@ -204,7 +208,7 @@ class NodeActivities:
                 released = True
             except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
-        return InvokeResult(output=output, invoke_s=invoke_s, released=released)
+        return InvokeResult(output=output, invoke_s=invoke_s, released=released, route=self._request_queue)
 
     @activity.defn(name="run_gang_job")
     async def run_gang_job(self, job: GangJobInput) -> InvokeResult:

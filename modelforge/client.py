@@ -26,7 +26,7 @@ from modelforge import temporal as sa
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import MAX_INPUT_BYTES, RequestInput, RequestResult
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
-from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings
+from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, NODE_TASK_QUEUE_PREFIX, Settings
 
 _CAPABILITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?$")
 _CLASS_PART = re.compile(r"^[a-z0-9][a-z0-9_-]{0,59}$")
@@ -61,6 +61,12 @@ class ModelForgeClient:
     def __init__(self, client: Client, pool: str = DEFAULT_POOL) -> None:
         self.temporal = client
         self.pool = pool
+        # Capability -> the task queue of the node that served its last request. A request
+        # started there runs its workflow on that node's worker, which hands itself the invoke
+        # (eager dispatch) when the lease lands on that node; anywhere else it runs as from the
+        # control queue. Only a hint: admission decides, and a node gone silent has its queue
+        # served by the control worker (workers/control.py, NodeQueueAdopter).
+        self._routes: dict[str, str] = {}
 
     @classmethod
     async def connect(cls, settings: Settings | None = None, pool: str = DEFAULT_POOL) -> ModelForgeClient:
@@ -128,7 +134,7 @@ class ModelForgeClient:
                 "CapabilityRequestWorkflow",
                 request,
                 id=workflow_id,
-                task_queue=CONTROL_TASK_QUEUE,
+                task_queue=self._routes.get(capability, CONTROL_TASK_QUEUE),
                 search_attributes=TypedSearchAttributes(attributes),
                 result_type=RequestResult,
                 static_summary=f"{capability} for {tenant}",
@@ -143,6 +149,7 @@ class ModelForgeClient:
                     with contextlib.suppress(asyncio.CancelledError):
                         await watcher
         except WorkflowFailureError as error:
+            self._routes.pop(capability, None)  # the next one starts from the control queue
             cause = error.cause
             if isinstance(cause, ApplicationError) and cause.type:
                 return Result(
@@ -167,6 +174,10 @@ class ModelForgeClient:
             raise ModelForgeError(
                 FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}"
             ) from None
+        if result.route.startswith(NODE_TASK_QUEUE_PREFIX):
+            self._routes[capability] = result.route
+        else:
+            self._routes.pop(capability, None)
         return Result(
             ok=True,
             request_id=request_id,

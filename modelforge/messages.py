@@ -33,6 +33,8 @@ class RequestResult:
     output: dict[str, Any]
     lease: Lease | None
     timings: dict[str, float] = field(default_factory=dict)
+    # Where the next request for this capability can start (InvokeResult.route); "" for none.
+    route: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,9 @@ class InvokeResult:
     output: dict[str, Any]
     invoke_s: float
     released: bool = False
+    # The task queue of a node worker that also runs request workflows: later requests for the
+    # same capability may start there, so their invoke is dispatched eagerly (no task queue hop).
+    route: str = ""
 
 
 @dataclass(frozen=True)

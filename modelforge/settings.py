@@ -16,8 +16,11 @@ SCHEDULER_TASK_QUEUE = "modelforge-scheduler"
 DEFAULT_POOL = "default"
 
 
+NODE_TASK_QUEUE_PREFIX = "modelforge-node-"
+
+
 def node_task_queue(node: str) -> str:
-    return f"modelforge-node-{node}"
+    return f"{NODE_TASK_QUEUE_PREFIX}{node}"
 
 
 def _read_secret(value_var: str, file_var: str) -> str | None:

@@ -24,7 +24,7 @@ from modelforge.policy import PolicyConfig, PoolStatus
 from modelforge.runtimes import SubprocessHttpRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
-from workers.control import build_control_worker, ensure_scheduler
+from workers.control import ControlWorker, build_control_worker, ensure_scheduler
 from workers.node import build_node_worker, ensure_telemetry, host_device, node_runtimes, simulated_backend
 from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import request_workflow_id
@@ -40,6 +40,7 @@ class Stack:
     node_workers: dict[str, Worker] = field(default_factory=dict)
     external: list[ExternalSpec] = field(default_factory=list)
     node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    control: ControlWorker | None = None  # None when the caller runs the control worker
 
     async def events(self, kind: str, at_least: int, within_s: float = 10.0) -> list[dict[str, Any]]:
         """Events of a kind in order, once at least `at_least` are written: the event log is
@@ -52,13 +53,16 @@ class Stack:
                 return events
             await asyncio.sleep(0.1)
 
-    async def restart_node(self, node: str) -> None:
+    async def restart_node(self, node: str, client: Client | None = None) -> None:
         """Stop a node worker and start a fresh one, as a crashed or upgraded node would come
-        back: its runtimes hold nothing, and only the external processes are on the card."""
+        back: its runtimes hold nothing, and only the external processes are on the card.
+        `client`: a connection of its own, as a node on another host has (the SDK allows one
+        worker per task queue and connection, and the control worker may be serving this
+        node's queue meanwhile)."""
         await self.node_workers[node].shutdown()
         backend = simulated_backend(node, self.catalog, self.external)
         self.backends[node] = backend
-        worker = _node_worker(self.client, node, backend, self.catalog)
+        worker = _node_worker(client or self.client, node, backend, self.catalog)
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 
@@ -103,6 +107,7 @@ async def running_stack(
     snapshot_interval_s: float = 60.0,
     metrics: Metrics | None = None,
     control_in_process: bool = True,
+    adopt_interval_s: float = 5.0,
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
     be killed and restarted); the stack brings only Postgres rows, node workers and telemetry."""
@@ -124,7 +129,9 @@ async def running_stack(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if control_in_process:
-                await stack.enter_async_context(build_control_worker(client, store, metrics=metrics))
+                running.control = await stack.enter_async_context(
+                    build_control_worker(client, store, metrics=metrics, adopt_interval_s=adopt_interval_s)
+                )
             # Node workers run as tasks, not contexts, so a test can restart one.
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)

@@ -1,24 +1,28 @@
-"""The control worker: every workflow, the catalog and event activities, the admission call."""
+"""The control worker: every workflow, the catalog and event activities, the admission call,
+and the request workflows on the task queue of a node gone silent."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import SchedulerGatewayActivities, StoreActivities
 from modelforge.logging import get_logger
-from modelforge.messages import SchedulerInput
+from modelforge.messages import AdmitReply, SchedulerInput
 from modelforge.metrics import Metrics
-from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings
+from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
-from workflows import ALL_WORKFLOWS, PoolSchedulerWorkflow
+from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import scheduler_id
 
 log = get_logger("modelforge.worker.control")
@@ -33,22 +37,113 @@ def workflow_runner() -> SandboxedWorkflowRunner:
     )
 
 
+class NodeQueueAdopter:
+    """Request workflows may run on a node's task queue (clients route a capability's requests to
+    the node that served it last, so the invoke is dispatched eagerly). If that node goes silent,
+    nothing would run them: their timers, their lease heartbeats, the invoke's timeout would wait
+    for the node to come back. So while every accelerator of a node the scheduler has heard from
+    is stale (no telemetry within `freshness_s`), this worker serves the request workflows on
+    that node's queue (workflow tasks and the admission call only: the node's own activities stay
+    with the node), and stops when the node reports again. A live node's queue is left to the
+    node, whose worker would otherwise lose half its eager invokes to this one."""
+
+    def __init__(
+        self,
+        client: Client,
+        pools: Sequence[str],
+        admit: Callable[..., Awaitable[AdmitReply]],
+        interval_s: float = 5.0,
+    ) -> None:
+        self._client = client
+        self._pools = list(pools)
+        self._admit = admit
+        self._interval_s = interval_s
+        self._workers: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
+
+    @property
+    def adopted(self) -> list[str]:
+        """The nodes whose request workflows this worker serves now."""
+        return sorted(self._workers)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.check()
+                await asyncio.sleep(self._interval_s)
+        finally:
+            await self.close()
+
+    async def check(self) -> None:
+        fresh: dict[str, bool] = {}
+        for pool in self._pools:
+            try:
+                status = await self._client.get_workflow_handle(scheduler_id(pool)).query(PoolSchedulerWorkflow.status)
+            except (RPCError, WorkflowQueryFailedError) as error:  # not started yet: nothing known
+                log.debug("adopter_status_failed", pool=pool, error=type(error).__name__)
+                continue
+            for accelerator in status.accelerators:
+                if accelerator.observed_at is None:
+                    continue  # never heard from: no request was ever routed to it
+                fresh[accelerator.node] = fresh.get(accelerator.node, False) or accelerator.fresh
+        for node in sorted(fresh):
+            if not fresh[node] and node not in self._workers:
+                try:
+                    worker = Worker(
+                        self._client,
+                        task_queue=node_task_queue(node),
+                        workflows=[CapabilityRequestWorkflow],
+                        activities=[self._admit],
+                        # The admission call as a local activity only: this worker must never
+                        # take the node's own activity tasks (an invoke here would fail, not wait).
+                        no_remote_activities=True,
+                    )
+                except RuntimeError as error:
+                    # The node's own worker runs in this process (`modelforge dev`): the SDK
+                    # refuses a second one on its queue, and that one serves it anyway.
+                    log.debug("node_queue_served_here", node=node, error=str(error).splitlines()[0])
+                    continue
+                self._workers[node] = (worker, asyncio.create_task(worker.run()))
+                log.warning("node_queue_adopted", node=node, task_queue=node_task_queue(node))
+            elif fresh[node] and node in self._workers:
+                await self._release(node)
+                log.info("node_queue_returned", node=node)
+
+    async def _release(self, node: str) -> None:
+        worker, task = self._workers.pop(node)
+        await worker.shutdown()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+    async def close(self) -> None:
+        for node in list(self._workers):
+            await self._release(node)
+
+
 class ControlWorker:
     """The control worker process's two Temporal workers, entered and left together: one for the
     pool schedulers on their own task queue, one for everything else. Under overload, request
     workflows' tasks queue up on the control queue; the schedulers' tasks never wait behind them
     (bench/sustained.py at 8 requests/s saw a scheduler's first task after continue-as-new held
-    back past its admissions' limits when both shared one queue)."""
+    back past its admissions' limits when both shared one queue). And the adopter of silent
+    nodes' queues."""
 
-    def __init__(self, workers: list[Worker]) -> None:
+    def __init__(self, workers: list[Worker], adopter: NodeQueueAdopter | None = None) -> None:
         self.workers = workers
+        self.adopter = adopter
+        self._adopting: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ControlWorker:
         for worker in self.workers:
             await worker.__aenter__()
+        if self.adopter is not None:
+            self._adopting = asyncio.create_task(self.adopter.run())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._adopting is not None:
+            self._adopting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._adopting
         for worker in reversed(self.workers):
             await worker.__aexit__(None, None, None)
 
@@ -59,6 +154,8 @@ def build_control_worker(
     task_queue: str = CONTROL_TASK_QUEUE,
     snapshot_retention_s: float = 30 * 86400.0,
     metrics: Metrics | None = None,
+    pools: Sequence[str] = (DEFAULT_POOL,),
+    adopt_interval_s: float = 5.0,
 ) -> ControlWorker:
     gateway = SchedulerGatewayActivities(client)
     records = StoreActivities(store, snapshot_retention_s, metrics)
@@ -81,7 +178,7 @@ def build_control_worker(
     schedulers = Worker(
         client, task_queue=SCHEDULER_TASK_QUEUE, workflows=[PoolSchedulerWorkflow], workflow_runner=workflow_runner()
     )
-    return ControlWorker([schedulers, control])
+    return ControlWorker([schedulers, control], NodeQueueAdopter(client, pools, gateway.admit, adopt_interval_s))
 
 
 async def ensure_scheduler(
@@ -117,7 +214,11 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
             await register_search_attributes(client)
         metrics = Metrics()
         worker = build_control_worker(
-            client, store, snapshot_retention_s=settings.snapshot_retention_days * 86400.0, metrics=metrics
+            client,
+            store,
+            snapshot_retention_s=settings.snapshot_retention_days * 86400.0,
+            metrics=metrics,
+            pools=[pool],
         )
         async with worker:
             handle = await ensure_scheduler(client, pool)

@@ -167,6 +167,7 @@ class CapabilityRequestWorkflow:
             output=result.output,
             lease=lease,
             timings=timings,
+            route=result.route,
         )
 
     def _invoke_resident(

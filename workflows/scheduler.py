@@ -61,6 +61,8 @@ PATCH_SILENT_NODES = "preempt-silent-nodes"
 # ...and before the loop kept one wake-up timer and one event write in flight (session 5): a timer
 # started and cancelled, and an event write, per loop iteration cost ~10 history events per request.
 PATCH_QUIET_LOOP = "quiet-loop"
+# ...and before a ready resident on a stale card stopped taking new leases (session 7).
+PATCH_NO_STALE_JOINS = "no-stale-joins"
 
 EVENT_BATCH = 200
 # With the quiet loop, events are written at most this often (a backlog of a batch goes at once):
@@ -520,6 +522,8 @@ class PoolSchedulerWorkflow:
         if not workflow.patched(PATCH_SILENT_NODES):
             # A scheduler run recorded before the rule replays without it.
             self._state.config = replace(config, node_silent_s=math.inf)
+        if not workflow.patched(PATCH_NO_STALE_JOINS):
+            self._state.config = replace(self._state.config, join_stale_residents=True)
         try:
             decisions = policy.decide(self._state, now)
         finally:

@@ -427,6 +427,11 @@ def _place(
             if accelerator not in eligible:
                 continue
             holding[accelerator] = True
+            if not pass_.budgets[accelerator].fresh and not state.config.join_stale_residents:
+                # Its node has not reported within freshness_s: it may be gone, and work sent
+                # there would wait on a worker nobody can see (nothing new lands on a stale card).
+                reasons.add("stale", _stale(accelerator, pass_.budgets[accelerator].age_s))
+                continue
             if resident.key in pass_.evicting:
                 # A higher request of this pass is unloading it to make room: joining it now
                 # would run work on a model that is going away.
@@ -523,8 +528,7 @@ def _place(
             continue
         budget = budgets[accelerator]
         if not budget.fresh:
-            age = "never observed" if budget.age_s is None else f"observation {budget.age_s:.0f} s old"
-            reasons.add("stale", f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})")
+            reasons.add("stale", _stale(accelerator, budget.age_s))
             continue
         if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
             reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
@@ -618,6 +622,11 @@ def _place(
         if budgets[accelerator].fresh and accelerator not in backfill_only:
             blocked[accelerator] = True
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")
+
+
+def _stale(accelerator: str, age_s: float | None) -> str:
+    age = "never observed" if age_s is None else f"observation {age_s:.0f} s old"
+    return f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})"
 
 
 def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:

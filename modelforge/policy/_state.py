@@ -38,6 +38,10 @@ class PolicyConfig:
     # A waiting gang reserves the accelerators where it starts soonest; later work backfills them
     # only if it ends in time (off: the gang waits for room to appear, as before session 6).
     gang_reservations: bool = True
+    # Off: no new lease joins a ready resident on a card whose node has not reported within
+    # freshness_s (it may be gone). On only for schedulers recorded before session 7, which
+    # replay with it.
+    join_stale_residents: bool = False
     fair_share_half_life_s: float = 3600.0
 
 

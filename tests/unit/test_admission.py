@@ -621,3 +621,20 @@ def test_node_count_by_gpu_per_node_and_gpu_memory_min() -> None:
         f.accelerator: f.reason for f in filter_accelerators(s, catalog.deployments[0], Priority.BACKGROUND, NOW)
     }
     assert refused["small/0"].endswith(f"below gpu_memory_min {32 * GiB} B")
+
+
+def test_a_ready_resident_on_a_stale_card_gets_no_new_lease_and_a_fresh_card_loads_instead() -> None:
+    s = state([gpu("a/0"), gpu("b/0")], [deployment("emb@1")], config=PolicyConfig(freshness_s=30))
+    observe(s, "a/0", at=NOW - 31, managed_gib=1, loaded=["emb@1@a/0"])
+    resident(s, "emb@1", "a/0", 1)
+    # Only the stale card holds the model: the request waits, and says why.
+    only_stale = state([gpu("a/0")], [deployment("emb@1")], config=PolicyConfig(freshness_s=30))
+    observe(only_stale, "a/0", at=NOW - 31, managed_gib=1, loaded=["emb@1@a/0"])
+    resident(only_stale, "emb@1", "a/0", 1)
+    waiting = admit(only_stale, ask("r1"))
+    assert waiting.grants == [] and waiting.loads == []
+    assert "a/0: SCHEDULER_STATE_STALE (observation 31 s old)" in waiting.waits[0].reason
+    # A fresh card beside it: the model is loaded there rather than joined on the silent node.
+    observe(s, "b/0")
+    decisions = admit(s, ask("r2"))
+    assert decisions.grants == [] and [load.accelerator for load in decisions.loads] == ["b/0"]

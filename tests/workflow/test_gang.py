@@ -36,6 +36,7 @@ async def test_a_two_node_gang_runs_on_all_its_cards_and_gives_them_back(
         # While it runs: 10 GiB leased on each of the four cards, and the simulated NVML of both
         # nodes shows the job's process holding them.
         assert await leased_bytes(stack) == dict.fromkeys(CARDS, 10 * GiB)
+
         def held() -> list[int]:
             return [
                 sum(p.used_bytes for p in device.processes if p.name.startswith("modelforge:job:"))
