@@ -53,16 +53,18 @@ class Stack:
                 return events
             await asyncio.sleep(0.1)
 
-    async def restart_node(self, node: str, client: Client | None = None) -> None:
+    async def restart_node(self, node: str) -> None:
         """Stop a node worker and start a fresh one, as a crashed or upgraded node would come
-        back: its runtimes hold nothing, and only the external processes are on the card.
-        `client`: a connection of its own, as a node on another host has (the SDK allows one
-        worker per task queue and connection, and the control worker may be serving this
-        node's queue meanwhile)."""
+        back: its runtimes hold nothing, and only the external processes are on the card. On a
+        connection of its own, as a node on its own host has: the SDK allows one worker per task
+        queue and connection, and the control worker may be serving this node's queue while
+        the node is away (workers/control.py, NodeQueueAdopter)."""
         await self.node_workers[node].shutdown()
         backend = simulated_backend(node, self.catalog, self.external)
         self.backends[node] = backend
-        worker = _node_worker(client or self.client, node, backend, self.catalog)
+        config = self.client.service_client.config
+        own = await Client.connect(config.target_host, namespace=self.client.namespace, tls=config.tls)
+        worker = _node_worker(own, node, backend, self.catalog)
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 

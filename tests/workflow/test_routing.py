@@ -10,7 +10,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
@@ -101,9 +100,8 @@ async def test_a_request_routed_to_a_silent_node_is_served_by_the_other_node(
         assert second.ok, second.message
         assert second.lease is not None and second.lease.node == other
 
-        # The node comes back (from its own host: a connection of its own): its queue is its
-        # own again.
-        await stack.restart_node(gone, await Client.connect(dev_server_env.client.service_client.config.target_host))
+        # The node comes back: its queue is its own again.
+        await stack.restart_node(gone)
         await ensure_telemetry(dev_server_env.client, gone, interval_s=0.5)
         assert await _until(lambda: _adopted(adopter, []), 15)
 
