@@ -72,14 +72,18 @@ class Stack:
         status: PoolStatus = await self.scheduler.query(PoolSchedulerWorkflow.status)
         return status
 
-    async def start_request(self, capability: str, **kwargs: Any) -> WorkflowHandle[CapabilityRequestWorkflow, Any]:
+    async def start_request(
+        self, capability: str, task_queue: str = CONTROL_TASK_QUEUE, **kwargs: Any
+    ) -> WorkflowHandle[CapabilityRequestWorkflow, Any]:
+        """`task_queue`: a node's, to start it there as a client routes a capability's requests
+        to the node that served it last."""
         request_id = kwargs.pop("request_id", uuid.uuid4().hex[:12])
         request = RequestInput(request_id=request_id, capability=capability, **kwargs)
         return await self.client.start_workflow(
             CapabilityRequestWorkflow.run,
             request,
             id=request_workflow_id(capability, request_id),
-            task_queue=CONTROL_TASK_QUEUE,
+            task_queue=task_queue,
         )
 
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m tests.workflow.record_histories v6
 
-Runs the M5 story (cold request, warm request, keep-warm eviction, an unknown capability), a
+Runs the M5 story (cold request, warm request, a warm request started on the node's queue,
+keep-warm eviction, an unknown capability), a
 request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
 request whose runtime crashes (retried once on a fresh load) and a request that holds its lease
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
@@ -24,6 +25,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig, PoolState
+from modelforge.settings import node_task_queue
 from modelforge.temporal import register_search_attributes
 from tests.harness import Stack, running_stack
 
@@ -44,6 +46,11 @@ async def main(version: str) -> None:
             await cold.result()
             warm = await stack.start_request("rag.embedding@1", tenant="rag", request_id="warm")
             await warm.result()
+            # v6 on: a request started on the node's queue, its invoke dispatched eagerly there.
+            routed = await stack.start_request(
+                "rag.embedding@1", tenant="rag", request_id="routed", task_queue=node_task_queue("gpu-node")
+            )
+            await routed.result()
             unknown = await stack.start_request("vision.ocr@9", request_id="unknown")
             with contextlib.suppress(WorkflowFailureError):
                 await unknown.result()
@@ -68,6 +75,7 @@ async def main(version: str) -> None:
             handles = {
                 "request_cold": cold,
                 "request_warm": warm,
+                "request_routed": routed,
                 "request_unknown_capability": unknown,
                 "request_runtime_crash": crash,
                 "request_heartbeats": held,
