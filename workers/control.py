@@ -200,7 +200,7 @@ async def ensure_scheduler(
 
 
 async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
-    client = await connect(settings)
+    client = await connect(settings, worker=True)
     url = settings.resolved_database_url()
     if url is None:
         raise SystemExit(

@@ -10,12 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowFailureError
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from modelforge.temporal import register_search_attributes
+from modelforge.temporal import WORKER_RETRY, register_search_attributes
 from tests.harness import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -46,14 +46,17 @@ async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp
     second: WorkflowEnvironment | None = None
     try:
         await register_search_attributes(first.client)
-        async with running_stack(first.client, database_url, catalog_path=CATALOG) as stack:
+        # The workers' connection as `modelforge worker` makes it: its calls ride out the restart.
+        workers = await Client.connect(first.client.service_client.config.target_host, retry_config=WORKER_RETRY)
+        async with running_stack(workers, database_url, catalog_path=CATALOG) as stack:
             handles = [
                 await stack.start_request("bench.embed@1", tenant="bench", input={"simulate_invoke_s": 2})
                 for _ in range(BURST)
             ]
             await asyncio.sleep(1.0)
             await first.shutdown()  # the server goes away mid-burst; its state is in the file
-            await asyncio.sleep(3.0)
+            # Away for longer than the SDK's default retry budget (10 s).
+            await asyncio.sleep(12.0)
             second = await _server(port, db_file)
             outcomes: Counter[str] = Counter()
             for handle in handles:  # the stack's client reconnects to the same address
