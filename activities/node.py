@@ -22,6 +22,7 @@ from modelforge.logging import get_logger
 from modelforge.messages import (
     RESUME_KEY,
     CheckpointInput,
+    GangCheckpointInput,
     GangJobInput,
     InvokeInput,
     InvokeResult,
@@ -79,6 +80,8 @@ class NodeActivities:
         self._deployments: dict[str, Deployment] = {}
         # Processes of unloaded models, until their memory is seen gone (verify_reclaim).
         self._unloaded_pids: dict[str, set[int]] = {}
+        # The runtime of each gang job part running here, by (lease id, rank): for its checkpoint.
+        self._jobs: dict[tuple[str, int], Runtime] = {}
         self._clock = clock
 
     def _runtime(self, name: str) -> Runtime:
@@ -224,11 +227,36 @@ class NodeActivities:
             )
         started = time.monotonic()
         payload = {**job.payload, "modelforge_lease_id": job.lease_id, "modelforge_rank": job.rank}
+        self._jobs[(job.lease_id, job.rank)] = runtime
         try:
+            self._check_resume(job.payload.get(RESUME_KEY))
             output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
+        finally:
+            self._jobs.pop((job.lease_id, job.rank), None)
         return InvokeResult(output=output, invoke_s=time.monotonic() - started)
+
+    @activity.defn(name="checkpoint_gang_job")
+    async def checkpoint_gang_job(self, request: GangCheckpointInput) -> RuntimeOpResult:
+        """Save this node's part of a running gang job into the checkpoint store; returns its
+        location, which the rank resumes from when the job's lease comes back."""
+        key = f"{request.lease_id} rank {request.rank}"
+        runtime = self._jobs.get((request.lease_id, request.rank))
+        try:
+            if self._checkpoint_root is None:
+                raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"node {self._node} has no checkpoint store")
+            if runtime is None:
+                raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no gang job {key} runs on node {self._node}")
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", request.request_id)[:200] or "request"
+            destination = self._checkpoint_root / safe / f"{request.preemption}-rank{request.rank}"
+            started = time.monotonic()
+            location = await runtime.checkpoint_job(request.lease_id, request.rank, str(destination))
+        except ModelForgeError as error:
+            raise as_application_error(error) from None
+        seconds = time.monotonic() - started
+        log.info("gang_job_checkpoint", key=key, seconds=round(seconds, 3))
+        return RuntimeOpResult(key, "checkpoint", seconds, location=location)
 
     async def _profile(self, runtime: Runtime, model: LoadedModel, spec: dict[str, Any]) -> dict[str, Any]:
         deployment = self._deployments.get(model.resident_key)

@@ -242,6 +242,17 @@ class CheckpointInput:
     preemption: int  # how many times this request was preempted before: one checkpoint each
 
 
+@dataclass(frozen=True)
+class GangCheckpointInput:
+    """Save the progress of one node's part (`rank`) of the gang job running under `lease_id`
+    before it is preempted."""
+
+    lease_id: str
+    request_id: str
+    rank: int
+    preemption: int
+
+
 RESUME_KEY = "modelforge_resume_from"
 """A request input key: the checkpoint a resumed run starts from (set by the request workflow)."""
 

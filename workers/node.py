@@ -117,6 +117,7 @@ def build_node_worker(
             node_activities.wake_model,
             node_activities.checkpoint_invocation,
             node_activities.run_gang_job,
+            node_activities.checkpoint_gang_job,
         ],
     )
 

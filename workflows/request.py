@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         CheckpointInput,
+        GangCheckpointInput,
         GangJobInput,
         InvokeInput,
         InvokeResult,
@@ -53,6 +54,8 @@ PATCH_NODE_RELEASES = "node-releases"
 PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
 # ...and before preempted work was checkpointed and resumed from its checkpoint (session 5).
 PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
+# ...and before a preempted gang job was checkpointed on every node and resumed (session 7).
+PATCH_GANG_CHECKPOINTS = "gang-checkpoints"
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
@@ -85,6 +88,7 @@ class CapabilityRequestWorkflow:
         timings: dict[str, float] = {}
         crashes = preemptions = 0
         resume_from = ""  # the checkpoint the next run starts from, once one was taken
+        gang_resume: dict[int, str] = {}  # a gang job's: each rank's checkpoint, all or none
         while True:
             self._decision = None
             self._preempt = None
@@ -102,7 +106,7 @@ class CapabilityRequestWorkflow:
             payload = {**request.input, RESUME_KEY: resume_from} if resume_from else request.input
             invoke: asyncio.Future[InvokeResult | None]
             if lease.gang:
-                invoke = asyncio.ensure_future(self._run_gang(request, lease, payload))
+                invoke = asyncio.ensure_future(self._run_gang(request, lease, payload, gang_resume))
             else:
                 invoke = self._invoke_resident(request, lease, payload, node_releases, heartbeats)
             if heartbeats:
@@ -115,6 +119,8 @@ class CapabilityRequestWorkflow:
                     except TimeoutError:
                         if workflow.patched(PATCH_CHECKPOINT_ON_PREEMPT) and not lease.gang:
                             resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
+                        elif lease.gang and workflow.patched(PATCH_GANG_CHECKPOINTS):
+                            gang_resume = await self._checkpoint_gang(request, lease, preemptions) or gang_resume
                         invoke.cancel()
             try:
                 result = await invoke
@@ -126,6 +132,8 @@ class CapabilityRequestWorkflow:
                 outcome, message = "preempted", self._preempt.reason
                 if resume_from:
                     message += f"; resumes from checkpoint {resume_from}"
+                elif gang_resume and lease.gang:
+                    message += f"; resumes from the checkpoints of its {len(gang_resume)} ranks"
             # A runtime found gone (crashed, or its node restarted since the last sample) is the one
             # failure a fresh lease can cure: the scheduler drops the resident and loads it again.
             # Preempted work goes back to the queue at its class and place. Both are bounded.
@@ -196,11 +204,13 @@ class CapabilityRequestWorkflow:
             summary=f"invoke {lease.deployment} on {lease.accelerator}",
         )
 
-    async def _run_gang(self, request: RequestInput, lease: Lease, payload: dict[str, Any]) -> InvokeResult | None:
+    async def _run_gang(
+        self, request: RequestInput, lease: Lease, payload: dict[str, Any], resume: dict[int, str]
+    ) -> InvokeResult | None:
         """A gang lease's job: one `run_gang_job` per node on that node's cards, all at once,
         rank 0 first. A member that fails stops the others (all or nothing). Cancelled (the
-        lease preempted): every member is stopped and awaited, and None comes back: a gang job
-        is not checkpointed, it starts over when its lease comes back."""
+        lease preempted): every member is stopped and awaited, and None comes back; each rank
+        then resumes from its checkpoint (`resume`, when every rank has one) or starts over."""
         catalog = await workflow.execute_activity(
             "load_catalog",
             result_type=Catalog,
@@ -212,9 +222,8 @@ class CapabilityRequestWorkflow:
         deployment = catalog.deployment(lease.deployment)
         if deployment is None:
             raise failure(FailureClass.CAPABILITY_UNAVAILABLE, f"{lease.deployment} was removed from the catalog")
-        by_node: dict[str, list[str]] = {}
-        for accelerator, node in zip(lease.accelerators, lease.nodes, strict=True):
-            by_node.setdefault(node, []).append(accelerator)
+        by_node = _gang_nodes(lease)
+        whole = len(resume) == len(by_node)  # a checkpoint of every rank, or none is used
         members = [
             workflow.start_activity(
                 "run_gang_job",
@@ -223,7 +232,7 @@ class CapabilityRequestWorkflow:
                     request_id=request.request_id,
                     deployment=deployment,
                     accelerators=cards,
-                    payload=payload,
+                    payload={**payload, RESUME_KEY: resume[rank]} if whole else payload,
                     rank=rank,
                     world_size=len(by_node),
                 ),
@@ -251,6 +260,33 @@ class CapabilityRequestWorkflow:
             raise
         output = {**results[0].output, "nodes": list(by_node), "accelerators": lease.accelerators}
         return InvokeResult(output=output, invoke_s=max(r.invoke_s for r in results))
+
+    async def _checkpoint_gang(self, request: RequestInput, lease: Lease, preemption: int) -> dict[int, str]:
+        """Ask every node to save its part of the preempted gang job, all at once; {} unless
+        every rank saved one (the job then starts over, as before gang checkpoints)."""
+        self._phase = "checkpointing"
+        saves = [
+            workflow.start_activity(
+                "checkpoint_gang_job",
+                GangCheckpointInput(
+                    lease_id=lease.lease_id, request_id=request.request_id, rank=rank, preemption=preemption
+                ),
+                result_type=RuntimeOpResult,
+                task_queue=node_task_queue(node),
+                schedule_to_close_timeout=CHECKPOINT_TIMEOUT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"checkpoint {lease.deployment} rank {rank} before preemption",
+            )
+            for rank, node in enumerate(_gang_nodes(lease))
+        ]
+        saved = await asyncio.gather(*saves, return_exceptions=True)
+        failed = [result for result in saved if isinstance(result, BaseException)]
+        if failed:
+            error = failed[0]
+            why = classify(error)[1] if isinstance(error, ActivityError | ApplicationError) else str(error)
+            workflow.logger.info("no checkpoint of gang %s: %s", lease.lease_id, why)
+            return {}
+        return {rank: result.location for rank, result in enumerate(saved) if isinstance(result, RuntimeOpResult)}
 
     async def _checkpoint(self, request: RequestInput, lease: Lease, preemption: int) -> str:
         """Ask the node to save the preempted invoke's progress; "" when its runtime cannot (the
@@ -389,6 +425,14 @@ class CapabilityRequestWorkflow:
     def _end(self, outcome: str) -> None:
         self._phase = "failed"
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
+
+
+def _gang_nodes(lease: Lease) -> dict[str, list[str]]:
+    """A gang lease's cards by node, in the lease's order: the position of a node is its rank."""
+    by_node: dict[str, list[str]] = {}
+    for accelerator, node in zip(lease.accelerators, lease.nodes, strict=True):
+        by_node.setdefault(node, []).append(accelerator)
+    return by_node
 
 
 __all__ = ["ApplicationError", "CapabilityRequestWorkflow"]

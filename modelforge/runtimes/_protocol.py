@@ -64,7 +64,13 @@ class Runtime(Protocol):
         self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
     ) -> dict[str, Any]:
         """A batch job on several devices of this node (this node's part of a gang lease), run
-        to its end: it holds its bytes on each device only while it runs."""
+        to its end: it holds its bytes on each device only while it runs. Its payload's
+        `modelforge_resume_from`, when set, is this rank's checkpoint to start from."""
+        ...
+
+    async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
+        """Save the progress of this node's part (`rank`) of the running gang job of `lease_id`
+        under `destination`; returns the checkpoint's location for the resumed rank."""
         ...
 
 

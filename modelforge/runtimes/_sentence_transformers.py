@@ -201,6 +201,9 @@ class SentenceTransformersRuntime:
     ) -> dict[str, Any]:
         raise unsupported(self.name, "run a multi-GPU job", "it serves one model on one device")
 
+    async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
+        raise unsupported(self.name, "checkpoint a multi-GPU job", "it serves one model on one device")
+
     async def unload(self, model: LoadedModel) -> None:
         entry = self._models.pop(model.resident_key, None)
         if entry is None:

@@ -71,6 +71,7 @@ class SimulatedRuntime:
         self._devices = backend if isinstance(backend, NodeDevices) else NodeDevices(backend)
         self._deployments: dict[str, Deployment] = {}
         self._progress: dict[str, float] = {}  # lease id -> seconds of its invoke done
+        self._job_progress: dict[tuple[str, int], float] = {}  # (lease id, rank) -> seconds done
 
     def version(self) -> str:
         return "simulated"
@@ -165,10 +166,15 @@ class SimulatedRuntime:
         """Holds the job's envelope on each device for `simulate_invoke_s`, one process per
         device (as torchrun starts one per GPU)."""
         hold = _hold_seconds(payload)
-        tag = f"modelforge:job:{payload.get('modelforge_lease_id', '')}"
+        lease_id = str(payload.get("modelforge_lease_id", ""))
+        tag = f"modelforge:job:{lease_id}"
+        # A resumed rank starts where its checkpoint left off (the node has checked the location).
+        resumed_from = payload.get("modelforge_resume_from")
+        done = min(float(hold), _checkpointed_seconds(resumed_from)) if isinstance(resumed_from, str) else 0.0
+        progress = (lease_id, int(payload.get("modelforge_rank", 0)))
         pids: dict[int, int] = {}
-        done = 0.0
         try:
+            self._job_progress[progress] = done
             for index in device_indices:
                 pid = next(_pids)
                 self._devices.allocate(index, pid, deployment.envelope_bytes, tag)
@@ -177,28 +183,40 @@ class SimulatedRuntime:
                 step = min(1.0, hold - done)
                 await asyncio.sleep(step)
                 done += step
+                self._job_progress[progress] = done
                 heartbeat(f"gang job: {done:.0f}/{hold} s on {len(device_indices)} devices")
         finally:
+            self._job_progress.pop(progress, None)
             for index, pid in pids.items():
                 self._devices.free(index, pid, tag)
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
-        return {
+        output: dict[str, Any] = {
             "simulated": True,
             "deployment": deployment.deployment_id,
             "devices": device_indices,
             "rank": payload.get("modelforge_rank", 0),
         }
+        if isinstance(resumed_from, str):
+            output["resumed_from"] = resumed_from
+        return output
+
+    async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
+        """The seconds of this rank's `simulate_invoke_s` done so far, as JSON."""
+        done = self._job_progress.get((lease_id, rank))
+        if done is None:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} rank {rank} is running")
+        return await self._write_checkpoint(Path(destination), done, lease_id)
 
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         """The seconds of `simulate_invoke_s` done so far, as JSON in the checkpoint store."""
         lease_id = str(payload.get("lease_id", ""))
         if lease_id not in self._progress:
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no invoke of lease {lease_id!r} is running")
-        destination = Path(str(payload["destination"]))
-        done = self._progress[lease_id]
+        return await self._write_checkpoint(Path(str(payload["destination"])), self._progress[lease_id], lease_id)
 
+    async def _write_checkpoint(self, destination: Path, done: float, lease_id: str) -> str:
         def write() -> Path:
             destination.mkdir(parents=True, exist_ok=True)
             target = destination / "checkpoint.json"

@@ -410,6 +410,9 @@ class SubprocessHttpRuntime:
     ) -> dict[str, Any]:
         raise unsupported(self.name, "run a multi-GPU job", "it serves a model; gang jobs run as batch jobs")
 
+    async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
+        raise unsupported(self.name, "checkpoint a multi-GPU job", "it serves a model; gang jobs run as batch jobs")
+
     async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
         server = self._server(model)
         # The server writes its state where the node's checkpoint store says and names it.

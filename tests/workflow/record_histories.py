@@ -9,8 +9,9 @@ request whose runtime crashes (retried once on a fresh load) and a request that 
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
 per workflow type into tests/histories/<version>/; then, each on a server of its own, a model put
 to sleep for another and woken again (scheduler and residency histories) and a two-node gang job
-(its request history). Record a new version after each change to the
-workflows (guarded with `workflow.patched`); never rewrite an old one: they prove old runs replay."""
+(its request history), then one preempted, checkpointed on both nodes and resumed (v6 on).
+Record a new version after each change to the workflows (guarded with `workflow.patched`); never
+rewrite an old one: they prove old runs replay."""
 
 from __future__ import annotations
 
@@ -105,7 +106,9 @@ async def record_sleep(version: str) -> None:
     sleep for another and woken for its next request (v5 on), and a two-node gang job (v5 on)."""
     root = Path(__file__).resolve().parents[1] / "catalogs"
     await _record_catalog(version, root / "sleep.toml", _sleep_story)
-    await _record_catalog(version, root / "gang.toml", _gang_story)
+    await _record_catalog(
+        version, root / "gang.toml", _gang_story, PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
+    )
 
 
 async def _sleep_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
@@ -119,13 +122,23 @@ async def _sleep_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, Work
 async def _gang_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
     gang = await stack.start_request("train.wide@1", tenant="lab", request_id="gang", input={"simulate_invoke_s": 2})
     await gang.result()
-    return {"request_gang": gang}
+    # v6 on: a gang preempted by a higher class, checkpointed on both nodes, resumed.
+    preempted = await stack.start_request(
+        "train.wide@1", tenant="lab", request_id="gang-preempted", input={"simulate_invoke_s": 4}
+    )
+    while not (await stack.status()).active_leases:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.5)
+    await (await stack.start_request("chat.big@1", tenant="app", request_id="chat", lease_timeout_s=60)).result()
+    await preempted.result()
+    return {"request_gang": gang, "request_gang_preempted": preempted}
 
 
 async def _record_catalog(
     version: str,
     catalog: Path,
     story: Callable[[WorkflowEnvironment, Stack], Awaitable[dict[str, WorkflowHandle[Any, Any]]]],
+    config: PolicyConfig | None = None,
 ) -> None:
     import pgserver
 
@@ -134,7 +147,7 @@ async def _record_catalog(
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=binary)
     try:
         await register_search_attributes(env.client)
-        async with running_stack(env.client, server.get_uri(), catalog_path=catalog) as stack:
+        async with running_stack(env.client, server.get_uri(), catalog_path=catalog, config=config) as stack:
             await _write(version, await story(env, stack))
     finally:
         await env.shutdown()

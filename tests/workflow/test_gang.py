@@ -1,10 +1,12 @@
 """Multi-GPU gang leases run by the workflows: one job member per node on that node's cards, all
 or nothing, its bytes held on every card while it runs; a failing member stops the job; a higher
-class preempts it and it starts over when its lease comes back."""
+class preempts it, every rank is checkpointed, and it resumes from there when its lease comes
+back."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,7 @@ async def test_a_failing_member_fails_the_whole_gang_with_its_class(
         )
 
 
-async def test_a_higher_class_preempts_the_gang_which_starts_over_and_finishes(
+async def test_a_higher_class_preempts_the_gang_which_resumes_from_its_checkpoints_and_finishes(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
@@ -104,3 +106,8 @@ async def test_a_higher_class_preempts_the_gang_which_starts_over_and_finishes(
         assert done.timings["preemptions"] == 1
         [asked] = await stack.events("preemption_requested", at_least=1)
         assert asked["workflow_id"] == job.id
+        [preempted] = await stack.events("preempted", at_least=1)
+        assert "resumes from the checkpoints of its 2 ranks" in preempted["message"]
+        # Rank 0's checkpoint: the seconds it ran before the preemption were not run again.
+        saved = json.loads(Path(done.output["resumed_from"]).read_text())
+        assert saved["done_s"] >= 1.0 and done.output["rank"] == 0
