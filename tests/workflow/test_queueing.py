@@ -1,0 +1,98 @@
+"""Waiting for a lease on the real dev server (issue 4, items 1 and 2): a request that does not
+fit waits in the scheduler's queue and is granted when room appears; one that cannot get a
+lease within its lease timeout or its deadline ends with that class, typed; a holder that may
+not be preempted is drained (the higher request waits for it to finish, and the room it frees
+goes to that request, not to later, lower work)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.policy import PolicyConfig
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "queueing.toml"
+JOB = "train.pinned@1"
+
+
+async def _leased(stack: Stack) -> None:
+    while not (await stack.status()).active_leases:
+        await asyncio.sleep(0.1)
+
+
+async def _phase(handle: WorkflowHandle[object, object]) -> str:
+    for _ in range(50):
+        phase = await handle.query("phase", result_type=str)
+        if phase != "admitting":
+            return phase
+        await asyncio.sleep(0.1)
+    return phase
+
+
+async def _failure(handle: WorkflowHandle[object, object]) -> ApplicationError:
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+    assert isinstance(failed.value.cause, ApplicationError)
+    return failed.value.cause
+
+
+async def test_a_request_waits_in_the_queue_and_is_granted_or_times_out_typed(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        holder = await stack.start_request(JOB, tenant="lab", input={"simulate_invoke_s": 5})
+        await _leased(stack)
+        # 24 - 1 reserve - 16 held = 7 GiB: a second 16 GiB job waits.
+        waiting = await stack.start_request(JOB, tenant="lab", lease_timeout_s=60)
+        no_lease = await stack.start_request(JOB, tenant="lab", lease_timeout_s=2)
+        no_time = await stack.start_request(JOB, tenant="lab", deadline_s=2)
+        assert await _phase(waiting) == "queued"
+        assert (await stack.status()).queue_depth["background"] == 3
+
+        lease_timeout = await _failure(no_lease)
+        assert lease_timeout.type == "LEASE_TIMEOUT"
+        deadline = await _failure(no_time)
+        assert deadline.type == "DEADLINE_CANNOT_BE_MET"
+
+        first = await holder.result()
+        granted = await waiting.result()
+        # Granted only once the holder gave its room back: it waited most of the holder's 5 s.
+        assert granted.lease is not None and granted.lease.accelerator == "q-node/0"
+        assert granted.timings["lease_s"] >= 3.0
+        assert first.lease is not None and granted.lease.lease_id != first.lease.lease_id
+        status = await stack.status()
+        assert status.active_leases == 0 and sum(status.queue_depth.values()) == 0
+
+
+async def test_a_holder_that_may_not_be_preempted_is_drained(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    config = PolicyConfig(preempt_min_runtime_s=0.5, preempt_grace_s=0.5)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
+        holder = await stack.start_request(JOB, tenant="lab", input={"simulate_invoke_s": 4})
+        await _leased(stack)
+        await asyncio.sleep(1.0)  # past the minimum runtime: only `preemptible = false` protects it
+        # 7 GiB free, the chat model needs 12: an interactive request that may preempt background
+        # work, but not this job. Then a later background job that would fit once the holder ends.
+        chat = await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=60)
+        assert await _phase(chat) == "queued"
+        later = await stack.start_request(JOB, tenant="lab", lease_timeout_s=60, input={"simulate_invoke_s": 0.5})
+        assert await _phase(later) == "queued"
+
+        held = await holder.result()
+        answered = await chat.result()
+        after = await later.result()
+        assert held.timings["preemptions"] == 0  # drained: it ran to its end
+        assert not await stack.store.list_events(kind="preemption_requested")
+        # The room went to the interactive request first; the later job came after it.
+        assert answered.lease is not None and after.lease is not None
+        grants = {e["request_id"]: int(e["seq"]) for e in await stack.events("lease_granted", at_least=3)}
+        assert grants[answered.request_id] < grants[after.request_id]
