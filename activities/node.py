@@ -186,6 +186,8 @@ class NodeActivities:
 
     @activity.defn(name="invoke")
     async def invoke(self, request: InvokeInput) -> InvokeResult:
+        # At once: a heartbeat timeout with no heartbeat then means this node never ran it.
+        _heartbeat("started")
         runtime, model = self._model(request.key)
         started = time.monotonic()
         try:

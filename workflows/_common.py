@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from modelforge.failures import FailureClass, is_retryable
@@ -47,6 +47,14 @@ def classify(error: BaseException) -> tuple[str, str]:
     if isinstance(cause, ApplicationError):
         return FailureClass.RUNTIME_CRASH.value, f"{cause.type}: {cause.message}"
     return FailureClass.RUNTIME_CRASH.value, str(cause)
+
+
+def never_started(error: BaseException) -> bool:
+    """An activity whose heartbeat timed out with no heartbeat ever recorded: the server handed
+    its task out, but no worker ran it (the poll's answer was lost, as in a Temporal restart).
+    Meaningful for activities that heartbeat the moment they start (the node's invoke does)."""
+    cause = error.cause if isinstance(error, ActivityError) else None
+    return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT and not cause.last_heartbeat_details
 
 
 # Activities that touch a runtime: a few bounded retries of transient classes only.

@@ -40,7 +40,15 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
-from workflows._common import ALL_FAILURES, STORE_RETRY, classify, failure, request_workflow_id, scheduler_id
+from workflows._common import (
+    ALL_FAILURES,
+    STORE_RETRY,
+    classify,
+    failure,
+    never_started,
+    request_workflow_id,
+    scheduler_id,
+)
 from workflows.records import RecordEventsWorkflow
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
@@ -56,6 +64,8 @@ PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
 PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
 # ...and before a preempted gang job was checkpointed on every node and resumed (session 7).
 PATCH_GANG_CHECKPOINTS = "gang-checkpoints"
+# ...and before an invoke the node never started (its task lost in flight) was retried (session 7).
+PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
@@ -122,10 +132,16 @@ class CapabilityRequestWorkflow:
                         elif lease.gang and workflow.patched(PATCH_GANG_CHECKPOINTS):
                             gang_resume = await self._checkpoint_gang(request, lease, preemptions) or gang_resume
                         invoke.cancel()
+            lost = False
             try:
                 result = await invoke
             except (ActivityError, ApplicationError) as error:
                 outcome, message = classify(error)
+                # The node heartbeats as an invoke starts: none at all means it never ran there,
+                # so running it on a fresh lease cannot run it twice.
+                if never_started(error) and not lease.gang and workflow.patched(PATCH_RETRY_UNSTARTED):
+                    lost = True
+                    message = "the node never started the invoke (its task was lost in flight)"
             preempted = result is None and self._preempt is not None
             if preempted:
                 assert self._preempt is not None
@@ -136,8 +152,9 @@ class CapabilityRequestWorkflow:
                     message += f"; resumes from the checkpoints of its {len(gang_resume)} ranks"
             # A runtime found gone (crashed, or its node restarted since the last sample) is the one
             # failure a fresh lease can cure: the scheduler drops the resident and loads it again.
-            # Preempted work goes back to the queue at its class and place. Both are bounded.
-            retrying = (outcome == FailureClass.RUNTIME_CRASH.value and crashes + 1 < MAX_ATTEMPTS) or (
+            # An invoke lost before it started is tried once more too. Preempted work goes back to
+            # the queue at its class and place. All are bounded.
+            retrying = ((outcome == FailureClass.RUNTIME_CRASH.value or lost) and crashes + 1 < MAX_ATTEMPTS) or (
                 preempted and preemptions < MAX_PREEMPTIONS
             )
             if result is None or not result.released:
