@@ -68,12 +68,18 @@ class NodeQueueAdopter:
     async def run(self) -> None:
         try:
             while True:
-                await self.check()
+                try:
+                    await self.check()
+                except Exception as error:  # the next round tries again; the process keeps serving
+                    log.warning("adopter_check_failed", error=f"{type(error).__name__}: {error}")
                 await asyncio.sleep(self._interval_s)
         finally:
             await self.close()
 
     async def check(self) -> None:
+        for node, (_, task) in list(self._workers.items()):
+            if task.done():  # its worker stopped on its own (a fatal poll error): start another
+                del self._workers[node]
         fresh: dict[str, bool] = {}
         for pool in self._pools:
             try:
