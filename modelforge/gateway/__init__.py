@@ -1,7 +1,9 @@
 """The HTTP gateway: ModelForge for clients that do not speak Temporal, including any built on
-the OpenAI SDK (`/v1/embeddings`, `/v1/chat/completions`)."""
+the OpenAI SDK (`/v1/embeddings`, `/v1/chat/completions`). `gateway_server` runs it with header,
+body and keep-alive timeouts; docs/SECURITY.md says what it defends."""
 
 from modelforge.gateway._app import GatewayConfig, create_app, load_api_keys
 from modelforge.gateway._errors import http_status
+from modelforge.gateway._server import gateway_server
 
-__all__ = ["GatewayConfig", "create_app", "http_status", "load_api_keys"]
+__all__ = ["GatewayConfig", "create_app", "gateway_server", "http_status", "load_api_keys"]

@@ -1,6 +1,12 @@
 """The gateway's FastAPI application. Every call starts one request workflow through the
 `Requester` seam (the real one is `modelforge.client.ModelForgeClient`) and maps its typed
-outcome to HTTP; the failure class is always in the body."""
+outcome to HTTP; the failure class is always in the body.
+
+Order of checks on every call (docs/SECURITY.md, "The gateway"): the API key first (every route
+but `/healthz`, before a byte of the body is read; 401 whatever the path or model name), then the
+body read from the stream up to `max_body_bytes` (413 past it, never buffered whole) within
+`body_timeout_s` (408), then its shape and identifiers (`modelforge.identifiers`; 422), and only
+then a workflow. Header timeouts are the server's: `gateway_server` (`_server.py`)."""
 
 from __future__ import annotations
 
@@ -18,19 +24,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from modelforge.client import Result
 from modelforge.domain import Catalog, Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._errors import RETRY_AFTER_S, http_status
+from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import MAX_INPUT_BYTES
 from modelforge.policy import PoolStatus
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
+# A class: a level, or `queue.level` (the client's rule, matched whole: no trailing newline).
+_PRIORITY = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
+# Deeper JSON than this is refused (what the store keeps is cut at 64 levels anyway).
+MAX_JSON_DEPTH = 64
+# What an unexpected failure inside the gateway answers: a class, no details (they are logged).
+INTERNAL_ERROR = "INTERNAL_ERROR"
+
+# The key check as a FastAPI security dependency (so the OpenAPI document declares it). Module
+# level: FastAPI resolves a dependency's annotations in its module's namespace.
+_BEARER = HTTPBearer(
+    auto_error=False,
+    description="An API key from MODELFORGE_GATEWAY_API_KEYS_FILE (it chooses the tenant); "
+    "required on every route but /healthz when keys are configured.",
+)
+_Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
 
 
 class Requester(Protocol):
@@ -60,6 +86,8 @@ class GatewayConfig:
     catalog_ttl_s: float = 10.0
     # Bytes of one HTTP body; the workflow input limit applies to what is forwarded.
     max_body_bytes: int = 2 * MAX_INPUT_BYTES
+    # Seconds a client has to send the whole body once its headers are in (408 past it).
+    body_timeout_s: float = 30.0
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
@@ -74,10 +102,11 @@ def load_api_keys(path: Path) -> dict[str, str]:
     if not isinstance(keys, dict) or not keys:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{path}: needs an [api_keys] table of key = tenant")
     for key, tenant in keys.items():
-        if not isinstance(tenant, str) or not _TENANT.match(tenant) or len(key) < 16:
+        if identifier_problem("tenant", tenant) is not None or len(key) < 16:
             raise ModelForgeError(
                 FailureClass.REQUEST_INVALID,
-                f"{path}: each API key is 16+ characters and maps to a tenant name (bad entry for {tenant!r})",
+                f"{path}: each API key is 16+ characters and maps to a tenant name (bad entry for "
+                f"{shown(str(tenant))})",
             )
     return dict(keys)
 
@@ -121,22 +150,46 @@ class ChatCall(_Lax):
 
 
 class GatewayError(Exception):
-    def __init__(self, failure: FailureClass | str, message: str, *, status: int | None = None, request_id: str = ""):
+    def __init__(
+        self,
+        failure: FailureClass | str,
+        message: str,
+        *,
+        status: int | None = None,
+        request_id: str = "",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.failure = failure.value if isinstance(failure, FailureClass) else failure
         self.message = message
         self.status = status if status is not None else http_status(self.failure)
         self.request_id = request_id
+        self.headers = headers or {}
+
+
+def _invalid(message: str, status: int | None = None) -> GatewayError:
+    return GatewayError(FailureClass.REQUEST_INVALID, message, status=status)
+
+
+def _printable(text: str, limit: int = 2000) -> str:
+    # Whatever a message quotes (a key from the body, a runtime's error): valid UTF-8, bounded.
+    cut = text[:limit] + ("..." if len(text) > limit else "")
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _escaped(text: str, limit: int) -> str:
+    # Printable ASCII, unquoted (a field name in a message): anything else as \x escapes.
+    return "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in text[:limit])
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
     # OpenAI's error shape, so its SDK raises the matching exception with our message and class.
     body = {
-        "error": {"message": error.message, "type": error.failure, "code": error.failure, "param": None},
+        "error": {"message": _printable(error.message), "type": error.failure, "code": error.failure, "param": None},
         "failure_class": error.failure,
         "request_id": error.request_id or None,
     }
-    headers = {}
+    headers = dict(error.headers)
     try:
         retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
     except ValueError:
@@ -175,7 +228,7 @@ class _Catalog:
             if model == deployment.capability or model == deployment.name or model in deployment.openai_models:
                 return deployment
         raise GatewayError(
-            FailureClass.CAPABILITY_UNAVAILABLE, f"no capability serves model {model[:200]!r}", status=404
+            FailureClass.CAPABILITY_UNAVAILABLE, f"no capability serves model {shown(model)}", status=404
         )
 
 
@@ -187,96 +240,233 @@ def _float32_base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
+def _json_depth(value: Any) -> int:
+    """How deep a parsed JSON value nests, without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _check(kind: str, value: str) -> str:
+    problem = identifier_problem(kind, value)
+    if problem is not None:
+        raise _invalid(problem)
+    return value
+
+
 def create_app(requester: Requester, catalog_source: CatalogSource, config: GatewayConfig | None = None) -> FastAPI:
     config = config or GatewayConfig()
     catalog = _Catalog(catalog_source, config.catalog_ttl_s)
-    app = FastAPI(title="ModelForge gateway", version="1", docs_url="/docs", redoc_url=None)
+    # The documentation routes are served below, behind the same key check as the API.
+    app = FastAPI(title="ModelForge gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
+
+    def tenant_of_key(presented: str | None) -> str | None:
+        if not keys or not presented:
+            return None
+        # Every key is compared, in constant time, whichever matches: no early return to time.
+        found = None
+        candidate = presented.encode("utf-8", "surrogateescape")
+        for key, tenant in keys:
+            if hmac.compare_digest(candidate, key):
+                found = tenant
+        return found
+
+    def unauthorized() -> GatewayError:
+        return GatewayError(
+            FailureClass.REQUEST_INVALID,
+            "a valid API key is required (Authorization: Bearer <key>)",
+            status=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    async def authenticate(request: Request, credentials: _Credentials) -> None:
+        """The caller's tenant (`request.state.tenant`): from its API key when keys are
+        configured (401 without a valid one), else from X-ModelForge-Tenant. Every route but
+        /healthz depends on it, and it runs before any body is read."""
+        if keys:
+            tenant = tenant_of_key(credentials.credentials if credentials else None)
+            if tenant is None:
+                raise unauthorized()
+        else:
+            tenant = _check("tenant", request.headers.get("x-modelforge-tenant", config.default_tenant))
+        request.state.tenant = tenant
+
+    def authenticated(request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        return scheme.lower() == "bearer" and tenant_of_key(presented.strip()) is not None
 
     @app.exception_handler(GatewayError)
     async def _typed(_: Request, error: GatewayError) -> JSONResponse:
         return _error_response(error)
 
-    async def body_of(request: Request, model: type[BaseModel]) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID, f"the body is over the {config.max_body_bytes}-byte limit", status=413
-            )
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID, f"the body is over the {config.max_body_bytes}-byte limit", status=413
-            )
-        try:
-            return model.model_validate_json(raw or b"{}")
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise GatewayError(FailureClass.REQUEST_INVALID, f"{where}: {first['msg']}") from None
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # No such route or method: with keys configured, a caller without one learns nothing more.
+        if keys and not authenticated(request):
+            return _error_response(unauthorized())
+        return _error_response(
+            _invalid(f"{request.method} {shown(request.url.path)}: {error.detail}", error.status_code)
+        )
 
-    def tenant_of(request: Request) -> str:
-        if config.api_keys:
-            header = request.headers.get("authorization", "")
-            presented = header[7:].strip() if header.lower().startswith("bearer ") else ""
-            for key, tenant in config.api_keys.items():
-                if presented and hmac.compare_digest(presented.encode(), key.encode()):
-                    return tenant
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID, "a valid API key is required (Authorization: Bearer)", status=401
-            )
-        tenant = request.headers.get("x-modelforge-tenant", config.default_tenant)
-        if not _TENANT.match(tenant):
-            raise GatewayError(FailureClass.REQUEST_INVALID, "X-ModelForge-Tenant is not a tenant name")
-        return tenant
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(_invalid(f"the request is not valid: {len(error.errors())} problem(s)"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        # Logged by the server; the client gets a class, never a traceback or another's data.
+        return _error_response(GatewayError(INTERNAL_ERROR, "the gateway failed; see its log", status=500))
+
+    async def read_body(request: Request) -> bytes:
+        """At most `max_body_bytes` of the body, from the stream as it arrives, within
+        `body_timeout_s`: past either the client gets its answer and the rest is never read."""
+        limit = config.max_body_bytes
+        too_big = _invalid(f"the body is over the {limit}-byte limit", status=413)
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_big
+        body = bytearray()
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                async for chunk in request.stream():
+                    if len(body) + len(chunk) > limit:
+                        raise too_big
+                    body += chunk
+        except TimeoutError:
+            raise _invalid(f"the body did not arrive within {config.body_timeout_s:g} s", status=408) from None
+        except ClientDisconnect:
+            raise _invalid("the client went away before its body arrived", status=400) from None
+        return bytes(body)
+
+    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+        raw = await read_body(request)
+        try:
+            call = model.model_validate_json(raw or b"{}")
+        except ValidationError as error:
+            first = error.errors(include_url=False, include_input=False)[0]
+            where = ".".join(_escaped(str(p), 40) for p in first["loc"]) or "body"
+            raise _invalid(f"{where}: {first['msg']}") from None
+        except (RecursionError, ValueError, UnicodeError) as error:
+            raise _invalid(f"body: not valid JSON ({type(error).__name__})") from None
+        if _json_depth(call.model_dump(mode="python")) > MAX_JSON_DEPTH:
+            raise _invalid(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        return call
 
     def request_id_of(request: Request, given: str | None = None) -> str:
-        request_id = given or request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        if not _REQUEST_ID.match(request_id):
-            raise GatewayError(FailureClass.REQUEST_INVALID, "a request id is 1-64 letters, digits, '.', '_' or '-'")
-        return request_id
+        header = request.headers.get("x-request-id")
+        if given is not None and header is not None and given != header:
+            raise _invalid("request_id in the body and X-Request-Id differ")
+        chosen = given if given is not None else header
+        return _check("request_id", chosen) if chosen is not None else uuid.uuid4().hex[:16]
+
+    def priority_of(request: Request, given: str | None = None) -> str | None:
+        header = request.headers.get("x-modelforge-priority")
+        if given is not None and header is not None and given != header:
+            raise _invalid("priority in the body and X-ModelForge-Priority differ")
+        chosen = given if given is not None else header
+        if chosen is not None and not _PRIORITY.fullmatch(chosen):
+            raise _invalid(
+                f"priority {shown(chosen)} is not a class name (a level such as 'interactive', or 'queue.level')"
+            )
+        return chosen
+
+    # (capability, request id) -> (tenant, calls) of the requests in flight through this gateway:
+    # a request id names one workflow (`request:<capability>:<id>`), and asking again attaches
+    # to it, so one tenant's id must not answer another tenant.
+    in_flight: dict[tuple[str, str], tuple[str, int]] = {}
+
+    def conflict(request_id: str) -> GatewayError:
+        # Whose request it is stays unsaid: it may be another tenant's.
+        return GatewayError(
+            FailureClass.REQUEST_INVALID,
+            f"request id {shown(request_id)} is taken by another request; use another id",
+            status=409,
+            request_id=request_id,
+        )
 
     async def run(
-        request: Request, capability: str, payload: dict[str, Any], request_id: str, **options: Any
+        request: Request, capability: str, payload: dict[str, Any], request_id: str, *, tenant: str, **options: Any
     ) -> Result:
-        priority = request.headers.get("x-modelforge-priority")
-        if priority is not None:
-            options.setdefault("priority", priority)
+        options.setdefault("priority", priority_of(request))
+        key = (capability, request_id)
+        holder, calls = in_flight.get(key, (tenant, 0))
+        if holder != tenant:
+            raise conflict(request_id)
+        in_flight[key] = (tenant, calls + 1)
         try:
-            result = await requester.request(capability, payload, request_id=request_id, **options)
+            result = await requester.request(capability, payload, request_id=request_id, tenant=tenant, **options)
         except ModelForgeError as error:  # Temporal unreachable or refusing
             raise GatewayError(error.failure, error.message, request_id=request_id) from None
+        except WorkflowAlreadyStartedError:
+            raise conflict(request_id) from None
+        finally:
+            holder, calls = in_flight[key]
+            if calls > 1:
+                in_flight[key] = (holder, calls - 1)
+            else:
+                del in_flight[key]
+        if result.lease is not None and result.lease.tenant != tenant:
+            # Attached to a run of this id that another tenant started (through another gateway
+            # process, or finished earlier): its output is not this caller's to see.
+            raise conflict(request_id)
         if not result.ok:
             raise GatewayError(
                 result.failure_class or FailureClass.CAPABILITY_UNAVAILABLE, result.message, request_id=request_id
             )
         return result
 
+    async def deployment_for_model(model: str) -> Deployment:
+        return await catalog.deployment_for_model(_check("capability", model))
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/requests")
+    api = APIRouter(dependencies=[Depends(authenticate)])
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="ModelForge gateway")
+
+    @api.post("/v1/requests")
     async def requests_(request: Request) -> JSONResponse:
+        tenant: str = request.state.tenant
         call: CapabilityCall = await body_of(request, CapabilityCall)
-        tenant = tenant_of(request)
-        if call.tenant is not None and call.tenant != tenant and config.api_keys:
-            raise GatewayError(FailureClass.REQUEST_INVALID, "the tenant comes from the API key, not the body")
+        if call.tenant is not None:
+            _check("tenant", call.tenant)
+            if call.tenant != tenant and keys:
+                raise _invalid("the tenant comes from the API key, not the body")
+        capability = _check("capability", call.capability)
         request_id = request_id_of(request, call.request_id)
+        priority = priority_of(request, call.priority)
         known = await catalog.get()
-        if known.deployment_for(call.capability) is None:
+        if known.deployment_for(capability) is None:
             raise GatewayError(
                 FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no deployment serves {call.capability!r}",
+                f"no deployment serves {shown(capability)}",
                 status=404,
                 request_id=request_id,
             )
         result = await run(
             request,
-            call.capability,
+            capability,
             call.input,
             request_id,
             tenant=call.tenant or tenant,
-            priority=call.priority,
+            priority=priority,
             deadline_s=call.deadline_s,
             lease_timeout_s=call.lease_timeout_s,
         )
@@ -291,7 +481,7 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             }
         )
 
-    @app.get("/v1/status")
+    @api.get("/v1/status")
     async def status() -> JSONResponse:
         try:
             pool = await requester.status()
@@ -299,7 +489,7 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             raise GatewayError(error.failure, error.message) from None
         return JSONResponse(dataclasses.asdict(pool))
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         known = await catalog.get()
         names = []
@@ -308,14 +498,14 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
                 names.append({"id": name, "object": "model", "created": 0, "owned_by": "modelforge"})
         return {"object": "list", "data": names}
 
-    @app.post("/v1/embeddings")
+    @api.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
+        tenant: str = request.state.tenant
         call: EmbeddingsCall = await body_of(request, EmbeddingsCall)
         texts = [call.input] if isinstance(call.input, str) else list(call.input)
         if not texts or any(not t for t in texts):
-            raise GatewayError(FailureClass.REQUEST_INVALID, "input: give one or more non-empty strings")
-        deployment = await catalog.deployment_for_model(call.model)
-        tenant = tenant_of(request)
+            raise _invalid("input: give one or more non-empty strings")
+        deployment = await deployment_for_model(call.model)
         request_id = request_id_of(request)
         result = await run(request, deployment.capability, {"texts": texts}, request_id, tenant=tenant)
         vectors = (result.output or {}).get("embeddings")
@@ -341,12 +531,13 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat(request: Request) -> dict[str, Any]:
+        tenant: str = request.state.tenant
         call: ChatCall = await body_of(request, ChatCall)
         if call.stream:
-            raise GatewayError(FailureClass.REQUEST_INVALID, "stream: streaming responses are not served yet")
-        deployment = await catalog.deployment_for_model(call.model)
+            raise _invalid("stream: streaming responses are not served yet")
+        deployment = await deployment_for_model(call.model)
         messages = []
         for message in call.messages:
             content = message.content
@@ -357,7 +548,6 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
         max_tokens = call.max_completion_tokens or call.max_tokens
         if max_tokens is not None:
             payload["max_tokens"] = max_tokens
-        tenant = tenant_of(request)
         request_id = request_id_of(request)
         result = await run(request, deployment.capability, payload, request_id, tenant=tenant)
         text = (result.output or {}).get("text")
@@ -386,4 +576,5 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             },
         }
 
+    app.include_router(api)
     return app

@@ -4,18 +4,21 @@ an application built on the OpenAI SDK uses ModelForge by changing its base URL 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
 from modelforge.failures import FailureClass
-from modelforge.gateway import GatewayConfig, create_app, http_status, load_api_keys
+from modelforge.gateway import GatewayConfig, create_app, gateway_server, http_status, load_api_keys
 from tests.harness import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
@@ -32,7 +35,7 @@ class _Served:
 
 async def _serve(stack: Stack, config: GatewayConfig) -> AsyncIterator[_Served]:
     app = create_app(ModelForgeClient(stack.client), stack.store.load_catalog, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = gateway_server(app, "127.0.0.1", 0)
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.05)
@@ -135,6 +138,132 @@ async def test_requests_status_and_failure_classes_over_http(gateway: _Served) -
         assert full.status_code == 429, full.text
         assert full.json()["failure_class"] == "QUEUE_FULL" and int(full.headers["retry-after"]) > 0
         assert (await running).status_code == 200 and (await waiting).status_code == 200
+
+
+async def test_a_request_id_in_flight_is_a_conflict_and_the_priority_header_counts(gateway: _Served) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        # X-ModelForge-Priority on /v1/requests: the lease is granted in the class it names.
+        background = await http.post(
+            "/v1/requests",
+            json={"capability": "rag.embedding@1", "input": {"text": "hi"}},
+            headers={"X-ModelForge-Tenant": "rag", "X-ModelForge-Priority": "background"},
+        )
+        assert background.status_code == 200, background.text
+        assert background.json()["lease"]["priority"] == "background"
+
+        # One tenant's request runs; another's with the same id is a typed conflict that does
+        # not say whose the first one is.
+        slow = {"capability": "slow.job@1", "input": {"simulate_invoke_s": 3}, "request_id": "shared-id-1"}
+        first = asyncio.create_task(http.post("/v1/requests", json=slow))
+        for _ in range(100):
+            if (await http.get("/v1/status")).json()["active_leases"] >= 1:
+                break
+            await asyncio.sleep(0.1)
+        second = await http.post("/v1/requests", json=slow, headers={"X-ModelForge-Tenant": "rag"})
+        assert (second.status_code, second.json()["failure_class"]) == (409, "REQUEST_INVALID"), second.text
+        assert "shared-id-1" in second.json()["error"]["message"] and "default" not in second.text
+        assert (await first).status_code == 200
+        # Done, the id may be used again.
+        again = await http.post("/v1/requests", json={**slow, "input": {}})
+        assert again.status_code == 200, again.text
+
+
+# Any text: NUL, control characters, lone surrogates (JSON can carry them as escapes), other
+# scripts, long runs; and the names that do exist, so some requests go all the way through.
+_ANY_TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=30),
+    st.integers(60, 3000).map(lambda n: "a" * n),
+    st.sampled_from(["\x00", "a\x00b", "rag\n", "\ud800", "..", "a b", "a@1@2", "é", "rag:x", "-x", "x" * 65]),
+)
+_IDENT = st.one_of(_ANY_TEXT, st.sampled_from(["rag", "default", "id-1", "team:run.7", "background", "interactive"]))
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _ANY_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_ANY_TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+_NESTED = st.integers(1, 400).map(lambda depth: json.loads('{"a":' * depth + "1" + "}" * depth))
+_HEADER = st.text(st.sampled_from([chr(c) for c in [*range(0x21, 0x7F), *range(0xA0, 0x100)]]), min_size=1, max_size=80)
+_BODIES = st.one_of(
+    st.tuples(
+        st.just("/v1/requests"),
+        st.fixed_dictionaries(
+            {"capability": st.one_of(st.just("rag.embedding@1"), _IDENT)},
+            optional={
+                "request_id": _IDENT,
+                "tenant": _IDENT,
+                "priority": _IDENT,
+                "input": st.one_of(st.dictionaries(_ANY_TEXT, _JSON, max_size=3), _NESTED, _JSON),
+            },
+        ),
+    ),
+    st.tuples(
+        st.just("/v1/embeddings"),
+        st.fixed_dictionaries(
+            {
+                "model": st.one_of(st.just("all-MiniLM-L6-v2"), _IDENT),
+                "input": st.one_of(_ANY_TEXT, st.lists(_ANY_TEXT, max_size=3), _NESTED),
+            }
+        ),
+    ),
+    st.tuples(
+        st.just("/v1/chat/completions"),
+        st.fixed_dictionaries(
+            {
+                "model": st.one_of(st.just("small-chat"), _IDENT),
+                "messages": st.lists(st.fixed_dictionaries({"role": _IDENT, "content": _ANY_TEXT}), max_size=2),
+            }
+        ),
+    ),
+)
+
+
+def _typed(answer: httpx.Response, path: str) -> None:
+    body = answer.json()
+    if answer.status_code == 200:
+        assert {"/v1/requests": "request_id", "/v1/embeddings": "data", "/v1/chat/completions": "choices"}[path] in body
+        return
+    failure = body["failure_class"]
+    assert body["error"]["code"] == failure and body["error"]["message"], body
+    # Refused as invalid; or, a well-formed name that nothing serves, 404.
+    assert (answer.status_code in (409, 413, 422) and failure == "REQUEST_INVALID") or (
+        answer.status_code == 404 and failure == "CAPABILITY_UNAVAILABLE"
+    ), (answer.status_code, body)
+
+
+async def test_hostile_bodies_and_identifiers_get_typed_answers_and_leave_it_serving(gateway: _Served) -> None:
+    """Every answer to arbitrary bodies, identifiers and headers is a typed success or a typed
+    refusal, and an ordinary request right after each one still succeeds (on the dev stack)."""
+    ordinary = {"model": "all-MiniLM-L6-v2", "input": "hello"}
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        call=_BODIES,
+        raw_surrogates=st.booleans(),
+        headers=st.dictionaries(
+            st.sampled_from(["X-ModelForge-Tenant", "X-Request-Id", "X-ModelForge-Priority"]), _HEADER, max_size=2
+        ),
+    )
+    def property_(call: tuple[str, dict[str, Any]], raw_surrogates: bool, headers: dict[str, str]) -> None:
+        path, body = call
+        # JSON's \u escapes, or the characters themselves (lone surrogates as invalid UTF-8).
+        content = (
+            json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            if raw_surrogates
+            else json.dumps(body).encode()
+        )
+        sent = {k: v.strip().encode("latin-1") for k, v in headers.items()}
+        with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
+            _typed(http.post(path, content=content, headers=sent), path)  # type: ignore[arg-type]
+            after = http.post("/v1/embeddings", json=ordinary)
+            assert after.status_code == 200, after.text
+
+    await asyncio.to_thread(property_)
 
 
 async def test_api_keys_choose_the_tenant(
