@@ -11,14 +11,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.messages import PROFILE_OPERATION
 
-PROFILE_OPERATION = "profile"
-"""`{"modelforge_operation": "profile", ...}` as a request's input asks its node to profile."""
+__all__ = ["PROFILE_OPERATION", "ProfileCase", "case_payload", "profile_cases", "run_profile"]
+# PROFILE_OPERATION is asked for by RequestInput.operation (the CLI's `modelforge profile`), copied
+# by the request workflow to InvokeInput.operation: never by a key in a client's input.
 
 MAX_CASES = 64
 MAX_WORDS = 32_768
 MAX_BATCH = 1024
 MAX_CONCURRENCY = 64
+# Words in flight at once in one case (batch x words x concurrency), and over all cases: what a
+# profile may make the node build and send, so one request cannot balloon the worker.
+MAX_CASE_WORDS = 262_144
+MAX_TOTAL_WORDS = 2_097_152
 _WORDS = [
     "the",
     "quick",
@@ -63,6 +69,17 @@ def profile_cases(spec: dict[str, Any], chat: bool) -> list[ProfileCase]:
     cases = [ProfileCase(b, w, c) for c in concurrency for w in words for b in batch_sizes]
     if len(cases) > MAX_CASES:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"profile: {len(cases)} cases, at most {MAX_CASES}")
+    largest = max(c.batch_size * c.context_words * c.concurrency for c in cases)
+    if largest > MAX_CASE_WORDS:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"profile: a case of {largest} words in flight (batch x words x concurrency), at most {MAX_CASE_WORDS}",
+        )
+    total = sum(c.batch_size * c.context_words * c.concurrency for c in cases)
+    if total > MAX_TOTAL_WORDS:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"profile: {total} words over all cases, at most {MAX_TOTAL_WORDS}"
+        )
     return cases
 
 
@@ -73,6 +90,10 @@ def case_payload(case: ProfileCase, chat: bool, serial: int) -> dict[str, Any]:
     if chat:
         return {"messages": [{"role": "user", "content": text(0)}], "max_tokens": 16}
     return {"texts": [text(n) for n in range(case.batch_size)]}
+
+
+def _payloads(case: ProfileCase, chat: bool, number: int) -> list[dict[str, Any]]:
+    return [case_payload(case, chat, number + n) for n in range(case.concurrency)]
 
 
 async def run_profile(
@@ -97,10 +118,12 @@ async def run_profile(
                 peaks.append(await asyncio.to_thread(held_bytes))
                 await asyncio.sleep(interval_s)
 
+        # Built in a thread: even a bounded case is megabytes of text, never made on the event loop.
+        payloads = await asyncio.to_thread(_payloads, case, chat, number)
         sampler = asyncio.create_task(sample())
         started = time.monotonic()
         try:
-            await asyncio.gather(*(invoke(case_payload(case, chat, number + n)) for n in range(case.concurrency)))
+            await asyncio.gather(*(invoke(payload) for payload in payloads))
         finally:
             done.set()
             await sampler
@@ -114,6 +137,7 @@ async def run_profile(
                 "seconds": round(time.monotonic() - started, 4),
             }
         )
+        del payloads
         heartbeat(f"profiled {number + 1}/{len(cases)} cases")
     return {
         "idle_bytes": idle,

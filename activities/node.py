@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,12 +17,14 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from activities._profile import PROFILE_OPERATION, run_profile
+from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
 from modelforge.messages import (
+    OPERATIONS,
+    PROFILE_OPERATION,
     RESUME_KEY,
     CheckpointInput,
     GangCheckpointInput,
@@ -33,9 +38,10 @@ from modelforge.messages import (
     ReclaimResult,
     ReleaseSignal,
     RuntimeOpResult,
+    client_input_problem,
     device_index,
 )
-from modelforge.runtimes import LoadedModel, Runtime, process_tree, resolve_artifact, rss_bytes, verify_artifact
+from modelforge.runtimes import LoadedModel, Runtime, check_artifact, process_tree, rss_bytes
 
 log = get_logger("modelforge.node")
 
@@ -47,6 +53,51 @@ def as_application_error(error: ModelForgeError) -> ApplicationError:
 def _heartbeat(detail: str) -> None:
     if activity.in_activity():
         activity.heartbeat(detail)
+
+
+def _safe_name(text: str, default: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:200] or default
+
+
+def _run_scope() -> str:
+    """The request workflow run this activity serves (a server-made id no client chooses): the
+    checkpoints of a request are kept, and resumed from, under it. "" outside an activity."""
+    if not activity.in_activity():
+        return ""
+    return _safe_name(activity.info().workflow_run_id or "", "")
+
+
+def _client_payload(payload: dict[str, Any], allowed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A request's input as the node takes it: `modelforge_*` keys are the node's and the
+    scheduler's own, so one in the input is refused (the client, gateway and request workflow
+    refuse them first; this is the node's own check). `allowed`: keys older request workflow
+    code still puts there (the resume location, checked on its own)."""
+    taken = {key: value for key, value in payload.items() if key not in allowed}
+    problem = client_input_problem(taken)
+    if problem is not None:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, problem)
+    return taken
+
+
+def _redacted_command(command: list[str]) -> list[str]:
+    """A server's argument list for an envelope's record, without the value of an option that
+    looks like a credential (`--api-key X`, `--hf-token=X`)."""
+    secret = re.compile(r"^--?[A-Za-z0-9_-]*(token|key|secret|passw(or)?d|credential)[A-Za-z0-9_-]*", re.IGNORECASE)
+    shown: list[str] = []
+    hide_next = False
+    for argument in command:
+        if hide_next:
+            shown.append("<redacted>")
+            hide_next = False
+        elif secret.match(argument):
+            if "=" in argument:
+                shown.append(argument.split("=", 1)[0] + "=<redacted>")
+            else:
+                shown.append(argument)
+                hide_next = True
+        else:
+            shown.append(argument)
+    return shown
 
 
 class NodeActivities:
@@ -150,13 +201,24 @@ class NodeActivities:
             _, existing = self._loaded[request.key]
             return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
         try:
-            if request.deployment.artifact:
-                # Before any runtime sees it: inside the roots, and the bytes the catalog names.
-                path = resolve_artifact(request.deployment.artifact, self._artifact_roots)
-                await asyncio.to_thread(verify_artifact, path, request.deployment.artifact_sha256)
-            model = await runtime.load(
-                request.key, request.deployment, request.device_index, request.device_uuid, _heartbeat
-            )
+            deployment = request.deployment
+            checked = None
+            if deployment.artifact:
+                # Before any runtime sees it: resolved once to its real path inside the roots,
+                # hashed from open descriptors; the runtime is handed that real path (never the
+                # catalog's relative one, which it would open against its own working directory).
+                checked = await asyncio.to_thread(
+                    check_artifact, deployment.artifact, self._artifact_roots, deployment.artifact_sha256
+                )
+                deployment = dataclasses.replace(deployment, artifact=str(checked.path))
+            model = await runtime.load(request.key, deployment, request.device_index, request.device_uuid, _heartbeat)
+            if checked is not None:
+                # What the runtime opened is what was checked: no file swapped or rewritten since.
+                try:
+                    await asyncio.to_thread(checked.verify_unchanged)
+                except ModelForgeError:
+                    await runtime.unload(model)
+                    raise
         except ModelForgeError as error:
             log.warning("load_failed", key=request.key, failure=error.failure.value, message=error.message)
             raise as_application_error(error) from None
@@ -191,12 +253,21 @@ class NodeActivities:
         runtime, model = self._model(request.key)
         started = time.monotonic()
         try:
-            if request.payload.get("modelforge_operation") == PROFILE_OPERATION:
-                output = await self._profile(runtime, model, request.payload)
+            if request.operation not in OPERATIONS:
+                why = f"unknown node operation {request.operation[:60]!r}"
+                raise ModelForgeError(FailureClass.REQUEST_INVALID, why)
+            # The operation and the resume location come from the activity's own fields, set by
+            # the request workflow; a client's input never chooses either.
+            legacy_resume = request.payload.get(RESUME_KEY)
+            payload = _client_payload(request.payload, allowed=(RESUME_KEY,))
+            if request.operation == PROFILE_OPERATION:
+                output = await self._profile(runtime, model, payload)
             else:
-                self._check_resume(request.payload.get(RESUME_KEY))
+                resume = self._check_resume(request.resume_from or legacy_resume, request.request_id)
                 # The lease names the invocation for a checkpoint taken while it runs.
-                payload = {**request.payload, "modelforge_lease_id": request.lease_id}
+                payload["modelforge_lease_id"] = request.lease_id
+                if resume:
+                    payload[RESUME_KEY] = resume
                 output = await runtime.invoke(model, payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
@@ -228,10 +299,13 @@ class NodeActivities:
                 non_retryable=True,
             )
         started = time.monotonic()
-        payload = {**job.payload, "modelforge_lease_id": job.lease_id, "modelforge_rank": job.rank}
         self._jobs[(job.lease_id, job.rank)] = runtime
         try:
-            self._check_resume(job.payload.get(RESUME_KEY))
+            payload = _client_payload(job.payload, allowed=(RESUME_KEY,))
+            resume = self._check_resume(job.resume_from or job.payload.get(RESUME_KEY), job.request_id)
+            payload.update(modelforge_lease_id=job.lease_id, modelforge_rank=job.rank)
+            if resume:
+                payload[RESUME_KEY] = resume
             output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
@@ -250,8 +324,7 @@ class NodeActivities:
                 raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"node {self._node} has no checkpoint store")
             if runtime is None:
                 raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no gang job {key} runs on node {self._node}")
-            safe = re.sub(r"[^A-Za-z0-9._-]", "_", request.request_id)[:200] or "request"
-            destination = self._checkpoint_root / safe / f"{request.preemption}-rank{request.rank}"
+            destination = self._checkpoint_destination(request.request_id, f"{request.preemption}-rank{request.rank}")
             started = time.monotonic()
             location = await runtime.checkpoint_job(request.lease_id, request.rank, str(destination))
         except ModelForgeError as error:
@@ -284,7 +357,15 @@ class NodeActivities:
         measured = await run_profile(
             spec, chat, lambda payload: runtime.invoke(model, payload, _heartbeat), held_bytes, _heartbeat
         )
-        device = next((d for d in self._backend.sample() if d.index == model.device_index), None)
+        samples = await asyncio.to_thread(self._backend.sample)  # NVML blocks: never on the event loop
+        device = next((d for d in samples if d.index == model.device_index), None)
+        config = deployment.runtime_config if deployment else {}
+        # What ran, for the envelope's record, never a credential: environment variables by name
+        # only (their values may be secrets; referenced secrets are names anyway).
+        env_names = sorted(
+            {key.removeprefix("env.") for key in config if key.startswith("env.")}
+            | set(deployment.env_from_secrets if deployment else {})
+        )
         return {
             "profile": {
                 **measured,
@@ -293,8 +374,9 @@ class NodeActivities:
                 "device_name": device.name if device is not None else "",
                 "simulated": self._backend.label == "simulated" and not on_cpu,
                 "configuration": {
-                    "runtime_config": dict(deployment.runtime_config) if deployment else {},
-                    "command": list(deployment.command) if deployment else [],
+                    "runtime_config": {key: value for key, value in config.items() if not key.startswith("env.")},
+                    "env": env_names,
+                    "command": _redacted_command(list(deployment.command)) if deployment else [],
                     "concurrency": deployment.concurrency if deployment else 1,
                 },
             }
@@ -322,20 +404,52 @@ class NodeActivities:
         awake, seconds = await self._operate(key, "wake", lambda runtime, model: runtime.wake(model, _heartbeat))
         return RuntimeOpResult(key, "wake", seconds, bytes_after=int(awake))
 
-    def _check_resume(self, location: object) -> None:
-        """A resume location on this filesystem must be inside the checkpoint store: a request's
-        input never makes a runtime read an arbitrary file."""
-        if location is None:
-            return
-        if not isinstance(location, str) or not location:
-            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{RESUME_KEY} must be a non-empty string")
-        path = location.removeprefix("file://")
-        if path.startswith("/"):
-            root = self._checkpoint_root
-            if root is None or not Path(path).resolve().is_relative_to(root.resolve()):
-                raise ModelForgeError(
-                    FailureClass.REQUEST_INVALID, f"{RESUME_KEY}: {location!r} is outside the checkpoint store"
-                )
+    def _checkpoint_destination(self, request_id: str, name: str) -> Path:
+        """Where a checkpoint of this request is written: `<store>/<request id>/<name>/<run>`,
+        `<run>` the request workflow's run id, so that only this very run can resume from it
+        (another request reusing the id, another tenant's, finds nothing it may read)."""
+        assert self._checkpoint_root is not None
+        destination = self._checkpoint_root / _safe_name(request_id, "request") / name
+        run = _run_scope()
+        return destination / run if run else destination
+
+    def _check_resume(self, location: object, request_id: str) -> str:
+        """The real path a resumed run starts from, or "" for none. A location is a path or a
+        `file://` URL, resolved (symlinks, `..`) after decoding, and must lie inside this
+        request's own checkpoints in the store (`<store>/<request id>/<n>/<this run>/`):
+        anything else (relative, another scheme, outside the store, another request's or
+        another run's checkpoint) is REQUEST_INVALID, so a request's input never makes a runtime
+        read a file the node did not write for it."""
+        if location is None or location == "":
+            return ""
+
+        def refuse(why: str) -> ModelForgeError:
+            return ModelForgeError(FailureClass.REQUEST_INVALID, f"{RESUME_KEY}: {str(location)[:200]!r} {why}")
+
+        if not isinstance(location, str) or "\x00" in location or len(location) > 4096:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{RESUME_KEY} must be a path in the checkpoint store")
+        path = location
+        if "://" in location or location.startswith("file:"):
+            parts = urllib.parse.urlsplit(location)
+            if parts.scheme != "file" or parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+                raise refuse("is not a path or file:// URL in the checkpoint store")
+            path = urllib.parse.unquote(parts.path)
+            if "\x00" in path:
+                raise refuse("is not a path in the checkpoint store")
+        if not path.startswith("/"):
+            raise refuse("is relative: a resume location is an absolute path in the checkpoint store")
+        if self._checkpoint_root is None:
+            raise refuse(f"is outside the checkpoint store (node {self._node} has none)")
+        store = Path(os.path.realpath(self._checkpoint_root))
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(store):
+            raise refuse("is outside the checkpoint store")
+        mine = Path(os.path.realpath(store / _safe_name(request_id, "request")))
+        run = _run_scope()
+        inside = real.relative_to(mine).parts if real.is_relative_to(mine) and mine != store else None
+        if inside is None or (run and (len(inside) < 2 or inside[1] != run)):
+            raise refuse("is not a checkpoint of this request in the checkpoint store")
+        return str(real)
 
     @activity.defn(name="checkpoint_invocation")
     async def checkpoint_invocation(self, request: CheckpointInput) -> RuntimeOpResult:
@@ -344,8 +458,7 @@ class NodeActivities:
             raise as_application_error(
                 ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"node {self._node} has no checkpoint store")
             )
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", request.request_id)[:200] or "request"
-        destination = self._checkpoint_root / safe / str(request.preemption)
+        destination = self._checkpoint_destination(request.request_id, str(request.preemption))
         spec = {"lease_id": request.lease_id, "destination": str(destination)}
         location, seconds = await self._operate(
             request.key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, spec)

@@ -105,6 +105,10 @@ class DeploymentSpec(_Strict):
     command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list, max_length=200)
     # Model names OpenAI-compatible clients use for this capability (the gateway's mapping).
     openai_models: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list)
+    # subprocess_http: environment variable -> the name of a node secret, never a secret's value.
+    env_from_secrets: dict[Annotated[str, Field(max_length=200)], Annotated[str, Field(max_length=100)]] = Field(
+        default_factory=dict, max_length=100
+    )
 
 
 QueueName = Annotated[str, Field(min_length=1, max_length=60, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -208,6 +212,11 @@ def _sleep_problems(dep: DeploymentSpec) -> list[str]:
 
 def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     """The runtime's own configuration, checked when the catalog is applied, not at first load."""
+    from modelforge.runtimes._secrets import secret_problems
+
+    secrets = secret_problems(dep.runtime, dep.runtime_config, dep.env_from_secrets)
+    if secrets:
+        return secrets  # never a secret's value: names and the reference syntax only
     if dep.runtime == "subprocess_http":
         from modelforge.runtimes import SubprocessHttpConfig
 

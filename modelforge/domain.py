@@ -229,6 +229,9 @@ class Deployment:
     # subprocess_http: the model server's argument list (never a shell string).
     command: list[str] = field(default_factory=list)
     openai_models: list[str] = field(default_factory=list)
+    # subprocess_http: environment variable -> the name of a node secret (never its value), read
+    # on the node from MODELFORGE_SECRET_<NAME> or $MODELFORGE_SECRETS_DIR/<name> at its start.
+    env_from_secrets: dict[str, str] = field(default_factory=dict)
 
     @property
     def deployment_id(self) -> str:

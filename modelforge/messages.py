@@ -24,6 +24,11 @@ class RequestInput:
     pool: str = "default"
     # Longest an invoke may run once it holds its lease.
     max_duration_s: float = 600.0
+    # What the node does with the lease: "" invokes the model with `input`; PROFILE_OPERATION
+    # measures its envelope (`modelforge profile`, `input` then holds the cases). Set by trusted
+    # code (the CLI), never read from a client's input: the request workflow copies it to
+    # InvokeInput.operation.
+    operation: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,10 @@ class InvokeInput:
     # spares the request workflow a round trip. Failures are always released by the workflow.
     release_to: str = ""  # the scheduler's workflow id
     request_id: str = ""
+    # Set by the request workflow only (never from the client's input, whose `modelforge_*` keys
+    # are refused): RequestInput.operation, and the checkpoint a resumed run starts from.
+    operation: str = ""
+    resume_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,8 @@ class GangJobInput:
     payload: dict[str, Any]
     rank: int = 0
     world_size: int = 1
+    # This rank's checkpoint when the job resumes (set by the request workflow, never by a client).
+    resume_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -254,7 +265,31 @@ class GangCheckpointInput:
 
 
 RESUME_KEY = "modelforge_resume_from"
-"""A request input key: the checkpoint a resumed run starts from (set by the request workflow)."""
+"""The checkpoint a resumed run starts from, as the node hands it to a runtime in the invoke's
+payload. The request workflow sets InvokeInput.resume_from (older workflow code put this key in the
+payload: the node still takes it there, confined to this request's own checkpoints)."""
+
+PROFILE_OPERATION = "profile"
+"""RequestInput.operation / InvokeInput.operation asking the node to measure the envelope."""
+OPERATIONS = ("", PROFILE_OPERATION)
+
+RESERVED_INPUT_PREFIX = "modelforge_"
+"""Input keys that belong to the node and the scheduler, never to a client."""
+
+
+def client_input_problem(input: object) -> str | None:
+    """Why a client's request input is refused (REQUEST_INVALID), or None. Every top-level key
+    starting with `modelforge_` is reserved for the node and the scheduler: a client can neither
+    choose a node operation (profiling) nor a checkpoint to resume from. The client, the CLI, the
+    gateway and the request workflow call this on `RequestInput.input`; the node refuses such keys
+    again (defence in depth)."""
+    if not isinstance(input, dict):
+        return "input must be a JSON object"
+    reserved = sorted(str(key) for key in input if not isinstance(key, str) or key.startswith(RESERVED_INPUT_PREFIX))
+    if reserved:
+        shown = ", ".join(repr(key[:60]) for key in reserved[:5])
+        return f"input keys starting with {RESERVED_INPUT_PREFIX!r} are reserved for ModelForge: {shown}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,13 @@
 """Model runtimes behind one Protocol: simulated, a model server as a subprocess over HTTP, and
 the built-in sentence-transformers embedding runtime."""
 
-from modelforge.runtimes._artifacts import artifact_digest, resolve_artifact, verify_artifact
+from modelforge.runtimes._artifacts import (
+    CheckedArtifact,
+    artifact_digest,
+    check_artifact,
+    resolve_artifact,
+    verify_artifact,
+)
 from modelforge.runtimes._process import process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, Runtime
 from modelforge.runtimes._sentence_transformers import (
@@ -14,6 +20,7 @@ from modelforge.runtimes._subprocess_http import SubprocessHttpConfig, Subproces
 
 __all__ = [
     "BUILTIN_MODEL",
+    "CheckedArtifact",
     "Heartbeat",
     "LoadedModel",
     "Runtime",
@@ -23,6 +30,7 @@ __all__ = [
     "SubprocessHttpConfig",
     "SubprocessHttpRuntime",
     "artifact_digest",
+    "check_artifact",
     "process_tree",
     "resolve_artifact",
     "rss_bytes",

@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from modelforge.runtimes._http_api import (
 )
 from modelforge.runtimes._process import alive, process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
+from modelforge.runtimes._secrets import NodeSecrets, secret_problems
 
 _PLACEHOLDERS = ("{port}", "{host}", "{artifact}", "{served_model}")
 
@@ -71,6 +72,8 @@ class SubprocessHttpConfig:
     checkpoint_path: str = ""  # POST; answers {"location": ...}
     # On a simulated card: the bytes a sleeping server is recorded as holding.
     simulate_sleep_bytes: int = 0
+    # Environment variable -> the node's secret of that name (names only; values at load).
+    secret_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, deployment: Deployment) -> SubprocessHttpConfig:
@@ -102,6 +105,9 @@ class SubprocessHttpConfig:
         for name in ("ready_path", "sleep_path", "wake_path", "checkpoint_path"):
             if not config.get(name, "/").startswith("/"):
                 raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{name} must start with '/'")
+        secrets = secret_problems("subprocess_http", config, deployment.env_from_secrets)
+        if secrets:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, secrets[0])
         if bool(config.get("sleep_path")) != bool(config.get("wake_path")):
             raise ModelForgeError(
                 FailureClass.REQUEST_INVALID, "runtime_config: sleep_path and wake_path come together"
@@ -124,6 +130,7 @@ class SubprocessHttpConfig:
             checkpoint_path=config.get("checkpoint_path", ""),
             simulate_sleep_bytes=int(_number(config, "simulate_sleep_bytes", 0, 0, 2**50)),
             env={key.removeprefix("env."): value for key, value in config.items() if key.startswith("env.")},
+            secret_env=dict(deployment.env_from_secrets),
         )
 
 
@@ -146,10 +153,19 @@ class _Server:
 class SubprocessHttpRuntime:
     name = "subprocess_http"
 
-    def __init__(self, devices: NodeDevices, log_dir: Path, artifact_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        devices: NodeDevices,
+        log_dir: Path,
+        artifact_root: Path | None = None,
+        secrets: NodeSecrets | None = None,
+    ) -> None:
+        """`secrets`: what `env_from_secrets` references resolve to; by default read now (the
+        node worker's start) from MODELFORGE_SECRET_* and MODELFORGE_SECRETS_DIR."""
         self._devices = devices
         self._log_dir = log_dir
         self._artifact_root = artifact_root
+        self._secrets = NodeSecrets.from_env() if secrets is None else secrets
         self._servers: dict[str, _Server] = {}
 
     def version(self) -> str:
@@ -180,7 +196,10 @@ class SubprocessHttpRuntime:
             for placeholder in _PLACEHOLDERS:
                 argument = argument.replace(placeholder, values[placeholder])
             argv.append(argument)
-        environment = {**os.environ, **config.env}
+        # Nothing of ModelForge's own configuration (database URL, API keys, the node's secrets)
+        # reaches a model server: only the deployment's env and the secrets it references.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        environment = {**inherited, **config.env, **self._secrets.resolve(config.secret_env)}
         # The card the lease names, by UUID so a renumbering cannot move it; none on the CPU device.
         environment["CUDA_VISIBLE_DEVICES"] = "" if device_index == CPU_DEVICE_INDEX else device_uuid
         self._log_dir.mkdir(parents=True, exist_ok=True)

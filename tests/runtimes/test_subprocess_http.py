@@ -5,6 +5,7 @@ crashes mid-request, answers garbage or NaN, hangs, will not stop, leaves memory
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -340,9 +341,10 @@ async def test_sleep_wake_and_checkpoint_through_the_node_are_timed_and_measured
     assert refused.value.type == FailureClass.RUNTIME_CRASH.value
     awake = await environment.run(activities.wake_model, key)
     assert awake.bytes_after >= 256 * MiB
-    # The server writes its state into the node's checkpoint store, under the request's id.
+    # The server writes its state into the node's checkpoint store, under the request's id and
+    # the request workflow's run (ActivityEnvironment's is "test-run").
     checkpoint = await environment.run(activities.checkpoint_invocation, CheckpointInput(key, "L", "../r/1", 0))
-    assert checkpoint.location == str(store / ".._r_1" / "0" / "toy-state.json")
+    assert checkpoint.location == str(store / ".._r_1" / "0" / "test-run" / "toy-state.json")
     assert json.loads(Path(checkpoint.location).read_text()) == {"checkpoints": 1, "lease_id": "L"}
     # A resume location outside the store is refused before any runtime sees it.
     outside = InvokeInput(key=key, lease_id="L2", payload={"text": "x", "modelforge_resume_from": "/etc/passwd"})
@@ -405,3 +407,39 @@ async def test_servers_left_by_a_killed_node_worker_are_stopped_at_the_next_star
     assert list(tmp_path.glob("*.pid")) == []
     assert second.reap_orphans() == []
     await first.close()  # nothing left to stop; closing twice is harmless
+
+
+async def test_a_server_gets_the_secrets_its_deployment_references_and_nothing_else_of_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs
+
+    from modelforge.runtimes._secrets import NodeSecrets
+
+    token = "hf_sEcReT_fRoM_tHe_NoDe_0123"
+    monkeypatch.setenv("MODELFORGE_SECRET_HF_TOKEN", token)
+    monkeypatch.setenv("MODELFORGE_DATABASE_URL", "postgresql://mf:db-password@db/mf")
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)  # reads the node's secrets now, at its start
+    monkeypatch.setenv("MODELFORGE_SECRET_HF_TOKEN", "changed-later")  # not re-read
+    deployment = dataclasses.replace(toy(), env_from_secrets={"HF_TOKEN": "hf_token"})
+    node = NodeActivities("n", runtime._devices, {"subprocess_http": runtime})
+    key = "toy.embedding@1@n/0"
+    with capture_logs() as logs:
+        await ActivityEnvironment().run(node.load_model, LoadInput(key, deployment, "n/0", 0, UUID))
+    try:
+        pid = node._loaded[key][1].pid
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+        )
+        assert environ["HF_TOKEN"] == token
+        assert not [name for name in environ if name.startswith("MODELFORGE_")]
+        assert all(token not in repr(entry) for entry in logs)
+        assert token not in repr(deployment) and token not in repr(runtime._servers[key].config)
+    finally:
+        await runtime.close()
+    # A reference the node cannot resolve fails the load naming the secret, not any value.
+    empty = SubprocessHttpRuntime(devices(), tmp_path, secrets=NodeSecrets({}))
+    with pytest.raises(ModelForgeError) as missing:
+        await loaded(empty, deployment)
+    assert missing.value.failure == FailureClass.MODEL_LOAD_FAILED
+    assert "MODELFORGE_SECRET_HF_TOKEN" in missing.value.message and token not in missing.value.message
