@@ -1,6 +1,8 @@
 """docker-compose.yml, checked statically (no Docker engine here): it parses, its services are
 wired to each other, every ModelForge setting it passes is one the code reads, its images are
-pinned, and the Grafana dashboard only charts metrics the control worker exports."""
+pinned, its defaults are safe (ports on loopback only, the gateway's API keys and Grafana's admin
+password from secrets, a read-only Temporal UI, /metrics on loopback outside compose), and the
+Grafana dashboard only charts metrics the control worker exports."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def test_services_are_wired() -> None:
     [device] = node["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert node["pid"] == "host" and node["environment"]["MODELFORGE_GPU_BACKEND"] == "nvml"
-    assert "9464" in str(services["modelforge-control"]["ports"])
+    assert "127.0.0.1:9464:9464" in services["modelforge-control"]["ports"]
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["modelforge-control:9464"]
 
@@ -111,3 +113,90 @@ def test_dashboard_charts_only_exported_metrics() -> None:
         for target in panel["targets"]:
             used.update(re.findall(r"\b(modelforge_[a-z_]+)", target["expr"]))
     assert used and used <= series, used - series
+
+
+def _published(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host address, host port) of each published port, short or long syntax."""
+    published = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            published.append((str(port.get("host_ip", "")), str(port.get("published", ""))))
+        else:
+            parts = str(port).split(":")
+            published.append((":".join(parts[:-2]), parts[-2]) if len(parts) >= 3 else ("", parts[0]))
+    return published
+
+
+def test_every_port_is_published_on_loopback_only() -> None:
+    services = _compose()["services"]
+    published = {name: _published(service) for name, service in services.items()}
+    assert {"temporal-ui", "modelforge-gateway", "modelforge-control", "prometheus", "grafana"} <= {
+        name for name, ports in published.items() if ports
+    }
+    for name, ports in published.items():
+        for host_ip, _ in ports:
+            assert host_ip == "127.0.0.1", f"{name} publishes a port on {host_ip or 'every interface'}"
+    # Nothing reaches Postgres or Temporal's frontend from outside the compose network.
+    assert not published["postgres"] and not published["temporal"]
+
+
+def test_the_gateway_requires_api_keys_from_a_secret() -> None:
+    compose = _compose()
+    gateway = compose["services"]["modelforge-gateway"]
+    path = gateway["environment"]["MODELFORGE_GATEWAY_API_KEYS_FILE"]
+    [secret] = [name for name in gateway["secrets"] if path == f"/run/secrets/{name}"]
+    assert compose["secrets"][secret]["file"].startswith("./deploy/secrets/")
+    assert "database_url" in gateway["secrets"]  # overriding the anchor's list kept it
+    # The example keys file is a valid one, so a copy with real keys is too.
+    from modelforge.gateway import load_api_keys
+
+    assert load_api_keys(ROOT / "deploy" / "gateway_api_keys.example.toml")
+
+
+def test_the_temporal_ui_is_read_only() -> None:
+    env = _compose()["services"]["temporal-ui"]["environment"]
+    assert str(env["TEMPORAL_DISABLE_WRITE_ACTIONS"]).lower() == "true"
+
+
+def test_grafana_has_no_default_login() -> None:
+    compose = _compose()
+    grafana = compose["services"]["grafana"]
+    env = grafana["environment"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    path = env["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    [secret] = [name for name in grafana["secrets"] if path == f"/run/secrets/{name}"]
+    assert compose["secrets"][secret]["file"].startswith("./deploy/secrets/")
+    assert str(env.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "false"
+
+
+def test_metrics_listen_on_loopback_unless_configured(monkeypatch: Any) -> None:
+    """Outside compose (`modelforge dev`, a bare `worker control`) /metrics binds 127.0.0.1;
+    compose sets 0.0.0.0 inside its network, where Prometheus scrapes it."""
+    import modelforge.metrics
+    from modelforge.settings import Settings
+    from workers.control import serve_metrics
+
+    env = _compose()["services"]["modelforge-control"]["environment"]
+    assert env["MODELFORGE_METRICS_HOST"] == "0.0.0.0"
+
+    servers: list[Any] = []
+    real = modelforge.metrics.start_http_server
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        server, thread = real(*args, **kwargs)
+        servers.append(server)
+        return server, thread
+
+    monkeypatch.setattr(modelforge.metrics, "start_http_server", recording)
+    try:
+        for configured, expected in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+            monkeypatch.delenv("MODELFORGE_METRICS_HOST", raising=False)
+            if configured is not None:
+                monkeypatch.setenv("MODELFORGE_METRICS_HOST", configured)
+            monkeypatch.setenv("MODELFORGE_METRICS_PORT", "0")
+            port = serve_metrics(modelforge.metrics.Metrics(), Settings.from_env())
+            assert servers[-1].server_address == (expected, port)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
