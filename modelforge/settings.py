@@ -49,6 +49,9 @@ class Settings:
     home: Path = Path.home() / ".modelforge"
     gpu_backend: str = "auto"
     metrics_port: int = 9464
+    # The interface the control worker's /metrics listens on (MODELFORGE_METRICS_HOST): loopback
+    # unless configured; the compose stack sets 0.0.0.0 inside its network for Prometheus.
+    metrics_host: str = "127.0.0.1"
     # Capacity snapshots older than this are dropped (MODELFORGE_SNAPSHOT_RETENTION_DAYS).
     snapshot_retention_days: float = 30.0
     # Where model artifacts may be read from (MODELFORGE_ARTIFACT_ROOTS, os.pathsep-separated);
@@ -87,6 +90,12 @@ class Settings:
         port = os.environ.get("MODELFORGE_METRICS_PORT", "9464")
         if not port.isdigit():
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"MODELFORGE_METRICS_PORT must be a port, not {port!r}")
+        metrics_host = os.environ.get("MODELFORGE_METRICS_HOST", "127.0.0.1").strip()
+        if not metrics_host or any(c.isspace() or not c.isprintable() for c in metrics_host):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"MODELFORGE_METRICS_HOST must be an interface address or host name, not {metrics_host!r}",
+            )
         retention = os.environ.get("MODELFORGE_SNAPSHOT_RETENTION_DAYS", "30")
         try:
             retention_days = float(retention)
@@ -109,6 +118,7 @@ class Settings:
             home=Path(os.environ.get("MODELFORGE_HOME", str(Path.home() / ".modelforge"))),
             gpu_backend=backend,
             metrics_port=int(port),
+            metrics_host=metrics_host,
             snapshot_retention_days=retention_days,
             artifact_roots=tuple(
                 Path(root) for root in os.environ.get("MODELFORGE_ARTIFACT_ROOTS", "").split(os.pathsep) if root

@@ -205,6 +205,12 @@ async def ensure_scheduler(
     )
 
 
+def serve_metrics(metrics: Metrics, settings: Settings) -> int:
+    """/metrics on MODELFORGE_METRICS_HOST (loopback unless configured; the compose stack sets
+    0.0.0.0 inside its network) and MODELFORGE_METRICS_PORT; returns the bound port."""
+    return metrics.serve(settings.metrics_port, settings.metrics_host)
+
+
 async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
     client = await connect(settings, worker=True)
     url = settings.resolved_database_url()
@@ -228,7 +234,7 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
         )
         async with worker:
             handle = await ensure_scheduler(client, pool)
-            port = metrics.serve(settings.metrics_port)
+            port = serve_metrics(metrics, settings)
             log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool, metrics_port=port)
             await metrics.poll(pool, lambda: handle.query(PoolSchedulerWorkflow.status))
     finally:
