@@ -98,6 +98,8 @@ def load_api_keys(path: Path) -> dict[str, str]:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{path}: cannot read: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{path}: not TOML: {error}") from None
+    except RecursionError:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{path}: nests too deeply to be a keys file") from None
     keys = data.get("api_keys")
     if not isinstance(keys, dict) or not keys:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{path}: needs an [api_keys] table of key = tenant")

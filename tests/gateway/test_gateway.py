@@ -313,6 +313,8 @@ def test_bad_key_files_are_refused_with_the_reason(tmp_path: Path) -> None:
         ("nonsense = [", "not TOML"),
         ("[other]\n", "[api_keys]"),
         ('[api_keys]\n"short" = "rag"\n', "16+"),
+        ('[api_keys]\n"sk-0123456789abcdef" = "rag:prod"\n', "tenant"),
+        ("x = " + "[" * 100_000 + "]" * 100_000, "nests too deeply"),
     ]:
         path = tmp_path / "k.toml"
         path.write_text(text)
