@@ -11,6 +11,8 @@ per request. A lone request goes out at once, alone.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -18,9 +20,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge.failures import FailureClass
-from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitReply
+from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitReply, LeaseConfirmCall
 from modelforge.policy import AdmissionRequest
 
+_FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
 MAX_IN_FLIGHT = 4  # per worker process and pool: well under Temporal's 10 per workflow
 MAX_BATCH = 200
 
@@ -79,8 +82,18 @@ class _PoolBatcher:
 def _as_failure(error: Exception, pool: str) -> Exception:
     if isinstance(error, WorkflowUpdateFailedError):
         cause = error.cause
-        if isinstance(cause, ApplicationError) and cause.type:
+        if isinstance(cause, ApplicationError) and cause.type in _FAILURE_CLASSES:
             return ApplicationError(cause.message, type=cause.type, non_retryable=cause.non_retryable)
+        # Temporal's own refusals (an update the scheduler's run never processed because it
+        # continued as new or its worker restarted: `UnprocessedUpdate`, ...) are not failures of
+        # the request: the admission is asked again, and the scheduler answers idempotently.
+        message = cause.message if isinstance(cause, ApplicationError) else str(cause or error)
+        kind = cause.type if isinstance(cause, ApplicationError) else type(cause or error).__name__
+        return ApplicationError(
+            f"the scheduler of pool {pool!r} did not process the admission ({kind}: {message}); asking again",
+            type=FailureClass.SCHEDULER_STATE_STALE.value,
+            non_retryable=False,
+        )
     if isinstance(error, RPCError) and error.status == RPCStatusCode.NOT_FOUND:
         return ApplicationError(
             f"the scheduler of pool {pool!r} is not running",
@@ -95,9 +108,26 @@ class SchedulerGatewayActivities:
         self._client = client
         self._batchers: dict[str, _PoolBatcher] = {}
 
+    def activities(self) -> list[Callable[..., Awaitable[Any]]]:
+        """What a worker that runs request workflows registers (as local activities)."""
+        return [self.admit, self.confirm_lease]
+
     @activity.defn(name="admit")
     async def admit(self, call: AdmitCall) -> AdmitReply:
         batcher = self._batchers.get(call.pool)
         if batcher is None:
             batcher = self._batchers[call.pool] = _PoolBatcher(self._client, call.pool)
         return await batcher.admit(call.request)
+
+    @activity.defn(name="confirm_lease")
+    async def confirm_lease(self, call: LeaseConfirmCall) -> bool:
+        """Whether the scheduler still holds the lease for its holder (and, if so, that the
+        holder has now been heard from): asked before a grant that arrived late is used."""
+        handle = self._client.get_workflow_handle(f"scheduler:{call.pool}")
+        try:
+            held: bool = await handle.execute_update(
+                "confirm_lease", call, result_type=bool, id=f"confirm:{call.lease_id}"
+            )
+        except Exception as error:
+            raise _as_failure(error, call.pool) from None
+        return held

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelforge.domain import Accelerator, Deployment, Observation
+from modelforge.events import EventRecord
 from modelforge.policy import AcceleratorStatus, AdmissionRequest, Lease, PolicyConfig, PoolState
 
 DEFAULT_LEASE_TIMEOUT_S = 300.0
@@ -48,6 +49,16 @@ class AdmitCall:
     request: AdmissionRequest
     # The scheduler's update id for this acquisition (Temporal deduplicates by it).
     update_id: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseConfirmCall:
+    """A holder asks whether its lease is still held before it uses a grant that reached it
+    late (its worker or Temporal was away): a reclaimed lease must never be used."""
+
+    pool: str
+    lease_id: str
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,37 @@ class SchedulerInput:
     max_history_events: int = 5000
     # A capacity snapshot per accelerator into Postgres this often (0: none).
     snapshot_interval_s: float = 60.0
+    # What the previous run had decided but not yet delivered or written when it continued as
+    # new: carried so that nothing is dropped and continue-as-new never waits on Postgres.
+    carried: CarriedOutbox | None = None
+
+
+@dataclass(frozen=True)
+class AddressedDecision:
+    workflow_id: str
+    decision: LeaseDecision
+
+
+@dataclass(frozen=True)
+class AddressedCommand:
+    workflow_id: str
+    command: ResidentCommand
+
+
+@dataclass(frozen=True)
+class AddressedPreempt:
+    workflow_id: str
+    preempt: PreemptSignal
+
+
+@dataclass(frozen=True)
+class CarriedOutbox:
+    decisions: list[AddressedDecision] = field(default_factory=list)
+    commands: list[AddressedCommand] = field(default_factory=list)
+    preempts: list[AddressedPreempt] = field(default_factory=list)
+    loads: list[ResidencyInput] = field(default_factory=list)
+    # Unwritten events, and those whose write had not been confirmed (written again: idempotent).
+    events: list[EventRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,17 @@ class Stack:
         connection of its own, as a node on its own host has: the SDK allows one worker per task
         queue and connection, and the control worker may be serving this node's queue while
         the node is away (workers/control.py, NodeQueueAdopter)."""
-        await self.node_workers[node].shutdown()
+        await self.stop_node(node)
+        await self.start_node(node)
+
+    async def stop_node(self, node: str) -> None:
+        """Stop a node worker (its queue goes unserved until `start_node`)."""
+        worker = self.node_workers[node]
+        if worker.is_running and not worker.is_shutdown:
+            await worker.shutdown()
+
+    async def start_node(self, node: str) -> None:
+        """A fresh node worker for a stopped one, as `restart_node` describes."""
         backend = simulated_backend(node, self.catalog, self.external)
         self.backends[node] = backend
         config = self.client.service_client.config

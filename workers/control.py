@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import WorkflowIDConflictPolicy
@@ -17,7 +18,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import SchedulerGatewayActivities, StoreActivities
 from modelforge.logging import get_logger
-from modelforge.messages import AdmitReply, SchedulerInput
+from modelforge.messages import SchedulerInput
 from modelforge.metrics import Metrics
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
@@ -51,12 +52,12 @@ class NodeQueueAdopter:
         self,
         client: Client,
         pools: Sequence[str],
-        admit: Callable[..., Awaitable[AdmitReply]],
+        local_activities: Sequence[Callable[..., Awaitable[Any]]],
         interval_s: float = 5.0,
     ) -> None:
         self._client = client
         self._pools = list(pools)
-        self._admit = admit
+        self._local_activities = list(local_activities)  # the admission calls (admit, confirm_lease)
         self._interval_s = interval_s
         self._workers: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
 
@@ -98,7 +99,7 @@ class NodeQueueAdopter:
                         self._client,
                         task_queue=node_task_queue(node),
                         workflows=[CapabilityRequestWorkflow],
-                        activities=[self._admit],
+                        activities=self._local_activities,
                         # The admission call as a local activity only: this worker must never
                         # take the node's own activity tasks (an invoke here would fail, not wait).
                         no_remote_activities=True,
@@ -173,7 +174,7 @@ def build_control_worker(
         workflows=ALL_WORKFLOWS,
         workflow_runner=workflow_runner(),
         activities=[
-            gateway.admit,
+            *gateway.activities(),
             records.load_catalog,
             records.record_events,
             records.record_snapshots,
@@ -184,7 +185,7 @@ def build_control_worker(
     schedulers = Worker(
         client, task_queue=SCHEDULER_TASK_QUEUE, workflows=[PoolSchedulerWorkflow], workflow_runner=workflow_runner()
     )
-    return ControlWorker([schedulers, control], NodeQueueAdopter(client, pools, gateway.admit, adopt_interval_s))
+    return ControlWorker([schedulers, control], NodeQueueAdopter(client, pools, gateway.activities(), adopt_interval_s))
 
 
 async def ensure_scheduler(

@@ -106,7 +106,7 @@ def build_node_worker(
         # 25 ms of a warm request on the dev server. The admission call is their local activity.
         workflows=[CapabilityRequestWorkflow],
         activities=[
-            SchedulerGatewayActivities(client).admit,
+            *SchedulerGatewayActivities(client).activities(),
             node_activities.sample_node,
             node_activities.load_model,
             node_activities.health_check,

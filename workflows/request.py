@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         GangJobInput,
         InvokeInput,
         InvokeResult,
+        LeaseConfirmCall,
         LeaseDecision,
         LeaseHeartbeat,
         PreemptSignal,
@@ -66,6 +67,13 @@ PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
 PATCH_GANG_CHECKPOINTS = "gang-checkpoints"
 # ...and before an invoke the node never started (its task lost in flight) was retried (session 7).
 PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
+# ...and before lease fencing: a grant that reached the holder late is confirmed with the
+# scheduler before use, and an admission that failed is withdrawn (it may still be granted).
+PATCH_LEASE_FENCING = "lease-fencing"
+# The admission call's budget (schedule-to-close of the admit local activity); the scheduler
+# refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
+ADMIT_BUDGET = timedelta(seconds=60)
+ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
@@ -99,12 +107,21 @@ class CapabilityRequestWorkflow:
         crashes = preemptions = 0
         resume_from = ""  # the checkpoint the next run starts from, once one was taken
         gang_resume: dict[int, str] = {}  # a gang job's: each rank's checkpoint, all or none
+        fencing = workflow.patched(PATCH_LEASE_FENCING)
+        refused = 0  # grants found reclaimed on arrival (bounded like crashes)
         while True:
             self._decision = None
             self._preempt = None
+            acquisition = crashes + preemptions + refused
             lease = await self._acquire(
-                request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=crashes + preemptions
+                request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=acquisition
             )
+            if fencing and not await self._still_held(request, lease, acquisition):
+                refused += 1
+                if refused > MAX_PREEMPTIONS:
+                    self._end(FailureClass.LEASE_CONFLICT.value)
+                    raise failure(FailureClass.LEASE_CONFLICT, f"{refused} grants were reclaimed before they arrived")
+                continue
             self._lease = lease
             timings["lease_s"] = (workflow.now() - started).total_seconds()
             workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
@@ -346,7 +363,45 @@ class CapabilityRequestWorkflow:
                     "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
                 )
 
+    async def _still_held(self, request: RequestInput, lease: Lease, acquisition: int) -> bool:
+        """A grant that reaches its holder later than a heartbeat period after it was made (the
+        holder's worker, or Temporal, was away) may have been reclaimed meanwhile and its room
+        granted to another: the holder asks the scheduler before using it. A prompt grant cannot
+        have been (a lease is held at least stale_lease_s), so the warm path pays nothing."""
+        late_s = workflow.now().timestamp() - lease.granted_at
+        if late_s <= (lease.heartbeat_s or LEASE_HEARTBEAT_S):
+            return True
+        try:
+            held: bool = await workflow.execute_local_activity(
+                "confirm_lease",
+                LeaseConfirmCall(pool=request.pool, lease_id=lease.lease_id, request_id=request.request_id),
+                result_type=bool,
+                start_to_close_timeout=timedelta(seconds=10),
+                schedule_to_close_timeout=ADMIT_BUDGET,
+                retry_policy=RetryPolicy(
+                    non_retryable_error_types=[f for f in ALL_FAILURES if f != FailureClass.SCHEDULER_STATE_STALE.value]
+                ),
+                summary=f"confirm lease {lease.lease_id} ({late_s:.0f} s after its grant)",
+            )
+        except (ActivityError, ApplicationError) as error:
+            cls, message = classify(error)
+            self._end(cls)
+            await self._withdraw(request, f"{cls}: could not confirm a late grant: {message}")
+            raise failure(cls, f"could not confirm a grant that arrived {late_s:.0f} s late: {message}") from None
+        return held
+
+    async def _withdraw(self, request: RequestInput, reason: str) -> None:
+        """Tell the scheduler this request no longer waits: a queued admission is dropped and a
+        lease granted to it goes back (an admission the caller gave up on may still land)."""
+        try:
+            await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
+                "cancel", CancelSignal(request_id=request.request_id, reason=reason)
+            )
+        except Exception as error:  # no scheduler to tell: nothing of this request is there
+            workflow.logger.info("withdrawal of %s not delivered: %s", request.request_id, error)
+
     async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
+        fencing = workflow.patched(PATCH_LEASE_FENCING)
         admission = AdmissionRequest(
             request_id=request.request_id,
             workflow_id=workflow.info().workflow_id,
@@ -358,6 +413,9 @@ class CapabilityRequestWorkflow:
             preempted=preempted,
             submitted_at=submitted_at if preempted else None,
             max_duration_s=request.max_duration_s,
+            admit_by=(
+                workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S if fencing else None
+            ),
         )
         try:
             reply = await workflow.execute_local_activity(
@@ -369,7 +427,7 @@ class CapabilityRequestWorkflow:
                 ),
                 result_type=AdmitReply,
                 start_to_close_timeout=timedelta(seconds=10),
-                schedule_to_close_timeout=timedelta(seconds=60),
+                schedule_to_close_timeout=ADMIT_BUDGET,
                 # Only a scheduler that is still starting is worth asking again.
                 retry_policy=RetryPolicy(
                     non_retryable_error_types=[f for f in ALL_FAILURES if f != FailureClass.SCHEDULER_STATE_STALE.value]
@@ -383,6 +441,8 @@ class CapabilityRequestWorkflow:
                 raise  # as requests started before session 4 did: no outcome attribute, no event
             cls, message = classify(error)
             self._end(cls)
+            if fencing:
+                await self._withdraw(request, f"{cls}: the admission call failed: {message}")
             await self._record_unseen_failure(request, cls, message, acquisition)
             raise failure(cls, message) from None
         if reply.status == "granted" and reply.lease is not None:

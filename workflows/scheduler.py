@@ -21,10 +21,15 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass, parse_failure
     from modelforge.messages import (
+        AddressedCommand,
+        AddressedDecision,
+        AddressedPreempt,
         AdmitBatch,
         AdmitBatchReply,
         AdmitReply,
         CancelSignal,
+        CarriedOutbox,
+        LeaseConfirmCall,
         LeaseDecision,
         LeaseHeartbeat,
         NodeSample,
@@ -63,6 +68,17 @@ PATCH_SILENT_NODES = "preempt-silent-nodes"
 PATCH_QUIET_LOOP = "quiet-loop"
 # ...and before a ready resident on a stale card stopped taking new leases (session 7).
 PATCH_NO_STALE_JOINS = "no-stale-joins"
+# ...and before continue-as-new carried undelivered decisions and unwritten events in its input
+# instead of waiting for every event write to land (a Postgres outage froze admission there).
+PATCH_CARRY_OUTBOX = "carry-outbox"
+# ...and before lease fencing: a lease never heard from is held for unheard_lease_s, a grant
+# whose lease is gone is not delivered, and holders confirm late grants (`confirm_lease`).
+PATCH_LEASE_FENCING = "lease-fencing"
+# ...and before residents of deployments removed from the catalog were unloaded.
+PATCH_UNLOAD_REMOVED = "unload-removed-deployments"
+
+# A lease whose holder was never heard from is reclaimed after this many stale_lease_s.
+UNHEARD_LEASE_FACTOR = 5.0
 
 EVENT_BATCH = 200
 # With the quiet loop, events are written at most this often (a backlog of a batch goes at once):
@@ -95,6 +111,17 @@ class PoolSchedulerWorkflow:
         self._events_written_at = 0.0
         self._snapshot_interval_s = start.snapshot_interval_s
         self._next_snapshot_at: float | None = None
+        # Event batches whose write has not been confirmed, by write: carried at continue-as-new.
+        self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
+        self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
+        carried = start.carried
+        if carried is not None:
+            self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
+            self._commands_out = [(c.workflow_id, c.command) for c in carried.commands]
+            self._preempts_out = [(p.workflow_id, p.preempt) for p in carried.preempts]
+            self._loads_out = list(carried.loads)
+            self._events = list(carried.events)
+            self._wake = True
 
     # --- messages ---------------------------------------------------------------------------
 
@@ -137,6 +164,12 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(status="queued", priority=existing.priority)
                 continue
             try:
+                if request.admit_by is not None and now > request.admit_by:
+                    # The requester has given up on this call: granting it would hold a lease for
+                    # nobody. It asks again (a new call) or has failed and withdrawn.
+                    raise policy.AdmissionRejected(
+                        FailureClass.TIMEOUT, f"admission reached the scheduler {now - request.admit_by:.1f} s late"
+                    )
                 _, priority = policy.validate_request(self._state, request, gangs=True)
             except policy.AdmissionRejected as rejected:
                 replies[position] = AdmitReply(
@@ -228,6 +261,23 @@ class PoolSchedulerWorkflow:
     def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
         # Nothing to decide: a live holder only pushes its lease's stale deadline out.
         policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
+
+    @workflow.update
+    def confirm_lease(self, call: LeaseConfirmCall) -> bool:
+        """Whether a lease is still held; its holder is heard from (its silence clock restarts).
+        A holder whose grant reached it late asks this before using it: False, and it must not."""
+        held = policy.lease_heartbeat(self._state, call.lease_id, self._now())
+        if not held:
+            self._record(
+                policy.PolicyEvent(
+                    kind="stale_grant_refused",
+                    request_id=call.request_id,
+                    lease_id=call.lease_id,
+                    message="a holder asked about a lease no longer held; it must not use it",
+                ),
+                self._now(),
+            )
+        return held
 
     @workflow.signal
     def cancel(self, signal: CancelSignal) -> None:
@@ -400,6 +450,11 @@ class PoolSchedulerWorkflow:
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
         self._quiet = workflow.patched(PATCH_QUIET_LOOP)
+        self._fencing = workflow.patched(PATCH_LEASE_FENCING)
+        if self._fencing and self._state.config.unheard_lease_s is None:
+            config = self._state.config
+            self._state.config = replace(config, unheard_lease_s=UNHEARD_LEASE_FACTOR * config.stale_lease_s)
+        carry = workflow.patched(PATCH_CARRY_OUTBOX)
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
@@ -407,6 +462,10 @@ class PoolSchedulerWorkflow:
             self._snapshot()
             await self._flush()
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
+                if carry:
+                    # Nothing waits on Postgres here: what is not yet delivered or written goes
+                    # to the next run in its input, and is sent or written (again) from there.
+                    workflow.continue_as_new(replace(start, state=self._state, carried=self._outbox()))
                 await self._drain_event_writes()
                 workflow.continue_as_new(replace(start, state=self._state))
             if self._quiet:
@@ -421,6 +480,16 @@ class PoolSchedulerWorkflow:
                 except TimeoutError:
                     pass
             self._wake = False
+
+    def _outbox(self) -> CarriedOutbox:
+        unconfirmed = [event for write, batch in self._unconfirmed if not _succeeded(write) for event in batch]
+        return CarriedOutbox(
+            decisions=[AddressedDecision(w, d) for w, d in self._decisions_out],
+            commands=[AddressedCommand(w, c) for w, c in self._commands_out],
+            preempts=[AddressedPreempt(w, p) for w, p in self._preempts_out],
+            loads=list(self._loads_out),
+            events=unconfirmed + self._events,
+        )
 
     def _arm_timer(self, delay: float) -> None:
         """One wake-up timer in flight: replaced only when something is due earlier than it."""
@@ -524,6 +593,8 @@ class PoolSchedulerWorkflow:
             self._state.config = replace(config, node_silent_s=math.inf)
         if not workflow.patched(PATCH_NO_STALE_JOINS):
             self._state.config = replace(self._state.config, join_stale_residents=True)
+        if workflow.patched(PATCH_UNLOAD_REMOVED):
+            self._state.config = replace(self._state.config, unload_removed_deployments=True)
         try:
             decisions = policy.decide(self._state, now)
         finally:
@@ -623,6 +694,21 @@ class PoolSchedulerWorkflow:
         return None
 
     async def _tell_requester(self, workflow_id: str, decision: LeaseDecision) -> object:
+        lease = decision.lease
+        if self._fencing and lease is not None and lease.lease_id not in self._state.leases:
+            # Reclaimed or cancelled before it went out: a grant is never delivered for a lease
+            # that is no longer held (its holder would use memory promised to someone else).
+            self._record(
+                policy.PolicyEvent(
+                    kind="grant_withdrawn",
+                    request_id=decision.request_id,
+                    lease_id=lease.lease_id,
+                    workflow_id=workflow_id,
+                    message="the lease ended before its grant was delivered",
+                ),
+                self._now(),
+            )
+            return None
         try:
             await workflow.get_external_workflow_handle(workflow_id).signal("lease_decision", decision)
         except Exception as error:
@@ -707,6 +793,8 @@ class PoolSchedulerWorkflow:
             summary=f"record {len(batch)} events",
         )
         self._event_writes.append(write)
+        self._unconfirmed = [(w, b) for w, b in self._unconfirmed if not _succeeded(w)]
+        self._unconfirmed.append((write, batch))
         return write
 
     async def _drain_event_writes(self) -> None:
@@ -739,3 +827,7 @@ class PoolSchedulerWorkflow:
     def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
         for event in events:
             self._record(event, now)
+
+
+def _succeeded(write: asyncio.Future[object]) -> bool:
+    return write.done() and not write.cancelled() and write.exception() is None

@@ -19,6 +19,7 @@ from modelforge.domain import (
     level_ref,
 )
 from modelforge.failures import FailureClass, parse_failure
+from modelforge.identifiers import identifier_problem
 from modelforge.policy._decisions import (
     Decisions,
     PolicyEvent,
@@ -37,10 +38,6 @@ from modelforge.policy._state import (
     TenantUsage,
     measured,
 )
-
-MAX_CAPABILITY_LENGTH = 200
-MAX_TENANT_LENGTH = 100
-
 
 # A month: batch jobs of the Alibaba trace run for days.
 MAX_DURATION_S = 30 * 24 * 3600.0
@@ -71,6 +68,9 @@ class AdmissionRequest:
     # The longest the lease will be held once granted (the request's max_duration): lets work
     # that ends before a waiting gang's reservation starts backfill the reserved accelerators.
     max_duration_s: float | None = None
+    # The requester stops waiting for this admission at this moment (its admit call's budget):
+    # an admission the scheduler only gets to later is refused, never granted to nobody.
+    admit_by: float | None = None
 
 
 def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
@@ -137,8 +137,16 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
     them, for a caller that cannot run them (the request workflows ran them from session 6 on)."""
     if not request.request_id or not request.capability:
         raise AdmissionRejected(FailureClass.REQUEST_INVALID, "request_id and capability are required")
-    if len(request.capability) > MAX_CAPABILITY_LENGTH or len(request.tenant) > MAX_TENANT_LENGTH:
-        raise AdmissionRejected(FailureClass.REQUEST_INVALID, "capability or tenant name too long")
+    # The last entrance checks what every entrance checks (a client that skipped them, or an old
+    # one): nothing unprintable or unbounded goes into the state, the history or the event log.
+    for kind, identifier in (("request_id", request.request_id), ("capability", request.capability)):
+        problem = identifier_problem(kind, identifier)
+        if problem is not None:
+            raise AdmissionRejected(FailureClass.REQUEST_INVALID, problem)
+    if request.tenant:  # empty: the scheduler's default tenant
+        problem = identifier_problem("tenant", request.tenant)
+        if problem is not None:
+            raise AdmissionRejected(FailureClass.REQUEST_INVALID, problem)
     for name, value in (("deadline_s", request.deadline_s), ("lease_timeout_s", request.lease_timeout_s)):
         if value is not None and not (0 < value <= 7 * 24 * 3600):
             raise AdmissionRejected(
@@ -369,6 +377,7 @@ def note_outcome(state: PoolState, capability: str, outcome: str, message: str, 
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
     lease = state.leases.pop(lease_id, None)
     state.lease_seen.pop(lease_id, None)
+    state.lease_heard.pop(lease_id, None)
     state.preempting.pop(lease_id, None)
     if lease is None:
         return []
@@ -413,14 +422,24 @@ def lease_heartbeat(state: PoolState, lease_id: str, now: float) -> bool:
     if lease_id not in state.leases:
         return False
     state.lease_seen[lease_id] = now
+    state.lease_heard[lease_id] = True
     return True
+
+
+def _silence_limit(state: PoolState, lease_id: str) -> float:
+    """How long this lease's holder may stay silent: stale_lease_s once it has been heard from,
+    unheard_lease_s before (it may not have heard of its grant yet)."""
+    config = state.config
+    if config.unheard_lease_s is None or state.lease_heard.get(lease_id):
+        return config.stale_lease_s
+    return max(config.stale_lease_s, config.unheard_lease_s)
 
 
 def stale_leases_due(state: PoolState) -> float | None:
     """When the next lease goes stale if its holder stays silent, for the scheduler's timer."""
     if not state.lease_seen:
         return None
-    return min(state.lease_seen.values()) + state.config.stale_lease_s
+    return min(seen + _silence_limit(state, lease_id) for lease_id, seen in state.lease_seen.items())
 
 
 def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
@@ -428,8 +447,20 @@ def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
     that was terminated or lost must not pin memory forever."""
     limit = state.config.stale_lease_s
     events: list[PolicyEvent] = []
-    away = state.stale_checked_at > 0 and now - state.stale_checked_at > 1.5 * limit
+    if state.config.unheard_lease_s is None:
+        away = state.stale_checked_at > 0 and now - state.stale_checked_at > 1.5 * limit
+    else:
+        # The scheduler's timer wakes it when the next lease goes stale: looking much later than
+        # that (half a period) means it was not running, so holders could not be heard either.
+        away = state.stale_due_at is not None and now > state.stale_due_at + 0.5 * limit
     state.stale_checked_at = now
+    try:
+        return _reclaim(state, now, limit, away, events)
+    finally:
+        state.stale_due_at = stale_leases_due(state)
+
+
+def _reclaim(state: PoolState, now: float, limit: float, away: bool, events: list[PolicyEvent]) -> list[PolicyEvent]:
     if away:
         # The scheduler was not running (its worker restarted): holders' heartbeats could not
         # land either, so silence proves nothing yet. Give every holder a full period.
@@ -445,12 +476,13 @@ def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
             if state.lease_seen
             else []
         )
-    for lease_id in [lid for lid, seen in state.lease_seen.items() if now - seen >= limit]:
+    for lease_id in [lid for lid, seen in state.lease_seen.items() if now - seen >= _silence_limit(state, lid)]:
         lease = state.leases.get(lease_id)
         silent = now - state.lease_seen[lease_id]
         if lease is None:
             state.lease_seen.pop(lease_id, None)
             continue
+        limit = _silence_limit(state, lease_id)
         events.append(
             PolicyEvent(
                 kind="lease_reclaimed",

@@ -99,6 +99,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
                 decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
 
     _preempt_on_silent_nodes(pass_, decisions, now)
+    if state.config.unload_removed_deployments:
+        _unload_removed(pass_, decisions)
 
     # load_on_demand and batch residents go when their last lease has ended and nobody waits.
     waiting_on = {a.resident_key: True for a in decisions.assigns}
@@ -115,6 +117,26 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
         ):
             decisions.unloads.append(Unload(resident.key, "last lease ended (load_on_demand)"))
     return decisions
+
+
+def _unload_removed(pass_: DecisionPass, decisions: Decisions) -> None:
+    """A resident whose deployment or accelerator is no longer in the catalog goes as soon as it
+    is idle, whatever its residency: nothing may be granted on it, so an `always_warm` one would
+    otherwise pin its memory, unevictable, forever."""
+    state = pass_.state
+    known = {d.deployment_id for d in state.catalog.deployments}
+    accelerators = {a.id for a in state.catalog.accelerators}
+    for resident in state.residents.values():
+        if resident.deployment in known and resident.accelerator in accelerators:
+            continue
+        if (
+            resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
+            and resident.active_leases == 0
+            and resident.key not in pass_.evicting
+            and resident.key not in pass_.in_use
+        ):
+            pass_.evicting[resident.key] = True
+            decisions.unloads.append(Unload(resident.key, "removed from the catalog"))
 
 
 Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]

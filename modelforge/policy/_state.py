@@ -25,8 +25,14 @@ class PolicyConfig:
     degraded_after_failures: int = 3
     healthy_after_successes: int = 3
     default_lease_timeout_s: float = 300.0
-    # A lease whose holder has not heart-beaten for this long is reclaimed (DESIGN §4).
+    # A lease whose holder has not heart-beaten for this long is reclaimed.
     stale_lease_s: float = 60.0
+    # A lease whose holder has never been heard from since the grant (no heartbeat, no
+    # confirmation) is reclaimed only after this long: a holder whose worker was down when the
+    # grant went out (a killed worker, a Temporal restart) cannot have heard of it yet, and
+    # silence then proves nothing. None: the same as stale_lease_s (schedulers recorded before
+    # lease fencing replay with it).
+    unheard_lease_s: float | None = None
     # Preemption of strictly lower, preemptible work: never before it ran this long, and its
     # holder gets this long to checkpoint and release.
     preempt_min_runtime_s: float = 30.0
@@ -42,6 +48,10 @@ class PolicyConfig:
     # freshness_s (it may be gone). On only for schedulers recorded before session 7, which
     # replay with it.
     join_stale_residents: bool = False
+    # On: a resident whose deployment or accelerator left the catalog is unloaded once idle (the
+    # scheduler turns it on; off for schedulers recorded before the rule, which replay without
+    # it, and for the simulator, whose catalog never changes).
+    unload_removed_deployments: bool = False
     fair_share_half_life_s: float = 3600.0
 
 
@@ -193,6 +203,9 @@ class PoolState:
     leases: dict[str, Lease] = field(default_factory=dict)
     # lease id -> when its holder last showed it is alive (granted, or a heartbeat since).
     lease_seen: dict[str, float] = field(default_factory=dict)
+    # Leases whose holder has been heard from since the grant (a heartbeat or a confirmation):
+    # only those are reclaimed after stale_lease_s of silence; the others after unheard_lease_s.
+    lease_heard: dict[str, bool] = field(default_factory=dict)
     capability_health: dict[str, CapabilityHealth] = field(default_factory=dict)
     # always_warm deployment -> [consecutive failed loads, earliest next attempt]: a model that
     # keeps failing to load is retried with backoff, never in a tight loop.
@@ -201,6 +214,9 @@ class PoolState:
     preempting: dict[str, str] = field(default_factory=dict)
     # When stale leases were last looked for: a long gap means the scheduler itself was away.
     stale_checked_at: float = 0.0
+    # With lease fencing: when the next lease was due to go stale at the last look (the
+    # scheduler's timer wakes it then). A look much later than that means it was away.
+    stale_due_at: float | None = None
     queue: list[QueuedRequest] = field(default_factory=list)
     usage: dict[str, TenantUsage] = field(default_factory=dict)
     lease_counter: int = 0

@@ -18,9 +18,14 @@ from modelforge.catalog import parse_catalog
 from modelforge.domain import Catalog, fair_share_entity
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.identifiers import storable, storable_text
 from modelforge.messages import SnapshotBatch
 
 _MIGRATION_LOCK = 0x6D666F7267  # "mforg": one migrator at a time
+# The longest look-back a history query takes (a century; Postgres intervals are finite).
+MAX_WINDOW_S = 36500 * 86400.0
+# The most events one query returns.
+MAX_EVENTS = 100_000
 
 
 def _migrations() -> list[tuple[int, str, str]]:
@@ -195,36 +200,87 @@ class Store:
 
     async def record_events(self, events: list[EventRecord]) -> int:
         """Write events and the lease-ledger rows they imply, in one transaction. Idempotent:
-        the writer chooses event ids, and ledger columns are set from their own event only."""
+        the writer chooses event ids, and ledger columns are set from their own event only.
+
+        Text is made storable first (Postgres refuses NUL in text and jsonb; UTF-8 refuses lone
+        surrogates). A batch that still fails on its data, not on an outage, is written event by
+        event, and each event that fails alone goes to `events_quarantine` (kept readable, with
+        the error) with an `event_quarantined` event in the log: one bad row never holds the
+        rest, and the caller's retries are for outages only."""
         if not events:
             return 0
+        clean = [_storable_event(e) for e in events]
+        try:
+            await self._write_events(clean)
+        except _DATA_ERRORS:
+            for event in clean:
+                try:
+                    await self._write_events([event])
+                except _DATA_ERRORS as error:
+                    await self._quarantine(event, error)
+        return len(events)
+
+    async def _quarantine(self, event: EventRecord, error: BaseException) -> None:
+        record = json.dumps(dataclasses.asdict(event), default=repr, ensure_ascii=True, sort_keys=True)
+        reason = storable_text(f"{type(error).__name__}: {error}")[:2000]
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "INSERT INTO events_quarantine (event_id, record, error) VALUES (%s, %s, %s)"
+                " ON CONFLICT (event_id) DO NOTHING",
+                (storable_text(event.event_id)[:200], record, reason),
+            )
+            await conn.execute(
+                "INSERT INTO events (event_id, at, kind, request_id, lease_id, message, payload)"
+                " VALUES (%s, now(), 'event_quarantined', %s, %s, %s, %s) ON CONFLICT (event_id) DO NOTHING",
+                (
+                    "quarantined:" + storable_text(event.event_id)[:200],
+                    storable_text(event.request_id)[:200],
+                    storable_text(event.lease_id)[:200],
+                    f"event {storable_text(event.kind)[:100]!r} could not be stored and was quarantined: {reason}",
+                    Jsonb({"event_id": storable_text(event.event_id)[:200], "kind": storable_text(event.kind)[:100]}),
+                ),
+            )
+
+    async def quarantined_events(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT event_id, quarantined_at, record, error FROM events_quarantine"
+                " ORDER BY quarantined_at DESC LIMIT %(limit)s",
+                {"limit": max(0, limit)},
+            )
+            return await cur.fetchall()
+
+    async def _write_events(self, events: list[EventRecord]) -> None:
         grants = [e for e in events if e.kind == "lease_granted" and e.lease_id]
         ends = [e for e in events if e.kind == "lease_released" and e.lease_id]
+        rows = [
+            (
+                e.event_id,
+                _timestamp(e.at),
+                e.kind,
+                e.failure_class,
+                e.request_id,
+                e.lease_id,
+                e.accelerator,
+                e.deployment,
+                e.workflow_id,
+                e.message,
+                Jsonb(e.payload),
+                e.alert,
+            )
+            for e in events
+        ]
+        grant_rows = [_ledger_grant(e) for e in grants]
+        end_rows = [_ledger_end(e) for e in ends]
         async with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             await cur.executemany(
                 "INSERT INTO events (event_id, at, kind, failure_class, request_id, lease_id, accelerator,"
                 " deployment, workflow_id, message, payload, alert)"
                 " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (event_id) DO NOTHING",
-                [
-                    (
-                        e.event_id,
-                        _timestamp(e.at),
-                        e.kind,
-                        e.failure_class,
-                        e.request_id,
-                        e.lease_id,
-                        e.accelerator,
-                        e.deployment,
-                        e.workflow_id,
-                        e.message,
-                        Jsonb(e.payload),
-                        e.alert,
-                    )
-                    for e in events
-                ],
+                rows,
             )
-            if grants:
+            if grant_rows:
                 await cur.executemany(
                     "INSERT INTO lease_ledger (lease_id, request_id, pool, tenant, capability, deployment, priority,"
                     " accelerators, bytes, granted_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
@@ -233,9 +289,9 @@ class Store:
                     " deployment = EXCLUDED.deployment, priority = EXCLUDED.priority,"
                     " accelerators = EXCLUDED.accelerators, bytes = EXCLUDED.bytes,"
                     " granted_at = EXCLUDED.granted_at, updated_at = now()",
-                    [_ledger_grant(e) for e in grants],
+                    grant_rows,
                 )
-            if ends:
+            if end_rows:
                 await cur.executemany(
                     "INSERT INTO lease_ledger (lease_id, request_id, pool, tenant, capability, deployment, priority,"
                     " accelerators, bytes, granted_at, ended_at, outcome, held_s, gpu_seconds)"
@@ -243,9 +299,8 @@ class Store:
                     " ON CONFLICT (lease_id) DO UPDATE SET ended_at = EXCLUDED.ended_at,"
                     " outcome = EXCLUDED.outcome, held_s = EXCLUDED.held_s, gpu_seconds = EXCLUDED.gpu_seconds,"
                     " updated_at = now()",
-                    [_ledger_end(e) for e in ends],
+                    end_rows,
                 )
-        return len(events)
 
     async def record_snapshots(self, batch: SnapshotBatch, retention_s: float) -> int:
         """One row per accelerator at the batch's moment (a retry inserts nothing twice), then
@@ -326,6 +381,10 @@ class Store:
         of ended leases, GiB-seconds, outcomes, and leases still open."""
         if by not in ("tenant", "capability"):
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"usage --by must be tenant or capability, not {by!r}")
+        if since_s is not None and not (isinstance(since_s, int | float) and 0 < since_s <= MAX_WINDOW_S):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"usage --since must be between 0 and {MAX_WINDOW_S:.0f} seconds"
+            )
         group = psycopg.sql.Identifier(by)
         query = psycopg.sql.SQL(
             "SELECT coalesce({group}, '?') AS {group}, count(*) AS leases,"
@@ -387,6 +446,14 @@ class Store:
         accelerator: str | None = None,
         alert: str | None = None,
     ) -> list[dict[str, Any]]:
+        """The newest `limit` events after `after_seq`, oldest first. A filter is compared with
+        text as the store keeps it (storable_text: NUL and lone surrogates escaped)."""
+        for name, number, low, high in (("limit", limit, 1, MAX_EVENTS), ("after_seq", after_seq, 0, 2**63 - 1)):
+            if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= high:
+                raise ModelForgeError(FailureClass.REQUEST_INVALID, f"events {name} must be between {low} and {high}")
+        filters = {"request_id": request_id, "kind": kind, "failure": failure_class, "accelerator": accelerator}
+        filters = {key: None if value is None else storable_text(str(value)) for key, value in filters.items()}
+        alert = None if alert is None else storable_text(str(alert))
         async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             await cur.execute(
                 "SELECT seq, event_id, at, kind, failure_class, request_id, lease_id, accelerator, deployment,"
@@ -398,15 +465,7 @@ class Store:
                 "  AND (%(accelerator)s::text IS NULL OR accelerator = %(accelerator)s)"
                 "  AND (%(alert)s::text IS NULL OR alert = %(alert)s OR (%(alert)s = '*' AND alert IS NOT NULL))"
                 "  ORDER BY seq DESC LIMIT %(limit)s) newest ORDER BY seq",
-                {
-                    "after": after_seq,
-                    "request_id": request_id,
-                    "kind": kind,
-                    "failure": failure_class,
-                    "accelerator": accelerator,
-                    "alert": alert,
-                    "limit": limit,
-                },
+                {"after": after_seq, **filters, "alert": alert, "limit": limit},
             )
             rows = await cur.fetchall()
         for row in rows:
@@ -440,6 +499,37 @@ def with_measured_envelopes(catalog: Catalog, measured: list[tuple[str, str, int
 
 def _timestamp(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+# Errors that come from a row's data, not from an outage: retrying cannot help, so the row is
+# quarantined. psycopg's OperationalError and InterfaceError (connection lost, server down) are
+# not here: those are retried until Postgres is back.
+_DATA_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.DataError,
+    psycopg.IntegrityError,
+    psycopg.ProgrammingError,
+    psycopg.NotSupportedError,
+    ValueError,  # includes UnicodeEncodeError and a timestamp out of range
+    OverflowError,
+    TypeError,
+)
+
+
+def _storable_event(e: EventRecord) -> EventRecord:
+    return dataclasses.replace(
+        e,
+        event_id=storable_text(e.event_id),
+        kind=storable_text(e.kind),
+        failure_class=None if e.failure_class is None else storable_text(e.failure_class),
+        request_id=storable_text(e.request_id),
+        lease_id=storable_text(e.lease_id),
+        accelerator=storable_text(e.accelerator),
+        deployment=storable_text(e.deployment),
+        workflow_id=storable_text(e.workflow_id),
+        message=storable_text(e.message),
+        payload=storable(e.payload),
+        alert=None if e.alert is None else storable_text(e.alert),
+    )
 
 
 def _accelerators(payload: dict[str, Any], fallback: str) -> list[str]:

@@ -1,0 +1,228 @@
+"""Integrity under faults and hostile input, on the real dev server: nothing wedges the pool,
+nothing is granted twice, nothing leaks.
+
+- Hostile identifiers sent straight to the scheduler (as an old or hand-written client would)
+  are refused REQUEST_INVALID, their refusal lands in the event log escaped, and the pool goes on
+  admitting and serving through continue-as-new (the NUL tenant once froze it for good).
+- A grant that reaches its holder after the lease was reclaimed is never used: the holder asks
+  the scheduler, hears "no", and is admitted again; the slot is never used twice at once.
+- An admission the requester already gave up on is refused, never granted to nobody.
+- A deployment removed from the catalog has its always_warm resident unloaded.
+- Postgres down across continue-as-new: admission never waits on it, nothing is dropped, and
+  every event and ledger row lands when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.catalog import load_catalog_file
+from modelforge.messages import AdmitBatch, AdmitBatchReply
+from modelforge.policy import AdmissionRequest, PolicyConfig
+from modelforge.settings import node_task_queue
+from tests.harness import Stack, running_stack
+from tests.store.test_outage import _Postgres, _reachable, outage_postgres  # noqa: F401 (a fixture)
+from workflows import PoolSchedulerWorkflow
+
+pytestmark = pytest.mark.workflow
+
+CATALOGS = Path(__file__).resolve().parents[1] / "catalogs"
+FENCING = CATALOGS / "fencing.toml"
+
+
+async def _until(check: Any, within_s: float, every_s: float = 0.2) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        found = await check()
+        if found or loop.time() > deadline:
+            return found
+        await asyncio.sleep(every_s)
+
+
+async def _run_id(handle: WorkflowHandle[Any, Any]) -> str:
+    return str((await handle.describe()).run_id)
+
+
+async def _admit(stack: Stack, *requests: AdmissionRequest) -> AdmitBatchReply:
+    reply: AdmitBatchReply = await stack.scheduler.execute_update(
+        "admit_batch", AdmitBatch(requests=list(requests)), result_type=AdmitBatchReply
+    )
+    return reply
+
+
+HOSTILE_TENANTS = ["a\x00b", "x\ud800", "line\nbreak", "名前", "t" * 3000, "\u202eevil", " ", ""]
+
+
+async def test_hostile_identifiers_never_wedge_the_pool(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
+    async with running_stack(dev_server_env.client, database_url, max_history_events=150) as stack:
+        first_run = await _run_id(stack.scheduler)
+        for n, tenant in enumerate(HOSTILE_TENANTS):
+            for field, value in (("tenant", tenant), ("request_id", f"r{n}\x00"), ("capability", f"rag\x00{n}@1")):
+                fields = {"tenant": "rag", "request_id": f"hostile-{n}-{field}", "capability": "rag.embedding@1"}
+                fields[field] = value
+                if field == "tenant" and value == "":
+                    continue  # empty: the scheduler's default tenant, a valid request
+                reply = await _admit(stack, AdmissionRequest(workflow_id=f"wf-{n}-{field}", **fields))
+                [answer] = reply.replies
+                assert (answer.status, answer.failure) == ("rejected", "REQUEST_INVALID"), (field, value, answer)
+        # Enough ordinary requests to take the scheduler through continue-as-new, all served.
+        for n in range(20):
+            result = await (await stack.start_request("rag.embedding@1", tenant="rag", input={"text": str(n)})).result()
+            assert result.output
+        assert await _run_id(stack.scheduler) != first_run, "the scheduler never continued as new"
+        refused = await stack.events("request_refused", at_least=3 * len(HOSTILE_TENANTS) - 1, within_s=20)
+        assert len(refused) >= 3 * len(HOSTILE_TENANTS) - 1
+        assert any("\\u0000" in str(e["payload"]) or "\\x00" in e["message"] for e in refused)
+        released = await stack.events("lease_released", at_least=20, within_s=20)
+        assert len(released) >= 20, "events after the hostile ones never landed"
+
+
+async def test_an_admission_the_requester_gave_up_on_is_refused(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(dev_server_env.client, database_url) as stack:
+        late = AdmissionRequest(
+            request_id="gave-up", workflow_id="wf-gave-up", capability="rag.embedding@1", tenant="rag", admit_by=1.0
+        )
+        [answer] = (await _admit(stack, late)).replies
+        assert (answer.status, answer.failure) == ("rejected", "TIMEOUT")
+        status = await stack.status()
+        assert status.queue_depth == {} or sum(status.queue_depth.values()) == 0
+        assert status.active_leases == 0
+
+
+async def test_a_grant_that_arrives_after_its_lease_was_reclaimed_is_never_used(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # stale 3 s: a holder never heard from keeps its lease 15 s (5x). Telemetry stays fresh.
+    config = PolicyConfig(stale_lease_s=3.0, freshness_s=300.0, node_silent_s=600.0)
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=FENCING, config=config, adopt_interval_s=3600
+    ) as stack:
+        holder = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 6})
+
+        async def holding() -> bool:
+            return (await stack.status()).active_leases == 1
+
+        assert await _until(holding, 30)
+        # The late holder's workflow runs on route-b's queue (a client routed it there) and waits
+        # in the queue for the one slot; then route-b's worker goes away.
+        late = await stack.start_request("fence.one@1", tenant="app", task_queue=node_task_queue("route-b"))
+
+        async def queued() -> bool:
+            return sum((await stack.status()).queue_depth.values()) == 1
+
+        assert await _until(queued, 30)
+        await stack.stop_node("route-b")
+        third = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 8})
+        # The holder ends; the slot is granted to `late`, whose worker cannot hear of it. After
+        # 15 s unheard, the lease is reclaimed and the slot goes to `third`.
+        assert (await holder.result()).output
+        reclaimed = await stack.events("lease_reclaimed", at_least=1, within_s=40)
+        assert reclaimed and reclaimed[0]["workflow_id"] == late.id
+        assert "limit 15 s" in reclaimed[0]["message"]
+
+        async def third_holds() -> bool:
+            return (await stack.status()).active_leases == 1
+
+        assert await _until(third_holds, 20)
+        await asyncio.sleep(1.0)  # `third` is invoking
+        # route-b comes back while `third` holds the slot: `late` now sees its old grant.
+        await stack.start_node("route-b")
+        late_result = await late.result()
+        third_result = await third.result()
+        # It was never used: `late` asked, was told no, and was served on a lease of its own,
+        # after `third` (one slot: the two never ran at once).
+        assert late_result.lease.lease_id != reclaimed[0]["lease_id"]
+        assert late_result.lease.granted_at >= third_result.lease.granted_at + 7.0
+        refused = await stack.events("stale_grant_refused", at_least=1)
+        assert refused and refused[0]["lease_id"] == reclaimed[0]["lease_id"]
+
+        async def ledger_ended() -> list[dict[str, Any]]:
+            rows = [r for r in await stack.store.ledger() if r["capability"] == "fence.one@1"]
+            return rows if len(rows) == 4 and all(r["ended_at"] for r in rows) else []
+
+        rows = await _until(ledger_ended, 15)
+        intervals = sorted((r["granted_at"], r["ended_at"]) for r in rows if r["ended_at"] is not None)
+        assert len(intervals) == len(rows) == 4
+        for (_, end), (start, _) in itertools.pairwise(intervals):
+            assert start >= end, f"two leases on a concurrency-1 slot at once: {intervals}"
+
+
+async def test_a_deployment_removed_from_the_catalog_is_unloaded(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=FENCING) as stack:
+
+        async def pinned_ready() -> bool:
+            residents = (await stack.status()).residents
+            return any(r.capability == "fence.pinned@1" and r.state == "ready" for r in residents)
+
+        assert await _until(pinned_ready, 30), "the always_warm model never loaded"
+        catalog, _ = load_catalog_file(FENCING)
+        smaller = dataclasses.replace(
+            catalog, deployments=[d for d in catalog.deployments if d.capability != "fence.pinned@1"]
+        )
+        await stack.store.apply_catalog(smaller)
+        await stack.scheduler.signal(PoolSchedulerWorkflow.catalog_changed)
+
+        async def gone() -> bool:
+            return not any(r.capability == "fence.pinned@1" for r in (await stack.status()).residents)
+
+        assert await _until(gone, 30), "a removed always_warm model stayed resident"
+        unload = await stack.events("unload_requested", at_least=1)
+        assert any("removed from the catalog" in e["message"] for e in unload)
+        # The card's memory is schedulable again.
+        status = await stack.status()
+        card = next(a for a in status.accelerators if a.id == "route-b/0")
+        assert card.resident_bytes == 0
+
+
+async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_nothing(
+    dev_server_env: WorkflowEnvironment,
+    outage_postgres: _Postgres,  # noqa: F811
+) -> None:
+    url = outage_postgres.server.get_uri()
+    async with running_stack(dev_server_env.client, url, max_history_events=120, snapshot_interval_s=5.0) as stack:
+        await (await stack.start_request("rag.embedding@1", tenant="rag")).result()
+        await asyncio.to_thread(outage_postgres.stop)
+        assert not _reachable(url)
+        first_run = await _run_id(stack.scheduler)
+        leases: list[str] = []
+        slowest = 0.0
+        runs = {first_run}
+        for n in range(30):
+            started = time.monotonic()
+            handle = await stack.start_request("rag.embedding@1", tenant="rag", input={"text": str(n)})
+            result = await asyncio.wait_for(handle.result(), timeout=30)
+            slowest = max(slowest, time.monotonic() - started)
+            leases.append(result.lease.lease_id)
+            runs.add(await _run_id(stack.scheduler))
+        # Admission never waited on the database, continue-as-new included.
+        assert len(runs) >= 3, "the scheduler did not continue as new during the outage"
+        assert slowest < 10.0, f"a request took {slowest:.1f} s with Postgres down"
+        assert not _reachable(url)
+        await asyncio.to_thread(outage_postgres.start)
+
+        async def ledger_whole() -> list[dict[str, Any]]:
+            try:
+                rows = [r for r in await stack.store.ledger(limit=10_000) if r["lease_id"] in leases]
+            except Exception:  # the test's own pool reconnects too
+                return []
+            return rows if len(rows) == len(leases) and all(r["ended_at"] for r in rows) else []
+
+        rows = await _until(ledger_whole, 120, every_s=1.0)
+        assert rows and len(rows) == len(leases), "ledger rows written during the outage were lost"
+        events = await stack.store.list_events(kind="lease_granted", limit=1000)
+        granted = [e for e in events if e["lease_id"] in leases]
+        assert sorted(e["lease_id"] for e in granted) == sorted(leases), "a grant event was lost or doubled"
