@@ -1,0 +1,446 @@
+"""Chaos: a stream of requests against two models whose leases carry bytes, on one simulated card,
+while faults hit at random moments: kill -9 of the control worker, kill -9 of the node worker, the
+Temporal server stopped and restarted, Postgres stopped and started. The scheduler continues as
+new every few dozen events (--history-limit), so faults land around continue-as-new too.
+
+    .venv/bin/python bench/chaos.py [--minutes 10] [--rate 3] [--seed 1] [--fault-every 12]
+
+Every part is real and started here, each in a process of its own: the Temporal dev server
+(persisting to a file, so it can be restarted), an embedded Postgres (pgserver), `modelforge worker
+control` and `modelforge worker node --simulate-from` (the one simulated part: the card). Then an
+invariant checker reads the lease ledger, the event log and the capacity snapshots:
+
+- at no instant more leases on a model than its concurrency;
+- at no instant more leased bytes on the card than it can hold next to a resident model;
+- no snapshot where resident + leased + external bytes exceed the card;
+- every request ended with a typed outcome (success or a failure class), none lost;
+- no ledger row left open, and every lease granted and released has its events.
+
+It prints the faults injected, the continue-as-new count, the outcomes and every violation, and
+exits 1 on any violation. tests/faults/test_chaos.py runs a bounded round of it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
+from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from modelforge.catalog import load_catalog_file
+from modelforge.dev import temporal_binary
+from modelforge.failures import FailureClass
+from modelforge.messages import RequestInput, SchedulerInput
+from modelforge.policy import PolicyConfig, PoolStatus
+from modelforge.settings import CONTROL_TASK_QUEUE
+from modelforge.store import Store
+from modelforge.temporal import WORKER_RETRY, register_search_attributes
+from workers.control import ensure_scheduler
+from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
+from workflows._common import request_workflow_id, scheduler_id
+
+ROOT = Path(__file__).resolve().parent.parent
+CATALOG = ROOT / "tests" / "catalogs" / "chaos.toml"
+CAPABILITIES = ("chaos.slot@1", "chaos.big@1")
+FAULTS = ("kill_control", "kill_node", "restart_temporal", "stop_postgres")
+FAILURE_CLASSES = {f.value for f in FailureClass}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ChaosReport:
+    seconds: float = 0.0
+    requests: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    continued_as_new: int = 0
+    leases: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [
+            f"chaos: {self.seconds:.0f} s, {self.requests} requests, {self.leases} leases",
+            f"faults: {dict(sorted(self.faults.items()))} ({sum(self.faults.values())} in all)",
+            f"scheduler continued as new {self.continued_as_new} times",
+            f"outcomes: {dict(sorted(self.outcomes.items()))}",
+            f"violations: {len(self.violations)}",
+            *(f"  VIOLATION {v}" for v in self.violations),
+        ]
+
+
+class Parts:
+    """The real parts, each its own process, stopped and started on demand."""
+
+    def __init__(self, workdir: Path, history_limit: int, stale_lease_s: float) -> None:
+        self.workdir = workdir
+        self.history_limit = history_limit
+        self.stale_lease_s = stale_lease_s
+        self.port = _free_port()
+        self.temporal: WorkflowEnvironment | None = None
+        self.postgres: Any = None
+        self.url = ""
+        self.control: subprocess.Popen[bytes] | None = None
+        self.node: subprocess.Popen[bytes] | None = None
+        self.client: Client | None = None
+
+    async def start(self) -> None:
+        import pgserver
+
+        self.postgres = await asyncio.to_thread(
+            pgserver.get_server, str(self.workdir / "pg"), cleanup_mode="stop"
+        )
+        self.url = self.postgres.get_uri()
+        catalog, _ = load_catalog_file(CATALOG)
+        store = await Store.open(self.url)
+        try:
+            await store.migrate()
+            await store.apply_catalog(catalog)
+        finally:
+            await store.close()
+        await self.start_temporal()
+        assert self.temporal is not None
+        await register_search_attributes(self.temporal.client)
+        self.client = await Client.connect(f"127.0.0.1:{self.port}", retry_config=WORKER_RETRY)
+        # Started here with a low history limit, so continue-as-new comes often; the control
+        # worker finds it running (its own start is USE_EXISTING).
+        await ensure_scheduler(
+            self.client,
+            "default",
+            SchedulerInput(
+                pool="default",
+                config=PolicyConfig(stale_lease_s=self.stale_lease_s),
+                max_history_events=self.history_limit,
+                snapshot_interval_s=2.0,
+                reconcile_interval_s=5.0,
+            ),
+        )
+        self.control = self._spawn("control", ["worker", "control"])
+        self.node = self._spawn("node", ["worker", "node", "--node", "chaos-node", "--simulate-from", str(CATALOG)])
+
+    async def start_temporal(self) -> None:
+        self.temporal = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(),
+            port=self.port,
+            dev_server_log_level="error",
+            dev_server_extra_args=["--db-filename", str(self.workdir / "temporal.db")],
+        )
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        environ.update(
+            MODELFORGE_TEMPORAL_ADDRESS=f"127.0.0.1:{self.port}",
+            MODELFORGE_DATABASE_URL=self.url,
+            MODELFORGE_METRICS_PORT=str(_free_port()),
+            MODELFORGE_HOME=str(self.workdir / "home"),
+            MODELFORGE_GPU_BACKEND="simulated",
+        )
+        with (self.workdir / f"{name}.log").open("ab") as log:
+            return subprocess.Popen(  # noqa: S603 (an argument list of our own)
+                [sys.executable, "-m", "modelforge", *args],
+                env=environ,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(ROOT),
+                start_new_session=True,
+            )
+
+    @staticmethod
+    def _kill(process: subprocess.Popen[bytes] | None) -> None:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=10)
+
+    async def kill_control(self, down_s: float) -> None:
+        self._kill(self.control)
+        await asyncio.sleep(down_s)
+        self.control = self._spawn("control", ["worker", "control"])
+
+    async def kill_node(self, down_s: float) -> None:
+        self._kill(self.node)
+        await asyncio.sleep(down_s)
+        self.node = self._spawn("node", ["worker", "node", "--node", "chaos-node", "--simulate-from", str(CATALOG)])
+
+    async def restart_temporal(self, down_s: float) -> None:
+        assert self.temporal is not None
+        await self.temporal.shutdown()
+        await asyncio.sleep(down_s)
+        await self.start_temporal()
+
+    async def stop_postgres(self, down_s: float) -> None:
+        import pgserver
+
+        server = self.postgres
+        await asyncio.to_thread(
+            pgserver.pg_ctl, ["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user
+        )
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(server.ensure_postgres_running)
+
+    async def stop(self) -> None:
+        self._kill(self.control)
+        self._kill(self.node)
+        if self.temporal is not None:
+            with contextlib.suppress(Exception):
+                await self.temporal.shutdown()
+        if self.postgres is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.postgres.cleanup)
+
+
+async def _retrying(call: Callable[[], Awaitable[Any]], until: float) -> Any:
+    """A client call that rides out a Temporal restart (the call itself retries too)."""
+    while True:
+        try:
+            return await call()
+        except RPCError:
+            if time.monotonic() > until:
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def _one_request(client: Client, n: int, rng: random.Random, give_up_at: float) -> str:
+    capability = CAPABILITIES[n % 3 == 2]  # two slot requests for each big one
+    request_id = f"chaos-{n}"
+    request = RequestInput(
+        request_id=request_id,
+        capability=capability,
+        input={"simulate_invoke_s": round(rng.uniform(0.2, 3.0), 2)},
+        tenant="chaos",
+        lease_timeout_s=600.0,
+    )
+
+    async def start() -> WorkflowHandle[Any, Any]:
+        # The request id is the workflow id: a start retried after a lost reply attaches.
+        return await client.start_workflow(
+            CapabilityRequestWorkflow.run,
+            request,
+            id=request_workflow_id(capability, request_id),
+            task_queue=CONTROL_TASK_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+
+    try:
+        handle = await _retrying(start, give_up_at)
+        await _retrying(handle.result, give_up_at)
+    except WorkflowFailureError as error:
+        cause = error.cause
+        if isinstance(cause, ApplicationError) and cause.type in FAILURE_CLASSES:
+            return str(cause.type)
+        if isinstance(cause, TimeoutError | TerminatedError):
+            return f"UNTYPED:{type(cause).__name__}"
+        return f"UNTYPED:{cause}"
+    except RPCError as error:
+        return f"LOST:{error}"
+    return "ok"
+
+
+async def _count_runs(client: Client, stop: asyncio.Event, runs: set[str]) -> None:
+    handle = client.get_workflow_handle(scheduler_id("default"))
+    while not stop.is_set():
+        with contextlib.suppress(Exception):
+            runs.add(str((await handle.describe(rpc_timeout=_seconds(3))).run_id))
+        await asyncio.sleep(0.5)
+
+
+def _seconds(n: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=n)
+
+
+async def _faults(parts: Parts, rng: random.Random, every_s: float, stop_at: float, report: ChaosReport) -> None:
+    while True:
+        await asyncio.sleep(rng.uniform(0.5 * every_s, 1.5 * every_s))
+        if time.monotonic() > stop_at:
+            return
+        fault = rng.choice(FAULTS)
+        down_s = {
+            "kill_control": rng.uniform(1, 8),
+            "kill_node": rng.uniform(1, 8),
+            "restart_temporal": rng.uniform(2, 10),
+            "stop_postgres": rng.uniform(3, 20),
+        }[fault]
+        print(f"  [{time.strftime('%H:%M:%S')}] {fault} for {down_s:.1f} s", flush=True)
+        await getattr(parts, fault)(down_s)
+        report.faults[fault] += 1
+
+
+async def _settle(parts: Parts, store: Store, within_s: float) -> list[dict[str, Any]]:
+    """The ledger once every lease ended and every event landed (or what is there at the end)."""
+    assert parts.client is not None
+    deadline = time.monotonic() + within_s
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        try:
+            status: PoolStatus = await parts.client.get_workflow_handle(scheduler_id("default")).query(
+                PoolSchedulerWorkflow.status, rpc_timeout=_seconds(5)
+            )
+            rows = await store.ledger(limit=100_000)
+            if status.active_leases == 0 and all(r["ended_at"] for r in rows):
+                return rows
+        except Exception:
+            pass
+        await asyncio.sleep(2.0)
+    return rows
+
+
+def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, int, float]:
+    """The most intervals and the most weight at one instant (an end before a start at a tie),
+    and when."""
+    points = sorted([(s, 1, w) for s, _, w in intervals] + [(e, -1, -w) for _, e, w in intervals])
+    count = weight = best_count = best_weight = 0
+    at = 0.0
+    for moment, step, w in points:
+        count += step
+        weight += w
+        if count > best_count or weight > best_weight:
+            at = moment
+        best_count, best_weight = max(best_count, count), max(best_weight, weight)
+    return best_count, best_weight, at
+
+
+async def check_invariants(store: Store, rows: list[dict[str, Any]], report: ChaosReport) -> None:
+    catalog, _ = load_catalog_file(CATALOG)
+    card = catalog.accelerators[0]
+    open_rows = [r["lease_id"] for r in rows if r["ended_at"] is None]
+    if open_rows:
+        report.violations.append(f"{len(open_rows)} ledger rows left open: {open_rows[:5]}")
+    ended = [r for r in rows if r["ended_at"] is not None and r["granted_at"] is not None]
+    report.leases = len(rows)
+    for deployment in catalog.deployments:
+        mine = [
+            (r["granted_at"].timestamp(), r["ended_at"].timestamp(), 1)
+            for r in ended
+            if r["deployment"] == deployment.deployment_id
+        ]
+        most, _, at = _sweep(mine)
+        if most > deployment.concurrency:
+            report.violations.append(
+                f"{most} leases on {deployment.capability} at {at:.3f} (concurrency {deployment.concurrency})"
+            )
+    idle = min(d.resident_bytes for d in catalog.deployments)
+    leased = [(r["granted_at"].timestamp(), r["ended_at"].timestamp(), int(r["bytes"] or 0)) for r in ended]
+    _, most_bytes, at = _sweep(leased)
+    if most_bytes > card.total_bytes - idle:
+        report.violations.append(
+            f"{most_bytes / 2**30:.1f} GiB leased at {at:.3f} on a {card.total_bytes / 2**30:.0f} GiB card "
+            f"that holds a {idle / 2**30:.0f} GiB model"
+        )
+    for snapshot in await store.snapshots(limit=100_000):
+        used = snapshot["resident_bytes"] + snapshot["leased_bytes"] + snapshot["external_bytes"]
+        if used > snapshot["total_bytes"]:
+            report.violations.append(f"snapshot at {snapshot['at']}: {used} bytes in use on {snapshot['total_bytes']}")
+    granted = {e["lease_id"] for e in await store.list_events(kind="lease_granted", limit=100_000)}
+    released = {e["lease_id"] for e in await store.list_events(kind="lease_released", limit=100_000)}
+    ledger = {r["lease_id"] for r in rows}
+    if ledger - granted:
+        report.violations.append(f"{len(ledger - granted)} leases without a lease_granted event")
+    if released - granted:
+        report.violations.append(f"{len(released - granted)} leases released without a lease_granted event")
+    if granted - released:
+        report.violations.append(f"{len(granted - released)} leases granted and never released")
+
+
+async def run_chaos(
+    seconds: float,
+    rate: float,
+    seed: int,
+    fault_every_s: float,
+    history_limit: int = 200,
+    stale_lease_s: float = 6.0,
+    settle_s: float = 240.0,
+    workdir: Path | None = None,
+) -> ChaosReport:
+    rng = random.Random(seed)  # arrivals and inputs
+    fault_rng = random.Random(seed * 7919 + 1)  # its own: the same faults in the same order each run
+    report = ChaosReport()
+    with contextlib.ExitStack() as cleanup:
+        if workdir is None:
+            workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="modelforge-chaos-")))
+        parts = Parts(workdir, history_limit, stale_lease_s)
+        started = time.monotonic()
+        try:
+            await parts.start()
+            assert parts.client is not None
+            stop_at = started + seconds
+            give_up_at = stop_at + settle_s
+            runs: set[str] = set()
+            stop = asyncio.Event()
+            counter = asyncio.create_task(_count_runs(parts.client, stop, runs))
+            faults = asyncio.create_task(_faults(parts, fault_rng, fault_every_s, stop_at, report))
+            requests: list[asyncio.Task[str]] = []
+            n = 0
+            while time.monotonic() < stop_at:
+                request = _one_request(parts.client, n, random.Random(rng.random()), give_up_at)
+                requests.append(asyncio.create_task(request))
+                n += 1
+                await asyncio.sleep(rng.expovariate(rate))
+            await faults
+            remaining = max(1.0, give_up_at - time.monotonic())
+            done, pending = await asyncio.wait(requests, timeout=remaining)
+            for task in pending:
+                task.cancel()
+            report.requests = len(requests)
+            for task in requests:
+                outcome = task.result() if task in done and not task.cancelled() else "LOST:never ended"
+                report.outcomes[outcome.split(":")[0] if outcome.startswith(("LOST", "UNTYPED")) else outcome] += 1
+                if outcome.startswith(("LOST", "UNTYPED")):
+                    report.violations.append(f"a request ended without a typed outcome: {outcome[:200]}")
+            store = await Store.open(parts.url)
+            try:
+                rows = await _settle(parts, store, within_s=120.0)
+                await check_invariants(store, rows, report)
+            finally:
+                await store.close()
+            stop.set()
+            await counter
+            report.continued_as_new = max(0, len(runs) - 1)
+        finally:
+            report.seconds = time.monotonic() - started
+            await parts.stop()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson arrivals)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fault-every", type=float, default=12.0, help="mean seconds between faults")
+    parser.add_argument("--history-limit", type=int, default=200, help="the scheduler's continue-as-new bound")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and data here")
+    args = parser.parse_args()
+    report = asyncio.run(
+        run_chaos(args.minutes * 60, args.rate, args.seed, args.fault_every, args.history_limit, workdir=args.workdir)
+    )
+    print("\n".join(report.lines()))
+    raise SystemExit(1 if report.violations else 0)
+
+
+if __name__ == "__main__":
+    main()
