@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from modelforge.messages import (
     GangJobInput,
     InvokeInput,
     InvokeResult,
+    LeaseHeartbeat,
     LoadInput,
     LoadResult,
     NodeSample,
@@ -268,7 +270,8 @@ class NodeActivities:
                 payload["modelforge_lease_id"] = request.lease_id
                 if resume:
                     payload[RESUME_KEY] = resume
-                output = await runtime.invoke(model, payload, _heartbeat)
+                async with self._vouching(request):
+                    output = await runtime.invoke(model, payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
@@ -285,6 +288,34 @@ class NodeActivities:
             except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
         return InvokeResult(output=output, invoke_s=invoke_s, released=released, route=self._request_queue)
+
+    @contextlib.asynccontextmanager
+    async def _vouching(self, request: InvokeInput) -> AsyncIterator[None]:
+        """While the invoke runs, heartbeat its lease to the scheduler from here, where the memory
+        is used: its holder's heartbeats stop while the holder's worker is away, this node's do
+        not (and when this node dies, so does the invoke)."""
+        if not (request.release_to and request.heartbeat_s > 0 and self._client is not None):
+            yield
+            return
+        scheduler = self._client.get_workflow_handle(request.release_to)
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(request.heartbeat_s)
+                try:
+                    await scheduler.signal(
+                        "lease_heartbeat", LeaseHeartbeat(lease_id=request.lease_id, request_id=request.request_id)
+                    )
+                except RPCError as error:  # the holder's own heartbeats still count
+                    log.warning("lease_heartbeat_failed", lease_id=request.lease_id, error=str(error))
+
+        beating = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
 
     @activity.defn(name="run_gang_job")
     async def run_gang_job(self, job: GangJobInput) -> InvokeResult:

@@ -257,6 +257,10 @@ class InvokeInput:
     # are refused): RequestInput.operation, and the checkpoint a resumed run starts from.
     operation: str = ""
     resume_from: str = ""
+    # Set (with release_to): the node heartbeats the lease to the scheduler this often while the
+    # invoke runs. The party that uses the memory vouches for it, so a holder whose own worker is
+    # away (killed, restarting) does not lose a lease its invoke is still using.
+    heartbeat_s: float = 0.0
 
 
 @dataclass(frozen=True)

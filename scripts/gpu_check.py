@@ -20,7 +20,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.node import NodeActivities
 from modelforge.domain import Deployment, GiB
 from modelforge.gpu import NodeDevices, NvmlGpuBackend
-from modelforge.messages import InvokeInput, LoadInput, ReclaimInput
+from modelforge.messages import PROFILE_OPERATION, InvokeInput, LoadInput, ReclaimInput
 from workers.node import node_runtimes
 
 
@@ -53,8 +53,10 @@ async def check() -> dict[str, Any]:
     loaded = await environment.run(node.load_model, LoadInput(key, deployment, "gpu-check/0", 0, card["uuid"]))
     report["load"] = {"seconds": round(time.monotonic() - started, 3), "measured_bytes": loaded.measured_bytes}
     await environment.run(node.health_check, key)
-    spec = {"modelforge_operation": "profile", "batch_sizes": [1, 32, 256], "context_words": [16, 256]}
-    profiled = await environment.run(node.invoke, InvokeInput(key=key, lease_id="gpu-check", payload=spec))
+    spec = {"batch_sizes": [1, 32, 256], "context_words": [16, 256]}
+    profiled = await environment.run(
+        node.invoke, InvokeInput(key=key, lease_id="gpu-check", payload=spec, operation=PROFILE_OPERATION)
+    )
     report["envelope"] = profiled.output["profile"]
     report["unload_s"] = await environment.run(node.unload_model, key)
     reclaim = await environment.run(node.verify_reclaim, ReclaimInput(key, "gpu-check/0", timeout_s=30))

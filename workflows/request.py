@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         RequestInput,
         RequestResult,
         RuntimeOpResult,
+        client_input_problem,
     )
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
@@ -70,6 +71,8 @@ PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
 # ...and before lease fencing: a grant that reached the holder late is confirmed with the
 # scheduler before use, and an admission that failed is withdrawn (it may still be granted).
 PATCH_LEASE_FENCING = "lease-fencing"
+# ...and before a client's `modelforge_*` input keys were refused at the start (the node's own).
+PATCH_RESERVED_INPUT = "reserved-input-keys"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
 ADMIT_BUDGET = timedelta(seconds=60)
@@ -103,6 +106,13 @@ class CapabilityRequestWorkflow:
     @workflow.run
     async def run(self, request: RequestInput) -> RequestResult:
         started = workflow.now()
+        if workflow.patched(PATCH_RESERVED_INPUT):
+            # The last entrance: a client that skipped its own checks (or an old one) cannot choose
+            # a node operation or a checkpoint through its input.
+            problem = client_input_problem(request.input)
+            if problem is not None:
+                self._end(FailureClass.REQUEST_INVALID.value)
+                raise failure(FailureClass.REQUEST_INVALID, problem)
         timings: dict[str, float] = {}
         crashes = preemptions = 0
         resume_from = ""  # the checkpoint the next run starts from, once one was taken
@@ -130,12 +140,16 @@ class CapabilityRequestWorkflow:
             result: InvokeResult | None = None
             heartbeats = workflow.patched(PATCH_LEASE_HEARTBEATS)
             node_releases = workflow.patched(PATCH_NODE_RELEASES)
-            payload = {**request.input, RESUME_KEY: resume_from} if resume_from else request.input
+            payload = request.input
+            if resume_from and not fencing:  # older runs handed the checkpoint over in the payload
+                payload = {**request.input, RESUME_KEY: resume_from}
             invoke: asyncio.Future[InvokeResult | None]
             if lease.gang:
                 invoke = asyncio.ensure_future(self._run_gang(request, lease, payload, gang_resume))
             else:
-                invoke = self._invoke_resident(request, lease, payload, node_releases, heartbeats)
+                invoke = self._invoke_resident(
+                    request, lease, payload, node_releases, heartbeats, resume_from if fencing else ""
+                )
             if heartbeats:
                 await self._heartbeat_until_done(request, lease, invoke)
                 if self._preempt is not None and not invoke.done():
@@ -213,7 +227,13 @@ class CapabilityRequestWorkflow:
         )
 
     def _invoke_resident(
-        self, request: RequestInput, lease: Lease, payload: dict[str, Any], node_releases: bool, heartbeats: bool
+        self,
+        request: RequestInput,
+        lease: Lease,
+        payload: dict[str, Any],
+        node_releases: bool,
+        heartbeats: bool,
+        resume_from: str = "",
     ) -> asyncio.Future[InvokeResult | None]:
         return workflow.start_activity(
             "invoke",
@@ -223,6 +243,10 @@ class CapabilityRequestWorkflow:
                 payload=payload,
                 release_to=scheduler_id(request.pool) if node_releases else "",
                 request_id=request.request_id,
+                heartbeat_s=lease.heartbeat_s if heartbeats else 0.0,
+                # Set here only, never from the client's input (its modelforge_* keys are refused).
+                operation=request.operation,
+                resume_from=resume_from,
             ),
             result_type=InvokeResult,
             task_queue=node_task_queue(lease.node),
