@@ -45,3 +45,23 @@ async def test_a_burst_is_admitted_in_coalesced_updates(dev_server_env: Workflow
         # run): fewer updates than requests, and some carrying several at once.
         assert sum(batches) == BURST + 1, batches
         assert len(batches) < BURST + 1 and max(batches) >= 4, batches
+
+
+async def test_a_burst_of_200_through_continue_as_new_loses_none(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # A low history bound puts several continue-as-new moments inside the burst: an admission
+    # update the closing run never processed (`UnprocessedUpdate`) is asked again, never failed.
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=CATALOG, max_history_events=300
+    ) as stack:
+        await (await stack.start_request("bench.embed@1", tenant="bench")).result()
+        first_run = (await stack.scheduler.describe()).run_id
+        handles = await asyncio.gather(
+            *(stack.start_request("bench.embed@1", tenant="bench", lease_timeout_s=300) for _ in range(200))
+        )
+        outcomes = await asyncio.gather(*(handle.result() for handle in handles), return_exceptions=True)
+        failures = [getattr(o, "cause", o) for o in outcomes if isinstance(o, BaseException)]
+        assert failures == [], f"{len(failures)} failed: {failures[:3]}"
+        assert (await stack.scheduler.describe()).run_id != first_run, "no continue-as-new inside the burst"
+        assert (await stack.status()).active_leases == 0
