@@ -10,7 +10,8 @@ Every part is real and started here, each in a process of its own: the Temporal 
 control` and `modelforge worker node --simulate-from` (the one simulated part: the card). Then an
 invariant checker reads the lease ledger, the event log and the capacity snapshots:
 
-- at no instant more leases on a model than its concurrency;
+- at no instant more leases on a model than its concurrency, nor more invokes really running on
+  the simulated card than that (the node's own record of when each invoke ran);
 - at no instant more leased bytes on the card than it can hold next to a resident model;
 - no snapshot where resident + leased + external bytes exceed the card;
 - every request ended with a typed outcome (success or a failure class), none lost;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -80,11 +82,12 @@ class ChaosReport:
     faults: Counter[str] = field(default_factory=Counter)
     continued_as_new: int = 0
     leases: int = 0
+    invokes: int = 0
     violations: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         return [
-            f"chaos: {self.seconds:.0f} s, {self.requests} requests, {self.leases} leases",
+            f"chaos: {self.seconds:.0f} s, {self.requests} requests, {self.leases} leases, {self.invokes} invokes ran",
             f"faults: {dict(sorted(self.faults.items()))} ({sum(self.faults.values())} in all)",
             f"scheduler continued as new {self.continued_as_new} times",
             f"outcomes: {dict(sorted(self.outcomes.items()))}",
@@ -158,6 +161,8 @@ class Parts:
             MODELFORGE_METRICS_PORT=str(_free_port()),
             MODELFORGE_HOME=str(self.workdir / "home"),
             MODELFORGE_GPU_BACKEND="simulated",
+            # The simulated card's ground truth: when each invoke really ran, under which lease.
+            MODELFORGE_SIMULATED_INVOKE_LOG=str(self.workdir / "invokes.jsonl"),
         )
         with (self.workdir / f"{name}.log").open("ab") as log:
             return subprocess.Popen(  # noqa: S603 (an argument list of our own)
@@ -324,6 +329,30 @@ def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, int, float]:
     return best_count, best_weight, at
 
 
+def check_invokes(path: Path, report: ChaosReport) -> None:
+    """What really ran on the card: never more invokes of a model at once than its concurrency,
+    whatever the ledger says (a lease reclaimed and then used anyway shows here, not there)."""
+    catalog, _ = load_catalog_file(CATALOG)
+    concurrency = {
+        f"{d.deployment_id}@{a.id}": d.concurrency for d in catalog.deployments for a in catalog.accelerators
+    }
+    by_key: dict[str, list[tuple[float, float, int]]] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                ran = json.loads(line)
+                if not ran["lease_id"]:
+                    continue  # a health check's probe, under no lease
+                by_key.setdefault(ran["key"], []).append((float(ran["start"]), float(ran["end"]), 1))
+    report.invokes = sum(len(v) for v in by_key.values())
+    for key, ran in sorted(by_key.items()):
+        most, _, at = _sweep(ran)
+        if most > concurrency.get(key, 0):
+            report.violations.append(
+                f"{most} invokes of {key} ran at once at {at:.3f} (concurrency {concurrency.get(key)})"
+            )
+
+
 async def check_invariants(store: Store, rows: list[dict[str, Any]], report: ChaosReport) -> None:
     catalog, _ = load_catalog_file(CATALOG)
     card = catalog.accelerators[0]
@@ -415,6 +444,7 @@ async def run_chaos(
             try:
                 rows = await _settle(parts, store, within_s=120.0)
                 await check_invariants(store, rows, report)
+                check_invokes(workdir / "invokes.jsonl", report)
             finally:
                 await store.close()
             stop.set()

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,21 @@ class SimulatedRuntime:
         self._deployments: dict[str, Deployment] = {}
         self._progress: dict[str, float] = {}  # lease id -> seconds of its invoke done
         self._job_progress: dict[tuple[str, int], float] = {}  # (lease id, rank) -> seconds done
+        self._invoke_log = os.environ.get("MODELFORGE_SIMULATED_INVOKE_LOG", "")
 
     def version(self) -> str:
         return "simulated"
+
+    def _log_invoke(self, model: LoadedModel, lease_id: str, began: float) -> None:
+        """With MODELFORGE_SIMULATED_INVOKE_LOG set (bench/chaos.py sets it), each invoke appends
+        when it really ran on the simulated card, and under which lease: the chaos checker's
+        ground truth for "never two holders on one slot", whatever the ledger says."""
+        path = self._invoke_log
+        if not path:
+            return
+        line = json.dumps({"key": model.resident_key, "lease_id": lease_id, "start": began, "end": time.time()})
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
 
     async def load(
         self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
@@ -112,6 +125,7 @@ class SimulatedRuntime:
         done = min(done, float(hold))
         lease_id = str(payload.get("modelforge_lease_id", ""))
         self._progress[lease_id] = done
+        began = time.time()
         try:
             while done < hold:
                 step = min(1.0, hold - done)
@@ -121,6 +135,7 @@ class SimulatedRuntime:
                 heartbeat(f"invoking: {done:.0f}/{hold} s")
         finally:
             self._progress.pop(lease_id, None)
+            self._log_invoke(model, lease_id, began)
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
