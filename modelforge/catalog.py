@@ -4,10 +4,11 @@ processes of a simulated installation. Validated strictly: an error names the fi
 from __future__ import annotations
 
 import tomllib
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from modelforge.domain import (
     DEFAULT_QUEUES,
@@ -26,10 +27,30 @@ from modelforge.domain import (
     level_ref,
 )
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.identifiers import identifier_problem
 from modelforge.policy._topology import shape_problems
 
 ID = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 Bytes = Annotated[int, Field(ge=0, le=2**50)]
+# A catalog nests tables a few levels deep; anything far deeper is refused before it is read
+# further (a deeply nested value would otherwise exhaust the recursion of what reads it).
+MAX_NESTING = 32
+
+
+def _identifier(kind: str) -> AfterValidator:
+    """The rules of modelforge/identifiers.py, the same a client's request is held to."""
+
+    def check(value: str) -> str:
+        problem = identifier_problem(kind, value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(check)
+
+
+CapabilityName = Annotated[str, Field(min_length=1), _identifier("capability")]
+TenantName = Annotated[str, Field(min_length=1), _identifier("tenant")]
 
 
 class CatalogError(ModelForgeError):
@@ -72,7 +93,7 @@ class ExternalSpec(_Strict):
 
 
 class DeploymentSpec(_Strict):
-    capability: ID
+    capability: CapabilityName
     envelope_bytes: Annotated[int, Field(gt=0, le=2**50)]
     residency: Residency = Residency.KEEP_WARM
     ttl_s: Annotated[float, Field(gt=0, le=30 * 24 * 3600)] = 300.0
@@ -129,7 +150,7 @@ class QueueSpec(_Strict):
 
 
 class TenantSpec(_Strict):
-    name: ID
+    name: TenantName
     weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
     # Class ids; empty: `interactive` with the built-in classes, else the first queue's lowest level.
     default_priority: str = Field(default="", max_length=130)
@@ -236,23 +257,52 @@ def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     return []
 
 
+def _nesting_problem(data: object, limit: int = MAX_NESTING) -> str | None:
+    """Where `data` nests lists and tables deeper than `limit`, or None; iterative."""
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[tuple[object, str]] = [(v, f"{where}.{k}" if where else str(k)) for k, v in item.items()]
+        elif isinstance(item, list | tuple):
+            children = [(v, f"{where}[{i}]") for i, v in enumerate(item)]
+        else:
+            continue
+        if depth >= limit:
+            return f"{where[:200]}: nested deeper than {limit} levels"
+        stack.extend((child, path, depth + 1) for child, path in children)
+    return None
+
+
 def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[Catalog, list[ExternalSpec]]:
+    """Validate a catalog. Linear in its size (a catalog of 20,000 tenants validates in well
+    under a second): duplicates and references are found through sets and counters."""
+    nesting = _nesting_problem(data)
+    if nesting is not None:
+        raise CatalogError(f"invalid catalog: {nesting}")
     try:
         spec = CatalogFile.model_validate(data)
     except ValidationError as error:
         raise CatalogError(f"invalid catalog: {_describe(error)}") from None
     problems: list[str] = []
     ids = [a.id for a in spec.accelerators]
+    id_counts = Counter(ids)
+    known_ids = set(ids)
     for index, acc in enumerate(spec.accelerators):
-        if ids.count(acc.id) > 1:
+        if id_counts[acc.id] > 1:
             problems.append(f"accelerators[{index}].id: duplicate {acc.id!r}")
         if acc.kind == "cpu" and acc.production_eligible:
             problems.append(f"accelerators[{index}].production_eligible: a cpu device is never production eligible")
         if acc.reserve_bytes >= acc.total_bytes:
             problems.append(f"accelerators[{index}].reserve_bytes: {acc.reserve_bytes} is not below total_bytes")
-    caps = [d.capability for d in spec.deployments]
+    cap_counts = Counter(d.capability for d in spec.deployments)
+    # OpenAI model name -> the capabilities it names (its own capability, or in openai_models).
+    model_owners: dict[str, list[str]] = {}
+    for dep in spec.deployments:
+        for model in dict.fromkeys([dep.capability, *dep.openai_models]):
+            model_owners.setdefault(model, []).append(dep.capability)
     for index, dep in enumerate(spec.deployments):
-        if caps.count(dep.capability) > 1:
+        if cap_counts[dep.capability] > 1:
             problems.append(f"deployments[{index}].capability: duplicate {dep.capability!r}")
         if dep.residency in (Residency.EXCLUSIVE, Residency.LAB_ONLY):
             problems.append(
@@ -264,21 +314,21 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
         problems.extend(f"deployments[{index}].{problem}" for problem in _runtime_problems(dep))
         problems.extend(f"deployments[{index}].{problem}" for problem in _shape_problems(dep))
         for acc_id in dep.accelerators:
-            if acc_id not in ids:
+            if acc_id not in known_ids:
                 problems.append(f"deployments[{index}].accelerators: unknown accelerator {acc_id!r}")
         for model in dep.openai_models:
-            owners = [d.capability for d in spec.deployments if model in d.openai_models or model == d.capability]
+            owners = model_owners.get(model, [])
             if len(owners) > 1:
                 problems.append(f"deployments[{index}].openai_models: {model!r} names {' and '.join(owners)}")
     queues = _queues(spec.queues, problems)
     classes = build_classes(queues or DEFAULT_QUEUES)
     tenants = [_tenant(index, t, queues or DEFAULT_QUEUES, classes, problems) for index, t in enumerate(spec.tenants)]
-    names = [t.name for t in spec.tenants]
+    name_counts = Counter(t.name for t in spec.tenants)
     for index, tenant_spec in enumerate(spec.tenants):
-        if names.count(tenant_spec.name) > 1:
+        if name_counts[tenant_spec.name] > 1:
             problems.append(f"tenants[{index}].name: duplicate {tenant_spec.name!r}")
     for index, ext in enumerate(spec.external):
-        if ext.accelerator not in ids:
+        if ext.accelerator not in known_ids:
             problems.append(f"external[{index}].accelerator: unknown accelerator {ext.accelerator!r}")
     external = _expand_recordings(list(spec.external), base_dir or Path.cwd(), problems)
     if problems:
@@ -387,6 +437,8 @@ def load_catalog_file(path: Path) -> tuple[Catalog, list[ExternalSpec]]:
         raise CatalogError(f"catalog file not found: {path}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise CatalogError(f"catalog file {path} is not valid TOML: {error}") from None
+    except RecursionError:
+        raise CatalogError(f"catalog file {path} nests too deeply to read") from None
     return parse_catalog(data, path.parent)
 
 

@@ -55,6 +55,16 @@ def _run(factory: Callable[[], Awaitable[T]]) -> T:
         return asyncio.run(factory())  # type: ignore[arg-type]
     except ModelForgeError as error:
         _fail(error)
+    except Exception as error:
+        # A query Postgres refused (a schema not migrated, a value out of its range): one line.
+        if type(error).__module__.split(".")[0] != "psycopg":
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        _fail(
+            ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE, f"Postgres refused the query: {type(error).__name__}: {first}"
+            )
+        )
 
 
 def _json(value: Any) -> None:
@@ -93,6 +103,11 @@ def _database_url(settings: Settings) -> str:
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# The longest window a history command looks back over: a century (what Postgres's interval
+# arithmetic holds comfortably; a longer one means "everything" and gets the same rows).
+MAX_DURATION_S = 36500 * 86400.0
+# `events --limit`: at most this many rows at once.
+MAX_EVENTS_LIMIT = 100_000
 
 
 def parse_duration(text: str) -> float:
@@ -104,9 +119,11 @@ def parse_duration(text: str) -> float:
         seconds = float(number) * (unit or 1.0)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+    if not 0 < seconds <= MAX_DURATION_S:
         raise ModelForgeError(
-            FailureClass.REQUEST_INVALID, f"a duration is a positive number with s, m, h or d (e.g. 1h), not {text!r}"
+            FailureClass.REQUEST_INVALID,
+            f"a duration is a positive number with s, m, h or d (e.g. 1h), at most {MAX_DURATION_S / 86400:.0f}d, "
+            f"not {text!r}",
         )
     return seconds
 
@@ -177,6 +194,17 @@ def dev(
     raise typer.Exit(code)
 
 
+def _check_identifiers(**values: str | None) -> None:
+    """Identifiers from the command line by the one set of rules (modelforge/identifiers.py),
+    before anything connects: a bad one is REQUEST_INVALID (exit 1, as a refused request)."""
+    from modelforge.identifiers import identifier_problem
+
+    for kind, value in values.items():
+        problem = identifier_problem(kind, value) if value is not None else None
+        if problem is not None:
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, problem), 1)
+
+
 @app.command()
 def request(
     capability: str,
@@ -194,6 +222,13 @@ def request(
     tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
     deadline: Annotated[float | None, typer.Option(help="Seconds until the answer is useless.")] = None,
     lease_timeout: Annotated[float | None, typer.Option(help="Longest wait for a lease, seconds.")] = None,
+    request_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Idempotency key: asking again with the same id attaches to that request "
+            "(while it runs, or its result once it succeeded) instead of starting new work."
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Submit one capability request and print its result (exit 1 with the failure class)."""
@@ -203,6 +238,14 @@ def request(
         payload = json.loads(input)
     except json.JSONDecodeError as error:
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--input is not JSON: {error}"), 1)
+    except RecursionError:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "--input nests too deeply to read"), 1)
+    _check_identifiers(capability=capability, tenant=tenant, request_id=request_id)
+    from modelforge.client import input_shape_problem
+
+    problem = input_shape_problem(payload) if isinstance(payload, dict) else "--input must be a JSON object"
+    if problem is not None:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, problem), 1)
     settings = _settings()
 
     async def go() -> Result:
@@ -219,6 +262,7 @@ def request(
                 tenant=tenant,
                 deadline_s=deadline,
                 lease_timeout_s=lease_timeout,
+                request_id=request_id,
                 on_progress=(lambda line: live.update(f"{capability}: {line}")) if live is not None else None,
             )
 
@@ -347,8 +391,14 @@ def events(
     limit: Annotated[int, typer.Option(help="The newest N events.")] = 200,
 ) -> None:
     """The structured event log, from Postgres."""
+    from modelforge.identifiers import identifier_problem
     from modelforge.store import Store
 
+    if not 1 <= limit <= MAX_EVENTS_LIMIT:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--limit must be between 1 and {MAX_EVENTS_LIMIT}"))
+    problem = identifier_problem("request_id", request_id) if request_id is not None else None
+    if problem is not None:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--request-id: {problem}"))
     url = _database_url(_settings())
 
     def show(rows: list[dict[str, Any]]) -> None:
@@ -502,13 +552,14 @@ def profile(
     request and never displaces production), store the envelope, and make the deployment
     production eligible on that accelerator model."""
     from modelforge.client import ModelForgeClient
+    from modelforge.messages import PROFILE_OPERATION
     from modelforge.store import Store
     from modelforge.temporal import connect
 
+    _check_identifiers(tenant=tenant)
     settings = _settings()
     url = _database_url(settings)
     spec = {
-        "modelforge_operation": "profile",
         "batch_sizes": _int_list(batch_sizes, "--batch-sizes"),
         "context_words": _int_list(context_words, "--context-words"),
         "concurrency": _int_list(concurrency, "--concurrency"),
@@ -525,7 +576,9 @@ def profile(
                     FailureClass.REQUEST_INVALID, f"no deployment {deployment!r} in the catalog (known: {known})"
                 )
             client = await ModelForgeClient.connect(settings)
-            result = await client.request(target.capability, spec, priority=priority, tenant=tenant)
+            result = await client.request(
+                target.capability, spec, priority=priority, tenant=tenant, operation=PROFILE_OPERATION
+            )
             if not result.ok or result.lease is None or not isinstance((result.output or {}).get("profile"), dict):
                 raise ModelForgeError(
                     FailureClass(result.failure_class or FailureClass.INVALID_OUTPUT.value),
@@ -736,6 +789,8 @@ def gateway(
         keys = load_api_keys(Path(keys_path)) if keys_path else {}
     except ModelForgeError as error:
         _fail(error)
+    except RecursionError:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"{keys_path}: nests too deeply to read"))
 
     async def go() -> None:
         client = await ModelForgeClient.connect(settings, pool)

@@ -3,6 +3,13 @@
 client = await ModelForgeClient.connect()
 result = await client.request("rag.embedding@1", input={"text": "hi"}, tenant="rag")
 result.ok, result.output, result.failure_class, result.message, result.lease, result.timings
+
+A request id is the request's idempotency key: its workflow is `request:<capability>:<request_id>`,
+and asking again with the same id attaches to that workflow while it runs and returns its recorded
+result once it has succeeded (only a failed one is run again). Through a Temporal outage (a server
+restart) the client retries its start and its wait for the result, with backoff, for `reattach_s`
+(five minutes by default), so it reports what the request really did instead of an error that
+tempts the caller to do the work twice.
 """
 
 from __future__ import annotations
@@ -14,24 +21,56 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
-from temporalio.service import RPCError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+)
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
+from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge import temporal as sa
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.messages import MAX_INPUT_BYTES, RequestInput, RequestResult
+from modelforge.identifiers import identifier_problem, shown
+from modelforge.messages import MAX_INPUT_BYTES, OPERATIONS, RequestInput, RequestResult, client_input_problem
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, NODE_TASK_QUEUE_PREFIX, Settings
 
-_CAPABILITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?$")
-_CLASS_PART = re.compile(r"^[a-z0-9][a-z0-9_-]{0,59}$")
+# Whole-string matches (fullmatch): `$` would also match before a trailing newline.
+_CLASS_PART = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}")
 # A level, or queue.level (the scheduler checks it against the catalog's queues).
-_CLASS = re.compile(r"^[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?$")
+_CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
+# Deeper input is refused before it is encoded (json.dumps would recurse, and the store cuts
+# what it keeps at 64 levels anyway).
+MAX_INPUT_DEPTH = 64
+# How long a request rides out a Temporal outage (its start, or the wait for its result).
+DEFAULT_REATTACH_S = 300.0
+# What a server restart or a dropped connection looks like; anything else is an answer.
+_TRANSIENT = frozenset(
+    {
+        RPCStatusCode.UNAVAILABLE,
+        RPCStatusCode.DEADLINE_EXCEEDED,
+        RPCStatusCode.RESOURCE_EXHAUSTED,
+        RPCStatusCode.ABORTED,
+        RPCStatusCode.CANCELLED,
+        RPCStatusCode.UNKNOWN,
+        RPCStatusCode.INTERNAL,
+    }
+)
+# A failed run that closed this long before the call began is an earlier call's (clock skew
+# between client and server is allowed for), never this call's own lost start.
+_SKEW = timedelta(seconds=30)
 
 
 @dataclass(frozen=True)
@@ -47,20 +86,47 @@ class Result:
     workflow_id: str = ""
 
 
-def _invalid(request_id: str, capability: str, message: str) -> Result:
+def _invalid(request_id: object, capability: object, message: str) -> Result:
     return Result(
         ok=False,
-        request_id=request_id,
-        capability=capability,
+        request_id=request_id if isinstance(request_id, str) else str(request_id)[:200],
+        capability=capability if isinstance(capability, str) else str(capability)[:200],
         failure_class=FailureClass.REQUEST_INVALID.value,
         message=message,
     )
 
 
+def input_shape_problem(value: object) -> str | None:
+    """Why a JSON-like value cannot be sent, judged by its shape alone: nesting deeper than
+    MAX_INPUT_DEPTH, or more items than MAX_INPUT_BYTES could hold (a structure that shares its
+    parts would otherwise be expanded without end by the encoder). Iterative, so any depth is
+    measured without recursion."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    items = 0
+    while stack:
+        item, depth = stack.pop()
+        items += 1
+        if items > MAX_INPUT_BYTES:
+            return f"input has more than {MAX_INPUT_BYTES} items; the limit is {MAX_INPUT_BYTES} bytes"
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth >= MAX_INPUT_DEPTH:
+            return f"input nests deeper than {MAX_INPUT_DEPTH} levels"
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
 class ModelForgeClient:
-    def __init__(self, client: Client, pool: str = DEFAULT_POOL) -> None:
+    def __init__(self, client: Client, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S) -> None:
+        """`reattach_s`: how long a request keeps retrying through a Temporal outage before it
+        gives up with CAPABILITY_UNAVAILABLE (asking again with its request_id then attaches)."""
         self.temporal = client
         self.pool = pool
+        self.reattach_s = reattach_s
         # Capability -> the task queue of the node that served its last request. A request
         # started there runs its workflow on that node's worker, which hands itself the invoke
         # (eager dispatch) when the lease lands on that node; anywhere else it runs as from the
@@ -69,8 +135,10 @@ class ModelForgeClient:
         self._routes: dict[str, str] = {}
 
     @classmethod
-    async def connect(cls, settings: Settings | None = None, pool: str = DEFAULT_POOL) -> ModelForgeClient:
-        return cls(await sa.connect(settings or Settings.from_env()), pool)
+    async def connect(
+        cls, settings: Settings | None = None, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S
+    ) -> ModelForgeClient:
+        return cls(await sa.connect(settings or Settings.from_env()), pool, reattach_s=reattach_s)
 
     async def request(
         self,
@@ -84,36 +152,51 @@ class ModelForgeClient:
         lease_timeout_s: float | None = None,
         request_id: str | None = None,
         on_progress: Callable[[str], None] | None = None,
+        operation: str = "",
     ) -> Result:
         """One request, start to end. `on_progress` hears, about twice a second, what the request
         waits on: admission, the queue, a model loading (from its load activity's heartbeats),
-        the invoke."""
-        request_id = request_id or uuid.uuid4().hex[:16]
+        the invoke. `operation`: what the node does with the lease ("" invokes; "profile" is
+        `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused)."""
+        request_id = uuid.uuid4().hex[:16] if request_id is None else request_id
         payload = {} if input is None else input
-        if not isinstance(capability, str) or not _CAPABILITY.match(capability) or len(capability) > 200:
-            return _invalid(request_id, str(capability)[:200], f"capability {str(capability)[:80]!r} is not a name")
+        # Identifiers by the one set of rules (modelforge/identifiers.py), before anything is sent.
+        for kind, name in (("capability", capability), ("tenant", tenant), ("request_id", request_id)):
+            problem = identifier_problem(kind, name)
+            if problem is not None:
+                return _invalid(request_id, capability, problem)
         if not isinstance(payload, dict):
             return _invalid(request_id, capability, "input must be a JSON object")
+        problem = input_shape_problem(payload) or client_input_problem(payload)
+        if problem is not None:
+            return _invalid(request_id, capability, problem)
+        if operation not in OPERATIONS:
+            return _invalid(request_id, capability, f"unknown operation {shown(operation)}")
         try:
             size = len(json.dumps(payload, allow_nan=False).encode())
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, RecursionError) as error:
             return _invalid(request_id, capability, f"input is not JSON: {error}")
         if size > MAX_INPUT_BYTES:
             return _invalid(request_id, capability, f"input is {size} bytes; the limit is {MAX_INPUT_BYTES}")
+        for name, text in (("queue", queue), ("priority", priority)):
+            if text is not None and not isinstance(text, str):
+                return _invalid(request_id, capability, f"{name} must be a string, not {type(text).__name__}")
         if queue is not None:
-            if not _CLASS_PART.match(queue):
-                return _invalid(request_id, capability, f"queue {queue[:80]!r} is not a queue name")
+            if not _CLASS_PART.fullmatch(queue):
+                return _invalid(request_id, capability, f"queue {shown(queue)} is not a queue name")
             if priority is None or "." in priority:
                 return _invalid(request_id, capability, "a queue needs a level: --queue merge --priority critical")
             priority = f"{queue}.{priority}"
-        if priority is not None and not _CLASS.match(priority):
+        if priority is not None and not _CLASS.fullmatch(priority):
             return _invalid(
                 request_id,
                 capability,
-                f"priority {priority[:80]!r} is not a class name (a level such as 'interactive', or 'queue.level')",
+                f"priority {shown(priority)} is not a class name (a level such as 'interactive', or 'queue.level')",
             )
         for name, value in (("deadline_s", deadline_s), ("lease_timeout_s", lease_timeout_s)):
-            if value is not None and not (0 < value <= 7 * 24 * 3600):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value <= 7 * 24 * 3600):
                 return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
         request = RequestInput(
             request_id=request_id,
@@ -124,30 +207,22 @@ class ModelForgeClient:
             deadline_s=deadline_s,
             lease_timeout_s=lease_timeout_s,
             pool=self.pool,
+            operation=operation,
         )
         workflow_id = f"request:{capability}:{request_id}"
         attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
         if priority:
             attributes.append(SearchAttributePair(sa.PRIORITY, priority))
         try:
-            handle = await self.temporal.start_workflow(
-                "CapabilityRequestWorkflow",
+            result: RequestResult = await self._start_and_wait(
                 request,
-                id=workflow_id,
+                workflow_id,
                 task_queue=self._routes.get(capability, CONTROL_TASK_QUEUE),
                 search_attributes=TypedSearchAttributes(attributes),
-                result_type=RequestResult,
-                static_summary=f"{capability} for {tenant}",
+                summary=f"{capability} for {tenant}",
                 memo={"capability": capability, "tenant": tenant, "input_bytes": size},
+                on_progress=on_progress,
             )
-            watcher = asyncio.create_task(self._watch(handle, capability, on_progress)) if on_progress else None
-            try:
-                result: RequestResult = await handle.result()
-            finally:
-                if watcher is not None:
-                    watcher.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await watcher
         except WorkflowFailureError as error:
             self._routes.pop(capability, None)  # the next one starts from the control queue
             cause = error.cause
@@ -171,6 +246,14 @@ class ModelForgeClient:
                 )
             raise
         except RPCError as error:
+            if error.status == RPCStatusCode.INVALID_ARGUMENT:
+                return _invalid(request_id, capability, f"Temporal refused the request as invalid: {error.message}")
+            if error.status in _TRANSIENT:
+                raise ModelForgeError(
+                    FailureClass.CAPABILITY_UNAVAILABLE,
+                    f"Temporal did not answer for {self.reattach_s:.0f} s ({error.status.name}: {error.message}); "
+                    f"request {request_id} may still run: ask again with the same request_id for its outcome",
+                ) from None
             raise ModelForgeError(
                 FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}"
             ) from None
@@ -187,6 +270,118 @@ class ModelForgeClient:
             timings=result.timings,
             workflow_id=workflow_id,
         )
+
+    async def _start_and_wait(
+        self,
+        request: RequestInput,
+        workflow_id: str,
+        *,
+        task_queue: str,
+        search_attributes: TypedSearchAttributes,
+        summary: str,
+        memo: dict[str, Any],
+        on_progress: Callable[[str], None] | None,
+    ) -> RequestResult:
+        """Start the request's workflow, or attach to it, and wait for its result, retrying both
+        through transient Temporal errors with backoff for `reattach_s`.
+
+        The first start may start a new run only if no run of this id succeeded
+        (ALLOW_DUPLICATE_FAILED_ONLY) and attaches to a running one (USE_EXISTING). A start
+        retried after a transient error may have reached the server before the answer was lost,
+        so it attaches to whatever run there is (REJECT_DUPLICATE), even a failed one, unless
+        that run closed before this call began (an earlier call's)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.reattach_s
+        began = datetime.now(UTC)
+        delay = 0.5
+        handle: WorkflowHandle[Any, RequestResult] | None = None
+        retrying_start = False
+        watcher: asyncio.Task[None] | None = None
+        try:
+            while True:
+                try:
+                    if handle is None:
+                        handle = await self._start(
+                            request,
+                            workflow_id,
+                            task_queue=task_queue,
+                            search_attributes=search_attributes,
+                            summary=summary,
+                            memo=memo,
+                            retrying=retrying_start,
+                            began=began,
+                        )
+                        if on_progress is not None:
+                            watcher = asyncio.create_task(self._watch(handle, request.capability, on_progress))
+                    result: RequestResult = await handle.result()
+                    return result
+                except RPCError as error:
+                    left = give_up - loop.time()
+                    if error.status not in _TRANSIENT or left <= 0:
+                        raise
+                    retrying_start = handle is None
+                    if on_progress is not None:
+                        on_progress(f"Temporal unavailable ({error.status.name}); retrying for {left:.0f} s more")
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, 5.0)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+
+    async def _start(
+        self,
+        request: RequestInput,
+        workflow_id: str,
+        *,
+        task_queue: str,
+        search_attributes: TypedSearchAttributes,
+        summary: str,
+        memo: dict[str, Any],
+        retrying: bool,
+        began: datetime,
+    ) -> WorkflowHandle[Any, RequestResult]:
+        try:
+            return await self.temporal.start_workflow(
+                "CapabilityRequestWorkflow",
+                request,
+                id=workflow_id,
+                task_queue=task_queue,
+                search_attributes=search_attributes,
+                result_type=RequestResult,
+                static_summary=summary,
+                memo=memo,
+                id_reuse_policy=(
+                    WorkflowIDReusePolicy.REJECT_DUPLICATE
+                    if retrying
+                    else WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+                ),
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            )
+        except WorkflowAlreadyStartedError:
+            # A closed run of this id: one that succeeded (its result is the answer), or, on a
+            # retried start, possibly this call's own run whose start answer was lost.
+            handle = self.temporal.get_workflow_handle(workflow_id, result_type=RequestResult)
+            if retrying:
+                described = await handle.describe()
+                if (
+                    described.status != WorkflowExecutionStatus.COMPLETED
+                    and described.close_time is not None
+                    and described.close_time < began - _SKEW
+                ):
+                    # An earlier call's failed run: this call's start never reached the server.
+                    return await self._start(
+                        request,
+                        workflow_id,
+                        task_queue=task_queue,
+                        search_attributes=search_attributes,
+                        summary=summary,
+                        memo=memo,
+                        retrying=False,
+                        began=began,
+                    )
+            return handle
 
     async def _watch(self, handle: WorkflowHandle[Any, Any], capability: str, report: Callable[[str], None]) -> None:
         last = ""
@@ -243,9 +438,11 @@ class ModelForgeClient:
 class SyncModelForgeClient:
     """A small blocking wrapper for scripts."""
 
-    def __init__(self, settings: Settings | None = None, pool: str = DEFAULT_POOL) -> None:
+    def __init__(
+        self, settings: Settings | None = None, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = self._loop.run_until_complete(ModelForgeClient.connect(settings, pool))
+        self._client = self._loop.run_until_complete(ModelForgeClient.connect(settings, pool, reattach_s=reattach_s))
 
     def request(self, capability: str, input: dict[str, Any] | None = None, **kwargs: Any) -> Result:
         return self._loop.run_until_complete(self._client.request(capability, input, **kwargs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "h", "-1h", "0m", "1w", "nan", "inf", "1e999h"])
+@pytest.mark.parametrize("text", ["", "h", "-1h", "0m", "1w", "nan", "inf", "1e999h", "1e300d", "36501d"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ModelForgeError, match="duration"):
         parse_duration(text)
@@ -84,3 +85,71 @@ def test_long_vectors_are_summarised_on_the_terminal_and_kept_whole_in_json() ->
         "short": [1, 2, 3],
     }
     assert len(output["embeddings"][0]) == 384  # the result itself is untouched
+
+
+def _deep_input(depth: int) -> dict[str, object]:
+    value: object = []
+    for _ in range(depth):
+        value = [value]
+    return {"texts": value}
+
+
+UNREACHABLE_DB = {"MODELFORGE_DATABASE_URL": "postgresql://x@127.0.0.1:1/x"}
+# Nothing listens here: a command that connected to Temporal would fail CAPABILITY_UNAVAILABLE,
+# so REQUEST_INVALID shows the input was refused before anything was contacted.
+NO_TEMPORAL = {"MODELFORGE_TEMPORAL_ADDRESS": "127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("args", "extra", "fragment"),
+    [
+        (["request", "x@1", "--input", "[" * 5000 + "]" * 5000], NO_TEMPORAL, "--input nests too deeply"),
+        (["request", "x@1", "--input", json.dumps(_deep_input(200))], NO_TEMPORAL, "input nests deeper than 64"),
+        (["request", "x@1", "--tenant", "t" * 3000], NO_TEMPORAL, "tenant is 3000 characters; at most 64"),
+        (["request", "x@1", "--tenant", "rag\n"], NO_TEMPORAL, "tenant 'rag"),
+        (["request", "x@1", "--request-id", "r1\n"], NO_TEMPORAL, "request_id 'r1"),
+        (["request", "x@1\n"], NO_TEMPORAL, "capability 'x@1"),
+        (["profile", "x@1", "--tenant", "a b"], {**NO_TEMPORAL, **UNREACHABLE_DB}, "tenant 'a b' is not valid"),
+    ],
+)
+def test_bad_request_input_is_request_invalid_in_one_line(
+    tmp_path: Path, args: list[str], extra: dict[str, str], fragment: str
+) -> None:
+    done = modelforge(*args, env=_env(tmp_path, **extra))
+    assert done.returncode == 1, done.stderr
+    assert "REQUEST_INVALID" in done.stderr and fragment in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["events", "--limit", "-1"], "--limit must be between 1 and 100000"),
+        (["events", "--limit", "0"], "--limit must be between 1 and 100000"),
+        (["events", "--limit", str(10**30)], "--limit must be between 1 and 100000"),
+        (["events", "--request-id", "r1\n"], "--request-id: request_id"),
+        (["usage", "--since", "1e300d"], "at most 36500d"),
+        (["capacity", "--since", "1e300d"], "at most 36500d"),
+    ],
+)
+def test_out_of_range_history_queries_are_request_invalid(tmp_path: Path, args: list[str], fragment: str) -> None:
+    done = modelforge(*args, env=_env(tmp_path, **UNREACHABLE_DB))
+    assert done.returncode == 2
+    assert "REQUEST_INVALID" in done.stderr and fragment in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_deeply_nested_catalog_and_api_keys_files_are_request_invalid(tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(f'[[deployments]]\ncapability = "x@1"\nenvelope_bytes = 1\nsurprise = {deep}\n')
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f"[api_keys]\nk = {deep}\n")
+    for args, extra in (
+        (["catalog", "apply", str(catalog)], UNREACHABLE_DB),
+        (["gateway"], {**UNREACHABLE_DB, "MODELFORGE_GATEWAY_API_KEYS_FILE": str(keys)}),
+    ):
+        done = modelforge(*args, env=_env(tmp_path, **extra))
+        assert done.returncode == 2, done.stderr
+        assert "REQUEST_INVALID" in done.stderr and "nests too deeply" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
