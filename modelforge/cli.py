@@ -242,8 +242,13 @@ def request(
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "--input nests too deeply to read"), 1)
     _check_identifiers(capability=capability, tenant=tenant, request_id=request_id)
     from modelforge.client import input_shape_problem
+    from modelforge.messages import client_input_problem
 
-    problem = input_shape_problem(payload) if isinstance(payload, dict) else "--input must be a JSON object"
+    problem = (
+        input_shape_problem(payload) or client_input_problem(payload)
+        if isinstance(payload, dict)
+        else "--input must be a JSON object"
+    )
     if problem is not None:
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, problem), 1)
     settings = _settings()

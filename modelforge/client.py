@@ -171,7 +171,7 @@ class ModelForgeClient:
         if problem is not None:
             return _invalid(request_id, capability, problem)
         if operation not in OPERATIONS:
-            return _invalid(request_id, capability, f"unknown operation {shown(operation)}")
+            return _invalid(request_id, capability, f"unknown operation {shown(str(operation))}")
         try:
             size = len(json.dumps(payload, allow_nan=False).encode())
         except (TypeError, ValueError, RecursionError) as error:

@@ -109,6 +109,7 @@ NO_TEMPORAL = {"MODELFORGE_TEMPORAL_ADDRESS": "127.0.0.1:1"}
         (["request", "x@1", "--tenant", "rag\n"], NO_TEMPORAL, "tenant 'rag"),
         (["request", "x@1", "--request-id", "r1\n"], NO_TEMPORAL, "request_id 'r1"),
         (["request", "x@1\n"], NO_TEMPORAL, "capability 'x@1"),
+        (["request", "x@1", "--input", '{"modelforge_operation": "profile"}'], NO_TEMPORAL, "reserved for ModelForge"),
         (["profile", "x@1", "--tenant", "a b"], {**NO_TEMPORAL, **UNREACHABLE_DB}, "tenant 'a b' is not valid"),
     ],
 )

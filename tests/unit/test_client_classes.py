@@ -94,3 +94,18 @@ def test_a_valid_input_at_the_depth_limit_is_not_refused_for_its_shape() -> None
     # _nested(n): the object, n lists around an empty list: n + 2 containers.
     assert input_shape_problem(_nested(MAX_INPUT_DEPTH - 2)) is None  # 64 levels
     assert input_shape_problem(_nested(MAX_INPUT_DEPTH - 1)) is not None  # 65
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"operation": 5}, "unknown operation '5'"),
+        ({"operation": "reboot"}, "unknown operation 'reboot'"),
+        ({"input": {"modelforge_operation": "profile"}}, "reserved for ModelForge"),
+    ],
+)
+async def test_operations_come_from_the_argument_never_the_input(kwargs: dict[str, Any], message: str) -> None:
+    client = ModelForgeClient(cast(Client, None))
+    arguments: dict[str, Any] = {"input": {}, "tenant": "rag", **kwargs}
+    result = await client.request("rag.embedding@1", **arguments)
+    assert result.failure_class == "REQUEST_INVALID" and message in result.message, result
