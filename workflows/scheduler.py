@@ -579,6 +579,10 @@ class PoolSchedulerWorkflow:
         stale_at = policy.stale_leases_due(self._state)
         if stale_at is not None:
             due.append(stale_at)
+        if self._fencing:  # a lease held unheard for longer must not delay the silent-node rule
+            silent_at = policy.silent_nodes_due(self._state)
+            if silent_at is not None:
+                due.append(silent_at)
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
         if self._quiet and self._events:

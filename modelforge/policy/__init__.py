@@ -39,7 +39,7 @@ from modelforge.policy._decisions import (
 )
 from modelforge.policy._observe import ADVERTISED_LABELS, apply_observations, relabel, with_advertised_labels
 from modelforge.policy._order import fair_share_scores, queue_order
-from modelforge.policy._placement import FilterResult, decide, filter_accelerators
+from modelforge.policy._placement import FilterResult, decide, filter_accelerators, silent_nodes_due
 from modelforge.policy._state import (
     AcceleratorRuntime,
     CapabilityHealth,
@@ -111,6 +111,7 @@ __all__ = [
     "resident_unloaded",
     "resident_woke",
     "resolve_priority",
+    "silent_nodes_due",
     "stale_leases_due",
     "validate_request",
     "with_advertised_labels",

@@ -21,6 +21,7 @@ scheduler workflow, so it is built to stay near-linear in the queue and the pool
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator
 
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
@@ -43,7 +44,7 @@ from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
 from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
-__all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators"]
+__all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "silent_nodes_due"]
 
 
 def decide(state: PoolState, now: float) -> Decisions:
@@ -281,6 +282,24 @@ def _preempt_on_silent_nodes(pass_: DecisionPass, decisions: Decisions, now: flo
                 )
             )
             break
+
+
+def silent_nodes_due(state: PoolState) -> float | None:
+    """When the next lease's node will have been silent for `node_silent_s` if it says nothing
+    more: the scheduler wakes then, so the rule above acts on time, not at the next reconcile."""
+    limit = state.config.node_silent_s
+    if limit == math.inf:
+        return None
+    due: float | None = None
+    for lease in state.leases.values():
+        if lease.lease_id in state.preempting:
+            continue
+        for accelerator in lease.accelerators:
+            observation = state.accelerators.get(accelerator, IDLE_RUNTIME).observation
+            if observation is not None:
+                at = observation.received_at + limit
+                due = at if due is None else min(due, at)
+    return due
 
 
 def _keep_always_warm(pass_: DecisionPass, decisions: Decisions, now: float) -> None:

@@ -140,7 +140,8 @@ class _Variants:
         known = self.by_shape.get(shape)
         if known is not None:
             return known
-        name = f"{base.capability}#{len(self.by_shape) + 1}"
+        # A valid capability name (modelforge/identifiers.py): `job@1` becomes `job@1.shape1`.
+        name = f"{base.capability}{'.' if '@' in base.capability else '@'}shape{len(self.by_shape) + 1}"
         self.by_shape[shape] = name
         self.added.append(
             replace(

@@ -292,8 +292,8 @@ def test_a_request_with_its_own_shape_gets_a_variant_deployment() -> None:
     ]
     catalog = Catalog(accelerators=catalog.accelerators, deployments=catalog.deployments, tenants=[Tenant("default")])
     requests, extended = parse_request_lines(lines, catalog)
-    assert [r.capability for r in requests] == ["job@1#1", "job@1#1", "job@1"]
-    variant = extended.deployment_for("job@1#1")
+    assert [r.capability for r in requests] == ["job@1.shape1", "job@1.shape1", "job@1"]
+    variant = extended.deployment_for("job@1.shape1")
     assert variant is not None and variant.envelope_bytes == 3 * GiB
 
 
