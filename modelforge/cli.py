@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from modelforge.failures import FailureClass, ModelForgeError
@@ -23,7 +25,7 @@ from modelforge.settings import Settings
 if TYPE_CHECKING:
     from modelforge.store import Store
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="ModelForge: GPU admission on Temporal.")
+app = typer.Typer(no_args_is_help=True, add_completion=True, help="ModelForge: GPU admission on Temporal.")
 catalog_app = typer.Typer(no_args_is_help=True, help="The catalog of accelerators, deployments and tenants.")
 db_app = typer.Typer(no_args_is_help=True, help="The Postgres store.")
 worker_app = typer.Typer(no_args_is_help=True, help="Worker processes.")
@@ -38,6 +40,31 @@ T = TypeVar("T")
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelforge")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"modelforge {_version()}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """ModelForge: GPU admission on Temporal."""
+
+
 def _settings() -> Settings:
     try:
         return Settings.from_env()
@@ -46,7 +73,7 @@ def _settings() -> Settings:
 
 
 def _fail(error: ModelForgeError, code: int = 2) -> NoReturn:
-    err.print(f"[red]error[/red] {error.failure.value}: {error.message}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error[/red] {error.failure.value}: {escape(error.message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -90,6 +117,13 @@ def _store_rows(url: str, query: Callable[[Store], Awaitable[list[dict[str, Any]
     return _run(go)
 
 
+def _quiet_pool_logs() -> None:
+    """The connection pool logs each failed attempt over several lines; the CLI says it in one."""
+    import logging
+
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
+
+
 def _database_url(settings: Settings) -> str:
     url = settings.resolved_database_url()
     if url is None:
@@ -99,6 +133,7 @@ def _database_url(settings: Settings) -> str:
                 f"no database: set MODELFORGE_DATABASE_URL or start `modelforge dev` ({settings.home})",
             )
         )
+    _quiet_pool_logs()
     return url
 
 
@@ -163,6 +198,22 @@ def shown_output(value: Any) -> Any:
     return value
 
 
+# Keys of a model's output that hold vectors: left out under a chat answer (`--json` keeps them).
+_VECTOR_KEYS = ("embedding", "embeddings")
+
+
+def render_output(output: Any, console: Console) -> None:
+    """A request's output on the terminal: a chat answer (a `text`) as its text, then the rest
+    without vectors; anything else (an embedding) as JSON with long vectors summarised."""
+    if isinstance(output, dict) and isinstance(output.get("text"), str):
+        console.print(escape(output["text"]), highlight=False, soft_wrap=True)
+        rest = {k: v for k, v in output.items() if k != "text" and k not in _VECTOR_KEYS}
+        if rest:
+            console.print_json(json.dumps(shown_output(rest), default=str))
+        return
+    console.print_json(json.dumps(shown_output(output), default=str))
+
+
 def human_bytes(value: int | None) -> str:
     if value is None:
         return "-"
@@ -173,6 +224,102 @@ def human_bytes(value: int | None) -> str:
             return f"{sign}{amount:.0f} {unit}" if unit == "B" else f"{sign}{amount:.2f} {unit}"
         amount /= 1024
     return f"{value} B"
+
+
+def short_bytes(value: int | None) -> str:
+    """Bytes in at most six characters for the compact tables: `24.0G`, `1.13G`, `512M`, `-`."""
+    if value is None:
+        return "-"
+    sign = "-" if value < 0 else ""
+    amount = float(abs(value))
+    for unit in ("B", "K", "M", "G", "T"):
+        if amount < 1000 or unit == "T":
+            if unit == "B":
+                return f"{sign}{amount:.0f}B"
+            return f"{sign}{amount:.3g}{unit}" if amount < 100 else f"{sign}{amount:.0f}{unit}"
+        amount /= 1024
+    return f"{value}B"
+
+
+def never_reported(accelerators: list[Any], nodes: list[str] | None = None) -> list[str]:
+    """Nodes (of `nodes`, or of the accelerators) none of whose accelerators was ever observed:
+    no node worker has sent telemetry for them, so requests there wait and fail stale."""
+    seen = {acc.node for acc in accelerators if acc.observed_at is not None}
+    wanted = nodes if nodes is not None else [acc.node for acc in accelerators]
+    return sorted({node for node in wanted if node not in seen})
+
+
+def _compact_table(title: str | None = None) -> Table:
+    return Table(
+        title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False, title_justify="left"
+    )
+
+
+def render_status(pool: Any, console: Console) -> None:
+    """`status` in at most 100 columns: bytes in the short form (G = GiB), the device's marks
+    under its name, pressure, health and freshness folded into one `state` column."""
+    table = _compact_table(f"pool {pool.pool} (G = GiB)")
+    for column in ("accelerator", "total", "used", "external", "resident", "leased", "reserve", "schedulable"):
+        table.add_column(column, justify="left" if column == "accelerator" else "right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for acc in pool.accelerators:
+        label = escape(acc.id)
+        label += "\n[yellow](simulated)[/yellow]" if acc.simulated else ""
+        label += "" if acc.production_eligible else "\n[dim](not production)[/dim]"
+        age = "never" if acc.observation_age_s is None else f"{acc.observation_age_s:.0f}s"
+        state = [] if acc.fresh else ["[red]NEVER SEEN[/red]" if acc.observed_at is None else f"[red]STALE {age}[/red]"]
+        state += ["[red]PRESSURE[/red]"] if acc.pressure else []
+        state += [] if acc.healthy else ["[red]UNHEALTHY[/red]"]
+        table.add_row(
+            label,
+            short_bytes(acc.total_bytes),
+            short_bytes(acc.observed_used_bytes),
+            short_bytes(acc.external_bytes),
+            short_bytes(acc.resident_bytes),
+            short_bytes(acc.leased_bytes),
+            short_bytes(acc.reserve_bytes),
+            short_bytes(acc.schedulable_bytes),
+            "\n".join(state) if state else f"ok {age}",
+        )
+    console.print(table)
+    order = [c for c in pool.classes if c in pool.queue_depth] + sorted(set(pool.queue_depth) - set(pool.classes))
+    queue = ", ".join(f"{name} {pool.queue_depth[name]}" for name in order)
+    console.print(escape(f"queue: {queue or 'empty'}; active leases: {pool.active_leases}"), highlight=False)
+    for node in never_reported(pool.accelerators):
+        console.print(
+            f"[yellow]never reported[/yellow]: node {escape(node)} has sent no telemetry (no node worker runs "
+            f"for it: `modelforge worker node --node {escape(node)}`); requests for it wait and fail stale",
+            highlight=False,
+        )
+    for capability in pool.capabilities:
+        if capability.degraded:
+            console.print(
+                "[red]DEGRADED[/red] "
+                + escape(
+                    f"{capability.capability}: last {capability.consecutive_failures} outcomes failed, "
+                    f"last {capability.last_failure} {capability.last_message}".rstrip()
+                ),
+                highlight=False,
+            )
+
+
+def render_ps(rows: list[dict[str, Any]], console: Console) -> None:
+    """`ps` in well under 100 columns."""
+    table = _compact_table()
+    for column in ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left"):
+        table.add_column(column, justify="right" if column in ("bytes", "leases", "ttl left") else "left")
+    for row in rows:
+        ttl = "-" if row["ttl_left_s"] is None else f"{row['ttl_left_s']:.0f}s"
+        table.add_row(
+            escape(row["deployment"]),
+            escape(row["accelerator"]),
+            short_bytes(row["bytes"]),
+            row["state"],
+            row["residency"],
+            str(row["active_leases"]),
+            ttl,
+        )
+    console.print(table)
 
 
 @app.command()
@@ -217,7 +364,8 @@ def request(
         ),
     ] = None,
     queue: Annotated[
-        str | None, typer.Option(help="Queue whose --priority level is meant (catalogs with [[queues]]).")
+        str | None,
+        typer.Option(help=escape("Queue whose --priority level is meant (catalogs with [[queues]]).")),
     ] = None,
     tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
     deadline: Annotated[float | None, typer.Option(help="Seconds until the answer is useless.")] = None,
@@ -281,9 +429,9 @@ def request(
             f"({', '.join(f'{k} {v:.3f}s' if k.endswith('_s') else f'{k} {v:g}' for k, v in result.timings.items())})",
             highlight=False,
         )
-        out.print_json(json.dumps(shown_output(result.output)))
+        render_output(result.output, out)
     else:
-        err.print(f"[red]{result.failure_class}[/red]: {result.message}", highlight=False, soft_wrap=True)
+        err.print(f"[red]{result.failure_class}[/red]: {escape(result.message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if result.ok else 1)
 
 
@@ -302,48 +450,7 @@ def status(as_json: JsonOption = False) -> None:
     if as_json:
         _json(pool)
         return
-    table = Table(title=f"pool {pool.pool}")
-    for column in (
-        "accelerator",
-        "total",
-        "observed",
-        "external",
-        "resident",
-        "leased",
-        "reserve",
-        "schedulable",
-        "pressure",
-        "health",
-        "freshness",
-    ):
-        table.add_column(column, justify="left" if column in ("accelerator", "health", "freshness") else "right")
-    for acc in pool.accelerators:
-        label = acc.id + (" [yellow](simulated)[/yellow]" if acc.simulated else "")
-        label += "" if acc.production_eligible else " [dim](not production)[/dim]"
-        age = "never" if acc.observation_age_s is None else f"{acc.observation_age_s:.0f}s"
-        table.add_row(
-            label,
-            human_bytes(acc.total_bytes),
-            human_bytes(acc.observed_used_bytes),
-            human_bytes(acc.external_bytes),
-            human_bytes(acc.resident_bytes),
-            human_bytes(acc.leased_bytes),
-            human_bytes(acc.reserve_bytes),
-            human_bytes(acc.schedulable_bytes),
-            "[red]PRESSURE[/red]" if acc.pressure else "ok",
-            "ok" if acc.healthy else "[red]UNHEALTHY[/red]",
-            age if acc.fresh else f"[red]STALE {age}[/red]",
-        )
-    out.print(table)
-    order = [c for c in pool.classes if c in pool.queue_depth] + sorted(set(pool.queue_depth) - set(pool.classes))
-    queue = ", ".join(f"{name} {pool.queue_depth[name]}" for name in order)
-    out.print(f"queue: {queue}; active leases: {pool.active_leases}")
-    for capability in pool.capabilities:
-        if capability.degraded:
-            out.print(
-                f"[red]DEGRADED[/red] {capability.capability}: last {capability.consecutive_failures} outcomes failed, "
-                f"last {capability.last_failure} {capability.last_message}".rstrip()
-            )
+    render_status(pool, out)
 
 
 @app.command()
@@ -365,21 +472,7 @@ def ps(as_json: JsonOption = False) -> None:
     if as_json:
         _json(rows)
         return
-    table = Table()
-    for column in ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left"):
-        table.add_column(column)
-    for row in rows:
-        ttl = "-" if row["ttl_left_s"] is None else f"{row['ttl_left_s']:.0f}s"
-        table.add_row(
-            row["deployment"],
-            row["accelerator"],
-            human_bytes(row["bytes"]),
-            row["state"],
-            row["residency"],
-            str(row["active_leases"]),
-            ttl,
-        )
-    out.print(table)
+    render_ps(rows, out)
 
 
 @app.command()
@@ -411,12 +504,13 @@ def events(
             if as_json and follow:
                 sys.stdout.write(json.dumps(row, default=str, sort_keys=True) + "\n")
             elif not as_json:
-                fc = f" [red]{row['failure_class']}[/red]" if row["failure_class"] else ""
-                fc += f" [yellow]ALERT {row['alert']}[/yellow]" if row.get("alert") else ""
+                fc = f" [red]{escape(row['failure_class'])}[/red]" if row["failure_class"] else ""
+                fc += f" [yellow]ALERT {escape(row['alert'])}[/yellow]" if row.get("alert") else ""
                 ids = " ".join(
                     f"{k}={row[k]}" for k in ("request_id", "lease_id", "accelerator", "deployment") if row[k]
                 )
-                out.print(f"{row['at']} {row['kind']}{fc} {ids} {row['message']}", highlight=False, soft_wrap=True)
+                line = escape(f"{row['at']} {row['kind']}") + fc + escape(f" {ids} {row['message']}")
+                out.print(line, highlight=False, soft_wrap=True)
         sys.stdout.flush()
 
     async def go() -> None:
@@ -531,9 +625,19 @@ def capacity(
             " ".join(flags),
         )
     if not rows:
-        out.print(f"no snapshots in the last {since} (the scheduler writes one per minute)")
+        out.print(escape(f"no snapshots in the last {since} (the scheduler writes one per minute)"), highlight=False)
         return
     out.print(table)
+
+
+def profile_outcome(accelerator_model: str, production_cards: list[str]) -> str:
+    """The last line of `profile`: what the stored envelope changes, and no more."""
+    if production_cards:
+        return f"stored; production requests may now use {accelerator_model} cards ({', '.join(production_cards)})"
+    return (
+        f"stored; no {accelerator_model} card is production eligible, so production requests still cannot "
+        "use this accelerator model"
+    )
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -554,8 +658,8 @@ def profile(
     as_json: JsonOption = False,
 ) -> None:
     """Measure DEPLOYMENT's idle and peak bytes under a lease of its own (it waits like any
-    request and never displaces production), store the envelope, and make the deployment
-    production eligible on that accelerator model."""
+    request and never displaces production) and store the envelope: production may then use
+    the deployment on that accelerator model's production-eligible cards."""
     from modelforge.client import ModelForgeClient
     from modelforge.messages import PROFILE_OPERATION
     from modelforge.store import Store
@@ -610,8 +714,16 @@ def profile(
         temporal = await connect(settings)
         for pool in pools:  # the schedulers reload the catalog, now with the measured envelope
             await temporal.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+        production_cards.extend(
+            sorted(
+                acc.id
+                for acc in catalog.accelerators
+                if acc.model == envelope["accelerator_model"] and acc.production_eligible
+            )
+        )
         return envelope
 
+    production_cards: list[str] = []
     try:
         envelope = _run(go)
     except ModelForgeError as error:
@@ -621,9 +733,12 @@ def profile(
         return
     label = " (SIMULATED device)" if envelope.get("simulated") else ""
     out.print(
-        f"{envelope['deployment']} on {envelope['accelerator_model']} ({envelope['accelerator']}){label}: "
-        f"idle {human_bytes(envelope['idle_bytes'])}, peak {human_bytes(envelope['peak_bytes'])}; "
-        f"{envelope['runtime']} ({envelope['runtime_version']})"
+        escape(
+            f"{envelope['deployment']} on {envelope['accelerator_model']} ({envelope['accelerator']}){label}: "
+            f"idle {human_bytes(envelope['idle_bytes'])}, peak {human_bytes(envelope['peak_bytes'])}; "
+            f"{envelope['runtime']} ({envelope['runtime_version']})"
+        ),
+        highlight=False,
     )
     table = Table(title="cases")
     for column in ("batch", "words", "concurrency", "peak", "seconds"):
@@ -637,7 +752,7 @@ def profile(
             f"{case['seconds']:.3f}",
         )
     out.print(table)
-    out.print("stored; production requests may now use this accelerator model")
+    out.print(escape(profile_outcome(envelope["accelerator_model"], production_cards)), highlight=False)
 
 
 @app.command()
@@ -681,7 +796,7 @@ def catalog_apply(file: Path) -> None:
         _fail(error)
     url = _database_url(settings)
 
-    async def go() -> dict[str, int]:
+    async def go() -> tuple[dict[str, int], list[str]]:
         assert url is not None
         store = await Store.open(url)
         try:
@@ -689,39 +804,68 @@ def catalog_apply(file: Path) -> None:
             counts = await store.apply_catalog(catalog)
         finally:
             await store.close()
+        from datetime import timedelta
+
+        from modelforge.policy import PoolStatus
         from modelforge.temporal import connect
 
+        silent: list[str] = []
         try:
             client = await connect(settings)
             for pool in sorted({acc.pool for acc in catalog.accelerators}):
-                await client.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+                handle = client.get_workflow_handle(f"scheduler:{pool}")
+                await handle.signal("catalog_changed")
+                # Which of this pool's nodes has a worker: the scheduler's observations so far.
+                current = await handle.query("status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=5))
+                nodes = [acc.node for acc in catalog.accelerators if acc.pool == pool]
+                silent += never_reported(current.accelerators, nodes)
         except Exception as error:  # the catalog is stored; the scheduler reads it when it starts
             err.print(
                 f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start"
             )
-        return counts
+        return counts, silent
 
-    out.print(f"applied {file}: {_run(go)}")
+    counts, silent = _run(go)
+    out.print(escape(f"applied {file}: {counts}"), highlight=False)
+    for node in silent:
+        err.print(
+            f"[yellow]warning[/yellow]: node {escape(node)} has never reported (no node worker runs for it): "
+            f"requests placed there wait and fail SCHEDULER_STATE_STALE until "
+            f"`modelforge worker node --node {escape(node)}` runs",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @db_app.command("migrate")
 def db_migrate() -> None:
-    """Apply pending migrations in order."""
+    """Apply pending migrations in order, to the Postgres of MODELFORGE_DATABASE_URL or of a
+    running `modelforge dev` (which applies them itself when it starts)."""
     from modelforge.store import Store
 
     settings = _settings()
-    url = _database_url(settings)
+    needs = (
+        "db migrate needs a reachable Postgres: set MODELFORGE_DATABASE_URL, or run it while `modelforge dev` "
+        "is up (dev applies the migrations itself when it starts)"
+    )
+    url = settings.resolved_database_url()
+    if url is None:
+        _fail(ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"{needs}; no database found ({settings.home})"))
+    _quiet_pool_logs()
 
     async def go() -> list[str]:
         assert url is not None
-        store = await Store.open(url)
+        try:
+            store = await Store.open(url, timeout=5.0)
+        except ModelForgeError as error:
+            raise ModelForgeError(error.failure, f"{needs}; {error.message}") from None
         try:
             return await store.migrate()
         finally:
             await store.close()
 
     applied = _run(go)
-    out.print(f"applied: {', '.join(applied) if applied else 'nothing new'}")
+    out.print(escape(f"applied: {', '.join(applied) if applied else 'nothing new'}"), highlight=False)
 
 
 @worker_app.command("control")
@@ -779,10 +923,8 @@ def gateway(
     """The HTTP gateway: POST /v1/requests, GET /v1/status, and OpenAI-compatible /v1/embeddings,
     /v1/chat/completions and /v1/models. API keys (key = tenant) from the TOML file named by
     MODELFORGE_GATEWAY_API_KEYS_FILE; without it, the tenant comes from X-ModelForge-Tenant."""
-    import uvicorn
-
     from modelforge.client import ModelForgeClient
-    from modelforge.gateway import GatewayConfig, create_app, load_api_keys
+    from modelforge.gateway import GatewayConfig, create_app, gateway_server, load_api_keys
     from modelforge.logging import configure
     from modelforge.store import Store
 
@@ -802,7 +944,7 @@ def gateway(
         store = await Store.open(url)
         try:
             app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+            server = gateway_server(app, host, port)  # header-read deadline, keep-alive and header limits
             err.print(
                 f"gateway on http://{host}:{port} (pool {pool}; "
                 f"{'API keys required' if keys else 'no API keys: tenant from X-ModelForge-Tenant'})"
@@ -870,7 +1012,7 @@ def trace_azure(
         path = convert_azure(trace, out_dir, options)
     except ModelForgeError as error:
         _fail(error)
-    out.print(f"wrote {path}")
+    out.print(escape(f"wrote {path}"), highlight=False)
 
 
 @trace_app.command("alibaba")
@@ -902,7 +1044,7 @@ def trace_alibaba(
         path = convert_alibaba(nodes_csv, pods_csv, out_dir, options)
     except ModelForgeError as error:
         _fail(error)
-    out.print(f"wrote {path}")
+    out.print(escape(f"wrote {path}"), highlight=False)
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge.catalog import load_catalog_file
 from modelforge.failures import FailureClass, ModelForgeError
@@ -76,7 +78,7 @@ class DevStack:
     def start_temporal(self) -> None:
         address = self.settings.temporal_address
         if _answers(address):
-            console.print(f"[dim]Temporal already answers at {address}: reusing it[/dim]")
+            console.print(f"[dim]Temporal already answers at {escape(address)}: reusing it[/dim]")
             return
         host, port = _split(address)
         self._spawn(
@@ -175,14 +177,23 @@ class DevStack:
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the stack, whatever this process inherited: a shell that ignores
+    SIGINT (a background job, nohup, setsid) passes SIG_IGN on, and Python then installs no
+    handler of its own, so Ctrl-C would do nothing."""
+
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    # SIGINT gets Python's own handler (asyncio.run then cancels its task cleanly), SIGTERM ours.
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, handler),
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 async def _prepare(stack: DevStack, database_url: str) -> list[str]:
@@ -193,11 +204,19 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
         counts = await store.apply_catalog(catalog)
     finally:
         await store.close()
-    console.print(
-        f"[dim]Postgres {redact(database_url)}: migrations applied {applied or 'none new'}; catalog {counts}[/dim]"
-    )
+    line = f"Postgres {redact(database_url)}: migrations applied {applied or 'none new'}; catalog {counts}"
+    console.print(f"[dim]{escape(line)}[/dim]")
     client = await connect(stack.settings)
     await register_search_attributes(client)
+    # A home that already ran keeps its schedulers (and their catalog) in Temporal's database:
+    # tell them, as `catalog apply` does, so they reload the catalog just applied. A scheduler
+    # not started yet loads it when it starts.
+    for pool in sorted({acc.pool for acc in catalog.accelerators}):
+        try:
+            await client.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
     return catalog.nodes()
 
 
@@ -242,15 +261,16 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
                 f"Temporal UI: {ui}  (namespace {settings.temporal_namespace})"
             )
             console.print(
-                f"[yellow]GPUs are SIMULATED here[/yellow] unless NVML found a real NVIDIA GPU. Logs: {stack.logs}"
+                "[yellow]GPUs are SIMULATED here[/yellow] unless NVML found a real NVIDIA GPU. "
+                f"Logs: {escape(str(stack.logs))}"
             )
             if demo:
                 from modelforge.demo import run_demo
 
                 code = asyncio.run(run_demo(settings))
-                console.print(f"Temporal UI: {ui}")
-                if exit_after_demo:
+                if exit_after_demo:  # the UI stops with the stack: no address to open
                     return code
+                console.print(f"Temporal UI: {ui}")
             console.print("Press Ctrl-C to stop.")
             while True:
                 for name, process in stack.children.items():

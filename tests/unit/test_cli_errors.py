@@ -48,6 +48,13 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
             "REQUEST_INVALID: /nope.toml: cannot read",
         ),
         (["events"], {"MODELFORGE_SNAPSHOT_RETENTION_DAYS": "0"}, "MODELFORGE_SNAPSHOT_RETENTION_DAYS"),
+        # db migrate says what it needs: a database URL or a running `modelforge dev`.
+        (["db", "migrate"], {}, "db migrate needs a reachable Postgres: set MODELFORGE_DATABASE_URL, or run it while"),
+        (
+            ["db", "migrate"],
+            {"MODELFORGE_DATABASE_URL": "postgresql://x@127.0.0.1:1/x"},
+            "db migrate needs a reachable Postgres: set MODELFORGE_DATABASE_URL, or run it while",
+        ),
     ],
 )
 def test_one_line_errors(tmp_path: Path, args: list[str], extra: dict[str, str], fragment: str) -> None:

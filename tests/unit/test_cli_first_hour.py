@@ -1,0 +1,434 @@
+"""A new user's first hour with the CLI: what they see, checked without a running stack (the
+stack's clients and stores replaced by recorders)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rich.console import Console
+from temporalio.service import RPCError, RPCStatusCode
+from typer.testing import CliRunner
+
+from modelforge import cli
+from modelforge.catalog import example_catalog_path
+from modelforge.client import Result
+from modelforge.policy import AcceleratorStatus, PoolStatus, ResidentStatus
+
+GiB = 1024**3
+runner = CliRunner()
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env["MODELFORGE_HOME"] = str(tmp_path / "home")
+    env.update(extra)
+    return env
+
+
+def _accelerator(
+    acc_id: str,
+    node: str,
+    *,
+    observed_at: float | None = 1000.0,
+    simulated: bool = True,
+    production_eligible: bool = True,
+    fresh: bool = True,
+    pressure: bool = False,
+    healthy: bool = True,
+) -> AcceleratorStatus:
+    return AcceleratorStatus(
+        id=acc_id,
+        node=node,
+        kind="gpu",
+        model="Simulated L4 24GB",
+        production_eligible=production_eligible,
+        simulated=simulated,
+        total_bytes=24 * GiB,
+        observed_used_bytes=None if observed_at is None else 7 * GiB + 1216348160,
+        external_bytes=6 * GiB,
+        resident_bytes=1216348160,
+        leased_bytes=512 * 1024**2,
+        reserve_bytes=GiB,
+        schedulable_bytes=24 * GiB - 6 * GiB - 1216348160 - 512 * 1024**2 - GiB,
+        pressure=pressure,
+        healthy=healthy,
+        fresh=fresh,
+        observation_age_s=None if observed_at is None else 3.0,
+        observed_at=observed_at,
+    )
+
+
+def _pool() -> PoolStatus:
+    return PoolStatus(
+        pool="default",
+        now=1003.0,
+        accelerators=[
+            _accelerator("gpu-node/0", "gpu-node"),
+            _accelerator("desktop/0", "desktop", production_eligible=False, fresh=False, pressure=True, healthy=False),
+            _accelerator("emep-node/0", "emep-node", observed_at=None, fresh=False),
+        ],
+        residents=[
+            ResidentStatus(
+                deployment="rag.embedding@1",
+                capability="rag.embedding@1",
+                accelerator="gpu-node/0",
+                bytes=1216348160,
+                state="unloading",
+                residency="load_on_demand",
+                active_leases=12,
+                last_used=1000.0,
+                ttl_s=900.0,
+                expires_at=None,
+                workflow_id="resident:rag.embedding@1:gpu-node/0:1",
+            )
+        ],
+        queue_depth={"production": 2, "background": 1},
+        active_leases=1,
+        classes=["production", "interactive", "background"],
+    )
+
+
+def _rendered(render: Any, *args: Any) -> list[str]:
+    console = Console(width=100, file=io.StringIO(), record=True, color_system=None)
+    render(*args, console)
+    return console.export_text().splitlines()
+
+
+# --- 1. --version and shell completion ---------------------------------------------------------
+
+
+def test_version_prints_the_installed_package_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "modelforge", "--version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"modelforge {version('modelforge')}"
+
+
+def test_shell_completion_is_offered() -> None:
+    done = runner.invoke(cli.app, ["--help"], env={"COLUMNS": "120"})
+    assert done.exit_code == 0
+    assert "--install-completion" in done.output and "--show-completion" in done.output
+
+
+# --- 2. square brackets survive ------------------------------------------------------------------
+
+
+def test_request_help_keeps_square_brackets() -> None:
+    done = runner.invoke(cli.app, ["request", "--help"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0
+    assert "(catalogs with [[queues]])" in done.output
+
+
+@dataclass
+class FakeClient:
+    result: Result | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    async def request(self, capability: str, payload: dict[str, Any], **kwargs: Any) -> Result:
+        self.calls.append({"capability": capability, "input": payload, **kwargs})
+        assert self.result is not None
+        return self.result
+
+
+def _fake_connect(monkeypatch: pytest.MonkeyPatch, client: FakeClient) -> None:
+    from modelforge.client import ModelForgeClient
+
+    async def connect(cls: Any, *args: Any, **kwargs: Any) -> FakeClient:
+        return client
+
+    monkeypatch.setattr(ModelForgeClient, "connect", classmethod(connect))
+
+
+def test_a_failure_message_with_brackets_prints_whole(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    hint = "sentence-transformers is not installed: pip install 'modelforge[embedding]'"
+    client = FakeClient(Result(ok=False, request_id="r", capability="x@1", failure_class="LOAD_FAILED", message=hint))
+    _fake_connect(monkeypatch, client)
+    done = runner.invoke(cli.app, ["request", "x@1"], env={**_env(tmp_path), "COLUMNS": "200"})
+    assert done.exit_code == 1
+    assert hint in done.stderr
+
+
+# --- 3. status and ps fit 100 columns --------------------------------------------------------------
+
+
+def test_status_fits_100_columns_with_whole_headers_and_values() -> None:
+    lines = _rendered(cli.render_status, _pool())
+    assert max(len(line.rstrip()) for line in lines) <= 100
+    header = next(line for line in lines if "accelerator" in line)
+    for column in ("accelerator", "total", "used", "external", "resident", "leased", "reserve", "schedulable", "state"):
+        assert f" {column} " in f" {header} ", header  # whole words, none cut or wrapped
+    text = "\n".join(lines)
+    for value in ("gpu-node/0", "desktop/0", "(simulated)", "(not production)", "24G", "6G", "1.13G", "512M"):
+        assert value in text, value
+    for flag in ("STALE 3s", "PRESSURE", "UNHEALTHY", "NEVER SEEN"):
+        assert flag in text, flag
+    assert "queue: production 2, background 1; active leases: 1" in text
+
+
+def test_status_says_which_nodes_never_reported() -> None:
+    text = " ".join(" ".join(_rendered(cli.render_status, _pool())).split())
+    assert "never reported: node emep-node" in text
+    assert "node gpu-node" not in text and "node desktop" not in text
+
+
+def test_ps_fits_100_columns_with_whole_headers_and_values() -> None:
+    rows = [
+        {
+            "deployment": "rag.embedding@1",
+            "accelerator": "gpu-node/0",
+            "bytes": 1216348160,
+            "state": "unloading",
+            "residency": "load_on_demand",
+            "active_leases": 12,
+            "ttl_left_s": 899.4,
+        }
+    ]
+    lines = _rendered(cli.render_ps, rows)
+    assert max(len(line.rstrip()) for line in lines) <= 100
+    header = next(line for line in lines if "deployment" in line)
+    for column in ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left"):
+        assert column in header
+    row = next(line for line in lines if "rag.embedding@1" in line)
+    for value in ("gpu-node/0", "1.13G", "unloading", "load_on_demand", "12", "899s"):
+        assert value in row
+
+
+# --- 4. the demo prints what it sends; a chat answer reads as one -------------------------------------
+
+
+def test_demo_commands_send_exactly_what_the_demo_sent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from modelforge.demo import DEMO_REQUESTS, command_line
+
+    client = FakeClient(Result(ok=True, request_id="r", capability="x", output={"ok": 1}))
+    _fake_connect(monkeypatch, client)
+    for _title, capability, payload, tenant, priority in DEMO_REQUESTS:
+        printed = command_line(capability, payload, tenant, priority)
+        argv = shlex.split(printed)
+        assert argv[:2] == ["modelforge", "request"]
+        done = runner.invoke(cli.app, argv[1:], env=_env(tmp_path))
+        assert done.exit_code == 0, done.output
+        sent = client.calls.pop()
+        assert (sent["capability"], sent["input"], sent["tenant"], sent["priority"]) == (
+            capability,
+            payload,
+            tenant,
+            priority,
+        ), printed
+    lab = next(r for r in DEMO_REQUESTS if r[1] == "lab.experiment@1")
+    assert "--priority production" in command_line(lab[1], lab[2], lab[3], lab[4])
+
+
+def test_a_chat_answer_prints_its_text_not_a_vector(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    output = {
+        "simulated": True,
+        "deployment": "chat.small@1",
+        "embedding": [0.125, -0.5, 0.25, 0.75, -0.125, 0.5, 0.375, -0.25],
+        "text": "[simulated chat.small@1] you said: hello",
+        "finish_reason": "stop",
+    }
+    lease: Any = SimpleNamespace(accelerator="gpu-node/0")  # all the CLI reads of a lease
+    client = FakeClient(Result(ok=True, request_id="r", capability="chat.small@1", output=output, lease=lease))
+    _fake_connect(monkeypatch, client)
+    done = runner.invoke(cli.app, ["request", "chat.small@1"], env={**_env(tmp_path), "COLUMNS": "200"})
+    assert done.exit_code == 0, done.output
+    assert "[simulated chat.small@1] you said: hello" in done.stdout
+    assert "embedding" not in done.stdout and "0.125" not in done.stdout
+    assert '"finish_reason": "stop"' in done.stdout
+
+
+def test_the_demo_describes_a_chat_answer_by_its_text() -> None:
+    from modelforge.demo import DEMO_REQUESTS, describe
+
+    chat = next(r for r in DEMO_REQUESTS if r[1] == "chat.small@1")
+    assert "messages" in chat[2]  # what the simulated runtime answers with text
+    result = Result(
+        ok=True, request_id="r", capability="chat.small@1", output={"embedding": [0.5] * 8, "text": "hi back"}
+    )
+    assert "answer='hi back'" in describe(result) and "embedding" not in describe(result)
+
+
+def _stub_stack(monkeypatch: pytest.MonkeyPatch, demo_line: str) -> None:
+    from modelforge import demo, dev
+
+    async def prepare(stack: Any, url: str) -> list[str]:
+        return ["gpu-node"]
+
+    async def ready(settings: Any, nodes: list[str], timeout_s: float = 0.0) -> None:
+        return None
+
+    async def run_demo(settings: Any) -> int:
+        print(demo_line, file=sys.stderr)
+        return 0
+
+    monkeypatch.setattr(dev.DevStack, "start_temporal", lambda self: setattr(self, "started_temporal", True))
+    monkeypatch.setattr(dev.DevStack, "start_postgres", lambda self: "postgresql://x@127.0.0.1:1/x")
+    monkeypatch.setattr(dev.DevStack, "start_workers", lambda self, url, nodes: None)
+    monkeypatch.setattr(dev.DevStack, "stop", lambda self: None)
+    monkeypatch.setattr(dev, "_prepare", prepare)
+    monkeypatch.setattr(dev, "_wait_ready", ready)
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+
+
+def test_exit_after_demo_prints_no_ui_address_after_the_stack_stopped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from modelforge import dev
+    from modelforge.settings import Settings
+
+    _stub_stack(monkeypatch, "DEMO DONE")
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
+    assert dev.run_dev(Settings.from_env(), example_catalog_path(), 18233, True, True) == 0
+    printed = capsys.readouterr().err
+    assert "DEMO DONE" in printed
+    assert "Temporal UI" not in printed.split("DEMO DONE", 1)[1]
+    assert "Press Ctrl-C" not in printed
+
+
+# --- 5. dev applies the catalog it was given, to a scheduler that already runs -------------------------
+
+
+@dataclass
+class FakeHandle:
+    workflow_id: str
+    log: list[tuple[str, str]]
+    status: PoolStatus | None = None
+    missing: bool = False
+
+    async def signal(self, name: str) -> None:
+        if self.missing:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        self.log.append((self.workflow_id, name))
+
+    async def query(self, name: str, **kwargs: Any) -> PoolStatus:
+        assert name == "status" and self.status is not None
+        return self.status
+
+
+@dataclass
+class FakeTemporal:
+    status: PoolStatus | None = None
+    missing: bool = False
+    log: list[tuple[str, str]] = field(default_factory=list)
+
+    def get_workflow_handle(self, workflow_id: str) -> FakeHandle:
+        return FakeHandle(workflow_id, self.log, self.status, self.missing)
+
+
+class FakeStore:
+    applied: list[Any] = []
+
+    @classmethod
+    async def open(cls, url: str, **kwargs: Any) -> FakeStore:
+        return cls()
+
+    async def migrate(self) -> list[str]:
+        return []
+
+    async def apply_catalog(self, catalog: Any) -> dict[str, int]:
+        FakeStore.applied.append(catalog)
+        return {"accelerators": len(catalog.accelerators)}
+
+    async def load_catalog(self) -> Any:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_dev_tells_a_running_scheduler_to_reload_the_catalog(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, running: bool
+) -> None:
+    import asyncio
+
+    from modelforge import dev
+    from modelforge.settings import Settings
+
+    temporal = FakeTemporal(missing=not running)
+
+    async def connect(settings: Any) -> FakeTemporal:
+        return temporal
+
+    async def register(client: Any) -> None:
+        return None
+
+    monkeypatch.setattr(dev, "Store", FakeStore)
+    monkeypatch.setattr(dev, "connect", connect)
+    monkeypatch.setattr(dev, "register_search_attributes", register)
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
+    FakeStore.applied.clear()
+    stack = dev.DevStack(Settings.from_env(), example_catalog_path(), 18233)
+    nodes = asyncio.run(dev._prepare(stack, "postgresql://x@127.0.0.1:1/x"))
+    assert sorted(nodes) == ["desktop", "gpu-node"] and len(FakeStore.applied) == 1
+    assert temporal.log == ([("scheduler:default", "catalog_changed")] if running else [])
+
+
+# --- 6. catalog apply warns of nodes that never reported ---------------------------------------------
+
+
+def test_catalog_apply_warns_of_nodes_that_never_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import modelforge.store
+    import modelforge.temporal
+
+    seen = PoolStatus(pool="default", now=0.0, accelerators=[_accelerator("gpu-node/0", "gpu-node")])
+    temporal = FakeTemporal(status=seen)
+
+    async def connect(settings: Any) -> FakeTemporal:
+        return temporal
+
+    monkeypatch.setattr(modelforge.store, "Store", FakeStore)
+    monkeypatch.setattr(modelforge.temporal, "connect", connect)
+    env = {**_env(tmp_path, MODELFORGE_DATABASE_URL="postgresql://x@127.0.0.1:1/x"), "COLUMNS": "300"}
+    done = runner.invoke(cli.app, ["catalog", "apply", str(example_catalog_path())], env=env)
+    assert done.exit_code == 0, done.output
+    assert temporal.log == [("scheduler:default", "catalog_changed")]
+    assert "warning: node desktop has never reported" in done.stderr
+    assert "SCHEDULER_STATE_STALE" in done.stderr
+    assert "node gpu-node" not in done.stderr
+
+
+# --- 7. profile says what the envelope changes --------------------------------------------------------
+
+
+def test_profile_on_a_model_without_production_cards_says_production_still_cannot_use_it() -> None:
+    line = cli.profile_outcome("Simulated desktop 8GB", [])
+    assert "may now use" not in line and "production requests still cannot" in line
+    line = cli.profile_outcome("Simulated L4 24GB", ["gpu-node/0"])
+    assert "production requests may now use Simulated L4 24GB cards (gpu-node/0)" in line
+
+
+# --- 10. the gateway command serves with the gateway's own server settings ---------------------------
+
+
+def test_gateway_command_serves_through_gateway_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import modelforge.gateway
+    import modelforge.store
+
+    built: list[tuple[Any, str, int]] = []
+
+    class Server:
+        async def serve(self) -> None:
+            return None
+
+    def gateway_server(app: Any, host: str, port: int, **kwargs: Any) -> Server:
+        built.append((app, host, port))
+        return Server()
+
+    _fake_connect(monkeypatch, FakeClient())
+    monkeypatch.setattr(modelforge.store, "Store", FakeStore)
+    monkeypatch.setattr(modelforge.gateway, "gateway_server", gateway_server)
+    env = _env(tmp_path, MODELFORGE_DATABASE_URL="postgresql://x@127.0.0.1:1/x")
+    done = runner.invoke(cli.app, ["gateway", "--port", "18080"], env=env)
+    assert done.exit_code == 0, done.output
+    assert len(built) == 1 and built[0][1:] == ("127.0.0.1", 18080)
