@@ -176,8 +176,9 @@ class ModelForgeClient:
             size = len(json.dumps(payload, allow_nan=False).encode())
         except (TypeError, ValueError, RecursionError) as error:
             return _invalid(request_id, capability, f"input is not JSON: {error}")
-        if size > MAX_INPUT_BYTES:
-            return _invalid(request_id, capability, f"input is {size} bytes; the limit is {MAX_INPUT_BYTES}")
+        limit = sa.input_limit(self.temporal)  # MODELFORGE_MAX_PAYLOAD_BYTES with the payload store
+        if size > limit:
+            return _invalid(request_id, capability, f"input is {size} bytes; the limit is {limit}")
         for name, text in (("queue", queue), ("priority", priority)):
             if text is not None and not isinstance(text, str):
                 return _invalid(request_id, capability, f"{name} must be a string, not {type(text).__name__}")

@@ -14,6 +14,8 @@ CONTROL_TASK_QUEUE = "modelforge-control"
 # request workflows on the control queue never delays an admission.
 SCHEDULER_TASK_QUEUE = "modelforge-scheduler"
 DEFAULT_POOL = "default"
+DEFAULT_PAYLOAD_THRESHOLD_BYTES = 2 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
 NODE_TASK_QUEUE_PREFIX = "modelforge-node-"
@@ -34,6 +36,15 @@ def _read_secret(value_var: str, file_var: str) -> str | None:
                 FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}"
             ) from None
     return value
+
+
+def _positive_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) <= 0:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{name} must be a positive number of bytes, not {text!r}")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,22 @@ class Settings:
     # The checkpoint store of preempted work (MODELFORGE_CHECKPOINT_DIR); empty:
     # $MODELFORGE_HOME/checkpoints. A shared filesystem when jobs may resume on another node.
     checkpoint_dir: Path | None = None
+    # The store of payloads too large for the event history (MODELFORGE_PAYLOAD_DIR); empty:
+    # $MODELFORGE_HOME/payloads. Every client and worker must see the same directory: a shared
+    # filesystem on a cluster (modelforge/payloads.py, docs/RUNTIMES.md "Large payloads").
+    payload_dir: Path | None = None
+    # A request workflow's payloads of this many bytes or more leave its history
+    # (MODELFORGE_PAYLOAD_THRESHOLD_BYTES); other workflows' from 256 KiB.
+    payload_threshold_bytes: int = DEFAULT_PAYLOAD_THRESHOLD_BYTES
+    # The largest request input a client sends (MODELFORGE_MAX_PAYLOAD_BYTES): past it the
+    # request is REQUEST_INVALID before any workflow starts.
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    # How long stored payloads are kept (MODELFORGE_PAYLOAD_RETENTION_DAYS); None: the
+    # namespace's workflow retention plus a day.
+    payload_retention_days: float | None = None
+
+    def resolved_payload_dir(self) -> Path:
+        return self.payload_dir or self.home / "payloads"
 
     def resolved_checkpoint_dir(self) -> Path:
         return self.checkpoint_dir or self.home / "checkpoints"
@@ -106,6 +133,20 @@ class Settings:
                 FailureClass.REQUEST_INVALID,
                 f"MODELFORGE_SNAPSHOT_RETENTION_DAYS must be a positive number of days, not {retention!r}",
             )
+        payload_threshold = _positive_int("MODELFORGE_PAYLOAD_THRESHOLD_BYTES", DEFAULT_PAYLOAD_THRESHOLD_BYTES)
+        max_payload = _positive_int("MODELFORGE_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
+        payload_retention: float | None = None
+        if os.environ.get("MODELFORGE_PAYLOAD_RETENTION_DAYS"):
+            text = os.environ["MODELFORGE_PAYLOAD_RETENTION_DAYS"]
+            try:
+                payload_retention = float(text)
+            except ValueError:
+                payload_retention = -1.0
+            if not payload_retention > 0:
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID,
+                    f"MODELFORGE_PAYLOAD_RETENTION_DAYS must be a positive number of days, not {text!r}",
+                )
         return cls(
             temporal_address=os.environ.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233"),
             temporal_namespace=os.environ.get("MODELFORGE_TEMPORAL_NAMESPACE", "default"),
@@ -126,4 +167,10 @@ class Settings:
             checkpoint_dir=Path(os.environ["MODELFORGE_CHECKPOINT_DIR"])
             if os.environ.get("MODELFORGE_CHECKPOINT_DIR")
             else None,
+            payload_dir=Path(os.environ["MODELFORGE_PAYLOAD_DIR"])
+            if os.environ.get("MODELFORGE_PAYLOAD_DIR")
+            else None,
+            payload_threshold_bytes=payload_threshold,
+            max_payload_bytes=max_payload,
+            payload_retention_days=payload_retention,
         )

@@ -7,8 +7,11 @@ from pathlib import Path
 
 from temporalio.client import Client, RetryConfig, TLSConfig
 from temporalio.common import SearchAttributeKey
+from temporalio.converter import DataConverter
 
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.payloads import data_converter
+from modelforge.payloads import input_limit as input_limit  # the client's input check
 from modelforge.settings import Settings
 
 CAPABILITY = SearchAttributeKey.for_keyword("ModelForgeCapability")
@@ -40,6 +43,13 @@ def _tls(settings: Settings) -> TLSConfig | bool:
     )
 
 
+def converter(settings: Settings) -> DataConverter:
+    """The data converter of every ModelForge client and worker: large payloads leave the
+    event history for the payload store (modelforge/payloads.py). A client or worker built
+    without it cannot read a payload another one stored."""
+    return data_converter(settings.resolved_payload_dir(), settings.payload_threshold_bytes, settings.max_payload_bytes)
+
+
 async def connect(settings: Settings, timeout_s: float = 15.0, worker: bool = False) -> Client:
     """`worker`: for a worker process, whose calls ride out a Temporal restart (WORKER_RETRY)."""
     try:
@@ -50,6 +60,7 @@ async def connect(settings: Settings, timeout_s: float = 15.0, worker: bool = Fa
                 tls=_tls(settings),
                 api_key=settings.temporal_api_key,
                 retry_config=WORKER_RETRY if worker else None,
+                data_converter=converter(settings),
             ),
             timeout_s,
         )

@@ -73,7 +73,13 @@ class Stack:
         backend = simulated_backend(node, self.catalog, self.external)
         self.backends[node] = backend
         config = self.client.service_client.config
-        own = await Client.connect(config.target_host, namespace=self.client.namespace, tls=config.tls)
+        # The same data converter as the stack's client: a payload one stored, the other reads.
+        own = await Client.connect(
+            config.target_host,
+            namespace=self.client.namespace,
+            tls=config.tls,
+            data_converter=self.client.data_converter,
+        )
         worker = _node_worker(own, node, backend, self.catalog)
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))

@@ -20,6 +20,7 @@ from activities import SchedulerGatewayActivities, StoreActivities
 from modelforge.logging import get_logger
 from modelforge.messages import SchedulerInput
 from modelforge.metrics import Metrics
+from modelforge.payloads import sweep_forever
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
@@ -221,6 +222,8 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
             f"database was found under {settings.run_dir}"
         )
     store = await Store.open(url)
+    # Stored payloads (modelforge/payloads.py) kept for the workflows' retention, swept hourly.
+    sweeper = asyncio.create_task(sweep_forever(client, settings.payload_retention_days))
     try:
         await store.migrate()
         with contextlib.suppress(Exception):
@@ -239,4 +242,5 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
             log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool, metrics_port=port)
             await metrics.poll(pool, lambda: handle.query(PoolSchedulerWorkflow.status))
     finally:
+        sweeper.cancel()
         await store.close()

@@ -1,0 +1,269 @@
+"""Large payloads out of Temporal's event history: the SDK's external storage
+(`temporalio.converter.ExternalStorage`) with a content-addressed filesystem store.
+
+A request's input and output ride in Temporal payloads, which the server caps (2 MB each by
+default: `PayloadsTooLarge`, TMPRL1103) and keeps in every event that carries them. Here a
+payload of the request path (the request workflow's own input and result, its activities'
+inputs and results, the signals it receives) of `threshold` bytes or more, and any other
+payload of LARGE_PAYLOAD_BYTES or more, is written to `<root>/<sha[:2]>/<sha256>` as its
+serialized protobuf and replaced in the history by a reference whose `claimData` says what it
+is: `{"sha256", "size", "encoding", "store"}` (readable as it is in the Temporal UI). Smaller
+payloads stay inline exactly as before, so recorded histories replay unchanged.
+
+Every client and worker must be built with the same converter on the same directory
+(`modelforge.temporal.connect` does it from settings): a payload one process stored is read
+back by another (the node's invoke result by the control worker running the request
+workflow, the workflow's result by the client). On a cluster the directory is a shared
+filesystem (MODELFORGE_PAYLOAD_DIR), as the checkpoint store is.
+
+Content addressing: the file's name is the sha256 of its bytes, so a retried activity or a
+replayed workflow task that stores the same payload writes nothing new (it refreshes the
+file's mtime, which the retention sweep reads), and a read checks the digest (a file changed
+on disk is an error, never a wrong answer). Why a filesystem and not Postgres: node workers
+and clients (the CLI, the Python API, the gateway) connect to Temporal only; Postgres is the
+control worker's. See docs/RUNTIMES.md, "Large payloads".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from temporalio.api.common.v1 import Payload
+from temporalio.client import Client
+from temporalio.converter import (
+    AdvancedJSONEncoder,
+    CompositePayloadConverter,
+    DataConverter,
+    DefaultPayloadConverter,
+    ExternalStorage,
+    StorageDriver,
+    StorageDriverClaim,
+    StorageDriverRetrieveContext,
+    StorageDriverSelectContext,
+    StorageDriverStoreContext,
+    StorageDriverWorkflowInfo,
+)
+from temporalio.converter import JSONPlainPayloadConverter as _JSONPlain
+
+from modelforge.messages import MAX_INPUT_BYTES
+
+DRIVER_NAME = "modelforge-payloads"
+# Payloads of workflows other than the request workflow (the schedulers, residencies,
+# telemetry) leave the history only from this size: theirs stay inline as they always were.
+# The SDK's own default threshold; well under the server's 2 MB limit.
+LARGE_PAYLOAD_BYTES = 256 * 1024
+REQUEST_WORKFLOW = "CapabilityRequestWorkflow"
+REQUEST_WORKFLOW_ID_PREFIX = "request:"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class PayloadStoreError(RuntimeError):
+    """A stored payload that cannot be read back (missing, or not the bytes its claim names)."""
+
+
+class FilesystemPayloadStore(StorageDriver):
+    """A storage driver on a directory: one file per distinct payload, named by its sha256."""
+
+    def __init__(self, root: Path, max_bytes: int = 64 * 1024 * 1024) -> None:
+        """`max_bytes`: the largest request input a client sends (MODELFORGE_MAX_PAYLOAD_BYTES);
+        the store itself takes any size (a model's answer is not refused here)."""
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+
+    def name(self) -> str:
+        return DRIVER_NAME
+
+    def type(self) -> str:
+        return "modelforge.filesystem"
+
+    def path_for(self, sha256: str) -> Path:
+        if not _SHA256.fullmatch(sha256):
+            raise PayloadStoreError(f"not a payload reference: sha256 {sha256[:80]!r}")
+        return self.root / sha256[:2] / sha256
+
+    async def store(self, context: StorageDriverStoreContext, payloads: Sequence[Payload]) -> list[StorageDriverClaim]:
+        # Off the event loop: a worker's loop also heartbeats leases and answers queries.
+        return await asyncio.to_thread(lambda: [self._store_one(payload) for payload in payloads])
+
+    async def retrieve(
+        self, context: StorageDriverRetrieveContext, claims: Sequence[StorageDriverClaim]
+    ) -> list[Payload]:
+        return await asyncio.to_thread(lambda: [self._retrieve_one(claim) for claim in claims])
+
+    def _store_one(self, payload: Payload) -> StorageDriverClaim:
+        data = payload.SerializeToString(deterministic=True)
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.path_for(sha)
+        try:
+            if path.stat().st_size == len(data):
+                os.utime(path)  # already there (a retry, a replay): keep it for the retention
+            else:
+                self._write(path, data)
+        except FileNotFoundError:
+            self._write(path, data)
+        encoding = payload.metadata.get("encoding", b"").decode(errors="replace")
+        return StorageDriverClaim(
+            claim_data={"sha256": sha, "size": str(len(data)), "encoding": encoding, "store": "MODELFORGE_PAYLOAD_DIR"}
+        )
+
+    def _write(self, path: Path, data: bytes) -> None:
+        # Payloads hold tenants' inputs and answers: as private as the history they left.
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        # Written aside and renamed into place: a reader sees the whole file or none, and two
+        # writers of the same payload write the same bytes.
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+    def _retrieve_one(self, claim: StorageDriverClaim) -> Payload:
+        sha = str(claim.claim_data.get("sha256", ""))
+        path = self.path_for(sha)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise PayloadStoreError(
+                f"stored payload {sha} ({claim.claim_data.get('size', '?')} bytes) is not in {self.root}: every "
+                "client and worker must see the same MODELFORGE_PAYLOAD_DIR (a shared filesystem on a cluster), "
+                "and it is kept for the namespace's retention"
+            ) from None
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise PayloadStoreError(f"stored payload {path} does not match its sha256 {sha}")
+        return Payload.FromString(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selector:
+    store: FilesystemPayloadStore
+    threshold: int
+
+    def __call__(self, context: StorageDriverSelectContext, payload: Payload) -> StorageDriver | None:
+        # Called only for payloads of min(threshold, LARGE_PAYLOAD_BYTES) or more.
+        size = payload.ByteSize()
+        if size >= LARGE_PAYLOAD_BYTES:
+            return self.store
+        target = context.target
+        on_request_path = isinstance(target, StorageDriverWorkflowInfo) and (
+            target.type == REQUEST_WORKFLOW or (target.id or "").startswith(REQUEST_WORKFLOW_ID_PREFIX)
+        )
+        return self.store if on_request_path and size >= self.threshold else None
+
+
+class _JSONEncoder(AdvancedJSONEncoder):
+    """The SDK's encoder, writing the same bytes about three times faster for a large
+    dataclass: a dataclass becomes a shallow dict of its fields (the encoder reaches the nested
+    ones itself) instead of `dataclasses.asdict`'s deep copy. A 2,048 x 384 embedding answer
+    took 1.7-2.4 s to encode on the CI machine, past the workflow deadlock detector's 2 s in
+    the request workflow; 0.6 s this way."""
+
+    def default(self, o: object) -> object:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+        return super().default(o)
+
+
+class PayloadConverter(CompositePayloadConverter):
+    """The SDK's default payload converter with `_JSONEncoder` for JSON (identical bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            *(
+                _JSONPlain(encoder=_JSONEncoder) if isinstance(c, _JSONPlain) else c
+                for c in DefaultPayloadConverter.default_encoding_payload_converters
+            )
+        )
+
+
+def external_storage(store: FilesystemPayloadStore, threshold: int) -> ExternalStorage:
+    return ExternalStorage(
+        drivers=[store],
+        driver_selector=_Selector(store, threshold),
+        payload_size_threshold=min(threshold, LARGE_PAYLOAD_BYTES),
+    )
+
+
+def data_converter(root: Path, threshold: int, max_bytes: int) -> DataConverter:
+    """The converter every ModelForge client and worker uses: the default one plus the store."""
+    store = FilesystemPayloadStore(root, max_bytes)
+    return DataConverter(payload_converter_class=PayloadConverter, external_storage=external_storage(store, threshold))
+
+
+def with_payload_store(client: Client, root: Path, threshold: int, max_bytes: int) -> Client:
+    """`client` on the same connection with the store's converter (tests; a client made elsewhere)."""
+    config = client.config()
+    config["data_converter"] = data_converter(root, threshold, max_bytes)
+    return Client(**config)
+
+
+def payload_store(client: Client) -> FilesystemPayloadStore | None:
+    storage = client.data_converter.external_storage
+    if storage is None:
+        return None
+    return next((d for d in storage.drivers if isinstance(d, FilesystemPayloadStore)), None)
+
+
+def input_limit(client: Client) -> int:
+    """The largest request input `client` may send: the store's maximum
+    (MODELFORGE_MAX_PAYLOAD_BYTES) when its converter has one, else MAX_INPUT_BYTES (what fits
+    inline under the server's 2 MB payload limit)."""
+    store = payload_store(client)
+    return store.max_bytes if store is not None else MAX_INPUT_BYTES
+
+
+def sweep(root: Path, older_than_s: float, now: float | None = None) -> int:
+    """Remove stored payloads not written or re-stored for `older_than_s`; the count removed."""
+    cutoff = (time.time() if now is None else now) - older_than_s
+    removed = 0
+    if not root.is_dir():
+        return 0
+    for directory in root.iterdir():
+        if not directory.is_dir() or len(directory.name) != 2:
+            continue
+        for path in directory.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < cutoff and (_SHA256.fullmatch(path.name) or path.name.startswith(".tmp-")):
+                    path.unlink()
+                    removed += 1
+    return removed
+
+
+async def retention_s(client: Client, configured_days: float | None) -> float:
+    """How long a stored payload is kept: MODELFORGE_PAYLOAD_RETENTION_DAYS, else the
+    namespace's workflow retention plus a day (a request workflow runs well under a day, and its
+    history, which holds the references, is kept for the retention after it closes)."""
+    if configured_days is not None:
+        return configured_days * 86400.0
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+
+    described = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=client.namespace))
+    ttl = described.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds()
+    return (ttl if ttl > 0 else 30 * 86400.0) + 86400.0
+
+
+async def sweep_forever(client: Client, configured_days: float | None, interval_s: float = 3600.0) -> None:
+    """The control worker's retention sweep of the payload store, once an hour."""
+    store = payload_store(client)
+    if store is None:
+        return
+    while True:
+        with contextlib.suppress(Exception):
+            keep_s = await retention_s(client, configured_days)
+            await asyncio.to_thread(sweep, store.root, keep_s)
+        await asyncio.sleep(interval_s)
