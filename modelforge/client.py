@@ -86,6 +86,11 @@ class Result:
     workflow_id: str = ""
 
 
+_NOT_YOURS = (
+    "request id {request_id} belongs to another tenant's request: a request id is the idempotency key, choose another"
+)
+
+
 def _invalid(request_id: object, capability: object, message: str) -> Result:
     return Result(
         ok=False,
@@ -226,6 +231,8 @@ class ModelForgeClient:
             )
         except WorkflowFailureError as error:
             self._routes.pop(capability, None)  # the next one starts from the control queue
+            if await self._owner(workflow_id) not in (None, tenant):
+                return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
             cause = error.cause
             if isinstance(cause, ApplicationError) and cause.type:
                 return Result(
@@ -258,6 +265,9 @@ class ModelForgeClient:
             raise ModelForgeError(
                 FailureClass.CAPABILITY_UNAVAILABLE, f"Temporal refused the request: {error}"
             ) from None
+        if result.lease is not None and result.lease.tenant and result.lease.tenant != tenant:
+            # The request id is another tenant's request (attached by id): its answer is not ours.
+            return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
         if result.route.startswith(NODE_TASK_QUEUE_PREFIX):
             self._routes[capability] = result.route
         else:
@@ -271,6 +281,15 @@ class ModelForgeClient:
             timings=result.timings,
             workflow_id=workflow_id,
         )
+
+    async def _owner(self, workflow_id: str) -> str | None:
+        """The tenant a request workflow was started for (its memo), or None when unknown."""
+        try:
+            described = await self.temporal.get_workflow_handle(workflow_id).describe(rpc_timeout=timedelta(seconds=5))
+            owner = (await described.memo()).get("tenant")
+        except Exception:  # unknown: the caller's own failure stands
+            return None
+        return owner if isinstance(owner, str) else None
 
     async def _start_and_wait(
         self,

@@ -200,3 +200,17 @@ def test_metrics_listen_on_loopback_unless_configured(monkeypatch: Any) -> None:
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_every_process_on_the_request_path_shares_the_payload_store() -> None:
+    # A payload one process stores beside the history must be readable by every other one, or a
+    # request waits on a workflow task that can never decode its input.
+    compose = _compose()
+    services = compose["services"]
+    path = "/var/lib/modelforge/payloads"
+    for name in ("modelforge-control", "modelforge-node", "modelforge-gateway"):
+        assert services[name]["environment"]["MODELFORGE_PAYLOAD_DIR"] == path, name
+        assert f"payloads:{path}" in services[name]["volumes"], name
+    assert "payloads" in compose["volumes"]
+    # The node keeps its checkpoints on a volume: preempted work resumes after a restart.
+    assert any(v.startswith("checkpoints:") for v in services["modelforge-node"]["volumes"])

@@ -68,6 +68,10 @@ async def test_the_same_request_id_is_one_workflow_and_one_outcome(
         third = await client.request(CAPABILITY, {"simulate_invoke_s": 1}, **ask)
         assert _lease_id(third) == _lease_id(first)
         assert await _runs(stack.client, "same-1", 1) == 1
+        # Another tenant naming the same request id attaches to nothing and learns nothing.
+        other = await client.request(CAPABILITY, {"simulate_invoke_s": 1}, tenant="default", request_id="same-1")
+        assert (other.ok, other.failure_class, other.output) == (False, "REQUEST_INVALID", None)
+        assert "another tenant" in other.message and "bench" not in other.message
         grants = [e for e in await stack.events("lease_granted", 2, within_s=3) if e["request_id"] == "same-1"]
         assert len(grants) == 1, grants
 
