@@ -249,6 +249,13 @@ def never_reported(accelerators: list[Any], nodes: list[str] | None = None) -> l
     return sorted({node for node in wanted if node not in seen})
 
 
+def _table_console() -> Console:
+    """`out`, or piped without COLUMNS (where rich assumes 80): 100 columns, what the tables fit."""
+    if out.is_terminal or os.environ.get("COLUMNS"):
+        return out
+    return Console(width=max(out.width, 100))
+
+
 def _compact_table(title: str | None = None) -> Table:
     return Table(
         title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False, title_justify="left"
@@ -450,7 +457,7 @@ def status(as_json: JsonOption = False) -> None:
     if as_json:
         _json(pool)
         return
-    render_status(pool, out)
+    render_status(pool, _table_console())
 
 
 @app.command()
@@ -472,7 +479,7 @@ def ps(as_json: JsonOption = False) -> None:
     if as_json:
         _json(rows)
         return
-    render_ps(rows, out)
+    render_ps(rows, _table_console())
 
 
 @app.command()

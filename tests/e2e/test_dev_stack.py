@@ -3,12 +3,14 @@ the CLI against it, then Ctrl-C, then a second start that keeps histories and ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,7 @@ def _free_port() -> int:
 
 
 class Dev:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, ignore_sigint: bool = False) -> None:
         self.home = home
         self.env = {
             **os.environ,
@@ -39,36 +41,67 @@ class Dev:
         }
         self.env.pop("MODELFORGE_DATABASE_URL", None)
         self.ui_port = _free_port()
+        # As a shell that ignores SIGINT (a background job, nohup) starts it: SIG_IGN inherited.
+        self.ignore_sigint = ignore_sigint
         self.process: subprocess.Popen[str] | None = None
         self.output: list[str] = []
+        self._up = threading.Event()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.output.append(line)
+            if "ModelForge is up" in line:
+                self._up.set()
 
     def start(self, timeout_s: float = 120.0) -> None:
+        self._up.clear()
         self.process = subprocess.Popen(
             [*MODELFORGE, "dev", "--ui-port", str(self.ui_port)],
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: the teardown can always kill it
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if self.ignore_sigint else None,
         )
-        assert self.process.stdout is not None
+        self._reader = threading.Thread(target=self._read, args=(self.process,), daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout_s
-        for line in self.process.stdout:
-            self.output.append(line)
-            if "ModelForge is up" in line:
-                return
-            if time.monotonic() > deadline:
-                break
-        raise AssertionError("modelforge dev did not come up:\n" + "".join(self.output))
+        while not self._up.wait(0.5):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("modelforge dev did not come up:\n" + "".join(self.output))
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGINT) -> int:
         assert self.process is not None
-        self.process.send_signal(signal.SIGINT)
+        self.process.send_signal(sig)
         code = self.process.wait(timeout=60)
+        self._close()
+        return code
+
+    def _close(self) -> None:
+        assert self.process is not None
+        self._reader.join(timeout=10)
         if self.process.stdout is not None:
-            self.output.append(self.process.stdout.read())
             self.process.stdout.close()
         self.process = None
-        return code
+
+    def kill_everything(self) -> None:
+        """Whatever a failed test left running: `dev` itself, the children it recorded (each
+        in a session of its own) and the embedded Postgres."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+            self._close()
+        pids = [path.read_text() for path in (self.home / "run").glob("*.pid")]
+        postmaster = self.home / "pgdata" / "postmaster.pid"
+        for text in pids:
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+                os.killpg(int(text.strip()), signal.SIGKILL)
+        if postmaster.exists():
+            with contextlib.suppress(ValueError, IndexError, ProcessLookupError, PermissionError):
+                os.kill(int(postmaster.read_text().splitlines()[0]), signal.SIGQUIT)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*MODELFORGE, *args], env=self.env, capture_output=True, text=True, timeout=120)
@@ -79,15 +112,24 @@ class Dev:
         return json.loads(done.stdout)
 
 
-@pytest.fixture
-def dev(tmp_path: Path) -> Iterator[Dev]:
-    stack = Dev(tmp_path / "home")
-    stack.start()
+@contextlib.contextmanager
+def running(home: Path, *, ignore_sigint: bool = False) -> Iterator[Dev]:
+    """A started stack, stopped with SIGINT when the test is done and killed if that fails or
+    the test failed before: a test never leaks a stack (ports, the metrics port, Postgres)."""
+    stack = Dev(home, ignore_sigint=ignore_sigint)
     try:
+        stack.start()
         yield stack
-    finally:
         if stack.process is not None:
             stack.stop()
+    finally:
+        stack.kill_everything()
+
+
+@pytest.fixture
+def dev(tmp_path: Path) -> Iterator[Dev]:
+    with running(tmp_path / "home") as stack:
+        yield stack
 
 
 def _gpu(status: object) -> dict[str, object]:
@@ -152,3 +194,26 @@ def test_request_end_to_end_then_restart_keeps_history(dev: Dev) -> None:
     assert isinstance(events_after, list) and any(e["kind"] == "lease_granted" for e in events_after)
     again = dev.json("request", "rag.embedding@1", "--tenant", "rag")
     assert isinstance(again, dict) and again["ok"] is True
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_dev_stops_on_a_signal_even_with_sigint_inherited_ignored(tmp_path: Path, sig: int) -> None:
+    """Started from a shell that ignores SIGINT (a background job, nohup), `dev` still stops on
+    SIGINT (and SIGTERM), stopping everything it started and freeing its ports."""
+    with running(tmp_path / "home", ignore_sigint=True) as stack:
+        temporal_port = int(stack.env["MODELFORGE_TEMPORAL_ADDRESS"].rpartition(":")[2])
+        assert _listening(temporal_port) and _listening(stack.ui_port)
+        assert stack.stop(sig) == 0, "".join(stack.output)
+        assert "stopping..." in "".join(stack.output)
+        assert list((stack.home / "run").glob("*.pid")) == []
+        assert not (stack.home / "pgdata" / "postmaster.pid").exists()
+        deadline = time.monotonic() + 10
+        while (_listening(temporal_port) or _listening(stack.ui_port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _listening(temporal_port) and not _listening(stack.ui_port)

@@ -135,6 +135,9 @@ class FakeClient:
     result: Result | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
 
+    async def status(self) -> PoolStatus:
+        return _pool()
+
     async def request(self, capability: str, payload: dict[str, Any], **kwargs: Any) -> Result:
         self.calls.append({"capability": capability, "input": payload, **kwargs})
         assert self.result is not None
@@ -174,6 +177,16 @@ def test_status_fits_100_columns_with_whole_headers_and_values() -> None:
     for flag in ("STALE 3s", "PRESSURE", "UNHEALTHY", "NEVER SEEN"):
         assert flag in text, flag
     assert "queue: production 2, background 1; active leases: 1" in text
+
+
+def test_status_piped_keeps_whole_headers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Piped without COLUMNS rich assumes 80 columns; `status` renders at the 100 it fits."""
+    _fake_connect(monkeypatch, FakeClient())
+    env: dict[str, str | None] = {**_env(tmp_path), "COLUMNS": None}
+    done = runner.invoke(cli.app, ["status"], env=env)
+    assert done.exit_code == 0, done.output
+    header = next(line for line in done.stdout.splitlines() if "accelerator" in line)
+    assert "…" not in done.stdout and " schedulable " in header and " reserve " in header
 
 
 def test_status_says_which_nodes_never_reported() -> None:
