@@ -295,6 +295,22 @@ async def _faults(parts: Parts, rng: random.Random, every_s: float, stop_at: flo
         report.faults[fault] += 1
 
 
+async def scheduler_wedged(client: Client) -> str:
+    """Why the scheduler cannot make progress (its workflow task keeps failing, as after a
+    nondeterminism error), or "" when it can."""
+    try:
+        described = await client.get_workflow_handle(scheduler_id("default")).describe(rpc_timeout=_seconds(10))
+    except Exception as error:
+        return f"cannot describe the scheduler: {error}"
+    pending = described.raw_description.pending_workflow_task
+    if pending.attempt > 2:
+        history = await client.get_workflow_handle(scheduler_id("default"), run_id=described.run_id).fetch_history()
+        failed = [e for e in history.events if e.HasField("workflow_task_failed_event_attributes")]
+        why = failed[-1].workflow_task_failed_event_attributes.failure.message if failed else "unknown"
+        return f"scheduler run {described.run_id} stuck: workflow task attempt {pending.attempt}: {why[:300]}"
+    return ""
+
+
 async def _settle(parts: Parts, store: Store, within_s: float) -> list[dict[str, Any]]:
     """The ledger once every lease ended and every event landed (or what is there at the end)."""
     assert parts.client is not None
@@ -445,6 +461,9 @@ async def run_chaos(
                 rows = await _settle(parts, store, within_s=120.0)
                 await check_invariants(store, rows, report)
                 check_invokes(workdir / "invokes.jsonl", report)
+                wedged = await scheduler_wedged(parts.client)
+                if wedged:
+                    report.violations.append(wedged)
             finally:
                 await store.close()
             stop.set()
