@@ -107,7 +107,7 @@ def test_without_the_rule_a_removed_always_warm_resident_stays_for_replay() -> N
 def test_a_scheduler_that_wakes_when_its_timer_says_is_not_away() -> None:
     # Waking only when the next lease is due (the quiet loop's timer) is not being away: the
     # unheard lease is reclaimed on time, with no grace period granted again and again.
-    s, lease_id = holding_one_lease()
+    s, _ = holding_one_lease()
     assert [e.kind for e in reclaim_stale_leases(s, NOW + 0.1)] == []
     due = stale_leases_due(s)
     assert due == NOW + 300
