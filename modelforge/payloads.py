@@ -212,14 +212,17 @@ def with_payload_store(client: Client, root: Path, threshold: int, max_bytes: in
     return Client(**config)
 
 
-def payload_store(client: Client) -> FilesystemPayloadStore | None:
-    storage = client.data_converter.external_storage
+def payload_store(client: Client | None) -> FilesystemPayloadStore | None:
+    """The filesystem store of `client`'s converter; None without one (or without a client: the
+    checks that run before anything is sent)."""
+    converter = getattr(client, "data_converter", None)
+    storage = getattr(converter, "external_storage", None)
     if storage is None:
         return None
     return next((d for d in storage.drivers if isinstance(d, FilesystemPayloadStore)), None)
 
 
-def input_limit(client: Client) -> int:
+def input_limit(client: Client | None) -> int:
     """The largest request input `client` may send: the store's maximum
     (MODELFORGE_MAX_PAYLOAD_BYTES) when its converter has one, else MAX_INPUT_BYTES (what fits
     inline under the server's 2 MB payload limit)."""
