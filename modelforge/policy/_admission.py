@@ -444,28 +444,25 @@ def stale_leases_due(state: PoolState) -> float | None:
 
 def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
     """Leases whose holder has been silent for `stale_lease_s` go back to the pool: a holder
-    that was terminated or lost must not pin memory forever."""
+    that was terminated or lost must not pin memory forever. A lease never heard from is held for
+    unheard_lease_s: its holder may not have heard of it. Runs on every pass, so one walk over
+    the leases finds the stale ones and, with fencing, when the next one is due."""
     limit = state.config.stale_lease_s
-    events: list[PolicyEvent] = []
-    if state.config.unheard_lease_s is None:
-        away = state.stale_checked_at > 0 and now - state.stale_checked_at > 1.5 * limit
-    else:
+    fenced = state.config.unheard_lease_s is not None
+    if fenced:
         # The scheduler's timer wakes it when the next lease goes stale: looking much later than
         # that (half a period) means it was not running, so holders could not be heard either.
         away = state.stale_due_at is not None and now > state.stale_due_at + 0.5 * limit
+    else:
+        away = state.stale_checked_at > 0 and now - state.stale_checked_at > 1.5 * limit
     state.stale_checked_at = now
-    try:
-        return _reclaim(state, now, limit, away, events)
-    finally:
-        state.stale_due_at = stale_leases_due(state)
-
-
-def _reclaim(state: PoolState, now: float, limit: float, away: bool, events: list[PolicyEvent]) -> list[PolicyEvent]:
     if away:
         # The scheduler was not running (its worker restarted): holders' heartbeats could not
         # land either, so silence proves nothing yet. Give every holder a full period.
         for lease_id in state.lease_seen:
             state.lease_seen[lease_id] = now
+        if fenced:
+            state.stale_due_at = stale_leases_due(state)
         return (
             [
                 PolicyEvent(
@@ -476,13 +473,21 @@ def _reclaim(state: PoolState, now: float, limit: float, away: bool, events: lis
             if state.lease_seen
             else []
         )
-    for lease_id in [lid for lid, seen in state.lease_seen.items() if now - seen >= _silence_limit(state, lid)]:
+    stale: list[tuple[str, float]] = []
+    due: float | None = None
+    for lease_id, seen in state.lease_seen.items():
+        allowed = _silence_limit(state, lease_id)
+        if now - seen >= allowed:
+            stale.append((lease_id, allowed))
+        elif fenced and (due is None or seen + allowed < due):
+            due = seen + allowed
+    events: list[PolicyEvent] = []
+    for lease_id, allowed in stale:
         lease = state.leases.get(lease_id)
         silent = now - state.lease_seen[lease_id]
         if lease is None:
             state.lease_seen.pop(lease_id, None)
             continue
-        limit = _silence_limit(state, lease_id)
         events.append(
             PolicyEvent(
                 kind="lease_reclaimed",
@@ -491,11 +496,13 @@ def _reclaim(state: PoolState, now: float, limit: float, away: bool, events: lis
                 accelerator=lease.accelerator,
                 deployment=lease.deployment,
                 workflow_id=lease.workflow_id,
-                message=f"holder silent for {silent:.0f} s (limit {limit:.0f} s)",
+                message=f"holder silent for {silent:.0f} s (limit {allowed:.0f} s)",
                 payload={"bytes": lease.bytes},
             )
         )
         events.extend(release_lease(state, lease_id, now, f"reclaimed: holder silent for {silent:.0f} s"))
+    if fenced:
+        state.stale_due_at = due
     return events
 
 

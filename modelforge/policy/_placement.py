@@ -124,11 +124,10 @@ def _unload_removed(pass_: DecisionPass, decisions: Decisions) -> None:
     """A resident whose deployment or accelerator is no longer in the catalog goes as soon as it
     is idle, whatever its residency: nothing may be granted on it, so an `always_warm` one would
     otherwise pin its memory, unevictable, forever."""
-    state = pass_.state
-    known = {d.deployment_id for d in state.catalog.deployments}
-    accelerators = {a.id for a in state.catalog.accelerators}
-    for resident in state.residents.values():
-        if resident.deployment in known and resident.accelerator in accelerators:
+    catalog = pass_.state.catalog
+    for resident in pass_.state.residents.values():
+        known = catalog.deployment(resident.deployment) is not None
+        if known and catalog.accelerator(resident.accelerator) is not None:
             continue
         if (
             resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
