@@ -163,6 +163,7 @@ class ModelForgeClient:
         waits on: admission, the queue, a model loading (from its load activity's heartbeats),
         the invoke. `operation`: what the node does with the lease ("" invokes; "profile" is
         `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused)."""
+        chose_id = request_id is not None  # an id of our own making names nobody else's request
         request_id = uuid.uuid4().hex[:16] if request_id is None else request_id
         payload = {} if input is None else input
         # Identifiers by the one set of rules (modelforge/identifiers.py), before anything is sent.
@@ -231,7 +232,7 @@ class ModelForgeClient:
             )
         except WorkflowFailureError as error:
             self._routes.pop(capability, None)  # the next one starts from the control queue
-            if await self._owner(workflow_id) not in (None, tenant):
+            if chose_id and await self._owner(workflow_id) not in (None, tenant):
                 return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
             cause = error.cause
             if isinstance(cause, ApplicationError) and cause.type:

@@ -398,7 +398,8 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
     async def run(
         request: Request, capability: str, payload: dict[str, Any], request_id: str, *, tenant: str, **options: Any
     ) -> Result:
-        options.setdefault("priority", priority_of(request))
+        if "priority" not in options:  # read the header once
+            options["priority"] = priority_of(request)
         key = (capability, request_id)
         holder, calls = in_flight.get(key, (tenant, 0))
         if holder != tenant:
