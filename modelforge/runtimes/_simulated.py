@@ -1,5 +1,7 @@
 """The simulated runtime: takes its deployment's load time, allocates the envelope's bytes on the
-simulated device so NVML samples see them, and answers invokes with clearly simulated output.
+simulated device so NVML samples see them, and answers invokes with clearly simulated output:
+a chat or completion deployment answers with text (`prompt` or `messages`), any other with an
+8-dimension stand-in for an embedding (`text`, or `texts` for several).
 
 Request inputs can steer it: `simulate_invoke_s` holds the lease that long, `simulate_fault`
 raises the named failure class, so tests and demos break things on purpose."""
@@ -57,6 +59,37 @@ def _seconds(deployment: Deployment | None, name: str) -> float:
         return min(60.0, max(0.0, float((deployment.runtime_config if deployment else {}).get(name, "0"))))
     except ValueError:
         return 0.0
+
+
+# A deployment whose capability, name or OpenAI model name has one of these parts (`chat.small@1`,
+# `inference.chat@1`, `text.completion@2`, `small-chat`) generates text; `runtime_config.simulate_output`
+# ("text" or "embedding") says so explicitly where the name does not.
+TEXT_GENERATING_PARTS = frozenset({"chat", "completion", "completions", "generate", "generation", "instruct", "llm"})
+
+
+def generates_text(deployment: Deployment) -> bool:
+    """Whether the simulated runtime answers this deployment's invokes with text."""
+    declared = deployment.runtime_config.get("simulate_output", "").strip().lower()
+    if declared in ("text", "embedding"):
+        return declared == "text"
+    names = (deployment.capability, deployment.name, *deployment.openai_models)
+    return any(
+        part.lower() in TEXT_GENERATING_PARTS
+        for name in names
+        for part in name.split("@", 1)[0].replace("_", ".").replace("-", ".").split(".")
+    )
+
+
+def _said(payload: dict[str, Any]) -> str | None:
+    """What a chat or completion request said: its last message's content, or its prompt."""
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages:
+        last = messages[-1]
+        return str(last.get("content", "")) if isinstance(last, dict) else str(last)
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):  # OpenAI's completions API takes a list of prompts
+        prompt = prompt[-1] if prompt else None
+    return None if prompt is None else str(prompt)
 
 
 def _vector(deployment: str, text: str) -> list[float]:
@@ -139,23 +172,24 @@ class SimulatedRuntime:
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
-        text = str(payload.get("text", payload.get("prompt", "")))
-        output: dict[str, Any] = {
-            "simulated": True,
-            "deployment": model.deployment,
-            "embedding": _vector(model.deployment, text),
-        }
+        deployment = self._deployments.get(model.resident_key)
+        said = _said(payload)
+        output: dict[str, Any] = {"simulated": True, "deployment": model.deployment}
+        if deployment is not None and generates_text(deployment):
+            # A chat or completion model answers with text, never a vector.
+            output["text"] = f"[simulated {model.deployment}] you said: {(said or '')[:200]}"
+            output["finish_reason"] = "stop"
+        else:
+            text = str(payload.get("text", payload.get("prompt", "")))
+            output["embedding"] = _vector(model.deployment, text)
+            if said is not None and isinstance(payload.get("messages"), list):
+                output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
+                output["finish_reason"] = "stop"
         if isinstance(resumed_from, str):
             output["resumed_from"] = resumed_from
         texts = payload.get("texts")
         if isinstance(texts, list):
             output["embeddings"] = [_vector(model.deployment, str(t)) for t in texts]
-        messages = payload.get("messages")
-        if isinstance(messages, list) and messages:
-            last = messages[-1]
-            said = str(last.get("content", "")) if isinstance(last, dict) else str(last)
-            output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
-            output["finish_reason"] = "stop"
         return output
 
     async def sleep(self, model: LoadedModel) -> int:

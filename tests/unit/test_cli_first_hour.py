@@ -445,3 +445,55 @@ def test_gateway_command_serves_through_gateway_server(monkeypatch: pytest.Monke
     done = runner.invoke(cli.app, ["gateway", "--port", "18080"], env=env)
     assert done.exit_code == 0, done.output
     assert len(built) == 1 and built[0][1:] == ("127.0.0.1", 18080)
+
+
+# --- 11. the simulated runtime answers a chat or completion model with text ----------------------
+
+
+@pytest.mark.parametrize(
+    ("capability", "payload", "said"),
+    [
+        ("chat.small@1", {"prompt": "hello"}, "hello"),
+        ("chat.small@1", {"messages": [{"role": "user", "content": "is the card busy?"}]}, "is the card busy?"),
+        ("text.completion@1", {"prompt": ["first", "second"]}, "second"),
+        ("inference.chat@1", {}, ""),
+    ],
+)
+async def test_the_simulated_runtime_answers_chat_and_completion_with_text(
+    capability: str, payload: dict[str, Any], said: str
+) -> None:
+    from modelforge.domain import Deployment
+    from modelforge.gpu import NodeDevices, SimulatedDevice, SimulatedGpuBackend
+    from modelforge.runtimes import SimulatedRuntime
+
+    devices = NodeDevices(SimulatedGpuBackend([SimulatedDevice(0, "GPU-0", "Simulated L4", 24 * GiB)]), None)
+    runtime = SimulatedRuntime(devices)
+    model = await runtime.load("k", Deployment(capability=capability, envelope_bytes=GiB), 0, "GPU-0", lambda _: None)
+    output = await runtime.invoke(model, payload, lambda _: None)
+    assert output["text"] == f"[simulated {capability}] you said: {said}"
+    assert output["finish_reason"] == "stop"
+    assert "embedding" not in output  # text, not a vector
+    await runtime.health_check(model)
+
+
+async def test_the_simulated_runtime_still_embeds_for_an_embedding_model() -> None:
+    from modelforge.domain import Deployment
+    from modelforge.gpu import NodeDevices, SimulatedDevice, SimulatedGpuBackend
+    from modelforge.runtimes import SimulatedRuntime
+    from modelforge.runtimes._simulated import generates_text
+
+    devices = NodeDevices(SimulatedGpuBackend([SimulatedDevice(0, "GPU-0", "Simulated L4", 24 * GiB)]), None)
+    runtime = SimulatedRuntime(devices)
+    embedder = Deployment(capability="rag.embedding@1", envelope_bytes=GiB, openai_models=["all-MiniLM-L6-v2"])
+    model = await runtime.load("k", embedder, 0, "GPU-0", lambda _: None)
+    for payload in ({"text": "hello"}, {"prompt": "hello"}):
+        output = await runtime.invoke(model, payload, lambda _: None)
+        assert len(output["embedding"]) == 8 and "text" not in output
+    batch = await runtime.invoke(model, {"texts": ["a", "b"]}, lambda _: None)
+    assert len(batch["embeddings"]) == 2
+    # The name decides unless the catalog says so.
+    assert generates_text(Deployment(capability="lab.experiment@1", envelope_bytes=1, openai_models=["small-chat"]))
+    assert not generates_text(
+        Deployment(capability="chat.encoder@1", envelope_bytes=1, runtime_config={"simulate_output": "embedding"})
+    )
+    assert generates_text(Deployment(capability="x.y@1", envelope_bytes=1, runtime_config={"simulate_output": "text"}))
