@@ -1,6 +1,11 @@
-"""ResidencyWorkflow: one per resident model instance, `resident:<deployment>:<accelerator>`.
-Load, one functional health check per load, keep-warm TTL timer (reset by each use, which the
-scheduler knows), unload, and the reclaim check that proves the bytes came back."""
+"""ResidencyWorkflow: one per load of a model on an accelerator,
+`resident:<deployment>:<accelerator>:<generation>` (a child of the pool scheduler, which counts
+the generations, so a reload never reuses the id of a residency still closing).
+
+Load, one functional health check, then commands from the scheduler (`extend`, `unload`, `sleep`,
+`wake`, `lost`) until it ends. A keep_warm model's TTL timer asks the scheduler when it fires
+(`resident_idle`): the scheduler knows the last use and the active leases, and answers `extend`
+or `unload`. Unloading is the unload, then the reclaim check that proves the bytes came back."""
 
 from __future__ import annotations
 
