@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
+import typer.core
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -25,14 +26,46 @@ from modelforge.settings import Settings
 if TYPE_CHECKING:
     from modelforge.store import Store
 
-app = typer.Typer(no_args_is_help=True, add_completion=True, help="ModelForge: GPU admission on Temporal.")
-catalog_app = typer.Typer(no_args_is_help=True, help="The catalog of accelerators, deployments and tenants.")
-db_app = typer.Typer(no_args_is_help=True, help="The Postgres store.")
-worker_app = typer.Typer(no_args_is_help=True, help="Worker processes.")
+# Heavy modules (temporalio, the client, the store, fastapi, torch) are imported inside the
+# commands that use them: `modelforge --help`, `--version` and completion import none of them
+# (tests/unit/test_cli_first_hour.py checks it).
+
+
+def reflowed(help_text: str) -> str:
+    """Help text with each paragraph on one line, for the terminal to wrap: typer's rich help
+    keeps a docstring's line breaks, which then break sentences in the middle. Paragraphs are
+    separated by a blank line; one that starts with \\b keeps its lines."""
+    text, marker, rest = inspect.cleandoc(help_text).partition("\f")
+    paragraphs = [p if p.startswith("\b") else " ".join(p.split()) for p in text.split("\n\n")]
+    return "\n\n".join(p for p in paragraphs if p) + marker + rest
+
+
+def summary(help_text: str) -> str:
+    """A command's one-line summary: its help's whole first paragraph."""
+    return reflowed(help_text).partition("\f")[0].split("\n\n")[0].strip()
+
+
+class Group(typer.core.TyperGroup):
+    """Each command's help is reflowed (`reflowed`), and its summary, in its group's commands
+    panel and in shell completion, is its help's whole first paragraph: not broken where the
+    docstring's lines break and not cut at 45 characters or the first period (click's default)."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:  # typer's own click types
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and command.help:
+            command.help = reflowed(command.help)
+            command.short_help = command.short_help or summary(command.help)
+        return command
+
+
+app = typer.Typer(cls=Group, no_args_is_help=True, add_completion=True, help="ModelForge: GPU admission on Temporal.")
+catalog_app = typer.Typer(cls=Group, no_args_is_help=True, help="The catalog of accelerators, deployments and tenants.")
+db_app = typer.Typer(cls=Group, no_args_is_help=True, help="The Postgres store.")
+worker_app = typer.Typer(cls=Group, no_args_is_help=True, help="Worker processes.")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(db_app, name="db")
 app.add_typer(worker_app, name="worker")
-trace_app = typer.Typer(no_args_is_help=True, help="Convert real traces into simulator scenarios.")
+trace_app = typer.Typer(cls=Group, no_args_is_help=True, help="Convert real traces into simulator scenarios.")
 app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
@@ -78,6 +111,8 @@ def _fail(error: ModelForgeError, code: int = 2) -> NoReturn:
 
 
 def _run(factory: Callable[[], Awaitable[T]]) -> T:
+    import asyncio
+
     try:
         return asyncio.run(factory())  # type: ignore[arg-type]
     except ModelForgeError as error:
@@ -101,6 +136,12 @@ def _json(value: Any) -> None:
         return str(obj)
 
     sys.stdout.write(json.dumps(value, default=default, indent=2, sort_keys=True) + "\n")
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
 
 
 def _store_rows(url: str, query: Callable[[Store], Awaitable[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
@@ -361,13 +402,13 @@ def _check_identifiers(**values: str | None) -> None:
 
 @app.command()
 def request(
-    capability: str,
+    capability: Annotated[str, typer.Argument(help="Capability to call, as name@version (chat.small@1).")],
     input: Annotated[str, typer.Option("--input", help="JSON object passed to the model.")] = "{}",
     priority: Annotated[
         str | None,
         typer.Option(
-            help="Class: production|interactive|background|benchmark|maintenance, or a level of the "
-            "catalog's queues (critical, merge.critical). Default: the tenant's."
+            help="Class (production, interactive, background, benchmark or maintenance), or a level of "
+            "the catalog's queues (critical, merge.critical). Default: the tenant's."
         ),
     ] = None,
     queue: Annotated[
@@ -538,7 +579,7 @@ def events(
             show(rows)
             last = rows[-1]["seq"] if rows else 0
             while follow:
-                await asyncio.sleep(1.0)
+                await _sleep(1.0)
                 rows = await store.list_events(after_seq=last, limit=1000, **filters)
                 show(rows)
                 last = rows[-1]["seq"] if rows else last
@@ -592,8 +633,10 @@ def capacity(
     accelerator: Annotated[str | None, typer.Option(help="Only this accelerator.")] = None,
     buckets: Annotated[int, typer.Option(min=1, max=500, help="Time buckets per accelerator.")] = 12,
 ) -> None:
-    """The capacity trend from the per-minute snapshots: the least schedulable and the most
-    external bytes per time bucket, with pressure, health and freshness."""
+    """The capacity trend from the per-minute snapshots.
+
+    Per time bucket: the least schedulable and the most external bytes, with pressure, health
+    and freshness."""
 
     url = _database_url(_settings())
     try:
@@ -656,7 +699,7 @@ def _int_list(text: str, option: str) -> list[int]:
 
 @app.command()
 def profile(
-    deployment: str,
+    deployment: Annotated[str, typer.Argument(help="Deployment to measure, as in the catalog.")],
     batch_sizes: Annotated[str, typer.Option(help="Texts per embedding call, comma-separated.")] = "1,8,32",
     context_words: Annotated[str, typer.Option(help="Words per text or prompt, comma-separated.")] = "16,256",
     concurrency: Annotated[str, typer.Option(help="Calls in flight at once, comma-separated.")] = "1,2",
@@ -664,9 +707,11 @@ def profile(
     tenant: Annotated[str, typer.Option(help="Tenant the profiling lease is charged to.")] = "default",
     as_json: JsonOption = False,
 ) -> None:
-    """Measure DEPLOYMENT's idle and peak bytes under a lease of its own (it waits like any
-    request and never displaces production) and store the envelope: production may then use
-    the deployment on that accelerator model's production-eligible cards."""
+    """Measure DEPLOYMENT's idle and peak bytes and store its envelope.
+
+    The measurement holds a lease of its own: it waits like any request and never displaces
+    production. Production may then use the deployment on that accelerator model's
+    production-eligible cards."""
     from modelforge.client import ModelForgeClient
     from modelforge.messages import PROFILE_OPERATION
     from modelforge.store import Store
@@ -791,7 +836,7 @@ def envelopes(
 
 
 @catalog_app.command("apply")
-def catalog_apply(file: Path) -> None:
+def catalog_apply(file: Annotated[Path, typer.Argument(help="Catalog TOML to validate and apply.")]) -> None:
     """Validate FILE and apply it atomically; the running scheduler reloads it."""
     from modelforge.catalog import load_catalog_file
     from modelforge.store import Store
@@ -846,8 +891,10 @@ def catalog_apply(file: Path) -> None:
 
 @db_app.command("migrate")
 def db_migrate() -> None:
-    """Apply pending migrations in order, to the Postgres of MODELFORGE_DATABASE_URL or of a
-    running `modelforge dev` (which applies them itself when it starts)."""
+    """Apply pending migrations in order.
+
+    They go to the Postgres of MODELFORGE_DATABASE_URL, or of a running `modelforge dev` (which
+    applies them itself when it starts)."""
     from modelforge.store import Store
 
     settings = _settings()
@@ -876,7 +923,9 @@ def db_migrate() -> None:
 
 
 @worker_app.command("control")
-def worker_control(pool: str = "default") -> None:
+def worker_control(
+    pool: Annotated[str, typer.Option(help="The pool whose scheduler this worker starts and serves.")] = "default",
+) -> None:
     """The control worker (workflows, catalog and event activities)."""
     from modelforge.logging import configure
     from workers import control
@@ -892,7 +941,7 @@ def worker_control(pool: str = "default") -> None:
 def worker_node(
     node: Annotated[str, typer.Option(help="This GPU host's node name.")],
     simulate_from: Annotated[Path | None, typer.Option(help="Catalog whose devices to simulate.")] = None,
-    pool: str = "default",
+    pool: Annotated[str, typer.Option(help="The pool whose scheduler receives this node's telemetry.")] = "default",
     cpu_device_bytes: Annotated[
         str | None,
         typer.Option(help="Serve this host's CPU as the device <node>/cpu with this memory budget (e.g. 4GiB)."),
@@ -900,7 +949,7 @@ def worker_node(
     rack_id: Annotated[str, typer.Option(envvar="MODELFORGE_RACK_ID", help="Rack label of this node's devices.")] = "",
     network_bandwidth_gbps: Annotated[
         float | None,
-        typer.Option(envvar="MODELFORGE_NETWORK_BANDWIDTH_GBPS", min=0, help="This node's network bandwidth."),
+        typer.Option(envvar="MODELFORGE_NETWORK_BANDWIDTH_GBPS", min=0, help="This node's network bandwidth, Gbit/s."),
     ] = None,
 ) -> None:
     """A node worker: NVML and runtimes of one GPU host."""
@@ -927,8 +976,10 @@ def gateway(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8080,
     pool: Annotated[str, typer.Option(help="The pool whose scheduler admits the requests.")] = "default",
 ) -> None:
-    """The HTTP gateway: POST /v1/requests, GET /v1/status, and OpenAI-compatible /v1/embeddings,
-    /v1/chat/completions and /v1/models. API keys (key = tenant) from the TOML file named by
+    """The HTTP gateway: the request API and OpenAI-compatible endpoints.
+
+    POST /v1/requests, GET /v1/status, and OpenAI-compatible /v1/embeddings, /v1/chat/completions
+    and /v1/models. API keys (key = tenant) come from the TOML file named by
     MODELFORGE_GATEWAY_API_KEYS_FILE; without it, the tenant comes from X-ModelForge-Tenant."""
     from modelforge.client import ModelForgeClient
     from modelforge.gateway import GatewayConfig, create_app, gateway_server, load_api_keys
@@ -1006,10 +1057,14 @@ def trace_azure(
     repeat: Annotated[int, typer.Option(help="Tile the trace this many times back to back.")] = 1,
     prefill_tps: Annotated[float, typer.Option(help="Prefill tokens per second per sequence.")] = 4000.0,
     decode_tps: Annotated[float, typer.Option(help="Decode tokens per second per sequence.")] = 40.0,
-    seed: int = 7,
+    seed: Annotated[
+        int, typer.Option(help="Seed of what the trace does not say (the same file and seed, the same scenario).")
+    ] = 7,
 ) -> None:
-    """A mixed single-GPU scenario: the trace's LLM calls (production) with embedding traffic, a
-    lab's experimental model and background evaluation jobs, on a card shared with a media server."""
+    """A mixed single-GPU scenario from an Azure LLM trace.
+
+    The trace's LLM calls (production) with embedding traffic, a lab's experimental model and
+    background evaluation jobs, on a card shared with a media server."""
     from modelforge.traces import AzureOptions, convert_azure
 
     if prefill_tps <= 0 or decode_tps <= 0:

@@ -4,6 +4,8 @@ stack's clients and stores replaced by recorders)."""
 from __future__ import annotations
 
 import io
+import itertools
+import json
 import os
 import shlex
 import subprocess
@@ -497,3 +499,132 @@ async def test_the_simulated_runtime_still_embeds_for_an_embedding_model() -> No
         Deployment(capability="chat.encoder@1", envelope_bytes=1, runtime_config={"simulate_output": "embedding"})
     )
     assert generates_text(Deployment(capability="x.y@1", envelope_bytes=1, runtime_config={"simulate_output": "text"}))
+
+
+# --- 12. help renders whole sentences -------------------------------------------------------------
+
+
+def _commands() -> list[tuple[list[str], Any]]:
+    """Every command and group under `modelforge`, as its path and its click command, resolved
+    the way `modelforge PATH --help` resolves it."""
+    import typer
+
+    root = typer.main.get_command(cli.app)
+    found: list[tuple[list[str], Any]] = []
+
+    def walk(command: Any, path: list[str], ctx: Any) -> None:
+        found.append((path, command))
+        if hasattr(command, "list_commands"):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                walk(sub, [*path, name], type(ctx)(sub, parent=ctx, info_name=name))
+
+    walk(root, [], type(root.make_context("modelforge", [], resilient_parsing=True))(root, info_name="modelforge"))
+    return found
+
+
+_TERMINAL = (".", "?", "!")
+
+
+def test_every_help_text_is_whole_sentences() -> None:
+    commands = _commands()
+    assert {"request", "status", "profile", "gateway", "catalog apply", "db migrate", "trace azure"} <= {
+        " ".join(path) for path, _ in commands
+    }
+    for path, command in commands:
+        name = " ".join(["modelforge", *path])
+        assert command.help, f"{name}: no help"
+        assert "\b" not in command.help and "\\b" not in command.help, name
+        for paragraph in command.help.partition("\f")[0].split("\n\n"):
+            # One line per paragraph: the terminal wraps it, no docstring line break splits it.
+            assert "\n" not in paragraph.strip(), f"{name}: {paragraph!r}"
+            assert paragraph.strip().endswith(_TERMINAL), f"{name}: {paragraph!r}"
+        if path:
+            # The summary in the commands panel and in shell completion is the whole first
+            # paragraph: not cut at 45 characters or at the first period.
+            first = command.help.split("\n\n")[0]
+            assert command.get_short_help_str() == first, name
+        for param in command.params:
+            if param.name in ("help", "install_completion", "show_completion"):
+                continue
+            text = getattr(param, "help", None)
+            assert text, f"{name} {param.name}: no help"
+            assert "\n" not in text and "\b" not in text, f"{name} {param.name}: {text!r}"
+            assert text.endswith(_TERMINAL), f"{name} {param.name}: {text!r}"
+
+
+def _premature_breaks(lines: list[str], start: int, end: int) -> list[str]:
+    """Lines of a wrapped text (the columns start:end of `lines`) that broke although the next
+    word would have fit on them: a line break the help text itself carried."""
+    broken = []
+    width = end - start
+    for line, following in itertools.pairwise(lines):
+        text, after = line[start:end].rstrip(), following[start:end].strip()
+        if text.strip() and after and len(text) + 1 + len(after.split()[0]) < width - 1:
+            broken.append(f"{text.strip()!r} then {after.split()[0]!r}")
+    return broken
+
+
+@pytest.mark.parametrize("columns", [100, 120])
+def test_every_help_page_renders_whole_sentences(columns: int) -> None:
+    for path, _ in _commands():
+        name = " ".join(["modelforge", *path])
+        done = runner.invoke(cli.app, [*path, "--help"], env={"COLUMNS": str(columns), "TERM": "dumb"})
+        assert done.exit_code == 0, (name, done.output)
+        lines = done.output.splitlines()
+        assert not any(len(line) > columns for line in lines), name
+        assert "…" not in done.output and "\b" not in done.output, f"{name}:\n{done.output}"
+        # The description, between the usage line and the first panel.
+        usage = next(i for i, line in enumerate(lines) if "Usage:" in line)
+        first_panel = next((i for i, line in enumerate(lines) if line.startswith("╭")), len(lines))
+        description = lines[usage + 1 : first_panel]
+        for block in "\n".join(description).split("\n" + " " * columns + "\n"):
+            assert not _premature_breaks(block.splitlines(), 0, columns), f"{name}:\n{done.output}"
+        # The commands panel: each summary wraps only where the next word does not fit.
+        if "─ Commands ─" in done.output:
+            top = next(i for i, line in enumerate(lines) if "─ Commands ─" in line)
+            rows = list(itertools.takewhile(lambda line: line.startswith("│"), lines[top + 1 :]))
+            offset = len(rows[0]) - len(rows[0][2:].lstrip().split(" ", 1)[1].lstrip()) - 0
+            entry: list[str] = []
+            for row in [*rows, "│ end"]:
+                if row[2:3].strip() and entry:  # a command's first row: the previous entry ends
+                    assert not _premature_breaks(entry, offset, len(row) - 2), f"{name}:\n{done.output}"
+                    entry = []
+                entry.append(row)
+
+
+# --- 13. the CLI imports what a command needs, when it needs it -------------------------------------
+
+_HEAVY = ("temporalio", "torch", "fastapi", "starlette", "uvicorn", "sentence_transformers", "psycopg", "numpy")
+
+
+def _imported_after(code: str) -> set[str]:
+    probe = (
+        "import json, sys\n"
+        f"{code}\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(_HEAVY)!r}))))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env["MODELFORGE_TEMPORAL_ADDRESS"] = "127.0.0.1:1"  # nothing listens: status fails at once
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_cli_imports_no_heavy_module() -> None:
+    assert _imported_after("import modelforge.cli") == set()
+
+
+def test_help_version_and_status_import_only_what_they_need() -> None:
+    run = "from typer.testing import CliRunner\nfrom modelforge import cli\nr = CliRunner()\n"
+    assert _imported_after(run + "r.invoke(cli.app, ['--help'])\nr.invoke(cli.app, ['--version'])") == set()
+    assert (
+        _imported_after(run + "r.invoke(cli.app, ['request', '--help'])\nr.invoke(cli.app, ['status', '--help'])")
+        == set()
+    )
+    # status --json needs the Temporal client, and nothing else heavy.
+    assert _imported_after(run + "print(r.invoke(cli.app, ['status', '--json']).output, file=sys.stderr)") == {
+        "temporalio"
+    }
