@@ -125,6 +125,15 @@ class CancelSignal:
 
 
 @dataclass(frozen=True)
+class RebaseSignal:
+    """Continue as new now: the run's history cannot be replayed (the replay guard found a
+    nondeterminism error in it), but its cached state is sound, so it moves that state into a
+    fresh run before a worker restart would have to replay the history."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class SchedulerInput:
     pool: str
     state: PoolState | None = None

@@ -84,6 +84,10 @@ class Settings:
     # How long stored payloads are kept (MODELFORGE_PAYLOAD_RETENTION_DAYS); None: the
     # namespace's workflow retention plus a day.
     payload_retention_days: float | None = None
+    # How often the control worker replays each pool scheduler's history to catch one no worker
+    # could replay before it wedges the pool (MODELFORGE_REPLAY_CHECK_S; 0: off;
+    # workers/replay_guard.py). Checks also follow every Temporal outage.
+    replay_check_s: float = 60.0
 
     def resolved_payload_dir(self) -> Path:
         return self.payload_dir or self.home / "payloads"
@@ -147,6 +151,16 @@ class Settings:
                     FailureClass.REQUEST_INVALID,
                     f"MODELFORGE_PAYLOAD_RETENTION_DAYS must be a positive number of days, not {text!r}",
                 )
+        replay_text = os.environ.get("MODELFORGE_REPLAY_CHECK_S", "60").strip()
+        try:
+            replay_check_s = float(replay_text)
+        except ValueError:
+            replay_check_s = -1.0
+        if not (replay_check_s == 0 or 5 <= replay_check_s <= 86400):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"MODELFORGE_REPLAY_CHECK_S must be 0 (off) or 5 to 86400 seconds, not {replay_text!r}",
+            )
         return cls(
             temporal_address=os.environ.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233"),
             temporal_namespace=os.environ.get("MODELFORGE_TEMPORAL_NAMESPACE", "default"),
@@ -173,4 +187,5 @@ class Settings:
             payload_threshold_bytes=payload_threshold,
             max_payload_bytes=max_payload,
             payload_retention_days=payload_retention,
+            replay_check_s=replay_check_s,
         )

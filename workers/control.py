@@ -24,6 +24,7 @@ from modelforge.payloads import sweep_forever
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
+from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import scheduler_id
 
@@ -135,23 +136,29 @@ class ControlWorker:
     back past its admissions' limits when both shared one queue). And the adopter of silent
     nodes' queues."""
 
-    def __init__(self, workers: list[Worker], adopter: NodeQueueAdopter | None = None) -> None:
+    def __init__(
+        self, workers: list[Worker], adopter: NodeQueueAdopter | None = None, guard: ReplayGuard | None = None
+    ) -> None:
         self.workers = workers
         self.adopter = adopter
-        self._adopting: asyncio.Task[None] | None = None
+        self.guard = guard
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> ControlWorker:
         for worker in self.workers:
             await worker.__aenter__()
         if self.adopter is not None:
-            self._adopting = asyncio.create_task(self.adopter.run())
+            self._tasks.append(asyncio.create_task(self.adopter.run()))
+        if self.guard is not None:
+            self._tasks.append(asyncio.create_task(self.guard.run()))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._adopting is not None:
-            self._adopting.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._adopting
+                await task
+        self._tasks = []
         for worker in reversed(self.workers):
             await worker.__aexit__(None, None, None)
 
@@ -164,6 +171,7 @@ def build_control_worker(
     metrics: Metrics | None = None,
     pools: Sequence[str] = (DEFAULT_POOL,),
     adopt_interval_s: float = 5.0,
+    replay_check_s: float = 60.0,
 ) -> ControlWorker:
     gateway = SchedulerGatewayActivities(client)
     records = StoreActivities(store, snapshot_retention_s, metrics)
@@ -186,7 +194,20 @@ def build_control_worker(
     schedulers = Worker(
         client, task_queue=SCHEDULER_TASK_QUEUE, workflows=[PoolSchedulerWorkflow], workflow_runner=workflow_runner()
     )
-    return ControlWorker([schedulers, control], NodeQueueAdopter(client, pools, gateway.activities(), adopt_interval_s))
+    # A scheduler history that no worker can replay is moved out of before it wedges the pool
+    # (workers/replay_guard.py); 0 turns the guard off.
+    guard = (
+        ReplayGuard(
+            client,
+            [scheduler_id(pool) for pool in pools],
+            replayer_check([PoolSchedulerWorkflow], workflow_runner(), client.data_converter),
+            interval_s=replay_check_s,
+        )
+        if replay_check_s > 0
+        else None
+    )
+    adopter = NodeQueueAdopter(client, pools, gateway.activities(), adopt_interval_s)
+    return ControlWorker([schedulers, control], adopter, guard)
 
 
 async def ensure_scheduler(
@@ -235,6 +256,7 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
             snapshot_retention_s=settings.snapshot_retention_days * 86400.0,
             metrics=metrics,
             pools=[pool],
+            replay_check_s=settings.replay_check_s,
         )
         async with worker:
             handle = await ensure_scheduler(client, pool)

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         LeaseHeartbeat,
         NodeSample,
         PreemptSignal,
+        RebaseSignal,
         ReleaseSignal,
         ResidencyInput,
         ResidentCommand,
@@ -114,6 +115,7 @@ class PoolSchedulerWorkflow:
         # Event batches whose write has not been confirmed, by write: carried at continue-as-new.
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
+        self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -283,6 +285,15 @@ class PoolSchedulerWorkflow:
     def cancel(self, signal: CancelSignal) -> None:
         now = self._now()
         self._record_all(policy.cancel_request(self._state, signal.request_id, now, signal.reason), now)
+        self._wake = True
+
+    @workflow.signal
+    def rebase(self, signal: RebaseSignal) -> None:
+        """No patch needed: a history without this signal runs exactly as before."""
+        if self._rebase is None:
+            now = self._now()
+            self._record(policy.PolicyEvent(kind="scheduler_rebased", message=signal.reason[:500]), now)
+        self._rebase = signal.reason
         self._wake = True
 
     @workflow.signal
@@ -520,7 +531,7 @@ class PoolSchedulerWorkflow:
 
     def _should_continue_as_new(self, start: SchedulerInput) -> bool:
         info = workflow.info()
-        if info.is_continue_as_new_suggested():
+        if info.is_continue_as_new_suggested() or self._rebase is not None:
             return True
         return workflow.patched(PATCH_HISTORY_BOUND) and info.get_current_history_length() >= start.max_history_events
 

@@ -1,0 +1,206 @@
+"""The replay guard (workers/replay_guard.py): a scheduler history that no worker can replay is
+found and moved out of before it wedges the pool, and a run already wedged is reset.
+
+- The history the chaos bench caught (a Temporal restart mid-task; bench/evidence/) is flagged
+  by the real replayer with the worker's own code, and its reset point is the end of the task
+  before the bad commands; a good recorded history is not flagged.
+- A live scheduler told its history is unreplayable continues as new from its cached state:
+  the lease it holds, the request waiting behind it and the event log all survive, and the pool
+  goes on serving.
+- A run that really is wedged (every workflow task fails with a nondeterminism error because
+  the code that wrote its history is gone) is reset by the guard and completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio import workflow
+from temporalio.client import Client, WorkflowHistory
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+from temporalio.workflow import NondeterminismError
+
+from modelforge.policy import PolicyConfig
+from tests.harness import running_stack
+from workers.control import workflow_runner
+from workers.replay_guard import ReplayGuard, replayer_check, reset_point
+from workflows import PoolSchedulerWorkflow
+
+pytestmark = pytest.mark.workflow
+
+ROOT = Path(__file__).resolve().parents[2]
+EVIDENCE = ROOT / "bench" / "evidence" / "scheduler_update_order_nde.json"
+GOOD = ROOT / "tests" / "histories" / "v7" / "scheduler.json"
+FENCING = ROOT / "tests" / "catalogs" / "fencing.toml"
+
+
+async def test_the_unreplayable_history_is_flagged_and_a_good_one_is_not() -> None:
+    from temporalio.converter import DataConverter
+
+    check = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default)
+    bad = WorkflowHistory.from_json("scheduler:default", EVIDENCE.read_text())
+    failure = await check(bad)
+    assert isinstance(failure, NondeterminismError)
+    # The bad commands start at event 40, written by the task that completed at event 39: the
+    # run restarts just before that task's commands, with its inputs applied again.
+    assert reset_point(bad, failure) == 39
+    good = WorkflowHistory.from_json("scheduler:default", GOOD.read_text())
+    assert await check(good) is None
+
+
+async def test_a_live_scheduler_with_an_unreplayable_history_moves_to_a_clean_run(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    config = PolicyConfig(stale_lease_s=30.0, freshness_s=300.0, node_silent_s=600.0)
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=FENCING, config=config, adopt_interval_s=3600
+    ) as stack:
+        holder = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 6})
+        waiting = await stack.start_request("fence.one@1", tenant="app")
+
+        async def one_holds_one_waits() -> bool:
+            status = await stack.status()
+            return status.active_leases == 1 and sum(status.queue_depth.values()) == 1
+
+        assert await _until(one_holds_one_waits, 30)
+        old_run = (await stack.scheduler.describe()).run_id
+        verdicts: list[str] = []
+
+        async def says_unreplayable(history: WorkflowHistory) -> Exception | None:
+            # The guard's I/O is injected: this stands for the real replayer finding the fault
+            # the chaos bench found (its own test is above); everything else here is real.
+            verdicts.append(history.workflow_id)
+            return NondeterminismError("[TMPRL1100] Nondeterminism error: HistoryEvent(id: 12, TimerStarted)")
+
+        guard = ReplayGuard(stack.client, ["scheduler:default"], says_unreplayable, rebase_wait_s=20)
+        [outcome] = await guard.check_all()
+        assert outcome.outcome == "rebased", outcome
+        assert verdicts == ["scheduler:default"]
+        new = await stack.scheduler.describe()
+        assert new.run_id != old_run
+        status = await stack.status()
+        assert status.active_leases == 1, "the lease held across the move was lost"
+        assert sum(status.queue_depth.values()) == 1, "the waiting request was lost"
+        assert (await holder.result()).output
+        assert (await waiting.result()).output, "the request queued before the move was never granted"
+        after = await stack.start_request("fence.one@1", tenant="app")
+        assert (await after.result()).output
+        rebased = await stack.events("scheduler_rebased", at_least=1, within_s=20)
+        assert rebased and "cannot be replayed" in rebased[0]["message"]
+        released = await stack.events("lease_released", at_least=3, within_s=20)
+        assert len(released) >= 3
+
+
+# A workflow whose code changes under a running execution, as a stale cache's commands do: the
+# history written by the first version cannot be replayed by the second, so every workflow task
+# of the second fails with a nondeterminism error, for good.
+@workflow.defn(name="GuardToyWorkflow", sandboxed=False)
+class _WroteTheHistory:
+    def __init__(self) -> None:
+        self._go = False
+
+    @workflow.signal
+    def go(self) -> None:
+        self._go = True
+
+    @workflow.signal
+    def poke(self) -> None:
+        pass
+
+    @workflow.run
+    async def run(self) -> str:
+        await workflow.wait_condition(lambda: self._go)
+        await workflow.sleep(3600)  # TimerStarted
+        return "first"
+
+
+@workflow.defn(name="GuardToyWorkflow", sandboxed=False)
+class _ReplaysIt:
+    def __init__(self) -> None:
+        self._go = False
+
+    @workflow.signal
+    def go(self) -> None:
+        self._go = True
+
+    @workflow.signal
+    def poke(self) -> None:
+        pass
+
+    @workflow.run
+    async def run(self) -> str:
+        await workflow.wait_condition(lambda: self._go)
+        workflow.upsert_memo({"took": "the other path"})  # where the history has TimerStarted
+        await workflow.sleep(0.1)
+        return "after reset"
+
+
+async def test_a_wedged_run_is_reset_and_completes(dev_server_env: WorkflowEnvironment) -> None:
+    client = dev_server_env.client
+    queue = f"guard-{uuid.uuid4()}"
+    workflow_id = f"guard-toy-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[_WroteTheHistory]):
+        handle = await client.start_workflow("GuardToyWorkflow", id=workflow_id, task_queue=queue)
+        await handle.signal("go")
+        await _until(lambda: _has_timer(client, workflow_id), 10)
+    # A fresh worker with the other code: it has nothing cached and must replay.
+    async with Worker(client, task_queue=queue, workflows=[_ReplaysIt]):
+        await handle.signal("poke")
+
+        async def failing() -> bool:
+            pending = (await handle.describe()).raw_description.pending_workflow_task
+            return pending.attempt >= 2
+
+        assert await _until(failing, 30), "the run never wedged"
+        guard = ReplayGuard(
+            client,
+            [workflow_id],
+            replayer_check([_ReplaysIt], workflow_runner(), client.data_converter),
+            rebase_wait_s=2,
+        )
+        [outcome] = await guard.check_all()
+        assert outcome.outcome == "reset", outcome
+        result = await asyncio.wait_for(client.get_workflow_handle(workflow_id).result(), timeout=30)
+        assert result == "after reset"
+
+
+async def _has_timer(client: Client, workflow_id: str) -> bool:
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    return any(event.HasField("timer_started_event_attributes") for event in history.events)
+
+
+async def _until(check: Any, within_s: float, every_s: float = 0.2) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        found = await check()
+        if found or loop.time() > deadline:
+            return found
+        await asyncio.sleep(every_s)
+
+
+
+
+async def test_checks_follow_an_outage_and_the_interval() -> None:
+    rounds: list[float] = []
+    health = iter([True, True, False, False, True] + [True] * 1000)
+
+    class _Guard(ReplayGuard):
+        async def _reachable(self) -> bool:
+            return next(health)
+
+        async def check_all(self) -> list[Any]:
+            rounds.append(asyncio.get_running_loop().time())
+            return []
+
+    guard = _Guard(None, [], None, interval_s=10.0, health_interval_s=0.01, after_outage_s=(0.05, 0.1))  # type: ignore[arg-type]
+    task = asyncio.create_task(guard.run())
+    await asyncio.sleep(0.6)
+    task.cancel()
+    # No round in the first interval (it starts 5 s in), then two right after the outage ended.
+    assert len(rounds) == 2, rounds

@@ -1,0 +1,216 @@
+"""The replay guard: a pool scheduler whose history no worker can replay is moved out of it
+before it wedges the pool.
+
+Why this exists. When Temporal goes away in the middle of a scheduler workflow task, the worker
+may have applied that task to its cached run and lost the completion; when the server comes
+back it hands the same task out again, now with the updates and signals that arrived meanwhile,
+and the worker (SDK 1.35, core) answers from its cached run: the commands of the lost task
+first, then the new ones. Replayed from scratch, the SDK applies those updates before the timer
+that fired in the same task, so the commands come in the other order and every replay fails
+with a nondeterminism error ("Update machine does not handle this event: TimerStarted", kept in
+bench/evidence/). Nothing breaks while the run stays cached; the first eviction (a worker
+restart, a full cache) wedges the pool: no admission, no grant, every retry failing the same way.
+Java's and Go's SDKs fixed the same class by evicting on a failed completion; the Python SDK
+gives no handle for that, so the guard checks instead.
+
+What it does, per guarded workflow (each pool's scheduler):
+1. Replays the running run's history with the worker's own workflow code, every `interval_s`
+   and a few times right after a Temporal outage ends (the moment the fault is written).
+2. A history that replays: nothing to do.
+3. One that does not, while a worker still holds the run cached: the guard signals `rebase`;
+   the cached run, whose state is sound, continues as new at once and carries its state,
+   undelivered decisions and unwritten events into a fresh run whose history is clean. Nothing is
+   lost; the event `scheduler_rebased` records it.
+4. One that does not and whose run did not move within `rebase_wait_s` (no worker has it cached:
+   it is wedged): the guard resets the run to the end of the workflow task before the one that
+   wrote the bad commands, reapplying every signal and update received after it. Decisions the
+   lost run made after that point are gone: its grants' holders are unknown to the reset run.
+   That is why step 3 runs first and why checks follow every outage. Both steps are logged with
+   the workflow id, the run id and the event id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHistory
+from temporalio.converter import DataConverter
+from temporalio.worker import Replayer, WorkflowRunner
+from temporalio.workflow import NondeterminismError
+
+from modelforge.logging import get_logger
+from modelforge.messages import RebaseSignal
+
+log = get_logger("modelforge.worker.replay_guard")
+
+# core's message names the history event it could not match: "HistoryEvent(id: 40, TimerStarted)"
+_BAD_EVENT = re.compile(r"HistoryEvent\(id: (\d+)")
+
+ReplayCheck = Callable[[WorkflowHistory], Awaitable[Exception | None]]
+
+
+def replayer_check(workflows: Sequence[type], runner: WorkflowRunner, converter: DataConverter) -> ReplayCheck:
+    """Replays a history with this worker's workflow code and data converter (stored payloads
+    are read back as the worker reads them); the nondeterminism error, if any."""
+
+    async def check(history: WorkflowHistory) -> Exception | None:
+        replayer = Replayer(workflows=list(workflows), workflow_runner=runner, data_converter=converter)
+        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+        failure = result.replay_failure
+        if failure is None:
+            return None
+        if isinstance(failure, NondeterminismError):
+            return failure
+        # Anything else (a payload that cannot be read, say) is not this guard's to repair.
+        log.warning("replay_check_inconclusive", workflow_id=history.workflow_id, error=_short(failure))
+        return None
+
+    return check
+
+
+def reset_point(history: WorkflowHistory, failure: Exception) -> int | None:
+    """The event to reset to: the completion of the workflow task that wrote the event the
+    replay could not match (the run restarts just before that task's commands, with the task's
+    inputs and everything received after it applied again)."""
+    match = _BAD_EVENT.search(str(failure))
+    if match is None:
+        return None
+    bad = int(match.group(1))
+    completed = [
+        event.event_id
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and event.event_id < bad
+    ]
+    return completed[-1] if completed else None
+
+
+@dataclass(frozen=True)
+class GuardOutcome:
+    workflow_id: str
+    outcome: str  # replays | rebased | reset | not_running | needs_operator
+    run_id: str = ""
+    detail: str = ""
+
+
+class ReplayGuard:
+    def __init__(
+        self,
+        client: Client,
+        workflow_ids: Sequence[str],
+        check: ReplayCheck,
+        *,
+        interval_s: float = 60.0,
+        health_interval_s: float = 2.0,
+        after_outage_s: Sequence[float] = (3.0, 10.0, 30.0),
+        rebase_wait_s: float = 15.0,
+    ) -> None:
+        self._client = client
+        self._workflow_ids = list(workflow_ids)
+        self._check = check
+        self._interval_s = interval_s
+        self._health_interval_s = health_interval_s
+        self._after_outage_s = list(after_outage_s)
+        self._rebase_wait_s = rebase_wait_s
+        self.outcomes: list[GuardOutcome] = []  # the last round's, for tests and logs
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + min(self._interval_s, 5.0)
+        soon: list[float] = []  # the checks that follow an outage
+        reachable = True
+        while True:
+            healthy = await self._reachable()
+            now = loop.time()
+            if healthy and not reachable:
+                # The window in which the fault is written has just closed: look soon, and again.
+                soon = sorted(now + delay for delay in self._after_outage_s)
+                log.info("replay_guard_after_outage", checks_in_s=list(self._after_outage_s))
+            reachable = healthy
+            if healthy and (now >= next_round or (soon and now >= soon[0])):
+                soon = [at for at in soon if at > now]
+                next_round = now + self._interval_s
+                try:
+                    await self.check_all()
+                except Exception as error:  # the next round tries again; the worker keeps serving
+                    log.warning("replay_guard_round_failed", error=_short(error))
+            await asyncio.sleep(self._health_interval_s)
+
+    async def _reachable(self) -> bool:
+        try:
+            return await self._client.service_client.check_health(timeout=timedelta(seconds=2.0))
+        except Exception:
+            return False
+
+    async def check_all(self) -> list[GuardOutcome]:
+        self.outcomes = [await self.check(workflow_id) for workflow_id in self._workflow_ids]
+        return self.outcomes
+
+    async def check(self, workflow_id: str) -> GuardOutcome:
+        handle = self._client.get_workflow_handle(workflow_id)
+        description = await handle.describe()
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            return GuardOutcome(workflow_id, "not_running", description.run_id or "")
+        run_id = description.run_id or ""
+        history = await self._client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        failure = await self._check(history)
+        if failure is None:
+            return GuardOutcome(workflow_id, "replays", run_id)
+        detail = _short(failure)
+        log.error("workflow_history_unreplayable", workflow_id=workflow_id, run_id=run_id, error=detail)
+        try:
+            await handle.signal("rebase", RebaseSignal(reason=f"history of run {run_id} cannot be replayed: {detail}"))
+        except Exception as error:  # closed meanwhile: the next round looks at the new run
+            log.warning("rebase_signal_failed", workflow_id=workflow_id, error=_short(error))
+        if await self._moved_on(workflow_id, run_id):
+            log.warning("workflow_rebased", workflow_id=workflow_id, old_run_id=run_id)
+            return GuardOutcome(workflow_id, "rebased", run_id, detail)
+        point = reset_point(history, failure)
+        if point is None:
+            log.error(
+                "workflow_wedged_needs_operator",
+                workflow_id=workflow_id,
+                run_id=run_id,
+                hint=f"temporal workflow reset --workflow-id {workflow_id} --run-id {run_id} --type LastWorkflowTask",
+            )
+            return GuardOutcome(workflow_id, "needs_operator", run_id, detail)
+        await self._client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=self._client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
+                reason=f"modelforge replay guard: history cannot be replayed ({detail})"[:1000],
+                workflow_task_finish_event_id=point,
+                request_id=str(uuid.uuid4()),
+                # Signals and updates received after the reset point are applied again.
+                reset_reapply_exclude_types=[],
+            )
+        )
+        log.error("workflow_reset", workflow_id=workflow_id, run_id=run_id, reset_to_event=point)
+        return GuardOutcome(workflow_id, "reset", run_id, f"reset to event {point}: {detail}")
+
+    async def _moved_on(self, workflow_id: str, run_id: str) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._rebase_wait_s
+        handle = self._client.get_workflow_handle(workflow_id)
+        while loop.time() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                description = await handle.describe()
+            except Exception:
+                continue
+            if description.run_id != run_id:
+                return True
+        return False
+
+
+def _short(error: BaseException) -> str:
+    text = str(error)
+    match = re.search(r"\[TMPRL1100\][^\"]*", text)
+    return (match.group(0) if match else f"{type(error).__name__}: {text}")[:300]
