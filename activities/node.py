@@ -194,6 +194,10 @@ class NodeActivities:
         pids: set[int] = set()
         for _, model in self._loaded.values():
             pids |= process_tree(model.pid) if model.owns_process else {model.pid}
+        for runtime in self._runtimes.values():
+            running = getattr(runtime, "running_pids", None)  # a job runtime's running jobs
+            if running is not None:
+                pids |= running()
         return pids
 
     @activity.defn(name="load_model")
@@ -268,6 +272,8 @@ class NodeActivities:
                 resume = self._check_resume(request.resume_from or legacy_resume, request.request_id)
                 # The lease names the invocation for a checkpoint taken while it runs.
                 payload["modelforge_lease_id"] = request.lease_id
+                if getattr(runtime, "job_runtime", False):
+                    payload.update(self._job_context(request.request_id))
                 if resume:
                     payload[RESUME_KEY] = resume
                 async with self._vouching(request):
@@ -288,6 +294,21 @@ class NodeActivities:
             except RPCError as error:  # the workflow releases instead: nothing is lost, only slower
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
         return InvokeResult(output=output, invoke_s=invoke_s, released=released, route=self._request_queue)
+
+    def _job_context(self, request_id: str) -> dict[str, Any]:
+        """What a job runtime's invoke is told besides the input: its request, the request
+        workflow's run, its own checkpoint directory in the store
+        (`<store>/<request id>/job/<run>`, where a resume location of this run may lie) and the
+        seconds left before the invoke's max_duration."""
+        context: dict[str, Any] = {"modelforge_request_id": request_id, "modelforge_run_id": _run_scope()}
+        if self._checkpoint_root is not None:
+            context["modelforge_checkpoint_dir"] = str(self._checkpoint_destination(request_id, "job"))
+        if activity.in_activity():
+            info = activity.info()
+            if info.schedule_to_close_timeout:
+                ends = info.scheduled_time + info.schedule_to_close_timeout
+                context["modelforge_time_left_s"] = max(0.0, ends.timestamp() - time.time())
+        return context
 
     @contextlib.asynccontextmanager
     async def _vouching(self, request: InvokeInput) -> AsyncIterator[None]:

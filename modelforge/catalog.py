@@ -117,7 +117,7 @@ class DeploymentSpec(_Strict):
     production_eligible: bool = True
     accelerators: list[ID] = Field(default_factory=list)
     measured_on: list[str] = Field(default_factory=list)
-    runtime: Literal["simulated", "subprocess_http", "sentence_transformers"] = "simulated"
+    runtime: Literal["simulated", "subprocess_http", "subprocess_job", "sentence_transformers"] = "simulated"
     artifact: str = Field(default="", max_length=4096)
     artifact_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     runtime_config: dict[str, str] = Field(default_factory=dict)
@@ -245,6 +245,13 @@ def _runtime_problems(dep: DeploymentSpec) -> list[str]:
             SubprocessHttpConfig.of(Deployment(**dep.model_dump()))
         except ModelForgeError as error:
             return [error.message]
+    elif dep.runtime == "subprocess_job":
+        from modelforge.runtimes import SubprocessJobConfig
+
+        try:
+            SubprocessJobConfig.of(Deployment(**dep.model_dump()))
+        except ModelForgeError as error:
+            return [error.message]
     elif dep.runtime == "sentence_transformers":
         from modelforge.runtimes import SentenceTransformersConfig
 
@@ -253,7 +260,7 @@ def _runtime_problems(dep: DeploymentSpec) -> list[str]:
         except ModelForgeError as error:
             return [error.message]
     elif dep.command:
-        return [f"command: only subprocess_http runs a command, not {dep.runtime}"]
+        return [f"command: only subprocess_http and subprocess_job run a command, not {dep.runtime}"]
     return []
 
 

@@ -24,7 +24,13 @@ from modelforge.gpu import (
 )
 from modelforge.logging import get_logger
 from modelforge.messages import TelemetryInput, device_index
-from modelforge.runtimes import Runtime, SentenceTransformersRuntime, SimulatedRuntime, SubprocessHttpRuntime
+from modelforge.runtimes import (
+    Runtime,
+    SentenceTransformersRuntime,
+    SimulatedRuntime,
+    SubprocessHttpRuntime,
+    SubprocessJobRuntime,
+)
 from modelforge.settings import DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
 from workflows import CapabilityRequestWorkflow, TelemetryWorkflow
@@ -66,8 +72,13 @@ def node_runtimes(devices: NodeDevices, home: Path, node: str) -> dict[str, Runt
     reaped = servers.reap_orphans()
     if reaped:
         log.warning("orphaned_model_servers_stopped", node=node, pids=reaped)
+    jobs = SubprocessJobRuntime(devices, home, node)
+    reaped = jobs.reap_orphans()
+    if reaped:
+        log.warning("orphaned_jobs_stopped", node=node, pids=reaped)
     runtimes: dict[str, Runtime] = {
         "subprocess_http": servers,
+        "subprocess_job": jobs,
         "sentence_transformers": SentenceTransformersRuntime(devices),
     }
     if devices.simulated_gpus:
@@ -192,5 +203,5 @@ async def run(
             await asyncio.Event().wait()
     finally:
         for runtime in runtimes.values():
-            if isinstance(runtime, SubprocessHttpRuntime):
-                await runtime.close()  # no model server outlives its node worker
+            if isinstance(runtime, SubprocessHttpRuntime | SubprocessJobRuntime):
+                await runtime.close()  # no model server or job outlives its node worker

@@ -1,5 +1,5 @@
-"""Model runtimes behind one Protocol: simulated, a model server as a subprocess over HTTP, and
-the built-in sentence-transformers embedding runtime."""
+"""Model runtimes behind one Protocol: simulated, a model server as a subprocess over HTTP, a
+batch job as a subprocess, and the built-in sentence-transformers embedding runtime."""
 
 from modelforge.runtimes._artifacts import (
     CheckedArtifact,
@@ -17,9 +17,16 @@ from modelforge.runtimes._sentence_transformers import (
 )
 from modelforge.runtimes._simulated import SimulatedRuntime
 from modelforge.runtimes._subprocess_http import SubprocessHttpConfig, SubprocessHttpRuntime
+from modelforge.runtimes._subprocess_job import (
+    CHECKPOINTED_EXIT,
+    SubprocessJobConfig,
+    SubprocessJobRuntime,
+    job_log_dirs,
+)
 
 __all__ = [
     "BUILTIN_MODEL",
+    "CHECKPOINTED_EXIT",
     "CheckedArtifact",
     "Heartbeat",
     "LoadedModel",
@@ -29,8 +36,11 @@ __all__ = [
     "SimulatedRuntime",
     "SubprocessHttpConfig",
     "SubprocessHttpRuntime",
+    "SubprocessJobConfig",
+    "SubprocessJobRuntime",
     "artifact_digest",
     "check_artifact",
+    "job_log_dirs",
     "process_tree",
     "resolve_artifact",
     "rss_bytes",

@@ -1,0 +1,749 @@
+"""A batch job (a merge, an evaluation, a training run) as a real process under its lease.
+
+The deployment's `command` is an argument list (never a shell string) with `{python}`,
+`{artifact}`, `{job_id}`, `{checkpoint_dir}` and `{output_dir}` filled in; with
+`runtime_config.input_args = "true"` the request's `args` (a list of strings) are appended. Each
+invoke runs the command to its end in a session of its own, with the leased card by UUID in
+`CUDA_VISIBLE_DEVICES` (empty on the CPU device) and the job's directories in `MODELFORGE_*`
+variables (docs/RUNTIMES.md, subprocess_job). The job reports JSON lines on its stdout or in
+`MODELFORGE_PROGRESS_FILE`: `{"progress": 0.4, "message": "..."}` become the invoke's heartbeat
+details, `{"checkpoint": PATH}` names its latest complete checkpoint, `{"result": {...}}` a small
+result for the request's answer. Its output goes to a log file per job
+(`$MODELFORGE_HOME/jobs/<node>/<request>/<run>/job.log`, `modelforge logs REQUEST_ID`).
+
+Preemption: `checkpoint` sends the job `preempt_signal` (SIGTERM) and waits `preempt_grace_s`;
+a job that checkpoints and exits with CHECKPOINTED_EXIT (75) hands its checkpoint to the
+requeued run (`MODELFORGE_RESUME_FROM`). One that ignores the signal is killed (its whole
+session) and restarts from the last checkpoint it announced, or from scratch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelforge.domain import Deployment
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
+from modelforge.runtimes._process import alive, process_tree
+from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
+
+RUNTIME_NAME = "subprocess_job"
+CHECKPOINTED_EXIT = 75  # EX_TEMPFAIL: "checkpointed on request, run me again"
+USAGE_EXITS = (2, 64)  # argparse's usage error, EX_USAGE: the request's arguments are wrong
+PLACEHOLDERS = ("{python}", "{artifact}", "{job_id}", "{checkpoint_dir}", "{output_dir}")
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGHUP": signal.SIGHUP,
+           "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2}  # fmt: skip
+MAX_PREEMPT_GRACE_S = 50.0  # below the request workflow's checkpoint timeout (60 s)
+MAX_ARGS = 200
+MAX_OUTPUT_FILES = 1000
+POLL_S = 0.2
+# What a CUDA (or ROCm, or PyTorch) out-of-memory failure prints.
+OOM_TEXT = re.compile(
+    rb"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"
+    rb"|CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|hipErrorOutOfMemory"
+)
+_KNOWN_CONFIG = {"cwd", "input_args", "preempt_signal", "preempt_grace_s", "stop_grace_s"}
+_fake_pids = itertools.count(60_000)
+
+
+def _number(config: dict[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = config.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{name}: {raw!r} is not a number") from None
+    if not low <= value <= high:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{name}: {value} is not in {low}..{high}")
+    return value
+
+
+@dataclass(frozen=True)
+class SubprocessJobConfig:
+    command: list[str]
+    env: dict[str, str]
+    cwd: str = ""  # "": the job's own directory; relative: to the node worker's directory
+    input_args: bool = False
+    preempt_signal: int = int(signal.SIGTERM)
+    preempt_grace_s: float = 30.0
+    stop_grace_s: float = 5.0  # past max_duration: the signal, then SIGKILL after this
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> SubprocessJobConfig:
+        """The deployment's configuration, or REQUEST_INVALID naming the field."""
+        config = deployment.runtime_config
+        for key in sorted(config):
+            if key not in _KNOWN_CONFIG and not key.startswith("env."):
+                raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{key}: unknown for {RUNTIME_NAME}")
+        if not deployment.command or not all(deployment.command):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"{RUNTIME_NAME} needs `command`, a non-empty argument list"
+            )
+        for argument in deployment.command:
+            for token in re.findall(r"\{[A-Za-z_]+\}", argument):
+                if token not in PLACEHOLDERS:
+                    raise ModelForgeError(
+                        FailureClass.REQUEST_INVALID,
+                        f"command: unknown placeholder {token} (known: {', '.join(PLACEHOLDERS)})",
+                    )
+        name = config.get("preempt_signal", "SIGTERM").upper()
+        if name not in SIGNALS:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"runtime_config.preempt_signal: {name!r} is not one of {', '.join(SIGNALS)}",
+            )
+        flag = config.get("input_args", "false").lower()
+        if flag not in ("true", "false"):
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, "runtime_config.input_args is 'true' or 'false'")
+        for key in config:
+            if key.startswith("env.") and (
+                not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key[4:]) or key[4:].startswith("MODELFORGE_")
+            ):
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID,
+                    f"runtime_config.{key}: not an environment variable a job may be given",
+                )
+        return cls(
+            command=list(deployment.command),
+            env={key.removeprefix("env."): value for key, value in config.items() if key.startswith("env.")},
+            cwd=config.get("cwd", ""),
+            input_args=flag == "true",
+            preempt_signal=int(SIGNALS[name]),
+            preempt_grace_s=_number(config, "preempt_grace_s", 30.0, 0, MAX_PREEMPT_GRACE_S),
+            stop_grace_s=_number(config, "stop_grace_s", 5.0, 0, MAX_PREEMPT_GRACE_S),
+        )
+
+
+def job_directory_name(request_id: str) -> str:
+    """A request id as one path component: itself when it is safe, else a safe form with a hash
+    (so two ids never share a directory)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:120] or "request"
+    if safe == request_id and safe not in (".", ".."):
+        return safe
+    return f"{safe}-{hashlib.sha256(request_id.encode()).hexdigest()[:12]}"
+
+
+def _oom_kills() -> int | None:
+    """The kernel's OOM-kill count for this process's cgroup (cgroup v2), or None."""
+    try:
+        line = Path("/proc/self/cgroup").read_text(encoding="ascii").splitlines()[0]
+        events = Path("/sys/fs/cgroup") / line.split(":", 2)[2].lstrip("/") / "memory.events"
+        for entry in events.read_text(encoding="ascii").splitlines():
+            name, _, value = entry.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def _write_json(path: Path, data: object) -> None:
+    aside = path.with_name(path.name + ".tmp")
+    aside.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    aside.replace(path)
+
+
+@dataclass
+class _Tail:
+    """New complete lines of a file another process appends to."""
+
+    path: Path
+    offset: int = 0
+    partial: bytes = b""
+
+    def lines(self) -> list[bytes]:
+        try:
+            with self.path.open("rb") as stream:
+                stream.seek(self.offset)
+                chunk = stream.read(1 << 20)
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        data = self.partial + chunk
+        *complete, self.partial = data.split(b"\n")
+        if len(self.partial) > 65536:  # a line this long is no report: dropped
+            self.partial = b""
+        return complete
+
+
+@dataclass
+class _Job:
+    key: str
+    lease_id: str
+    request_id: str
+    directory: Path
+    checkpoint_dir: Path
+    output_dir: Path
+    log_path: Path
+    process: asyncio.subprocess.Process
+    config: SubprocessJobConfig
+    attempt: dict[str, Any]
+    tails: list[_Tail]
+    progress: float | None = None
+    message: str = ""
+    checkpoint: str = ""  # the latest complete checkpoint the job announced (its real path)
+    result: Any = None
+    preempting: bool = False
+    killed_after_grace: bool = False
+    changed: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def pump(self) -> None:
+        """Read what the job reported since the last call (synchronous: never interleaved)."""
+        for tail in self.tails:
+            for raw in tail.lines():
+                line = raw.strip()
+                if not line.startswith(b"{"):
+                    continue
+                try:
+                    report = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(report, dict):
+                    self._take(report)
+
+    def _take(self, report: dict[str, Any]) -> None:
+        progress = report.get("progress")
+        if isinstance(progress, int | float) and not isinstance(progress, bool) and math.isfinite(progress):
+            self.progress = min(1.0, max(0.0, float(progress)))
+            self.changed = True
+        message = report.get("message")
+        if isinstance(message, str):
+            self.message = message[:200]
+            self.changed = True
+        if "result" in report:
+            self.result = report["result"]
+        location = report.get("checkpoint")
+        if isinstance(location, str) and location:
+            real = Path(os.path.realpath(location.removeprefix("file://")))
+            mine = Path(os.path.realpath(self.checkpoint_dir))
+            if real.is_relative_to(mine) and real.exists():
+                self.checkpoint = str(real)
+            else:
+                self.notes.append(f"ignored checkpoint {location[:200]!r}: not in {self.checkpoint_dir}")
+
+    def detail(self) -> str:
+        shown = f"{self.progress:.0%}" if self.progress is not None else "running"
+        return f"job {shown}" + (f": {self.message}" if self.message else "")
+
+
+class SubprocessJobRuntime:
+    name = RUNTIME_NAME
+    # The node gives this runtime's invokes their request id, run and checkpoint directory.
+    job_runtime = True
+
+    def __init__(self, devices: NodeDevices, home: Path, node: str = "node") -> None:
+        """`home`: MODELFORGE_HOME; jobs keep their logs and outputs under `home/jobs/<node>`."""
+        self._devices = devices
+        self._root = home / "jobs" / job_directory_name(node)
+        self._node = node
+        self._configs: dict[str, SubprocessJobConfig] = {}
+        self._deployments: dict[str, Deployment] = {}
+        self._uuids: dict[str, str] = {}
+        self._jobs: dict[str, _Job] = {}  # by lease id
+
+    def version(self) -> str:
+        return RUNTIME_NAME
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self._root
+
+    def running_pids(self) -> set[int]:
+        """Every process of the running jobs (ModelForge's: their GPU bytes are managed)."""
+        pids: set[int] = set()
+        for job in self._jobs.values():
+            if job.process.returncode is None:
+                pids |= process_tree(job.process.pid)
+        return pids
+
+    async def load(
+        self, key: str, deployment: Deployment, device_index: int, device_uuid: str, heartbeat: Heartbeat
+    ) -> LoadedModel:
+        """Nothing runs until an invoke: the job's program is checked and its bytes held."""
+        started = time.monotonic()
+        config = SubprocessJobConfig.of(deployment)
+        program = self._fill(config.command[0], {"{python}": sys.executable, "{artifact}": deployment.artifact})
+        if shutil.which(program) is None and not (config.cwd and Path(config.cwd, program).is_file()):
+            raise ModelForgeError(FailureClass.MODEL_LOAD_FAILED, f"job program {program!r} is not found or executable")
+        self._configs[key] = config
+        self._deployments[key] = deployment
+        self._uuids[key] = device_uuid
+        pid = os.getpid()
+        if device_index != CPU_DEVICE_INDEX and self._devices.simulated_gpus:
+            pid = next(_fake_pids)  # the job's bytes on a simulated card, as the simulated runtime records them
+            self._devices.allocate(device_index, pid, deployment.resident_bytes, f"modelforge:{key}")
+        return LoadedModel(
+            key, deployment.deployment_id, device_index, pid, deployment.resident_bytes, time.monotonic() - started
+        )
+
+    async def health_check(self, model: LoadedModel) -> None:
+        if model.resident_key not in self._configs:
+            raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, f"{model.resident_key} is not loaded")
+
+    @staticmethod
+    def _fill(argument: str, values: dict[str, str]) -> str:
+        for placeholder, value in values.items():
+            argument = argument.replace(placeholder, value)
+        return argument
+
+    def _arguments(self, config: SubprocessJobConfig, payload: dict[str, Any]) -> list[str]:
+        args = payload.get("args")
+        if args is None:
+            return []
+        if not config.input_args:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, "args: this job takes no arguments (runtime_config.input_args is not set)"
+            )
+        if (
+            not isinstance(args, list)
+            or len(args) > MAX_ARGS
+            or not all(isinstance(a, str) and len(a) <= 4096 and "\x00" not in a for a in args)
+        ):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"args: a list of at most {MAX_ARGS} strings (4,096 characters each)"
+            )
+        return list(args)
+
+    async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
+        config = self._configs.get(model.resident_key)
+        deployment = self._deployments.get(model.resident_key)
+        if config is None or deployment is None:
+            raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{model.resident_key} is not loaded")
+        lease_id = str(payload.get("modelforge_lease_id", "")) or f"lease-{next(_fake_pids)}"
+        request_id = str(payload.get("modelforge_request_id", "")) or lease_id
+        run = str(payload.get("modelforge_run_id", "")) or "run"
+        extra = self._arguments(config, payload)
+        directory = self._root / job_directory_name(request_id) / job_directory_name(run)
+        output_dir = directory / "output"
+        checkpoint_dir = Path(str(payload.get("modelforge_checkpoint_dir") or directory / "checkpoints"))
+        resume = payload.get("modelforge_resume_from")
+        resume = resume if isinstance(resume, str) and resume else ""
+        time_left = payload.get("modelforge_time_left_s")
+        user_input = {k: v for k, v in payload.items() if not k.startswith("modelforge_")}
+        job = await asyncio.to_thread(
+            self._start_files, directory, output_dir, checkpoint_dir, user_input, lease_id, resume
+        )
+        values = {
+            "{python}": sys.executable,
+            "{artifact}": deployment.artifact,
+            "{job_id}": request_id,
+            "{checkpoint_dir}": str(checkpoint_dir),
+            "{output_dir}": str(output_dir),
+        }
+        argv = [self._fill(argument, values) for argument in config.command] + extra
+        # Nothing of ModelForge's own configuration (database URL, API keys, secrets) reaches a job.
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        environment.update(config.env)
+        environment.update(
+            CUDA_VISIBLE_DEVICES=""
+            if model.device_index == CPU_DEVICE_INDEX
+            else self._uuids.get(model.resident_key, ""),
+            MODELFORGE_JOB_ID=request_id,
+            MODELFORGE_CHECKPOINT_DIR=str(checkpoint_dir),
+            MODELFORGE_OUTPUT_DIR=str(output_dir),
+            MODELFORGE_PROGRESS_FILE=str(directory / "progress.jsonl"),
+            MODELFORGE_JOB_INPUT=str(directory / "input.json"),
+            MODELFORGE_ATTEMPT=str(job["attempt"]["attempt"]),
+            PYTHONUNBUFFERED="1",  # progress lines reach the log as they are printed
+        )
+        if resume:
+            environment["MODELFORGE_RESUME_FROM"] = resume
+        cwd = Path(config.cwd).resolve() if config.cwd else directory
+        log_path = directory / "job.log"
+        oom_before = _oom_kills()
+        with log_path.open("ab") as log_file:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=environment,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                raise ModelForgeError(
+                    FailureClass.MODEL_LOAD_FAILED, f"cannot start job {argv[0]!r}: {error.strerror or error}"
+                ) from None
+        running = _Job(
+            key=model.resident_key,
+            lease_id=lease_id,
+            request_id=request_id,
+            directory=directory,
+            checkpoint_dir=checkpoint_dir,
+            output_dir=output_dir,
+            log_path=log_path,
+            process=process,
+            config=config,
+            attempt=job["attempt"],
+            tails=[job["log_tail"], _Tail(directory / "progress.jsonl")],
+        )
+        running.attempt["pid"] = process.pid
+        self._jobs[lease_id] = running
+        pid_file = self._root / "running" / f"{job_directory_name(lease_id)}.pid"
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        pid_file.write_text(json.dumps({"pid": process.pid, "argv": argv}), encoding="utf-8")
+        self._save_attempt(running, "running")
+        started = time.monotonic()
+        deadline = (
+            started + max(0.0, float(time_left) - 1.0)
+            if isinstance(time_left, int | float) and not isinstance(time_left, bool)
+            else None
+        )
+        try:
+            return await self._watch(running, heartbeat, deadline, oom_before)
+        finally:
+            await self._stop(running)
+            running.pump()
+            self._jobs.pop(lease_id, None)
+            pid_file.unlink(missing_ok=True)
+
+    def _start_files(
+        self,
+        directory: Path,
+        output_dir: Path,
+        checkpoint_dir: Path,
+        user_input: dict[str, Any],
+        lease_id: str,
+        resume: str,
+    ) -> dict[str, Any]:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(directory / "input.json", user_input)
+        status = self._status(directory)
+        attempts = status.setdefault("attempts", [])
+        if resume:
+            restart = f"resumed from checkpoint {resume}"
+        elif attempts:
+            restart = "started over from scratch (no checkpoint)"
+        else:
+            restart = "first run"
+        attempt = {
+            "attempt": len(attempts) + 1,
+            "lease_id": lease_id,
+            "node": self._node,
+            "started_at": time.time(),
+            "resumed_from": resume or None,
+            "restart": restart,
+            "outcome": "running",
+        }
+        attempts.append(attempt)
+        _write_json(directory / "status.json", status)
+        log_path = directory / "job.log"
+        with log_path.open("ab") as log_file:
+            log_file.write(
+                f"[modelforge] attempt {attempt['attempt']} on {self._node} (lease {lease_id}): {restart}\n".encode()
+            )
+        tail = _Tail(log_path, offset=log_path.stat().st_size)
+        return {"attempt": attempt, "log_tail": tail}
+
+    @staticmethod
+    def _status(directory: Path) -> dict[str, Any]:
+        try:
+            status = json.loads((directory / "status.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {"attempts": []}
+        return status if isinstance(status, dict) and isinstance(status.get("attempts"), list) else {"attempts": []}
+
+    def _save_attempt(self, job: _Job, outcome: str, **fields: Any) -> None:
+        """Record how this attempt ended (or that it runs) in the job's status file and its log."""
+        job.attempt.update(outcome=outcome, **fields)
+        if outcome != "running":
+            job.attempt["ended_at"] = time.time()
+        status = self._status(job.directory)
+        attempts = status.setdefault("attempts", [])
+        for index, attempt in enumerate(attempts):
+            if attempt.get("attempt") == job.attempt["attempt"] and attempt.get("lease_id") == job.lease_id:
+                attempts[index] = dict(job.attempt)
+                break
+        else:
+            attempts.append(dict(job.attempt))
+        status["state"] = outcome
+        status["request_id"] = job.request_id
+        status["progress"] = job.progress
+        status["message"] = job.message
+        with contextlib.suppress(OSError):
+            _write_json(job.directory / "status.json", status)
+            if outcome != "running":
+                with job.log_path.open("ab") as log_file:
+                    said = f"[modelforge] attempt {job.attempt['attempt']} ended: {outcome}"
+                    if fields.get("detail"):
+                        said += f" ({fields['detail']})"
+                    log_file.write((said + "\n").encode())
+
+    async def _watch(
+        self, job: _Job, heartbeat: Heartbeat, deadline: float | None, oom_before: int | None
+    ) -> dict[str, Any]:
+        process = job.process
+        last_beat = 0.0
+        while process.returncode is None:
+            await _exited(process, POLL_S)
+            job.pump()
+            now = time.monotonic()
+            if job.changed or now - last_beat >= 2.0:
+                heartbeat(job.detail())
+                job.changed, last_beat = False, now
+            if deadline is not None and now >= deadline and process.returncode is None and not job.preempting:
+                await self._terminate(job, job.config.stop_grace_s)
+                self._save_attempt(job, "timeout", exit_code=process.returncode)
+                raise ModelForgeError(
+                    FailureClass.TIMEOUT, "the job ran past its max_duration and was stopped" + self._log_tail(job)
+                )
+        job.pump()
+        code = process.returncode
+        if job.preempting and code != 0:
+            # checkpoint() stopped it for a preemption and records how; the request workflow
+            # cancels this invoke next. Until then, keep heartbeating so the cancel arrives.
+            waited = 0.0
+            while waited < 60.0:
+                heartbeat(f"job preempted: {job.attempt.get('outcome', 'stopping')}")
+                await asyncio.sleep(0.5)
+                waited += 0.5
+            raise ModelForgeError(
+                FailureClass.RUNTIME_CRASH, "the job was stopped for a preemption that never completed"
+            )
+        if code == 0:
+            outputs = await asyncio.to_thread(_list_outputs, job.output_dir)
+            self._save_attempt(job, "succeeded", exit_code=0)
+            answer: dict[str, Any] = {
+                "job_id": job.request_id,
+                "exit_code": 0,
+                "output_dir": str(job.output_dir),
+                "outputs": outputs,
+                "log": str(job.log_path),
+                "progress": job.progress,
+                "message": job.message,
+                "attempts": self._status(job.directory).get("attempts", []),
+            }
+            if job.attempt.get("resumed_from"):
+                answer["resumed_from"] = job.attempt["resumed_from"]
+            if job.result is not None:
+                answer["result"] = job.result
+            return answer
+        failure, why = self._classify(job, code, oom_before)
+        self._save_attempt(job, f"failed: {failure.value}", exit_code=code, detail=why)
+        raise ModelForgeError(failure, why + self._log_tail(job))
+
+    def _classify(self, job: _Job, code: int | None, oom_before: int | None) -> tuple[FailureClass, str]:
+        """The failure class of a job that ended other than with 0 (docs/RUNTIMES.md's table)."""
+        try:
+            with job.log_path.open("rb") as stream:
+                stream.seek(max(0, job.log_path.stat().st_size - (256 << 10)))
+                tail = stream.read()
+        except OSError:
+            tail = b""
+        if OOM_TEXT.search(tail):
+            return FailureClass.GPU_OOM, f"the job ran out of GPU memory (exit code {code})"
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            oom_after = _oom_kills()
+            if -code == signal.SIGKILL and oom_before is not None and oom_after is not None and oom_after > oom_before:
+                return FailureClass.GPU_OOM, "the job was killed by the kernel's OOM killer"
+            return FailureClass.RUNTIME_CRASH, f"the job was killed by {name}"
+        if code in USAGE_EXITS:
+            return FailureClass.REQUEST_INVALID, f"the job refused its arguments (exit code {code})"
+        if code == CHECKPOINTED_EXIT:
+            return FailureClass.RUNTIME_CRASH, f"the job exited {code} (checkpointed) but no preemption asked it to"
+        return FailureClass.RUNTIME_CRASH, f"the job exited with code {code}"
+
+    def _log_tail(self, job: _Job, limit: int = 600) -> str:
+        try:
+            text = job.log_path.read_bytes()[-limit:].decode("utf-8", errors="replace").strip()
+        except OSError:
+            return ""
+        return f"; job log ({job.log_path}) ends: {text}" if text else f"; job log: {job.log_path}"
+
+    async def _terminate(self, job: _Job, grace_s: float, sig: int = signal.SIGTERM) -> bool:
+        """`sig` to the job's session, SIGKILL after `grace_s`; True when it had to be killed."""
+        process = job.process
+        if process.returncode is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+        if await _exited(process, grace_s):
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        return True
+
+    async def _stop(self, job: _Job) -> None:
+        """Nothing of a job outlives its invoke: its session is killed (also when cancelled)."""
+        if job.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(job.process.pid, signal.SIGKILL)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(job.process.wait())
+            if job.attempt.get("outcome") == "running":
+                self._save_attempt(job, "stopped", detail="its invoke was cancelled")
+        # Processes it forked into its session may outlive it by a moment.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(job.process.pid, signal.SIGKILL)
+        if job.attempt.get("outcome") == "running":
+            self._save_attempt(job, "stopped", exit_code=job.process.returncode)
+
+    def supports(self, deployment: Deployment) -> list[str]:
+        return ["checkpoint"]
+
+    async def checkpoint(self, model: LoadedModel, payload: dict[str, Any]) -> str:
+        """Preemption: the configured signal, `preempt_grace_s` to checkpoint and exit 75, else
+        the session is killed. Returns the checkpoint the requeued run resumes from: the one it
+        just wrote, or (killed) the last one it announced; CAPABILITY_UNAVAILABLE when there is
+        none (the run then starts over from scratch)."""
+        lease_id = str(payload.get("lease_id", ""))
+        job = self._jobs.get(lease_id)
+        if job is None or job.process.returncode is not None:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} is running")
+        job.preempting = True
+        config = job.config
+        killed = await self._terminate(job, config.preempt_grace_s, config.preempt_signal)
+        job.pump()
+        code = job.process.returncode
+        signal_name = signal.Signals(config.preempt_signal).name
+        if code == 0:
+            job.preempting = False  # it finished meanwhile: the invoke reports its success
+            raise unsupported(self.name, "checkpoint this job", "it finished before it could be checkpointed")
+        if code == CHECKPOINTED_EXIT and not killed:
+            location = job.checkpoint
+            if not location and any(job.checkpoint_dir.iterdir()):
+                location = str(Path(os.path.realpath(job.checkpoint_dir)))
+            if location:
+                self._save_attempt(job, "checkpointed", checkpoint=location, exit_code=code)
+                return location
+        # Not checkpointed on request: the last checkpoint it announced, if any, is still whole.
+        if killed:
+            outcome, why = "killed_after_grace", f"ignored {signal_name} for {config.preempt_grace_s:g} s: killed"
+        elif code == CHECKPOINTED_EXIT:
+            outcome, why = "checkpointed", "exited 75 but named and wrote no checkpoint"
+        else:
+            outcome, why = "stopped", f"ended ({_describe_exit(code)}) on {signal_name} without checkpointing"
+        if job.checkpoint:
+            self._save_attempt(
+                job,
+                outcome,
+                checkpoint=job.checkpoint,
+                exit_code=code,
+                detail=f"{why}; restarts from its last checkpoint",
+            )
+            return job.checkpoint
+        self._save_attempt(job, outcome, checkpoint=None, exit_code=code, detail=f"{why}; restarts from scratch")
+        raise unsupported(self.name, "checkpoint this job", f"it {why}, with no checkpoint; it restarts from scratch")
+
+    async def sleep(self, model: LoadedModel) -> int:
+        raise unsupported(self.name, "sleep", "a job holds its memory only while it runs")
+
+    async def wake(self, model: LoadedModel, heartbeat: Heartbeat) -> int:
+        raise unsupported(self.name, "wake", "a job holds its memory only while it runs")
+
+    async def run_job(
+        self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> dict[str, Any]:
+        raise unsupported(
+            self.name, "run a multi-GPU gang job", "not yet (torchrun variables are issue 19's next step)"
+        )
+
+    async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
+        raise unsupported(self.name, "checkpoint a multi-GPU gang job", "not yet")
+
+    async def unload(self, model: LoadedModel) -> None:
+        for job in [j for j in self._jobs.values() if j.key == model.resident_key]:
+            await self._terminate(job, 0)
+        self._configs.pop(model.resident_key, None)
+        self._deployments.pop(model.resident_key, None)
+        self._uuids.pop(model.resident_key, None)
+        if model.device_index != CPU_DEVICE_INDEX and self._devices.simulated_gpus:
+            self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")
+
+    async def close(self) -> None:
+        """Stop every running job (the node worker is shutting down)."""
+        for job in list(self._jobs.values()):
+            await self._terminate(job, 0)
+
+    def reap_orphans(self) -> list[int]:
+        """Kill jobs a previous run of this node worker started and never stopped (it was
+        killed), found by their pid files and checked against the command they ran."""
+        reaped: list[int] = []
+        running_dir = self._root / "running"
+        if not running_dir.is_dir():
+            return reaped
+        for pid_file in sorted(running_dir.glob("*.pid")):
+            try:
+                record = json.loads(pid_file.read_text(encoding="utf-8"))
+                pid, argv = int(record["pid"]), [str(a) for a in record["argv"]]
+                running = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[:-1]
+            except (OSError, ValueError, KeyError, TypeError):
+                running, pid, argv = [], 0, []
+            if pid and [a.decode(errors="replace") for a in running] == argv and alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                reaped.append(pid)
+            pid_file.unlink(missing_ok=True)
+        return reaped
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+    return f"exit code {code}"
+
+
+async def _exited(process: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Whether the process ends within `timeout`. Not asyncio.wait_for: on Python 3.11 it loses
+    a cancellation that lands as the process exits, and a preempted invoke must hear its cancel."""
+    if process.returncode is not None:
+        return True
+    waiter = asyncio.ensure_future(process.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+    return process.returncode is not None
+
+
+def _list_outputs(output_dir: Path) -> list[dict[str, Any]]:
+    """The job's output files with their sizes and sha256 digests (the first MAX_OUTPUT_FILES)."""
+    found: list[dict[str, Any]] = []
+    for path in sorted(p for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink()):
+        if len(found) >= MAX_OUTPUT_FILES:
+            break
+        digest = hashlib.sha256()
+        with path.open("rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(chunk)
+        found.append(
+            {"path": str(path.relative_to(output_dir)), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+        )
+    return found
+
+
+def job_log_dirs(home: Path, request_id: str) -> list[Path]:
+    """A request's job directories on this host (every node, every run), newest last."""
+    name = job_directory_name(request_id)
+    found = [d for d in (home / "jobs").glob(f"*/{name}/*") if (d / "job.log").is_file()]
+    return sorted(found, key=lambda d: (d / "job.log").stat().st_mtime)
+
+
+__all__ = [
+    "CHECKPOINTED_EXIT",
+    "SubprocessJobConfig",
+    "SubprocessJobRuntime",
+    "job_directory_name",
+    "job_log_dirs",
+]

@@ -1,0 +1,324 @@
+"""The subprocess_job runtime through the node's activities, with real child processes: the SLERP
+merge example preempted mid-run and resumed to a byte-identical output, a job that ignores
+SIGTERM, and each failure class a job shows (crash, CUDA OOM, OOM kill, usage, max_duration, a
+resume location that is not its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import NodeActivities
+from modelforge.catalog import CatalogError, parse_catalog
+from modelforge.domain import Deployment, GiB
+from modelforge.failures import FailureClass
+from modelforge.gpu import CPU_DEVICE_INDEX, HostMemoryDevice, NodeDevices, SimulatedDevice, SimulatedGpuBackend
+from modelforge.messages import CheckpointInput, InvokeInput, LoadInput
+from modelforge.runtimes import SubprocessJobRuntime, job_log_dirs
+from modelforge.runtimes import _subprocess_job as job_module
+from modelforge.runtimes._process import alive
+
+pytest.importorskip("numpy")  # the merge example's only dependency
+
+ROOT = Path(__file__).resolve().parents[2]
+MERGE = ROOT / "examples" / "jobs" / "merge_slerp.py"
+UUID = "GPU-5a1e0000-0000-4000-8000-00000000abcd"
+RUN = "run-1"
+CPU_KEY = "merge.job@1@n/cpu"
+
+
+def job(command: list[str], **config: str) -> Deployment:
+    return Deployment(
+        capability="merge.job@1",
+        envelope_bytes=1 * GiB,
+        runtime="subprocess_job",
+        command=command,
+        runtime_config={"input_args": "true", "preempt_grace_s": "5", **config},
+    )
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@dataclasses.dataclass
+class Node:
+    activities: NodeActivities
+    runtime: SubprocessJobRuntime
+    store: Path
+    home: Path
+    beats: list[str]
+
+    def env(self, run: str = RUN, max_duration_s: float = 120.0) -> ActivityEnvironment:
+        """An activity context as the request workflow's invoke has one: its run and max_duration."""
+        environment = ActivityEnvironment()
+        environment.info = dataclasses.replace(
+            ActivityEnvironment.default_info(),
+            workflow_run_id=run,
+            scheduled_time=datetime.now(UTC),
+            schedule_to_close_timeout=timedelta(seconds=max_duration_s),
+        )
+        environment.on_heartbeat = lambda *details: self.beats.extend(str(d) for d in details)
+        return environment
+
+    async def load(self, deployment: Deployment, key: str = CPU_KEY) -> None:
+        accelerator, index = ("n/cpu", CPU_DEVICE_INDEX) if key.endswith("/cpu") else ("n/0", 0)
+        await self.env().run(self.activities.load_model, LoadInput(key, deployment, accelerator, index, UUID))
+
+    async def invoke(self, request_id: str, payload: dict[str, Any], key: str = CPU_KEY, **kw: Any) -> dict[str, Any]:
+        env = kw.pop("env", None) or self.env()
+        request = InvokeInput(key=key, lease_id=f"lease-{request_id}", payload=payload, request_id=request_id, **kw)
+        result = await env.run(self.activities.invoke, request)
+        output: dict[str, Any] = result.output
+        return output
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    devices = NodeDevices(
+        SimulatedGpuBackend([SimulatedDevice(0, UUID, "Simulated L4", 24 * GiB)]), HostMemoryDevice("n", 8 * GiB)
+    )
+    runtime = SubprocessJobRuntime(devices, tmp_path / "home", "n")
+    store = tmp_path / "store"
+    activities = NodeActivities("n", devices, {"subprocess_job": runtime}, checkpoint_root=store)
+    try:
+        yield Node(activities, runtime, store, tmp_path / "home", [])
+    finally:
+        await runtime.close()  # no job outlives a test, failed or not
+        assert not runtime.running_pids()
+
+
+def attempts(node: Node, request_id: str) -> list[dict[str, Any]]:
+    [directory] = job_log_dirs(node.home, request_id)
+    status: dict[str, Any] = json.loads((directory / "status.json").read_text())
+    found: list[dict[str, Any]] = status["attempts"]
+    return found
+
+
+async def until_checkpointed(node: Node, request_id: str, layers: int, within_s: float = 30.0) -> None:
+    state = node.store / request_id / "job" / RUN / "state.json"
+    deadline = time.monotonic() + within_s
+    while not (state.exists() and json.loads(state.read_text())["layers_done"] >= layers):
+        assert time.monotonic() < deadline, f"no checkpoint of {layers} layers within {within_s} s"
+        await asyncio.sleep(0.05)
+
+
+def output_bytes(output: dict[str, Any]) -> dict[str, bytes]:
+    directory = Path(output["output_dir"])
+    return {entry["path"]: (directory / entry["path"]).read_bytes() for entry in output["outputs"]}
+
+
+MERGE_ARGS = ["--layers", "6", "--dim", "64", "--t", "0.3"]
+
+
+async def test_a_merge_preempted_mid_run_resumes_from_its_checkpoint_to_a_byte_identical_output(node: Node) -> None:
+    await node.load(job([sys.executable, str(MERGE)]))
+    reference = await node.invoke("reference", {"args": MERGE_ARGS})
+    assert reference["exit_code"] == 0 and reference["progress"] == 1.0
+    assert reference["result"] == {"layers": 6, "t": 0.3}
+    assert len(reference["outputs"]) == 7  # six layers and the manifest
+    assert node.beats[-1] == "job 100%: merged 6 layers"  # its last progress line, as the heartbeat
+
+    # The same merge, slowed down, preempted after its second layer.
+    slow = {"args": [*MERGE_ARGS, "--layer-delay-s", "0.5"]}
+    running_env = node.env()
+    running = asyncio.create_task(node.invoke("merge", slow, env=running_env))
+    await until_checkpointed(node, "merge", 2)
+    assert any(beat.startswith("job ") and ": merged layer" in beat for beat in node.beats), node.beats
+    started = time.monotonic()
+    saved = await node.env().run(
+        node.activities.checkpoint_invocation, CheckpointInput(CPU_KEY, "lease-merge", "merge", 0)
+    )
+    assert time.monotonic() - started < 3, "SIGTERM ends the layer's wait at once: no grace needed"
+    location = Path(saved.location)
+    assert location == node.store / "merge" / "job" / RUN / "state.json"
+    layers_done = json.loads(location.read_text())["layers_done"]
+    assert 2 <= layers_done < 6
+    running_env.cancel()  # as the request workflow cancels the preempted invoke
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    [first] = attempts(node, "merge")
+    assert first["outcome"] == "checkpointed" and first["exit_code"] == 75 and first["checkpoint"] == str(location)
+    assert not alive(first["pid"])
+
+    # The requeued run is told where to resume; it merges only the layers left.
+    resumed = await node.invoke("merge", slow, resume_from=str(location))
+    assert resumed["resumed_from"] == str(location)
+    assert output_bytes(resumed) == output_bytes(reference)  # byte-identical to the uninterrupted run
+    assert [a["outcome"] for a in resumed["attempts"]] == ["checkpointed", "succeeded"]
+    assert resumed["attempts"][1]["restart"] == f"resumed from checkpoint {location}"
+    log = (Path(resumed["log"])).read_text()
+    assert f"resumed after layer {layers_done}/6" in log
+    assert log.count('"message": "merged layer000"') == 1  # the first layers were not merged again
+
+
+async def test_a_job_that_ignores_sigterm_is_killed_after_the_grace_and_restarts_from_its_last_checkpoint(
+    node: Node,
+) -> None:
+    await node.load(job([sys.executable, str(MERGE)], preempt_grace_s="0.5"))
+    args = {"args": [*MERGE_ARGS, "--layer-delay-s", "0.5", "--ignore-sigterm"]}
+    running_env = node.env()
+    running = asyncio.create_task(node.invoke("stubborn", args, env=running_env))
+    await until_checkpointed(node, "stubborn", 1)
+    started = time.monotonic()
+    saved = await node.env().run(
+        node.activities.checkpoint_invocation, CheckpointInput(CPU_KEY, "lease-stubborn", "stubborn", 0)
+    )
+    assert 0.5 <= time.monotonic() - started < 3  # the grace, then SIGKILL to its session
+    running_env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    [first] = attempts(node, "stubborn")
+    assert first["outcome"] == "killed_after_grace" and first["checkpoint"] == saved.location
+    assert "ignored SIGTERM for 0.5 s: killed; restarts from its last checkpoint" in first["detail"]
+    assert not alive(first["pid"])
+    resumed = await node.invoke("stubborn", args, resume_from=saved.location)
+    assert resumed["attempts"][1]["restart"] == f"resumed from checkpoint {saved.location}"
+
+
+async def test_a_job_killed_before_any_checkpoint_restarts_from_scratch_and_says_so(node: Node) -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    await node.load(job(python(code), preempt_grace_s="0.3"))
+    running_env = node.env()
+    running = asyncio.create_task(node.invoke("scratch", {}, env=running_env))
+    while "up" not in "".join(p.read_text() for p in node.home.glob("jobs/n/scratch/*/job.log")):
+        await asyncio.sleep(0.05)  # its handler is set
+    with pytest.raises(ApplicationError, match="restarts from scratch") as refused:
+        await node.env().run(
+            node.activities.checkpoint_invocation, CheckpointInput(CPU_KEY, "lease-scratch", "scratch", 0)
+        )
+    assert refused.value.type == FailureClass.CAPABILITY_UNAVAILABLE.value  # the workflow then starts it over
+    running_env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job(python("print('done')")))  # the same request's next run, here a quick one
+    done = await node.invoke("scratch", {})
+    assert [a["outcome"] for a in done["attempts"]] == ["killed_after_grace", "succeeded"]
+    assert done["attempts"][1]["restart"] == "started over from scratch (no checkpoint)"
+
+
+@pytest.mark.parametrize(
+    ("code", "failure", "says"),
+    [
+        ("import sys; print('boom', file=sys.stderr); sys.exit(3)", FailureClass.RUNTIME_CRASH, "exited with code 3"),
+        (
+            "raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')",
+            FailureClass.GPU_OOM,
+            "ran out of GPU memory",
+        ),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", FailureClass.RUNTIME_CRASH, "killed by SIGSEGV"),
+        ("import sys; sys.exit(2)", FailureClass.REQUEST_INVALID, "refused its arguments"),
+        ("import sys; sys.exit(75)", FailureClass.RUNTIME_CRASH, "no preemption asked"),
+    ],
+)
+async def test_each_way_a_job_fails_has_its_class(node: Node, code: str, failure: FailureClass, says: str) -> None:
+    await node.load(job(python(code)))
+    with pytest.raises(ApplicationError, match=says) as failed:
+        await node.invoke("failing", {})
+    assert failed.value.type == failure.value
+    [attempt] = attempts(node, "failing")
+    assert attempt["outcome"] == f"failed: {failure.value}"
+
+
+async def test_an_oom_kill_is_gpu_oom(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel's OOM killer cannot be called safely in a test: its counter is read as it would
+    # be after one, and the job dies of the same SIGKILL.
+    counts = iter([3, 4])
+    monkeypatch.setattr(job_module, "_oom_kills", lambda: next(counts))
+    await node.load(job(python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")))
+    with pytest.raises(ApplicationError, match="OOM killer") as failed:
+        await node.invoke("oom", {})
+    assert failed.value.type == FailureClass.GPU_OOM.value
+
+
+async def test_a_job_past_its_max_duration_is_stopped_with_timeout(node: Node) -> None:
+    await node.load(job(python("import time; time.sleep(60)"), stop_grace_s="0.5"))
+    started = time.monotonic()
+    with pytest.raises(ApplicationError, match="max_duration") as failed:
+        await node.invoke("slow", {}, env=node.env(max_duration_s=2.5))
+    assert failed.value.type == FailureClass.TIMEOUT.value
+    assert time.monotonic() - started < 5
+    [attempt] = attempts(node, "slow")
+    assert attempt["outcome"] == "timeout" and not alive(attempt["pid"])
+
+
+async def test_a_resume_location_outside_the_jobs_own_directory_is_refused(node: Node, tmp_path: Path) -> None:
+    await node.load(job(python("print('never runs')")))
+    other = node.store / "someone-else" / "job" / RUN / "state.json"
+    other.parent.mkdir(parents=True)
+    other.write_text('{"layers_done": 1}')
+    elsewhere = tmp_path / "state.json"
+    elsewhere.write_text("{}")
+    for location in (str(other), str(elsewhere), "/etc/passwd", f"file://{other}"):
+        with pytest.raises(ApplicationError) as refused:
+            await node.invoke("mine", {}, resume_from=location)
+        assert refused.value.type == FailureClass.REQUEST_INVALID.value, location
+    assert job_log_dirs(node.home, "mine") == []  # nothing ran
+
+
+async def test_a_job_sees_its_cards_directories_and_none_of_the_workers_secrets(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELFORGE_DATABASE_URL", "postgresql://secret")
+    code = (
+        "import json, os, pathlib;"
+        "print(json.dumps({'progress': 0.5, 'message': 'half'}), flush=True);"
+        "env = {k: v for k, v in os.environ.items() if k.startswith(('MODELFORGE_', 'CUDA_'))};"
+        "inp = json.loads(pathlib.Path(os.environ['MODELFORGE_JOB_INPUT']).read_text());"
+        "print(json.dumps({'result': {'env': env, 'input': inp}}))"
+    )
+    for key, cards in (("merge.job@1@n/0", UUID), (CPU_KEY, "")):
+        await node.load(job(python(code)), key=key)
+        output = await node.invoke(f"env-{cards or 'cpu'}", {"t": 0.5}, key=key)
+        seen = output["result"]["env"]
+        assert seen["CUDA_VISIBLE_DEVICES"] == cards
+        request_id = f"env-{cards or 'cpu'}"
+        assert seen["MODELFORGE_JOB_ID"] == request_id
+        assert seen["MODELFORGE_CHECKPOINT_DIR"] == str(node.store / request_id / "job" / RUN)
+        assert seen["MODELFORGE_OUTPUT_DIR"] == output["output_dir"]
+        assert "MODELFORGE_RESUME_FROM" not in seen and "MODELFORGE_DATABASE_URL" not in seen
+        assert output["result"]["input"] == {"t": 0.5}  # the request's input, nothing of the node's
+        assert "job 50%: half" in node.beats
+
+
+def test_the_catalog_checks_a_jobs_command_and_configuration() -> None:
+    base = {"capability": "j@1", "envelope_bytes": 1 << 30, "runtime": "subprocess_job"}
+    for extra, says in (
+        ({}, "needs `command`"),
+        ({"command": ["x", "{port}"]}, "unknown placeholder {port}"),
+        ({"command": ["x"], "runtime_config": {"sleep_path": "/s"}}, "unknown for subprocess_job"),
+        ({"command": ["x"], "runtime_config": {"preempt_signal": "SIGKILL"}}, "preempt_signal"),
+        ({"command": ["x"], "runtime_config": {"preempt_grace_s": "300"}}, "preempt_grace_s"),
+        ({"command": ["x"], "runtime_config": {"env.MODELFORGE_HOME": "/"}}, "env.MODELFORGE_HOME"),
+    ):
+        with pytest.raises(CatalogError, match=says):
+            parse_catalog({"deployments": [{**base, **extra}]})
+    catalog, _ = parse_catalog(
+        {"deployments": [{**base, "command": ["{python}", "merge.py", "--out", "{output_dir}"]}]}
+    )
+    assert catalog.deployments[0].runtime == "subprocess_job"
+
+
+def test_the_example_catalog_is_valid() -> None:
+    import tomllib
+
+    data = tomllib.loads((ROOT / "examples" / "jobs" / "merge.toml").read_text())
+    catalog, _ = parse_catalog(data)
+    jobs = [d for d in catalog.deployments if d.runtime == "subprocess_job"]
+    assert [d.capability for d in jobs] == ["merge.slerp@1", "merge.slerp.cpu@1"]
+    for merge in jobs:
+        assert merge.command[:2] == ["{python}", "examples/jobs/merge_slerp.py"]
+        assert os.path.exists(ROOT / merge.command[1])
