@@ -38,6 +38,7 @@ from modelforge.client import Result
 from modelforge.domain import Catalog, Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._errors import RETRY_AFTER_S, http_status
+from modelforge.gateway._ollama import ollama_router
 from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import MAX_INPUT_BYTES
 from modelforge.policy import PoolStatus
@@ -579,5 +580,6 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             },
         }
 
+    api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of))  # Ollama's /api/*
     app.include_router(api)
     return app

@@ -1,0 +1,277 @@
+"""Ollama's API on the gateway against the dev stack, with the official `ollama` package as the
+client: an application built for Ollama uses ModelForge by changing its base URL only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.gateway import GatewayConfig, load_api_keys
+from modelforge.gateway._ollama import parse_keep_alive
+from tests.gateway.test_gateway import CATALOG, TEAM_KEY, _serve, _Served
+from tests.harness import running_stack
+
+# The gateway tests' catalog, a chat model that is unloaded once its last request ends, and a
+# chat model served by the project's toy server (an OpenAI-compatible server: it takes options).
+_MORE = f"""
+[[deployments]]
+capability = "chat.ondemand@1"
+envelope_bytes = 2147483648
+residency = "load_on_demand"
+concurrency = 1
+measured_on = ["Simulated RTX 3090 24GB"]
+openai_models = ["ondemand-chat"]
+
+[[deployments]]
+capability = "chat.toy@1"
+envelope_bytes = 1073741824
+residency = "keep_warm"
+concurrency = 2
+runtime = "subprocess_http"
+command = [{json.dumps(sys.executable)}, "-m", "modelforge.runtimes.toy_server", "--port", "{{port}}"]
+runtime_config = {{ api = "openai_chat", ready_timeout_s = "30" }}
+openai_models = ["toy-chat"]
+"""
+
+
+@pytest.fixture
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(CATALOG.read_text() + _MORE)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
+        async for served in _serve(stack, GatewayConfig()):
+            yield served
+
+
+@pytest.fixture
+async def client(gateway: _Served) -> AsyncIterator[ollama.AsyncClient]:
+    # OLLAMA_HOST is what Ollama applications read; `host=` is the same base URL.
+    found = ollama.AsyncClient(host=gateway.base_url, timeout=60)
+    try:
+        yield found
+    finally:
+        await found.close()  # type: ignore[no-untyped-call]
+
+
+async def _refused(call: object, status: int) -> ollama.ResponseError:
+    with pytest.raises(ollama.ResponseError) as refused:
+        await call  # type: ignore[misc]
+    assert refused.value.status_code == status, refused.value
+    return refused.value
+
+
+async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, client: ollama.AsyncClient) -> None:
+    # stream=False: one JSON object.
+    chat = await client.chat(
+        model="small-chat", messages=[{"role": "user", "content": "is the card busy?"}], stream=False
+    )
+    assert chat.done and chat.done_reason == "stop" and chat.message.role == "assistant"
+    assert "is the card busy?" in (chat.message.content or "")
+    assert chat.prompt_eval_count == 4 and chat.model == "small-chat"
+    assert (chat.total_duration or 0) > 0
+
+    # stream=True (Ollama's default): the stream is its final line, holding the whole answer.
+    parts = [
+        part
+        async for part in await client.chat(
+            model="small-chat:latest",  # Ollama's default tag names the same model
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+            stream=True,
+            keep_alive="5m",
+        )
+    ]
+    assert len(parts) == 1 and parts[0].done and "hello there" in (parts[0].message.content or "")
+
+    # Sampling options reach a model server that reads them; a runtime that would lose them refuses them.
+    options = {"temperature": 0.2, "top_p": 0.9, "num_predict": 64, "stop": ["\n\n"]}
+    toy = await client.chat(model="toy-chat", messages=[{"role": "user", "content": "hi toy"}], options=options)
+    assert (toy.message.content or "").startswith("[toy server]") and "hi toy" in (toy.message.content or "")
+    refused = await _refused(
+        client.chat(model="small-chat", messages=[{"role": "user", "content": "x"}], options=options), 400
+    )
+    assert "options.temperature" in str(refused.error) and "takes no sampling options" in str(refused.error)
+
+    generated = await client.generate(model="chat.small@1", prompt="why is the sky blue?", system="short answers")
+    assert generated.done and "why is the sky blue?" in (generated.response or "")
+    streamed = [part async for part in await client.generate(model="small-chat", prompt="hi", stream=True)]
+    assert len(streamed) == 1 and streamed[0].done and "hi" in (streamed[0].response or "")
+
+    # The wire format Ollama clients parse: NDJSON when streaming (stream absent means true).
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        raw = await http.post("/api/generate", json={"model": "small-chat", "prompt": "hi"})
+        assert raw.status_code == 200 and raw.headers["content-type"] == "application/x-ndjson"
+        [line] = raw.text.splitlines()
+        assert raw.text.endswith("\n") and '"done":true' in line
+
+    # Every call was one request workflow with its lease in the ledger, like any other.
+    granted = await gateway.stack.events("lease_granted", at_least=6)
+    assert [e["deployment"] for e in granted].count("chat.small@1") == 5
+    assert {e["deployment"] for e in granted} == {"chat.small@1", "chat.toy@1"}
+
+
+async def test_embed_embeddings_tags_ps_show_and_version(gateway: _Served, client: ollama.AsyncClient) -> None:
+    embedded = await client.embed(model="all-MiniLM-L6-v2", input=["hello world", "goodbye"])
+    assert len(embedded.embeddings) == 2 and all(len(v) == 8 for v in embedded.embeddings)  # simulated: 8
+    assert embedded.embeddings[0] != embedded.embeddings[1] and embedded.prompt_eval_count == 3
+    one = await client.embed(model="rag.embedding@1", input="hello world", dimensions=4)
+    assert len(one.embeddings[0]) == 4 and math.isclose(sum(x * x for x in one.embeddings[0]), 1.0, rel_tol=1e-6)
+    older = await client.embeddings(model="text-embedding-3-small", prompt="hello world")
+    # Same text, same deployment, same vector, whichever route and name.
+    assert list(older.embedding) == pytest.approx(list(embedded.embeddings[0]))
+
+    listed = {m.model: m for m in (await client.list()).models}
+    assert {"small-chat", "chat.small@1", "all-MiniLM-L6-v2", "rag.embedding@1", "ondemand-chat"} <= set(listed)
+    assert listed["small-chat"].size == 4 * 1024**3 and listed["small-chat"].details is not None
+
+    # What is loaded now: the embedding model just used, on the simulated card, with an expiry.
+    running = {m.model: m for m in (await client.ps()).models}
+    embedding = running["rag.embedding@1"]
+    assert embedding.size == embedding.size_vram == 1216348160 and embedding.expires_at is not None
+
+    shown = await client.show("small-chat")
+    assert shown.details is not None and shown.details.family == "chat.small@1"
+    assert shown.modelinfo is not None and shown.modelinfo["modelforge.residency"] == "keep_warm"
+    assert shown.capabilities is not None and "completion" in shown.capabilities
+
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        version = (await http.get("/api/version")).json()
+        assert version["version"].count(".") == 2 and "modelforge" in version
+
+
+async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, client: ollama.AsyncClient) -> None:
+    unknown = await _refused(client.chat(model="llama3.2", messages=[{"role": "user", "content": "x"}]), 404)
+    assert "llama3.2" in str(unknown.error) and "not found" in str(unknown.error)
+    await _refused(client.embed(model="llama3.2", input="x"), 404)
+    await _refused(client.show("llama3.2"), 404)
+
+    bad = await _refused(client.generate(model="small-chat", prompt="x", keep_alive="five minutes"), 400)
+    assert "keep_alive" in str(bad.error)
+    # Values today's residency cannot honour are refused by name, never dropped.
+    cases: list[tuple[float | str, str]] = [
+        (0, "unload"),
+        (-1, "keep loaded"),
+        ("2h", "idle limit"),
+        ("-5m", "keep loaded"),
+    ]
+    for keep_alive, fragment in cases:
+        refused = await _refused(
+            client.chat(model="small-chat", messages=[{"role": "user", "content": "x"}], keep_alive=keep_alive), 400
+        )
+        assert "keep_alive" in str(refused.error) and fragment in str(refused.error), refused.error
+    refused = await _refused(client.generate(model="small-chat", prompt="x", options={"seed": 7}), 400)
+    assert "options.seed" in str(refused.error)
+    refused = await _refused(client.generate(model="small-chat", prompt="x", format="json"), 400)
+    assert "format" in str(refused.error)
+
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        answer = await http.post("/api/chat", json={"model": "small-chat", "messages": [], "keep_alive": 0})
+        assert answer.status_code == 400 and answer.json()["failure_class"] == "REQUEST_INVALID"
+        answer = await http.post("/api/embeddings", json={"model": "nope", "prompt": "x"})
+        assert (answer.status_code, answer.json()["failure_class"]) == (404, "CAPABILITY_UNAVAILABLE")
+        answer = await http.post("/api/embed", json={"model": "rag.embedding@1", "input": "x", "surprise": 1})
+        assert answer.status_code == 400 and "surprise" in answer.json()["error"]
+        # A full queue is 429 with Retry-After, in Ollama's shape.
+        slow = {"capability": "slow.job@1", "input": {"simulate_invoke_s": 4}}
+        running = asyncio.create_task(http.post("/v1/requests", json=slow))
+        waiting = None
+        for _ in range(100):
+            if (await http.get("/v1/status")).json()["active_leases"] >= 1:
+                waiting = asyncio.create_task(http.post("/v1/requests", json=slow))
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        full = await http.post("/api/embeddings", json={"model": "slow.job@1", "prompt": "x"})
+        assert full.status_code == 429 and full.json()["failure_class"] == "QUEUE_FULL", full.text
+        assert int(full.headers["retry-after"]) > 0
+        assert (await running).status_code == 200
+        assert waiting is not None and (await waiting).status_code == 200
+    # Nothing refused reached a workflow: only the slow jobs hold leases in the ledger.
+    granted = await gateway.stack.events("lease_granted", at_least=2)
+    assert {e["deployment"] for e in granted} == {"slow.job@1"}
+
+
+async def test_keep_alive_zero_unloads_a_load_on_demand_model(gateway: _Served, client: ollama.AsyncClient) -> None:
+    answer = await client.chat(
+        model="ondemand-chat", messages=[{"role": "user", "content": "once"}], keep_alive=0, stream=False
+    )
+    assert "once" in (answer.message.content or "")
+    # A positive keep_alive is past this model's idle limit (it goes when its request ends).
+    refused = await _refused(
+        client.chat(model="ondemand-chat", messages=[{"role": "user", "content": "x"}], keep_alive="1m"), 400
+    )
+    assert "idle limit" in str(refused.error)
+    for _ in range(100):
+        if "chat.ondemand@1" not in {m.model for m in (await client.ps()).models}:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("chat.ondemand@1 still loaded 10 s after its keep_alive 0 request")
+    unloads = await gateway.stack.events("unload", at_least=1)
+    assert [e["deployment"] for e in unloads] == ["chat.ondemand@1"]
+
+
+async def test_api_keys_guard_the_ollama_routes(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[api_keys]\n"{TEAM_KEY}" = "rag"\n')
+    config = GatewayConfig(api_keys=load_api_keys(keys_file))
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        async for served in _serve(stack, config):
+            anonymous = ollama.AsyncClient(host=served.base_url, timeout=60)
+            wrong = ollama.AsyncClient(host=served.base_url, timeout=60, headers={"Authorization": "Bearer sk-wrong"})
+            team = ollama.AsyncClient(host=served.base_url, timeout=60, headers={"Authorization": f"Bearer {TEAM_KEY}"})
+            try:
+                for unauthorized in (anonymous, wrong):
+                    refused = await _refused(unauthorized.embed(model="all-MiniLM-L6-v2", input="x"), 401)
+                    assert "API key" in str(refused.error)
+                    await _refused(unauthorized.list(), 401)
+                    await _refused(unauthorized.ps(), 401)
+                answer = await team.embed(model="all-MiniLM-L6-v2", input="x")
+                assert len(answer.embeddings) == 1
+                assert (await team.list()).models
+            finally:
+                for opened in (anonymous, wrong, team):
+                    await opened.close()  # type: ignore[no-untyped-call]
+            [granted] = await stack.events("lease_granted", at_least=1)
+            assert granted["payload"]["tenant"] == "rag"
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"),
+    [
+        (None, None),
+        (0, 0.0),
+        ("0", 0.0),
+        (300, 300.0),
+        (1.5, 1.5),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5h", 5400.0),
+        ("300ms", 0.3),
+        ("-1", math.inf),
+        (-1, math.inf),
+        ("-1m", math.inf),
+    ],
+)
+def test_keep_alive_is_read_as_ollama_reads_it(given: object, seconds: float | None) -> None:
+    if given == "-1":  # Go's ParseDuration wants a unit on any number but 0
+        with pytest.raises(ValueError, match="not a duration"):
+            parse_keep_alive(given)
+        return
+    assert parse_keep_alive(given) == (pytest.approx(seconds) if seconds not in (None, math.inf) else seconds)
+
+
+@pytest.mark.parametrize("given", ["5 minutes", "", "m", "5", "1d", True, [1], {"s": 1}, float("nan")])
+def test_bad_keep_alive_values_are_refused(given: object) -> None:
+    with pytest.raises(ValueError):
+        parse_keep_alive(given)
