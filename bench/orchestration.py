@@ -7,7 +7,8 @@ workflow that runs one activity on the same server, in the same process, measure
   (start to result), against bare one-activity workflows: p50 ratio (target at most 1.5). The
   requests go through `ModelForgeClient.request`, which starts a capability's requests on the
   node that served it last (the invoke is then dispatched eagerly); the same requests started
-  on the control queue, as before session 7, are measured in the same loop for comparison.
+  on the control queue, as before routing to nodes (and as the CLI still does), are measured in
+  the same loop for comparison.
 - Throughput: a burst of concurrent requests to a resident deployment with enough concurrency,
   completed per second, against the same number of bare workflows: ratio (target at least 0.5).
 

@@ -1,4 +1,4 @@
-"""Sustained load (issue 9, item 7): a steady stream of requests at a fixed rate for N minutes on
+"""Sustained load: a steady stream of requests at a fixed rate for N minutes on
 the real Temporal dev server, with the control and a simulated node worker in this process.
 
     .venv/bin/python bench/sustained.py [--minutes 10] [--rate 8] [--max-history 2000]

@@ -14,8 +14,8 @@ GiB = 1024**3
 
 
 class Priority(StrEnum):
-    """Seed 000's classes, highest first: the built-in class model of a catalog that configures no
-    queues (`DEFAULT_QUEUES`). A catalog's `[[queues]]` replace them (seed 003)."""
+    """The five built-in classes, highest first: the built-in class model of a catalog that configures no
+    queues (`DEFAULT_QUEUES`). A catalog's `[[queues]]` replace them."""
 
     PRODUCTION = "production"
     INTERACTIVE = "interactive"
@@ -56,7 +56,7 @@ DEFAULT_QUEUE = "default"
 @dataclass(frozen=True)
 class PriorityLevel:
     """One level of a queue. `priority` orders levels across all queues (higher first) and is the
-    `priority` factor of seed 003's fair-share formula; `preempts` names the levels whose
+    `priority` factor of the fair-share formula (policy/_order.py); `preempts` names the levels whose
     preemptible work this level may stop (same queue by name, another as `queue.level`), each of
     strictly lower priority; `production` marks the level production admission rules apply to
     (eligible accelerators, measured envelopes)."""
@@ -69,7 +69,7 @@ class PriorityLevel:
 
 @dataclass(frozen=True)
 class Queue:
-    """A named queue (seed 003): its levels, highest first, and its fair-share weight."""
+    """A named queue: its levels, highest first, and its fair-share weight."""
 
     name: str
     levels: list[PriorityLevel]
@@ -112,7 +112,7 @@ def queue_of(class_id_: str) -> str:
 
 def queue_entity(queue: str, tenant: str) -> str:
     """Whom usage is counted against: the tenant within a queue. In the default queue that is
-    the tenant's name alone (the seed-000 model, and what older ledgers and histories hold);
+    the tenant's name alone (the built-in classes' model, and what older ledgers and histories hold);
     elsewhere `queue/tenant` (queue names cannot contain `/` or `.`)."""
     return tenant if queue == DEFAULT_QUEUE else f"{queue}/{tenant}"
 
@@ -129,7 +129,7 @@ _BUILT_IN_PRIORITIES = {
     Priority.MAINTENANCE: 10,
 }
 
-# Seed 000: five classes, each preempting the preemptible work of every class below it.
+# The built-in classes: five, each preempting the preemptible work of every class below it.
 DEFAULT_QUEUES: list[Queue] = [
     Queue(
         name=DEFAULT_QUEUE,
@@ -253,7 +253,7 @@ class Tenant:
     weight: float = 1.0
     # Class ids (`interactive`, or `merge.normal` with configured queues).
     default_priority: str = Priority.INTERACTIVE.value
-    # The highest class this identity may ask for (seed 000, M6: ExampleRAG shadow jobs are
+    # The highest class this identity may ask for (ExampleRAG's shadow jobs are
     # stamped background from their scoped identity): compared by priority across queues.
     max_priority: str = Priority.INTERACTIVE.value
     # The queues this tenant may submit to; empty: any.
@@ -265,7 +265,7 @@ class Catalog:
     accelerators: list[Accelerator] = field(default_factory=list)
     deployments: list[Deployment] = field(default_factory=list)
     tenants: list[Tenant] = field(default_factory=list)
-    # Seed 003's named queues; empty: seed 000's five classes (`DEFAULT_QUEUES`).
+    # Configured queues ([[queues]]); empty: the five built-in classes (`DEFAULT_QUEUES`).
     queues: list[Queue] = field(default_factory=list)
 
     # Lookups are by index: the scheduler asks them per queued request, on catalogs of thousands

@@ -1,4 +1,4 @@
-"""The typed failure classes of ModelForge (DESIGN.md section 5) and how they travel.
+"""The typed failure classes of ModelForge (docs/ARCHITECTURE.md, "Typed failures") and how they travel.
 
 Every failure is exactly one :class:`FailureClass`. Inside Temporal it is raised as an
 ``ApplicationError`` whose ``type`` is the class name; retryability is decided per class here,

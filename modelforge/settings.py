@@ -1,4 +1,4 @@
-"""Settings from the environment (DESIGN.md section 7). Secrets come from the environment or
+"""Settings from the environment (the README's Configuration table). Secrets come from the environment or
 files and are never logged: `Settings.__repr__` hides them."""
 
 from __future__ import annotations

@@ -56,17 +56,17 @@ from workflows.records import RecordEventsWorkflow
 INVOKE_HEARTBEAT = timedelta(seconds=60)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
 MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
-# Requests started before lease heartbeats (session 2) replay without them.
+# Requests started before lease heartbeats (histories v2) replay without them.
 PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
 # ...and before the node released a successful invoke's lease itself.
 PATCH_NODE_RELEASES = "node-releases"
-# ...and before admissions the scheduler never saw were recorded as events (session 4).
+# ...and before admissions the scheduler never saw were recorded as events (histories v3).
 PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
-# ...and before preempted work was checkpointed and resumed from its checkpoint (session 5).
+# ...and before preempted work was checkpointed and resumed from its checkpoint (histories v4).
 PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
-# ...and before a preempted gang job was checkpointed on every node and resumed (session 7).
+# ...and before a preempted gang job was checkpointed on every node and resumed (histories v6).
 PATCH_GANG_CHECKPOINTS = "gang-checkpoints"
-# ...and before an invoke the node never started (its task lost in flight) was retried (session 7).
+# ...and before an invoke the node never started (its task lost in flight) was retried (histories v7).
 PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
 # ...and before lease fencing: a grant that reached the holder late is confirmed with the
 # scheduler before use, and an admission that failed is withdrawn (it may still be granted).
@@ -462,7 +462,7 @@ class CapabilityRequestWorkflow:
             # A failed local activity arrives as its ApplicationError itself (SDK 1.35), not
             # wrapped in an ActivityError as a regular activity's failure is.
             if not workflow.patched(PATCH_RECORD_ADMIT_FAILURES) and isinstance(error, ApplicationError):
-                raise  # as requests started before session 4 did: no outcome attribute, no event
+                raise  # as requests recorded before histories v3 did: no outcome attribute, no event
             cls, message = classify(error)
             self._end(cls)
             if fencing:

@@ -51,23 +51,23 @@ with workflow.unsafe.imports_passed_through():
 from workflows._common import STORE_RETRY, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
-# One residency workflow id per load (session 2); older histories used one id per key.
+# One residency workflow id per load (histories v2); older histories used one id per key.
 PATCH_RESIDENCY_GENERATIONS = "residency-generations"
-# Continue-as-new at max_history_events as well as when suggested (session 2).
+# Continue-as-new at max_history_events as well as when suggested (histories v3).
 PATCH_HISTORY_BOUND = "history-bound"
-# Capacity snapshots into Postgres and CAPABILITY_CAPACITY alerts (session 4).
+# Capacity snapshots into Postgres and CAPABILITY_CAPACITY alerts (histories v3).
 PATCH_SNAPSHOTS = "telemetry-snapshots"
 PATCH_CAPACITY_ALERTS = "capacity-alerts"
-# Admission refusals (REQUEST_INVALID, QUEUE_FULL, ...) recorded as events (session 4).
+# Admission refusals (REQUEST_INVALID, QUEUE_FULL, ...) recorded as events (histories v3).
 PATCH_RECORD_REFUSALS = "record-refusals"
-# A fresh scheduler starts fair share from the lease ledger, not from zero (session 4).
+# A fresh scheduler starts fair share from the lease ledger, not from zero (histories v4).
 PATCH_USAGE_FROM_LEDGER = "usage-from-ledger"
-# ...and before leases on a node silent past node_silent_s were preempted (session 5).
+# ...and before leases on a node silent past node_silent_s were preempted (histories v4).
 PATCH_SILENT_NODES = "preempt-silent-nodes"
-# ...and before the loop kept one wake-up timer and one event write in flight (session 5): a timer
+# ...and before the loop kept one wake-up timer and one event write in flight (histories v4): a timer
 # started and cancelled, and an event write, per loop iteration cost ~10 history events per request.
 PATCH_QUIET_LOOP = "quiet-loop"
-# ...and before a ready resident on a stale card stopped taking new leases (session 7).
+# ...and before a ready resident on a stale card stopped taking new leases (histories v6).
 PATCH_NO_STALE_JOINS = "no-stale-joins"
 # ...and before continue-as-new carried undelivered decisions and unwritten events in its input
 # instead of waiting for every event write to land (a Postgres outage froze admission there).

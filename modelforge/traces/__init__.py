@@ -1,4 +1,4 @@
-"""Converters from real traces (`../shared/traces/` and files of the same format) to simulator
+"""Converters from real traces (`data/traces/` and files of the same format) to simulator
 scenarios. See docs/SIMULATOR.md for the models and assumptions each one uses."""
 
 from modelforge.traces._alibaba import AlibabaOptions, convert_alibaba

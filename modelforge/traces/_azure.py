@@ -24,7 +24,7 @@ from pathlib import Path
 from modelforge.domain import GiB
 from modelforge.traces._common import TraceError, write_scenario
 
-CARD_BYTES = 24 * GiB  # RTX 3090: 24,576 MiB in ../shared/nvidia-smi/rtx-3090-v12.xml
+CARD_BYTES = 24 * GiB  # RTX 3090: 24,576 MiB in data/nvidia-smi/rtx-3090-v12.xml
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`kill -9` of a node worker during an invoke (issue 9, item 1): the lease comes back within
+"""`kill -9` of a node worker during an invoke: the lease comes back within
 the invoke's heartbeat timeout plus 15 s, the request ends with a typed failure, and once the
 node is back its resident is reconciled and the card's schedulable bytes are what they were
 before the request."""

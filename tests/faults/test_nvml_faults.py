@@ -1,4 +1,4 @@
-"""Faults from the (simulated) NVML backend, on one running stack (issue 9, item 5): a Tdarr
+"""Faults from the (simulated) NVML backend, on one running stack: a Tdarr
 transcode that jumps by 12 GiB while a model loads, driver errors, a silent node (stale samples)
 and memory that is not reclaimed after an unload. Each shows as typed events; no grant is made
 on stale data; and no capacity snapshot ever shows the card over-committed."""

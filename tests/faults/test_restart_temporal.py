@@ -1,4 +1,4 @@
-"""The Temporal server stopped and restarted during a burst (issue 9, item 3): with the dev
+"""The Temporal server stopped and restarted during a burst: with the dev
 server persisting to a file, every request ends once it is back."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A node whose telemetry falls silent (issue 4, item 5): its card goes stale (nothing new lands
+"""A node whose telemetry falls silent: its card goes stale (nothing new lands
 there), the lease of the job running on it is preempted once the silence passes node_silent_s,
 the job is checkpointed and requeued, and when the node samples again its residents are
 reconciled against what it reports and the job resumes from its checkpoint and finishes."""

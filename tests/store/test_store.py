@@ -42,7 +42,7 @@ async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) 
         await store.apply_catalog(smaller)
         assert [d.capability for d in (await store.load_catalog()).deployments] == ["rag.embedding@1"]
 
-        # Seed 003's queues round-trip in the file's order (it breaks ties between equal
+        # Configured queues (queues-seed003.toml) round-trip in the file's order (it breaks ties between equal
         # priorities); a catalog without queues goes back to the built-in classes.
         queued, _ = load_catalog_file(example_catalog_path().parent / "queues-seed003.toml")
         await store.apply_catalog(queued)

@@ -1,4 +1,4 @@
-"""always_warm deployments (DESIGN §4): loaded when the pool starts and again after a loss, with
+"""always_warm deployments (README, "How it works"): loaded when the pool starts and again after a loss, with
 no request asking; never by making room; retried with backoff when the load fails."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def lease(accelerator: str, nbytes: int) -> Lease:
     [
         # 24 GiB - 0 external - 0 resident - 0 leased - 1 GiB reserve = 23 GiB
         (24, 0, 0, [], 0, 1, 23 * GiB),
-        # The seed's M5: 24 - 6 (Ollama) - 1,216,348,160 (rag.embedding) - 0 - 1 = 17,037,262,848 B
+        # The worked keep-warm example: 24 - 6 (Ollama) - 1,216,348,160 (rag.embedding) - 0 - 1 = 17,037,262,848 B
         (24, 6, 0, [ENVELOPE], 0, 1, 24 * GiB - 6 * GiB - ENVELOPE - GiB),
         # Once loaded, NVML sees the model (managed): it is resident, not external.
         # 24 - (7.133 used - 1.133 managed = 6) - 1.133 - 0 - 1

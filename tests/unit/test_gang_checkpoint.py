@@ -1,4 +1,4 @@
-"""A gang job's part on one node is checkpointed and resumed (issue 4, item 2, for gang
+"""A gang job's part on one node is checkpointed and resumed (for gang
 holders): the simulated runtime saves the seconds a rank has run, a resumed rank starts there;
 the node refuses a checkpoint of a job it does not run, or outside a checkpoint store; runtimes
 that cannot run gang jobs cannot checkpoint them either, and say so."""

@@ -1,4 +1,4 @@
-"""Making room beyond idle residents (DESIGN §4): strictly lower, preemptible work is preempted
+"""Making room beyond idle residents (README, "How it works"): strictly lower, preemptible work is preempted
 after its minimum runtime, requeued at its original class with preempted=true; work that cannot
 be interrupted is waited for; an UNHEALTHY accelerator's work is preempted whatever its class."""
 

@@ -1,5 +1,5 @@
-"""Queues as configuration (seed 003): named queues with their own levels, which levels preempt
-which, and per-queue fair-share weights; seed 000's five classes as the built-in default queue.
+"""Queues as configuration: named queues with their own levels, which levels preempt
+which, and per-queue fair-share weights; the five built-in classes as the built-in default queue.
 Both seed tables ship as example catalogs and are exercised here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stale allocations (DESIGN §4): a lease whose holder stops heart-beating for 60 s is reclaimed,
+"""Stale allocations (README, "How it works"): a lease whose holder stops heart-beating for 60 s is reclaimed,
 a holder that keeps heart-beating keeps it, and a scheduler that was itself away reclaims
 nothing until holders had a fair chance to speak."""
 

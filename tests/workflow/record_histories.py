@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.workflow.record_histories v7
 
-Runs the M5 story (cold request, warm request, a warm request started on the node's queue,
+Runs the keep-warm story (cold request, warm request, a warm request started on the node's queue,
 keep-warm eviction, an unknown capability), a
 request to a pool whose scheduler is not running (its failure recorded by RecordEventsWorkflow), a
 request whose runtime crashes (retried once on a fresh load) and a request that holds its lease

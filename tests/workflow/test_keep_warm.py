@@ -1,4 +1,4 @@
-"""The seed's M5 decision on a real Temporal server, with time skipped: lease, load once,
+"""The keep-warm decision on a real Temporal server, with time skipped: lease, load once,
 functional health check, invoke, release, keep warm for 901 s, then eviction by the TTL timer."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Waiting for a lease on the real dev server (issue 4, items 1 and 2): a request that does not
+"""Waiting for a lease on the real dev server: a request that does not
 fit waits in the scheduler's queue and is granted when room appears; one that cannot get a
 lease within its lease timeout or its deadline ends with that class, typed; a holder that may
 not be preempted is drained (the higher request waits for it to finish, and the room it frees

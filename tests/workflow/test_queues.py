@@ -1,4 +1,4 @@
-"""Seed 003's queues end to end, on the shipped example catalog (two simulated 80 GiB cards):
+"""Configured queues end to end, on the shipped example catalog (two simulated 80 GiB cards):
 a merge Critical job preempts a merge Low job; an eval High job preempts nothing and waits; the
 preempted job comes back at its original level and finishes; usage is counted per queue."""
 

@@ -13,7 +13,7 @@ from workers.control import workflow_runner
 from workflows import ALL_WORKFLOWS
 
 ROOT = Path(__file__).resolve().parents[1] / "histories"
-# One folder per recording (v1: session 1, v2: session 2 ...): every one must keep replaying.
+# One folder per recording (one per workflow change; tests/workflow/record_histories.py): every one must keep replaying.
 HISTORIES = sorted(ROOT.glob("*/*.json"))
 VERSIONS = sorted({path.parent.name for path in HISTORIES})
 

@@ -1,4 +1,4 @@
-"""Requests routed to the node that served their capability last (issue 4, speed): the client
+"""Requests routed to the node that served their capability last: the client
 starts them on that node's task queue, where the node's worker runs the request workflow and
 hands itself the invoke. If that node goes silent, the control worker serves its queue, so a
 request routed there is still admitted (elsewhere) and answered, never left waiting for a

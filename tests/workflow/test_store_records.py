@@ -149,7 +149,7 @@ async def test_refused_admissions_are_in_the_event_log(
             await nowhere.result()
         assert isinstance(unavailable.value.cause, ApplicationError)
         assert unavailable.value.cause.type == "CAPABILITY_UNAVAILABLE"
-        # Operators find both in the UI by outcome (a failed admission set none before session 4).
+        # Operators find both in the UI by outcome (a failed admission set none before the record-admit-failures patch).
         for handle, outcome in ((unknown_tenant, "REQUEST_INVALID"), (nowhere, "CAPABILITY_UNAVAILABLE")):
             described = await handle.describe()
             assert described.typed_search_attributes.get(sa.OUTCOME) == outcome

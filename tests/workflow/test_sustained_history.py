@@ -1,4 +1,4 @@
-"""Under a steady stream of requests the scheduler's history stays bounded (issue 4, item 7): it
+"""Under a steady stream of requests the scheduler's history stays bounded: it
 continues as new at max_history_events, every run's history stays under the bound plus one
 workflow task, and no request is lost across the boundaries. (bench/sustained.py runs the same
 for minutes at the production bound; this is its CI-sized version.)"""

@@ -1,6 +1,6 @@
--- Seed 003's queues as configuration: each named queue with its levels, preemption and weight.
+-- Configured queues ([[queues]]): each named queue with its levels, preemption and weight.
 -- `position` keeps the file's order (equal priorities are ordered by it; a tenant without
--- classes defaults to the first queue's lowest level). No rows: seed 000's built-in classes.
+-- classes defaults to the first queue's lowest level). No rows: the five built-in classes.
 CREATE TABLE catalog_queues (
     name        text PRIMARY KEY,
     position    int NOT NULL,
