@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -248,6 +248,13 @@ class _Embeddings(_Body):
     keep_alive: float | str | None = None
 
 
+class _Pull(_Body):
+    model: str | None = None
+    name: str | None = None  # the older spelling of `model`
+    insecure: bool | None = None
+    stream: bool | None = None
+
+
 class _Show(_Body):
     model: str | None = None
     name: str | None = None  # the older spelling of `model`
@@ -360,6 +367,7 @@ class _OllamaRoute(APIRoute):
             try:
                 return await handler(request)
             except _app.GatewayError as error:
+                request.state.failure_class = error.failure  # for the gateway's access log
                 return _error_response(error)
             except Exception:
                 _log.exception("ollama route %s failed", request.url.path)
@@ -584,7 +592,7 @@ def ollama_router(
         [vector] = vectors_of(result, deployment, 1)
         return JSONResponse({"embedding": vector})
 
-    @router.get("/api/tags")
+    @router.api_route("/api/tags", methods=["GET", "HEAD"])
     async def tags() -> Response:
         known = await catalog.get()
         models = []
@@ -670,7 +678,46 @@ def ollama_router(
             }
         )
 
-    @router.get("/api/version")
+    @router.api_route("/", methods=["GET", "HEAD"])
+    async def heartbeat() -> Response:
+        # What Ollama answers here; its CLI and some applications check it before anything else.
+        return PlainTextResponse("Ollama is running")
+
+    @router.post("/api/pull")
+    async def pull(request: Request) -> Response:
+        # Models are the catalog's (`modelforge catalog apply`): one it has is there already, as
+        # a pull of an up-to-date model answers; any other is not found, and nothing downloads.
+        call: _Pull = await body_of(request, _Pull)
+        model = call.model or call.name
+        if not model:
+            raise _invalid("model: required")
+        try:
+            await deployment_of(model)
+        except _app.GatewayError as error:
+            raise _app.GatewayError(
+                error.failure,
+                f"{error.message}; ModelForge pulls nothing: its models are the catalog's (modelforge catalog apply)",
+                status=error.status,
+            ) from None
+        return _answer({"status": "success"}, call.stream)
+
+    async def managed_by_the_catalog(request: Request) -> Response:
+        raise _invalid(
+            f"{request.method} {request.url.path}: ModelForge's models are the catalog's; change them with "
+            "`modelforge catalog apply`, not through the Ollama API"
+        )
+
+    for path, method in [
+        ("/api/push", "POST"),
+        ("/api/create", "POST"),
+        ("/api/copy", "POST"),
+        ("/api/delete", "DELETE"),
+        ("/api/blobs/{digest}", "POST"),
+        ("/api/blobs/{digest}", "HEAD"),
+    ]:
+        router.add_api_route(path, managed_by_the_catalog, methods=[method], include_in_schema=False)
+
+    @router.api_route("/api/version", methods=["GET", "HEAD"])
     async def version() -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION, "modelforge": modelforge.__version__})
 

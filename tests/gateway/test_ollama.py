@@ -145,6 +145,17 @@ async def test_embed_embeddings_tags_ps_show_and_version(gateway: _Served, clien
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         version = (await http.get("/api/version")).json()
         assert version["version"].count(".") == 2 and "modelforge" in version
+        # Ollama's CLI checks HEAD / before any command.
+        assert (await http.head("/")).status_code == 200 and (await http.get("/")).text == "Ollama is running"
+        assert (await http.head("/api/tags")).status_code == 200
+
+    # A model the catalog has is there already; nothing downloads, and the catalog stays the source.
+    assert (await client.pull("small-chat")).status == "success"
+    missing = await _refused(client.pull("llama3.2"), 404)
+    assert "catalog" in str(missing.error)
+    for call in (client.delete("small-chat"), client.copy("small-chat", "other-chat")):
+        refused = await _refused(call, 400)
+        assert "modelforge catalog apply" in str(refused.error)
 
 
 async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, client: ollama.AsyncClient) -> None:
