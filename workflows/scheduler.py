@@ -77,6 +77,10 @@ PATCH_CARRY_OUTBOX = "carry-outbox"
 PATCH_LEASE_FENCING = "lease-fencing"
 # ...and before residents of deployments removed from the catalog were unloaded.
 PATCH_UNLOAD_REMOVED = "unload-removed-deployments"
+# ...and before a heartbeat for a reclaimed lease stopped the invoke still running under it.
+PATCH_STOP_RECLAIMED = "stop-reclaimed-invokes"
+# The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
+RECLAIMED_REMEMBERED = 1000
 
 # A lease whose holder was never heard from is reclaimed after this many stale_lease_s.
 UNHEARD_LEASE_FACTOR = 5.0
@@ -116,6 +120,8 @@ class PoolSchedulerWorkflow:
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
+        # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
+        self._reclaimed: dict[str, str] = {}
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -261,8 +267,37 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
-        # Nothing to decide: a live holder only pushes its lease's stale deadline out.
-        policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
+        # A live holder pushes its lease's stale deadline out.
+        held = policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
+        if held or heartbeat.lease_id not in self._reclaimed or not workflow.patched(PATCH_STOP_RECLAIMED):
+            return
+        # The lease was reclaimed while neither its holder nor its node could be heard (a node
+        # cut off from Temporal longer than stale_lease_s); its room may be granted again by now,
+        # and the invoke is still running. Stop it at once: the holder is preempted with no grace
+        # (it checkpoints where its runtime can, and is admitted again).
+        holder = self._reclaimed.pop(heartbeat.lease_id)
+        now = self._now()
+        self._preempts_out.append(
+            (
+                holder,
+                PreemptSignal(
+                    lease_id=heartbeat.lease_id,
+                    reason="its lease was reclaimed while its holder was silent; the invoke still running is stopped",
+                    grace_s=0.0,
+                ),
+            )
+        )
+        self._record(
+            policy.PolicyEvent(
+                kind="reclaimed_invoke_stopped",
+                request_id=heartbeat.request_id,
+                lease_id=heartbeat.lease_id,
+                workflow_id=holder,
+                message="a heartbeat came for a reclaimed lease: its holder is preempted with no grace",
+            ),
+            now,
+        )
+        self._wake = True
 
     @workflow.update
     def confirm_lease(self, call: LeaseConfirmCall) -> bool:
@@ -822,6 +857,10 @@ class PoolSchedulerWorkflow:
     # --- events -----------------------------------------------------------------------------
 
     def _record(self, event: policy.PolicyEvent, now: float) -> None:
+        if event.kind == "lease_reclaimed" and event.lease_id and event.workflow_id:
+            self._reclaimed[event.lease_id] = event.workflow_id
+            if len(self._reclaimed) > RECLAIMED_REMEMBERED:
+                del self._reclaimed[next(iter(self._reclaimed))]
         self._events.append(
             EventRecord(
                 event_id=str(workflow.uuid4()),

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import workflow
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from modelforge.catalog import load_catalog_file
-from modelforge.messages import AdmitBatch, AdmitBatchReply
+from modelforge.messages import AdmitBatch, AdmitBatchReply, LeaseDecision, LeaseHeartbeat, PreemptSignal
 from modelforge.policy import AdmissionRequest, PolicyConfig
 from modelforge.settings import node_task_queue
 from tests.harness import Stack, running_stack
@@ -157,6 +159,80 @@ async def test_a_grant_that_arrives_after_its_lease_was_reclaimed_is_never_used(
         assert len(intervals) == len(rows) == 4
         for (_, end), (start, _) in itertools.pairwise(intervals):
             assert start >= end, f"two leases on a concurrency-1 slot at once: {intervals}"
+
+
+@workflow.defn(name="SilentHolderWorkflow", sandboxed=False)
+class _SilentHolder:
+    """Stands for a holder cut off from Temporal: it never heartbeats, and records the preempt
+    the scheduler sends when the lease's heartbeats come back after the reclaim."""
+
+    def __init__(self) -> None:
+        self.preempts: list[PreemptSignal] = []
+        self.lease_id = ""
+
+    @workflow.signal
+    def lease_decision(self, decision: LeaseDecision) -> None:
+        self.lease_id = decision.lease.lease_id if decision.lease else ""
+
+    @workflow.signal
+    def preempt(self, signal: PreemptSignal) -> None:
+        self.preempts.append(signal)
+
+    @workflow.query
+    def granted(self) -> str:
+        return self.lease_id
+
+    @workflow.query
+    def received(self) -> list[PreemptSignal]:
+        return self.preempts
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: False)
+
+
+async def test_an_invoke_whose_lease_was_reclaimed_is_stopped_when_its_heartbeat_returns(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # stale 2 s: a holder never heard from keeps its lease 10 s (5x), then it is reclaimed.
+    config = PolicyConfig(stale_lease_s=2.0, freshness_s=300.0, node_silent_s=600.0)
+    client = dev_server_env.client
+    async with (
+        running_stack(client, database_url, catalog_path=FENCING, config=config, adopt_interval_s=3600) as stack,
+        Worker(client, task_queue="silent-holder", workflows=[_SilentHolder]),
+    ):
+        holder = await client.start_workflow("SilentHolderWorkflow", id="silent-holder-1", task_queue="silent-holder")
+        [answer] = (
+            await _admit(
+                stack,
+                AdmissionRequest(request_id="cut-off", workflow_id=holder.id, capability="fence.one@1", tenant="app"),
+            )
+        ).replies
+        assert answer.status in ("granted", "queued")
+
+        async def granted() -> str:
+            return answer.lease.lease_id if answer.lease else await holder.query("granted", result_type=str)
+
+        lease_id = await _until(granted, 30)
+        assert lease_id, "never granted"
+        reclaimed = await stack.events("lease_reclaimed", at_least=1, within_s=40)
+        assert reclaimed and reclaimed[0]["lease_id"] == lease_id
+        # The node (or the holder) is heard again: the invoke it is still running must stop.
+        await stack.scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id=lease_id, request_id="cut-off"))
+
+        async def preempted() -> list[PreemptSignal]:
+            return await holder.query("received", result_type=list[PreemptSignal])
+
+        received = await _until(preempted, 20)
+        assert len(received) == 1
+        assert received[0].lease_id == lease_id and received[0].grace_s == 0.0
+        stopped = await stack.events("reclaimed_invoke_stopped", at_least=1, within_s=20)
+        assert stopped and stopped[0]["workflow_id"] == holder.id
+        # Only once: a second heartbeat for the same lease sends nothing more.
+        await stack.scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id=lease_id, request_id="cut-off"))
+        await asyncio.sleep(2.0)
+        assert len(await preempted()) == 1
+        await holder.terminate("test over")
 
 
 async def test_a_deployment_removed_from_the_catalog_is_unloaded(
