@@ -1,13 +1,18 @@
-"""Connecting to Temporal (TLS, mTLS and API keys from settings) and the search attributes."""
+"""Connecting to Temporal (TLS, mTLS and API keys from settings), the workers' SDK metrics and the
+search attributes."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from temporalio.client import Client, RetryConfig, TLSConfig
 from temporalio.common import SearchAttributeKey
 from temporalio.converter import DataConverter
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.payloads import data_converter
@@ -27,6 +32,59 @@ SEARCH_ATTRIBUTES = [CAPABILITY, PRIORITY, TENANT, ACCELERATOR, OUTCOME]
 # either way, in 22 s with this and 65 s without. Interactive clients keep the default: they
 # should hear of an outage, not hang in it.
 WORKER_RETRY = RetryConfig(max_interval_millis=5_000, max_elapsed_time_millis=300_000, max_retries=100)
+
+
+WorkerRole = Literal["control", "node"]
+# The Temporal SDK's own worker metrics (task slots, poll and schedule-to-start latencies, sticky
+# cache, activity and workflow task failures) on a Prometheus endpoint of the worker process:
+# MODELFORGE_TEMPORAL_METRICS_ADDRESS (host:port, or "off"). Loopback unless configured, and one
+# port per role so a control and a node worker on one host do not collide (compose sets
+# 0.0.0.0 inside its network, where Prometheus scrapes both).
+TEMPORAL_METRICS_ADDRESS = "MODELFORGE_TEMPORAL_METRICS_ADDRESS"
+TEMPORAL_METRICS_DEFAULTS: dict[str, str] = {"control": "127.0.0.1:9465", "node": "127.0.0.1:9466"}
+_runtimes: dict[str, Runtime] = {}
+
+
+def temporal_metrics_address(role: WorkerRole, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Where a worker of this role serves the SDK's metrics; None when switched off."""
+    text = environ.get(TEMPORAL_METRICS_ADDRESS, "").strip() or TEMPORAL_METRICS_DEFAULTS[role]
+    if text.lower() in ("off", "none", "0"):
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in text):
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"{TEMPORAL_METRICS_ADDRESS} must be host:port (127.0.0.1:9465) or off, not {text!r}",
+        )
+    return text
+
+
+def worker_runtime(role: WorkerRole, environ: Mapping[str, str] = os.environ) -> Runtime | None:
+    """The Temporal runtime of this process's workers, with the SDK's metrics on Prometheus (at
+    `temporal_metrics_address`); None, the SDK's default runtime, when switched off or when the
+    address cannot be bound (a second worker of the role on this host): the worker runs without
+    them rather than not at all. One per process and address."""
+    address = temporal_metrics_address(role, environ)
+    if address is None:
+        return None
+    if address not in _runtimes:
+        try:
+            _runtimes[address] = Runtime(
+                telemetry=TelemetryConfig(
+                    metrics=PrometheusConfig(bind_address=address), global_tags={"modelforge_role": role}
+                )
+            )
+        except Exception as error:  # address in use, or not an interface of this host
+            from modelforge.logging import get_logger
+
+            get_logger("modelforge.temporal").warning(
+                "temporal_sdk_metrics_unavailable",
+                address=address,
+                error=f"{type(error).__name__}: {error}",
+                note=f"set {TEMPORAL_METRICS_ADDRESS} to a free host:port, or off",
+            )
+            return None
+    return _runtimes[address]
 
 
 def _tls(settings: Settings) -> TLSConfig | bool:
@@ -50,8 +108,12 @@ def converter(settings: Settings) -> DataConverter:
     return data_converter(settings.resolved_payload_dir(), settings.payload_threshold_bytes, settings.max_payload_bytes)
 
 
-async def connect(settings: Settings, timeout_s: float = 15.0, worker: bool = False) -> Client:
-    """`worker`: for a worker process, whose calls ride out a Temporal restart (WORKER_RETRY)."""
+async def connect(
+    settings: Settings, timeout_s: float = 15.0, worker: bool = False, role: WorkerRole | None = None
+) -> Client:
+    """`worker`: for a worker process, whose calls ride out a Temporal restart (WORKER_RETRY).
+    `role`: the worker process's, whose SDK metrics it serves (`worker_runtime`)."""
+    runtime = worker_runtime(role) if role is not None else None
     try:
         return await asyncio.wait_for(
             Client.connect(
@@ -61,6 +123,7 @@ async def connect(settings: Settings, timeout_s: float = 15.0, worker: bool = Fa
                 api_key=settings.temporal_api_key,
                 retry_config=WORKER_RETRY if worker else None,
                 data_converter=converter(settings),
+                runtime=runtime,
             ),
             timeout_s,
         )

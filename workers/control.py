@@ -235,7 +235,7 @@ def serve_metrics(metrics: Metrics, settings: Settings) -> int:
 
 
 async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
-    client = await connect(settings, worker=True)
+    client = await connect(settings, worker=True, role="control")
     url = settings.resolved_database_url()
     if url is None:
         raise SystemExit(

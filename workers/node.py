@@ -179,7 +179,7 @@ async def run(
     labels: dict[str, str] | None = None,
 ) -> None:
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
-    client = await connect(settings, worker=True)
+    client = await connect(settings, worker=True, role="node")
     worker = build_node_worker(
         client,
         node,
