@@ -1,8 +1,10 @@
 """docker-compose.yml, checked statically (no Docker engine here): it parses, its services are
 wired to each other, every ModelForge setting it passes is one the code reads, its images are
 pinned, its defaults are safe (ports on loopback only, the gateway's API keys and Grafana's admin
-password from secrets, a read-only Temporal UI, /metrics on loopback outside compose), and the
-Grafana dashboard only charts metrics the control worker exports."""
+password from secrets, a read-only Temporal UI, /metrics on loopback outside compose), Temporal
+runs from the server image after a schema step and a namespace step that fails loudly, and the
+Grafana dashboard only charts metrics the control worker exports. Prometheus's rules, the
+dashboard's datasource and filter, and the setup scripts: tests/unit/test_deploy.py."""
 
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ def test_services_are_wired() -> None:
     services = _compose()["services"]
     assert {
         "postgres",
+        "temporal-schema",
         "temporal",
+        "temporal-namespace",
         "temporal-ui",
-        "temporal-search-attributes",
         "modelforge-control",
         "modelforge-node",
         "modelforge-gateway",
@@ -49,6 +52,8 @@ def test_services_are_wired() -> None:
         for dependency in service.get("depends_on", []):
             assert dependency in services, f"{name} depends on unknown {dependency}"
     assert services["temporal"]["environment"]["POSTGRES_SEEDS"] == "postgres"
+    assert services["temporal-schema"]["environment"]["POSTGRES_SEEDS"] == "postgres"
+    assert services["temporal-namespace"]["environment"]["TEMPORAL_ADDRESS"] == "temporal:7233"
     assert services["temporal-ui"]["environment"]["TEMPORAL_ADDRESS"] == "temporal:7233"
     for name in ("modelforge-control", "modelforge-node", "modelforge-gateway"):
         env = services[name]["environment"]
@@ -63,6 +68,52 @@ def test_services_are_wired() -> None:
     assert "127.0.0.1:9464:9464" in services["modelforge-control"]["ports"]
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["modelforge-control:9464"]
+
+
+def test_temporal_runs_from_the_server_image_after_its_setup_steps() -> None:
+    """temporalio/auto-setup is no longer built: the server image, after a schema step (admin-tools'
+    temporal-sql-tool, as Temporal's own compose setup does) and before a namespace step."""
+    services = _compose()["services"]
+    images = {name: service["image"].rsplit(":", 1) for name, service in services.items() if "image" in service}
+    assert not any(image == "temporalio/auto-setup" for image, _ in images.values())
+    assert images["temporal"][0] == "temporalio/server"
+    assert images["temporal-schema"][0] == images["temporal-namespace"][0] == "temporalio/admin-tools"
+    # One Temporal release for the server and its tools.
+    assert images["temporal"][1] == images["temporal-schema"][1] == images["temporal-namespace"][1]
+    scripts = ROOT / "deploy" / "temporal"
+    for name, script in (
+        ("temporal-schema", "setup-schema.sh"),
+        ("temporal", "start-server.sh"),
+        ("temporal-namespace", "setup-namespace.sh"),
+    ):
+        service = services[name]
+        assert service["entrypoint"] == ["/bin/sh", f"/etc/modelforge/temporal/{script}"], name
+        assert "./deploy/temporal:/etc/modelforge/temporal:ro" in service["volumes"], name
+        assert (scripts / script).is_file(), script
+    schema = (scripts / "setup-schema.sh").read_text()
+    for step in ("create", "setup-schema -v 0.0", "update-schema -d"):
+        assert step in schema, step
+    assert "temporal_visibility" in schema and "set -eu" in schema
+    # The order: schema, server, namespace, then the ModelForge workers.
+    assert services["temporal"]["depends_on"]["temporal-schema"]["condition"] == "service_completed_successfully"
+    assert services["temporal-namespace"]["depends_on"]["temporal"]["condition"] == "service_healthy"
+    control = services["modelforge-control"]["depends_on"]
+    assert control["temporal-namespace"]["condition"] == "service_completed_successfully"
+    # The password comes from the secret, not the file or the environment.
+    for name in ("temporal-schema", "temporal"):
+        assert services[name]["environment"]["POSTGRES_PWD_FILE"] == "/run/secrets/postgres_password", name
+        assert "postgres_password" in services[name]["secrets"], name
+        assert "POSTGRES_PWD" not in services[name]["environment"], name
+
+
+def test_the_namespace_step_sets_the_retention_and_fails_loudly() -> None:
+    namespace = _compose()["services"]["temporal-namespace"]
+    # Retention is a setting with a default (TEMPORAL_RETENTION, 24 h).
+    assert namespace["environment"]["RETENTION"] == "${TEMPORAL_RETENTION:-24h}"
+    assert namespace["restart"] == "no"  # a failure stays failed (and the workers wait on it)
+    script = (ROOT / "deploy/temporal/setup-namespace.sh").read_text()
+    assert "set -eu" in script and "|| true" not in script
+    assert "--retention" in script and "namespace update" in script  # an existing namespace too
 
 
 def test_every_modelforge_setting_is_one_the_code_reads() -> None:
@@ -88,9 +139,8 @@ def test_images_are_pinned() -> None:
 
 
 def test_search_attributes_created_are_the_ones_the_code_uses() -> None:
-    command = str(_compose()["services"]["temporal-search-attributes"]["entrypoint"])
-    for key in SEARCH_ATTRIBUTES:
-        assert key.name in command
+    created = _compose()["services"]["temporal-namespace"]["environment"]["SEARCH_ATTRIBUTES"].split()
+    assert sorted(created) == sorted(key.name for key in SEARCH_ATTRIBUTES)
 
 
 def test_the_catalog_it_applies_is_valid() -> None:
@@ -136,8 +186,27 @@ def test_every_port_is_published_on_loopback_only() -> None:
     for name, ports in published.items():
         for host_ip, _ in ports:
             assert host_ip == "127.0.0.1", f"{name} publishes a port on {host_ip or 'every interface'}"
-    # Nothing reaches Postgres or Temporal's frontend from outside the compose network.
-    assert not published["postgres"] and not published["temporal"]
+    # The host's CLI reaches Temporal's frontend and Postgres on loopback (README: the settings
+    # that point at them), nothing else does.
+    assert published["temporal"] == [("127.0.0.1", "7233")]
+    assert published["postgres"] == [("127.0.0.1", "5432")]
+    # The SDK's worker metrics stay inside the network, where Prometheus scrapes them.
+    assert published["modelforge-node"] == [] and published["temporal-namespace"] == []
+
+
+def test_the_host_cli_is_documented_against_the_published_ports() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for line in (
+        "MODELFORGE_TEMPORAL_ADDRESS=127.0.0.1:7233",
+        "MODELFORGE_DATABASE_URL=postgresql://modelforge:",
+        "@127.0.0.1:5432/modelforge",
+        "docker compose run --rm modelforge-cli",
+    ):
+        assert line in readme, line
+    cli = _compose()["services"]["modelforge-cli"]
+    assert cli["profiles"] == ["cli"]  # not started by `docker compose up`
+    assert "payloads:/var/lib/modelforge/payloads" in cli["volumes"]
+    assert cli["environment"]["MODELFORGE_TEMPORAL_ADDRESS"] == "temporal:7233"
 
 
 def test_the_gateway_requires_api_keys_from_a_secret() -> None:
