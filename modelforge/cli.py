@@ -1109,6 +1109,9 @@ def trace_alibaba(
     out.print(escape(f"wrote {path}"), highlight=False)
 
 
+import modelforge.cli_jobs  # noqa: E402, F401  (adds `modelforge logs`: jobs, issue 19)
+
+
 def main() -> None:
     try:
         app()

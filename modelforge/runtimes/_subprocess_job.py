@@ -479,13 +479,13 @@ class SubprocessJobRuntime:
         status["progress"] = job.progress
         status["message"] = job.message
         with contextlib.suppress(OSError):
-            _write_json(job.directory / "status.json", status)
-            if outcome != "running":
+            if outcome != "running":  # the log first: a reader that sees the state has every line
                 with job.log_path.open("ab") as log_file:
                     said = f"[modelforge] attempt {job.attempt['attempt']} ended: {outcome}"
                     if fields.get("detail"):
                         said += f" ({fields['detail']})"
                     log_file.write((said + "\n").encode())
+            _write_json(job.directory / "status.json", status)
 
     async def _watch(
         self, job: _Job, heartbeat: Heartbeat, deadline: float | None, oom_before: int | None

@@ -322,3 +322,26 @@ def test_the_example_catalog_is_valid() -> None:
     for merge in jobs:
         assert merge.command[:2] == ["{python}", "examples/jobs/merge_slerp.py"]
         assert os.path.exists(ROOT / merge.command[1])
+
+
+async def test_modelforge_logs_prints_and_follows_a_jobs_log(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from modelforge import cli
+    from modelforge.cli_jobs import follow_log
+
+    monkeypatch.setenv("MODELFORGE_HOME", str(node.home))
+    await node.load(job([sys.executable, str(MERGE)]))
+    running = asyncio.create_task(node.invoke("logged", {"args": [*MERGE_ARGS, "--layer-delay-s", "0.2"]}))
+    chunks: list[bytes] = []
+    # Followed from before the job starts until it ends: every line it printed, nothing twice.
+    state = await asyncio.to_thread(follow_log, node.home, "logged", chunks.append, True, 0.05, 30.0)
+    await running
+    followed = b"".join(chunks).decode()
+    assert state == "succeeded"
+    assert followed.count('"message": "merged layer005"') == 1 and "attempt 1 ended: succeeded" in followed
+
+    printed = CliRunner().invoke(cli.app, ["logs", "logged"])
+    assert printed.exit_code == 0 and printed.stdout == followed
+    missing = CliRunner().invoke(cli.app, ["logs", "nobody"])
+    assert missing.exit_code == 1 and "REQUEST_INVALID" in missing.output and "no job log" in missing.output

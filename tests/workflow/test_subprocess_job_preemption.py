@@ -1,0 +1,101 @@
+"""A real job through the whole stack: the SLERP merge example (examples/jobs/merge.toml) runs as
+a process on its lease, an interactive request preempts it, it checkpoints on SIGTERM and exits
+75, is requeued, resumes from its checkpoint, and its merged model is byte-identical to an
+uninterrupted run's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.policy import PolicyConfig
+from modelforge.runtimes import job_log_dirs
+from tests.harness import running_stack
+
+pytestmark = pytest.mark.workflow
+pytest.importorskip("numpy")  # the merge example's only dependency
+
+ROOT = Path(__file__).resolve().parents[2]
+MERGE = ROOT / "examples" / "jobs" / "merge_slerp.py"
+ARGS = ["--layers", "12", "--dim", "64", "--t", "0.5"]
+
+
+def catalog_for_test(tmp_path: Path) -> Path:
+    """The example catalog with the script's absolute path (its `cwd = "."` is the checkout's
+    root when a stack is started there; a test may run from anywhere)."""
+    text = (ROOT / "examples" / "jobs" / "merge.toml").read_text()
+    text = text.replace('"examples/jobs/merge_slerp.py"', f'"{MERGE}"').replace('cwd = ".", ', "")
+    path = tmp_path / "merge.toml"
+    path.write_text(text)
+    return path
+
+
+def uninterrupted_run(tmp_path: Path) -> dict[str, bytes]:
+    output = tmp_path / "reference" / "output"
+    environment = {
+        **os.environ,
+        "MODELFORGE_OUTPUT_DIR": str(output),
+        "MODELFORGE_CHECKPOINT_DIR": str(tmp_path / "reference" / "checkpoints"),
+    }
+    subprocess.run([sys.executable, str(MERGE), *ARGS], env=environment, check=True, capture_output=True, timeout=60)
+    return {path.name: path.read_bytes() for path in sorted(output.iterdir())}
+
+
+async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_bytes(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    reference = uninterrupted_run(tmp_path)
+    config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
+    home = Path(tempfile.gettempdir()) / "modelforge"  # the harness's node workers' home
+    request_id = f"merge-{os.urandom(4).hex()}"
+    try:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), config=config
+        ) as stack:
+            job = await stack.start_request(
+                "merge.slerp@1",
+                tenant="lab",
+                request_id=request_id,
+                input={"args": [*ARGS, "--layer-delay-s", "0.6"]},
+            )
+            state = home / "checkpoints" / request_id / "job"
+            for _ in range(600):  # past its minimum runtime, a few of its 12 layers merged
+                if any(json.loads(p.read_text())["layers_done"] >= 3 for p in state.glob("*/state.json")):
+                    break
+                await asyncio.sleep(0.1)
+
+            # 24 - 1 reserve - 16 job = 7 GiB < 12 GiB: only preempting the job makes room.
+            chat = await (await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=120)).result()
+            assert chat.lease.accelerator == "lab-node/0"
+
+            done = await job.result()
+            assert done.timings["preemptions"] == 1
+            output = done.output
+            assert output["exit_code"] == 0 and output["progress"] == 1.0
+            checkpoint = Path(output["resumed_from"])
+            assert checkpoint.name == "state.json" and checkpoint.parent.parent.name == "job"
+            assert [a["outcome"] for a in output["attempts"]] == ["checkpointed", "succeeded"]
+            assert output["attempts"][0]["exit_code"] == 75
+            assert output["attempts"][1]["restart"] == f"resumed from checkpoint {checkpoint}"
+            merged = Path(output["output_dir"])
+            assert {p.name: p.read_bytes() for p in sorted(merged.iterdir())} == reference
+
+            [preempted] = await stack.events("preempted", at_least=1)
+            assert preempted["request_id"] == request_id and preempted["payload"]["retrying"] is True
+            assert f"resumes from checkpoint {checkpoint}" in preempted["message"]
+            log = Path(output["log"]).read_text()
+            assert "attempt 1 ended: checkpointed" in log and "resumed after layer" in log
+    finally:
+        for directory in job_log_dirs(home, request_id):
+            print(f"--- {directory}/job.log:\n{(directory / 'job.log').read_text()}")  # shown when it fails
+            shutil.rmtree(directory.parent, ignore_errors=True)
+        shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
