@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -567,13 +568,18 @@ def _premature_breaks(lines: list[str], start: int, end: int) -> list[str]:
 
 @pytest.mark.parametrize("columns", [100, 120])
 def test_every_help_page_renders_whole_sentences(columns: int) -> None:
-    for path, _ in _commands():
+    for path, command in _commands():
         name = " ".join(["modelforge", *path])
         done = runner.invoke(cli.app, [*path, "--help"], env={"COLUMNS": str(columns), "TERM": "dumb"})
         assert done.exit_code == 0, (name, done.output)
         lines = done.output.splitlines()
         assert not any(len(line) > columns for line in lines), name
         assert "…" not in done.output and "\b" not in done.output, f"{name}:\n{done.output}"
+        # Square brackets in a help text survive rich markup ("modelforge[plot]" would print as
+        # "modelforge"): write such help through rich.markup.escape.
+        for text in [command.help or "", *(getattr(param, "help", None) or "" for param in command.params)]:
+            for bracketed in re.findall(r"\[[^\]\s]*\]+", text.replace("\\[", "[")):
+                assert bracketed in done.output, f"{name}: {bracketed} of {text!r} is lost (rich markup: escape it)"
         # The description, between the usage line and the first panel.
         usage = next(i for i, line in enumerate(lines) if "Usage:" in line)
         first_panel = next((i for i, line in enumerate(lines) if line.startswith("╭")), len(lines))
