@@ -150,7 +150,7 @@ def main() -> int:
             time.sleep(min(0.02, args.layer_delay_s - waited))
             waited += 0.02
         if _stop_requested and index + 1 < count:
-            report(message=f"checkpointed after {name}: stopping for preemption")
+            report(message=f"checkpointed after {name}: stopping on request (exit 75)")
             return CHECKPOINTED_EXIT
 
     manifest = {}

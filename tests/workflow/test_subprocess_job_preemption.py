@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
         async with running_stack(
             dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), config=config
         ) as stack:
+            submitted = time.time()
             job = await stack.start_request(
                 "merge.slerp@1",
                 tenant="lab",
@@ -74,6 +76,7 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
                 await asyncio.sleep(0.1)
 
             # 24 - 1 reserve - 16 job = 7 GiB < 12 GiB: only preempting the job makes room.
+            preempting = time.time()
             chat = await (await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=120)).result()
             assert chat.lease.accelerator == "lab-node/0"
 
@@ -94,8 +97,52 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
             assert f"resumes from checkpoint {checkpoint}" in preempted["message"]
             log = Path(output["log"]).read_text()
             assert "attempt 1 ended: checkpointed" in log and "resumed after layer" in log
+            first, second = output["attempts"]
+            print(  # the numbers docs/RUNTIMES.md quotes (pytest -s)
+                f"submission to process start {first['started_at'] - submitted:.2f} s; "
+                f"interactive request to the job's checkpointed exit {first['ended_at'] - preempting:.2f} s; "
+                f"to its resumed start {second['started_at'] - preempting:.2f} s"
+            )
     finally:
         for directory in job_log_dirs(home, request_id):
             print(f"--- {directory}/job.log:\n{(directory / 'job.log').read_text()}")  # shown when it fails
+            shutil.rmtree(directory.parent, ignore_errors=True)
+        shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
+
+
+async def test_a_job_past_its_max_duration_ends_the_request_with_timeout(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    from temporalio.client import WorkflowFailureError
+    from temporalio.exceptions import ApplicationError
+
+    home = Path(tempfile.gettempdir()) / "modelforge"
+    request_id = f"slow-{os.urandom(4).hex()}"
+    try:
+        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
+            started = time.monotonic()
+            slow = await stack.start_request(
+                "merge.slerp.cpu@1",
+                tenant="lab",
+                request_id=request_id,
+                input={"args": [*ARGS, "--layer-delay-s", "30"]},
+                max_duration_s=4,
+            )
+            with pytest.raises(WorkflowFailureError) as raised:
+                await slow.result()
+            cause = raised.value.cause
+            assert isinstance(cause, ApplicationError) and cause.type == "TIMEOUT"
+            assert "max_duration" in cause.message and "merged layer000" in cause.message  # the log's tail
+            assert time.monotonic() - started < 30
+            [directory] = job_log_dirs(home, request_id)
+            status = json.loads((directory / "status.json").read_text())
+            [attempt] = status["attempts"]
+            assert attempt["outcome"] == "timeout"
+            assert (
+                not Path(f"/proc/{attempt['pid']}").exists() or "Z" in Path(f"/proc/{attempt['pid']}/stat").read_text()
+            )
+            assert all(a.leased_bytes == 0 for a in (await stack.status()).accelerators)
+    finally:
+        for directory in job_log_dirs(home, request_id):
             shutil.rmtree(directory.parent, ignore_errors=True)
         shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
