@@ -6,8 +6,9 @@ one run, and the replay speed of a 100,000-request scenario.
 
 Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
-ollama baseline's, no more loads than it, and at least 0.95x its VRAM utilization; a
-100,000-request scenario replays in at most 30 s.
+ollama baseline's (over every call, a call never served waiting forever, and over the calls
+served), no more loads than it, and at least 0.95x its VRAM utilization over the scenario's
+common span; a 100,000-request scenario replays in at most 30 s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def table(title: str, results: list[SimulationResult]) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def seconds(value: object) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+def ratio_of(mine: object, theirs: object) -> str:
+    if not isinstance(mine, float):
+        return "-"
+    return "0 (theirs never)" if not isinstance(theirs, float) else f"{mine / theirs:.3f}" if theirs else "-"
+
+
 def check(label: str, ok: bool, detail: str) -> bool:
     print(f"- {label}: {detail} -> {'met' if ok else 'MISSED'}")
     return ok
@@ -48,16 +59,17 @@ def main() -> int:
         table("Azure LLM code 2023, mixed single GPU (`modelforge trace azure`)", results)
         mine, _, ollama = results
         prod = "production"
-        mine_p99, ollama_p99 = mine.by_class[prod]["wait_p99_s"], ollama.by_class[prod]["wait_p99_s"]
-        assert isinstance(mine_p99, float) and isinstance(ollama_p99, float)
         print("\nTargets against the ollama baseline, same run:")
         ok &= check("invariant violations", mine.invariant_violations == 0, str(mine.invariant_violations))
         ok &= check("oom events", mine.oom_events == 0, str(mine.oom_events))
-        ok &= check(
-            "production p99 wait",
-            mine_p99 <= 0.7 * ollama_p99,
-            f"{mine_p99:.2f} s vs {ollama_p99:.2f} s, ratio {mine_p99 / ollama_p99:.3f} (<= 0.7)",
-        )
+        # Over every production call (one never served waits forever: None) and over served ones.
+        for label, key in (("every call", "wait_p99_s"), ("calls served", "served_wait_p99_s")):
+            mine_p99, ollama_p99 = mine.by_class[prod][key], ollama.by_class[prod][key]
+            ok &= check(
+                f"production p99 wait, {label}",
+                mine_p99 is not None and (ollama_p99 is None or mine_p99 <= 0.7 * ollama_p99),
+                f"{seconds(mine_p99)} vs {seconds(ollama_p99)}, ratio {ratio_of(mine_p99, ollama_p99)} (<= 0.7)",
+            )
         ok &= check(
             "model loads",
             mine.loads <= ollama.loads,
@@ -65,7 +77,7 @@ def main() -> int:
         )
         ratio = mine.vram_utilization / ollama.vram_utilization
         ok &= check(
-            "VRAM utilization",
+            f"VRAM utilization over the common span ({mine.span_s:,.0f} s)",
             ratio >= 0.95,
             f"{mine.vram_utilization:.3f} vs {ollama.vram_utilization:.3f}, ratio {ratio:.3f} (>= 0.95)",
         )

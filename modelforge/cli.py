@@ -1023,31 +1023,61 @@ def simulate(
     policy: Annotated[
         str, typer.Option(help="modelforge (the production policy), fifo or ollama; 'all' runs the three side by side.")
     ] = "modelforge",
-    as_json: JsonOption = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of a table, with per-minute series (no progress bar).")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the policies side by side into this .png, .svg or .pdf (needs modelforge[plot])."),
+    ] = None,
 ) -> None:
-    """Replay SCENARIO in virtual time through the production policy or a baseline."""
-    from modelforge.simulate import POLICIES, comparison_rows, load_scenario
+    """Replay SCENARIO in virtual time through the production policy or a baseline.
+
+    Waits count every request (one never served waits forever, shown as `never`), goodput is
+    deadlines met per offered request, and utilization is measured over the scenario's own span,
+    the same for every policy. A replay that runs longer than a second draws a progress bar on
+    stderr when stderr is a terminal, never with --json."""
+    from modelforge.simulate import POLICIES, ReplayProgress, comparison_rows, load_scenario, plotting_available
     from modelforge.simulate import simulate as run_simulation
 
     names = list(POLICIES) if policy == "all" else [policy]
     if any(name not in POLICIES for name in names):
         choices = ", ".join(POLICIES)
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"unknown policy {policy!r}; choose {choices} or all"))
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--plot {plot}: the file must end .png, .svg or .pdf"))
+        if not plotting_available():
+            _fail(
+                ModelForgeError(FailureClass.REQUEST_INVALID, "--plot needs matplotlib: pip install 'modelforge[plot]'")
+            )
     try:
         loaded = load_scenario(scenario)
-        results = [run_simulation(loaded, name) for name in names]
+        with ReplayProgress(err) as bars:
+            show = not as_json and err.is_terminal
+            results = [
+                run_simulation(loaded, name, bars.policy(name, len(loaded.requests)) if show else None)
+                for name in names
+            ]
     except ModelForgeError as error:
         _fail(error)
+    title = f"{scenario.name}: {len(loaded.requests)} requests, virtual time (simulated cards)"
+    if plot is not None:
+        from modelforge.simulate import write_plot
+
+        write_plot(results, plot, title)
     if as_json:
         _json(results[0].to_json() if policy != "all" else [r.to_json() for r in results])
         return
-    table = Table(title=f"{scenario.name}: {len(loaded.requests)} requests, virtual time (simulated cards)")
+    table = Table(title=title)
     table.add_column("metric", no_wrap=True)
     for result in results:
         table.add_column(result.policy, justify="right")
     for label, cells in comparison_rows(results):
         table.add_row(label, *cells)
     out.print(table)
+    if plot is not None:
+        out.print(escape(f"wrote {plot}"), highlight=False)
 
 
 @trace_app.command("azure")

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from modelforge.simulate._baselines import FifoScheduler, OllamaScheduler
-from modelforge.simulate._engine import Simulation, SimulationResult
+from modelforge.simulate._engine import Progress, Simulation, SimulationResult, common_span
 from modelforge.simulate._modelforge import ModelForgeScheduler
+from modelforge.simulate._plot import plotting_available, write_plot
+from modelforge.simulate._progress import ReplayProgress
 from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, SimScheduler, Start
 from modelforge.simulate._report import comparison_rows
 from modelforge.simulate._scenario import (
@@ -27,11 +29,11 @@ POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
 }
 
 
-def simulate(scenario: Scenario, policy: str = "modelforge") -> SimulationResult:
+def simulate(scenario: Scenario, policy: str = "modelforge", progress: Progress | None = None) -> SimulationResult:
     factory = POLICIES.get(policy)
     if factory is None:
         raise ScenarioError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    return Simulation(scenario, factory(scenario)).run()
+    return Simulation(scenario, factory(scenario), progress).run()
 
 
 __all__ = [
@@ -43,7 +45,9 @@ __all__ = [
     "Load",
     "ModelForgeScheduler",
     "OllamaScheduler",
+    "Progress",
     "Refuse",
+    "ReplayProgress",
     "Scenario",
     "ScenarioError",
     "SimRequest",
@@ -51,8 +55,11 @@ __all__ = [
     "SimulationConfig",
     "SimulationResult",
     "Start",
+    "common_span",
     "comparison_rows",
     "load_scenario",
     "parse_request_lines",
+    "plotting_available",
     "simulate",
+    "write_plot",
 ]

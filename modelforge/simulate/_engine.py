@@ -4,6 +4,11 @@ The engine owns what is physically on each card (external usage from the scenari
 models loading, loaded and unloading, the extra bytes of running work) and advances time from
 event to event. At every step it lets the scheduler decide, checks each decision against the
 invariant on the state the decision saw, and watches every card for out-of-memory moments.
+
+What it reports is meant to be hard to flatter: wait percentiles count every request (one never
+served waits forever), goodput is deadlines met per offered request, utilization is taken over
+the scenario's own span (the same window for every policy), and a per-minute series shows how
+each figure moved.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelforge.domain import Deployment, Observation, ProcessUsage
 from modelforge.failures import FailureClass
@@ -41,6 +48,8 @@ class _Outcome:
     remaining_s: float = 0.0
     served_s: float = 0.0
     gpu_s: float = 0.0
+    # Admitted and not running: in a queue (arrived, or requeued after a preemption).
+    waiting: bool = False
 
 
 @dataclass
@@ -49,7 +58,7 @@ class SimulationResult:
     requests: int
     completed: int
     rejected: dict[str, int]
-    by_class: dict[str, dict[str, float | int | None]]
+    by_class: dict[str, dict[str, Any]]
     loads: int
     evictions: int
     unloads: int
@@ -68,12 +77,20 @@ class SimulationResult:
     wakes: int = 0
     by_tenant_gpu_s: dict[str, float] = field(default_factory=dict)
     violation_examples: list[str] = field(default_factory=list)
+    # Requests whose deadline was met (completed, by their deadline if they had one), over all.
+    goodput: float = 0.0
+    # The common span utilization is measured over (see `common_span`): the same for every policy.
+    span_start_s: float = 0.0
+    span_s: float = 0.0
+    # Columns of per-step figures (see `Simulation._series`), for --json and --plot.
+    series: dict[str, object] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
             "policy": self.policy,
             "requests": self.requests,
             "completed": self.completed,
+            "goodput": self.goodput,
             "rejected": self.rejected,
             "by_class": self.by_class,
             "loads": self.loads,
@@ -92,9 +109,29 @@ class SimulationResult:
             "by_tenant_gpu_s": self.by_tenant_gpu_s,
             "violation_examples": self.violation_examples,
             "virtual_s": self.virtual_s,
+            "span_start_s": self.span_start_s,
+            "span_s": self.span_s,
             "wall_s": self.wall_s,
             "requests_per_s": self.requests_per_s,
+            "series": self.series,
         }
+
+
+def common_span(scenario: Scenario) -> tuple[float, float]:
+    """The window every policy's utilization is measured over: from the scenario's first event
+    (an arrival or external usage starting) until its last request would end if it were served
+    the moment it arrived. It depends on the scenario only, so a policy that pushes work past
+    it is not rewarded with a longer denominator of its own, nor one that refuses work with a
+    shorter one."""
+    starts = [r.t for r in scenario.requests[:1]] + [u.start_s for u in scenario.external]
+    start = min(starts) if starts else 0.0
+    end = start
+    for request in scenario.requests:
+        service = request.service_s
+        if request.max_duration_s is not None and request.max_duration_s < service:
+            service = request.max_duration_s
+        end = max(end, request.t + service)
+    return start, end
 
 
 def request_nvlink(scenario: Scenario, request: SimRequest) -> bool:
@@ -102,12 +139,19 @@ def request_nvlink(scenario: Scenario, request: SimRequest) -> bool:
     return deployment is not None and deployment.nvlink_required
 
 
-def _percentile(sorted_values: list[float], fraction: float) -> float | None:
-    """Nearest rank: the smallest value with at least `fraction` of the values at or below it."""
-    if not sorted_values:
+def _percentile(sorted_values: list[float], fraction: float, never: int = 0) -> float | None:
+    """Nearest rank: the smallest value with at least `fraction` of the values at or below it,
+    where `never` more values are infinite (requests never served). None when the rank falls on
+    one of those, or there are no values at all."""
+    count = len(sorted_values) + never
+    if not count:
         return None
-    rank = max(1, math.ceil(fraction * len(sorted_values)))
-    return sorted_values[rank - 1]
+    rank = max(1, math.ceil(fraction * count))
+    return sorted_values[rank - 1] if rank <= len(sorted_values) else None
+
+
+def _rounded(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 class _Cards:
@@ -162,10 +206,32 @@ class _Cards:
             del self.in_oom[accelerator]
 
 
+# progress(requests ended, requests in all, virtual time now): called about every tenth of a
+# second of wall time while a replay runs, and once at its end.
+Progress = Callable[[int, int, float], None]
+
+
 class Simulation:
-    def __init__(self, scenario: Scenario, scheduler: SimScheduler) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        scheduler: SimScheduler,
+        progress: Progress | None = None,
+        series_step_s: float = 60.0,
+    ) -> None:
         self.scenario = scenario
         self.scheduler = scheduler
+        self.progress = progress
+        self.step_s = series_step_s
+        self.span_start, self.span_end = common_span(scenario)
+        # Requests admitted and not running, and per series step: the integrals of held bytes,
+        # busy bytes and waiting requests over time, and the most requests waiting at once.
+        self.waiting = 0
+        self.origin = self.span_start
+        self.step_held: list[float] = []
+        self.step_busy: list[float] = []
+        self.step_queue: list[float] = []
+        self.step_queue_max: list[int] = []
         self.cards = _Cards(scenario)
         self.deployments = {d.capability: d for d in scenario.catalog.deployments}
         self.by_deployment_id = {d.deployment_id: d for d in scenario.catalog.deployments}
@@ -207,8 +273,13 @@ class Simulation:
                 self._push(usage.end_s, _EXTERNAL, (usage.accelerator, -usage.bytes))
         self.touched = dict.fromkeys(self.cards.total, True)
         first = self.events[0][0] if self.events else 0.0
+        self.origin = first
         self.last_t = first
         end = first
+        progress = self.progress
+        total = len(self.outcomes)
+        steps = 0
+        shown = started
         while self.events:
             now = self.events[0][0]
             self._integrate(now)
@@ -225,7 +296,16 @@ class Simulation:
             end = now
             if not self._work_left():
                 break
+            if progress is not None:
+                steps += 1
+                if steps & 255 == 0:
+                    clock = time.perf_counter()
+                    if clock - shown >= 0.1:
+                        shown = clock
+                        progress(self.ended, total, now)
         self._integrate(end)
+        if progress is not None:
+            progress(self.ended, total, end)
         return self._result(time.perf_counter() - started, end - first)
 
     def _work_left(self) -> bool:
@@ -233,11 +313,40 @@ class Simulation:
         return self.ended < len(self.outcomes) or bool(self.runs)
 
     def _integrate(self, now: float) -> None:
-        dt = now - self.last_t
-        if dt > 0:
-            self.held_area += self.cards.held_sum * dt
-            self.busy_area += self.cards.busy_sum * dt
-            self.last_t = now
+        t = self.last_t
+        if now <= t:
+            return
+        held = self.cards.held_sum
+        busy = self.cards.busy_sum
+        # Utilization counts only what falls inside the common span.
+        lo = max(t, self.span_start)
+        hi = min(now, self.span_end)
+        if hi > lo:
+            self.held_area += held * (hi - lo)
+            self.busy_area += busy * (hi - lo)
+        waiting = self.waiting
+        step = self.step_s
+        origin = self.origin
+        while t < now:
+            i = max(0, int((t - origin) // step))
+            boundary = origin + (i + 1) * step
+            if boundary <= t:  # floating point at a step's edge
+                i += 1
+                boundary = origin + (i + 1) * step
+            while len(self.step_held) <= i:
+                self.step_held.append(0.0)
+                self.step_busy.append(0.0)
+                self.step_queue.append(0.0)
+                self.step_queue_max.append(0)
+            segment_end = min(now, boundary)
+            dt = segment_end - t
+            self.step_held[i] += held * dt
+            self.step_busy[i] += busy * dt
+            self.step_queue[i] += waiting * dt
+            if waiting > self.step_queue_max[i]:
+                self.step_queue_max[i] = waiting
+            t = segment_end
+        self.last_t = now
 
     def _apply(self, kind: int, payload: object, now: float) -> None:
         cards = self.cards
@@ -246,6 +355,8 @@ class Simulation:
             refusal = self.scheduler.submit(payload, now)
             if refusal is not None:
                 self._end(payload.index, refusal.failure.value, now)
+            else:
+                self._wait(payload.index)
         elif kind == _EXTERNAL:
             assert isinstance(payload, tuple)
             external_on: str = payload[0]
@@ -295,6 +406,7 @@ class Simulation:
             outcome = self.outcomes[run.request.index]
             outcome.remaining_s = max(0.0, outcome.remaining_s - (now - run.started))
             self.preemptions += 1
+            self._wait(run.request.index)
             self.scheduler.checkpointed(payload, run.request, now)
         elif kind == _WAKE:
             if self.wake_at <= now:
@@ -357,10 +469,22 @@ class Simulation:
         else:
             cards.active_runs[run.resident_key] = left
 
+    def _wait(self, index: int) -> None:
+        outcome = self.outcomes[index]
+        if not outcome.waiting and not outcome.outcome:
+            outcome.waiting = True
+            self.waiting += 1
+
+    def _unwait(self, outcome: _Outcome) -> None:
+        if outcome.waiting:
+            outcome.waiting = False
+            self.waiting -= 1
+
     def _end(self, index: int, result: str, now: float) -> None:
         outcome = self.outcomes[index]
         if outcome.outcome:
             return
+        self._unwait(outcome)
         outcome.outcome = result
         outcome.ended = now
         self.ended += 1
@@ -435,6 +559,7 @@ class Simulation:
             outcome = self.outcomes[start.request_index]
             if outcome.first_start is None:
                 outcome.first_start = now
+            self._unwait(outcome)
             run = _Run(request, start.accelerators, start.resident_key, start.bytes, now)
             self.runs[start.lease_id] = run
             for accelerator in start.accelerators:
@@ -464,47 +589,63 @@ class Simulation:
     def _result(self, wall_s: float, virtual_s: float) -> SimulationResult:
         requests = self.scenario.requests
         rejected: dict[str, int] = {}
+        # Per class: waits of requests that started, requests never started (by how they
+        # ended), completed ones, and those that met their deadline.
         waits: dict[str, list[float]] = {}
+        never: dict[str, dict[str, int]] = {}
+        offered: dict[str, int] = {}
         completed: dict[str, int] = {}
-        deadline_total: dict[str, int] = {}
         deadline_met: dict[str, int] = {}
         tenant_s: dict[str, float] = {}
         total_completed = 0
         for request, outcome in zip(requests, self.outcomes, strict=True):
             klass = request.priority or "default"
-            deadline_total[klass] = deadline_total.get(klass, 0) + 1
+            offered[klass] = offered.get(klass, 0) + 1
             tenant_s[request.tenant] = tenant_s.get(request.tenant, 0.0) + outcome.gpu_s
-            if outcome.outcome == "ok":
+            ending = outcome.outcome or "UNFINISHED"
+            if outcome.first_start is not None:
+                waits.setdefault(klass, []).append(outcome.first_start - outcome.arrived)
+            else:
+                unserved = never.setdefault(klass, {})
+                unserved[ending] = unserved.get(ending, 0) + 1
+            if ending == "ok":
                 total_completed += 1
                 completed[klass] = completed.get(klass, 0) + 1
-                assert outcome.first_start is not None and outcome.ended is not None
-                waits.setdefault(klass, []).append(outcome.first_start - outcome.arrived)
+                assert outcome.ended is not None
                 if request.deadline_s is None or outcome.ended <= outcome.arrived + request.deadline_s:
                     deadline_met[klass] = deadline_met.get(klass, 0) + 1
-            elif outcome.outcome:
-                rejected[outcome.outcome] = rejected.get(outcome.outcome, 0) + 1
             else:
-                rejected["UNFINISHED"] = rejected.get("UNFINISHED", 0) + 1
-        by_class: dict[str, dict[str, float | int | None]] = {}
+                rejected[ending] = rejected.get(ending, 0) + 1
+        by_class: dict[str, dict[str, Any]] = {}
         order = [*self.scenario.catalog.classes, "default"]
         for klass in order:
-            if klass not in deadline_total:
+            if klass not in offered:
                 continue
-            values = sorted(waits.get(klass, []))
-            p50 = _percentile(values, 0.50)
-            p99 = _percentile(values, 0.99)
+            served = sorted(waits.get(klass, []))
+            refused_by = dict(sorted(never.get(klass, {}).items()))
+            refused = sum(refused_by.values())
+            goodput = round(deadline_met.get(klass, 0) / offered[klass], 6)
             by_class[klass] = {
-                "requests": deadline_total[klass],
+                "requests": offered[klass],
                 "completed": completed.get(klass, 0),
-                "wait_p50_s": None if p50 is None else round(p50, 6),
-                "wait_p99_s": None if p99 is None else round(p99, 6),
-                "deadline_met_ratio": round(deadline_met.get(klass, 0) / deadline_total[klass], 6),
+                "served": len(served),
+                "refused": refused,
+                "refused_by": refused_by,
+                "wait_p50_s": _rounded(_percentile(served, 0.50, refused)),
+                "wait_p99_s": _rounded(_percentile(served, 0.99, refused)),
+                "served_wait_p50_s": _rounded(_percentile(served, 0.50)),
+                "served_wait_p99_s": _rounded(_percentile(served, 0.99)),
+                "deadline_met": deadline_met.get(klass, 0),
+                "goodput": goodput,
+                "deadline_met_ratio": goodput,
             }
         weights = {t.name: t.weight for t in self.scenario.catalog.tenants}
         shares = [tenant_s[t] / weights.get(t, 1.0) for t in tenant_s if tenant_s[t] > 0]
         jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if shares else 1.0
-        span = max(virtual_s, 1e-9)
+        span = self.span_end - self.span_start
         capacity = self.cards.capacity or 1
+        held = self.held_area / (capacity * span) if span > 0 else 0.0
+        busy = self.busy_area / (capacity * span) if span > 0 else 0.0
         return SimulationResult(
             policy=self.scheduler.name,
             requests=len(requests),
@@ -519,8 +660,8 @@ class Simulation:
             preemptions=self.preemptions,
             invariant_violations=self.violations,
             oom_events=self.cards.oom_events,
-            vram_utilization=round(self.held_area / (capacity * span), 6),
-            vram_busy_utilization=round(self.busy_area / (capacity * span), 6),
+            vram_utilization=round(held, 6),
+            vram_busy_utilization=round(busy, 6),
             jain_fairness=round(jain, 6),
             wall_s=round(wall_s, 3),
             requests_per_s=round(len(requests) / wall_s, 1) if wall_s > 0 else 0.0,
@@ -529,4 +670,71 @@ class Simulation:
             gang_splits=self.gang_splits,
             by_tenant_gpu_s={t: round(s, 3) for t, s in sorted(tenant_s.items())},
             violation_examples=self.violation_examples,
+            goodput=round(sum(deadline_met.values()) / len(requests), 6) if requests else 0.0,
+            span_start_s=round(self.span_start, 3),
+            span_s=round(span, 3),
+            series=self._series(),
         )
+
+    def _series(self) -> dict[str, object]:
+        """Per step of `step_s` (a minute) from the first event to the end of the replay: VRAM
+        held and busy over capacity, requests waiting (time average and most at once), arrivals,
+        first starts and their waits (nearest-rank p50 and p99; None where none started), and
+        requests that ended without ever starting. Columns, one list per figure."""
+        step = self.step_s
+        origin = self.origin
+        end = self.last_t
+        steps = max(1, len(self.step_held))
+        capacity = self.cards.capacity or 1
+        arrivals = [0] * steps
+        started = [0] * steps
+        refused = [0] * steps
+        step_waits: list[list[float]] = [[] for _ in range(steps)]
+
+        def at(t: float) -> int:
+            return min(steps - 1, max(0, int((t - origin) // step)))
+
+        for outcome in self.outcomes:
+            arrivals[at(outcome.arrived)] += 1
+            if outcome.first_start is not None:
+                i = at(outcome.first_start)
+                started[i] += 1
+                step_waits[i].append(outcome.first_start - outcome.arrived)
+            elif outcome.ended is not None:
+                refused[at(outcome.ended)] += 1
+        t_s: list[float] = []
+        held: list[float] = []
+        busy: list[float] = []
+        queue: list[float] = []
+        queue_max: list[int] = []
+        p50: list[float | None] = []
+        p99: list[float | None] = []
+        for i in range(steps):
+            begin = origin + i * step
+            covered = min(step, end - begin)
+            if covered <= 0 or i >= len(self.step_held):
+                covered, area_held, area_busy, area_queue, most = step, 0.0, 0.0, 0.0, 0
+            else:
+                area_held, area_busy = self.step_held[i], self.step_busy[i]
+                area_queue, most = self.step_queue[i], self.step_queue_max[i]
+            t_s.append(round(begin, 3))
+            held.append(round(area_held / (capacity * covered), 4))
+            busy.append(round(area_busy / (capacity * covered), 4))
+            queue.append(round(area_queue / covered, 3))
+            queue_max.append(most)
+            values = sorted(step_waits[i])
+            p50.append(_rounded(_percentile(values, 0.50), 3))
+            p99.append(_rounded(_percentile(values, 0.99), 3))
+        return {
+            "step_s": step,
+            "t_s": t_s,
+            "vram_utilization": held,
+            "vram_busy_utilization": busy,
+            "queue_depth": queue,
+            "queue_depth_max": queue_max,
+            "arrivals": arrivals,
+            "started": started,
+            "refused": refused,
+            "wait_p50_s": p50,
+            "wait_p99_s": p99,
+        }

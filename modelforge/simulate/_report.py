@@ -6,15 +6,31 @@ from __future__ import annotations
 from modelforge.simulate._engine import SimulationResult
 
 COUNTS = ("loads", "evictions", "preemptions", "invariant_violations", "oom_events", "gang_starts", "gang_splits")
-RATIOS = ("vram_utilization", "jain_fairness")
+RATIOS = ("vram_utilization", "vram_busy_utilization", "jain_fairness")
+# Per class: waits over every request (`never`: the rank falls on requests never served), then
+# over served ones only, then goodput.
+CLASS_ROWS = (
+    ("wait_p50_s", "wait_p50_s", "never"),
+    ("wait_p99_s", "wait_p99_s", "never"),
+    ("served wait_p50_s", "served_wait_p50_s", "-"),
+    ("served wait_p99_s", "served_wait_p99_s", "-"),
+    ("goodput", "goodput", "-"),
+)
 
 
-def _cell(value: object) -> str:
+def _cell(value: object, missing: str = "-") -> str:
     if value is None:
-        return "-"
+        return missing
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)
+
+
+def _refused(row: dict[str, object] | None) -> str:
+    if row is None:
+        return "-"
+    refused = row.get("refused", 0)
+    return f"{row.get('requests', 0)}/{row.get('served', 0)}/{refused}"
 
 
 def comparison_rows(results: list[SimulationResult]) -> list[tuple[str, list[str]]]:
@@ -22,13 +38,25 @@ def comparison_rows(results: list[SimulationResult]) -> list[tuple[str, list[str
         ("requests", [str(r.requests) for r in results]),
         ("completed", [str(r.completed) for r in results]),
         ("rejected", [", ".join(f"{k} {v}" for k, v in r.rejected.items()) or "-" for r in results]),
+        ("goodput (deadline met / offered)", [_cell(r.goodput) for r in results]),
     ]
-    for klass in results[0].by_class:
-        for key in ("wait_p50_s", "wait_p99_s", "deadline_met_ratio"):
-            rows.append((f"{klass} {key}", [_cell(r.by_class.get(klass, {}).get(key)) for r in results]))
+    classes = list(results[0].by_class)
+    for result in results[1:]:
+        classes += [k for k in result.by_class if k not in classes]
+    for klass in classes:
+        rows.append((f"{klass} offered/served/never", [_refused(r.by_class.get(klass)) for r in results]))
+        for label, key, missing in CLASS_ROWS:
+            cells = []
+            for r in results:
+                row = r.by_class.get(klass)
+                # A request never served waits forever: the rank fell on one of those.
+                cells.append("-" if row is None else _cell(row.get(key), missing))
+            rows.append((f"{klass} {label}", cells))
     for name in COUNTS:
         rows.append((name, [str(getattr(r, name)) for r in results]))
     for name in RATIOS:
         rows.append((name, [_cell(getattr(r, name)) for r in results]))
+    rows.append(("common span (utilization window)", [f"{r.span_s:,.0f} s" for r in results]))
+    rows.append(("replay's own span", [f"{r.virtual_s:,.0f} s" for r in results]))
     rows.append(("replay", [f"{r.wall_s:.2f} s ({r.requests_per_s:,.0f} req/s)" for r in results]))
     return rows

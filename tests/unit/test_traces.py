@@ -122,10 +122,13 @@ def test_the_azure_trace_end_to_end_meets_the_targets(tmp_path: Path) -> None:
     mine, ollama, fifo = (simulate(scenario, p) for p in ("modelforge", "ollama", "fifo"))
     assert (mine.invariant_violations, mine.oom_events) == (0, 0)
     production = "production"
+    # Waits over every production call: ollama's queue refuses so many (QUEUE_FULL) that its
+    # p99 call is never served (None); over the calls each served, 0.7x still holds.
     mine_p99 = mine.by_class[production]["wait_p99_s"]
     ollama_p99 = ollama.by_class[production]["wait_p99_s"]
-    assert isinstance(mine_p99, float) and isinstance(ollama_p99, float)
-    assert mine_p99 <= 0.7 * ollama_p99
+    assert isinstance(mine_p99, float)
+    assert ollama_p99 is None or mine_p99 <= 0.7 * ollama_p99
+    assert mine_p99 <= 0.7 * ollama.by_class[production]["served_wait_p99_s"]
     assert mine.loads <= ollama.loads
     assert mine.vram_utilization >= 0.95 * ollama.vram_utilization
     # Every production call finished: none refused, none left waiting.
