@@ -1028,7 +1028,7 @@ def simulate(
     ] = False,
     plot: Annotated[
         Path | None,
-        typer.Option(help="Also draw the policies side by side into this .png, .svg or .pdf (needs modelforge[plot])."),
+        typer.Option(help="Also draw the policies side by side into a .png, .svg or .pdf (the plot extra)."),
     ] = None,
 ) -> None:
     """Replay SCENARIO in virtual time through the production policy or a baseline.
