@@ -9,6 +9,7 @@ import os
 import re
 import time
 import urllib.parse
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from temporalio.service import RPCError
 
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
+from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
@@ -44,6 +46,7 @@ from modelforge.messages import (
     device_index,
 )
 from modelforge.runtimes import LoadedModel, Runtime, check_artifact, process_tree, rss_bytes
+from modelforge.settings import CONTROL_TASK_QUEUE
 
 log = get_logger("modelforge.node")
 
@@ -512,10 +515,44 @@ class NodeActivities:
             )
         destination = self._checkpoint_destination(request.request_id, str(request.preemption))
         spec = {"lease_id": request.lease_id, "destination": str(destination)}
-        location, seconds = await self._operate(
-            request.key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, spec)
-        )
+        try:
+            location, seconds = await self._operate(
+                request.key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, spec)
+            )
+        finally:
+            await self._record_job_preemption(request)
         return RuntimeOpResult(request.key, "checkpoint", seconds, location=str(location))
+
+    async def _record_job_preemption(self, request: CheckpointInput) -> None:
+        """A job runtime's preempted job: how it stopped (checkpointed on the signal, or killed
+        after the grace) and whether it resumes from a checkpoint or starts over, as a
+        `job_preempted` event (started as a RecordEventsWorkflow, never awaited)."""
+        runtime, model = self._loaded.get(request.key, (None, None))
+        take = getattr(runtime, "take_preemption", None)
+        note = take(request.lease_id) if take is not None else None
+        if not note or self._client is None or model is None:
+            return
+        index = model.device_index
+        event = EventRecord(
+            event_id=str(uuid.uuid4()),
+            at=self._clock(),
+            kind="job_preempted",
+            request_id=request.request_id,
+            lease_id=request.lease_id,
+            accelerator=f"{self._node}/{'cpu' if index == CPU_DEVICE_INDEX else index}",
+            deployment=model.deployment,
+            message=str(note.get("detail", ""))[:1000],
+            payload={k: note.get(k) for k in ("outcome", "checkpoint", "exit_code")},
+        )
+        try:
+            await self._client.start_workflow(
+                "RecordEventsWorkflow",
+                [event],
+                id=f"events:job-preempted:{request.request_id}:{request.lease_id}"[:900],
+                task_queue=CONTROL_TASK_QUEUE,
+            )
+        except Exception as error:  # the job's status file and log still say it
+            log.warning("job_preempted_event_not_started", lease_id=request.lease_id, error=str(error))
 
     @activity.defn(name="unload_model")
     async def unload_model(self, key: str) -> float | None:

@@ -255,6 +255,7 @@ class SubprocessJobRuntime:
         self._deployments: dict[str, Deployment] = {}
         self._uuids: dict[str, str] = {}
         self._jobs: dict[str, _Job] = {}  # by lease id
+        self._preemptions: dict[str, dict[str, Any]] = {}  # by lease id, until the node takes it
 
     def version(self) -> str:
         return RUNTIME_NAME
@@ -624,7 +625,13 @@ class SubprocessJobRuntime:
             if not location and any(job.checkpoint_dir.iterdir()):
                 location = str(Path(os.path.realpath(job.checkpoint_dir)))
             if location:
-                self._save_attempt(job, "checkpointed", checkpoint=location, exit_code=code)
+                self._preempted_as(
+                    job,
+                    "checkpointed",
+                    checkpoint=location,
+                    exit_code=code,
+                    detail=f"checkpointed on {signal_name} (exit 75) to {location}; resumes from it",
+                )
                 return location
         # Not checkpointed on request: the last checkpoint it announced, if any, is still whole.
         if killed:
@@ -634,7 +641,7 @@ class SubprocessJobRuntime:
         else:
             outcome, why = "stopped", f"ended ({_describe_exit(code)}) on {signal_name} without checkpointing"
         if job.checkpoint:
-            self._save_attempt(
+            self._preempted_as(
                 job,
                 outcome,
                 checkpoint=job.checkpoint,
@@ -642,8 +649,18 @@ class SubprocessJobRuntime:
                 detail=f"{why}; restarts from its last checkpoint",
             )
             return job.checkpoint
-        self._save_attempt(job, outcome, checkpoint=None, exit_code=code, detail=f"{why}; restarts from scratch")
+        self._preempted_as(job, outcome, checkpoint=None, exit_code=code, detail=f"{why}; restarts from scratch")
         raise unsupported(self.name, "checkpoint this job", f"it {why}, with no checkpoint; it restarts from scratch")
+
+    def _preempted_as(self, job: _Job, outcome: str, **fields: Any) -> None:
+        self._save_attempt(job, outcome, **fields)
+        self._preemptions[job.lease_id] = {"outcome": outcome, "request_id": job.request_id, **fields}
+
+    def take_preemption(self, lease_id: str) -> dict[str, Any] | None:
+        """How the job of `lease_id` ended on its preemption (outcome, checkpoint, exit code and
+        a detail saying whether it resumes from a checkpoint or starts over), once: the node
+        records it as a `job_preempted` event."""
+        return self._preemptions.pop(lease_id, None)
 
     async def sleep(self, model: LoadedModel) -> int:
         raise unsupported(self.name, "sleep", "a job holds its memory only while it runs")

@@ -32,9 +32,10 @@ ARGS = ["--layers", "12", "--dim", "64", "--t", "0.5"]
 
 def catalog_for_test(tmp_path: Path) -> Path:
     """The example catalog with the script's absolute path (its `cwd = "."` is the checkout's
-    root when a stack is started there; a test may run from anywhere)."""
+    root when a stack is started there; a test may run from anywhere) and a 1 s preemption grace."""
     text = (ROOT / "examples" / "jobs" / "merge.toml").read_text()
     text = text.replace('"examples/jobs/merge_slerp.py"', f'"{MERGE}"').replace('cwd = ".", ', "")
+    text = text.replace('preempt_grace_s = "10"', 'preempt_grace_s = "1"')  # a quick kill when ignored
     path = tmp_path / "merge.toml"
     path.write_text(text)
     return path
@@ -51,13 +52,15 @@ def uninterrupted_run(tmp_path: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(output.iterdir())}
 
 
+@pytest.mark.parametrize("ignores_sigterm", [False, True], ids=["checkpoints-on-sigterm", "ignores-sigterm"])
 async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_bytes(
-    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path, ignores_sigterm: bool
 ) -> None:
     reference = uninterrupted_run(tmp_path)
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
     home = Path(tempfile.gettempdir()) / "modelforge"  # the harness's node workers' home
     request_id = f"merge-{os.urandom(4).hex()}"
+    misbehaving = ["--ignore-sigterm"] if ignores_sigterm else []
     try:
         async with running_stack(
             dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), config=config
@@ -67,7 +70,7 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
                 "merge.slerp@1",
                 tenant="lab",
                 request_id=request_id,
-                input={"args": [*ARGS, "--layer-delay-s", "0.6"]},
+                input={"args": [*ARGS, "--layer-delay-s", "0.6", *misbehaving]},
             )
             state = home / "checkpoints" / request_id / "job"
             for _ in range(600):  # past its minimum runtime, a few of its 12 layers merged
@@ -86,23 +89,33 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
             assert output["exit_code"] == 0 and output["progress"] == 1.0
             checkpoint = Path(output["resumed_from"])
             assert checkpoint.name == "state.json" and checkpoint.parent.parent.name == "job"
-            assert [a["outcome"] for a in output["attempts"]] == ["checkpointed", "succeeded"]
-            assert output["attempts"][0]["exit_code"] == 75
-            assert output["attempts"][1]["restart"] == f"resumed from checkpoint {checkpoint}"
+            first, second = output["attempts"]
+            assert second["outcome"] == "succeeded"
+            assert second["restart"] == f"resumed from checkpoint {checkpoint}"
             merged = Path(output["output_dir"])
             assert {p.name: p.read_bytes() for p in sorted(merged.iterdir())} == reference
 
             [preempted] = await stack.events("preempted", at_least=1)
             assert preempted["request_id"] == request_id and preempted["payload"]["retrying"] is True
             assert f"resumes from checkpoint {checkpoint}" in preempted["message"]
+            # How it stopped, and what it restarts from, is an event of its own.
+            [stopped] = await stack.events("job_preempted", at_least=1)
+            assert stopped["request_id"] == request_id and stopped["payload"]["checkpoint"] == str(checkpoint)
             log = Path(output["log"]).read_text()
-            assert "attempt 1 ended: checkpointed" in log and "resumed after layer" in log
-            first, second = output["attempts"]
-            print(  # the numbers docs/RUNTIMES.md quotes (pytest -s)
-                f"submission to process start {first['started_at'] - submitted:.2f} s; "
-                f"interactive request to the job's checkpointed exit {first['ended_at'] - preempting:.2f} s; "
-                f"to its resumed start {second['started_at'] - preempting:.2f} s"
-            )
+            assert "resumed after layer" in log
+            if ignores_sigterm:
+                assert first["outcome"] == "killed_after_grace" and first["exit_code"] == -9
+                assert stopped["message"] == "ignored SIGTERM for 1 s: killed; restarts from its last checkpoint"
+                assert "attempt 1 ended: killed_after_grace" in log
+            else:
+                assert first["outcome"] == "checkpointed" and first["exit_code"] == 75
+                assert stopped["message"] == f"checkpointed on SIGTERM (exit 75) to {checkpoint}; resumes from it"
+                assert "attempt 1 ended: checkpointed" in log
+                print(  # the numbers docs/RUNTIMES.md quotes (pytest -s)
+                    f"submission to process start {first['started_at'] - submitted:.2f} s; "
+                    f"interactive request to the job's checkpointed exit {first['ended_at'] - preempting:.2f} s; "
+                    f"to its resumed start {second['started_at'] - preempting:.2f} s"
+                )
     finally:
         for directory in job_log_dirs(home, request_id):
             print(f"--- {directory}/job.log:\n{(directory / 'job.log').read_text()}")  # shown when it fails
