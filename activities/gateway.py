@@ -11,6 +11,7 @@ per request. A lone request goes out at once, alone.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,12 @@ from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitRep
 from modelforge.policy import AdmissionRequest
 
 _FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
+# One admission attempt waits this long for the scheduler: under the local activity's
+# start-to-close timeout (10 s), so Temporal never times an attempt out itself.
+ATTEMPT_WAIT_S = 8.0
+# Without an admit_by (requests from before lease fencing): give up this long before the local
+# activity's schedule-to-close timeout.
+ADMIT_MARGIN_S = 3.0
 MAX_IN_FLIGHT = 4  # per worker process and pool: well under Temporal's 10 per workflow
 MAX_BATCH = 200
 
@@ -79,6 +86,16 @@ class _PoolBatcher:
             self._slots.release()
 
 
+def _admission_deadline(call: AdmitCall) -> float:
+    if call.request.admit_by is not None:
+        return call.request.admit_by
+    info = activity.info()
+    budget = info.schedule_to_close_timeout
+    if budget is None:
+        return time.time() + 3600.0
+    return info.scheduled_time.timestamp() + budget.total_seconds() - ADMIT_MARGIN_S
+
+
 def _as_failure(error: Exception, pool: str) -> Exception:
     if isinstance(error, WorkflowUpdateFailedError):
         cause = error.cause
@@ -114,10 +131,37 @@ class SchedulerGatewayActivities:
 
     @activity.defn(name="admit")
     async def admit(self, call: AdmitCall) -> AdmitReply:
+        """One attempt waits at most ATTEMPT_WAIT_S for the scheduler, and the call gives up with
+        TIMEOUT at the request's `admit_by`, before Temporal's own timeouts would end it: a local
+        activity ended by its schedule-to-close timeout leaves a request history that the SDK
+        (1.35) cannot replay ("patch marker ... no corresponding change command"), so every
+        admission failure must be one this activity raises itself."""
         batcher = self._batchers.get(call.pool)
         if batcher is None:
             batcher = self._batchers[call.pool] = _PoolBatcher(self._client, call.pool)
-        return await batcher.admit(call.request)
+        left = _admission_deadline(call) - time.time()
+        if left <= 0:
+            raise ApplicationError(
+                f"the scheduler of pool {call.pool!r} did not admit the request in time",
+                type=FailureClass.TIMEOUT.value,
+                non_retryable=True,
+            )
+        try:
+            return await asyncio.wait_for(batcher.admit(call.request), timeout=min(left, ATTEMPT_WAIT_S))
+        except TimeoutError:
+            if left <= ATTEMPT_WAIT_S:
+                raise ApplicationError(
+                    f"the scheduler of pool {call.pool!r} did not admit the request in time",
+                    type=FailureClass.TIMEOUT.value,
+                    non_retryable=True,
+                ) from None
+            # Asked again by the retry policy (admission is idempotent: a later answer to this
+            # attempt's update is the same one).
+            raise ApplicationError(
+                f"the scheduler of pool {call.pool!r} did not answer within {ATTEMPT_WAIT_S:.0f} s; asking again",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            ) from None
 
     @activity.defn(name="confirm_lease")
     async def confirm_lease(self, call: LeaseConfirmCall) -> bool:

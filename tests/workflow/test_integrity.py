@@ -23,17 +23,28 @@ from typing import Any
 
 import pytest
 from temporalio import workflow
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
+from activities import SchedulerGatewayActivities
 from modelforge.catalog import load_catalog_file
-from modelforge.messages import AdmitBatch, AdmitBatchReply, LeaseDecision, LeaseHeartbeat, PreemptSignal
+from modelforge.messages import (
+    AdmitBatch,
+    AdmitBatchReply,
+    LeaseDecision,
+    LeaseHeartbeat,
+    PreemptSignal,
+    RequestInput,
+    SchedulerInput,
+)
 from modelforge.policy import AdmissionRequest, PolicyConfig
 from modelforge.settings import node_task_queue
 from tests.harness import Stack, running_stack
 from tests.store.test_outage import _Postgres, _reachable, outage_postgres  # noqa: F401 (a fixture)
-from workflows import PoolSchedulerWorkflow
+from workers.control import workflow_runner
+from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow
 
@@ -302,3 +313,41 @@ async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_no
         events = await stack.store.list_events(kind="lease_granted", limit=1000)
         granted = [e for e in events if e["lease_id"] in leases]
         assert sorted(e["lease_id"] for e in granted) == sorted(leases), "a grant event was lost or doubled"
+
+
+async def test_an_admission_the_scheduler_never_answers_fails_typed_and_its_history_replays(
+    dev_server_env: WorkflowEnvironment,
+) -> None:
+    # A scheduler no worker runs: the admission update is never answered. The request ends
+    # TIMEOUT within its admission budget, and its history replays (a local activity ended by
+    # Temporal's schedule-to-close timeout wrote one the SDK could not replay: the request was
+    # wedged, found by bench/chaos.py).
+    client = dev_server_env.client
+    await client.start_workflow(
+        PoolSchedulerWorkflow.run, SchedulerInput(pool="silent"), id="scheduler:silent", task_queue="nobody-serves"
+    )
+    queue = "admit-timeout"
+    gateway = SchedulerGatewayActivities(client)
+    async with Worker(
+        client,
+        task_queue=queue,
+        workflows=ALL_WORKFLOWS,
+        activities=gateway.activities(),
+        workflow_runner=workflow_runner(),
+    ):
+        started = time.monotonic()
+        handle = await client.start_workflow(
+            CapabilityRequestWorkflow.run,
+            RequestInput(request_id="unanswered", capability="rag.embedding@1", pool="silent"),
+            id="request:rag.embedding@1:unanswered",
+            task_queue=queue,
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        assert isinstance(failed.value.cause, ApplicationError) and failed.value.cause.type == "TIMEOUT"
+        assert time.monotonic() - started < 75
+    history = await handle.fetch_history()
+    replay = await Replayer(workflows=ALL_WORKFLOWS, workflow_runner=workflow_runner()).replay_workflow(
+        history, raise_on_replay_failure=False
+    )
+    assert replay.replay_failure is None, replay.replay_failure
