@@ -20,10 +20,6 @@ from modelforge.policy._state import PoolState, QueuedRequest
 _KEY = "_policy_queue_index"
 
 
-def expiry(queued: QueuedRequest) -> float:
-    return queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
-
-
 def _submission_key(queued: QueuedRequest) -> tuple[float, str]:
     return (queued.submitted_at, queued.request_id)
 
@@ -49,7 +45,7 @@ class Lane:
             insort(self.items, queued, key=_submission_key)
         self.assigned += bool(queued.assigned_to)
         self.reasons[queued.waiting_reason] = self.reasons.get(queued.waiting_reason, 0) + 1
-        self.min_expiry = min(self.min_expiry, expiry(queued))
+        self.min_expiry = min(self.min_expiry, queued.expires_at)
 
     def remove(self, gone: dict[str, bool]) -> None:
         kept = []
@@ -75,7 +71,7 @@ class Lane:
         if self.assigned or self.reasons.get(reason, 0) != len(self.items):
             return False
         if self.min_expiry <= now:
-            self.min_expiry = min((expiry(q) for q in self.items), default=math.inf)
+            self.min_expiry = min((q.expires_at for q in self.items), default=math.inf)
         return self.min_expiry > now
 
 

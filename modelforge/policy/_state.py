@@ -139,6 +139,12 @@ class QueuedRequest:
     # The longest its lease will be held (the request's max_duration); None: unknown.
     max_duration_s: float | None = None
 
+    @property
+    def expires_at(self) -> float:
+        """When it stops waiting, whatever happens: its lease timeout, or its deadline if that
+        comes first. The one definition of a queued request's expiry."""
+        return self.lease_timeout_at if self.deadline_at is None else min(self.lease_timeout_at, self.deadline_at)
+
 
 @dataclass
 class AcceleratorRuntime:
