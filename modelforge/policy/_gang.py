@@ -1,142 +1,204 @@
-"""Multi-GPU batch jobs (gangs): all-or-nothing placement on the topology, making room for
-them, and reservations with backfill while they wait."""
+"""Multi-GPU batch jobs (gangs): all-or-nothing placement on the topology, in the phases a
+single request goes through (filter, refuse what can never fit, choose, make room, wait), and,
+when a gang must wait, a reservation of the cards where it can start soonest, with backfill
+(`_reservation`)."""
 
 from __future__ import annotations
 
-from modelforge.domain import Accelerator, Deployment
+from dataclasses import dataclass
+
+from modelforge.domain import Accelerator
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait
-from modelforge.policy._order import is_production
-from modelforge.policy._pass import IDLE_RUNTIME, DecisionPass, filtered_accelerators, idle_residents, new_lease
+from modelforge.policy._pass import (
+    DecisionPass,
+    FilterResult,
+    filtered_accelerators,
+    idle_residents,
+    new_lease,
+    unload_cost,
+)
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
+from modelforge.policy._rules import Attempt, Landing, deadline_refusal, landing_refusal, take_reservation
 from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
 
-def place_gang(
-    pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | Wait | list[Unload | Sleep] | Preemption:
+@dataclass(frozen=True)
+class _Gang:
+    """What the phases of one gang's placement share."""
+
+    count: int
+    need: int  # bytes on each card
+    shape: GangShape
+    nvlink: bool  # it must fit inside one NVLink group
+    passed: list[str]
+    refused: list[FilterResult]
+    # The cards it may use by NVLink group (nvlink) or by node; cards in no group are left out
+    # when it needs one.
+    groups: dict[str, list[str]]
+    topology: dict[str, Accelerator]
+    landing: Landing  # its bytes on each card, gone with its lease
+
+
+def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep] | Preemption:
     """A multi-GPU batch job, all or nothing: `gpu_count` accelerators that each have the job's
-    bytes schedulable, inside one NVLink group when the job requires it, else on as few nodes as
-    possible; best fit (least left over) among the candidates. Nothing stays resident: the lease
-    is the whole job. A waiting gang drains nothing: holding back a node for days (the Alibaba
-    trace's jobs run that long) timed out 1,577 other jobs in simulation, so a stream of small
-    jobs can still delay a gang (reservations with backfill are the next step)."""
-    state = pass_.state
-    load_s = operation_seconds(state, deployment, "load")  # measured here, else the catalog's
-    count = deployment.gpu_count
-    need = deployment.envelope_bytes
-    production = is_production(pass_.state.catalog, queued.priority)
-    passed, refused = filtered_accelerators(pass_, deployment, production)
-    catalog = state.catalog
+    bytes schedulable, inside one NVLink group when the job requires it, else in the shape its
+    deployment asks for (`_topology`: one node if it fits there, else one rack, else the pool);
+    best fit among the candidates. Nothing stays resident: the lease is the whole job. Phases:
+    1. filter: the accelerators it may use, grouped;
+    2. refuse at once what could never fit (with every ModelForge byte gone) or start in time;
+    3. choose: the cards where it fits now;
+    4. make room: unload the idle residents in the way, else preempt what its class may;
+    5. wait, reserving the cards where it can start soonest (later work backfills them)."""
+    gang = _filter_gang(attempt)
+    refusal = _never_fits(attempt, gang) or deadline_refusal(attempt, "starting")
+    if refusal is not None:
+        return refusal
+    picked = _choose(attempt, gang, evicting=False)
+    if picked is not None:
+        return _grant_gang(attempt, gang, picked)
+    room = _make_room(attempt, gang)
+    if room is not None:
+        return room
+    return _wait(attempt, gang)
+
+
+def _filter_gang(attempt: Attempt) -> _Gang:
+    """Phase 1: the accelerators that pass the filter, grouped by NVLink group or node."""
+    deployment = attempt.deployment
+    passed, refused = filtered_accelerators(attempt.pass_, deployment, attempt.production)
+    catalog = attempt.pass_.state.catalog
+    nvlink = deployment.nvlink_required
     groups: dict[str, list[str]] = {}
     for accelerator in passed:
         acc = catalog.accelerator(accelerator)
         assert acc is not None
-        key = acc.nvlink_group if deployment.nvlink_required else acc.node
-        if deployment.nvlink_required and not key:
+        key = acc.nvlink_group if nvlink else acc.node
+        if nvlink and not key:
             continue
         groups.setdefault(key, []).append(accelerator)
-    # Could it ever fit, with every ModelForge byte gone? Only the card sizes and reserves count.
-    budgets = pass_.budgets
-    possible = [
-        members
-        for members in groups.values()
-        if sum(1 for a in members if need <= budgets[a].total_bytes - budgets[a].reserve_bytes) >= count
-    ]
-    if deployment.nvlink_required and not possible:
-        detail = "; ".join(f.reason for f in refused[:3])
+    need = deployment.envelope_bytes
+    return _Gang(
+        count=deployment.gpu_count,
+        need=need,
+        shape=GangShape.of(deployment),
+        nvlink=nvlink,
+        passed=passed,
+        refused=refused,
+        groups=groups,
+        topology={a: acc for a in passed if (acc := catalog.accelerator(a)) is not None},
+        landing=Landing(need, persists=False, attempt=attempt, lead_s=attempt.load_s),
+    )
+
+
+def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
+    """Phase 2: could it ever fit, with every ModelForge byte gone? Only the card sizes and
+    reserves count; else it is refused now, with why."""
+    queued, budgets, need, count = attempt.queued, attempt.pass_.budgets, gang.need, gang.count
+
+    def ever(accelerator: str) -> bool:
+        return need <= budgets[accelerator].total_bytes - budgets[accelerator].reserve_bytes
+
+    possible = [members for members in gang.groups.values() if sum(1 for a in members if ever(a)) >= count]
+    if gang.nvlink:
+        if possible:
+            return None
+        detail = "; ".join(f.reason for f in gang.refused[:3])
         return Reject(
             queued.request_id,
             queued.workflow_id,
-            FailureClass.CAPABILITY_UNAVAILABLE if not groups else FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
+            FailureClass.CAPABILITY_UNAVAILABLE if not gang.groups else FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
             f"no NVLink group has {count} eligible accelerators with {need} B each"
             + (f" ({detail})" if detail else ""),
         )
-    shape = GangShape.of(deployment)
-    topology = {a: acc for a in passed if (acc := catalog.accelerator(a)) is not None}
-    if not deployment.nvlink_required and sum(len(m) for m in possible) < count:
-        ever = sum(1 for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes)
-        if ever < count:
+    if sum(len(m) for m in possible) < count:
+        cards = sum(1 for a in gang.passed if ever(a))
+        if cards < count:
             return Reject(
                 queued.request_id,
                 queued.workflow_id,
                 FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
-                f"needs {count} accelerators with {need} B each; the pool has {ever}",
+                f"needs {count} accelerators with {need} B each; the pool has {cards}",
             )
-    if not deployment.nvlink_required:
-        # Could its shape ever be satisfied, with every card empty? Else refuse now, with why.
-        empty = [(0, a) for a in passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes]
-        if choose_gang(empty, shape, topology) is None:
-            return Reject(
-                queued.request_id,
-                queued.workflow_id,
-                FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
-                f"no placement in the pool satisfies {shape.describe()} with {need} B each",
-            )
-    if queued.deadline_at is not None and now + load_s > queued.deadline_at:
+    # Could its shape ever be satisfied, with every card empty?
+    if choose_gang([(0, a) for a in gang.passed if ever(a)], gang.shape, gang.topology) is None:
         return Reject(
             queued.request_id,
             queued.workflow_id,
-            FailureClass.DEADLINE_CANNOT_BE_MET,
-            f"starting {deployment.deployment_id} takes {load_s:.1f} s; the deadline is in "
-            f"{queued.deadline_at - now:.1f} s",
+            FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
+            f"no placement in the pool satisfies {gang.shape.describe()} with {need} B each",
         )
+    return None
 
-    def fitting(members: list[str], evicting: bool, preempting: bool = False) -> list[tuple[int, str]]:
-        """(bytes left over, accelerator) where the job fits now, or (`evicting`) once the idle
-        residents there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
-        room = []
-        for accelerator in members:
-            if accelerator in pass_.blocked or not budgets[accelerator].fresh:
-                continue
-            if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
-                continue
-            if pass_.reservations and pass_.reserved_refusal(accelerator, queued, need, False, now, load_s):
-                continue
-            free = pass_.free(accelerator)
-            if evicting or preempting:
-                free += sum(r.bytes for r in idle_residents(pass_, accelerator, production))
-            if preempting:
-                # Ranked by the bytes of work newly stopped for it: cards whose work is already
-                # being preempted (by an earlier pass) first, so passes do not spread the damage.
-                stoppable = preemptible_for(pass_, queued, accelerator)
-                free += sum(freed for lease, freed in stoppable if lease.lease_id in state.preempting)
-                fresh = 0
-                for lease, freed in stoppable:
-                    if free >= need:
-                        break
-                    if lease.lease_id not in state.preempting:
-                        free += freed
-                        fresh += freed
-                if need <= free:
-                    room.append((fresh, accelerator))
-                continue
-            if need <= free:
-                room.append((free - need, accelerator))
-        room.sort()
-        return room
 
-    def select(evicting: bool, preempting: bool = False) -> list[str] | None:
-        if not deployment.nvlink_required:
-            # One node if it fits there, else one rack, else the pool (as the shape allows).
-            return choose_gang(fitting(passed, evicting, preempting), shape, topology)
-        best: tuple[int, str, list[str]] | None = None
-        for key, members in groups.items():
-            room = fitting(members, evicting, preempting)
-            if len(room) >= count:
-                leftover = sum(left for left, _ in room[:count])
-                if best is None or (leftover, key) < best[:2]:
-                    best = (leftover, key, [a for _, a in room[:count]])
-        return None if best is None else best[2]
+def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = False) -> list[str] | None:
+    """Phase 3 (and 4, asked how things would be after making room): the cards for the gang,
+    best fit, inside one NVLink group when it needs one, else as its shape allows."""
+    if not gang.nvlink:
+        return choose_gang(_room(attempt, gang, gang.passed, evicting, preempting), gang.shape, gang.topology)
+    count = gang.count
+    best: tuple[int, str, list[str]] | None = None
+    for key, members in gang.groups.items():
+        room = _room(attempt, gang, members, evicting, preempting)
+        if len(room) >= count:
+            leftover = sum(left for left, _ in room[:count])
+            if best is None or (leftover, key) < best[:2]:
+                best = (leftover, key, [a for _, a in room[:count]])
+    return None if best is None else best[2]
 
-    picked = select(evicting=False)
-    if picked is None and pass_.evictable:
-        # Making room as a single request does: the idle residents in the way go first.
-        room_after = select(evicting=True)
-        plans = [eviction_plan(pass_, a, deployment.deployment_id, need, production) or [] for a in room_after or []]
+
+def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:
+    """(bytes left over, accelerator), best fit first, for the cards of `members` where the
+    gang may land (`landing_refusal`) and fits now, or (`evicting`) once the idle residents
+    there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
+    pass_, need = attempt.pass_, gang.need
+    room = []
+    for accelerator in members:
+        if landing_refusal(pass_, accelerator, attempt.production, gang.landing):
+            continue
+        free = pass_.free(accelerator)
+        if evicting or preempting:
+            free += sum(r.bytes for r in idle_residents(pass_, accelerator, attempt.production))
+        if preempting:
+            newly_stopped = _newly_stopped(attempt, accelerator, free, need)
+            if newly_stopped is not None:
+                room.append((newly_stopped, accelerator))
+        elif need <= free:
+            room.append((free - need, accelerator))
+    room.sort()
+    return room
+
+
+def _newly_stopped(attempt: Attempt, accelerator: str, free: int, need: int) -> int | None:
+    """The bytes of work newly stopped for the gang on `accelerator`, or None if preempting all
+    it may does not make room. Cards whose work is already being preempted (by an earlier pass)
+    rank first, so passes do not spread the damage."""
+    preempting = attempt.pass_.state.preempting
+    stoppable = preemptible_for(attempt.pass_, attempt.queued, accelerator)
+    free += sum(freed for lease, freed in stoppable if lease.lease_id in preempting)
+    fresh = 0
+    for lease, freed in stoppable:
+        if free >= need:
+            break
+        if lease.lease_id not in preempting:
+            free += freed
+            fresh += freed
+    return fresh if need <= free else None
+
+
+def _make_room(attempt: Attempt, gang: _Gang) -> list[Unload | Sleep] | Preemption | None:
+    """Phase 4: as a single request does, the idle residents in the way go first; then work its
+    class may preempt, on the cards needing the least of it."""
+    pass_, queued = attempt.pass_, attempt.queued
+    if pass_.evictable:
+        room_after = _choose(attempt, gang, evicting=True)
+        plans = [
+            eviction_plan(pass_, a, attempt.deployment.deployment_id, gang.need, attempt.production) or []
+            for a in room_after or []
+        ]
         if room_after is not None and any(plans):
             unloads = []
             for accelerator, plan in zip(room_after, plans, strict=True):
@@ -145,32 +207,31 @@ def place_gang(
                     pass_.evicting[key] = True
                 unloads.extend(room_decisions(plan, f"making room for {queued.capability} ({queued.priority})"))
             return unloads
-    if picked is None and pass_.preemptible:
-        # Then preemption of work its class may preempt, on the cards needing the least of it.
-        room_after = select(evicting=True, preempting=True)
+    if pass_.preemptible:
+        room_after = _choose(attempt, gang, evicting=True, preempting=True)
         if room_after is not None:
-            preemption = _preempt_for_gang(pass_, queued, room_after, need, production)
-            if preemption is not None:
-                return preemption
-    if picked is None:
-        where = "in one NVLink group" if deployment.nvlink_required else f"for {shape.describe()}"
-        waiting = f"gang of {count} x {need} B: not enough room {where} yet"
-        reserved = (
-            _reserve_for_gang(
-                pass_, queued, deployment, passed, groups if deployment.nvlink_required else None, shape, topology, now
-            )
-            if state.config.gang_reservations
-            else ""
-        )
-        return Wait(queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
-    best = (0, "", picked)
-    chosen = best[2]
+            return _preempt_for_gang(pass_, queued, room_after, gang.need, attempt.production)
+    return None
+
+
+def _wait(attempt: Attempt, gang: _Gang) -> Wait:
+    """Phase 5: it waits, and reserves the cards where it can start soonest if it can."""
+    where = "in one NVLink group" if gang.nvlink else f"for {gang.shape.describe()}"
+    waiting = f"gang of {gang.count} x {gang.need} B: not enough room {where} yet"
+    reserved = _reserve_for_gang(attempt, gang) if attempt.pass_.state.config.gang_reservations else ""
+    return Wait(attempt.queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
+
+
+def _grant_gang(attempt: Attempt, gang: _Gang, chosen: list[str]) -> Grant:
+    pass_, queued = attempt.pass_, attempt.queued
     for accelerator in chosen:
-        pass_.commit(accelerator, need)
-        pass_.take_reserved(accelerator, queued, need, False, now, load_s)
-    first = catalog.accelerator(chosen[0])
+        pass_.commit(accelerator, gang.need)
+        take_reservation(pass_, accelerator, gang.landing)
+    first = pass_.state.catalog.accelerator(chosen[0])
     assert first is not None
-    lease = new_lease(pass_, queued, deployment, chosen, first.node, "", need, now, counter)
+    lease = new_lease(
+        pass_, queued, attempt.deployment, chosen, first.node, "", gang.need, attempt.now, attempt.counter
+    )
     return Grant(queued.request_id, queued.workflow_id, lease)
 
 
@@ -211,36 +272,61 @@ def _preempt_for_gang(
     )
 
 
-def _reserve_for_gang(
-    pass_: DecisionPass,
-    queued: QueuedRequest,
-    deployment: Deployment,
-    passed: list[str],
-    nvlink_groups: dict[str, list[str]] | None,
-    shape: GangShape,
-    topology: dict[str, Accelerator],
-    now: float,
-) -> str:
+def _reserve_for_gang(attempt: Attempt, gang: _Gang) -> str:
     """Reserve the accelerators where this waiting gang can start soonest, when the work there
-    has known end times and it would start before its own lease timeout and deadline; returns
-    what was reserved, or "" (nothing can be promised)."""
+    has known end times and it would start before it expires (its lease timeout or deadline);
+    returns what was reserved, or "" (nothing can be promised)."""
+    pass_, queued, now = attempt.pass_, attempt.queued, attempt.now
+    # Whether a reservation is made depends on this request's own lease timeout and deadline.
+    attempt.reusable = False
+    timelines, ready_at = _release_timelines(attempt, gang)
+    chosen = choose_reserved(ready_at, gang.count, gang.shape, gang.topology, gang.groups if gang.nvlink else None)
+    if chosen is None:
+        return ""
+    starts_at, accelerators = chosen
+    if starts_at + attempt.load_s >= queued.expires_at:
+        return ""
+    for accelerator in accelerators:
+        spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - gang.need
+        pass_.reservations[accelerator] = Reservation(queued.request_id, starts_at, max(0, spare))
+    return (
+        f"reserved {', '.join(sorted(accelerators))} from {starts_at - now:.0f} s on (backfill: work that ends by then)"
+    )
+
+
+def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tuple[float, int]]], dict[str, float]]:
+    """For each card a gang could reserve (`landing_refusal` with no reservation to share): the
+    bytes it gets back and when, and when the gang's bytes would be free there."""
+    pass_, now = attempt.pass_, attempt.now
     state = pass_.state
-    # Whether a reservation is made depends on this request's own lease timeout and deadline:
-    # its wait is never reused for the rest of its capability.
-    pass_.duration_sensitive = True
-    need = deployment.envelope_bytes
-    production = is_production(state.catalog, queued.priority)
     on: dict[str, list[Lease]] = {}
     for lease in state.leases.values():
         for accelerator in lease.accelerators:
             on.setdefault(accelerator, []).append(lease)
-    # Lease bytes promised to requests waiting on a load: back when their work ends. Residents
-    # being unloaded: back once the unload is done.
+    promised = _promised_releases(pass_, now)
+    timelines: dict[str, list[tuple[float, int]]] = {}
+    ready_at: dict[str, float] = {}
+    for accelerator in gang.passed:
+        if landing_refusal(pass_, accelerator, attempt.production, None):
+            continue
+        coming = promised.get(accelerator, [])
+        for idle in idle_residents(pass_, accelerator, attempt.production):
+            # Unloaded to make room when the gang's time comes (as it does when it fits now).
+            coming = [*coming, (now + unload_cost(state, state.catalog.deployment(idle.deployment)), idle.bytes)]
+        timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
+        timelines[accelerator] = timeline
+        ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, gang.need, now)
+    return timelines, ready_at
+
+
+def _promised_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:
+    """Bytes coming back per accelerator besides leases' ends: residents being unloaded, once the
+    unload is done; lease bytes promised to requests waiting on a load, when their work ends."""
+    state = pass_.state
     promised: dict[str, list[tuple[float, int]]] = {}
     for resident in state.residents.values():
         if resident.phase == ResidentPhase.UNLOADING:
-            unloading = state.catalog.deployment(resident.deployment)
-            done = now + (operation_seconds(state, unloading, "unload") if unloading is not None else 0.0)
+            done = now + unload_cost(state, state.catalog.deployment(resident.deployment))
             promised.setdefault(resident.accelerator, []).append((done, resident.bytes))
     if pass_.reserved:
         by_id = queue_index(state).by_id
@@ -256,34 +342,4 @@ def _reserve_for_gang(
                 else 0.0
             )
             promised.setdefault(holder.accelerator, []).append((start + waiting.max_duration_s, held))
-    timelines: dict[str, list[tuple[float, int]]] = {}
-    ready_at: dict[str, float] = {}
-    for accelerator in passed:
-        if accelerator in pass_.blocked or accelerator in pass_.reservations or not pass_.budgets[accelerator].fresh:
-            continue
-        if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
-            continue
-        coming = promised.get(accelerator, [])
-        for idle in idle_residents(pass_, accelerator, production):
-            # Unloaded to make room when the gang's time comes (as it does when it fits now).
-            unloading = state.catalog.deployment(idle.deployment)
-            coming = [
-                *coming,
-                (now + (operation_seconds(state, unloading, "unload") if unloading is not None else 0.0), idle.bytes),
-            ]
-        timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
-        timelines[accelerator] = timeline
-        ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, need, now)
-    chosen = choose_reserved(ready_at, deployment.gpu_count, shape, topology, nvlink_groups)
-    if chosen is None:
-        return ""
-    starts_at, accelerators = chosen
-    latest = queued.lease_timeout_at if queued.deadline_at is None else min(queued.lease_timeout_at, queued.deadline_at)
-    if starts_at + operation_seconds(state, deployment, "load") >= latest:
-        return ""
-    for accelerator in accelerators:
-        spare = pass_.free(accelerator) + freed_by(timelines[accelerator], starts_at) - need
-        pass_.reservations[accelerator] = Reservation(queued.request_id, starts_at, max(0, spare))
-    return (
-        f"reserved {', '.join(sorted(accelerators))} from {starts_at - now:.0f} s on (backfill: work that ends by then)"
-    )
+    return promised

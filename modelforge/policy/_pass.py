@@ -47,6 +47,11 @@ class Reasons:
             self._first[kind] = text
             self._count[kind] = count
 
+    def extend(self, other: Reasons) -> None:
+        """Adds `other`'s reasons after these, as if each had been added here."""
+        for kind, text in other._first.items():
+            self.add(kind, text, other._count[kind])
+
     def __str__(self) -> str:
         parts = []
         for kind, text in self._first.items():
@@ -120,45 +125,12 @@ class DecisionPass:
     waking: dict[str, bool] = field(default_factory=dict)
     # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
     reservations: dict[str, Reservation] = field(default_factory=dict)
-    # Set while placing a request whose outcome depended on its own max_duration (backfill) or
-    # made a reservation: its wait is not reused for the rest of its capability in this pass.
-    duration_sensitive: bool = False
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
 
     def commit(self, accelerator: str, nbytes: int) -> None:
         self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
-
-    def reserved_refusal(
-        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
-    ) -> str:
-        """Why `nbytes` may not be taken on `accelerator` for `queued` now ("" if they may): a
-        reservation lets through work that ends before it starts, and bytes within its spare."""
-        reservation = self.reservations.get(accelerator)
-        if reservation is None or nbytes <= 0:
-            return ""
-        self.duration_sensitive = True
-        if not persists and request_ends_by(queued, now + lead_s) <= reservation.starts_at:
-            return ""
-        if nbytes <= reservation.spare:
-            return ""
-        return (
-            f"{accelerator}: reserved for gang {reservation.gang} starting in {reservation.starts_at - now:.0f} s "
-            "(only work that ends by then may use it)"
-        )
-
-    def take_reserved(
-        self, accelerator: str, queued: QueuedRequest, nbytes: int, persists: bool, now: float, lead_s: float = 0.0
-    ) -> None:
-        """Bytes taken on a reserved accelerator that outlast the reservation's start come out
-        of its spare."""
-        reservation = self.reservations.get(accelerator)
-        if reservation is None or nbytes <= 0:
-            return
-        if not persists and request_ends_by(queued, now + lead_s) <= reservation.starts_at:
-            return
-        reservation.spare -= nbytes
 
 
 def idle_residents(pass_: DecisionPass, accelerator: str, production: bool) -> list[ResidentState]:

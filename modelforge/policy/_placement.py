@@ -1,7 +1,11 @@
 """One decision pass: walk the queue in order and place each request in phases, in the spirit of
-the Kubernetes scheduler framework: filter (each accelerator accepted or rejected with a reason),
-score (join a ready resident > join a loading one > load), choose (best fit), and make room
-(evict the cheapest idle residents) when nothing fits.
+the Kubernetes scheduler framework (and Kueue's numbered scheduling cycle), each phase a function
+that returns its decision or why it has none (`_place_one`; gangs: `_gang.place_gang`):
+filter (each accelerator accepted or rejected with a reason), score (join a ready resident >
+join a loading one > wake an asleep one > load), choose (best fit), make room (evict the
+cheapest idle residents, else preempt) when nothing fits, and wait. The rules the phases check
+(may new bytes land on a card now, a gang's reservation, the deadline, expiry) are written once,
+in `_rules`.
 
 `decide` is pure: it reads the state and returns decision objects. It is also the hot path of the
 scheduler workflow, so it is built to stay near-linear in the queue and the pool:
@@ -12,7 +16,8 @@ scheduler workflow, so it is built to stay near-linear in the queue and the pool
   per (deployment, class) and pass; health is the only per-pass filter;
 - a pass only ever consumes capacity, so once an unplaced request of a deployment has to wait
   (or can never fit), every later request of that deployment and the same filter outcome would
-  too: its outcome is reused rather than recomputed;
+  too: its outcome is reused rather than recomputed, unless the outcome says otherwise
+  (`Outcome.reusable`);
 - wait reasons are summarised per kind of reason, never one line per accelerator;
 - the queue is walked through an index kept across passes (`_queue_index.py`): a lane of
   requests that would only be told, again, the reason they already wait for is passed over whole.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
@@ -42,9 +48,26 @@ from modelforge.policy._pass import (
 )
 from modelforge.policy._queue_index import Lane, queue_index
 from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
+from modelforge.policy._rules import (
+    BLOCKED,
+    RESERVED,
+    STALE,
+    Attempt,
+    Landing,
+    deadline_refusal,
+    expiry_refusal,
+    landing_refusal,
+    refusal_reason,
+    reservation_refuses,
+    take_reservation,
+)
 from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "silent_nodes_due"]
+
+# Per capability: the outcome an unplaced request of it settled on in this pass (a failure class
+# and message, or None and the reason it waits).
+Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]
 
 
 def decide(state: PoolState, now: float) -> Decisions:
@@ -60,8 +83,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     # Per capability: its deployment and the outcome an unplaced request of it settled on in this
     # pass, one table for production requests and one for the rest (their filters differ).
     deployments: dict[str, Deployment | None] = {}
-    settled_production: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
-    settled_other: dict[str, tuple[FailureClass, str] | tuple[None, str]] = {}
+    settled_production: Settled = {}
+    settled_other: Settled = {}
     if reuse_settled:
         counter = _decide_queue(pass_, decisions, settled_production, settled_other, now, counter)
     for bucket in [] if reuse_settled else ordered_buckets(state, now):
@@ -72,38 +95,48 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
 
     _keep_always_warm(pass_, decisions, now)
 
-    # An UNHEALTHY accelerator's work is preempted and requeued elsewhere (the filter keeps it
-    # off that accelerator), and its idle residents go.
-    if pass_.unhealthy:
-        for lease in state.leases.values():
-            if lease.lease_id in state.preempting:
-                continue
-            sick = [a for a in lease.accelerators if a in pass_.unhealthy]
-            if sick:
-                decisions.preemptions.append(
-                    Preempt(
-                        lease.lease_id,
-                        lease.request_id,
-                        lease.workflow_id,
-                        f"{sick[0]} is UNHEALTHY",
-                        state.config.preempt_grace_s,
-                    )
-                )
-        for resident in state.residents.values():
-            if (
-                resident.accelerator in pass_.unhealthy
-                and is_evictable(resident)
-                and resident.key not in pass_.evicting
-                and resident.key not in pass_.in_use
-            ):
-                pass_.evicting[resident.key] = True
-                decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
-
+    _leave_unhealthy(pass_, decisions)
     _preempt_on_silent_nodes(pass_, decisions, now)
     if state.config.unload_removed_deployments:
         _unload_removed(pass_, decisions)
+    _unload_unused(pass_, decisions)
+    return decisions
 
-    # load_on_demand and batch residents go when their last lease has ended and nobody waits.
+
+def _leave_unhealthy(pass_: DecisionPass, decisions: Decisions) -> None:
+    """An UNHEALTHY accelerator's work is preempted and requeued elsewhere (the filter keeps it
+    off that accelerator), and its idle residents go."""
+    if not pass_.unhealthy:
+        return
+    state = pass_.state
+    for lease in state.leases.values():
+        if lease.lease_id in state.preempting:
+            continue
+        sick = [a for a in lease.accelerators if a in pass_.unhealthy]
+        if sick:
+            decisions.preemptions.append(
+                Preempt(
+                    lease.lease_id,
+                    lease.request_id,
+                    lease.workflow_id,
+                    f"{sick[0]} is UNHEALTHY",
+                    state.config.preempt_grace_s,
+                )
+            )
+    for resident in state.residents.values():
+        if (
+            resident.accelerator in pass_.unhealthy
+            and is_evictable(resident)
+            and resident.key not in pass_.evicting
+            and resident.key not in pass_.in_use
+        ):
+            pass_.evicting[resident.key] = True
+            decisions.unloads.append(Unload(resident.key, f"{resident.accelerator} is UNHEALTHY"))
+
+
+def _unload_unused(pass_: DecisionPass, decisions: Decisions) -> None:
+    """load_on_demand and batch residents go when their last lease has ended and nobody waits."""
+    state = pass_.state
     waiting_on = {a.resident_key: True for a in decisions.assigns}
     for queued in queue_index(state).assigned.values():
         waiting_on[queued.assigned_to] = True
@@ -117,7 +150,6 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
             and resident.key not in granted_on
         ):
             decisions.unloads.append(Unload(resident.key, "last lease ended (load_on_demand)"))
-    return decisions
 
 
 def _unload_removed(pass_: DecisionPass, decisions: Decisions) -> None:
@@ -137,9 +169,6 @@ def _unload_removed(pass_: DecisionPass, decisions: Decisions) -> None:
         ):
             pass_.evicting[resident.key] = True
             decisions.unloads.append(Unload(resident.key, "removed from the catalog"))
-
-
-Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]
 
 
 def _decide_queue(
@@ -189,8 +218,9 @@ def _visit(
     reuse_settled: bool,
 ) -> int:
     """One queued request's outcome in this pass; returns the lease counter after it."""
-    if now >= queued.lease_timeout_at or (queued.deadline_at is not None and now >= queued.deadline_at):
-        decisions.rejects.append(_expired(queued, now))
+    expired = expiry_refusal(queued, now)
+    if expired is not None:
+        decisions.rejects.append(expired)
         return counter
     capability = queued.capability
     if reuse_settled and not queued.assigned_to:
@@ -316,46 +346,48 @@ def _keep_always_warm(pass_: DecisionPass, decisions: Decisions, now: float) -> 
         if backoff is not None and now < backoff[1]:
             continue
         production = deployment.production_eligible and bool(deployment.measured_on)
-        passed, _ = filtered_accelerators(pass_, deployment, production)
-        need = deployment.resident_bytes
-        best: tuple[int, str] | None = None
-        for accelerator in passed:
-            budget = pass_.budgets[accelerator]
-            if not budget.fresh or accelerator in pass_.blocked:
-                continue
-            reservation = pass_.reservations.get(accelerator)
-            if reservation is not None and need > reservation.spare:
-                continue  # a model stays: it may only take what a waiting gang will not need
-            if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
-                continue
-            free = pass_.free(accelerator)
-            if need <= free and (best is None or (free - need, accelerator) < best):
-                best = (free - need, accelerator)
-        if best is None:
+        # A model stays: on a reserved card it may only take what the waiting gang will not need.
+        landing = Landing(deployment.resident_bytes, persists=True)
+        accelerator = _warm_card(pass_, deployment, production, landing)
+        if accelerator is None:
             continue
-        accelerator = best[1]
         acc = state.catalog.accelerator(accelerator)
         assert acc is not None
-        pass_.commit(accelerator, need)
-        if accelerator in pass_.reservations:
-            pass_.reservations[accelerator].spare -= need
+        pass_.commit(accelerator, landing.nbytes)
+        take_reservation(pass_, accelerator, landing)
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency
-        decisions.loads.append(StartLoad(key, deployment.deployment_id, accelerator, acc.node, need, []))
+        decisions.loads.append(StartLoad(key, deployment.deployment_id, accelerator, acc.node, landing.nbytes, []))
 
 
-def _expired(queued: QueuedRequest, now: float) -> Reject:
-    if now >= queued.lease_timeout_at:
-        reason = f"; last reason: {queued.waiting_reason}" if queued.waiting_reason else ""
-        return Reject(
-            queued.request_id,
-            queued.workflow_id,
-            FailureClass.LEASE_TIMEOUT,
-            f"waited {now - queued.submitted_at:.1f} s for a lease{reason}",
-        )
-    reason = f"; {queued.waiting_reason}" if queued.waiting_reason else ""
-    message = f"deadline passed while queued{reason}"
-    return Reject(queued.request_id, queued.workflow_id, FailureClass.DEADLINE_CANNOT_BE_MET, message)
+def _warm_card(pass_: DecisionPass, deployment: Deployment, production: bool, landing: Landing) -> str | None:
+    """The best-fitting eligible accelerator where an always_warm model may land now, if any."""
+    passed, _ = filtered_accelerators(pass_, deployment, production)
+    need = landing.nbytes
+    best: tuple[int, str] | None = None
+    for accelerator in passed:
+        if landing_refusal(pass_, accelerator, production, landing):
+            continue
+        free = pass_.free(accelerator)
+        if need <= free and (best is None or (free - need, accelerator) < best):
+            best = (free - need, accelerator)
+    return None if best is None else best[1]
+
+
+Decision = Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | Preemption
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What placing one request decided, and whether that stands for the rest of its capability
+    in this pass. A pass only consumes capacity, so once an unplaced request of a capability
+    waits, or is refused for good, every later one of the same kind of class (production or
+    not: their filters differ) would be told the same: the fast pass reuses it. Not so for a
+    request waiting on a load (it was not placed), a deadline refusal (its own deadline), or an
+    attempt whose outcome depended on its own durations (`Attempt.reusable`)."""
+
+    decision: Decision
+    reusable: bool
 
 
 def _decide_one(
@@ -363,32 +395,40 @@ def _decide_one(
     decisions: Decisions,
     queued: QueuedRequest,
     deployment: Deployment,
-    settled_by: dict[str, tuple[FailureClass, str] | tuple[None, str]],
+    settled_by: Settled,
     now: float,
     counter: int,
 ) -> int:
     """Place one request and record the outcome; returns the lease counter after it."""
-    pass_.duration_sensitive = False
     outcome = _place(pass_, queued, deployment, now, counter)
-    if isinstance(outcome, Grant):
-        decisions.grants.append(outcome)
+    decision = outcome.decision
+    if outcome.reusable:
+        if isinstance(decision, Reject):
+            settled_by[queued.capability] = (decision.failure, decision.message)
+        elif isinstance(decision, Wait):
+            settled_by[queued.capability] = (None, decision.reason)
+    return _record(decisions, queued, decision, counter)
+
+
+def _record(decisions: Decisions, queued: QueuedRequest, decision: Decision, counter: int) -> int:
+    """Adds one placement's decision to the pass's; returns the lease counter after it."""
+    if isinstance(decision, Grant):
+        decisions.grants.append(decision)
         return counter + 1
-    if isinstance(outcome, Reject):
-        decisions.rejects.append(outcome)
-        if not queued.assigned_to and outcome.failure != FailureClass.DEADLINE_CANNOT_BE_MET:
-            settled_by[queued.capability] = (outcome.failure, outcome.message)
-    elif isinstance(outcome, StartLoad):
-        decisions.loads.append(outcome)
-    elif isinstance(outcome, Assign):
-        decisions.assigns.append(outcome)
-    elif isinstance(outcome, Preemption):
-        decisions.preemptions.extend(outcome.preempts)
-        decisions.waits.append(outcome.wait)
-    elif isinstance(outcome, Wake):
-        decisions.wakes.append(outcome)
-    elif isinstance(outcome, list):
-        unloads = [u for u in outcome if isinstance(u, Unload)]
-        sleeps = [u for u in outcome if isinstance(u, Sleep)]
+    if isinstance(decision, Reject):
+        decisions.rejects.append(decision)
+    elif isinstance(decision, StartLoad):
+        decisions.loads.append(decision)
+    elif isinstance(decision, Assign):
+        decisions.assigns.append(decision)
+    elif isinstance(decision, Preemption):
+        decisions.preemptions.extend(decision.preempts)
+        decisions.waits.append(decision.wait)
+    elif isinstance(decision, Wake):
+        decisions.wakes.append(decision)
+    elif isinstance(decision, list):
+        unloads = [u for u in decision if isinstance(u, Unload)]
+        sleeps = [u for u in decision if isinstance(u, Sleep)]
         decisions.unloads.extend(unloads)
         decisions.sleeps.extend(sleeps)
         doing = []
@@ -398,275 +438,373 @@ def _decide_one(
             doing.append("unloading " + ", ".join(u.resident_key for u in unloads))
         decisions.waits.append(Wait(queued.request_id, "making room: " + "; ".join(doing)))
     else:
-        decisions.waits.append(outcome)
-        if not queued.assigned_to and not pass_.duration_sensitive:
-            settled_by[queued.capability] = (None, outcome.reason)
+        decisions.waits.append(decision)
     return counter
 
 
-def _place(
-    pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int
-) -> Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | Preemption:
-    state = pass_.state
-    load_s = operation_seconds(state, deployment, "load")  # measured here, else the catalog's
-    if deployment.gpu_count > 1:
-        return place_gang(pass_, queued, deployment, now, counter)
-    extra = deployment.lease_extra_bytes
-    # A request already waiting on a load is granted when that resident is ready.
+def _place(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int) -> Outcome:
+    attempt = Attempt(
+        pass_,
+        queued,
+        deployment,
+        production=is_production(pass_.state.catalog, queued.priority),
+        now=now,
+        load_s=operation_seconds(pass_.state, deployment, "load"),  # measured here, else the catalog's
+        counter=counter,
+    )
+    decision = place_gang(attempt) if deployment.gpu_count > 1 else _place_one(attempt)
     if queued.assigned_to:
-        resident = state.residents.get(queued.assigned_to)
-        if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
-            verb = "load" if resident.phase == ResidentPhase.LOADING else "wake"
-            return Wait(queued.request_id, f"waiting for {resident.key} to {verb}")
-        held = pass_.reserved.pop(queued.request_id, 0)
-        if held and resident is not None:
-            pass_.commit(resident.accelerator, -held)  # the grant below takes them for real
-        if (
-            resident is not None
-            and resident.phase == ResidentPhase.READY
-            and pass_.slots.get(resident.key, 0) > 0
-            and resident.key not in pass_.evicting
-        ):
-            if extra <= pass_.free(resident.accelerator) or extra == 0:
-                return grant_on(queued, deployment, resident, now, pass_, counter)
-
-    production = is_production(pass_.state.catalog, queued.priority)
-    passed, refused = filtered_accelerators(pass_, deployment, production)
-    if not passed:
-        if all(f.permanent for f in refused):
-            detail = "; ".join(f.reason for f in refused) or "the pool has no accelerators"
-            return Reject(
-                queued.request_id,
-                queued.workflow_id,
-                FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no {queued.priority} placement for {queued.capability}: {detail}",
-            )
-        reasons = Reasons()
-        for f in refused:
-            if not f.passed:
-                reasons.add("unhealthy" if not f.permanent else "filtered", f.reason)
-        return Wait(queued.request_id, str(reasons))
-
-    # Phase 2, score: join a ready resident (no new load) > join a loading one > load with best fit.
-    reasons = Reasons()
-    holding: dict[str, bool] = {}
-    # Ready residents of this deployment with every slot taken: their slots are where a request
-    # of a class that preempts the holders' gets in (seed 003: merge Critical stops merge Low).
-    full: list[ResidentState] = []
-    # Asleep residents of this deployment too big to wake now: making room may wake them later.
-    asleep: list[tuple[ResidentState, int]] = []
-    residents = pass_.residents_of.get(deployment.deployment_id, [])
-    if residents:
-        eligible = pass_.eligible[(deployment.deployment_id, production)]
-        if len(residents) > 1:
-            # In the order of the pool's accelerators, as the filter phase returns them.
-            position = pass_.position
-            residents = sorted(residents, key=lambda r: position.get(r.accelerator, 0))
-        for resident in residents:
-            accelerator = resident.accelerator
-            if accelerator not in eligible:
-                continue
-            holding[accelerator] = True
-            if not pass_.budgets[accelerator].fresh and not state.config.join_stale_residents:
-                # Its node has not reported within freshness_s: it may be gone, and work sent
-                # there would wait on a worker nobody can see (nothing new lands on a stale card).
-                reasons.add("stale", _stale(accelerator, pass_.budgets[accelerator].age_s))
-                continue
-            if resident.key in pass_.evicting:
-                # A higher request of this pass is unloading it to make room: joining it now
-                # would run work on a model that is going away.
-                reasons.add("evicting", f"{accelerator}: {resident.key} is being unloaded to make room")
-                continue
-            if pass_.slots.get(resident.key, 0) <= 0:
-                reasons.add(
-                    "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
-                )
-                if resident.phase == ResidentPhase.READY:
-                    full.append(resident)
-                continue
-            # Joining an idle resident keeps it from being unloaded until this lease ends: on a
-            # reserved accelerator that counts as taking its bytes too.
-            joined = extra
-            if (
-                resident.phase == ResidentPhase.READY
-                and resident.active_leases == 0
-                and resident.key not in pass_.in_use
-            ):
-                joined += resident.bytes
-            refusal = pass_.reserved_refusal(accelerator, queued, joined, False, now) if pass_.reservations else ""
-            if refusal:
-                reasons.add("reserved", refusal)
-                continue
-            if resident.phase == ResidentPhase.READY:
-                if extra == 0 or extra <= pass_.free(accelerator):
-                    pass_.take_reserved(accelerator, queued, joined, False, now)
-                    return grant_on(queued, deployment, resident, now, pass_, counter)
-                reasons.add(
-                    "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
-                )
-            elif resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING) or resident.key in pass_.waking:
-                if extra and extra > pass_.free(accelerator):
-                    reasons.add(
-                        "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
-                    )
-                    continue
-                pass_.take_reserved(accelerator, queued, extra, False, now, load_s)
-                pass_.slots[resident.key] -= 1
-                pass_.in_use[resident.key] = True
-                pass_.commit(accelerator, extra)
-                return Assign(queued.request_id, resident.key)
-            elif resident.phase == ResidentPhase.ASLEEP and resident.key not in pass_.evicting:
-                # Waking takes back what it gave up, plus this lease's bytes: far cheaper than a load.
-                awake = resident.awake_bytes if resident.awake_bytes is not None else deployment.resident_bytes
-                wake_need = max(0, awake - resident.bytes) + extra
-                free = pass_.free(accelerator)
-                if accelerator in pass_.blocked:
-                    reasons.add("blocked", f"{accelerator}: a higher request waits for memory here")
-                    continue
-                refusal = (
-                    pass_.reserved_refusal(accelerator, queued, wake_need, True, now) if pass_.reservations else ""
-                )
-                if refusal:
-                    reasons.add("reserved", refusal)
-                    continue
-                if wake_need <= free:
-                    pass_.commit(accelerator, wake_need)
-                    pass_.take_reserved(accelerator, queued, wake_need, True, now)
-                    pass_.slots[resident.key] -= 1
-                    pass_.in_use[resident.key] = True
-                    pass_.waking[resident.key] = True
-                    return Wake(resident.key, awake, [queued.request_id])
-                asleep.append((resident, wake_need))
-                reasons.add("asleep", f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable")
-            else:
-                reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
-
-    need = deployment.resident_bytes + extra
-    # A batch resident (residency none) goes with its lease; any other stays after it.
-    persists = deployment.residency != Residency.NONE
-    best: tuple[int, str] | None = None
-    eviction_options: list[tuple[int, str, list[tuple[str, bool]]]] = []
-    blocked = pass_.blocked
-    # Accelerators where a higher request already waits for memory are out for new bytes; on a
-    # busy pool that is most of them, so they are set aside in one sweep.
-    if not blocked:
-        open_accelerators = passed
-    elif len(blocked) == len(pass_.pool_accelerators):
-        open_accelerators = []
+        reusable = False
+    elif isinstance(decision, Reject):
+        reusable = decision.failure != FailureClass.DEADLINE_CANNOT_BE_MET
     else:
-        open_accelerators = [a for a in passed if a not in blocked and a not in holding]
-    shut = len(passed) - len(open_accelerators) - len(holding) if blocked else 0
-    if shut > 0:
-        first = next(a for a in passed if a in blocked and a not in holding)
-        reasons.add("blocked", f"{first}: a higher request waits for memory here", shut)
-    budgets = pass_.budgets
-    # Fresh, unblocked, not under pressure: where preemption could make room if nothing else can.
-    room_candidates: list[str] = []
-    backfill_only: dict[str, bool] = {}
-    for accelerator in open_accelerators:
-        if accelerator in holding:
-            continue
-        budget = budgets[accelerator]
-        if not budget.fresh:
-            reasons.add("stale", _stale(accelerator, budget.age_s))
-            continue
-        if not production and state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
-            reasons.add("pressure", f"{accelerator}: GPU_PRESSURE, only production work may load")
-            continue
-        if pass_.reservations:
-            refusal = pass_.reserved_refusal(accelerator, queued, need, persists, now, load_s)
-            if refusal:
-                # Held for a gang, not for this request: later work that ends in time may still
-                # backfill it, so this wait blocks nothing there.
-                reasons.add("reserved", refusal)
-                backfill_only[accelerator] = True
-                continue
-        room_candidates.append(accelerator)
-        free = budget.schedulable_bytes - pass_.committed.get(accelerator, 0)
-        if need <= free:
-            if best is None or (free - need, accelerator) < best:
-                best = (free - need, accelerator)
-            continue
-        if accelerator in pass_.evictable:
-            plan = eviction_plan(pass_, accelerator, deployment.deployment_id, need, production)
-            if plan is not None:
-                evicted = sum(state.residents[k].bytes for k, _ in plan)
-                eviction_options.append((evicted, accelerator, plan))
-        reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
-    # An asleep copy of this model whose wake does not fit yet: making room for the wake is an
-    # option as good as making room for a load elsewhere.
-    for sleeper, wake_need in asleep:
-        accelerator = sleeper.accelerator
-        if accelerator in pass_.evictable and accelerator not in pass_.reservations:
-            plan = eviction_plan(pass_, accelerator, deployment.deployment_id, wake_need, production)
-            if plan is not None:
-                evicted = sum(state.residents[k].bytes for k, _ in plan)
-                eviction_options.append((evicted, accelerator, plan))
+        reusable = isinstance(decision, Wait) and attempt.reusable
+    return Outcome(decision, reusable)
 
-    if best is not None and queued.deadline_at is not None and now + load_s > queued.deadline_at:
+
+def _place_one(attempt: Attempt) -> Decision:
+    """A single-card request, in phases, each returning its decision or why it has none:
+    0. a request waiting on a load is granted once the model is ready;
+    1. filter: the accelerators it may use (placement list, class, health);
+    2. score, join: a ready resident (no new load) > a loading one > waking an asleep one;
+    3. score and choose a load: best fit (least schedulable left over), ties by accelerator id;
+    4. make room: evict idle residents, else preempt work its class may preempt;
+    5. wait (blocking the accelerators it waits for), or refuse if nothing could ever help."""
+    if attempt.queued.assigned_to:
+        on_load = _on_its_load(attempt)
+        if on_load is not None:
+            return on_load
+    passed, refused = filtered_accelerators(attempt.pass_, attempt.deployment, attempt.production)
+    if not passed:
+        return _filtered_out(attempt.queued, refused)
+    joined = _join(attempt)
+    if joined.decision is not None:
+        return joined.decision
+    cards = _score_loads(attempt, passed, joined.holding)
+    reasons = joined.reasons
+    reasons.extend(cards.reasons)
+    if cards.best is not None:
+        return deadline_refusal(attempt, "loading") or _start_load(attempt, cards)
+    room = _make_room(attempt, cards, joined)
+    if room is not None:
+        return room
+    return _wait(attempt, passed, cards, reasons)
+
+
+def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
+    """Phase 0: a request already waiting on a load is granted when that resident is ready; the
+    lease bytes held for it since the load was decided are given back to be taken for real."""
+    pass_, queued, extra = attempt.pass_, attempt.queued, attempt.deployment.lease_extra_bytes
+    resident = pass_.state.residents.get(queued.assigned_to)
+    if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+        verb = "load" if resident.phase == ResidentPhase.LOADING else "wake"
+        return Wait(queued.request_id, f"waiting for {resident.key} to {verb}")
+    held = pass_.reserved.pop(queued.request_id, 0)
+    if held and resident is not None:
+        pass_.commit(resident.accelerator, -held)  # the grant below takes them for real
+    if (
+        resident is not None
+        and resident.phase == ResidentPhase.READY
+        and pass_.slots.get(resident.key, 0) > 0
+        and resident.key not in pass_.evicting
+        and (extra <= pass_.free(resident.accelerator) or extra == 0)
+    ):
+        return grant_on(queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
+    return None
+
+
+def _filtered_out(queued: QueuedRequest, refused: list[FilterResult]) -> Reject | Wait:
+    """Phase 1 found no accelerator: refused if none ever could be, else it waits for health."""
+    if all(f.permanent for f in refused):
+        detail = "; ".join(f.reason for f in refused) or "the pool has no accelerators"
         return Reject(
             queued.request_id,
             queued.workflow_id,
-            FailureClass.DEADLINE_CANNOT_BE_MET,
-            f"loading {deployment.deployment_id} takes {load_s:.1f} s; the deadline is in "
-            f"{queued.deadline_at - now:.1f} s",
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"no {queued.priority} placement for {queued.capability}: {detail}",
         )
-    if best is not None:
-        # Phase 3, choose: best fit (least schedulable left over), ties by accelerator id.
-        _, accelerator = best
-        acc = state.catalog.accelerator(accelerator)
-        assert acc is not None
-        # The model's bytes and this request's lease bytes: both are promised from now on.
-        pass_.commit(accelerator, need)
-        pass_.take_reserved(accelerator, queued, need, persists, now, load_s)
-        key = resident_key(deployment.deployment_id, accelerator)
-        pass_.slots[key] = deployment.concurrency - 1
-        # Later requests of this pass join the load (up to its concurrency) instead of starting
-        # a second one under the same key on the same card.
-        pass_.residents_of.setdefault(deployment.deployment_id, []).append(
-            ResidentState(
-                key=key,
-                deployment=deployment.deployment_id,
-                capability=deployment.capability,
-                accelerator=accelerator,
-                node=acc.node,
-                bytes=deployment.resident_bytes,
-                phase=ResidentPhase.LOADING,
-                residency=deployment.residency,
-                ttl_s=deployment.ttl_s,
-                workflow_id="",
-                requested_at=now,
-            )
+    reasons = Reasons()
+    for f in refused:
+        if not f.passed:
+            reasons.add("unhealthy" if not f.permanent else "filtered", f.reason)
+    return Wait(queued.request_id, str(reasons))
+
+
+@dataclass
+class _Joined:
+    """Phase 2's result: the decision if a resident of the deployment could be joined, else
+    what the later phases need and why none could."""
+
+    decision: Grant | Assign | Wake | None = None
+    reasons: Reasons = field(default_factory=Reasons)
+    # Eligible accelerators holding a resident of it: no second load of it goes there.
+    holding: dict[str, bool] = field(default_factory=dict)
+    # Ready residents with every slot taken: their slots are where a request of a class that
+    # preempts the holders' gets in.
+    full: list[ResidentState] = field(default_factory=list)
+    # Asleep residents too big to wake now, with what a wake needs: making room may wake them.
+    asleep: list[tuple[ResidentState, int]] = field(default_factory=list)
+
+
+def _join(attempt: Attempt) -> _Joined:
+    """Phase 2: join a resident of the deployment, in the order of the pool's accelerators."""
+    pass_, deployment = attempt.pass_, attempt.deployment
+    joined = _Joined()
+    residents = pass_.residents_of.get(deployment.deployment_id, [])
+    if not residents:
+        return joined
+    eligible = pass_.eligible[(deployment.deployment_id, attempt.production)]
+    if len(residents) > 1:
+        position = pass_.position
+        residents = sorted(residents, key=lambda r: position.get(r.accelerator, 0))
+    for resident in residents:
+        if resident.accelerator not in eligible:
+            continue
+        joined.holding[resident.accelerator] = True
+        joined.decision = _join_one(attempt, resident, joined)
+        if joined.decision is not None:
+            break
+    return joined
+
+
+def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Grant | Assign | Wake | None:
+    pass_, reasons, accelerator = attempt.pass_, joined.reasons, resident.accelerator
+    if not pass_.budgets[accelerator].fresh and not pass_.state.config.join_stale_residents:
+        # Its node has not reported within freshness_s: it may be gone, and work sent there
+        # would wait on a worker nobody can see.
+        reasons.add(STALE, refusal_reason(pass_, STALE, accelerator, attempt.now))
+        return None
+    if resident.key in pass_.evicting:
+        # A higher request of this pass is unloading it to make room: joining it now would run
+        # work on a model that is going away.
+        reasons.add("evicting", f"{accelerator}: {resident.key} is being unloaded to make room")
+        return None
+    deployment = attempt.deployment
+    if pass_.slots.get(resident.key, 0) <= 0:
+        reasons.add("concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}")
+        if resident.phase == ResidentPhase.READY:
+            joined.full.append(resident)
+        return None
+    # Joining an idle resident keeps it from being unloaded until this lease ends: on a reserved
+    # accelerator that counts as taking its bytes too.
+    nbytes = deployment.lease_extra_bytes
+    if resident.phase == ResidentPhase.READY and resident.active_leases == 0 and resident.key not in pass_.in_use:
+        nbytes += resident.bytes
+    landing = Landing(nbytes, persists=False, attempt=attempt)
+    if reservation_refuses(pass_, accelerator, landing):
+        reasons.add(RESERVED, refusal_reason(pass_, RESERVED, accelerator, attempt.now))
+        return None
+    if resident.phase == ResidentPhase.READY:
+        return _join_ready(attempt, resident, landing, reasons)
+    if resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING) or resident.key in pass_.waking:
+        return _join_loading(attempt, resident, reasons)
+    if resident.phase == ResidentPhase.ASLEEP:
+        return _wake(attempt, resident, joined)
+    reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
+    return None
+
+
+def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, reasons: Reasons) -> Grant | None:
+    pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
+    if extra == 0 or extra <= pass_.free(accelerator):
+        take_reservation(pass_, accelerator, landing)
+        return grant_on(attempt.queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
+    reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
+    return None
+
+
+def _join_loading(attempt: Attempt, resident: ResidentState, reasons: Reasons) -> Assign | None:
+    """A loading (or waking) resident: the request waits on it, its lease bytes held from now."""
+    pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
+    if extra and extra > pass_.free(accelerator):
+        reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
+        return None
+    take_reservation(pass_, accelerator, Landing(extra, persists=False, attempt=attempt, lead_s=attempt.load_s))
+    pass_.slots[resident.key] -= 1
+    pass_.in_use[resident.key] = True
+    pass_.commit(accelerator, extra)
+    return Assign(attempt.queued.request_id, resident.key)
+
+
+def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | None:
+    """An asleep resident: waking takes back what it gave up, plus this lease's bytes, far
+    cheaper than a load."""
+    pass_, reasons, accelerator, deployment = attempt.pass_, joined.reasons, resident.accelerator, attempt.deployment
+    awake = resident.awake_bytes if resident.awake_bytes is not None else deployment.resident_bytes
+    wake_need = max(0, awake - resident.bytes) + deployment.lease_extra_bytes
+    free = pass_.free(accelerator)
+    if accelerator in pass_.blocked:
+        reasons.add(BLOCKED, refusal_reason(pass_, BLOCKED, accelerator, attempt.now))
+        return None
+    landing = Landing(wake_need, persists=True, attempt=attempt)
+    if reservation_refuses(pass_, accelerator, landing):
+        reasons.add(RESERVED, refusal_reason(pass_, RESERVED, accelerator, attempt.now))
+        return None
+    if wake_need <= free:
+        pass_.commit(accelerator, wake_need)
+        take_reservation(pass_, accelerator, landing)
+        pass_.slots[resident.key] -= 1
+        pass_.in_use[resident.key] = True
+        pass_.waking[resident.key] = True
+        return Wake(resident.key, awake, [attempt.queued.request_id])
+    joined.asleep.append((resident, wake_need))
+    reasons.add("asleep", f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable")
+    return None
+
+
+@dataclass
+class _Loads:
+    """Phase 3's result: where a load of the model (and this lease) may go."""
+
+    need: int  # the model's bytes and this lease's
+    persists: bool  # a batch resident (residency none) goes with its lease; any other stays
+    # The accelerators it looked at (those where no higher request waits for memory): the ones
+    # it blocks if it has to wait.
+    open: list[str]
+    reasons: Reasons
+    best: tuple[int, str] | None = None  # (bytes left over, accelerator)
+    # Where it may land but does not fit yet (making room may help), and every card where it
+    # may land (where preemption may make room).
+    short: list[str] = field(default_factory=list)
+    room_candidates: list[str] = field(default_factory=list)
+    # Held for a gang, not for this request: later work that ends in time may still backfill
+    # them, so this wait blocks nothing there.
+    backfill_only: dict[str, bool] = field(default_factory=dict)
+
+
+def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) -> _Loads:
+    """Phase 3: every accelerator where the model may land now (`landing_refusal`) and whether
+    it fits there, best fit first."""
+    pass_, deployment = attempt.pass_, attempt.deployment
+    need = deployment.resident_bytes + deployment.lease_extra_bytes
+    loads = _Loads(need, deployment.residency != Residency.NONE, [], Reasons())
+    loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
+    landing = Landing(need, loads.persists, attempt, attempt.load_s)
+    for accelerator in loads.open:
+        if accelerator in holding:
+            continue
+        refusal = landing_refusal(pass_, accelerator, attempt.production, landing)
+        if refusal:
+            loads.reasons.add(refusal, refusal_reason(pass_, refusal, accelerator, attempt.now))
+            if refusal == RESERVED:
+                loads.backfill_only[accelerator] = True
+            continue
+        loads.room_candidates.append(accelerator)
+        free = pass_.free(accelerator)
+        if need <= free:
+            if loads.best is None or (free - need, accelerator) < loads.best:
+                loads.best = (free - need, accelerator)
+            continue
+        loads.short.append(accelerator)
+        loads.reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
+    return loads
+
+
+def _open_accelerators(attempt: Attempt, passed: list[str], holding: dict[str, bool], reasons: Reasons) -> list[str]:
+    """`passed` less the accelerators where a higher request already waits for memory (the first
+    part of `landing_refusal`, in one sweep: on a busy pool that is most of them)."""
+    pass_ = attempt.pass_
+    blocked = pass_.blocked
+    if not blocked:
+        return passed
+    if len(blocked) == len(pass_.pool_accelerators):
+        open_accelerators = []
+    else:
+        open_accelerators = [a for a in passed if a not in blocked and a not in holding]
+    shut = len(passed) - len(open_accelerators) - len(holding)
+    if shut > 0:
+        first = next(a for a in passed if a in blocked and a not in holding)
+        reasons.add(BLOCKED, refusal_reason(pass_, BLOCKED, first, attempt.now), shut)
+    return open_accelerators
+
+
+def _start_load(attempt: Attempt, loads: _Loads) -> StartLoad:
+    """Phase 3, chosen: load on the best fit. The model's bytes and this request's lease bytes
+    are both promised from now on."""
+    pass_, deployment = attempt.pass_, attempt.deployment
+    assert loads.best is not None
+    _, accelerator = loads.best
+    acc = pass_.state.catalog.accelerator(accelerator)
+    assert acc is not None
+    pass_.commit(accelerator, loads.need)
+    take_reservation(pass_, accelerator, Landing(loads.need, loads.persists, attempt, attempt.load_s))
+    key = resident_key(deployment.deployment_id, accelerator)
+    pass_.slots[key] = deployment.concurrency - 1
+    # Later requests of this pass join the load (up to its concurrency) instead of starting a
+    # second one under the same key on the same card.
+    pass_.residents_of.setdefault(deployment.deployment_id, []).append(
+        ResidentState(
+            key=key,
+            deployment=deployment.deployment_id,
+            capability=deployment.capability,
+            accelerator=accelerator,
+            node=acc.node,
+            bytes=deployment.resident_bytes,
+            phase=ResidentPhase.LOADING,
+            residency=deployment.residency,
+            ttl_s=deployment.ttl_s,
+            workflow_id="",
+            requested_at=attempt.now,
         )
-        return StartLoad(
-            key, deployment.deployment_id, accelerator, acc.node, deployment.resident_bytes, [queued.request_id]
-        )
-    if eviction_options:
-        _, accelerator, plan = min(eviction_options)
+    )
+    return StartLoad(
+        key, deployment.deployment_id, accelerator, acc.node, deployment.resident_bytes, [attempt.queued.request_id]
+    )
+
+
+def _make_room(attempt: Attempt, loads: _Loads, joined: _Joined) -> list[Unload | Sleep] | Preemption | None:
+    """Phase 4: the cheapest idle residents to evict (where it falls short, or for the wake of
+    an asleep copy), else a slot or the bytes of work its class may preempt."""
+    pass_, queued = attempt.pass_, attempt.queued
+    options = _eviction_options(attempt, loads, joined.asleep)
+    if options:
+        _, accelerator, plan = min(options)
         for key, _ in plan:
             pass_.evicting[key] = True
         pass_.blocked[accelerator] = True
         return room_decisions(plan, f"making room for {queued.capability} ({queued.priority})")
-    if pass_.preemptible:
-        preemption = slot_preemption(pass_, queued, full) if full else None
-        if preemption is None:
-            preemption = preemption_plan(pass_, queued, deployment, need, room_candidates)
-        if preemption is not None:
-            return preemption
+    if not pass_.preemptible:
+        return None
+    preemption = slot_preemption(pass_, queued, joined.full) if joined.full else None
+    if preemption is None:
+        preemption = preemption_plan(pass_, queued, attempt.deployment, loads.need, loads.room_candidates)
+    return preemption
 
-    # Nothing fits now. Refuse at once when no release of ModelForge's own work could ever help.
-    never = _never_fits(pass_, passed, need)
+
+def _eviction_options(
+    attempt: Attempt, loads: _Loads, asleep: list[tuple[ResidentState, int]]
+) -> list[tuple[int, str, list[tuple[str, bool]]]]:
+    """(bytes evicted, accelerator, plan) for each place making room would help: a load where it
+    falls short, and an asleep copy of this model whose wake does not fit yet (as good an
+    option as making room for a load elsewhere)."""
+    pass_, deployment_id = attempt.pass_, attempt.deployment.deployment_id
+    residents = pass_.state.residents
+    wanted = [(a, loads.need) for a in loads.short if a in pass_.evictable]
+    wanted += [
+        (s.accelerator, need)
+        for s, need in asleep
+        if s.accelerator in pass_.evictable and s.accelerator not in pass_.reservations
+    ]
+    options = []
+    for accelerator, need in wanted:
+        plan = eviction_plan(pass_, accelerator, deployment_id, need, attempt.production)
+        if plan is not None:
+            options.append((sum(residents[k].bytes for k, _ in plan), accelerator, plan))
+    return options
+
+
+def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons) -> Reject | Wait:
+    """Phase 5, nothing fits now: refused at once when no release of ModelForge's own work could
+    ever help; else it waits, and later requests may not take new bytes where it waits."""
+    pass_, queued = attempt.pass_, attempt.queued
+    never = _never_fits(pass_, passed, loads.need)
     if never is not None:
         return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
-    for accelerator in open_accelerators:
-        if budgets[accelerator].fresh and accelerator not in backfill_only:
-            blocked[accelerator] = True
+    budgets = pass_.budgets
+    for accelerator in loads.open:
+        if budgets[accelerator].fresh and accelerator not in loads.backfill_only:
+            pass_.blocked[accelerator] = True
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")
-
-
-def _stale(accelerator: str, age_s: float | None) -> str:
-    age = "never observed" if age_s is None else f"observation {age_s:.0f} s old"
-    return f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})"
 
 
 def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
