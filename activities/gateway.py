@@ -89,6 +89,11 @@ class _PoolBatcher:
 def _admission_deadline(call: AdmitCall) -> float:
     if call.request.admit_by is not None:
         return call.request.admit_by
+    return _call_deadline()
+
+
+def _call_deadline() -> float:
+    """ADMIT_MARGIN_S before the local activity's schedule-to-close timeout."""
     info = activity.info()
     budget = info.schedule_to_close_timeout
     if budget is None:
@@ -166,12 +171,27 @@ class SchedulerGatewayActivities:
     @activity.defn(name="confirm_lease")
     async def confirm_lease(self, call: LeaseConfirmCall) -> bool:
         """Whether the scheduler still holds the lease for its holder (and, if so, that the
-        holder has now been heard from): asked before a grant that arrived late is used."""
+        holder has now been heard from): asked before a grant that arrived late is used. Like
+        `admit`, it ends every attempt itself, never by Temporal's timeouts."""
         handle = self._client.get_workflow_handle(f"scheduler:{call.pool}")
-        try:
-            held: bool = await handle.execute_update(
-                "confirm_lease", call, result_type=bool, id=f"confirm:{call.lease_id}"
+        left = _call_deadline() - time.time()
+        if left <= 0:
+            raise ApplicationError(
+                f"the scheduler of pool {call.pool!r} did not confirm lease {call.lease_id} in time",
+                type=FailureClass.TIMEOUT.value,
+                non_retryable=True,
             )
+        try:
+            held: bool = await asyncio.wait_for(
+                handle.execute_update("confirm_lease", call, result_type=bool, id=f"confirm:{call.lease_id}"),
+                timeout=min(left, ATTEMPT_WAIT_S),
+            )
+        except TimeoutError:
+            raise ApplicationError(
+                f"the scheduler of pool {call.pool!r} did not answer within {min(left, ATTEMPT_WAIT_S):.0f} s",
+                type=(FailureClass.TIMEOUT if left <= ATTEMPT_WAIT_S else FailureClass.SCHEDULER_STATE_STALE).value,
+                non_retryable=left <= ATTEMPT_WAIT_S,
+            ) from None
         except Exception as error:
             raise _as_failure(error, call.pool) from None
         return held
