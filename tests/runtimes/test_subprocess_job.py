@@ -345,3 +345,27 @@ async def test_modelforge_logs_prints_and_follows_a_jobs_log(node: Node, monkeyp
     assert printed.exit_code == 0 and printed.stdout == followed
     missing = CliRunner().invoke(cli.app, ["logs", "nobody"])
     assert missing.exit_code == 1 and "REQUEST_INVALID" in missing.output and "no job log" in missing.output
+
+
+def test_a_node_worker_that_comes_back_kills_the_orphaned_jobs_its_killed_predecessor_left(tmp_path: Path) -> None:
+    import subprocess
+
+    devices = NodeDevices(SimulatedGpuBackend([]), HostMemoryDevice("n", 8 * GiB))
+    runtime = SubprocessJobRuntime(devices, tmp_path, "n")
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    # What a killed worker leaves: the job (a session of its own) and its pid file.
+    orphan = subprocess.Popen(argv, start_new_session=True)
+    bystander = subprocess.Popen(argv, start_new_session=True)  # a pid file that names another command
+    try:
+        running = runtime.jobs_dir / "running"
+        running.mkdir(parents=True)
+        (running / "lease-1.pid").write_text(json.dumps({"pid": orphan.pid, "argv": argv}))
+        (running / "lease-2.pid").write_text(json.dumps({"pid": bystander.pid, "argv": ["something", "else"]}))
+        assert SubprocessJobRuntime(devices, tmp_path, "n").reap_orphans() == [orphan.pid]
+        assert orphan.wait(timeout=10) == -9
+        assert bystander.poll() is None  # never a process it cannot prove is its own
+        assert list(running.iterdir()) == []
+    finally:
+        for process in (orphan, bystander):
+            process.kill()
+            process.wait()
