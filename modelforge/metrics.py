@@ -3,7 +3,10 @@
 Gauges come from the scheduler's `status` query, sampled every few seconds; counters and the
 admission-latency histogram come from the event batches the control worker writes to Postgres,
 so they count what the event log holds (at least once: a batch retried after a write that did
-land is counted again)."""
+land is counted again).
+
+`GatewayMetrics` are the HTTP gateway's own (`/metrics` on the gateway, behind its API key):
+requests, their duration and their tokens, by capability, tenant, class and status."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ log = get_logger("modelforge.metrics")
 BYTE_KINDS = ("total", "external", "resident", "leased", "reserve", "schedulable")
 # Seconds from submission to lease: a warm grant is milliseconds, a cold load seconds, a queue minutes.
 ADMISSION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+# Seconds a gateway request takes, answer written: a refusal is microseconds, a warm embedding
+# milliseconds, a cold load seconds, a queued batch minutes.
+GATEWAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
 class Metrics:
@@ -146,3 +152,60 @@ class Metrics:
                     await asyncio.sleep(interval_s)
                 else:
                     await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+class GatewayMetrics:
+    """The gateway's request metrics. Labels: `route` (the route's template, `unmatched` for none,
+    so no client-chosen path becomes a series), `capability` (the catalog's, empty when the
+    model was unknown or never resolved), `tenant` (the API key's, or the header's without
+    keys; empty when refused before one was known), `priority` (the class granted, else the
+    one asked for, else empty: the tenant's default), `status` (HTTP) and, on the counter,
+    `failure_class`. Tokens count the server's figures where it reported them, and the
+    gateway's estimates (`estimated="true"`) otherwise."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "modelforge_gateway_requests",
+            "HTTP requests the gateway answered",
+            ["route", "capability", "tenant", "priority", "status", "failure_class"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "modelforge_gateway_request_seconds",
+            "Seconds from a request's arrival at the gateway to its answer",
+            ["route", "capability", "tenant", "priority", "status"],
+            buckets=GATEWAY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "modelforge_gateway_tokens",
+            "Tokens of answered requests, by kind (prompt, completion); estimated=true where the model "
+            "server reported no counts",
+            ["capability", "tenant", "priority", "kind", "estimated"],
+            registry=r,
+        )
+
+    def observe(
+        self,
+        *,
+        route: str,
+        capability: str,
+        tenant: str,
+        priority: str,
+        status: int,
+        failure_class: str,
+        seconds: float,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        estimated: bool = False,
+    ) -> None:
+        code = str(status)
+        self.requests.labels(route, capability, tenant, priority, code, failure_class).inc()
+        self.seconds.labels(route, capability, tenant, priority, code).observe(max(0.0, seconds))
+        flag = str(estimated).lower()
+        if prompt_tokens:
+            self.tokens.labels(capability, tenant, priority, "prompt", flag).inc(prompt_tokens)
+        if completion_tokens:
+            self.tokens.labels(capability, tenant, priority, "completion", flag).inc(completion_tokens)

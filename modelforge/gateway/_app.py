@@ -4,16 +4,21 @@ outcome to HTTP; the failure class is always in the body.
 
 Order of checks on every call (docs/SECURITY.md, "The gateway"): the API key first (every route
 but `/healthz`, before a byte of the body is read; 401 whatever the path or model name), then the
-body read from the stream up to `max_body_bytes` (413 past it, never buffered whole) within
-`body_timeout_s` (408), then its shape and identifiers (`modelforge.identifiers`; 422), and only
-then a workflow. Header timeouts are the server's: `gateway_server` (`_server.py`)."""
+body read from the stream up to the maximum payload size (MODELFORGE_MAX_PAYLOAD_BYTES; 413 past
+it, never buffered whole) within `body_timeout_s` (408), then its shape, parameters and
+identifiers (`modelforge.identifiers`; 400), and only then a workflow. Errors are OpenAI's shape
+(`error.type`, `error.code`, `error.param`) with the failure class in `error.modelforge_class`.
+Header timeouts are the server's: `gateway_server` (`_server.py`). Every request is logged and
+counted (`_observe.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import hmac
+import json
 import re
 import struct
 import time
@@ -22,13 +27,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -37,11 +43,24 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from modelforge.client import Result
 from modelforge.domain import Catalog, Deployment
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.gateway._errors import RETRY_AFTER_S, http_status
+from modelforge.gateway._errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_S, http_status, openai_error
+from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
+from modelforge.gateway._params import (
+    CHAT_OWN,
+    EMBEDDINGS_OWN,
+    ChatCall,
+    EmbeddingsCall,
+    parameters,
+    refused,
+    takes_parameters,
+    usage,
+)
 from modelforge.identifiers import identifier_problem, shown
-from modelforge.messages import MAX_INPUT_BYTES
+from modelforge.metrics import GatewayMetrics
+from modelforge.payloads import input_limit
 from modelforge.policy import PoolStatus
+from modelforge.settings import Settings
 
 # A class: a level, or `queue.level` (the client's rule, matched whole: no trailing newline).
 _PRIORITY = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
@@ -85,8 +104,11 @@ class GatewayConfig:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     default_tenant: str = "default"
     catalog_ttl_s: float = 10.0
-    # Bytes of one HTTP body; the workflow input limit applies to what is forwarded.
-    max_body_bytes: int = 2 * MAX_INPUT_BYTES
+    # Bytes of one HTTP body, and of the input it forwards. None: the largest input the
+    # requester's Temporal client sends (MODELFORGE_MAX_PAYLOAD_BYTES with the payload store, as
+    # `modelforge gateway` connects; 1 MB without one), or MODELFORGE_MAX_PAYLOAD_BYTES for a
+    # requester without a Temporal client.
+    max_body_bytes: int | None = None
     # Seconds a client has to send the whole body once its headers are in (408 past it).
     body_timeout_s: float = 30.0
 
@@ -118,11 +140,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Lax(BaseModel):
-    # OpenAI clients send fields ModelForge has no use for (temperature, user...): accepted, ignored.
-    model_config = ConfigDict(extra="ignore")
-
-
 class CapabilityCall(_Strict):
     capability: Annotated[str, Field(min_length=1, max_length=200)]
     input: dict[str, Any] = Field(default_factory=dict)
@@ -131,25 +148,6 @@ class CapabilityCall(_Strict):
     deadline_s: Annotated[float, Field(gt=0)] | None = None
     lease_timeout_s: Annotated[float, Field(gt=0)] | None = None
     request_id: str | None = None
-
-
-class EmbeddingsCall(_Lax):
-    model: Annotated[str, Field(min_length=1, max_length=200)]
-    input: str | list[str]
-    encoding_format: Literal["float", "base64"] = "float"
-
-
-class ChatMessage(_Lax):
-    role: Annotated[str, Field(min_length=1, max_length=40)]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCall(_Lax):
-    model: Annotated[str, Field(min_length=1, max_length=200)]
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1000)]
-    max_tokens: Annotated[int, Field(gt=0)] | None = None
-    max_completion_tokens: Annotated[int, Field(gt=0)] | None = None
-    stream: bool = False
 
 
 class GatewayError(Exception):
@@ -161,6 +159,8 @@ class GatewayError(Exception):
         status: int | None = None,
         request_id: str = "",
         headers: dict[str, str] | None = None,
+        code: str | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.failure = failure.value if isinstance(failure, FailureClass) else failure
@@ -168,10 +168,25 @@ class GatewayError(Exception):
         self.status = status if status is not None else http_status(self.failure)
         self.request_id = request_id
         self.headers = headers or {}
+        self.code = code
+        self.param = param
 
 
-def _invalid(message: str, status: int | None = None) -> GatewayError:
-    return GatewayError(FailureClass.REQUEST_INVALID, message, status=status)
+def _invalid(
+    message: str, status: int | None = None, *, code: str | None = None, param: str | None = None
+) -> GatewayError:
+    return GatewayError(FailureClass.REQUEST_INVALID, message, status=status, code=code, param=param)
+
+
+def _model_not_found(model: str, request_id: str = "") -> GatewayError:
+    return GatewayError(
+        FailureClass.CAPABILITY_UNAVAILABLE,
+        f"no capability serves model {shown(model)}",
+        status=404,
+        code="model_not_found",
+        param="model",
+        request_id=request_id,
+    )
 
 
 def _printable(text: str, limit: int = 2000) -> str:
@@ -186,9 +201,17 @@ def _escaped(text: str, limit: int) -> str:
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
-    # OpenAI's error shape, so its SDK raises the matching exception with our message and class.
+    # OpenAI's error shape, so its SDK raises the matching exception (BadRequestError,
+    # NotFoundError...) with our message; the failure class in a field of its own.
+    kind, default_code = openai_error(error.status)
     body = {
-        "error": {"message": _printable(error.message), "type": error.failure, "code": error.failure, "param": None},
+        "error": {
+            "message": _printable(error.message),
+            "type": kind,
+            "param": error.param,
+            "code": error.code or default_code,
+            "modelforge_class": error.failure,
+        },
         "failure_class": error.failure,
         "request_id": error.request_id or None,
     }
@@ -197,8 +220,12 @@ def _error_response(error: GatewayError) -> JSONResponse:
         retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
     except ValueError:
         retry_after = None
+    if error.status == 429 and retry_after is None:
+        retry_after = DEFAULT_RETRY_AFTER_S
     if retry_after is not None and error.status in (429, 503):
         headers["Retry-After"] = str(retry_after)
+    if error.status == 409:
+        headers["x-should-retry"] = "false"  # the id stays taken: the SDK's retries cannot help
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -230,13 +257,19 @@ class _Catalog:
         for deployment in catalog.deployments:
             if model == deployment.capability or model == deployment.name or model in deployment.openai_models:
                 return deployment
-        raise GatewayError(
-            FailureClass.CAPABILITY_UNAVAILABLE, f"no capability serves model {shown(model)}", status=404
-        )
+        raise _model_not_found(model)
 
 
-def _words(text: str) -> int:
-    return len(text.split())
+def _body_limit(config: GatewayConfig, requester: Requester) -> int:
+    if config.max_body_bytes is not None:
+        return config.max_body_bytes
+    if hasattr(requester, "temporal"):  # ModelForgeClient: what its converter lets it send
+        return input_limit(requester.temporal)
+    return Settings.from_env().max_payload_bytes
+
+
+def _model_object(name: str, deployment: Deployment) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "modelforge", "capability": deployment.capability}
 
 
 def _float32_base64(vector: list[float]) -> str:
@@ -264,11 +297,24 @@ def _check(kind: str, value: str) -> str:
     return value
 
 
-def create_app(requester: Requester, catalog_source: CatalogSource, config: GatewayConfig | None = None) -> FastAPI:
+def create_app(
+    requester: Requester,
+    catalog_source: CatalogSource,
+    config: GatewayConfig | None = None,
+    *,
+    metrics: GatewayMetrics | None = None,
+) -> FastAPI:
+    """The gateway. `metrics`: where its request metrics go (a fresh registry by default; served
+    on its `/metrics`, and kept as `app.state.metrics`)."""
     config = config or GatewayConfig()
     catalog = _Catalog(catalog_source, config.catalog_ttl_s)
+    body_limit = _body_limit(config, requester)
+    metrics = metrics or GatewayMetrics()
     # The documentation routes are served below, behind the same key check as the API.
     app = FastAPI(title="ModelForge gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    app.state.max_body_bytes = body_limit
+    app.add_middleware(AccessLog, metrics=metrics)  # the access log line and metrics of every request
     keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
 
     def tenant_of_key(presented: str | None) -> str | None:
@@ -307,33 +353,41 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
         scheme, _, presented = header.partition(" ")
         return scheme.lower() == "bearer" and tenant_of_key(presented.strip()) is not None
 
-    @app.exception_handler(GatewayError)
-    async def _typed(_: Request, error: GatewayError) -> JSONResponse:
+    def answer(request: Request, error: GatewayError) -> JSONResponse:
+        request.state.failure_class = error.failure  # for the access log and metrics
+        if error.request_id:
+            request.state.request_id = error.request_id
         return _error_response(error)
+
+    @app.exception_handler(GatewayError)
+    async def _typed(request: Request, error: GatewayError) -> JSONResponse:
+        return answer(request, error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing(request: Request, error: StarletteHTTPException) -> JSONResponse:
         # No such route or method: with keys configured, a caller without one learns nothing more.
         if keys and not authenticated(request):
-            return _error_response(unauthorized())
-        return _error_response(
-            _invalid(f"{request.method} {shown(request.url.path)}: {error.detail}", error.status_code)
+            return answer(request, unauthorized())
+        return answer(
+            request, _invalid(f"{request.method} {shown(request.url.path)}: {error.detail}", error.status_code)
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _error_response(_invalid(f"the request is not valid: {len(error.errors())} problem(s)"))
+    async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        return answer(request, _invalid(f"the request is not valid: {len(error.errors())} problem(s)"))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         # Logged by the server; the client gets a class, never a traceback or another's data.
-        return _error_response(GatewayError(INTERNAL_ERROR, "the gateway failed; see its log", status=500))
+        return answer(request, GatewayError(INTERNAL_ERROR, "the gateway failed; see its log", status=500))
 
     async def read_body(request: Request) -> bytes:
         """At most `max_body_bytes` of the body, from the stream as it arrives, within
         `body_timeout_s`: past either the client gets its answer and the rest is never read."""
-        limit = config.max_body_bytes
-        too_big = _invalid(f"the body is over the {limit}-byte limit", status=413)
+        limit = body_limit
+        too_big = _invalid(
+            f"the body is over the {limit}-byte limit (MODELFORGE_MAX_PAYLOAD_BYTES)", status=413, param="body"
+        )
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise too_big
@@ -357,7 +411,8 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
         except ValidationError as error:
             first = error.errors(include_url=False, include_input=False)[0]
             where = ".".join(_escaped(str(p), 40) for p in first["loc"]) or "body"
-            raise _invalid(f"{where}: {first['msg']}") from None
+            code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+            raise _invalid(f"{where}: {first['msg']}", code=code, param=where) from None
         except (RecursionError, ValueError, UnicodeError) as error:
             raise _invalid(f"body: not valid JSON ({type(error).__name__})") from None
         if _json_depth(call.model_dump(mode="python")) > MAX_JSON_DEPTH:
@@ -401,6 +456,18 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
     ) -> Result:
         if "priority" not in options:  # read the header once
             options["priority"] = priority_of(request)
+        state = request.state
+        state.capability, state.request_id, state.priority = capability, request_id, options["priority"] or ""
+        # The input as the client measures it (JSON, ASCII escapes): past the limit, 413 here,
+        # before any workflow, rather than the client's 400.
+        with contextlib.suppress(TypeError, ValueError, RecursionError):
+            size = len(json.dumps(payload, allow_nan=False).encode())
+            if size > body_limit:
+                raise _invalid(
+                    f"the input is {size} bytes; the limit is {body_limit} (MODELFORGE_MAX_PAYLOAD_BYTES)",
+                    status=413,
+                    param="input",
+                )
         key = (capability, request_id)
         holder, calls = in_flight.get(key, (tenant, 0))
         if holder != tenant:
@@ -422,6 +489,8 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             # Attached to a run of this id that another tenant started (through another gateway
             # process, or finished earlier): its output is not this caller's to see.
             raise conflict(request_id)
+        if result.lease is not None:
+            state.priority = result.lease.priority  # the class granted
         if not result.ok:
             raise GatewayError(
                 result.failure_class or FailureClass.CAPABILITY_UNAVAILABLE, result.message, request_id=request_id
@@ -463,6 +532,8 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
                 f"no deployment serves {shown(capability)}",
                 status=404,
                 request_id=request_id,
+                code="model_not_found",
+                param="capability",
             )
         result = await run(
             request,
@@ -493,33 +564,74 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
             raise GatewayError(error.failure, error.message) from None
         return JSONResponse(dataclasses.asdict(pool))
 
+    @api.get("/metrics", include_in_schema=False)
+    async def metrics_() -> Response:
+        # Prometheus text; behind the API key like every route (Prometheus sends it as a bearer).
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
         known = await catalog.get()
         names = []
         for deployment in known.deployments:
             for name in [deployment.capability, *deployment.openai_models]:
-                names.append({"id": name, "object": "model", "created": 0, "owned_by": "modelforge"})
+                names.append(_model_object(name, deployment))
         return {"object": "list", "data": names}
+
+    @api.get("/v1/models/{model:path}")
+    async def model_(request: Request, model: str) -> dict[str, Any]:
+        request.state.model = model
+        deployment = await deployment_for_model(model)
+        request.state.capability = deployment.capability
+        return _model_object(model, deployment)
+
+    def refuse_parameters(names: list[str], deployment: Deployment) -> GatewayError:
+        api = deployment.runtime_config.get("api", "")
+        runtime = deployment.runtime + (f" with api {api!r}" if api else "")
+        return _invalid(
+            f"{', '.join(_escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime {runtime}) "
+            "takes no request parameters; leave them out, or serve the model from an OpenAI-compatible "
+            "server (subprocess_http)",
+            code="unsupported_parameter",
+            param=_escaped(names[0], 60),
+        )
+
+    def tokens_seen(request: Request, counts: dict[str, Any]) -> None:
+        request.state.tokens = {
+            "prompt_tokens": counts.get("prompt_tokens", 0),
+            "completion_tokens": counts.get("completion_tokens", 0),
+            "tokens_estimated": counts.get("estimated", True),
+        }
 
     @api.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         tenant: str = request.state.tenant
         call: EmbeddingsCall = await body_of(request, EmbeddingsCall)
+        request.state.model = call.model
         texts = [call.input] if isinstance(call.input, str) else list(call.input)
         if not texts or any(not t for t in texts):
-            raise _invalid("input: give one or more non-empty strings")
+            raise _invalid("input: give one or more non-empty strings", param="input")
         deployment = await deployment_for_model(call.model)
+        request.state.capability = deployment.capability
+        given = parameters(call, EMBEDDINGS_OWN)
+        payload: dict[str, Any] = {"texts": texts}
+        if takes_parameters(deployment, "openai_embeddings"):
+            if given:
+                payload["parameters"] = given
+        elif refused(given):
+            raise refuse_parameters(refused(given), deployment)
         request_id = request_id_of(request)
-        result = await run(request, deployment.capability, {"texts": texts}, request_id, tenant=tenant)
-        vectors = (result.output or {}).get("embeddings")
+        result = await run(request, deployment.capability, payload, request_id, tenant=tenant)
+        output = result.output or {}
+        vectors = output.get("embeddings")
         if not isinstance(vectors, list) or len(vectors) != len(texts):
             raise GatewayError(
                 FailureClass.INVALID_OUTPUT,
                 f"{deployment.capability} returned no 'embeddings' list of {len(texts)} vectors",
                 request_id=request_id,
             )
-        tokens = sum(_words(t) for t in texts)
+        counts = usage(output, texts, None)
+        tokens_seen(request, counts)
         return {
             "object": "list",
             "data": [
@@ -531,53 +643,96 @@ def create_app(requester: Requester, catalog_source: CatalogSource, config: Gate
                 for index, vector in enumerate(vectors)
             ],
             "model": call.model,
-            # Whitespace-separated words: ModelForge does not tokenize; the count is approximate.
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            # The server's token counts, or estimated ("estimated": true): never words as tokens.
+            "usage": counts,
         }
+
+    def plain_messages(call: ChatCall) -> list[dict[str, Any]]:
+        """The messages as role and text, for a runtime that takes nothing else: a part or field
+        it would lose (an image, a tool call) is refused, named."""
+        messages = []
+        for n, message in enumerate(call.messages):
+            extra = sorted(message.model_extra or {})
+            if extra:
+                where = f"messages.{n}.{_escaped(extra[0], 40)}"
+                raise _invalid(
+                    f"{where}: this model takes role and content only", code="unsupported_parameter", param=where
+                )
+            content = message.content
+            if isinstance(content, list):  # content parts: text ones only
+                for m, part in enumerate(content):
+                    if part.get("type") != "text":
+                        where = f"messages.{n}.content.{m}"
+                        raise _invalid(
+                            f"{where}: this model takes text parts only, not {shown(str(part.get('type')))}",
+                            code="unsupported_parameter",
+                            param=where,
+                        )
+                content = "".join(str(part.get("text", "")) for part in content)
+            messages.append({"role": message.role, "content": content or ""})
+        return messages
+
+    def _text(content: Any) -> str:
+        if isinstance(content, list):
+            return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return content if isinstance(content, str) else ""
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> dict[str, Any]:
         tenant: str = request.state.tenant
         call: ChatCall = await body_of(request, ChatCall)
+        request.state.model = call.model
         if call.stream:
-            raise _invalid("stream: streaming responses are not served yet")
+            raise _invalid(
+                "stream: streaming responses are not served yet; ask without stream",
+                code="unsupported_parameter",
+                param="stream",
+            )
+        if call.stream_options is not None:
+            raise _invalid("stream_options: only with stream, which is not served yet", param="stream_options")
         deployment = await deployment_for_model(call.model)
-        messages = []
-        for message in call.messages:
-            content = message.content
-            if isinstance(content, list):  # content parts: the text ones
-                content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-            messages.append({"role": message.role, "content": content or ""})
-        payload: dict[str, Any] = {"messages": messages}
-        max_tokens = call.max_completion_tokens or call.max_tokens
-        if max_tokens is not None:
-            payload["max_tokens"] = max_tokens
+        request.state.capability = deployment.capability
+        given = parameters(call, CHAT_OWN)
+        payload: dict[str, Any]
+        if takes_parameters(deployment, "openai_chat"):
+            # As the client sent them (content parts, tool calls, names): the server reads them.
+            messages = [m.model_dump(mode="json", exclude_unset=True) for m in call.messages]
+            payload = {"messages": messages}
+            if given:
+                payload["parameters"] = given
+        else:
+            if refused(given):
+                raise refuse_parameters(refused(given), deployment)
+            messages = plain_messages(call)
+            payload = {"messages": messages}
         request_id = request_id_of(request)
         result = await run(request, deployment.capability, payload, request_id, tenant=tenant)
-        text = (result.output or {}).get("text")
+        output = result.output or {}
+        text = output.get("text")
         if not isinstance(text, str):
             raise GatewayError(
                 FailureClass.INVALID_OUTPUT, f"{deployment.capability} returned no 'text'", request_id=request_id
             )
-        prompt_tokens = sum(_words(m["content"]) for m in messages)
-        completion_tokens = _words(text)
+        choices = output.get("choices")
+        if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
+            choices = [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": str(output.get("finish_reason", "stop")),
+                }
+            ]
+        completions = [_text((c.get("message") or {}).get("content")) for c in choices]
+        counts = usage(output, [_text(m.get("content")) for m in messages], completions)
+        tokens_seen(request, counts)
         return {
             "id": f"chatcmpl-{result.request_id}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": call.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": str((result.output or {}).get("finish_reason", "stop")),
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "choices": choices,
+            # The server's token counts, or estimated ("estimated": true): never words as tokens.
+            "usage": counts,
         }
 
     api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of))  # Ollama's /api/*

@@ -5,16 +5,24 @@ headers a byte at a time (slowloris) holds the connection for ever, since every 
 nothing and the keep-alive timer only runs between requests. `_HeaderDeadline` closes a
 connection whose request line and headers are not complete `header_timeout_s` after it opened
 (or after the previous response on a kept-alive connection). The body's own deadline is the
-application's (`GatewayConfig.body_timeout_s`, answered 408)."""
+application's (`GatewayConfig.body_timeout_s`, answered 408).
+
+MODELFORGE_LOG_LEVEL (debug, info, warning, error) sets the level of the gateway's structured log,
+its access log included (`_observe.py`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from modelforge.gateway._observe import log_level_from_env
+from modelforge.logging import configure
 
 # Seconds a client has for its request line and headers.
 HEADER_TIMEOUT_S = 10.0
@@ -77,7 +85,14 @@ def gateway_server(
     log_level: str = "warning",
 ) -> uvicorn.Server:
     """A uvicorn server for the gateway app with header and keep-alive timeouts and a header
-    size limit. `await server.serve()` runs it; `server.should_exit = True` stops it."""
+    size limit. `await server.serve()` runs it; `server.should_exit = True` stops it. With
+    MODELFORGE_LOG_LEVEL set, the process's structured log takes that level (REQUEST_INVALID for
+    a level that is not one), and uvicorn's own log follows it at debug."""
+    if os.environ.get("MODELFORGE_LOG_LEVEL"):
+        level = log_level_from_env()
+        configure(level)
+        if level == logging.DEBUG:
+            log_level = "debug"
     protocol = type("GatewayHttpProtocol", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         app,

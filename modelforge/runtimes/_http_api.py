@@ -3,7 +3,13 @@
 `openai_embeddings` (vLLM, llama.cpp's server, text-embeddings-inference's OpenAI route),
 `openai_chat` (vLLM, llama.cpp's server) and `tei_embed` (text-embeddings-inference's /embed).
 Whatever the dialect, the runtime answers in ModelForge's own output shape: `embeddings` (and
-`embedding`, the first) for embedding capabilities, `text` and `finish_reason` for chat."""
+`embedding`, the first) for embedding capabilities, `text` and `finish_reason` for chat; `choices`
+when the answer holds more than one text (`n`, tool calls, logprobs), and `usage` when the server
+reported token counts.
+
+Request parameters (`temperature`, `tools`, `dimensions`... and any other field the server takes)
+travel in the input's `parameters` object and reach an OpenAI-compatible server as they are; a
+dialect that takes none (`tei_embed`) refuses them, naming them: a parameter is never dropped."""
 
 from __future__ import annotations
 
@@ -43,20 +49,60 @@ def texts_of(payload: dict[str, Any]) -> list[str]:
     return texts
 
 
+# Fields of the server's request body that ModelForge itself fills (or, for streaming, does not
+# serve yet): a parameter of that name is refused rather than overriding them.
+_OWN_FIELDS = {
+    "openai_embeddings": ("model", "input"),
+    "openai_chat": ("model", "messages", "stream", "stream_options"),
+}
+# Options a chat input may also carry at its top level (older callers, the health check).
+_CHAT_TOP_LEVEL = ("max_tokens", "temperature", "top_p", "stop")
+
+
+def parameters_of(payload: dict[str, Any]) -> dict[str, Any]:
+    """The input's `parameters` object ({} without one); REQUEST_INVALID if it is not an object."""
+    parameters = payload.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict) or not all(isinstance(k, str) for k in parameters):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "'parameters' must be an object of name: value")
+    return parameters
+
+
+def _passed(api: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(name for name in parameters if name in _OWN_FIELDS.get(api, ()))
+    if taken:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"parameters: {', '.join(taken)} cannot be given as parameters"
+            + (" (streaming is not served yet)" if any(n.startswith("stream") for n in taken) else ""),
+        )
+    return parameters
+
+
 def build_call(api: str, served_model: str, payload: dict[str, Any]) -> HttpCall:
+    parameters = parameters_of(payload)
     if api == "openai_embeddings":
         texts = texts_of(payload)
-        return HttpCall("/v1/embeddings", {"model": served_model, "input": texts}, len(texts))
+        body = {"model": served_model, "input": texts, **_passed(api, parameters)}
+        return HttpCall("/v1/embeddings", body, len(texts))
     if api == "tei_embed":
         texts = texts_of(payload)
+        if parameters:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"parameters {', '.join(sorted(parameters))}: text-embeddings-inference's /embed (api "
+                "'tei_embed') takes none; serve the model with api 'openai_embeddings' to pass them",
+            )
         return HttpCall("/embed", {"inputs": texts}, len(texts))
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, "a chat request needs a non-empty 'messages' list")
-    body: dict[str, Any] = {"model": served_model, "messages": messages}
-    for option in ("max_tokens", "temperature", "top_p", "stop"):
+    body = {"model": served_model, "messages": messages}
+    for option in _CHAT_TOP_LEVEL:
         if option in payload:
             body[option] = payload[option]
+    body.update(_passed(api, parameters))
     return HttpCall("/v1/chat/completions", body, 1)
 
 
@@ -71,17 +117,73 @@ def _vector(value: Any, where: str) -> list[float]:
     return vector
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def usage_of(answer: Any, chat: bool) -> dict[str, int] | None:
+    """The token counts the server reported (OpenAI's `usage`), or None when it reported none
+    or something that is not counts: the gateway then marks its own figures estimated."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens", 0 if not chat else None))
+    if prompt is None or completion is None:
+        return None
+    total = _count(usage.get("total_tokens"))
+    counts = {"prompt_tokens": prompt, "total_tokens": total if total is not None else prompt + completion}
+    if chat:
+        counts["completion_tokens"] = completion
+    return counts
+
+
+# What a chat choice holds beyond its text; with any of these (or more than one choice) the
+# output carries `choices` whole.
+_PLAIN_MESSAGE = {"role", "content"}
+
+
+def _choice(index: int, choice: Any) -> dict[str, Any]:
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        raise _invalid(f"chat answer's choices[{index}] has no message")
+    message = dict(choice["message"])
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if content is None and not (isinstance(calls, list) and calls):
+        raise _invalid(f"chat answer's choices[{index}].message has neither content nor tool_calls")
+    if content is not None and not isinstance(content, str):
+        raise _invalid(f"chat answer's choices[{index}].message.content is not a string")
+    if calls is not None and not isinstance(calls, list):
+        raise _invalid(f"chat answer's choices[{index}].message.tool_calls is not a list")
+    message.setdefault("role", "assistant")
+    shaped: dict[str, Any] = {
+        "index": index,
+        "message": message,
+        "finish_reason": str(choice.get("finish_reason") or ("tool_calls" if calls else "stop")),
+    }
+    if choice.get("logprobs") is not None:
+        shaped["logprobs"] = choice["logprobs"]
+    return shaped
+
+
 def parse_response(api: str, answer: Any, expected: int) -> dict[str, Any]:
     """The server's JSON as ModelForge output; anything else is INVALID_OUTPUT, named."""
     if api == "openai_chat":
-        try:
-            choice = answer["choices"][0]
-            text = choice["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise _invalid("chat answer has no choices[0].message.content") from None
-        if not isinstance(text, str):
-            raise _invalid("chat answer's content is not a string")
-        return {"text": text, "finish_reason": str(choice.get("finish_reason") or "stop")}
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices:
+            raise _invalid("chat answer has no choices[0].message.content")
+        shaped = [_choice(n, choice) for n, choice in enumerate(choices)]
+        first = shaped[0]
+        output: dict[str, Any] = {
+            "text": first["message"].get("content") or "",
+            "finish_reason": first["finish_reason"],
+        }
+        if len(shaped) > 1 or any("logprobs" in c or set(c["message"]) - _PLAIN_MESSAGE for c in shaped):
+            output["choices"] = shaped
+        usage = usage_of(answer, chat=True)
+        if usage is not None:
+            output["usage"] = usage
+        return output
     if api == "tei_embed":
         rows = answer
     else:
@@ -97,7 +199,11 @@ def parse_response(api: str, answer: Any, expected: int) -> dict[str, Any]:
     vectors = [_vector(row, f"vector {n}") for n, row in enumerate(rows)]
     if len({len(v) for v in vectors}) != 1:
         raise _invalid("vectors of different lengths in one answer")
-    return {"embeddings": vectors, "embedding": vectors[0], "dimensions": len(vectors[0])}
+    output = {"embeddings": vectors, "embedding": vectors[0], "dimensions": len(vectors[0])}
+    usage = usage_of(answer, chat=False) if api == "openai_embeddings" else None
+    if usage is not None:
+        output["usage"] = usage
+    return output
 
 
 def _cosine(a: list[float], b: list[float]) -> float:

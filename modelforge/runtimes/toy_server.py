@@ -4,6 +4,13 @@ against, and a way to try that runtime without a real model. Its vectors are has
 words (a paraphrase shares words, so it lands closer than an unrelated sentence); its chat
 answers say they are from the toy server. `--fault` breaks it on purpose, as real servers break.
 
+It takes OpenAI's request parameters as a real server does, so a test can see them act: `n`
+choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `tools` with a
+`tool_choice` naming a function (or "required"), `response_format` json_object/json_schema,
+`logprobs`, and `dimensions` for embeddings; it reports `usage` in its own tokens. `GET /received`
+answers the last request bodies it received (path and body), so a test can check that
+parameters reached it.
+
     python -m modelforge.runtimes.toy_server --port 8081 [--fault never-ready|exit-at-start|
         crash-on-invoke|garbage|nan|hang] [--hold-mib 64] [--ready-after 0.5] [--ignore-term] [--orphan-worker]
 """
@@ -25,6 +32,91 @@ from typing import Any
 
 DIMENSIONS = 64
 FAULTS = ("never-ready", "exit-at-start", "crash-on-invoke", "garbage", "nan", "hang")
+# The most choices (`n`) it gives; past it, 400 as a real server answers a value it refuses.
+MAX_CHOICES = 8
+# Request bodies kept for GET /received.
+RECEIVED_KEPT = 50
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def tokens(text: str) -> int:
+    """The toy server's token count: words and punctuation marks."""
+    return len(_TOKEN.findall(text))
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text` up to the end of its `limit`-th token."""
+    ends = [match.end() for match in _TOKEN.finditer(text)]
+    return text if len(ends) <= limit else text[: ends[limit - 1] if limit > 0 else 0]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat completion for `body`, honouring the parameters listed in the docstring."""
+    messages = body.get("messages") or [{}]
+    last = messages[-1] if isinstance(messages[-1], dict) else {}
+    said = _text_of(last.get("content"))[:200]
+    content = f"[toy server] ready. You said: {said}"
+    response_format = body.get("response_format")
+    format_type = response_format.get("type") if isinstance(response_format, dict) else None
+    if format_type in ("json_object", "json_schema"):
+        content = json.dumps({"toy": True, "said": said})
+    finish = "stop"
+    stops = body.get("stop")
+    for stop in [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []:
+        if isinstance(stop, str) and stop and stop in content:
+            content = content[: content.index(stop)]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(limit, int) and tokens(content) > limit:
+        content, finish = _cut(content, limit), "length"
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+    choice = body.get("tool_choice")
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if tools and (named or choice == "required"):
+        name = named or tools[0].get("function", {}).get("name", "tool")
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_toy_0",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps({"said": said})},
+                }
+            ],
+        }
+        finish = "tool_calls"
+    asked = body.get("n")
+    count = asked if isinstance(asked, int) and asked > 0 else 1
+    choices = []
+    for index in range(count):
+        entry: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish}
+        if body.get("logprobs") and message.get("content"):
+            entry["logprobs"] = {
+                "content": [
+                    {"token": t, "logprob": 0.0, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t in _TOKEN.findall(message["content"])
+                ]
+            }
+        choices.append(entry)
+    prompt = sum(tokens(_text_of(m.get("content"))) for m in messages if isinstance(m, dict))
+    completion = count * tokens(message.get("content") or json.dumps(message.get("tool_calls")))
+    return {
+        "id": "chatcmpl-toy",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "toy"),
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    }
 
 
 def embed(text: str) -> list[float]:
@@ -61,6 +153,8 @@ class _Handler(BaseHTTPRequestHandler):
                     "children": self.server.children,
                 },
             )
+        elif self.path == "/received":  # what it was asked, for tests that check parameters arrived
+            self._answer(200, {"requests": list(self.server.received)})
         elif self.path != "/health":
             self._answer(404, {"error": "not found"})
         elif self.server.fault == "never-ready" or time.monotonic() < self.server.ready_at:
@@ -75,6 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._answer(400, {"error": "body is not JSON"})
             return
+        self.server.received.append({"path": self.path, "body": body})
+        del self.server.received[:-RECEIVED_KEPT]
         if self.path in ("/sleep?level=1", "/sleep"):  # vLLM's sleep mode: weights leave the card
             self.server.weights = bytearray()
             self.server.asleep = True
@@ -118,14 +214,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self._answer(400, {"error": "input must be a string or a list of strings"})
                 return
             vectors = [embed(str(t)) for t in texts]
+            dimensions = body.get("dimensions")
+            if isinstance(dimensions, int) and 0 < dimensions < DIMENSIONS:  # a matryoshka model's cut
+                vectors = [v[:dimensions] for v in vectors]
             if fault == "nan":
                 vectors[0][0] = float("nan")
+            used = sum(tokens(str(t)) for t in texts)
             self._answer(
                 200,
                 {
                     "object": "list",
                     "model": body.get("model", "toy"),
                     "data": [{"object": "embedding", "index": n, "embedding": v} for n, v in enumerate(vectors)],
+                    "usage": {"prompt_tokens": used, "total_tokens": used},
                 },
             )
         elif self.path == "/embed":
@@ -133,22 +234,14 @@ class _Handler(BaseHTTPRequestHandler):
             texts = [texts] if isinstance(texts, str) else texts
             self._answer(200, [embed(str(t)) for t in texts or []])
         elif self.path == "/v1/chat/completions":
-            messages = body.get("messages") or [{}]
-            said = str(messages[-1].get("content", ""))[:200] if isinstance(messages[-1], dict) else ""
-            self._answer(
-                200,
-                {
-                    "object": "chat.completion",
-                    "model": body.get("model", "toy"),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": f"[toy server] ready. You said: {said}"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                },
-            )
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                self._answer(400, {"error": "messages must be a list"})
+                return
+            asked = body.get("n", 1)
+            if not isinstance(asked, int) or not 1 <= asked <= MAX_CHOICES:  # as a real server refuses
+                self._answer(400, {"error": {"message": f"n must be from 1 to {MAX_CHOICES}", "param": "n"}})
+                return
+            self._answer(200, chat_answer(body))
         else:
             self._answer(404, {"error": "not found"})
 
@@ -162,6 +255,7 @@ class _ToyServer(ThreadingHTTPServer):
     hold_mib: int = 0
     asleep: bool = False
     checkpoints: int = 0
+    received: list[dict[str, Any]] = []
 
 
 def _touched(mib: int) -> bytearray:
@@ -196,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     server.hold_mib = options.hold_mib
     server.weights = _touched(options.hold_mib)
     server.children = []
+    server.received = []
     if options.orphan_worker:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         server.children.append(worker.pid)

@@ -68,25 +68,31 @@ async def _embeddings_and_chat(gateway: _Served, client: openai.AsyncOpenAI) -> 
     # Same text, same deployment: the same vector (float32 round trip through base64 aside).
     assert again.data[0].embedding == pytest.approx(first.data[0].embedding, abs=1e-6)
     assert first.data[0].embedding != pytest.approx(first.data[1].embedding, abs=1e-6)
-    assert first.usage.prompt_tokens == 3 and first.model == "text-embedding-3-small"
+    # The simulated runtime reports no token counts: estimated (11 and 7 characters, ~4 a token),
+    # and marked so, never words presented as tokens.
+    assert first.usage.prompt_tokens == 5 and first.model == "text-embedding-3-small"
+    assert (first.usage.model_extra or {})["estimated"] is True
 
     chat = await client.chat.completions.create(
         model="small-chat", messages=[{"role": "user", "content": "is the card busy?"}]
     )
     assert "is the card busy?" in (chat.choices[0].message.content or "")
-    assert chat.choices[0].finish_reason == "stop" and chat.usage is not None and chat.usage.prompt_tokens == 4
+    assert chat.choices[0].finish_reason == "stop" and chat.usage is not None and chat.usage.prompt_tokens == 5
+    assert (chat.usage.model_extra or {})["estimated"] is True
 
     models = {m.id for m in (await client.models.list()).data}
     assert {"small-chat", "all-MiniLM-L6-v2", "rag.embedding@1"} <= models
 
     with pytest.raises(openai.NotFoundError) as unknown:
         await client.embeddings.create(model="gpt-17", input="x")
-    assert unknown.value.code == FailureClass.CAPABILITY_UNAVAILABLE.value
-    with pytest.raises(openai.UnprocessableEntityError) as streaming:
+    assert (unknown.value.code, unknown.value.param) == ("model_not_found", "model")
+    assert unknown.value.body["modelforge_class"] == FailureClass.CAPABILITY_UNAVAILABLE.value  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as streaming:
         await client.chat.completions.create(
             model="small-chat", messages=[{"role": "user", "content": "x"}], stream=True
         )
-    assert streaming.value.code == FailureClass.REQUEST_INVALID.value
+    assert streaming.value.param == "stream" and streaming.value.type == "invalid_request_error"
+    assert streaming.value.body["modelforge_class"] == FailureClass.REQUEST_INVALID.value  # type: ignore[index]
 
     # Each call was one request workflow, with the lease in the ledger like any other.
     granted = await gateway.stack.events("lease_granted", at_least=3)
@@ -110,17 +116,17 @@ async def test_requests_status_and_failure_classes_over_http(gateway: _Served) -
         assert gpu["id"] == "gpu-node/0" and gpu["simulated"] is True and gpu["external_bytes"] == 6 * 1024**3
 
         cases = [
-            ({"capability": "rag.embedding@1", "input": "not an object"}, {}, 422, "REQUEST_INVALID"),
-            ({"capability": "rag.embedding@1", "surprise": 1}, {}, 422, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "input": "not an object"}, {}, 400, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "surprise": 1}, {}, 400, "REQUEST_INVALID"),
             ({"capability": "vision.ocr@9"}, {}, 404, "CAPABILITY_UNAVAILABLE"),
-            ({"capability": "rag.embedding@1"}, {"X-ModelForge-Tenant": "mallory"}, 422, "REQUEST_INVALID"),
-            ({"capability": "rag.embedding@1", "request_id": "../../etc"}, {}, 422, "REQUEST_INVALID"),
-            ({"capability": "rag.embedding@1", "priority": "root"}, {}, 422, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1"}, {"X-ModelForge-Tenant": "mallory"}, 400, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "request_id": "../../etc"}, {}, 400, "REQUEST_INVALID"),
+            ({"capability": "rag.embedding@1", "priority": "root"}, {}, 400, "REQUEST_INVALID"),
         ]
         for payload, headers, expected_status, failure in cases:
             answer = await http.post("/v1/requests", json=payload, headers=headers)
             assert (answer.status_code, answer.json()["failure_class"]) == (expected_status, failure), payload
-            assert answer.json()["error"]["message"]
+            assert answer.json()["error"]["message"] and answer.json()["error"]["modelforge_class"] == failure
 
         huge = await http.post("/v1/requests", content=b"{" + b" " * (3 * 1024 * 1024) + b"}")
         assert (huge.status_code, huge.json()["failure_class"]) == (413, "REQUEST_INVALID")
@@ -223,9 +229,10 @@ def _typed(answer: httpx.Response, path: str) -> None:
         assert {"/v1/requests": "request_id", "/v1/embeddings": "data", "/v1/chat/completions": "choices"}[path] in body
         return
     failure = body["failure_class"]
-    assert body["error"]["code"] == failure and body["error"]["message"], body
+    assert body["error"]["modelforge_class"] == failure and body["error"]["message"], body
+    assert body["error"]["type"] == "invalid_request_error", body
     # Refused as invalid; or, a well-formed name that nothing serves, 404.
-    assert (answer.status_code in (409, 413, 422) and failure == "REQUEST_INVALID") or (
+    assert (answer.status_code in (400, 409, 413) and failure == "REQUEST_INVALID") or (
         answer.status_code == 404 and failure == "CAPABILITY_UNAVAILABLE"
     ), (answer.status_code, body)
 
@@ -288,7 +295,7 @@ async def test_api_keys_choose_the_tenant(
 @pytest.mark.parametrize(
     ("failure", "status"),
     [
-        ("REQUEST_INVALID", 422),
+        ("REQUEST_INVALID", 400),
         ("QUEUE_FULL", 429),
         ("DEADLINE_CANNOT_BE_MET", 504),
         ("LEASE_TIMEOUT", 504),

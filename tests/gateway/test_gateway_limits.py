@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelforge.catalog import example_catalog_path, parse_catalog
 from modelforge.client import Result
 from modelforge.domain import Catalog
+from modelforge.failures import ModelForgeError
 from modelforge.gateway import GatewayConfig, create_app, gateway_server
+from modelforge.logging import configure
 from modelforge.policy import Lease, PoolStatus
 
 KEY = "sk-team-0123456789abcdef"
-LIMIT = GatewayConfig().max_body_bytes
+LIMIT = 2 * 1024 * 1024  # MODELFORGE_MAX_PAYLOAD_BYTES in the test that sets it
 
 
 class _Recording:
@@ -154,7 +160,9 @@ async def test_the_key_is_checked_before_the_body_is_read() -> None:
         await _close(writer)
 
 
-async def test_a_body_past_the_limit_is_refused_without_being_read_whole() -> None:
+async def test_a_body_past_the_limit_is_refused_without_being_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The limit is the configured maximum payload size (no hard-coded figure).
+    monkeypatch.setenv("MODELFORGE_MAX_PAYLOAD_BYTES", str(LIMIT))
     async with _gateway(GatewayConfig(api_keys={KEY: "rag"})) as gw:
         auth = {"Authorization": f"Bearer {KEY}"}
         # Declared too big: refused at once, nothing sent.
@@ -237,7 +245,7 @@ async def test_identifiers_are_checked_before_anything_reaches_the_scheduler() -
         ]
         for path, body, headers in refused:
             answer = await http.post(path, content=json.dumps(body), headers=headers)
-            assert (answer.status_code, answer.json()["failure_class"]) == (422, "REQUEST_INVALID"), (body, headers)
+            assert (answer.status_code, answer.json()["failure_class"]) == (400, "REQUEST_INVALID"), (body, headers)
             assert answer.json()["error"]["message"].isascii()
         assert gw.requester.calls == []
 
@@ -263,7 +271,7 @@ async def test_deeply_nested_json_is_request_invalid() -> None:
                 ("/v1/embeddings", "[" * depth + "]" * depth),
             ]:
                 answer = await http.post(path, content=body)
-                assert (answer.status_code, answer.json()["failure_class"]) == (422, "REQUEST_INVALID"), (path, depth)
+                assert (answer.status_code, answer.json()["failure_class"]) == (400, "REQUEST_INVALID"), (path, depth)
         assert gw.requester.calls == []
         shallow = {"capability": "rag.embedding@1", "input": json.loads('{"a":' * 20 + "1" + "}" * 20)}
         assert (await http.post("/v1/requests", json=shallow)).status_code == 200
@@ -287,7 +295,7 @@ async def test_the_priority_header_is_honoured_on_every_route() -> None:
             ({"capability": "rag.embedding@1", "priority": "batch\n"}, {}),
         ]:
             answer = await http.post("/v1/requests", json=body, headers=headers)
-            assert (answer.status_code, answer.json()["failure_class"]) == (422, "REQUEST_INVALID"), body
+            assert (answer.status_code, answer.json()["failure_class"]) == (400, "REQUEST_INVALID"), body
             assert "priority" in answer.json()["error"]["message"].lower()
         assert len(gw.requester.calls) == calls
 
@@ -313,3 +321,94 @@ async def test_a_request_id_answers_only_the_tenant_that_started_it() -> None:
         late = await http.post("/v1/requests", json=call, headers={"X-ModelForge-Tenant": "ocr"})
         assert (late.status_code, late.json()["failure_class"]) == (409, "REQUEST_INVALID")
         assert "rag" not in late.text
+
+
+def _samples(text: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """The samples of one metric in Prometheus' text format, by their labels."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                found[frozenset(sample.labels.items())] = sample.value
+    return found
+
+
+async def test_every_request_is_logged_and_counted_without_keys_or_bodies(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = structlog.get_config()
+    configure(logging.INFO)
+    try:
+        async with _gateway(GatewayConfig(api_keys={KEY: "rag"})) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            team = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "logged-1"}
+            secret_text = "the text of a private document"
+            ok = await http.post(
+                "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": secret_text}, headers=team
+            )
+            assert ok.status_code == 200, ok.text
+            refused = await http.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x"})
+            assert refused.status_code == 401
+            unknown = await http.post("/v1/embeddings", json={"model": "gpt-\x1b[2J", "input": "x"}, headers=team)
+            assert unknown.status_code == 400
+            missing = await http.post("/v1/embeddings", json={"model": "gpt-17", "input": "x"}, headers=team)
+            assert missing.status_code == 404
+            assert (await http.get("/metrics")).status_code == 401  # behind the key like every route
+            scraped = await http.get("/metrics", headers=team)
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finally:
+        structlog.configure(**saved)
+
+    requests = _samples(scraped.text, "modelforge_gateway_requests_total")
+    labels = {"route": "/v1/embeddings", "capability": "rag.embedding@1", "tenant": "rag", "priority": "interactive"}
+    assert requests[frozenset({**labels, "status": "200", "failure_class": ""}.items())] == 1
+    # A refusal before any key is counted with no tenant; an unknown model with no capability.
+    anonymous = {"route": "/v1/embeddings", "capability": "", "tenant": "", "priority": ""}
+    assert requests[frozenset({**anonymous, "status": "401", "failure_class": "REQUEST_INVALID"}.items())] == 1
+    unresolved = {**anonymous, "tenant": "rag", "status": "404", "failure_class": "CAPABILITY_UNAVAILABLE"}
+    assert requests[frozenset(unresolved.items())] == 1
+    seconds = _samples(scraped.text, "modelforge_gateway_request_seconds_count")
+    assert seconds[frozenset({**labels, "status": "200"}.items())] == 1
+    tokens = _samples(scraped.text, "modelforge_gateway_tokens_total")
+    estimated = {"capability": "rag.embedding@1", "tenant": "rag", "priority": "interactive", "estimated": "true"}
+    assert tokens[frozenset({**estimated, "kind": "prompt"}.items())] == 8  # 30 characters, ~4 a token
+
+    access = [line for line in lines if line.get("event") == "gateway_request"]
+    assert [(a["route"], a["status"]) for a in access] == [
+        ("/v1/embeddings", 200),
+        ("/v1/embeddings", 401),
+        ("/v1/embeddings", 400),
+        ("/v1/embeddings", 404),
+    ]  # /metrics is logged at debug only
+    first = access[0]
+    assert (first["tenant"], first["capability"], first["request_id"], first["priority"]) == (
+        "rag",
+        "rag.embedding@1",
+        "logged-1",
+        "interactive",
+    )
+    assert first["model"] == "all-MiniLM-L6-v2" and first["prompt_tokens"] == 8 and first["tokens_estimated"]
+    assert first["level"] == "info" and first["duration_ms"] >= 0 and first["method"] == "POST"
+    assert access[2]["failure_class"] == "REQUEST_INVALID" and access[2]["model"] == "gpt-\\x1b[2J"
+    everything = json.dumps(lines)
+    assert KEY not in everything and secret_text not in everything and "Bearer" not in everything
+
+
+async def test_the_log_level_setting(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = structlog.get_config()
+    try:
+        monkeypatch.setenv("MODELFORGE_LOG_LEVEL", "warning")
+        async with _gateway(GatewayConfig()) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            assert (await http.get("/v1/models")).status_code == 200
+            assert (await http.post("/v1/embeddings", json={"model": "nope-1", "input": "x"})).status_code == 404
+        quiet = capsys.readouterr().err
+        assert "gateway_request" not in quiet  # info lines (4xx included) are below warning
+        monkeypatch.setenv("MODELFORGE_LOG_LEVEL", "debug")
+        async with _gateway(GatewayConfig()) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            assert (await http.get("/healthz")).status_code == 200
+        [health] = [json.loads(x) for x in capsys.readouterr().err.splitlines() if "gateway_request" in x]
+        assert (health["route"], health["level"]) == ("/healthz", "debug")
+        monkeypatch.setenv("MODELFORGE_LOG_LEVEL", "loud")
+        with pytest.raises(ModelForgeError, match="MODELFORGE_LOG_LEVEL"):
+            gateway_server(create_app(_Recording(), _catalog, GatewayConfig()), "127.0.0.1", 0)
+    finally:
+        structlog.configure(**saved)

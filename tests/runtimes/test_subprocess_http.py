@@ -100,10 +100,70 @@ async def test_a_chat_server_answers_in_modelforge_shape(tmp_path: Path) -> None
     try:
         await runtime.health_check(model)
         output = await runtime.invoke(model, {"messages": [{"role": "user", "content": "hello"}]}, quiet)
-        assert output == {"text": "[toy server] ready. You said: hello", "finish_reason": "stop"}
+        # The server's own token counts come back as `usage` (its tokens: words and punctuation).
+        assert output == {
+            "text": "[toy server] ready. You said: hello",
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11},
+        }
         with pytest.raises(ModelForgeError) as refused:
             await runtime.invoke(model, {"text": "no messages"}, quiet)
         assert refused.value.failure == FailureClass.REQUEST_INVALID
+    finally:
+        await runtime.unload(model)
+
+
+async def test_request_parameters_reach_the_model_server_as_given(tmp_path: Path) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    chat = await loaded(runtime, toy(api="openai_chat"))
+    try:
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        parameters = {
+            "temperature": 0.2, "top_p": 0.9, "seed": 7, "n": 2, "stop": ["You"], "presence_penalty": 0.5,
+            "frequency_penalty": 0.1, "logprobs": True, "user": "end-user-1", "top_k": 5,
+        }  # fmt: skip
+        messages = [{"role": "user", "content": "hello"}]
+        output = await runtime.invoke(chat, {"messages": messages, "parameters": parameters}, quiet)
+        received = (await runtime._servers[chat.resident_key].client.get("/received")).json()["requests"]
+        body = received[-1]["body"]
+        assert received[-1]["path"] == "/v1/chat/completions"
+        assert {k: body[k] for k in parameters} == parameters  # every one, unknown ones (top_k) too
+        assert body["messages"] == messages and body["model"] == "toy.embedding@1"
+        # They acted: two choices, cut at the stop string, with logprobs.
+        assert [c["message"]["content"] for c in output["choices"]] == ["[toy server] ready. "] * 2
+        assert output["text"] == "[toy server] ready. " and output["choices"][1]["logprobs"]["content"]
+        called = await runtime.invoke(
+            chat, {"messages": messages, "parameters": {"tools": tools, "tool_choice": "required"}}, quiet
+        )
+        [call] = called["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "lookup" and called["finish_reason"] == "tool_calls"
+        assert called["text"] == ""
+        # What ModelForge fills itself cannot be overridden by a parameter; streaming is refused.
+        overrides: list[dict[str, Any]] = [{"model": "other"}, {"messages": []}, {"stream": True}]
+        for taken in overrides:
+            with pytest.raises(ModelForgeError) as refused:
+                await runtime.invoke(chat, {"messages": messages, "parameters": taken}, quiet)
+            assert refused.value.failure == FailureClass.REQUEST_INVALID and next(iter(taken)) in refused.value.message
+    finally:
+        await runtime.unload(chat)
+
+
+@pytest.mark.parametrize("api", ["openai_embeddings", "tei_embed"])
+async def test_embedding_parameters_pass_or_are_refused_by_name(tmp_path: Path, api: str) -> None:
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy(api=api))
+    try:
+        payload = {"texts": ["a cat on a mat"], "parameters": {"dimensions": 16, "user": "u-1"}}
+        if api == "tei_embed":  # TEI's /embed takes none: refused, named, never dropped
+            with pytest.raises(ModelForgeError) as refused:
+                await runtime.invoke(model, payload, quiet)
+            assert refused.value.failure == FailureClass.REQUEST_INVALID
+            assert "dimensions" in refused.value.message and "user" in refused.value.message
+            return
+        output = await runtime.invoke(model, payload, quiet)
+        assert output["dimensions"] == 16 and output["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+        received = (await runtime._servers[model.resident_key].client.get("/received")).json()["requests"]
+        assert received[-1]["body"]["dimensions"] == 16 and received[-1]["body"]["user"] == "u-1"
     finally:
         await runtime.unload(model)
 
