@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
@@ -412,3 +413,51 @@ async def test_the_log_level_setting(capsys: pytest.CaptureFixture[str], monkeyp
             gateway_server(create_app(_Recording(), _catalog, GatewayConfig()), "127.0.0.1", 0)
     finally:
         structlog.configure(**saved)
+
+
+class _Failing(_Recording):
+    """A pool that refuses every request with one failure class."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__()
+        self.failure = failure
+
+    async def request(self, capability: str, input: dict[str, Any] | None = None, **options: Any) -> Result:
+        self.calls.append({"capability": capability, "input": input, **options})
+        return Result(
+            ok=False, request_id=options["request_id"], capability=capability, failure_class=self.failure, message="no"
+        )
+
+
+@pytest.mark.parametrize(
+    ("failure", "error", "status", "kind", "retry_after"),
+    [
+        ("QUEUE_FULL", openai.RateLimitError, 429, "rate_limit_error", "5"),
+        ("INSUFFICIENT_SCHEDULABLE_VRAM", openai.InternalServerError, 503, "server_error", "10"),
+        ("CAPABILITY_UNAVAILABLE", openai.InternalServerError, 503, "server_error", None),
+        ("RUNTIME_CRASH", openai.InternalServerError, 502, "server_error", None),
+        ("DEADLINE_CANNOT_BE_MET", openai.InternalServerError, 504, "server_error", None),
+        ("REQUEST_INVALID", openai.BadRequestError, 400, "invalid_request_error", None),
+    ],
+)
+async def test_failures_are_the_openai_sdks_exceptions_with_the_class_beside(
+    failure: str, error: type[openai.APIStatusError], status: int, kind: str, retry_after: str | None
+) -> None:
+    requester = _Failing(failure)
+    server = gateway_server(create_app(requester, _catalog, GatewayConfig()), "127.0.0.1", 0)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            with pytest.raises(error) as raised:
+                await client.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+        answer = raised.value
+        assert answer.status_code == status and answer.type == kind
+        assert answer.body["modelforge_class"] == failure  # type: ignore[index]
+        assert answer.response.headers.get("retry-after") == retry_after
+        assert len(requester.calls) == 1
+    finally:
+        server.should_exit = True
+        await task
