@@ -1,9 +1,13 @@
-"""`modelforge logs`: the output of a job (runtime `subprocess_job`) as its node keeps it, under
+"""Jobs (runtime `subprocess_job`) on the command line: `modelforge job submit` runs one under a
+lease of its --max-duration, `modelforge logs` prints its output as its node keeps it, under
 `$MODELFORGE_HOME/jobs/<node>/<request id>/<run>/job.log`. modelforge/cli.py imports this module,
 which adds its commands to the app."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import json
 import sys
 import time
@@ -11,8 +15,22 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
-from modelforge.cli import _fail, _settings, app
+from modelforge.cli import (
+    Group,
+    JsonOption,
+    _check_identifiers,
+    _fail,
+    _json,
+    _run,
+    _settings,
+    app,
+    err,
+    out,
+    parse_duration,
+    render_output,
+)
 from modelforge.failures import FailureClass, ModelForgeError
 
 # A job attempt that ended one of these ways is the request's last word (a preempted or stopped
@@ -104,3 +122,146 @@ def logs(
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     raise typer.Exit(1 if state.startswith("failed") or state == "timeout" else 0)
+
+
+GANG_NOT_YET = "gpu_count: a job runs on one card for now (gang jobs of subprocess_job are not supported yet)"
+
+
+class JobClient:
+    """Submits jobs (runtime `subprocess_job`) as requests whose lease lasts `max_duration_s`,
+    which `ModelForgeClient.request` does not take yet: a ModelForgeClient whose requests carry
+    the duration (every check and error of `request` stays its own)."""
+
+    MAX_DURATION_S = 30 * 86400.0
+
+    def __init__(self, temporal: Any, pool: str | None = None) -> None:
+        from modelforge.client import ModelForgeClient
+        from modelforge.settings import DEFAULT_POOL
+
+        duration: contextvars.ContextVar[float | None] = contextvars.ContextVar("max_duration_s", default=None)
+
+        class _Client(ModelForgeClient):
+            async def _start_and_wait(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+                chosen = duration.get()
+                if chosen is not None:
+                    request = dataclasses.replace(request, max_duration_s=chosen)
+                return await super()._start_and_wait(request, *args, **kwargs)
+
+        self._duration = duration
+        self.client = _Client(temporal, pool or DEFAULT_POOL)
+
+    async def submit_job(
+        self,
+        capability: str,
+        args: list[str],
+        *,
+        max_duration_s: float,
+        gpu_count: int = 1,
+        tenant: str = "default",
+        queue: str | None = None,
+        priority: str | None = None,
+        request_id: str | None = None,
+        on_progress: Any = None,
+    ) -> Any:
+        """Run the deployment's command with `args` appended (it needs `input_args = "true"`)
+        under a lease of at most `max_duration_s`; the job's Result when it ends."""
+        from modelforge.client import Result
+
+        problem = None
+        if isinstance(max_duration_s, bool) or not 0 < max_duration_s <= self.MAX_DURATION_S:
+            problem = f"max_duration_s must be above 0 and at most {self.MAX_DURATION_S / 86400:.0f} days"
+        elif gpu_count != 1:
+            problem = GANG_NOT_YET
+        elif not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            problem = "args must be a list of strings"
+        if problem is not None:
+            return Result(
+                ok=False,
+                request_id=request_id or "",
+                capability=capability,
+                failure_class=FailureClass.REQUEST_INVALID.value,
+                message=problem,
+            )
+        token = self._duration.set(float(max_duration_s))
+        try:
+            return await self.client.request(
+                capability,
+                {"args": list(args)} if args else {},
+                tenant=tenant,
+                queue=queue,
+                priority=priority,
+                request_id=request_id,
+                on_progress=on_progress,
+            )
+        finally:
+            self._duration.reset(token)
+
+
+job_app = typer.Typer(cls=Group, no_args_is_help=True, help="Batch jobs (runtime subprocess_job) on leased cards.")
+app.add_typer(job_app, name="job")
+
+
+@job_app.command("submit")
+def job_submit(
+    capability: Annotated[str, typer.Argument(help="The job's capability, as name@version (merge.slerp@1).")],
+    args: Annotated[
+        list[str] | None, typer.Argument(help="Arguments for the job's command, after --.", show_default=False)
+    ] = None,
+    max_duration: Annotated[
+        str, typer.Option("--max-duration", help="Longest the job may run (90s, 30m, 4h, 2d); then it is TIMEOUT.")
+    ] = "10m",
+    gpu_count: Annotated[int, typer.Option("--gpu-count", help="Cards the job needs (one for now).")] = 1,
+    queue: Annotated[str | None, typer.Option(help="Queue whose --priority level is meant.")] = None,
+    priority: Annotated[str | None, typer.Option(help="Class or queue level. Default: the tenant's.")] = None,
+    tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
+    request_id: Annotated[
+        str | None, typer.Option(help="Idempotency key; also what `modelforge logs` takes. Default: a new one.")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Run a job to its end under a lease and print its outcome (exit 1 with the failure class).
+
+    The command is the deployment's (the catalog decides what runs on a node); the arguments
+    after -- are appended to it when its runtime_config has input_args = "true". Its log:
+    modelforge logs REQUEST_ID --follow, on the node."""
+    import uuid
+
+    try:
+        seconds = parse_duration(max_duration)
+    except ModelForgeError as error:
+        _fail(error, 1)
+    _check_identifiers(capability=capability, tenant=tenant, request_id=request_id)
+    if gpu_count != 1:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, GANG_NOT_YET), 1)
+    chosen_id = request_id or uuid.uuid4().hex[:16]
+    settings = _settings()
+    if not as_json:
+        err.print(f"job {escape(chosen_id)}: modelforge logs {escape(chosen_id)} --follow", highlight=False)
+
+    async def go() -> Any:
+        from modelforge.temporal import connect
+
+        jobs = JobClient(await connect(settings))
+        live = err.status(f"{capability}: submitting") if not as_json and err.is_terminal else None
+        with live or contextlib.nullcontext():
+            return await jobs.submit_job(
+                capability,
+                list(args or []),
+                max_duration_s=seconds,
+                gpu_count=gpu_count,
+                tenant=tenant,
+                queue=queue,
+                priority=priority,
+                request_id=chosen_id,
+                on_progress=(lambda line: live.update(f"{capability}: {line}")) if live is not None else None,
+            )
+
+    result = _run(go)
+    if as_json:
+        _json(result)
+    elif result.ok:
+        out.print(f"[green]ok[/green] {escape(capability)} job {escape(chosen_id)}", highlight=False)
+        render_output(result.output, out)
+    else:
+        err.print(f"[red]{result.failure_class}[/red]: {escape(result.message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if result.ok else 1)

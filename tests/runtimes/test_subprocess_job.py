@@ -369,3 +369,19 @@ def test_a_node_worker_that_comes_back_kills_the_orphaned_jobs_its_killed_predec
         for process in (orphan, bystander):
             process.kill()
             process.wait()
+
+
+def test_job_submit_refuses_what_it_cannot_run_before_connecting() -> None:
+    from typer.testing import CliRunner
+
+    from modelforge import cli
+
+    runner = CliRunner()
+    for arguments, says in (
+        (["--gpu-count", "2"], "gang jobs of subprocess_job are not supported yet"),
+        (["--max-duration", "4x"], "a duration is a positive number"),
+        (["--tenant", "a b"], "REQUEST_INVALID"),
+    ):
+        refused = runner.invoke(cli.app, ["job", "submit", "merge.slerp@1", *arguments, "--", "--layers", "3"])
+        assert refused.exit_code == 1 and says in refused.output, refused.output
+        assert "cannot reach Temporal" not in refused.output

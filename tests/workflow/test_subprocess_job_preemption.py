@@ -159,3 +159,37 @@ async def test_a_job_past_its_max_duration_ends_the_request_with_timeout(
         for directory in job_log_dirs(home, request_id):
             shutil.rmtree(directory.parent, ignore_errors=True)
         shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
+
+
+async def test_job_submit_runs_the_deployments_command_with_its_args_under_its_max_duration(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    from modelforge.cli_jobs import JobClient
+
+    home = Path(tempfile.gettempdir()) / "modelforge"
+    ids = [f"submit-{os.urandom(4).hex()}" for _ in range(2)]
+    try:
+        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
+            jobs = JobClient(stack.client)
+            done = await jobs.submit_job(
+                "merge.slerp.cpu@1",
+                ["--layers", "3", "--t", "0.25"],
+                max_duration_s=120,
+                tenant="lab",
+                request_id=ids[0],
+            )
+            assert done.ok and done.output["result"] == {"layers": 3, "t": 0.25}
+            # The lease lasts --max-duration, not the 600 s default: a slower job is stopped at it.
+            started = time.monotonic()
+            slow = await jobs.submit_job(
+                "merge.slerp.cpu@1", [*ARGS, "--layer-delay-s", "30"], max_duration_s=3, tenant="lab", request_id=ids[1]
+            )
+            assert not slow.ok and slow.failure_class == "TIMEOUT" and "max_duration" in slow.message
+            assert time.monotonic() - started < 30
+            refused = await jobs.submit_job("merge.slerp.cpu@1", [], max_duration_s=60, gpu_count=2, tenant="lab")
+            assert refused.failure_class == "REQUEST_INVALID" and "gang jobs" in refused.message
+    finally:
+        for request_id in ids:
+            for directory in job_log_dirs(home, request_id):
+                shutil.rmtree(directory.parent, ignore_errors=True)
+            shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
