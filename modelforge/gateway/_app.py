@@ -514,6 +514,17 @@ def create_app(
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="ModelForge gateway")
 
+    def refuse_parameters(names: list[str], deployment: Deployment) -> GatewayError:
+        api = deployment.runtime_config.get("api", "")
+        runtime = deployment.runtime + (f" with api {api!r}" if api else "")
+        return _invalid(
+            f"{', '.join(_escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime {runtime}) "
+            "takes no request parameters; leave them out, or serve the model from an OpenAI-compatible "
+            "server (subprocess_http)",
+            code="unsupported_parameter",
+            param=_escaped(names[0], 60),
+        )
+
     @api.post("/v1/requests")
     async def requests_(request: Request) -> JSONResponse:
         tenant: str = request.state.tenant
@@ -526,7 +537,8 @@ def create_app(
         request_id = request_id_of(request, call.request_id)
         priority = priority_of(request, call.priority)
         known = await catalog.get()
-        if known.deployment_for(capability) is None:
+        deployment = known.deployment_for(capability)
+        if deployment is None:
             raise GatewayError(
                 FailureClass.CAPABILITY_UNAVAILABLE,
                 f"no deployment serves {shown(capability)}",
@@ -535,6 +547,11 @@ def create_app(
                 code="model_not_found",
                 param="capability",
             )
+        given = call.input.get("parameters")
+        if given and not any(takes_parameters(deployment, api) for api in ("openai_chat", "openai_embeddings")):
+            names = refused(given) if isinstance(given, dict) else ["parameters"]
+            if names:  # a runtime that takes none would drop them
+                raise refuse_parameters([f"input.parameters.{n}" for n in names], deployment)
         result = await run(
             request,
             capability,
@@ -584,17 +601,6 @@ def create_app(
         deployment = await deployment_for_model(model)
         request.state.capability = deployment.capability
         return _model_object(model, deployment)
-
-    def refuse_parameters(names: list[str], deployment: Deployment) -> GatewayError:
-        api = deployment.runtime_config.get("api", "")
-        runtime = deployment.runtime + (f" with api {api!r}" if api else "")
-        return _invalid(
-            f"{', '.join(_escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime {runtime}) "
-            "takes no request parameters; leave them out, or serve the model from an OpenAI-compatible "
-            "server (subprocess_http)",
-            code="unsupported_parameter",
-            param=_escaped(names[0], 60),
-        )
 
     def tokens_seen(request: Request, counts: dict[str, Any]) -> None:
         request.state.tokens = {

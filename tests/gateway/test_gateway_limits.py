@@ -461,3 +461,15 @@ async def test_failures_are_the_openai_sdks_exceptions_with_the_class_beside(
     finally:
         server.should_exit = True
         await task
+
+
+async def test_parameters_on_v1_requests_are_refused_where_the_runtime_takes_none() -> None:
+    async with _gateway(GatewayConfig()) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        given = {"capability": "rag.embedding@1", "input": {"texts": ["x"], "parameters": {"temperature": 0.1}}}
+        refused = await http.post("/v1/requests", json=given)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported_parameter", "input.parameters.temperature")
+        assert "simulated" in error["message"] and gw.requester.calls == []
+        harmless = {"capability": "rag.embedding@1", "input": {"texts": ["x"], "parameters": {"n": 1}}}
+        assert (await http.post("/v1/requests", json=harmless)).status_code == 200
