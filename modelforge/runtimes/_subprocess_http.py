@@ -5,7 +5,12 @@ argument list (never a shell string) with `{port}`, `{host}`, `{artifact}` and `
 filled in, `runtime_config.api` names the dialect. The child gets `CUDA_VISIBLE_DEVICES` set to
 the leased card's UUID (empty on the CPU device, so it sees no GPU), a session of its own so a
 stop reaches every process it forked, and its output in a log file whose tail every failure
-quotes. Its bytes are what NVML attributes to its process tree."""
+quotes. Its bytes are what NVML attributes to its process tree.
+
+Request parameters (`temperature`, `tools`, `n`, `dimensions`, a server's own such as vLLM's
+`top_k`) travel in the input's `parameters` object and reach the server as given; its answer
+comes back whole (every choice, tool calls, logprobs) with its `usage` token counts, and what it
+refuses (4xx) is REQUEST_INVALID with its reason (`_http_api.py`)."""
 
 from __future__ import annotations
 
