@@ -265,3 +265,66 @@ def job_submit(
     else:
         err.print(f"[red]{result.failure_class}[/red]: {escape(result.message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if result.ok else 1)
+
+
+def job_rows(home: Path) -> list[dict[str, Any]]:
+    """Every job this host's node workers ran (the latest run of each request), newest first."""
+    rows: list[dict[str, Any]] = []
+    for status_path in (home / "jobs").glob("*/*/*/status.json"):
+        try:
+            status = json.loads(status_path.read_text(encoding="utf-8"))
+            attempts = status["attempts"]
+            first, last = attempts[0], attempts[-1]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue
+        rows.append(
+            {
+                "request_id": str(status.get("request_id", status_path.parent.parent.name)),
+                "node": last.get("node", status_path.parent.parent.parent.name),
+                "state": str(status.get("state", "")),
+                "progress": status.get("progress"),
+                "message": str(status.get("message") or ""),
+                "attempts": len(attempts),
+                "started_at": first.get("started_at"),
+                "ended_at": last.get("ended_at"),
+                "log": str(status_path.parent / "job.log"),
+            }
+        )
+    rows.sort(key=lambda row: float(row["started_at"] or 0), reverse=True)
+    latest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        latest.setdefault(row["request_id"], row)
+    return list(latest.values())
+
+
+@app.command()
+def jobs(
+    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 50,
+    as_json: JsonOption = False,
+) -> None:
+    """List the jobs this host's node workers ran, with their state, progress and attempts."""
+    from modelforge.cli import _compact_table, _table_console
+
+    rows = job_rows(_settings().home)[: max(0, limit)]
+    if as_json:
+        _json(rows)
+        return
+    if not rows:
+        out.print("no jobs ran on this host", highlight=False)
+        return
+    table = _compact_table()
+    for column in ("request", "node", "state", "progress", "attempts", "started", "message"):
+        table.add_column(column)
+    for row in rows:
+        progress = row["progress"]
+        started = row["started_at"]
+        table.add_row(
+            escape(row["request_id"]),
+            escape(str(row["node"])),
+            escape(row["state"]),
+            f"{progress:.0%}" if isinstance(progress, int | float) else "",
+            str(row["attempts"]),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, int | float) else "",
+            escape(row["message"][:60]),
+        )
+    _table_console().print(table)

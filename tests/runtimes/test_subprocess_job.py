@@ -324,7 +324,9 @@ def test_the_example_catalog_is_valid() -> None:
         assert os.path.exists(ROOT / merge.command[1])
 
 
-async def test_modelforge_logs_prints_and_follows_a_jobs_log(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_modelforge_logs_prints_and_follows_a_jobs_log_and_jobs_lists_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from modelforge import cli
@@ -345,6 +347,18 @@ async def test_modelforge_logs_prints_and_follows_a_jobs_log(node: Node, monkeyp
     assert printed.exit_code == 0 and printed.stdout == followed
     missing = CliRunner().invoke(cli.app, ["logs", "nobody"])
     assert missing.exit_code == 1 and "REQUEST_INVALID" in missing.output and "no job log" in missing.output
+
+    listed = CliRunner().invoke(cli.app, ["jobs", "--json"])
+    [row] = json.loads(listed.stdout)
+    assert (row["request_id"], row["node"], row["state"], row["progress"], row["attempts"]) == (
+        "logged",
+        "n",
+        "succeeded",
+        1.0,
+        1,
+    )
+    table = CliRunner().invoke(cli.app, ["jobs"], env={"COLUMNS": "120"})
+    assert table.exit_code == 0 and "logged" in table.stdout and "100%" in table.stdout and "succeeded" in table.stdout
 
 
 def test_a_node_worker_that_comes_back_kills_the_orphaned_jobs_its_killed_predecessor_left(tmp_path: Path) -> None:
