@@ -38,6 +38,8 @@ def write_plot(results: list[SimulationResult], path: Path, title: str) -> Path:
     span = max((r.virtual_s for r in results), default=0.0)
     hours = span > 3 * 3600
     scale, unit = (3600.0, "hours") if hours else (60.0, "minutes")
+    step = float(results[0].series.get("step_s", 60.0)) if results[0].series else 60.0  # type: ignore[arg-type]
+    per = "per minute" if step == 60.0 else f"per {step / 60:g} minutes"
     for result in results:
         series: dict[str, Any] = result.series
         if not series:
@@ -50,10 +52,10 @@ def write_plot(results: list[SimulationResult], path: Path, title: str) -> Path:
     # The end of the common span, over which utilization is measured (the same for every policy).
     for ax in (held_ax, queue_ax, wait_ax):
         ax.axvline(results[0].span_s / scale, color="grey", linestyle=":", linewidth=0.8)
-    held_ax.set_title(f"VRAM held / capacity, per minute (common span: {results[0].span_s:,.0f} s, dotted)")
+    held_ax.set_title(f"VRAM held / capacity, {per} (common span: {results[0].span_s:,.0f} s, dotted)")
     held_ax.set_ylim(0, 1.05)
-    queue_ax.set_title("requests waiting (time average per minute)")
-    wait_ax.set_title("wait p99 of requests started that minute (s)")
+    queue_ax.set_title(f"requests waiting (time average, {per})")
+    wait_ax.set_title(f"wait p99 of the requests started, {per} (s)")
     if any(not math.isnan(v) and v > 0 for r in results if r.series for v in _numbers(r.series["wait_p99_s"])):
         wait_ax.set_yscale("symlog", linthresh=1.0)
     wait_ax.set_ylim(bottom=0)

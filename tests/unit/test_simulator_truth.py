@@ -154,6 +154,20 @@ def test_the_series_has_a_row_per_minute_with_utilization_queue_and_waits() -> N
     assert series["vram_utilization"][1] == pytest.approx(4 / 24, abs=1e-4)
 
 
+def test_a_long_trace_gets_rows_of_whole_minutes_at_most_ten_thousand() -> None:
+    # Two requests 30 days apart: 43,200 minutes would be 43,200 rows; rows of 5 minutes
+    # (ceil(43,200 / 10,000)) keep it to 8,640, and every arrival is still counted.
+    s = scenario(
+        [card()],
+        [model("m@1", 4, ttl_s=60.0)],
+        [{"t": t, "capability": "m@1", "service_s": 1.0} for t in (0.0, 30 * 86_400.0)],
+    )
+    series = simulate(s, "fifo").series
+    assert series["step_s"] == 300.0
+    assert 8_640 <= len(series["t_s"]) <= 8_641
+    assert sum(series["arrivals"]) == 2 and series["arrivals"][0] == series["arrivals"][-1] == 1
+
+
 def test_the_progress_callback_reports_requests_ended() -> None:
     s = scenario([card()], [model("m@1", 2)], [{"t": t, "capability": "m@1", "service_s": 1.0} for t in range(50)])
     seen: list[tuple[int, int, float]] = []
