@@ -19,6 +19,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from activities import _stream_push as stream_push
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
 from modelforge.events import EventRecord
@@ -280,7 +281,10 @@ class NodeActivities:
                 if resume:
                     payload[RESUME_KEY] = resume
                 async with self._vouching(request):
-                    output = await runtime.invoke(model, payload, _heartbeat)
+                    if request.stream is not None:
+                        output = await stream_push.push(request.stream, _stream_of(runtime, model, payload))
+                    else:
+                        output = await runtime.invoke(model, payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
@@ -601,3 +605,19 @@ class NodeActivities:
 
 def loaded_key(deployment: str, accelerator: str) -> str:
     return resident_key(deployment, accelerator)
+
+
+def _stream_of(runtime: Runtime, model: LoadedModel, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The runtime's own streaming call where it has one; otherwise its whole answer as one
+    chunk, once it has it."""
+    streaming = getattr(runtime, "invoke_stream", None)
+    if streaming is not None:
+        chunks: AsyncIterator[dict[str, Any]] = streaming(model, payload, _heartbeat)
+        return chunks
+
+    async def whole() -> AsyncIterator[dict[str, Any]]:
+        output = await runtime.invoke(model, payload, _heartbeat)
+        async for chunk in stream_push.single_chunk(output):
+            yield chunk
+
+    return whole()

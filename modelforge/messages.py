@@ -14,6 +14,16 @@ MAX_INPUT_BYTES = 1_000_000
 
 
 @dataclass(frozen=True)
+class StreamTarget:
+    """Where the node pushes a streamed answer as it is generated: the gateway that holds the
+    client's connection (`url`, its internal stream endpoint) and the stream's random id. Set by
+    the gateway only, never from a client's input; the lease is held while the stream runs."""
+
+    url: str
+    stream_id: str
+
+
+@dataclass(frozen=True)
 class RequestInput:
     request_id: str
     capability: str
@@ -30,6 +40,10 @@ class RequestInput:
     # code (the CLI), never read from a client's input: the request workflow copies it to
     # InvokeInput.operation.
     operation: str = ""
+    # Set by the gateway for a streamed answer (stream=true): the node pushes it there as it is
+    # generated. A streamed request is never retried after its invoke started: the client has
+    # part of the answer already.
+    stream: StreamTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +284,8 @@ class InvokeInput:
     # invoke runs. The party that uses the memory vouches for it, so a holder whose own worker is
     # away (killed, restarting) does not lose a lease its invoke is still using.
     heartbeat_s: float = 0.0
+    # RequestInput.stream: the answer is pushed there as it is generated.
+    stream: StreamTarget | None = None
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,13 @@ class CapabilityRequestWorkflow:
             retrying = ((outcome == FailureClass.RUNTIME_CRASH.value or lost) and crashes + 1 < MAX_ATTEMPTS) or (
                 preempted and preemptions < MAX_PREEMPTIONS
             )
+            if request.stream is not None and not lost:
+                # Part of a streamed answer may have reached the client: it ends here, with its
+                # class, and is never generated again from the start.
+                retrying = False
+                if preempted:
+                    outcome = FailureClass.LEASE_CONFLICT.value
+                    message = f"preempted while streaming: {message}"
             if result is None or not result.released:
                 await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
                     "release",
@@ -209,7 +216,7 @@ class CapabilityRequestWorkflow:
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
         if result is None:
             self._phase = "failed"
-            if preempted:
+            if preempted and request.stream is None:
                 raise failure(FailureClass.LEASE_TIMEOUT, f"preempted {preemptions + 1} times: {message}")
             raise failure(outcome, message)
         self._phase = "done"
@@ -247,6 +254,7 @@ class CapabilityRequestWorkflow:
                 # Set here only, never from the client's input (its modelforge_* keys are refused).
                 operation=request.operation,
                 resume_from=resume_from,
+                stream=request.stream,
             ),
             result_type=InvokeResult,
             task_queue=node_task_queue(lease.node),

@@ -13,7 +13,9 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,31 @@ class SimulatedRuntime:
         vector = output.get("embedding") or output.get("text")
         if not vector:
             raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, "simulated runtime returned nothing")
+
+    async def invoke_stream(
+        self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The text answer `invoke` gives, a word at a time, spread over `simulate_invoke_s`."""
+        deployment = self._deployments.get(model.resident_key)
+        if deployment is None or not generates_text(deployment):
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{model.deployment} answers with vectors, not text")
+        said = _said(payload)
+        text = f"[simulated {model.deployment}] you said: {(said or '')[:200]}"
+        pieces = re.findall(r"\S+\s*", text) or [text]
+        gap = float(_hold_seconds(payload)) / len(pieces)
+        lease_id = str(payload.get("modelforge_lease_id", ""))
+        began = time.time()
+        try:
+            for n, piece in enumerate(pieces):
+                await asyncio.sleep(gap)
+                heartbeat(f"streaming: {n + 1}/{len(pieces)} pieces")
+                yield {"delta": piece}
+        finally:
+            self._log_invoke(model, lease_id, began)
+        fault = _fault(payload)
+        if fault is not None:
+            raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
+        yield {"finish_reason": "stop"}
 
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
         hold = _hold_seconds(payload)

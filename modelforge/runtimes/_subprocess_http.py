@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from modelforge.runtimes._http_api import (
     build_call,
     check_embeddings,
     parse_response,
+    usage_of,
 )
 from modelforge.runtimes._process import alive, process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
@@ -357,6 +359,71 @@ class SubprocessHttpRuntime:
                 f"server exited with code {server.process.returncode}" + self._log_tail(server.log_path),
             )
         return await self._call(server, payload, heartbeat)
+
+    async def invoke_stream(
+        self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A chat answer as the server generates it (OpenAI's `stream: true`): `{"delta": text}`
+        chunks, then `{"finish_reason", "usage"}`. Closing this iterator closes the server's
+        stream, which is how vLLM and llama.cpp's server learn to stop generating."""
+        server = self._server(model)
+        api = server.config.api
+        if api != "openai_chat":
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{model.deployment} (api {api}) does not stream text")
+        call = build_call(api, server.config.served_model, payload)
+        body = dict(call.body)
+        if body.get("n", 1) != 1 or body.get("tools"):
+            named = "n" if body.get("n", 1) != 1 else "tools"
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"parameters: {named} cannot be streamed yet; ask with stream=false"
+            )
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        finish: str | None = None
+        usage: dict[str, int] | None = None
+        try:
+            async with server.client.stream(
+                "POST", call.path, json=body, timeout=server.config.request_timeout_s
+            ) as answer:
+                if answer.status_code >= 400:
+                    text = (await answer.aread()).decode(errors="replace")[:300]
+                    failure = FailureClass.REQUEST_INVALID if answer.status_code < 500 else FailureClass.RUNTIME_CRASH
+                    raise ModelForgeError(failure, f"server refused the stream ({answer.status_code}): {text}")
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise ModelForgeError(
+                            FailureClass.INVALID_OUTPUT, f"server streamed non-JSON: {data[:120]!r}"
+                        ) from None
+                    usage = usage_of(chunk, chat=True) or usage
+                    for choice in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
+                        delta = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
+                        if isinstance(delta, str) and delta:
+                            heartbeat("streaming")
+                            yield {"delta": delta}
+                        if isinstance(choice, dict) and choice.get("finish_reason"):
+                            finish = str(choice["finish_reason"])
+        except httpx.TimeoutException:
+            raise ModelForgeError(
+                FailureClass.TIMEOUT,
+                f"the stream from {server.base_url}{call.path} stalled past {server.config.request_timeout_s:.0f} s",
+            ) from None
+        except httpx.HTTPError as error:
+            await asyncio.sleep(0.2)
+            if server.process.returncode is not None or not alive(server.process.pid):
+                raise ModelForgeError(
+                    FailureClass.RUNTIME_CRASH,
+                    f"server exited (code {server.process.returncode}) while streaming"
+                    + self._log_tail(server.log_path),
+                ) from None
+            raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{call.path}: {type(error).__name__}: {error}") from None
+        yield {"finish_reason": finish or "stop", "usage": usage}
 
     async def health_check(self, model: LoadedModel) -> None:
         server = self._server(model)

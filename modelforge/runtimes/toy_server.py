@@ -7,12 +7,15 @@ answers say they are from the toy server. `--fault` breaks it on purpose, as rea
 It takes OpenAI's request parameters as a real server does, so a test can see them act: `n`
 choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `tools` with a
 `tool_choice` naming a function (or "required"), `response_format` json_object/json_schema,
-`logprobs`, and `dimensions` for embeddings; it reports `usage` in its own tokens. `GET /received`
+`logprobs`, and `dimensions` for embeddings; it reports `usage` in its own tokens. `stream: true`
+answers as OpenAI's server-sent chunks (with `stream_options.include_usage`, a usage chunk), and
+`GET /streams` tells which streams' clients went away before the end. `GET /received`
 answers the last request bodies it received (path and body), so a test can check that
 parameters reached it.
 
     python -m modelforge.runtimes.toy_server --port 8081 [--fault never-ready|exit-at-start|
         crash-on-invoke|garbage|nan|hang] [--hold-mib 64] [--ready-after 0.5] [--ignore-term] [--orphan-worker]
+        [--token-delay-ms 20]
 """
 
 from __future__ import annotations
@@ -155,6 +158,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
         elif self.path == "/received":  # what it was asked, for tests that check parameters arrived
             self._answer(200, {"requests": list(self.server.received)})
+        elif self.path == "/streams":  # every streamed answer: pieces sent, and whether its client left
+            self._answer(200, {"streams": list(self.server.streams)})
         elif self.path != "/health":
             self._answer(404, {"error": "not found"})
         elif self.server.fault == "never-ready" or time.monotonic() < self.server.ready_at:
@@ -241,9 +246,58 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(asked, int) or not 1 <= asked <= MAX_CHOICES:  # as a real server refuses
                 self._answer(400, {"error": {"message": f"n must be from 1 to {MAX_CHOICES}", "param": "n"}})
                 return
-            self._answer(200, chat_answer(body))
+            if body.get("stream"):
+                self._stream(body, chat_answer(body))
+            else:
+                self._answer(200, chat_answer(body))
         else:
             self._answer(404, {"error": "not found"})
+
+    def _stream(self, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        """The answer as OpenAI's server-sent chunks, a token (word and its space) at a time,
+        `--token-delay-ms` apart. A client that goes away stops it: the stream is recorded as
+        aborted (GET /streams), with how many pieces went out."""
+        content = answer["choices"][0]["message"].get("content") or ""
+        pieces = re.findall(r"\S+\s*", content) or [content]
+        record = {"pieces": len(pieces), "sent": 0, "aborted": False, "done": False}
+        self.server.streams.append(record)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        base = {
+            "id": "chatcmpl-toy",
+            "object": "chat.completion.chunk",
+            "created": answer["created"],
+            "model": answer["model"],
+        }
+
+        def send(chunk: dict[str, Any] | str) -> None:
+            data = chunk if isinstance(chunk, str) else json.dumps(chunk)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        try:
+            send(
+                {
+                    **base,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
+            for piece in pieces:
+                time.sleep(self.server.token_delay_s)
+                send({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+                record["sent"] += 1
+            finish = answer["choices"][0]["finish_reason"]
+            send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):
+                send({**base, "choices": [], "usage": answer["usage"]})
+            send("[DONE]")
+            record["done"] = True
+        except (BrokenPipeError, ConnectionResetError):
+            record["aborted"] = True
 
 
 class _ToyServer(ThreadingHTTPServer):
@@ -256,6 +310,8 @@ class _ToyServer(ThreadingHTTPServer):
     asleep: bool = False
     checkpoints: int = 0
     received: list[dict[str, Any]] = []
+    streams: list[dict[str, Any]] = []
+    token_delay_s: float = 0.0
 
 
 def _touched(mib: int) -> bytearray:
@@ -275,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hold-mib", type=int, default=0, help="host memory to hold, as a model's weights would")
     parser.add_argument("--note", default="", help="free text, ignored (shows in /info's argv)")
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a server that will not stop)")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="time between streamed tokens")
     parser.add_argument(
         "--orphan-worker",
         action="store_true",
@@ -291,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     server.weights = _touched(options.hold_mib)
     server.children = []
     server.received = []
+    server.streams = []
+    server.token_delay_s = options.token_delay_ms / 1000.0
     if options.orphan_worker:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         server.children.append(worker.pid)
