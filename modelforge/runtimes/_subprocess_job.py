@@ -393,7 +393,7 @@ class SubprocessJobRuntime:
             process=process,
             config=config,
             attempt=job["attempt"],
-            tails=[job["log_tail"], _Tail(directory / "progress.jsonl")],
+            tails=[job["log_tail"], job["progress_tail"]],
         )
         running.attempt["pid"] = process.pid
         self._jobs[lease_id] = running
@@ -451,8 +451,14 @@ class SubprocessJobRuntime:
             log_file.write(
                 f"[modelforge] attempt {attempt['attempt']} on {self._node} (lease {lease_id}): {restart}\n".encode()
             )
-        tail = _Tail(log_path, offset=log_path.stat().st_size)
-        return {"attempt": attempt, "log_tail": tail}
+        # Each attempt reads only what it reports: an earlier attempt's lines (its progress, the
+        # checkpoints it named) are not this one's.
+        progress = directory / "progress.jsonl"
+        return {
+            "attempt": attempt,
+            "log_tail": _Tail(log_path, offset=log_path.stat().st_size),
+            "progress_tail": _Tail(progress, offset=progress.stat().st_size if progress.exists() else 0),
+        }
 
     @staticmethod
     def _status(directory: Path) -> dict[str, Any]:

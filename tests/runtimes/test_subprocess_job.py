@@ -399,3 +399,20 @@ def test_job_submit_refuses_what_it_cannot_run_before_connecting() -> None:
         refused = runner.invoke(cli.app, ["job", "submit", "merge.slerp@1", *arguments, "--", "--layers", "3"])
         assert refused.exit_code == 1 and says in refused.output, refused.output
         assert "cannot reach Temporal" not in refused.output
+
+
+async def test_progress_written_to_the_progress_file_counts_and_an_earlier_attempts_lines_do_not(node: Node) -> None:
+    code = (
+        "import json, os, sys;"
+        "f = open(os.environ['MODELFORGE_PROGRESS_FILE'], 'a');"
+        "n = os.environ['MODELFORGE_ATTEMPT'];"
+        "n == '1' and f.write(json.dumps({'progress': 0.5, 'message': 'attempt ' + n}) + '\\n'); f.flush();"
+        "sys.exit(3 if n == '1' else 0)"
+    )
+    await node.load(job(python(code)))
+    with pytest.raises(ApplicationError):
+        await node.invoke("twice", {})  # attempt 1 reports, then crashes
+    assert "job 50%: attempt 1" in node.beats
+    again = await node.invoke("twice", {})  # the retry (the same request and run) reports nothing
+    assert (again["progress"], again["message"]) == (None, "")
+    assert [a["outcome"] for a in again["attempts"]] == ["failed: RUNTIME_CRASH", "succeeded"]
