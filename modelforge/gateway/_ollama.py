@@ -592,7 +592,7 @@ def ollama_router(
         [vector] = vectors_of(result, deployment, 1)
         return JSONResponse({"embedding": vector})
 
-    @router.api_route("/api/tags", methods=["GET", "HEAD"])
+    @router.api_route("/api/tags", methods=["GET", "HEAD"], include_in_schema=False)
     async def tags() -> Response:
         known = await catalog.get()
         models = []
@@ -678,7 +678,7 @@ def ollama_router(
             }
         )
 
-    @router.api_route("/", methods=["GET", "HEAD"])
+    @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def heartbeat() -> Response:
         # What Ollama answers here; its CLI and some applications check it before anything else.
         return PlainTextResponse("Ollama is running")
@@ -717,7 +717,7 @@ def ollama_router(
     ]:
         router.add_api_route(path, managed_by_the_catalog, methods=[method], include_in_schema=False)
 
-    @router.api_route("/api/version", methods=["GET", "HEAD"])
+    @router.api_route("/api/version", methods=["GET", "HEAD"], include_in_schema=False)
     async def version() -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION, "modelforge": modelforge.__version__})
 

@@ -179,6 +179,6 @@ def test_the_gateway_answers_garbage_with_a_typed_error(path: str, body: bytes, 
         assert requester.calls, "a 200 without a request behind it"
         return
     assert parsed["failure_class"] in {f.value for f in FailureClass}
-    assert parsed["error"]["code"] == parsed["failure_class"] and parsed["error"]["message"]
-    assert answer.status_code in (401, 404, 413, 422)
+    assert parsed["error"]["modelforge_class"] == parsed["failure_class"] and parsed["error"]["message"]
+    assert answer.status_code in (400, 401, 404, 413)
     assert not requester.calls, "refused input must not reach the scheduler"
