@@ -52,6 +52,10 @@ class PolicyConfig:
     # scheduler turns it on; off for schedulers recorded before the rule, which replay without
     # it, and for the simulator, whose catalog never changes).
     unload_removed_deployments: bool = False
+    # On: a CPU device (`kind = "cpu"`) takes work whose placement list is empty, like any card.
+    # Off: only deployments whose placement list names it land there, never others as a
+    # fallback. On only for schedulers recorded before the rule, which replay with it.
+    cpu_fallback: bool = False
     fair_share_half_life_s: float = 3600.0
 
 
