@@ -302,14 +302,14 @@ class NodeActivities:
                 log.warning("release_from_node_failed", lease_id=request.lease_id, error=str(error))
         return InvokeResult(output=output, invoke_s=invoke_s, released=released, route=self._request_queue)
 
-    def _job_context(self, request_id: str) -> dict[str, Any]:
+    def _job_context(self, request_id: str, name: str = "job") -> dict[str, Any]:
         """What a job runtime's invoke is told besides the input: its request, the request
         workflow's run, its own checkpoint directory in the store
-        (`<store>/<request id>/job/<run>`, where a resume location of this run may lie) and the
-        seconds left before the invoke's max_duration."""
+        (`<store>/<request id>/<name>/<run>`, `job` or a gang rank's `job-rank<r>`, where a resume
+        location of this run may lie) and the seconds left before its max_duration."""
         context: dict[str, Any] = {"modelforge_request_id": request_id, "modelforge_run_id": _run_scope()}
         if self._checkpoint_root is not None:
-            context["modelforge_checkpoint_dir"] = str(self._checkpoint_destination(request_id, "job"))
+            context["modelforge_checkpoint_dir"] = str(self._checkpoint_destination(request_id, name))
         if activity.in_activity():
             info = activity.info()
             if info.schedule_to_close_timeout:
@@ -363,6 +363,13 @@ class NodeActivities:
             payload = _client_payload(job.payload, allowed=(RESUME_KEY,))
             resume = self._check_resume(job.resume_from or job.payload.get(RESUME_KEY), job.request_id)
             payload.update(modelforge_lease_id=job.lease_id, modelforge_rank=job.rank)
+            if getattr(runtime, "job_runtime", False):
+                payload.update(self._job_context(job.request_id, f"job-rank{job.rank}"))
+                payload["modelforge_world_size"] = job.world_size
+                if self._checkpoint_root is not None:
+                    # Rank 0 publishes the gang's MASTER_ADDR/PORT here; the store is the nodes' shared one.
+                    rendezvous = self._checkpoint_destination(job.request_id, "job-rendezvous")
+                    payload["modelforge_rendezvous"] = str(rendezvous / f"{_safe_name(job.lease_id, 'lease')}.json")
             if resume:
                 payload[RESUME_KEY] = resume
             output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
@@ -385,7 +392,12 @@ class NodeActivities:
                 raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no gang job {key} runs on node {self._node}")
             destination = self._checkpoint_destination(request.request_id, f"{request.preemption}-rank{request.rank}")
             started = time.monotonic()
-            location = await runtime.checkpoint_job(request.lease_id, request.rank, str(destination))
+            try:
+                location = await runtime.checkpoint_job(request.lease_id, request.rank, str(destination))
+            finally:
+                await self._record_job_preemption(
+                    runtime, f"{request.lease_id}#rank{request.rank}", request.request_id, request.lease_id, "", ""
+                )
         except ModelForgeError as error:
             raise as_application_error(error) from None
         seconds = time.monotonic() - started
@@ -524,39 +536,47 @@ class NodeActivities:
                 request.key, "checkpoint", lambda runtime, model: runtime.checkpoint(model, spec)
             )
         finally:
-            await self._record_job_preemption(request)
+            runtime, model = self._loaded.get(request.key, (None, None))
+            if model is not None:
+                index = model.device_index
+                accelerator = f"{self._node}/{'cpu' if index == CPU_DEVICE_INDEX else index}"
+                await self._record_job_preemption(
+                    runtime, request.lease_id, request.request_id, request.lease_id, model.deployment, accelerator
+                )
         return RuntimeOpResult(request.key, "checkpoint", seconds, location=str(location))
 
-    async def _record_job_preemption(self, request: CheckpointInput) -> None:
-        """A job runtime's preempted job: how it stopped (checkpointed on the signal, or killed
-        after the grace) and whether it resumes from a checkpoint or starts over, as a
-        `job_preempted` event (started as a RecordEventsWorkflow, never awaited)."""
-        runtime, model = self._loaded.get(request.key, (None, None))
+    async def _record_job_preemption(
+        self, runtime: Runtime | None, job_key: str, request_id: str, lease_id: str, deployment: str, accelerator: str
+    ) -> None:
+        """A job runtime's preempted job (`job_key`: its lease, or a gang rank's `lease#rank<r>`):
+        how it stopped (checkpointed on the signal, or killed after the grace) and whether it
+        resumes from a checkpoint or starts over, as a `job_preempted` event (started as a
+        RecordEventsWorkflow, never awaited)."""
         take = getattr(runtime, "take_preemption", None)
-        note = take(request.lease_id) if take is not None else None
-        if not note or self._client is None or model is None:
+        note = take(job_key) if take is not None else None
+        if not note or self._client is None:
             return
-        index = model.device_index
         event = EventRecord(
             event_id=str(uuid.uuid4()),
             at=self._clock(),
             kind="job_preempted",
-            request_id=request.request_id,
-            lease_id=request.lease_id,
-            accelerator=f"{self._node}/{'cpu' if index == CPU_DEVICE_INDEX else index}",
-            deployment=model.deployment,
+            request_id=request_id,
+            lease_id=lease_id,
+            accelerator=accelerator,
+            deployment=deployment,
             message=str(note.get("detail", ""))[:1000],
-            payload={k: note.get(k) for k in ("outcome", "checkpoint", "exit_code")},
+            payload={k: note.get(k) for k in ("outcome", "checkpoint", "exit_code")}
+            | ({"rank": int(job_key.rsplit("#rank", 1)[1])} if "#rank" in job_key else {}),
         )
         try:
             await self._client.start_workflow(
                 "RecordEventsWorkflow",
                 [event],
-                id=f"events:job-preempted:{request.request_id}:{request.lease_id}"[:900],
+                id=f"events:job-preempted:{request_id}:{job_key}"[:900],
                 task_queue=CONTROL_TASK_QUEUE,
             )
         except Exception as error:  # the job's status file and log still say it
-            log.warning("job_preempted_event_not_started", lease_id=request.lease_id, error=str(error))
+            log.warning("job_preempted_event_not_started", lease_id=lease_id, error=str(error))
 
     @activity.defn(name="unload_model")
     async def unload_model(self, key: str) -> float | None:

@@ -124,9 +124,6 @@ def logs(
     raise typer.Exit(1 if state.startswith("failed") or state == "timeout" else 0)
 
 
-GANG_NOT_YET = "gpu_count: a job runs on one card for now (gang jobs of subprocess_job are not supported yet)"
-
-
 class JobClient:
     """Submits jobs (runtime `subprocess_job`) as requests whose lease lasts `max_duration_s`,
     which `ModelForgeClient.request` does not take yet: a ModelForgeClient whose requests carry
@@ -156,7 +153,7 @@ class JobClient:
         args: list[str],
         *,
         max_duration_s: float,
-        gpu_count: int = 1,
+        gpu_count: int | None = None,
         tenant: str = "default",
         queue: str | None = None,
         priority: str | None = None,
@@ -164,14 +161,15 @@ class JobClient:
         on_progress: Any = None,
     ) -> Any:
         """Run the deployment's command with `args` appended (it needs `input_args = "true"`)
-        under a lease of at most `max_duration_s`; the job's Result when it ends."""
+        under a lease of at most `max_duration_s`; the job's Result when it ends. `gpu_count`,
+        when given, must be the deployment's card count (the node refuses the job otherwise)."""
         from modelforge.client import Result
 
         problem = None
         if isinstance(max_duration_s, bool) or not 0 < max_duration_s <= self.MAX_DURATION_S:
             problem = f"max_duration_s must be above 0 and at most {self.MAX_DURATION_S / 86400:.0f} days"
-        elif gpu_count != 1:
-            problem = GANG_NOT_YET
+        elif gpu_count is not None and (isinstance(gpu_count, bool) or not 1 <= gpu_count <= 1024):
+            problem = "gpu_count must be from 1 to 1024"
         elif not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             problem = "args must be a list of strings"
         if problem is not None:
@@ -186,7 +184,7 @@ class JobClient:
         try:
             return await self.client.request(
                 capability,
-                {"args": list(args)} if args else {},
+                ({"args": list(args)} if args else {}) | ({"gpu_count": gpu_count} if gpu_count is not None else {}),
                 tenant=tenant,
                 queue=queue,
                 priority=priority,
@@ -210,7 +208,10 @@ def job_submit(
     max_duration: Annotated[
         str, typer.Option("--max-duration", help="Longest the job may run (90s, 30m, 4h, 2d); then it is TIMEOUT.")
     ] = "10m",
-    gpu_count: Annotated[int, typer.Option("--gpu-count", help="Cards the job needs (one for now).")] = 1,
+    gpu_count: Annotated[
+        int | None,
+        typer.Option("--gpu-count", help="Cards the job needs; refused unless the deployment has that many."),
+    ] = None,
     queue: Annotated[str | None, typer.Option(help="Queue whose --priority level is meant.")] = None,
     priority: Annotated[str | None, typer.Option(help="Class or queue level. Default: the tenant's.")] = None,
     tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
@@ -231,8 +232,8 @@ def job_submit(
     except ModelForgeError as error:
         _fail(error, 1)
     _check_identifiers(capability=capability, tenant=tenant, request_id=request_id)
-    if gpu_count != 1:
-        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, GANG_NOT_YET), 1)
+    if gpu_count is not None and not 1 <= gpu_count <= 1024:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "--gpu-count is from 1 to 1024"), 1)
     chosen_id = request_id or uuid.uuid4().hex[:16]
     settings = _settings()
     if not as_json:

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -326,9 +327,33 @@ class SubprocessJobRuntime:
         if config is None or deployment is None:
             raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{model.resident_key} is not loaded")
         lease_id = str(payload.get("modelforge_lease_id", "")) or f"lease-{next(_fake_pids)}"
+        cards = "" if model.device_index == CPU_DEVICE_INDEX else self._uuids.get(model.resident_key, "")
+        return await self._run(model.resident_key, lease_id, "", config, deployment, cards, payload, heartbeat, {})
+
+    async def _run(
+        self,
+        key: str,
+        job_key: str,
+        part: str,
+        config: SubprocessJobConfig,
+        deployment: Deployment,
+        cards: str,
+        payload: dict[str, Any],
+        heartbeat: Heartbeat,
+        extra_env: dict[str, str],
+    ) -> dict[str, Any]:
+        """Run one attempt of a job (`part`: "" or a gang rank's "-rank<r>") to its end."""
+        lease_id = job_key
         request_id = str(payload.get("modelforge_request_id", "")) or lease_id
-        run = str(payload.get("modelforge_run_id", "")) or "run"
+        run = (str(payload.get("modelforge_run_id", "")) or "run") + part
         extra = self._arguments(config, payload)
+        wanted = payload.get("gpu_count")  # `modelforge job submit --gpu-count N`
+        if wanted is not None and wanted != deployment.gpu_count:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"gpu_count: the job asks for {str(wanted)[:20]} cards; {deployment.deployment_id} runs on "
+                f"{deployment.gpu_count}",
+            )
         directory = self._root / job_directory_name(request_id) / job_directory_name(run)
         output_dir = directory / "output"
         checkpoint_dir = Path(str(payload.get("modelforge_checkpoint_dir") or directory / "checkpoints"))
@@ -350,10 +375,9 @@ class SubprocessJobRuntime:
         # Nothing of ModelForge's own configuration (database URL, API keys, secrets) reaches a job.
         environment = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
         environment.update(config.env)
+        environment.update(extra_env)
         environment.update(
-            CUDA_VISIBLE_DEVICES=""
-            if model.device_index == CPU_DEVICE_INDEX
-            else self._uuids.get(model.resident_key, ""),
+            CUDA_VISIBLE_DEVICES=cards,
             MODELFORGE_JOB_ID=request_id,
             MODELFORGE_CHECKPOINT_DIR=str(checkpoint_dir),
             MODELFORGE_OUTPUT_DIR=str(output_dir),
@@ -383,7 +407,7 @@ class SubprocessJobRuntime:
                     FailureClass.MODEL_LOAD_FAILED, f"cannot start job {argv[0]!r}: {error.strerror or error}"
                 ) from None
         running = _Job(
-            key=model.resident_key,
+            key=key,
             lease_id=lease_id,
             request_id=request_id,
             directory=directory,
@@ -617,6 +641,9 @@ class SubprocessJobRuntime:
         job = self._jobs.get(lease_id)
         if job is None or job.process.returncode is not None:
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} is running")
+        return await self._preempt(job)
+
+    async def _preempt(self, job: _Job) -> str:
         job.preempting = True
         config = job.config
         killed = await self._terminate(job, config.preempt_grace_s, config.preempt_signal)
@@ -677,12 +704,84 @@ class SubprocessJobRuntime:
     async def run_job(
         self, deployment: Deployment, device_indices: list[int], payload: dict[str, Any], heartbeat: Heartbeat
     ) -> dict[str, Any]:
-        raise unsupported(
-            self.name, "run a multi-GPU gang job", "not yet (torchrun variables are issue 19's next step)"
-        )
+        """This node's part (`modelforge_rank` of `modelforge_world_size` nodes) of a gang job:
+        one process on this node's cards (all of them in CUDA_VISIBLE_DEVICES), given the
+        torchrun variables and a rendezvous that rank 0 publishes in the shared checkpoint store."""
+        config = SubprocessJobConfig.of(deployment)
+        lease_id = str(payload.get("modelforge_lease_id", "")) or f"lease-{next(_fake_pids)}"
+        rank = int(payload.get("modelforge_rank", 0))
+        world = int(payload.get("modelforge_world_size", 1))
+        samples = {d.index: d for d in await asyncio.to_thread(self._devices.sample)}
+        cards = ",".join(samples[i].uuid for i in device_indices if i in samples and i != CPU_DEVICE_INDEX)
+        address, port = await self._rendezvous(payload, rank, world, heartbeat)
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "NODE_RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": address,
+            "MASTER_PORT": str(port),
+            # torchrun as the command: one worker per card of this node, the nodes rendezvous.
+            "PET_NNODES": str(world),
+            "PET_NODE_RANK": str(rank),
+            "PET_NPROC_PER_NODE": str(max(1, len(device_indices))),
+            "PET_MASTER_ADDR": address,
+            "PET_MASTER_PORT": str(port),
+        }
+        tag = f"modelforge:job:{lease_id}"
+        pids: dict[int, int] = {}
+        try:
+            if self._devices.simulated_gpus:  # the envelope on each simulated card while it runs
+                for index in device_indices:
+                    if index != CPU_DEVICE_INDEX:
+                        pids[index] = next(_fake_pids)
+                        self._devices.allocate(index, pids[index], deployment.envelope_bytes, tag)
+            key = f"{deployment.deployment_id}:{lease_id}"
+            output = await self._run(
+                key, f"{lease_id}#rank{rank}", f"-rank{rank}", config, deployment, cards, payload, heartbeat, env
+            )
+        finally:
+            for index, pid in pids.items():
+                self._devices.free(index, pid, tag)
+        return {**output, "rank": rank, "world_size": world}
+
+    async def _rendezvous(
+        self, payload: dict[str, Any], rank: int, world: int, heartbeat: Heartbeat
+    ) -> tuple[str, int]:
+        """MASTER_ADDR and MASTER_PORT of a gang: rank 0's node address (MODELFORGE_NODE_ADDRESS
+        of its worker, 127.0.0.1 by default) and a port free there, written by rank 0 into the
+        checkpoint store (shared by the nodes of a cluster) and read there by the other ranks."""
+        address = os.environ.get("MODELFORGE_NODE_ADDRESS", "127.0.0.1")
+        place = payload.get("modelforge_rendezvous")
+        if world <= 1 and not place:
+            return address, _free_port(address)
+        if not isinstance(place, str) or not place:
+            raise unsupported(self.name, "run a multi-node job", "this node has no checkpoint store for its rendezvous")
+        path = Path(place)
+        if rank == 0:
+            port = _free_port(address)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_json(path, {"address": address, "port": port})
+            return address, port
+        for waited in range(1200):  # up to 120 s for rank 0 to start
+            try:
+                found = json.loads(path.read_text(encoding="utf-8"))
+                return str(found["address"]), int(found["port"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            if waited % 20 == 0:
+                heartbeat(f"rank {rank}: waiting for rank 0's rendezvous")
+            await asyncio.sleep(0.1)
+        raise ModelForgeError(FailureClass.TIMEOUT, f"rank {rank}: rank 0 published no rendezvous within 120 s")
 
     async def checkpoint_job(self, lease_id: str, rank: int, destination: str) -> str:
-        raise unsupported(self.name, "checkpoint a multi-GPU gang job", "not yet")
+        """Preempt this node's part of a gang job as `checkpoint` does a job: the signal, the
+        grace, its checkpoint (or its last announced one) or none."""
+        job = self._jobs.get(f"{lease_id}#rank{rank}")
+        if job is None or job.process.returncode is not None:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} rank {rank} is running")
+        return await self._preempt(job)
 
     async def unload(self, model: LoadedModel) -> None:
         for job in [j for j in self._jobs.values() if j.key == model.resident_key]:
@@ -718,6 +817,12 @@ class SubprocessJobRuntime:
                 reaped.append(pid)
             pid_file.unlink(missing_ok=True)
         return reaped
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])
 
 
 def _describe_exit(code: int | None) -> str:

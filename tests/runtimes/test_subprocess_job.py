@@ -392,7 +392,7 @@ def test_job_submit_refuses_what_it_cannot_run_before_connecting() -> None:
 
     runner = CliRunner()
     for arguments, says in (
-        (["--gpu-count", "2"], "gang jobs of subprocess_job are not supported yet"),
+        (["--gpu-count", "0"], "--gpu-count is from 1 to 1024"),
         (["--max-duration", "4x"], "a duration is a positive number"),
         (["--tenant", "a b"], "REQUEST_INVALID"),
     ):
@@ -416,3 +416,68 @@ async def test_progress_written_to_the_progress_file_counts_and_an_earlier_attem
     again = await node.invoke("twice", {})  # the retry (the same request and run) reports nothing
     assert (again["progress"], again["message"]) == (None, "")
     assert [a["outcome"] for a in again["attempts"]] == ["failed: RUNTIME_CRASH", "succeeded"]
+
+
+ALLREDUCE = ROOT / "examples" / "jobs" / "allreduce.py"
+
+
+def expected_total(steps: int, world: int = 2) -> list[float]:
+    return [float(sum(r + 1 for r in range(world)) * steps * (steps + 1) // 2)] * 4
+
+
+async def test_a_two_rank_gang_on_two_nodes_all_reduces_checkpoints_every_rank_and_resumes(tmp_path: Path) -> None:
+    """Two node workers (one card each), one gang job: both ranks run with the torchrun
+    variables and a rendezvous in the shared store; preempted, both checkpoint after the same
+    step; resumed, the sum is what an uninterrupted run's is."""
+    pytest.importorskip("torch")
+    from modelforge.messages import GangCheckpointInput, GangJobInput
+
+    store = tmp_path / "store"
+    nodes = []
+    for index, name in enumerate(("g1", "g2")):
+        devices = NodeDevices(SimulatedGpuBackend([SimulatedDevice(0, f"GPU-{index}", "Simulated", 24 * GiB)]))
+        runtime = SubprocessJobRuntime(devices, tmp_path / "home", name)
+        nodes.append((NodeActivities(name, devices, {"subprocess_job": runtime}, checkpoint_root=store), runtime))
+    deployment = job([sys.executable, str(ALLREDUCE)], preempt_grace_s="20")
+    beats: list[str] = []
+
+    def env() -> ActivityEnvironment:
+        return Node(nodes[0][0], nodes[0][1], store, tmp_path / "home", beats).env()
+
+    def part(rank: int, lease: str, args: list[str], resume: str = "") -> GangJobInput:
+        return GangJobInput(lease, "gang", deployment, [f"g{rank + 1}/0"], {"args": args}, rank, 2, resume)
+
+    try:
+        envs = [env(), env()]
+        args = ["--steps", "40", "--step-delay-s", "0.2"]
+        runs = [asyncio.create_task(envs[r].run(nodes[r][0].run_gang_job, part(r, "gang.1", args))) for r in (0, 1)]
+        state = store / "gang" / "job-rank1" / RUN / "state.json"
+        deadline = time.monotonic() + 60
+        while not (state.exists() and json.loads(state.read_text())["step"] >= 3):
+            assert time.monotonic() < deadline and not any(r.done() for r in runs), [r for r in runs if r.done()]
+            await asyncio.sleep(0.05)
+        saved = await asyncio.gather(
+            *(env().run(nodes[r][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", r, 0)) for r in (0, 1))
+        )
+        steps = [json.loads(Path(s.location).read_text())["step"] for s in saved]
+        assert steps[0] == steps[1] and 3 <= steps[0] < 40, steps  # every rank stopped after the same step
+        assert [Path(s.location).parent.parent.name for s in saved] == ["job-rank0", "job-rank1"]
+        for run, environment in zip(runs, envs, strict=True):
+            environment.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+        # The gang's next lease: each rank from its own checkpoint.
+        resumed = await asyncio.gather(
+            *(env().run(nodes[r][0].run_gang_job, part(r, "gang.2", args, saved[r].location)) for r in (0, 1))
+        )
+        for rank, result in enumerate(resumed):
+            output = result.output
+            assert output["rank"] == rank and output["world_size"] == 2
+            assert output["result"] == {"total": expected_total(40), "rank": rank, "world": 2}
+            assert output["resumed_from"] == saved[rank].location
+            assert [a["outcome"] for a in output["attempts"]] == ["checkpointed", "succeeded"]
+        total = Path(resumed[0].output["output_dir"]) / "total.json"
+        assert json.loads(total.read_text())["total"] == expected_total(40)
+    finally:
+        for _, runtime in nodes:
+            await runtime.close()

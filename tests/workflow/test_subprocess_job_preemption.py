@@ -187,9 +187,104 @@ async def test_job_submit_runs_the_deployments_command_with_its_args_under_its_m
             assert not slow.ok and slow.failure_class == "TIMEOUT" and "max_duration" in slow.message
             assert time.monotonic() - started < 30
             refused = await jobs.submit_job("merge.slerp.cpu@1", [], max_duration_s=60, gpu_count=2, tenant="lab")
-            assert refused.failure_class == "REQUEST_INVALID" and "gang jobs" in refused.message
+            assert refused.failure_class == "REQUEST_INVALID"
+            assert "the job asks for 2 cards; merge.slerp.cpu@1 runs on 1" in refused.message
     finally:
         for request_id in ids:
             for directory in job_log_dirs(home, request_id):
                 shutil.rmtree(directory.parent, ignore_errors=True)
             shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
+
+
+GANG_CATALOG = """
+[[accelerators]]
+id = "g1/0"
+node = "g1"
+model = "Simulated 24GB"
+total_bytes = 25769803776
+production_eligible = true
+rack_id = "r1"
+simulated = true
+
+[[accelerators]]
+id = "g2/0"
+node = "g2"
+model = "Simulated 24GB"
+total_bytes = 25769803776
+production_eligible = true
+rack_id = "r1"
+simulated = true
+
+[[deployments]]
+capability = "train.allreduce@1"   # one card on each of two nodes
+envelope_bytes = 10737418240
+residency = "none"
+node_count = 2
+gpu_per_node = 1
+preemptible = true
+runtime = "subprocess_job"
+command = ["{python}", "ALLREDUCE"]
+runtime_config = { input_args = "true", preempt_grace_s = "20" }
+
+[[deployments]]
+capability = "chat.big@1"          # 20 GiB: needs a card to itself
+envelope_bytes = 21474836480
+residency = "keep_warm"
+ttl_s = 600
+load_s = 0.5
+runtime = "simulated"
+
+[[tenants]]
+name = "lab"
+default_priority = "background"
+max_priority = "background"
+
+[[tenants]]
+name = "app"
+default_priority = "interactive"
+max_priority = "interactive"
+"""
+
+
+async def test_a_two_rank_gang_job_on_two_nodes_is_preempted_checkpoints_both_ranks_and_sums_right(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    catalog = tmp_path / "gang.toml"
+    catalog.write_text(GANG_CATALOG.replace("ALLREDUCE", str(ROOT / "examples" / "jobs" / "allreduce.py")))
+    config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
+    home = Path(tempfile.gettempdir()) / "modelforge"
+    request_id = f"gang-{os.urandom(4).hex()}"
+    steps = 40
+    try:
+        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog, config=config) as stack:
+            job = await stack.start_request(
+                "train.allreduce@1",
+                tenant="lab",
+                request_id=request_id,
+                input={"args": ["--steps", str(steps), "--step-delay-s", "0.25"]},
+            )
+            state = home / "checkpoints" / request_id / "job-rank1"
+            for _ in range(900):  # both ranks up (torch imported, rendezvous done), a few steps summed
+                if any(json.loads(p.read_text())["step"] >= 3 for p in state.glob("*/state.json")):
+                    break
+                await asyncio.sleep(0.1)
+            # chat.big@1 needs 20 GiB: 24 - 10 = 14 on each card, so the gang must go.
+            chat = await (await stack.start_request("chat.big@1", tenant="app", lease_timeout_s=120)).result()
+            assert chat.lease.accelerator in ("g1/0", "g2/0")
+            done = await job.result()
+            assert done.timings["preemptions"] == 1
+            output = done.output
+            assert output["rank"] == 0 and output["world_size"] == 2 and output["nodes"] == ["g1", "g2"]
+            total = float(3 * steps * (steps + 1) // 2)  # ranks add 1 and 2 times the step, summed
+            assert output["result"] == {"total": [total] * 4, "rank": 0, "world": 2}
+            assert [a["outcome"] for a in output["attempts"]] == ["checkpointed", "succeeded"]
+            [preempted] = await stack.events("preempted", at_least=1)
+            assert "resumes from the checkpoints of its 2 ranks" in preempted["message"]
+            stopped = await stack.events("job_preempted", at_least=2)
+            assert sorted(e["payload"]["rank"] for e in stopped) == [0, 1]
+            assert all(e["payload"]["outcome"] == "checkpointed" for e in stopped)
+    finally:
+        for directory in job_log_dirs(home, request_id):
+            shutil.rmtree(directory.parent, ignore_errors=True)
+        shutil.rmtree(home / "checkpoints" / request_id, ignore_errors=True)
