@@ -20,41 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
-import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import StreamTarget
-
-STREAM_KEY_ENV = "MODELFORGE_STREAM_KEY"
-STREAM_KEY_FILE_ENV = "MODELFORGE_STREAM_KEY_FILE"
-SIGNATURE_HEADER = "X-ModelForge-Stream-Signature"
-
-
-def stream_key() -> bytes | None:
-    """The key shared by the gateway and the nodes; None where none is configured (the
-    gateway then takes pushes from loopback only)."""
-    path = os.environ.get(STREAM_KEY_FILE_ENV)
-    if path:
-        try:
-            return Path(path).read_text(encoding="utf-8").strip().encode() or None
-        except OSError as error:
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID, f"{STREAM_KEY_FILE_ENV}: cannot read {path}: {error.strerror}"
-            ) from None
-    value = os.environ.get(STREAM_KEY_ENV, "")
-    return value.encode() if value else None
-
-
-def signature(key: bytes, stream_id: str) -> str:
-    return hmac.new(key, stream_id.encode(), hashlib.sha256).hexdigest()
+from modelforge.streaming import SIGNATURE_HEADER, signature, stream_key
 
 
 async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:

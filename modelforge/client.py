@@ -19,7 +19,7 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -43,9 +43,17 @@ from temporalio.service import RPCError, RPCStatusCode
 from modelforge import temporal as sa
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.identifiers import identifier_problem, shown
-from modelforge.messages import MAX_INPUT_BYTES, OPERATIONS, RequestInput, RequestResult, client_input_problem
+from modelforge.messages import (
+    MAX_INPUT_BYTES,
+    OPERATIONS,
+    RequestInput,
+    RequestResult,
+    StreamTarget,
+    client_input_problem,
+)
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
-from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, NODE_TASK_QUEUE_PREFIX, Settings
+from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
+from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings
 
 # Whole-string matches (fullmatch): `$` would also match before a trailing newline.
 _CLASS_PART = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}")
@@ -126,24 +134,40 @@ def input_shape_problem(value: object) -> str | None:
 
 
 class ModelForgeClient:
-    def __init__(self, client: Client, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S) -> None:
-        """`reattach_s`: how long a request keeps retrying through a Temporal outage before it
-        gives up with CAPABILITY_UNAVAILABLE (asking again with its request_id then attaches)."""
+    def __init__(
+        self,
+        client: Client,
+        pool: str | None = None,
+        *,
+        reattach_s: float = DEFAULT_REATTACH_S,
+        pools: Sequence[str] | None = None,
+    ) -> None:
+        """`pool`: the pool whose scheduler admits every request; None (the default) routes each
+        capability to a pool that serves it (modelforge/routing.py), among `pools` (else
+        MODELFORGE_POOLS, else the running schedulers). `reattach_s`: how long a request keeps
+        retrying through a Temporal outage before it gives up with CAPABILITY_UNAVAILABLE
+        (asking again with its request_id then attaches)."""
         self.temporal = client
         self.pool = pool
         self.reattach_s = reattach_s
-        # Capability -> the task queue of the node that served its last request. A request
+        self.router = PoolRouter(client, pools_from_env() if pools is None else pools)
+        # (pool, capability) -> the task queue of the node that served its last request. A request
         # started there runs its workflow on that node's worker, which hands itself the invoke
         # (eager dispatch) when the lease lands on that node; anywhere else it runs as from the
         # control queue. Only a hint: admission decides, and a node gone silent has its queue
         # served by the control worker (workers/control.py, NodeQueueAdopter).
-        self._routes: dict[str, str] = {}
+        self._routes: dict[tuple[str, str], str] = {}
 
     @classmethod
     async def connect(
-        cls, settings: Settings | None = None, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S
+        cls,
+        settings: Settings | None = None,
+        pool: str | None = None,
+        *,
+        reattach_s: float = DEFAULT_REATTACH_S,
+        pools: Sequence[str] | None = None,
     ) -> ModelForgeClient:
-        return cls(await sa.connect(settings or Settings.from_env()), pool, reattach_s=reattach_s)
+        return cls(await sa.connect(settings or Settings.from_env()), pool, reattach_s=reattach_s, pools=pools)
 
     async def request(
         self,
@@ -158,11 +182,13 @@ class ModelForgeClient:
         request_id: str | None = None,
         on_progress: Callable[[str], None] | None = None,
         operation: str = "",
+        stream: StreamTarget | None = None,
     ) -> Result:
         """One request, start to end. `on_progress` hears, about twice a second, what the request
         waits on: admission, the queue, a model loading (from its load activity's heartbeats),
         the invoke. `operation`: what the node does with the lease ("" invokes; "profile" is
-        `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused)."""
+        `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused).
+        `stream`: where the node pushes the answer as it is generated (the gateway's streams)."""
         chose_id = request_id is not None  # an id of our own making names nobody else's request
         request_id = uuid.uuid4().hex[:16] if request_id is None else request_id
         payload = {} if input is None else input
@@ -205,6 +231,16 @@ class ModelForgeClient:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value <= 7 * 24 * 3600):
                 return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
+        try:
+            pool = self.pool if self.pool is not None else await self.router.choose(capability, tenant, priority)
+        except ModelForgeError as error:
+            return Result(
+                ok=False,
+                request_id=request_id,
+                capability=capability,
+                failure_class=error.failure.value,
+                message=error.message,
+            )
         request = RequestInput(
             request_id=request_id,
             capability=capability,
@@ -213,8 +249,9 @@ class ModelForgeClient:
             tenant=tenant,
             deadline_s=deadline_s,
             lease_timeout_s=lease_timeout_s,
-            pool=self.pool,
+            pool=pool,
             operation=operation,
+            stream=stream,
         )
         workflow_id = f"request:{capability}:{request_id}"
         attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
@@ -224,14 +261,15 @@ class ModelForgeClient:
             result: RequestResult = await self._start_and_wait(
                 request,
                 workflow_id,
-                task_queue=self._routes.get(capability, CONTROL_TASK_QUEUE),
+                task_queue=self._routes.get((pool, capability), CONTROL_TASK_QUEUE),
                 search_attributes=TypedSearchAttributes(attributes),
                 summary=f"{capability} for {tenant}",
                 memo={"capability": capability, "tenant": tenant, "input_bytes": size},
                 on_progress=on_progress,
             )
         except WorkflowFailureError as error:
-            self._routes.pop(capability, None)  # the next one starts from the control queue
+            self._routes.pop((pool, capability), None)  # the next one starts from the control queue
+            self.router.forget(capability)  # and is routed afresh
             if chose_id and await self._owner(workflow_id) not in (None, tenant):
                 return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
             cause = error.cause
@@ -270,9 +308,9 @@ class ModelForgeClient:
             # The request id is another tenant's request (attached by id): its answer is not ours.
             return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
         if result.route.startswith(NODE_TASK_QUEUE_PREFIX):
-            self._routes[capability] = result.route
+            self._routes[(pool, capability)] = result.route
         else:
-            self._routes.pop(capability, None)
+            self._routes.pop((pool, capability), None)
         return Result(
             ok=True,
             request_id=request_id,
@@ -333,7 +371,9 @@ class ModelForgeClient:
                             began=began,
                         )
                         if on_progress is not None:
-                            watcher = asyncio.create_task(self._watch(handle, request.capability, on_progress))
+                            watcher = asyncio.create_task(
+                                self._watch(handle, request.capability, request.pool, on_progress)
+                            )
                     result: RequestResult = await handle.result()
                     return result
                 except RPCError as error:
@@ -404,11 +444,13 @@ class ModelForgeClient:
                     )
             return handle
 
-    async def _watch(self, handle: WorkflowHandle[Any, Any], capability: str, report: Callable[[str], None]) -> None:
+    async def _watch(
+        self, handle: WorkflowHandle[Any, Any], capability: str, pool: str, report: Callable[[str], None]
+    ) -> None:
         last = ""
         while True:
             try:
-                line = await self._progress(handle, capability)
+                line = await self._progress(handle, capability, pool)
             except (RPCError, WorkflowQueryFailedError, ModelForgeError):
                 line = ""  # not started yet, or already done: nothing to say this time
             if line and line != last:
@@ -416,10 +458,10 @@ class ModelForgeClient:
                 last = line
             await asyncio.sleep(0.5)
 
-    async def _progress(self, handle: WorkflowHandle[Any, Any], capability: str) -> str:
+    async def _progress(self, handle: WorkflowHandle[Any, Any], capability: str, pool: str) -> str:
         phase = str(await handle.query("phase", result_type=str, rpc_timeout=timedelta(seconds=5)))
         if phase in ("admitting", "queued"):
-            status = await self.status()
+            status = await self._pool_status(pool)
             for resident in status.residents:
                 if resident.capability == capability and resident.state == "loading" and resident.workflow_id:
                     detail = await self._heartbeat(
@@ -442,13 +484,40 @@ class ModelForgeClient:
         return ""
 
     async def status(self) -> PoolStatus:
+        """The bound pool's status; unbound, every pool's as one (`routing.merge_statuses`):
+        CAPABILITY_UNAVAILABLE only when no pool's scheduler answers."""
+        if self.pool is not None:
+            return await self._pool_status(self.pool)
+        statuses = await self.statuses()
+        answered = [status for status in statuses.values() if isinstance(status, PoolStatus)]
+        if not answered:
+            raise ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                "; ".join(str(error.message) for error in statuses.values() if isinstance(error, ModelForgeError)),
+            )
+        return merge_statuses(answered)
+
+    async def statuses(self) -> dict[str, PoolStatus | ModelForgeError]:
+        """Each pool's status by name (the bound pool, else every pool routed among), or why its
+        scheduler did not answer."""
+        pools = [self.pool] if self.pool is not None else await self.router.pools()
+
+        async def one(pool: str) -> PoolStatus | ModelForgeError:
+            try:
+                return await self._pool_status(pool)
+            except ModelForgeError as error:
+                return error
+
+        return dict(zip(pools, await asyncio.gather(*(one(pool) for pool in pools)), strict=True))
+
+    async def _pool_status(self, pool: str) -> PoolStatus:
         try:
-            status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{self.pool}").query(
+            status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{pool}").query(
                 "status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=10)
             )
-        except RPCError as error:
+        except (RPCError, WorkflowQueryFailedError) as error:
             raise ModelForgeError(
-                FailureClass.CAPABILITY_UNAVAILABLE, f"the scheduler of pool {self.pool!r} does not answer: {error}"
+                FailureClass.CAPABILITY_UNAVAILABLE, f"the scheduler of pool {pool!r} does not answer: {error}"
             ) from None
         return status
 
@@ -460,7 +529,7 @@ class SyncModelForgeClient:
     """A small blocking wrapper for scripts."""
 
     def __init__(
-        self, settings: Settings | None = None, pool: str = DEFAULT_POOL, *, reattach_s: float = DEFAULT_REATTACH_S
+        self, settings: Settings | None = None, pool: str | None = None, *, reattach_s: float = DEFAULT_REATTACH_S
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = self._loop.run_until_complete(ModelForgeClient.connect(settings, pool, reattach_s=reattach_s))

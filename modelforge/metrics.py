@@ -186,6 +186,13 @@ class GatewayMetrics:
             ["capability", "tenant", "priority", "kind", "estimated"],
             registry=r,
         )
+        self.first_token = Histogram(
+            "modelforge_gateway_time_to_first_token_seconds",
+            "Seconds from a streamed request's arrival at the gateway to its first piece of text",
+            ["route", "capability", "tenant", "priority"],
+            buckets=GATEWAY_BUCKETS,
+            registry=r,
+        )
 
     def observe(
         self,
@@ -200,8 +207,11 @@ class GatewayMetrics:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         estimated: bool = False,
+        first_token_s: float | None = None,
     ) -> None:
         code = str(status)
+        if first_token_s is not None:
+            self.first_token.labels(route, capability, tenant, priority).observe(max(0.0, first_token_s))
         self.requests.labels(route, capability, tenant, priority, code, failure_class).inc()
         self.seconds.labels(route, capability, tenant, priority, code).observe(max(0.0, seconds))
         flag = str(estimated).lower()

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import os
 import re
 import struct
 import time
@@ -32,7 +33,7 @@ from typing import Annotated, Any, Protocol
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,7 +57,9 @@ from modelforge.gateway._params import (
     takes_parameters,
     usage,
 )
+from modelforge.gateway._streams import StreamHub, chat_events, next_record, stream_router
 from modelforge.identifiers import identifier_problem, shown
+from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics
 from modelforge.payloads import input_limit
 from modelforge.policy import PoolStatus
@@ -90,6 +93,7 @@ class Requester(Protocol):
         deadline_s: float | None = None,
         lease_timeout_s: float | None = None,
         request_id: str | None = None,
+        stream: StreamTarget | None = None,
     ) -> Result: ...
 
     async def status(self) -> PoolStatus: ...
@@ -111,6 +115,10 @@ class GatewayConfig:
     max_body_bytes: int | None = None
     # Seconds a client has to send the whole body once its headers are in (408 past it).
     body_timeout_s: float = 30.0
+    # Where nodes push streamed answers to this gateway (MODELFORGE_GATEWAY_STREAM_URL, ending in
+    # /internal/streams). None: the address the client's connection reached, which a node on
+    # another host may not reach: set it on a cluster.
+    stream_url: str | None = field(default_factory=lambda: os.environ.get("MODELFORGE_GATEWAY_STREAM_URL") or None)
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
@@ -314,6 +322,8 @@ def create_app(
     app = FastAPI(title="ModelForge gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
     app.state.max_body_bytes = body_limit
+    hub = StreamHub()
+    app.state.streams = hub
     app.add_middleware(AccessLog, metrics=metrics)  # the access log line and metrics of every request
     keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
 
@@ -683,19 +693,60 @@ def create_app(
             return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         return content if isinstance(content, str) else ""
 
+    async def streamed(
+        request: Request,
+        capability: str,
+        payload: dict[str, Any],
+        request_id: str,
+        tenant: str,
+        *,
+        model: str,
+        include_usage: bool,
+        counts: Callable[[dict[str, Any], str], dict[str, Any]],
+    ) -> StreamingResponse:
+        """A streamed chat answer: the request starts with a stream the node pushes to; the
+        response begins with the first piece, so a refusal before it (no room, bad input, a
+        full queue) is still a plain HTTP error with its status."""
+        server = request.scope.get("server") or ("127.0.0.1", 0)
+        url = config.stream_url or f"http://{server[0]}:{server[1]}/internal/streams"
+        stream = hub.open()
+        target = StreamTarget(url=url, stream_id=stream.stream_id)
+        task = asyncio.create_task(run(request, capability, payload, request_id, tenant=tenant, stream=target))
+        # Its outcome is read by the events when they need it; never an unretrieved exception.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        try:
+            first = await next_record(stream, task)
+        except BaseException:
+            hub.close(stream)  # the client left while the request waited: the node is told so
+            raise
+        if first is None and task.exception() is not None:
+            hub.close(stream)
+            raise task.exception()  # type: ignore[misc]
+        events = chat_events(
+            hub=hub,
+            stream=stream,
+            task=task,
+            first=first,
+            state=request.state,
+            completion_id=f"chatcmpl-{request_id}",
+            created=int(time.time()),
+            model=model,
+            include_usage=include_usage,
+            counts=counts,
+            request_id=request_id,
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     @api.post("/v1/chat/completions")
-    async def chat(request: Request) -> dict[str, Any]:
+    async def chat(request: Request) -> Any:
         tenant: str = request.state.tenant
         call: ChatCall = await body_of(request, ChatCall)
         request.state.model = call.model
-        if call.stream:
-            raise _invalid(
-                "stream: streaming responses are not served yet; ask without stream",
-                code="unsupported_parameter",
-                param="stream",
-            )
+        include_usage = False
         if call.stream_options is not None:
-            raise _invalid("stream_options: only with stream, which is not served yet", param="stream_options")
+            if not call.stream:
+                raise _invalid("stream_options: only with stream: true", param="stream_options")
+            include_usage = bool(call.stream_options.get("include_usage"))
         deployment = await deployment_for_model(call.model)
         request.state.capability = deployment.capability
         given = parameters(call, CHAT_OWN)
@@ -712,6 +763,18 @@ def create_app(
             messages = plain_messages(call)
             payload = {"messages": messages}
         request_id = request_id_of(request)
+        if call.stream:
+            prompt_texts = [_text(m.get("content")) for m in messages]
+            return await streamed(
+                request,
+                deployment.capability,
+                payload,
+                request_id,
+                tenant,
+                model=call.model,
+                include_usage=include_usage,
+                counts=lambda output, text: usage(output, prompt_texts, [text]),
+            )
         result = await run(request, deployment.capability, payload, request_id, tenant=tenant)
         output = result.output or {}
         text = output.get("text")
@@ -743,4 +806,6 @@ def create_app(
 
     api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of))  # Ollama's /api/*
     app.include_router(api)
+    # Nodes push streamed answers here: not a client route (no API key; signed or loopback only).
+    app.include_router(stream_router(hub))
     return app

@@ -5,7 +5,8 @@ What a request did is gathered in its ASGI scope's `state` by the application as
 (`tenant`, `capability`, `priority`, `failure_class`, `request_id`, `model`, token counts) and
 read here once the answer is written. Never logged: API keys, headers, bodies, inputs and outputs.
 The log level is MODELFORGE_LOG_LEVEL (`debug`, `info`, `warning`, `error`; `info` by default):
-requests are logged at info (5xx at warning, 500 at error), /healthz and /metrics at debug."""
+requests are logged at info (5xx at warning, 500 at error); /healthz, /metrics and nodes'
+stream pushes at debug. A streamed answer adds its time to the first token."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from modelforge.metrics import GatewayMetrics
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # Routes polled by machines: logged at debug, not counted.
-_QUIET = ("/healthz", "/metrics")
+_QUIET = ("/healthz", "/metrics", "/internal/streams/{stream_id}")
 
 
 def log_level_from_env() -> int:
@@ -70,9 +71,9 @@ class AccessLog:
             status = 500  # the server's error handler answers it, outside this middleware
             raise
         finally:
-            self._record(scope, status, time.perf_counter() - started)
+            self._record(scope, status, time.perf_counter() - started, started)
 
-    def _record(self, scope: Scope, status: int, seconds: float) -> None:
+    def _record(self, scope: Scope, status: int, seconds: float, started: float) -> None:
         state: dict[str, Any] = scope.get("state") or {}
         route = getattr(scope.get("route"), "path", None) or "unmatched"
         failure = state.get("failure_class") or ("INTERNAL_ERROR" if status == 500 else "")
@@ -94,6 +95,9 @@ class AccessLog:
         tokens = state.get("tokens")
         if tokens:
             fields.update(tokens)
+        first_token_s = state["first_token_at"] - started if state.get("first_token_at") else None
+        if first_token_s is not None:
+            fields["time_to_first_token_ms"] = round(first_token_s * 1000, 2)
         client = scope.get("client")
         if client:
             fields["client"] = _label(client[0], 64)
@@ -112,6 +116,7 @@ class AccessLog:
             prompt_tokens=int((tokens or {}).get("prompt_tokens", 0)),
             completion_tokens=int((tokens or {}).get("completion_tokens", 0)),
             estimated=bool((tokens or {}).get("tokens_estimated", False)),
+            first_token_s=first_token_s,
         )
         if status == 500:
             log.error("gateway_request", **fields)

@@ -87,12 +87,15 @@ async def _embeddings_and_chat(gateway: _Served, client: openai.AsyncOpenAI) -> 
         await client.embeddings.create(model="gpt-17", input="x")
     assert (unknown.value.code, unknown.value.param) == ("model_not_found", "model")
     assert unknown.value.body["modelforge_class"] == FailureClass.CAPABILITY_UNAVAILABLE.value  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as streaming:
+    # stream_options without stream is refused, named (streaming itself: tests/gateway/test_streaming.py).
+    with pytest.raises(openai.BadRequestError) as options:
         await client.chat.completions.create(
-            model="small-chat", messages=[{"role": "user", "content": "x"}], stream=True
+            model="small-chat",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"stream_options": {"include_usage": True}},
         )
-    assert streaming.value.param == "stream" and streaming.value.type == "invalid_request_error"
-    assert streaming.value.body["modelforge_class"] == FailureClass.REQUEST_INVALID.value  # type: ignore[index]
+    assert options.value.param == "stream_options" and options.value.type == "invalid_request_error"
+    assert options.value.body["modelforge_class"] == FailureClass.REQUEST_INVALID.value  # type: ignore[index]
 
     # Each call was one request workflow, with the lease in the ledger like any other.
     granted = await gateway.stack.events("lease_granted", at_least=3)

@@ -1,0 +1,232 @@
+"""Streamed answers at the gateway: the node pushes them here (`activities/_stream_push.py`),
+and the client's connection gets them as server-sent events (OpenAI) or NDJSON (Ollama).
+
+A stream is opened before its request starts and named by a random id; the id travels to the
+node in the request (`StreamTarget`), and the node's POSTs to `/internal/streams/{id}` land in
+the stream's queue. When the client goes away the stream is marked gone and the node's next
+POST is answered 410: the node closes the model server's stream and the generation stops, the
+invoke ends and the lease is released. The internal route is not a client route: nodes sign the
+stream id with MODELFORGE_STREAM_KEY (an HMAC; nothing secret is in the workflow's history), and
+without a key only loopback peers may push (one host: `modelforge dev`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from modelforge.streaming import SIGNATURE_HEADER, signature, stream_key
+
+# Bytes of one push (a batch of chunks): generous for text, bounded.
+MAX_PUSH_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Stream:
+    stream_id: str
+    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    gone: bool = False
+    chunks: int = 0
+
+
+class StreamHub:
+    """The open streams of this gateway process, by id."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Stream] = {}
+
+    def open(self) -> Stream:
+        stream = Stream(secrets.token_hex(16))
+        self._streams[stream.stream_id] = stream
+        return stream
+
+    def close(self, stream: Stream) -> None:
+        """The client is done with it (the answer ended, or the client went away): the node's
+        next push is told so."""
+        stream.gone = True
+        self._streams.pop(stream.stream_id, None)
+
+    def get(self, stream_id: str) -> Stream | None:
+        return self._streams.get(stream_id)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+
+def _loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def stream_router(hub: StreamHub) -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    @router.post("/internal/streams/{stream_id}")
+    async def push(stream_id: str, request: Request) -> JSONResponse:
+        key = stream_key()
+        if key is not None:
+            presented = request.headers.get(SIGNATURE_HEADER, "")
+            if not hmac.compare_digest(presented, signature(key, stream_id)):
+                return JSONResponse({"error": "bad stream signature"}, status_code=403)
+        elif not _loopback(request.client.host if request.client else None):
+            return JSONResponse(
+                {"error": "pushes from other hosts need MODELFORGE_STREAM_KEY on the gateway and the nodes"},
+                status_code=403,
+            )
+        stream = hub.get(stream_id)
+        if stream is None or stream.gone:
+            return JSONResponse({"error": "the stream's client went away"}, status_code=410)
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_PUSH_BYTES:
+                return JSONResponse({"error": f"a push holds at most {MAX_PUSH_BYTES} bytes"}, status_code=413)
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return JSONResponse({"error": "each line must be a JSON object"}, status_code=400)
+            if not isinstance(record, dict):
+                return JSONResponse({"error": "each line must be a JSON object"}, status_code=400)
+            stream.chunks += 1
+            stream.queue.put_nowait(record)
+        if stream.gone:
+            return JSONResponse({"error": "the stream's client went away"}, status_code=410)
+        return JSONResponse({"chunks": stream.chunks})
+
+    return router
+
+
+async def next_record(stream: Stream, request_task: asyncio.Task[Any]) -> dict[str, Any] | None:
+    """The next pushed record, or None when the request ended first (its result then tells how:
+    a failure before or during the invoke, or an answer that was not streamed)."""
+    if not stream.queue.empty():
+        return stream.queue.get_nowait()
+    getting = asyncio.ensure_future(stream.queue.get())
+    try:
+        done, _ = await asyncio.wait({getting, request_task}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        getting.cancel()
+        raise
+    if getting in done:
+        return getting.result()
+    getting.cancel()
+    # The request ended: anything pushed just before it did is still the stream's.
+    return stream.queue.get_nowait() if not stream.queue.empty() else None
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def error_event(failure: str, message: str, request_id: str) -> dict[str, Any]:
+    """The last event of a stream that failed after it began (OpenAI sends an `error` object
+    on the stream): the class in `modelforge_class`, as in every gateway error."""
+    from modelforge.gateway._errors import http_status, openai_error
+
+    kind, code = openai_error(http_status(failure))
+    return {
+        "error": {
+            "message": message,
+            "type": kind,
+            "code": code,
+            "param": None,
+            "modelforge_class": failure,
+            "request_id": request_id,
+        }
+    }
+
+
+def _outcome(task: asyncio.Task[Any]) -> tuple[str | None, str, Any]:
+    """(failure class or None, message, result) of a finished request task."""
+    if task.cancelled():
+        return "TIMEOUT", "the request was cancelled", None
+    error = task.exception()
+    if error is None:
+        return None, "", task.result()
+    failure = getattr(error, "failure", None)
+    return (str(failure) if failure else "INTERNAL_ERROR"), str(getattr(error, "message", error))[:2000], None
+
+
+async def chat_events(
+    *,
+    hub: StreamHub,
+    stream: Stream,
+    task: asyncio.Task[Any],
+    first: dict[str, Any] | None,
+    state: Any,
+    completion_id: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    counts: Callable[[dict[str, Any], str], dict[str, Any]],
+    request_id: str,
+) -> AsyncIterator[str]:
+    """OpenAI's `chat.completion.chunk` events for one stream, then `[DONE]`. A failure after
+    the stream began (preemption, a crash) ends it with an error event carrying its class. The
+    stream is closed however this ends: a client gone away makes the node's next push 410."""
+    base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    text: list[str] = []
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        record = first
+        while record is not None:
+            delta = record.get("delta")
+            if isinstance(delta, str):
+                if not text:
+                    state.first_token_at = time.perf_counter()
+                text.append(delta)
+                yield chunk({"content": delta})
+            elif "finish_reason" in record:
+                usage = counts({"usage": record.get("usage")}, "".join(text))
+                state.tokens = {
+                    "prompt_tokens": usage.get("prompt_tokens", 0),
+                    "completion_tokens": usage.get("completion_tokens", 0),
+                    "tokens_estimated": usage.get("estimated", True),
+                }
+                yield chunk({}, str(record.get("finish_reason") or "stop"))
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": usage})
+                yield sse("[DONE]")
+                return
+            record = await next_record(stream, task)
+        failure, message, result = _outcome(task)
+        if failure is None:
+            # Answered whole (a runtime that does not stream and a node that predates streaming):
+            # what was not streamed yet goes out as one piece.
+            output = getattr(result, "output", None) or {}
+            answered = output.get("text")
+            whole = answered if isinstance(answered, str) else ""
+            rest = whole[len("".join(text)) :] if whole.startswith("".join(text)) else ""
+            if rest:
+                yield chunk({"content": rest})
+            yield chunk({}, str(output.get("finish_reason", "stop")))
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": counts(output, whole)})
+            yield sse("[DONE]")
+            return
+        state.failure_class = failure
+        yield sse(error_event(failure, message, request_id))
+        yield sse("[DONE]")
+    finally:
+        hub.close(stream)
