@@ -329,3 +329,32 @@ def jobs(
             escape(row["message"][:60]),
         )
     _table_console().print(table)
+
+
+@app.command()
+def artifacts(
+    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 50,
+    as_json: JsonOption = False,
+) -> None:
+    """List the artifacts jobs made on this host: digest, size, the outputs and requests behind each."""
+    from modelforge.cli import _compact_table, _table_console
+    from modelforge.runtimes._subprocess_job import artifact_rows
+
+    rows = artifact_rows(_settings().home)[: max(0, limit)]
+    if as_json:
+        _json(rows)
+        return
+    if not rows:
+        out.print("no artifacts on this host", highlight=False)
+        return
+    table = _compact_table()
+    for column in ("artifact", "bytes", "outputs", "requests"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            escape(row["artifact"] + ("" if row["present"] else " (missing)")),
+            str(row["bytes"]),
+            escape(", ".join(str(p) for p in row["paths"])[:60]),
+            escape(", ".join(str(r) for r in row["requests"])[:60]),
+        )
+    _table_console().print(table)

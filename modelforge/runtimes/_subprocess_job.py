@@ -251,6 +251,8 @@ class SubprocessJobRuntime:
         """`home`: MODELFORGE_HOME; jobs keep their logs and outputs under `home/jobs/<node>`."""
         self._devices = devices
         self._root = home / "jobs" / job_directory_name(node)
+        # The artifact store: inside the default artifact root, so a deployment can serve an output.
+        self._store = artifact_store(home)
         self._node = node
         self._configs: dict[str, SubprocessJobConfig] = {}
         self._deployments: dict[str, Deployment] = {}
@@ -346,7 +348,7 @@ class SubprocessJobRuntime:
         lease_id = job_key
         request_id = str(payload.get("modelforge_request_id", "")) or lease_id
         run = (str(payload.get("modelforge_run_id", "")) or "run") + part
-        extra = self._arguments(config, payload)
+        extra = await asyncio.to_thread(resolve_artifact_args, self._store, self._arguments(config, payload))
         wanted = payload.get("gpu_count")  # `modelforge job submit --gpu-count N`
         if wanted is not None and wanted != deployment.gpu_count:
             raise ModelForgeError(
@@ -551,6 +553,7 @@ class SubprocessJobRuntime:
             )
         if code == 0:
             outputs = await asyncio.to_thread(_list_outputs, job.output_dir)
+            await asyncio.to_thread(register_outputs, self._store, job.output_dir, outputs, job.request_id, self._node)
             self._save_attempt(job, "succeeded", exit_code=0)
             answer: dict[str, Any] = {
                 "job_id": job.request_id,
@@ -861,6 +864,105 @@ def _list_outputs(output_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
+ARTIFACT_ARG = re.compile(r"^artifact:sha256:([0-9a-f]{64})$")
+
+
+def artifact_store(home: Path) -> Path:
+    """Where jobs' outputs are kept by content: `<home>/artifacts/store/sha256/<digest>`."""
+    return home / "artifacts" / "store"
+
+
+def _digest(fd: int) -> str:
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def register_outputs(store: Path, output_dir: Path, outputs: list[dict[str, Any]], request_id: str, node: str) -> None:
+    """Keep each output file in the store under its sha256 (read-only, written aside and renamed
+    into place; one already there is kept), note who made it in `index.jsonl`, and name the
+    artifact in the output's entry (`artifact:sha256:<digest>`, what a later job's args take)."""
+    content = store / "sha256"
+    content.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for entry in outputs:
+        target = content / entry["sha256"]
+        if not target.exists():
+            aside = content / f".{entry['sha256']}.{os.getpid()}.tmp"
+            shutil.copyfile(output_dir / entry["path"], aside)
+            aside.chmod(0o444)
+            aside.replace(target)
+        entry["artifact"] = f"artifact:sha256:{entry['sha256']}"
+        lines.append(
+            json.dumps(
+                {
+                    "sha256": entry["sha256"],
+                    "bytes": entry["bytes"],
+                    "path": entry["path"],
+                    "request_id": request_id,
+                    "node": node,
+                    "at": time.time(),
+                }
+            )
+        )
+    if lines:
+        with (store / "index.jsonl").open("a", encoding="utf-8") as index:
+            index.write("\n".join(lines) + "\n")
+
+
+def resolve_artifact_args(store: Path, args: list[str]) -> list[str]:
+    """`artifact:sha256:<digest>` arguments as the store's file, verified: its bytes must still
+    hash to the digest (ARTIFACT_CORRUPT otherwise); an unknown one is REQUEST_INVALID."""
+    resolved = []
+    for argument in args:
+        found = ARTIFACT_ARG.match(argument)
+        if found is None:
+            resolved.append(argument)
+            continue
+        path = store / "sha256" / found.group(1)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{argument}: no such artifact in {store}") from None
+        try:
+            if _digest(fd) != found.group(1):
+                raise ModelForgeError(
+                    FailureClass.ARTIFACT_CORRUPT, f"{argument}: {path} no longer has that digest (changed on disk)"
+                )
+        finally:
+            os.close(fd)
+        resolved.append(str(path))
+    return resolved
+
+
+def artifact_rows(home: Path) -> list[dict[str, Any]]:
+    """The store's artifacts (newest first): digest, size, the outputs and requests that made it."""
+    store = artifact_store(home)
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        lines = (store / "index.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            digest = str(entry["sha256"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        row = rows.setdefault(
+            digest,
+            {"artifact": f"artifact:sha256:{digest}", "bytes": entry.get("bytes"), "paths": [], "requests": []},
+        )
+        row["at"] = entry.get("at")
+        for name, value in (("paths", entry.get("path")), ("requests", entry.get("request_id"))):
+            if value not in row[name]:
+                row[name].append(value)
+        row["file"] = str(store / "sha256" / digest)
+        row["present"] = (store / "sha256" / digest).is_file()
+    return sorted(rows.values(), key=lambda row: float(row.get("at") or 0), reverse=True)
+
+
 def job_log_dirs(home: Path, request_id: str) -> list[Path]:
     """A request's job directories on this host (every node, every run), newest last."""
     name = job_directory_name(request_id)
@@ -872,6 +974,8 @@ __all__ = [
     "CHECKPOINTED_EXIT",
     "SubprocessJobConfig",
     "SubprocessJobRuntime",
+    "artifact_rows",
+    "artifact_store",
     "job_directory_name",
     "job_log_dirs",
 ]

@@ -481,3 +481,40 @@ async def test_a_two_rank_gang_on_two_nodes_all_reduces_checkpoints_every_rank_a
     finally:
         for _, runtime in nodes:
             await runtime.close()
+
+
+async def test_outputs_become_verified_artifacts_a_later_job_takes_and_a_tampered_one_is_refused(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from modelforge import cli
+
+    await node.load(job([sys.executable, str(MERGE)]))
+    merged = await node.invoke("merge-a", {"args": MERGE_ARGS})
+    manifest = next(entry for entry in merged["outputs"] if entry["path"] == "manifest.json")
+    stored = node.home / "artifacts" / "store" / "sha256" / manifest["sha256"]
+    assert manifest["artifact"] == f"artifact:sha256:{manifest['sha256']}"
+    assert stored.read_bytes() == (Path(merged["output_dir"]) / "manifest.json").read_bytes()
+    # A later job names it by digest and is handed the verified file.
+    reader = (
+        "import hashlib, json, sys;"
+        "print(json.dumps({'result': hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest()}))"
+    )
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job(python(reader)))
+    read = await node.invoke("reader", {"args": [manifest["artifact"]]})
+    assert read["result"] == manifest["sha256"]
+    monkeypatch.setenv("MODELFORGE_HOME", str(node.home))
+    listed = json.loads(CliRunner().invoke(cli.app, ["artifacts", "--json"]).stdout)
+    [row] = [r for r in listed if r["artifact"] == manifest["artifact"]]
+    assert row["requests"] == ["merge-a"] and row["paths"] == ["manifest.json"] and row["present"] is True
+    # Changed on disk: refused before the job starts. Unknown: the request is wrong.
+    stored.chmod(0o644)
+    stored.write_bytes(b'{"t": 0.9}')
+    with pytest.raises(ApplicationError) as corrupt:
+        await node.invoke("reader-2", {"args": [manifest["artifact"]]})
+    assert corrupt.value.type == FailureClass.ARTIFACT_CORRUPT.value
+    with pytest.raises(ApplicationError) as unknown:
+        await node.invoke("reader-3", {"args": ["artifact:sha256:" + "0" * 64]})
+    assert unknown.value.type == FailureClass.REQUEST_INVALID.value
