@@ -1,11 +1,29 @@
-"""Settings from the environment (the README's Configuration table). Secrets come from the environment or
-files and are never logged: `Settings.__repr__` hides them."""
+"""Settings from the environment (the README's Configuration table), on pydantic-settings: field
+`name` is the variable MODELFORGE_<NAME>, and an empty variable counts as unset. Secrets (the
+Temporal API key, the database URL) come from their variable or from the file their `*_FILE`
+variant names (the file first) and are never logged: `repr(settings)` and `model_dump()` leave
+them out. Byte sizes take pydantic's `ByteSize` forms (`2048`, `2 KiB`, `64MiB`, `1.5GB`; KiB is
+1024 bytes, KB 1000) and are plain ints on the object. `Settings.from_env()` refuses a bad value
+with REQUEST_INVALID naming its variable."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from modelforge.failures import FailureClass, ModelForgeError
 
@@ -17,6 +35,13 @@ DEFAULT_POOL = "default"
 DEFAULT_PAYLOAD_THRESHOLD_BYTES = 2 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
+ENV_PREFIX = "MODELFORGE_"
+# The Temporal SDK's worker metrics (modelforge/temporal.py `worker_runtime`): loopback, one port
+# per role so a control and a node worker on one host do not collide.
+TEMPORAL_METRICS_ADDRESS = "MODELFORGE_TEMPORAL_METRICS_ADDRESS"
+TEMPORAL_METRICS_DEFAULTS: dict[str, str] = {"control": "127.0.0.1:9465", "node": "127.0.0.1:9466"}
+_OFF = ("off", "none", "0")
+
 
 NODE_TASK_QUEUE_PREFIX = "modelforge-node-"
 
@@ -25,49 +50,137 @@ def node_task_queue(node: str) -> str:
     return f"{NODE_TASK_QUEUE_PREFIX}{node}"
 
 
-def _read_secret(value_var: str, file_var: str) -> str | None:
-    value = os.environ.get(value_var)
-    path = os.environ.get(file_var)
-    if path:
-        try:
-            return Path(path).read_text(encoding="utf-8").strip()
-        except OSError as error:
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}"
-            ) from None
-    return value
+def env_var(field: str) -> str:
+    """The variable of a setting: `max_payload_bytes` is MODELFORGE_MAX_PAYLOAD_BYTES."""
+    return f"{ENV_PREFIX}{field.upper()}"
 
 
-def _positive_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    if not text.isdigit() or int(text) <= 0:
-        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{name} must be a positive number of bytes, not {text!r}")
-    return int(text)
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
-@dataclass(frozen=True)
-class Settings:
+def _byte_size(value: Any) -> int:
+    """A positive number of bytes from an int or a `ByteSize` string ("64MiB", "2 KiB")."""
+    if isinstance(value, bool):
+        raise ValueError("not a number of bytes")
+    size = int(_BYTE_SIZE.validate_python(value))
+    if size <= 0:
+        raise ValueError("not a positive number of bytes")
+    return size
+
+
+# A byte size: a positive int on the object, given as one or in `ByteSize` form.
+Bytes = Annotated[int, BeforeValidator(_byte_size)]
+Days = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+# What each setting must be, for the REQUEST_INVALID that names its variable.
+_MUST_BE: dict[str, str] = {
+    "temporal_tls": "true or false (1, yes, on; 0, no, off)",
+    "gpu_backend": "auto, nvml or simulated",
+    "metrics_port": "a port (0 to 65535)",
+    "metrics_host": "an interface address or host name",
+    "temporal_metrics_address": "host:port (127.0.0.1:9465) or off",
+    "snapshot_retention_days": "a positive number of days",
+    "payload_retention_days": "a positive number of days",
+    "payload_threshold_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
+    "max_payload_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
+    "replay_check_s": "0 (off) or 5 to 86400 seconds",
+}
+# Read from the variable or the file MODELFORGE_<NAME>_FILE names; never shown.
+_SECRETS = ("temporal_api_key", "database_url")
+
+# The environment `from_env` reads: os.environ unless given another mapping.
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("modelforge_settings_environ", default=None)
+
+
+class _MappingEnv(EnvSettingsSource):
+    """The environment source over a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {
+            (key if self.case_sensitive else key.lower()): value
+            for key, value in self._environ.items()
+            if not (self.env_ignore_empty and value == "")
+        }
+
+
+class _SecretFiles(PydanticBaseSettingsSource):
+    """A secret from the file its `*_FILE` variable names (MODELFORGE_DATABASE_URL_FILE), ahead
+    of the variable itself; an unreadable file is REQUEST_INVALID naming the variable and the
+    path, never any contents."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self._environ = {key.upper(): value for key, value in environ.items()}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads every secret itself
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name in _SECRETS:
+            file_var = f"{env_var(name)}_FILE"
+            path = self._environ.get(file_var)
+            if not path:
+                continue
+            try:
+                values[name] = Path(path).read_text(encoding="utf-8").strip()
+            except OSError as error:
+                raise ModelForgeError(
+                    FailureClass.REQUEST_INVALID, f"{file_var}: cannot read {path}: {error.strerror}"
+                ) from None
+        return values
+
+
+def _invalid(error: ValidationError) -> ModelForgeError:
+    """The first error of a validation as REQUEST_INVALID naming the variable; a secret's value
+    is never shown, others' at most 80 characters of it."""
+    first = error.errors(include_url=False)[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    if name not in Settings.model_fields:
+        return ModelForgeError(FailureClass.REQUEST_INVALID, f"settings: {first['msg']}")
+    must_be = _MUST_BE.get(name, first["msg"].lower())
+    if name in _SECRETS:
+        return ModelForgeError(FailureClass.REQUEST_INVALID, f"{env_var(name)} must be {must_be}")
+    value = first.get("input")
+    shown = value[:80] if isinstance(value, str) else value
+    return ModelForgeError(FailureClass.REQUEST_INVALID, f"{env_var(name)} must be {must_be}, not {shown!r}")
+
+
+class Settings(BaseSettings):
+    """Every field is the variable MODELFORGE_<FIELD>. `Settings.from_env()` reads the process's
+    environment (typed errors); `Settings(home=...)` takes keywords over it (tests);
+    `settings.replace(**changes)` is a validated copy."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="forbid")
+
     temporal_address: str = "localhost:7233"
     temporal_namespace: str = "default"
     temporal_tls: bool = False
+    # TLS / mTLS file paths.
     temporal_tls_cert: str | None = None
     temporal_tls_key: str | None = None
     temporal_tls_ca: str | None = None
-    temporal_api_key: str | None = field(default=None, repr=False)
-    database_url: str | None = field(default=None, repr=False)
-    home: Path = Path.home() / ".modelforge"
-    gpu_backend: str = "auto"
-    metrics_port: int = 9464
+    # Secrets (also from MODELFORGE_TEMPORAL_API_KEY_FILE, MODELFORGE_DATABASE_URL_FILE).
+    temporal_api_key: str | None = Field(default=None, repr=False, exclude=True)
+    database_url: str | None = Field(default=None, repr=False, exclude=True)
+    home: Path = Field(default_factory=lambda: Path.home() / ".modelforge")
+    gpu_backend: Literal["auto", "nvml", "simulated"] = "auto"
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
     # The interface the control worker's /metrics listens on (MODELFORGE_METRICS_HOST): loopback
     # unless configured; the compose stack sets 0.0.0.0 inside its network for Prometheus.
     metrics_host: str = "127.0.0.1"
+    # host:port of the Temporal SDK's worker metrics, or "off"; None: the role's default
+    # (TEMPORAL_METRICS_DEFAULTS). `temporal_metrics_bind(role)` resolves it.
+    temporal_metrics_address: str | None = None
     # Capacity snapshots older than this are dropped (MODELFORGE_SNAPSHOT_RETENTION_DAYS).
-    snapshot_retention_days: float = 30.0
+    snapshot_retention_days: Days = 30.0
     # Where model artifacts may be read from (MODELFORGE_ARTIFACT_ROOTS, os.pathsep-separated);
     # empty: $MODELFORGE_HOME/artifacts.
-    artifact_roots: tuple[Path, ...] = ()
+    artifact_roots: Annotated[tuple[Path, ...], NoDecode] = ()
     # The checkpoint store of preempted work (MODELFORGE_CHECKPOINT_DIR); empty:
     # $MODELFORGE_HOME/checkpoints. A shared filesystem when jobs may resume on another node.
     checkpoint_dir: Path | None = None
@@ -77,17 +190,97 @@ class Settings:
     payload_dir: Path | None = None
     # A request workflow's payloads of this many bytes or more leave its history
     # (MODELFORGE_PAYLOAD_THRESHOLD_BYTES); other workflows' from 256 KiB.
-    payload_threshold_bytes: int = DEFAULT_PAYLOAD_THRESHOLD_BYTES
+    payload_threshold_bytes: Bytes = DEFAULT_PAYLOAD_THRESHOLD_BYTES
     # The largest request input a client sends (MODELFORGE_MAX_PAYLOAD_BYTES): past it the
     # request is REQUEST_INVALID before any workflow starts.
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_payload_bytes: Bytes = DEFAULT_MAX_PAYLOAD_BYTES
     # How long stored payloads are kept (MODELFORGE_PAYLOAD_RETENTION_DAYS); None: the
     # namespace's workflow retention plus a day.
-    payload_retention_days: float | None = None
+    payload_retention_days: Days | None = None
     # How often the control worker replays each pool scheduler's history to catch one no worker
     # could replay before it wedges the pool (MODELFORGE_REPLAY_CHECK_S; 0: off;
     # workers/replay_guard.py). Checks also follow every Temporal outage.
     replay_check_s: float = 60.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Keywords first, then a secret's file, then the environment; no .env files.
+        environ = _ENVIRON.get()
+        if environ is None:
+            return init_settings, _SecretFiles(settings_cls, os.environ), env_settings
+        return init_settings, _SecretFiles(settings_cls, environ), _MappingEnv(settings_cls, environ)
+
+    @field_validator("artifact_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(Path(root) for root in value.split(os.pathsep) if root)
+        return value
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        value = value.strip()
+        if not value or any(c.isspace() or not c.isprintable() for c in value):
+            raise ValueError("not a host")
+        return value
+
+    @field_validator("temporal_metrics_address")
+    @classmethod
+    def _bind_address(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        text = value.strip()
+        if text.lower() in _OFF:
+            return "off"
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in text):
+            raise ValueError("not host:port")
+        return text
+
+    @field_validator("replay_check_s")
+    @classmethod
+    def _replay_check(cls, value: float) -> float:
+        if not (value == 0 or 5 <= value <= 86400) or math.isnan(value):
+            raise ValueError("out of range")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of this process's environment (or of `environ`); a bad value is
+        REQUEST_INVALID naming its variable, never a validation traceback."""
+        token = _ENVIRON.set(environ)
+        try:
+            return cls()
+        except ValidationError as error:
+            raise _invalid(error) from None
+        finally:
+            _ENVIRON.reset(token)
+
+    @classmethod
+    def variables(cls) -> list[str]:
+        """Every variable these settings read: MODELFORGE_<FIELD>, and MODELFORGE_<SECRET>_FILE."""
+        return [env_var(name) for name in cls.model_fields] + [f"{env_var(name)}_FILE" for name in _SECRETS]
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with `changes`, validated as the environment's values are (REQUEST_INVALID
+        naming the setting); the environment is not read again."""
+        try:
+            return type(self).model_validate({**self.__dict__, **changes})
+        except ValidationError as error:
+            raise _invalid(error) from None
+
+    def temporal_metrics_bind(self, role: str) -> str | None:
+        """Where a worker of this role serves the Temporal SDK's metrics; None when off."""
+        address = self.temporal_metrics_address or TEMPORAL_METRICS_DEFAULTS[role]
+        return None if address == "off" else address
 
     def resolved_payload_dir(self) -> Path:
         return self.payload_dir or self.home / "payloads"
@@ -110,82 +303,3 @@ class Settings:
         if written.exists():
             return written.read_text(encoding="utf-8").strip() or None
         return None
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        backend = os.environ.get("MODELFORGE_GPU_BACKEND", "auto")
-        if backend not in ("auto", "nvml", "simulated"):
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID, f"MODELFORGE_GPU_BACKEND must be auto, nvml or simulated, not {backend!r}"
-            )
-        port = os.environ.get("MODELFORGE_METRICS_PORT", "9464")
-        if not port.isdigit():
-            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"MODELFORGE_METRICS_PORT must be a port, not {port!r}")
-        metrics_host = os.environ.get("MODELFORGE_METRICS_HOST", "127.0.0.1").strip()
-        if not metrics_host or any(c.isspace() or not c.isprintable() for c in metrics_host):
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID,
-                f"MODELFORGE_METRICS_HOST must be an interface address or host name, not {metrics_host!r}",
-            )
-        retention = os.environ.get("MODELFORGE_SNAPSHOT_RETENTION_DAYS", "30")
-        try:
-            retention_days = float(retention)
-        except ValueError:
-            retention_days = -1.0
-        if not retention_days > 0:
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID,
-                f"MODELFORGE_SNAPSHOT_RETENTION_DAYS must be a positive number of days, not {retention!r}",
-            )
-        payload_threshold = _positive_int("MODELFORGE_PAYLOAD_THRESHOLD_BYTES", DEFAULT_PAYLOAD_THRESHOLD_BYTES)
-        max_payload = _positive_int("MODELFORGE_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
-        payload_retention: float | None = None
-        if os.environ.get("MODELFORGE_PAYLOAD_RETENTION_DAYS"):
-            text = os.environ["MODELFORGE_PAYLOAD_RETENTION_DAYS"]
-            try:
-                payload_retention = float(text)
-            except ValueError:
-                payload_retention = -1.0
-            if not payload_retention > 0:
-                raise ModelForgeError(
-                    FailureClass.REQUEST_INVALID,
-                    f"MODELFORGE_PAYLOAD_RETENTION_DAYS must be a positive number of days, not {text!r}",
-                )
-        replay_text = os.environ.get("MODELFORGE_REPLAY_CHECK_S", "60").strip()
-        try:
-            replay_check_s = float(replay_text)
-        except ValueError:
-            replay_check_s = -1.0
-        if not (replay_check_s == 0 or 5 <= replay_check_s <= 86400):
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID,
-                f"MODELFORGE_REPLAY_CHECK_S must be 0 (off) or 5 to 86400 seconds, not {replay_text!r}",
-            )
-        return cls(
-            temporal_address=os.environ.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233"),
-            temporal_namespace=os.environ.get("MODELFORGE_TEMPORAL_NAMESPACE", "default"),
-            temporal_tls=os.environ.get("MODELFORGE_TEMPORAL_TLS", "").lower() in ("1", "true", "yes"),
-            temporal_tls_cert=os.environ.get("MODELFORGE_TEMPORAL_TLS_CERT"),
-            temporal_tls_key=os.environ.get("MODELFORGE_TEMPORAL_TLS_KEY"),
-            temporal_tls_ca=os.environ.get("MODELFORGE_TEMPORAL_TLS_CA"),
-            temporal_api_key=_read_secret("MODELFORGE_TEMPORAL_API_KEY", "MODELFORGE_TEMPORAL_API_KEY_FILE"),
-            database_url=_read_secret("MODELFORGE_DATABASE_URL", "MODELFORGE_DATABASE_URL_FILE"),
-            home=Path(os.environ.get("MODELFORGE_HOME", str(Path.home() / ".modelforge"))),
-            gpu_backend=backend,
-            metrics_port=int(port),
-            metrics_host=metrics_host,
-            snapshot_retention_days=retention_days,
-            artifact_roots=tuple(
-                Path(root) for root in os.environ.get("MODELFORGE_ARTIFACT_ROOTS", "").split(os.pathsep) if root
-            ),
-            checkpoint_dir=Path(os.environ["MODELFORGE_CHECKPOINT_DIR"])
-            if os.environ.get("MODELFORGE_CHECKPOINT_DIR")
-            else None,
-            payload_dir=Path(os.environ["MODELFORGE_PAYLOAD_DIR"])
-            if os.environ.get("MODELFORGE_PAYLOAD_DIR")
-            else None,
-            payload_threshold_bytes=payload_threshold,
-            max_payload_bytes=max_payload,
-            payload_retention_days=payload_retention,
-            replay_check_s=replay_check_s,
-        )

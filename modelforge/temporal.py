@@ -4,7 +4,6 @@ search attributes."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -17,6 +16,8 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.payloads import data_converter
 from modelforge.payloads import input_limit as input_limit  # the client's input check
+from modelforge.settings import TEMPORAL_METRICS_ADDRESS as TEMPORAL_METRICS_ADDRESS
+from modelforge.settings import TEMPORAL_METRICS_DEFAULTS as TEMPORAL_METRICS_DEFAULTS
 from modelforge.settings import Settings
 
 CAPABILITY = SearchAttributeKey.for_keyword("ModelForgeCapability")
@@ -37,34 +38,27 @@ WORKER_RETRY = RetryConfig(max_interval_millis=5_000, max_elapsed_time_millis=30
 WorkerRole = Literal["control", "node"]
 # The Temporal SDK's own worker metrics (task slots, poll and schedule-to-start latencies, sticky
 # cache, activity and workflow task failures) on a Prometheus endpoint of the worker process:
-# MODELFORGE_TEMPORAL_METRICS_ADDRESS (host:port, or "off"). Loopback unless configured, and one
-# port per role so a control and a node worker on one host do not collide (compose sets
-# 0.0.0.0 inside its network, where Prometheus scrapes both).
-TEMPORAL_METRICS_ADDRESS = "MODELFORGE_TEMPORAL_METRICS_ADDRESS"
-TEMPORAL_METRICS_DEFAULTS: dict[str, str] = {"control": "127.0.0.1:9465", "node": "127.0.0.1:9466"}
+# MODELFORGE_TEMPORAL_METRICS_ADDRESS (host:port, or "off"; `Settings.temporal_metrics_address`).
+# Loopback unless configured, and one port per role so a control and a node worker on one host do
+# not collide (compose sets 0.0.0.0 inside its network, where Prometheus scrapes both).
 _runtimes: dict[str, Runtime] = {}
 
 
-def temporal_metrics_address(role: WorkerRole, environ: Mapping[str, str] = os.environ) -> str | None:
-    """Where a worker of this role serves the SDK's metrics; None when switched off."""
-    text = environ.get(TEMPORAL_METRICS_ADDRESS, "").strip() or TEMPORAL_METRICS_DEFAULTS[role]
-    if text.lower() in ("off", "none", "0"):
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in text):
-        raise ModelForgeError(
-            FailureClass.REQUEST_INVALID,
-            f"{TEMPORAL_METRICS_ADDRESS} must be host:port (127.0.0.1:9465) or off, not {text!r}",
-        )
-    return text
+def temporal_metrics_address(role: WorkerRole, environ: Mapping[str, str] | None = None) -> str | None:
+    """Where a worker of this role serves the SDK's metrics per the environment (os.environ, or
+    `environ`); None when switched off. REQUEST_INVALID naming the variable for a bad one."""
+    return Settings.from_env(environ).temporal_metrics_bind(role)
 
 
-def worker_runtime(role: WorkerRole, environ: Mapping[str, str] = os.environ) -> Runtime | None:
+def worker_runtime(role: WorkerRole, settings: Settings | Mapping[str, str] | None = None) -> Runtime | None:
     """The Temporal runtime of this process's workers, with the SDK's metrics on Prometheus (at
-    `temporal_metrics_address`); None, the SDK's default runtime, when switched off or when the
-    address cannot be bound (a second worker of the role on this host): the worker runs without
-    them rather than not at all. One per process and address."""
-    address = temporal_metrics_address(role, environ)
+    `settings.temporal_metrics_bind(role)`; a mapping is read as the environment, None is
+    os.environ); None, the SDK's default runtime, when switched off or when the address cannot be
+    bound (a second worker of the role on this host): the worker runs without them rather than
+    not at all. One per process and address."""
+    if not isinstance(settings, Settings):
+        settings = Settings.from_env(settings)
+    address = settings.temporal_metrics_bind(role)
     if address is None:
         return None
     if address not in _runtimes:
@@ -113,7 +107,7 @@ async def connect(
 ) -> Client:
     """`worker`: for a worker process, whose calls ride out a Temporal restart (WORKER_RETRY).
     `role`: the worker process's, whose SDK metrics it serves (`worker_runtime`)."""
-    runtime = worker_runtime(role) if role is not None else None
+    runtime = worker_runtime(role, settings) if role is not None else None
     try:
         return await asyncio.wait_for(
             Client.connect(

@@ -28,7 +28,9 @@ def _compose() -> dict[str, Any]:
 
 
 def _settings_read_by_the_code() -> set[str]:
-    names: set[str] = set()
+    from modelforge.settings import Settings
+
+    names: set[str] = set(Settings.variables())  # modelforge/settings.py: named by its fields
     for path in [*(ROOT / "modelforge").rglob("*.py"), *(ROOT / "workers").rglob("*.py")]:
         names.update(re.findall(r'"(MODELFORGE_[A-Z_]+)"', path.read_text()))
     return names

@@ -378,9 +378,9 @@ async def test_a_worker_serves_the_sdk_metrics(dev_server_env: Any, tmp_path: Pa
 
     address = f"127.0.0.1:{_free_port()}"
     target = dev_server_env.client.service_client.config.target_host
-    settings = Settings(temporal_address=target, payload_dir=tmp_path / "payloads")
     os.environ[TEMPORAL_METRICS_ADDRESS] = address
-    try:
+    try:  # settings read the variable when made (keywords over the environment)
+        settings = Settings(temporal_address=target, payload_dir=tmp_path / "payloads")
         client = await connect(settings, worker=True, role="control")
     finally:
         del os.environ[TEMPORAL_METRICS_ADDRESS]
