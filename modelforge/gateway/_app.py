@@ -57,7 +57,7 @@ from modelforge.gateway._params import (
     takes_parameters,
     usage,
 )
-from modelforge.gateway._streams import StreamHub, chat_events, next_record, stream_router
+from modelforge.gateway._streams import Stream, StreamHub, chat_events, next_record, stream_router
 from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics
@@ -693,20 +693,12 @@ def create_app(
             return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         return content if isinstance(content, str) else ""
 
-    async def streamed(
-        request: Request,
-        capability: str,
-        payload: dict[str, Any],
-        request_id: str,
-        tenant: str,
-        *,
-        model: str,
-        include_usage: bool,
-        counts: Callable[[dict[str, Any], str], dict[str, Any]],
-    ) -> StreamingResponse:
-        """A streamed chat answer: the request starts with a stream the node pushes to; the
-        response begins with the first piece, so a refusal before it (no room, bad input, a
-        full queue) is still a plain HTTP error with its status."""
+    async def open_stream(
+        request: Request, capability: str, payload: dict[str, Any], request_id: str, tenant: str
+    ) -> tuple[Stream, asyncio.Task[Result], dict[str, Any] | None]:
+        """Start a request whose answer the node pushes to a stream of this gateway, and wait
+        for its first piece: a refusal before it (no room, bad input, a full queue) is raised
+        here, so it is still a plain HTTP error with its status."""
         server = request.scope.get("server") or ("127.0.0.1", 0)
         url = config.stream_url or f"http://{server[0]}:{server[1]}/internal/streams"
         stream = hub.open()
@@ -722,6 +714,21 @@ def create_app(
         if first is None and task.exception() is not None:
             hub.close(stream)
             raise task.exception()  # type: ignore[misc]
+        return stream, task, first
+
+    async def streamed(
+        request: Request,
+        capability: str,
+        payload: dict[str, Any],
+        request_id: str,
+        tenant: str,
+        *,
+        model: str,
+        include_usage: bool,
+        counts: Callable[[dict[str, Any], str], dict[str, Any]],
+    ) -> StreamingResponse:
+        """A streamed chat answer as OpenAI's server-sent events."""
+        stream, task, first = await open_stream(request, capability, payload, request_id, tenant)
         events = chat_events(
             hub=hub,
             stream=stream,
@@ -804,7 +811,8 @@ def create_app(
             "usage": counts,
         }
 
-    api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of))  # Ollama's /api/*
+    # Ollama's /api/*
+    api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of, open_stream, hub))
     app.include_router(api)
     # Nodes push streamed answers here: not a client route (no API key; signed or loopback only).
     app.include_router(stream_router(hub))

@@ -11,9 +11,9 @@ check; a model name maps to a deployment as there (its `capability`, `name` or a
 
 What is served and what is refused (never dropped silently), field by field, is in README.md's
 "Ollama API" section; in short:
-- `stream` (Ollama's default is true) answers with one NDJSON line, the final one (`done: true`),
-  holding the whole answer; `stream: false` with one JSON object. Token by token streaming is
-  not served yet.
+- `stream` (Ollama's default is true) on chat and generate streams NDJSON lines as the model
+  generates them, then the final one (`done: true`); `stream: false` answers one JSON object
+  (other routes answer one final NDJSON line when streamed).
 - `keep_alive` is parsed as Ollama parses it and accepted where today's residency already does
   what it asks (`_keep_alive_problem`); anything else is 400, naming it.
 - `options.temperature`, `top_p`, `stop` and `num_predict` (as `max_tokens`) reach the runtime;
@@ -23,17 +23,18 @@ What is served and what is refused (never dropped silently), field by field, is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +44,8 @@ from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
 from modelforge.gateway._errors import RETRY_AFTER_S
+from modelforge.gateway._streams import Stream, StreamHub, next_record
+from modelforge.gateway._streams import outcome as outcome_of
 from modelforge.identifiers import shown
 
 _log = logging.getLogger(__name__)
@@ -391,8 +394,17 @@ BodyOf = Callable[[Request, type[BaseModel]], Awaitable[Any]]
 RequestIdOf = Callable[[Request], str]
 
 
+OpenStream = Callable[..., Awaitable[tuple[Stream, "asyncio.Task[Result]", dict[str, Any] | None]]]
+
+
 def ollama_router(
-    catalog: _app._Catalog, requester: _app.Requester, body_of: BodyOf, run: Run, request_id_of: RequestIdOf
+    catalog: _app._Catalog,
+    requester: _app.Requester,
+    body_of: BodyOf,
+    run: Run,
+    request_id_of: RequestIdOf,
+    open_stream: OpenStream | None = None,
+    hub: StreamHub | None = None,
 ) -> APIRouter:
     """The `/api/*` routes on `create_app`'s catalog cache, requester and helpers; included into
     its authenticated router, so the API key is checked first, as on every other route."""
@@ -472,6 +484,67 @@ def ollama_router(
             )
         return vectors
 
+    async def streamed(
+        request: Request,
+        deployment: Deployment,
+        payload: dict[str, Any],
+        *,
+        model: str,
+        key: str,
+        prompt: list[str],
+        began: float,
+    ) -> Response:
+        """Ollama's NDJSON stream: a line per piece as the model generates it (`done: false`),
+        then the final line with the counts and durations (`done: true`). A failure after the
+        first piece ends the stream with Ollama's `{"error": ...}` line."""
+        assert open_stream is not None and hub is not None
+        request_id = request_id_of(request)
+        tenant = request.state.tenant
+        stream, task, first = await open_stream(request, deployment.capability, payload, request_id, tenant)
+
+        def piece(text: str) -> dict[str, Any]:
+            content: Any = {"role": "assistant", "content": text} if key == "message" else text
+            return {"model": model, "created_at": _now(), key: content, "done": False}
+
+        async def lines() -> AsyncIterator[str]:
+            text: list[str] = []
+            try:
+                record = first
+                while record is not None:
+                    delta = record.get("delta")
+                    if isinstance(delta, str):
+                        if not text:
+                            request.state.first_token_at = time.perf_counter()
+                        text.append(delta)
+                        yield json.dumps(piece(delta), separators=(",", ":")) + "\n"
+                    elif "finish_reason" in record:
+                        whole = "".join(text)
+                        last = piece("")
+                        last.update(
+                            done=True,
+                            done_reason=str(record.get("finish_reason") or "stop"),
+                            total_duration=int((time.monotonic() - began) * 1e9),
+                            **_counts({"usage": record.get("usage")}, prompt, whole),
+                            request_id=request_id,
+                        )
+                        yield json.dumps(last, separators=(",", ":")) + "\n"
+                        return
+                    record = await next_record(stream, task)
+                failure, message, result = outcome_of(task)
+                if failure is None and result is not None:
+                    whole = (result.output or {}).get("text") or ""
+                    rest = whole[len("".join(text)) :] if whole.startswith("".join(text)) else ""
+                    last = piece(rest)
+                    last.update(done=True, done_reason="stop", **timings(result, began), request_id=request_id)
+                    yield json.dumps(last, separators=(",", ":")) + "\n"
+                    return
+                request.state.failure_class = failure or ""
+                yield json.dumps({"error": message, "failure_class": failure, "request_id": request_id}) + "\n"
+            finally:
+                hub.close(stream)
+
+        return StreamingResponse(lines(), media_type=NDJSON)
+
     @router.post("/api/chat")
     async def chat(request: Request) -> Response:
         began = time.monotonic()
@@ -493,6 +566,16 @@ def ollama_router(
         payload: dict[str, Any] = {"messages": messages, **_sampling(call.options, deployment)}
         if not messages:
             return _answer(loaded(call.model, "message", began, parse_keep_alive(call.keep_alive) == 0), call.stream)
+        if call.stream is not False and open_stream is not None:
+            return await streamed(
+                request,
+                deployment,
+                payload,
+                model=call.model,
+                key="message",
+                prompt=[m["content"] for m in messages],
+                began=began,
+            )
         result = await invoke(request, deployment, payload)
         text = text_of(result, deployment)
         return _answer(
@@ -534,6 +617,16 @@ def ollama_router(
         # model's own template, as Ollama does for a prompt that is not `raw`).
         messages = [{"role": "system", "content": call.system}] if call.system else []
         messages.append({"role": "user", "content": call.prompt})
+        if call.stream is not False and open_stream is not None:
+            return await streamed(
+                request,
+                deployment,
+                {"messages": messages, **sampling},
+                model=call.model,
+                key="response",
+                prompt=[m["content"] for m in messages],
+                began=began,
+            )
         result = await invoke(request, deployment, {"messages": messages, **sampling})
         text = text_of(result, deployment)
         return _answer(

@@ -153,7 +153,7 @@ def error_event(failure: str, message: str, request_id: str) -> dict[str, Any]:
     }
 
 
-def _outcome(task: asyncio.Task[Any]) -> tuple[str | None, str, Any]:
+def outcome(task: asyncio.Task[Any]) -> tuple[str | None, str, Any]:
     """(failure class or None, message, result) of a finished request task."""
     if task.cancelled():
         return "TIMEOUT", "the request was cancelled", None
@@ -210,7 +210,7 @@ async def chat_events(
                 yield sse("[DONE]")
                 return
             record = await next_record(stream, task)
-        failure, message, result = _outcome(task)
+        failure, message, result = outcome(task)
         if failure is None:
             # Answered whole (a runtime that does not stream and a node that predates streaming):
             # what was not streamed yet goes out as one piece.

@@ -79,7 +79,7 @@ async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, c
     assert chat.prompt_eval_count == 4 and chat.model == "small-chat"
     assert (chat.total_duration or 0) > 0
 
-    # stream=True (Ollama's default): the stream is its final line, holding the whole answer.
+    # stream=True (Ollama's default): a line per piece as the model generates it, then the final one.
     parts = [
         part
         async for part in await client.chat(
@@ -89,7 +89,14 @@ async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, c
             keep_alive="5m",
         )
     ]
-    assert len(parts) == 1 and parts[0].done and "hello there" in (parts[0].message.content or "")
+    assert len(parts) > 2 and parts[-1].done and not any(p.done for p in parts[:-1])
+    whole = await client.chat(
+        model="small-chat",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+        stream=False,
+    )
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    assert parts[-1].done_reason == "stop" and parts[-1].prompt_eval_count == whole.prompt_eval_count
 
     # Sampling options reach a model server that reads them; a runtime that would lose them refuses them.
     options = {"temperature": 0.2, "top_p": 0.9, "num_predict": 64, "stop": ["\n\n"]}
@@ -103,18 +110,19 @@ async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, c
     generated = await client.generate(model="chat.small@1", prompt="why is the sky blue?", system="short answers")
     assert generated.done and "why is the sky blue?" in (generated.response or "")
     streamed = [part async for part in await client.generate(model="small-chat", prompt="hi", stream=True)]
-    assert len(streamed) == 1 and streamed[0].done and "hi" in (streamed[0].response or "")
+    assert len(streamed) > 2 and streamed[-1].done and "hi" in "".join(p.response or "" for p in streamed)
 
     # The wire format Ollama clients parse: NDJSON when streaming (stream absent means true).
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         raw = await http.post("/api/generate", json={"model": "small-chat", "prompt": "hi"})
         assert raw.status_code == 200 and raw.headers["content-type"] == "application/x-ndjson"
-        [line] = raw.text.splitlines()
-        assert raw.text.endswith("\n") and '"done":true' in line
+        lines = raw.text.splitlines()
+        assert raw.text.endswith("\n") and '"done":true' in lines[-1] and len(lines) > 2
+        assert all('"done":false' in line for line in lines[:-1])
 
     # Every call was one request workflow with its lease in the ledger, like any other.
-    granted = await gateway.stack.events("lease_granted", at_least=6)
-    assert [e["deployment"] for e in granted].count("chat.small@1") == 5
+    granted = await gateway.stack.events("lease_granted", at_least=7)
+    assert [e["deployment"] for e in granted].count("chat.small@1") == 6
     assert {e["deployment"] for e in granted} == {"chat.small@1", "chat.toy@1"}
 
 
