@@ -49,8 +49,11 @@ from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
 from modelforge.gateway._params import (
     CHAT_OWN,
+    COMPLETION_ONLY,
+    COMPLETION_OWN,
     EMBEDDINGS_OWN,
     ChatCall,
+    CompletionCall,
     EmbeddingsCall,
     parameters,
     refused,
@@ -726,6 +729,7 @@ def create_app(
         model: str,
         include_usage: bool,
         counts: Callable[[dict[str, Any], str], dict[str, Any]],
+        text_completion: bool = False,
     ) -> StreamingResponse:
         """A streamed chat answer as OpenAI's server-sent events."""
         stream, task, first = await open_stream(request, capability, payload, request_id, tenant)
@@ -735,12 +739,13 @@ def create_app(
             task=task,
             first=first,
             state=request.state,
-            completion_id=f"chatcmpl-{request_id}",
+            completion_id=f"{'cmpl' if text_completion else 'chatcmpl'}-{request_id}",
             created=int(time.time()),
             model=model,
             include_usage=include_usage,
             counts=counts,
             request_id=request_id,
+            text_completion=text_completion,
         )
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -808,6 +813,78 @@ def create_app(
             "model": call.model,
             "choices": choices,
             # The server's token counts, or estimated ("estimated": true): never words as tokens.
+            "usage": counts,
+        }
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        """OpenAI's legacy text completions, served as a one-turn chat (the model server applies
+        the model's own template); a completion's own parameters a chat cannot take are refused."""
+        tenant: str = request.state.tenant
+        call: CompletionCall = await body_of(request, CompletionCall)
+        request.state.model = call.model
+        include_usage = False
+        if call.stream_options is not None:
+            if not call.stream:
+                raise _invalid("stream_options: only with stream: true", param="stream_options")
+            include_usage = bool(call.stream_options.get("include_usage"))
+        prompt = call.prompt if isinstance(call.prompt, str) else call.prompt[0]
+        if not prompt:
+            raise _invalid("prompt: give a non-empty string", param="prompt")
+        deployment = await deployment_for_model(call.model)
+        request.state.capability = deployment.capability
+        given = parameters(call, COMPLETION_OWN)
+        for name in COMPLETION_ONLY:
+            if name in given:
+                raise _invalid(
+                    f"{name}: completions are served as a chat, which has no {name}",
+                    code="unsupported_parameter",
+                    param=name,
+                )
+        messages = [{"role": "user", "content": prompt}]
+        payload: dict[str, Any] = {"messages": messages}
+        if takes_parameters(deployment, "openai_chat"):
+            if given:
+                payload["parameters"] = given
+        elif refused(given):
+            raise refuse_parameters(refused(given), deployment)
+        request_id = request_id_of(request)
+        if call.stream:
+            return await streamed(
+                request,
+                deployment.capability,
+                payload,
+                request_id,
+                tenant,
+                model=call.model,
+                include_usage=include_usage,
+                counts=lambda output, text: usage(output, [prompt], [text]),
+                text_completion=True,
+            )
+        result = await run(request, deployment.capability, payload, request_id, tenant=tenant)
+        output = result.output or {}
+        text = output.get("text")
+        if not isinstance(text, str):
+            raise GatewayError(
+                FailureClass.INVALID_OUTPUT, f"{deployment.capability} returned no 'text'", request_id=request_id
+            )
+        choices = output.get("choices")
+        if isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices):
+            texts = [_text((c.get("message") or {}).get("content")) for c in choices]
+            finishes = [str(c.get("finish_reason") or "stop") for c in choices]
+        else:
+            texts, finishes = [text], [str(output.get("finish_reason", "stop"))]
+        counts = usage(output, [prompt], texts)
+        tokens_seen(request, counts)
+        return {
+            "id": f"cmpl-{result.request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": call.model,
+            "choices": [
+                {"index": n, "text": t, "logprobs": None, "finish_reason": f}
+                for n, (t, f) in enumerate(zip(texts, finishes, strict=True))
+            ],
             "usage": counts,
         }
 

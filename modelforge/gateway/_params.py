@@ -69,8 +69,32 @@ class EmbeddingsCall(BaseModel):
     user: Annotated[str, Field(max_length=256)] | None = None
 
 
+class CompletionCall(BaseModel):
+    """/v1/completions (OpenAI's legacy text completions): served as a one-turn chat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tokens: Annotated[int, Field(gt=0)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+
+
+# A completion's own parameters a chat cannot take: refused, named, on every runtime.
+COMPLETION_ONLY = ("echo", "suffix", "best_of", "logprobs")
+
 # Fields the gateway serves itself; everything else in a body is a parameter.
 CHAT_OWN = frozenset({"model", "messages", "stream", "stream_options"})
+COMPLETION_OWN = frozenset({"model", "prompt", "stream", "stream_options"})
 EMBEDDINGS_OWN = frozenset({"model", "input", "encoding_format"})
 
 

@@ -177,18 +177,25 @@ async def chat_events(
     include_usage: bool,
     counts: Callable[[dict[str, Any], str], dict[str, Any]],
     request_id: str,
+    text_completion: bool = False,
 ) -> AsyncIterator[str]:
-    """OpenAI's `chat.completion.chunk` events for one stream, then `[DONE]`. A failure after
-    the stream began (preemption, a crash) ends it with an error event carrying its class. The
-    stream is closed however this ends: a client gone away makes the node's next push 410."""
-    base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    """OpenAI's `chat.completion.chunk` events for one stream (`text_completion` ones for
+    /v1/completions), then `[DONE]`. A failure after the stream began (preemption, a crash) ends
+    it with an error event carrying its class. The stream is closed however this ends: a client
+    gone away makes the node's next push 410."""
+    kind = "text_completion" if text_completion else "chat.completion.chunk"
+    base = {"id": completion_id, "object": kind, "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        if text_completion:
+            piece = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+            return sse({**base, "choices": [piece]})
         return sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     text: list[str] = []
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if not text_completion:
+            yield chunk({"role": "assistant", "content": ""})
         record = first
         while record is not None:
             delta = record.get("delta")

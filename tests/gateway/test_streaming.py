@@ -207,3 +207,22 @@ async def test_a_push_from_outside_is_refused(gateway: _Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=10) as http:
         unknown = await http.post("/internal/streams/nope", content=b'{"delta": "x"}\n')
         assert unknown.status_code == 410
+
+
+async def test_legacy_completions_answer_and_stream_as_text_completions(gateway: _Served) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+    whole = await client.completions.create(model="toy-chat", prompt="say hello to the weather", max_tokens=50)
+    assert whole.object == "text_completion" and whole.choices[0].text.startswith("[toy server]")
+    assert whole.usage is not None and whole.usage.completion_tokens > 0
+    pieces = [
+        chunk.choices[0].text
+        async for chunk in await client.completions.create(
+            model="toy-chat", prompt="say hello to the weather", max_tokens=50, stream=True
+        )
+        if chunk.choices
+    ]
+    assert len([p for p in pieces if p]) > 3 and "".join(pieces) == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model="toy-chat", prompt="x", echo=True)
+    assert refused.value.param == "echo"
+    await client.close()
