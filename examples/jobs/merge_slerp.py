@@ -9,7 +9,8 @@ Each merged layer is checkpointed into MODELFORGE_CHECKPOINT_DIR as it is done, 
 run (SIGTERM) stops after the current layer, exits 75, and the resumed run
 (MODELFORGE_RESUME_FROM) merges only the layers left: its output is byte-identical to an
 uninterrupted run's. The merged layers are written to MODELFORGE_OUTPUT_DIR as `.npy` files with
-a `manifest.json` of their sha256 digests. Progress is reported as JSON lines on stdout.
+a `manifest.json` of their sha256 digests, and stacked into one `merged.npy` (the model as one
+artifact, what examples/jobs/evaluate.py takes). Progress is reported as JSON lines on stdout.
 
 Outside ModelForge it runs too (the directories default to ./merge-out)."""
 
@@ -154,12 +155,16 @@ def main() -> int:
             return CHECKPOINTED_EXIT
 
     manifest = {}
+    layers = []
     for index in range(count):
         name = layer(index)[0] if args.model_a else f"layer{index:03d}"
         data = (checkpoints / f"{name}.npy").read_bytes()
         write_atomic(output / f"{name}.npy", data)
         manifest[name] = hashlib.sha256(data).hexdigest()
+        layers.append(np.load(io.BytesIO(data), allow_pickle=False))
     write_atomic(output / "manifest.json", json.dumps({"t": args.t, "layers": manifest}, indent=1).encode())
+    if len({array.shape for array in layers}) == 1:  # the whole model in one file: one artifact
+        write_atomic(output / "merged.npy", npy_bytes(np.stack(layers)))
     report(progress=1.0, message=f"merged {count} layers", result={"layers": count, "t": args.t})
     return 0
 

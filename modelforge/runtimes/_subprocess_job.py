@@ -889,7 +889,7 @@ def register_outputs(store: Path, output_dir: Path, outputs: list[dict[str, Any]
     for entry in outputs:
         target = content / entry["sha256"]
         if not target.exists():
-            aside = content / f".{entry['sha256']}.{os.getpid()}.tmp"
+            aside = content / f".{entry['sha256']}.{os.urandom(6).hex()}.tmp"  # never another writer's
             shutil.copyfile(output_dir / entry["path"], aside)
             aside.chmod(0o444)
             aside.replace(target)

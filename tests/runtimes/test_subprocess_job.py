@@ -128,7 +128,7 @@ async def test_a_merge_preempted_mid_run_resumes_from_its_checkpoint_to_a_byte_i
     reference = await node.invoke("reference", {"args": MERGE_ARGS})
     assert reference["exit_code"] == 0 and reference["progress"] == 1.0
     assert reference["result"] == {"layers": 6, "t": 0.3}
-    assert len(reference["outputs"]) == 7  # six layers and the manifest
+    assert len(reference["outputs"]) == 8  # six layers, the manifest and the stacked model
     assert node.beats[-1] == "job 100%: merged 6 layers"  # its last progress line, as the heartbeat
 
     # The same merge, slowed down, preempted after its second layer.
@@ -318,10 +318,9 @@ def test_the_example_catalog_is_valid() -> None:
     data = tomllib.loads((ROOT / "examples" / "jobs" / "merge.toml").read_text())
     catalog, _ = parse_catalog(data)
     jobs = [d for d in catalog.deployments if d.runtime == "subprocess_job"]
-    assert [d.capability for d in jobs] == ["merge.slerp@1", "merge.slerp.cpu@1"]
-    for merge in jobs:
-        assert merge.command[:2] == ["{python}", "examples/jobs/merge_slerp.py"]
-        assert os.path.exists(ROOT / merge.command[1])
+    assert [d.capability for d in jobs] == ["merge.slerp@1", "merge.slerp.cpu@1", "evaluate.merge.cpu@1"]
+    for deployment in jobs:
+        assert deployment.command[0] == "{python}" and os.path.exists(ROOT / deployment.command[1])
 
 
 async def test_modelforge_logs_prints_and_follows_a_jobs_log_and_jobs_lists_it(
@@ -518,3 +517,17 @@ async def test_outputs_become_verified_artifacts_a_later_job_takes_and_a_tampere
     with pytest.raises(ApplicationError) as unknown:
         await node.invoke("reader-3", {"args": ["artifact:sha256:" + "0" * 64]})
     assert unknown.value.type == FailureClass.REQUEST_INVALID.value
+
+
+async def test_merge_then_evaluate_the_merged_artifact(node: Node) -> None:
+    """The chain: the merge's stacked model is an artifact, and the evaluation job takes it by
+    digest (verified) and scores it against its parents: t = 0.3 stays closer to the first."""
+    await node.load(job([sys.executable, str(MERGE)]))
+    merged = await node.invoke("chain-merge", {"args": MERGE_ARGS})
+    [model] = [entry for entry in merged["outputs"] if entry["path"] == "merged.npy"]
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job([sys.executable, str(ROOT / "examples" / "jobs" / "evaluate.py")]))
+    scored = await node.invoke("chain-evaluate", {"args": ["--model", model["artifact"]]})
+    score = scored["result"]
+    assert score["layers"] == 6 and score["similarity_to_a"] > score["similarity_to_b"] > 0
+    assert json.loads((Path(scored["output_dir"]) / "score.json").read_text()) == score
