@@ -148,6 +148,30 @@ class RebaseSignal:
 
 
 @dataclass(frozen=True)
+class ResidencyControl:
+    """An operator's residency operation (`modelforge load|unload|pin|unpin`, the gateway's
+    /v1/residency, Ollama's keep_alive): `deployment` is a deployment id or a capability;
+    `accelerator` narrows it to one card; `drain` lets an unload wait for active leases. A load
+    is admitted as a request of `tenant`'s class (`priority` if given) and released once placed."""
+
+    action: str
+    deployment: str
+    accelerator: str = ""
+    drain: bool = False
+    actor: str = ""
+    tenant: str = "default"
+    priority: str | None = None
+
+
+@dataclass(frozen=True)
+class ResidencyControlReply:
+    ok: bool
+    message: str
+    failure: str | None = None
+    residents: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class SchedulerInput:
     pool: str
     state: PoolState | None = None

@@ -36,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
         PreemptSignal,
         RebaseSignal,
         ReleaseSignal,
+        ResidencyControl,
+        ResidencyControlReply,
         ResidencyInput,
         ResidentCommand,
         ResidentIdle,
@@ -316,6 +318,128 @@ class PoolSchedulerWorkflow:
             )
         return held
 
+    @workflow.update
+    def residency_control(self, call: ResidencyControl) -> ResidencyControlReply:
+        """load, unload, pin or unpin a resident on an operator's word (no patch needed: a
+        history without this update runs exactly as before). Refusals are typed and change
+        nothing; what is done is recorded as events."""
+        now = self._now()
+        if call.action == "load":
+            return self._load_on_demand(call, now)
+        outcome = policy.control_residents(
+            self._state, call.action, call.deployment, call.accelerator, call.drain, call.actor or "an operator", now
+        )
+        if outcome.failure is not None:
+            return ResidencyControlReply(False, outcome.message, failure=outcome.failure.value)
+        self._record_all(outcome.events, now)
+        for key, workflow_id in outcome.unload.items():
+            self._commands_out.append((workflow_id, ResidentCommand("unload", reason=f"{call.action} of {key}")))
+        self._wake = True
+        done = {"pin": "pinned", "unpin": "unpinned", "unload": "unloading"}[call.action]
+        draining = [key for key in outcome.residents if key in self._state.draining]
+        message = f"{done}: {', '.join(outcome.residents)}"
+        if draining:
+            message += f" (draining: {', '.join(draining)} unload when their leases end)"
+        return ResidencyControlReply(True, message, residents=outcome.residents)
+
+    @residency_control.validator
+    def _validate_residency_control(self, call: ResidencyControl) -> None:
+        if self._catalog_stale:
+            raise ApplicationError(
+                "the scheduler is still loading its catalog",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            )
+        problem = None
+        if call.action not in policy.RESIDENCY_ACTIONS:
+            problem = f"action must be one of {', '.join(policy.RESIDENCY_ACTIONS)}, not {call.action[:40]!r}"
+        elif not call.deployment or len(call.deployment) > 200 or not call.deployment.isprintable():
+            problem = "deployment must be 1 to 200 printable characters"
+        elif len(call.accelerator) > 200 or not call.accelerator.isprintable():
+            problem = "accelerator must be at most 200 printable characters"
+        if problem is not None:
+            raise ApplicationError(problem, type=FailureClass.REQUEST_INVALID.value, non_retryable=True)
+
+    def _load_on_demand(self, call: ResidencyControl, now: float) -> ResidencyControlReply:
+        """A load is an admission of the scheduler's own (so it is placed, makes room and waits
+        by the same rules as any request of its class) whose lease is released at once: the
+        model stays by its residency."""
+        spec = self._state.catalog.deployment(call.deployment) or next(
+            (d for d in self._state.catalog.deployments if d.capability == call.deployment), None
+        )
+        if spec is None:
+            return ResidencyControlReply(
+                False, f"no deployment {call.deployment!r} in the catalog", FailureClass.REQUEST_INVALID.value
+            )
+        if call.accelerator:
+            return ResidencyControlReply(
+                False,
+                "load places the model by the placement rules; --accelerator is not served for load yet",
+                FailureClass.REQUEST_INVALID.value,
+            )
+        present = (policy.ResidentPhase.READY, policy.ResidentPhase.LOADING)
+        residents = self._state.residents.values()
+        here = [r.key for r in residents if r.deployment == spec.deployment_id and r.phase in present]
+        if here:
+            return ResidencyControlReply(True, f"already resident: {', '.join(sorted(here))}", residents=sorted(here))
+        request = policy.AdmissionRequest(
+            request_id=f"load-{str(workflow.uuid4())[:18]}",
+            workflow_id=workflow.info().workflow_id,
+            capability=spec.capability,
+            tenant=call.tenant or "default",
+            priority=call.priority,
+        )
+        [reply] = self._admit_all([request])
+        self._record(
+            policy.PolicyEvent(
+                kind="load_asked",
+                request_id=request.request_id,
+                deployment=spec.deployment_id,
+                message=f"load asked by {call.actor or 'an operator'}: {reply.status}",
+            ),
+            now,
+        )
+        if reply.status == "rejected":
+            return ResidencyControlReply(
+                False, reply.message, reply.failure or FailureClass.CAPABILITY_UNAVAILABLE.value
+            )
+        if reply.lease is not None:
+            self._record_all(policy.release_lease(self._state, reply.lease.lease_id, now, "ok", "operator load"), now)
+            placed = reply.lease.resident_key
+            return ResidencyControlReply(True, f"loaded on {reply.lease.accelerator}", residents=[placed])
+        return ResidencyControlReply(True, "queued: it loads as soon as there is room", residents=[])
+
+    def _own_grants(self, now: float) -> None:
+        """Decisions addressed to this scheduler are its own loads: their leases go back at once."""
+        own = workflow.info().workflow_id
+        if not any(workflow_id == own for workflow_id, _ in self._decisions_out):
+            return
+        kept = []
+        for workflow_id, decision in self._decisions_out:
+            if workflow_id != own:
+                kept.append((workflow_id, decision))
+            elif decision.lease is not None:
+                self._record_all(
+                    policy.release_lease(self._state, decision.lease.lease_id, now, "ok", "operator load"), now
+                )
+        self._decisions_out = kept
+
+    def _unload_drained(self, now: float) -> None:
+        for key, workflow_id in policy.drained(self._state).items():
+            resident = self._state.residents[key]
+            self._record(
+                policy.PolicyEvent(
+                    kind="unload_requested",
+                    accelerator=resident.accelerator,
+                    deployment=resident.deployment,
+                    workflow_id=workflow_id,
+                    message="drained: its last lease ended",
+                ),
+                now,
+            )
+            self._commands_out.append((workflow_id, ResidentCommand("unload", reason=f"drained: {key}")))
+            self._wake = True
+
     @workflow.signal
     def cancel(self, signal: CancelSignal) -> None:
         now = self._now()
@@ -505,6 +629,8 @@ class PoolSchedulerWorkflow:
             if self._catalog_stale:
                 await self._reload_catalog()
             self._run_policy(self._now())
+            self._own_grants(self._now())
+            self._unload_drained(self._now())
             self._snapshot()
             await self._flush()
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():

@@ -24,6 +24,8 @@ from modelforge.policy._admission import (
 )
 from modelforge.policy._alerts import capacity_alerts, production_headroom
 from modelforge.policy._budget import Budget, compute_budget, dynamic_reserve_bytes
+from modelforge.policy._control import ACTIONS as RESIDENCY_ACTIONS
+from modelforge.policy._control import ControlOutcome, control_residents, drained
 from modelforge.policy._decisions import (
     Assign,
     Decisions,
@@ -56,6 +58,7 @@ from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolSt
 
 __all__ = [
     "ADVERTISED_LABELS",
+    "RESIDENCY_ACTIONS",
     "AcceleratorRuntime",
     "AcceleratorStatus",
     "AdmissionRejected",
@@ -64,6 +67,7 @@ __all__ = [
     "Budget",
     "CapabilityHealth",
     "CapabilityStatus",
+    "ControlOutcome",
     "Decisions",
     "FilterResult",
     "Grant",
@@ -90,7 +94,9 @@ __all__ = [
     "cancel_request",
     "capacity_alerts",
     "compute_budget",
+    "control_residents",
     "decide",
+    "drained",
     "dynamic_reserve_bytes",
     "enqueue",
     "existing_admission",

@@ -681,6 +681,8 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     resident = state.residents.get(key)
     if resident is not None and resident.phase in (ResidentPhase.SLEEPING, ResidentPhase.WAKING):
         return now + resident.ttl_s  # asked again once the transition is over
+    if resident is not None and resident.key in state.draining:
+        return now + resident.ttl_s  # an operator's drain unloads it when its last lease ends
     if resident is None or resident.phase not in (ResidentPhase.READY, ResidentPhase.ASLEEP):
         return None
     if resident.residency == Residency.ALWAYS_WARM:

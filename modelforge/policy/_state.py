@@ -235,6 +235,9 @@ class PoolState:
     capacity_short: list[str] = field(default_factory=list)
     # deployment id -> its operations' latest measured seconds (cost-aware making room).
     measured: dict[str, MeasuredTimes] = field(default_factory=dict)
+    # Residents an operator asked to unload with drain (key -> when): they take no new lease and
+    # are unloaded when their last lease ends (policy/_control.py).
+    draining: dict[str, float] = field(default_factory=dict)
 
     def pool_accelerators(self) -> list[str]:
         return [a.id for a in self.catalog.accelerators if a.pool == self.pool]

@@ -1,0 +1,133 @@
+"""Residency on demand: an operator (or an Ollama client's keep_alive) pins, unpins or unloads a
+resident model; loading one is an admission the scheduler makes for itself (workflows/scheduler.py).
+
+Each operation finds the residents it names (a deployment, optionally on one accelerator) and
+either acts or refuses with a class and a reason; it never half-acts. The rules:
+- pin: the resident is kept like an `always_warm` one (never evicted, no TTL) until unpinned;
+- unpin: back to its catalog residency (refused for an `always_warm` deployment: the catalog
+  says so);
+- unload: an idle resident is unloaded now; one with active leases is EVICTION_NOT_ALLOWED,
+  unless `drain`: it then takes no new lease (it counts as unloading) and is unloaded when its
+  last lease ends (`drained`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modelforge.domain import Residency
+from modelforge.failures import FailureClass
+from modelforge.policy._decisions import PolicyEvent, resident_event
+from modelforge.policy._state import PoolState, ResidentPhase, ResidentState
+
+ACTIONS = ("load", "unload", "pin", "unpin")
+
+
+@dataclass
+class ControlOutcome:
+    """What an operation did: `unload` lists the residents to tell to unload now (key ->
+    workflow id); a refusal has its class and message and changes nothing."""
+
+    failure: FailureClass | None = None
+    message: str = ""
+    events: list[PolicyEvent] = field(default_factory=list)
+    unload: dict[str, str] = field(default_factory=dict)
+    residents: list[str] = field(default_factory=list)
+
+
+def _named(state: PoolState, deployment: str, accelerator: str) -> list[ResidentState]:
+    return sorted(
+        (
+            r
+            for r in state.residents.values()
+            if deployment in (r.deployment, r.capability) and (not accelerator or r.accelerator == accelerator)
+        ),
+        key=lambda r: r.key,
+    )
+
+
+def _unknown(state: PoolState, deployment: str, accelerator: str) -> str | None:
+    if state.catalog.deployment(deployment) is None and not any(
+        d.capability == deployment for d in state.catalog.deployments
+    ):
+        return f"no deployment {deployment!r} in the catalog"
+    if accelerator and accelerator not in state.pool_accelerators():
+        return f"no accelerator {accelerator!r} in pool {state.pool!r}"
+    return None
+
+
+def control_residents(
+    state: PoolState, action: str, deployment: str, accelerator: str, drain: bool, actor: str, now: float
+) -> ControlOutcome:
+    """pin, unpin or unload (`load` is an admission: the scheduler's own)."""
+    unknown = _unknown(state, deployment, accelerator)
+    if unknown is not None:
+        return ControlOutcome(FailureClass.REQUEST_INVALID, unknown)
+    residents = _named(state, deployment, accelerator)
+    where = f" on {accelerator}" if accelerator else ""
+    if not residents:
+        return ControlOutcome(FailureClass.REQUEST_INVALID, f"{deployment}{where} is not resident")
+    outcome = ControlOutcome(residents=[r.key for r in residents])
+    if action == "pin":
+        for resident in residents:
+            resident.residency = Residency.ALWAYS_WARM
+            outcome.events.append(resident_event(resident, "resident_pinned", f"pinned by {actor}"))
+        return outcome
+    if action == "unpin":
+        for resident in residents:
+            spec = state.catalog.deployment(resident.deployment)
+            if spec is not None and spec.residency == Residency.ALWAYS_WARM:
+                return ControlOutcome(
+                    FailureClass.EVICTION_NOT_ALLOWED,
+                    f"{resident.deployment} is always_warm in the catalog: change the catalog to let it go",
+                )
+        for resident in residents:
+            spec = state.catalog.deployment(resident.deployment)
+            resident.residency = spec.residency if spec is not None else Residency.KEEP_WARM
+            resident.last_used = now  # its TTL counts from now
+            outcome.events.append(resident_event(resident, "resident_unpinned", f"unpinned by {actor}"))
+        return outcome
+    if action != "unload":
+        return ControlOutcome(FailureClass.REQUEST_INVALID, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
+    busy = [r for r in residents if r.active_leases > 0]
+    if busy and not drain:
+        leases = sum(r.active_leases for r in busy)
+        return ControlOutcome(
+            FailureClass.EVICTION_NOT_ALLOWED,
+            f"{deployment}{where} holds {leases} active lease(s): unload with drain to let them finish first",
+        )
+    moving = [r for r in residents if r.phase not in (ResidentPhase.READY, ResidentPhase.ASLEEP)]
+    if moving:
+        return ControlOutcome(
+            FailureClass.RESIDENCY_CONFLICT,
+            f"{moving[0].key} is {moving[0].phase.value}: ask again once it is ready",
+        )
+    for resident in residents:
+        resident.phase = ResidentPhase.UNLOADING
+        resident.requested_at = now
+        if resident.active_leases > 0:
+            state.draining[resident.key] = now
+            outcome.events.append(
+                resident_event(
+                    resident,
+                    "resident_draining",
+                    f"drain asked by {actor}: no new lease; unloaded when its {resident.active_leases} end",
+                )
+            )
+        else:
+            outcome.unload[resident.key] = resident.workflow_id
+            outcome.events.append(resident_event(resident, "unload_requested", f"unload asked by {actor}"))
+    return outcome
+
+
+def drained(state: PoolState) -> dict[str, str]:
+    """Draining residents whose last lease has ended: to unload now (key -> workflow id)."""
+    done: dict[str, str] = {}
+    for key in list(state.draining):
+        resident = state.residents.get(key)
+        if resident is None:
+            del state.draining[key]
+        elif resident.active_leases == 0:
+            del state.draining[key]
+            done[key] = resident.workflow_id
+    return done

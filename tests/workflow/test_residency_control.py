@@ -1,0 +1,107 @@
+"""Residency on demand through the scheduler (`modelforge load|unload|pin|unpin`, the gateway's
+/v1/residency): a model loaded before anyone asks, pinned against eviction and TTL, unloaded at
+once when idle, refused while leases are active unless drained, and a drain that finishes when
+the last lease ends. Every refusal is typed and changes nothing; every action is an event."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.messages import ResidencyControl, ResidencyControlReply
+from tests.gateway.test_gateway import CATALOG
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+
+async def _control(stack: Stack, action: str, deployment: str, **fields: Any) -> ResidencyControlReply:
+    reply: ResidencyControlReply = await stack.scheduler.execute_update(
+        "residency_control",
+        ResidencyControl(action=action, deployment=deployment, actor="test", **fields),
+        result_type=ResidencyControlReply,
+    )
+    return reply
+
+
+async def _resident(stack: Stack, capability: str) -> Any:
+    return next((r for r in (await stack.status()).residents if r.capability == capability), None)
+
+
+async def _until(check: Any, within_s: float) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        found = await check()
+        if found or loop.time() > deadline:
+            return found
+        await asyncio.sleep(0.2)
+
+
+async def test_load_pin_unpin_and_unload_on_demand(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        assert await _resident(stack, "chat.small@1") is None
+        loaded = await _control(stack, "load", "chat.small@1")
+        assert loaded.ok, loaded
+
+        async def ready() -> Any:
+            resident = await _resident(stack, "chat.small@1")
+            return resident if resident is not None and resident.state == "ready" else None
+
+        resident = await _until(ready, 30)
+        assert resident is not None and resident.active_leases == 0, "the load's own lease was not given back"
+        again = await _control(stack, "load", "chat.small@1")
+        assert again.ok and "already resident" in again.message
+
+        pinned = await _control(stack, "pin", "chat.small@1")
+        assert pinned.ok and (await _resident(stack, "chat.small@1")).residency == "always_warm"
+        unpinned = await _control(stack, "unpin", "chat.small@1")
+        assert unpinned.ok and (await _resident(stack, "chat.small@1")).residency == "keep_warm"
+
+        # Typed refusals that change nothing.
+        unknown = await _control(stack, "pin", "no.such@1")
+        assert (unknown.ok, unknown.failure) == (False, "REQUEST_INVALID")
+        with pytest.raises(WorkflowUpdateFailedError) as bad:
+            await _control(stack, "evict-everything", "chat.small@1")
+        assert isinstance(bad.value.cause, ApplicationError) and bad.value.cause.type == "REQUEST_INVALID"
+
+        unloaded = await _control(stack, "unload", "chat.small@1")
+        assert unloaded.ok, unloaded
+
+        async def gone() -> bool:
+            return await _resident(stack, "chat.small@1") is None
+
+        assert await _until(gone, 30), "an idle model asked to unload stayed"
+        for kind in ("load_asked", "resident_pinned", "resident_unpinned", "unload_requested"):
+            assert await stack.events(kind, at_least=1, within_s=10), f"no {kind} event"
+
+
+async def test_unload_with_active_leases_is_refused_unless_drained(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        holder = await stack.start_request("chat.small@1", tenant="default", input={"simulate_invoke_s": 6})
+
+        async def busy() -> Any:
+            resident = await _resident(stack, "chat.small@1")
+            return resident is not None and resident.active_leases == 1
+
+        assert await _until(busy, 30)
+        refused = await _control(stack, "unload", "chat.small@1")
+        assert (refused.ok, refused.failure) == (False, "EVICTION_NOT_ALLOWED") and "drain" in refused.message
+        assert (await _resident(stack, "chat.small@1")).state == "ready"
+        draining = await _control(stack, "unload", "chat.small@1", drain=True)
+        assert draining.ok and "draining" in draining.message
+        # A new request does not join a draining model: it waits, and is served after a new load.
+        later = await stack.start_request("chat.small@1", tenant="default")
+        assert (await holder.result()).output
+        assert (await later.result()).output
+        events = await stack.events("resident_draining", at_least=1, within_s=10)
+        assert events and events[0]["deployment"] == "chat.small@1"
+        unloads = await stack.events("unload_requested", at_least=1, within_s=20)
+        assert any(e["message"].startswith("drained") for e in unloads), unloads
