@@ -540,6 +540,15 @@ class SubprocessJobRuntime:
                 )
         job.pump()
         code = process.returncode
+        if code == CHECKPOINTED_EXIT and not job.preempting:
+            # Checkpointed before it was asked: a gang's ranks agree to stop together, and this
+            # rank may have stopped for a peer whose request came first. Its own request may
+            # follow: it is awaited for the grace, while the job stays known (and checkpointable).
+            waited = 0.0
+            while waited < max(job.config.preempt_grace_s, 10.0) and not job.preempting:
+                heartbeat("job checkpointed (exit 75): waiting for its preemption")
+                await asyncio.sleep(0.2)
+                waited += 0.2
         if job.preempting and code != 0:
             # checkpoint() stopped it for a preemption and records how; the request workflow
             # cancels this invoke next. Until then, keep heartbeating so the cancel arrives.
@@ -642,11 +651,12 @@ class SubprocessJobRuntime:
         none (the run then starts over from scratch)."""
         lease_id = str(payload.get("lease_id", ""))
         job = self._jobs.get(lease_id)
-        if job is None or job.process.returncode is not None:
+        if job is None or job.process.returncode not in (None, CHECKPOINTED_EXIT):
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} is running")
         return await self._preempt(job)
 
     async def _preempt(self, job: _Job) -> str:
+        """The signal (unless it already exited 75 on its own), the grace, and what it saved."""
         job.preempting = True
         config = job.config
         killed = await self._terminate(job, config.preempt_grace_s, config.preempt_signal)
@@ -782,7 +792,7 @@ class SubprocessJobRuntime:
         """Preempt this node's part of a gang job as `checkpoint` does a job: the signal, the
         grace, its checkpoint (or its last announced one) or none."""
         job = self._jobs.get(f"{lease_id}#rank{rank}")
-        if job is None or job.process.returncode is not None:
+        if job is None or job.process.returncode not in (None, CHECKPOINTED_EXIT):
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"no job of lease {lease_id!r} rank {rank} is running")
         return await self._preempt(job)
 

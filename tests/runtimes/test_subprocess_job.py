@@ -455,9 +455,13 @@ async def test_a_two_rank_gang_on_two_nodes_all_reduces_checkpoints_every_rank_a
         while not (state.exists() and json.loads(state.read_text())["step"] >= 3):
             assert time.monotonic() < deadline and not any(r.done() for r in runs), [r for r in runs if r.done()]
             await asyncio.sleep(0.05)
-        saved = await asyncio.gather(
-            *(env().run(nodes[r][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", r, 0)) for r in (0, 1))
-        )
+        # Rank 0's request lands first; rank 1 stops with it (the ranks agree on the step) and
+        # exits 75 before its own request arrives, which still finds its checkpoint.
+        first = await env().run(nodes[0][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", 0, 0))
+        await asyncio.sleep(1.0)
+        assert not nodes[1][1].running_pids()  # rank 1 has exited already
+        second = await env().run(nodes[1][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", 1, 0))
+        saved = [first, second]
         steps = [json.loads(Path(s.location).read_text())["step"] for s in saved]
         assert steps[0] == steps[1] and 3 <= steps[0] < 40, steps  # every rank stopped after the same step
         assert [Path(s.location).parent.parent.name for s in saved] == ["job-rank0", "job-rank1"]
