@@ -352,13 +352,16 @@ def render_status(pool: Any, console: Console) -> None:
 
 
 def render_ps(rows: list[dict[str, Any]], console: Console) -> None:
-    """`ps` in well under 100 columns."""
+    """`ps` in well under 100 columns (the `pool` column when the rows name their pool)."""
     table = _compact_table()
-    for column in ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left"):
+    pooled = any("pool" in row for row in rows)
+    columns = ("deployment", "accelerator", "bytes", "state", "residency", "leases", "ttl left")
+    for column in ("pool", *columns) if pooled else columns:
         table.add_column(column, justify="right" if column in ("bytes", "leases", "ttl left") else "left")
     for row in rows:
         ttl = "-" if row["ttl_left_s"] is None else f"{row['ttl_left_s']:.0f}s"
         table.add_row(
+            *([escape(str(row.get("pool", "")))] if pooled else []),
             escape(row["deployment"]),
             escape(row["accelerator"]),
             short_bytes(row["bytes"]),
@@ -483,40 +486,77 @@ def request(
     raise typer.Exit(0 if result.ok else 1)
 
 
-@app.command()
-def status(as_json: JsonOption = False) -> None:
-    """Per accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
+PoolOption = Annotated[
+    str | None,
+    typer.Option(help="Only this pool (default: every pool, from MODELFORGE_POOLS or the running schedulers)."),
+]
+
+
+def _pool_statuses(pool: str | None) -> dict[str, Any]:
+    """Each pool's status (a PoolStatus) or, for a scheduler that does not answer, its error;
+    exits with CAPABILITY_UNAVAILABLE when none answers."""
     from modelforge.client import ModelForgeClient
     from modelforge.policy import PoolStatus
 
     settings = _settings()
 
-    async def go() -> PoolStatus:
-        return await (await ModelForgeClient.connect(settings)).status()
+    async def go() -> dict[str, Any]:
+        return dict(await (await ModelForgeClient.connect(settings, pool)).statuses())
 
-    pool = _run(go)
+    statuses = _run(go)
+    if not any(isinstance(status, PoolStatus) for status in statuses.values()):
+        _fail(
+            ModelForgeError(
+                FailureClass.CAPABILITY_UNAVAILABLE, "; ".join(str(error.message) for error in statuses.values())
+            )
+        )
+    return statuses
+
+
+@app.command()
+def status(as_json: JsonOption = False, pool: PoolOption = None) -> None:
+    """Per pool and accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
+    from modelforge.policy import PoolStatus
+    from modelforge.routing import merge_statuses
+
+    statuses = _pool_statuses(pool)
+    answered = [s for s in statuses.values() if isinstance(s, PoolStatus)]
+    silent = {name: error.message for name, error in statuses.items() if not isinstance(error, PoolStatus)}
     if as_json:
-        _json(pool)
+        # Every pool as one (queues and leases summed), each accelerator and resident with its
+        # pool, and each pool's own figures under `pools`.
+        merged = dataclasses.asdict(merge_statuses(answered))
+        merged["accelerators"] = [
+            {**dataclasses.asdict(acc), "pool": s.pool} for s in answered for acc in s.accelerators
+        ]
+        merged["residents"] = [{**dataclasses.asdict(r), "pool": s.pool} for s in answered for r in s.residents]
+        merged["pools"] = [
+            {"pool": s.pool, "up": True, "queue_depth": s.queue_depth, "active_leases": s.active_leases}
+            for s in answered
+        ] + [{"pool": name, "up": False, "error": message} for name, message in sorted(silent.items())]
+        _json(merged)
         return
-    render_status(pool, _table_console())
+    console = _table_console()
+    for one in answered:
+        render_status(one, console)
+    for name, message in sorted(silent.items()):
+        err.print(f"[red]pool {escape(name)}[/red]: {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
-def ps(as_json: JsonOption = False) -> None:
-    """Resident models: deployment, accelerator, bytes, state, active leases, TTL left."""
-    from modelforge.client import ModelForgeClient
+def ps(as_json: JsonOption = False, pool: PoolOption = None) -> None:
+    """Resident models of every pool: pool, deployment, accelerator, bytes, state, active leases, TTL left."""
     from modelforge.policy import PoolStatus
 
-    settings = _settings()
-
-    async def go() -> PoolStatus:
-        return await (await ModelForgeClient.connect(settings)).status()
-
-    pool = _run(go)
+    statuses = _pool_statuses(pool)
     rows = []
-    for resident in pool.residents:
-        ttl_left = None if resident.expires_at is None else max(0.0, resident.expires_at - time.time())
-        rows.append({**dataclasses.asdict(resident), "ttl_left_s": ttl_left})
+    for name, one in statuses.items():
+        if not isinstance(one, PoolStatus):
+            err.print(f"[red]pool {escape(name)}[/red]: {escape(one.message)}", highlight=False, soft_wrap=True)
+            continue
+        for resident in one.residents:
+            ttl_left = None if resident.expires_at is None else max(0.0, resident.expires_at - time.time())
+            rows.append({"pool": one.pool, **dataclasses.asdict(resident), "ttl_left_s": ttl_left})
     if as_json:
         _json(rows)
         return
@@ -924,15 +964,20 @@ def db_migrate() -> None:
 
 @worker_app.command("control")
 def worker_control(
-    pool: Annotated[str, typer.Option(help="The pool whose scheduler this worker starts and serves.")] = "default",
+    pool: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A pool whose scheduler this worker starts and serves; repeatable (default: the catalog's pools)."
+        ),
+    ] = None,
 ) -> None:
-    """The control worker (workflows, catalog and event activities)."""
+    """The control worker (workflows, catalog and event activities, the pools' schedulers)."""
     from modelforge.logging import configure
     from workers import control
 
     configure()
     try:
-        _run(lambda: control.run(_settings(), pool))
+        _run(lambda: control.run(_settings(), pool or ()))
     except KeyboardInterrupt:
         pass
 
@@ -974,7 +1019,10 @@ def worker_node(
 def gateway(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8080,
-    pool: Annotated[str, typer.Option(help="The pool whose scheduler admits the requests.")] = "default",
+    pool: Annotated[
+        str | None,
+        typer.Option(help="The pool whose scheduler admits every request (default: each routed to a pool serving it)."),
+    ] = None,
 ) -> None:
     """The HTTP gateway: the request API and OpenAI-compatible endpoints.
 
@@ -1004,7 +1052,7 @@ def gateway(
             app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
             server = gateway_server(app, host, port)  # header-read deadline, keep-alive and header limits
             err.print(
-                f"gateway on http://{host}:{port} (pool {pool}; "
+                f"gateway on http://{host}:{port} ({f'pool {pool}' if pool else 'routing among pools'}; "
                 f"{'API keys required' if keys else 'no API keys: tenant from X-ModelForge-Tenant'})"
             )
             await server.serve()

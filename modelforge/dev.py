@@ -26,6 +26,7 @@ from rich.markup import escape
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge.catalog import load_catalog_file
+from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.settings import Settings
 from modelforge.store import Store, redact
@@ -128,13 +129,20 @@ class DevStack:
         return url
 
     def start_workers(self, database_url: str, nodes: list[str]) -> None:
+        """One control worker serving every pool of the catalog, and a node worker per node,
+        its telemetry to its pool's scheduler."""
+        pools = node_pools(load_catalog_file(self.catalog_path)[0])
         env = dict(os.environ)
         env["MODELFORGE_DATABASE_URL"] = database_url
         env["MODELFORGE_HOME"] = str(self.settings.home)
         env["MODELFORGE_TEMPORAL_ADDRESS"] = self.settings.temporal_address
         env["MODELFORGE_GPU_BACKEND"] = self.settings.gpu_backend
         python = sys.executable
-        self._spawn("worker-control", [python, "-m", "modelforge", "worker", "control"], env)
+        served = sorted(set(pools.values())) or ["default"]
+        control = [python, "-m", "modelforge", "worker", "control"]
+        for pool in served:
+            control += ["--pool", pool]
+        self._spawn("worker-control", control, env)
         for node in nodes:
             self._spawn(
                 f"worker-node-{node}",
@@ -148,6 +156,8 @@ class DevStack:
                     node,
                     "--simulate-from",
                     str(self.catalog_path),
+                    "--pool",
+                    pools.get(node, "default"),
                 ],
                 env,
             )
@@ -196,6 +206,21 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def node_pools(catalog: Catalog) -> dict[str, str]:
+    """Each node's pool: the pool of its accelerators (a node whose cards are in several pools
+    reports to the first by name, and a warning says so)."""
+    found: dict[str, set[str]] = {}
+    for accelerator in catalog.accelerators:
+        found.setdefault(accelerator.node, set()).add(accelerator.pool)
+    for node, pools in sorted(found.items()):
+        if len(pools) > 1:
+            console.print(
+                f"[yellow]node {escape(node)} has cards in pools {escape(', '.join(sorted(pools)))}: its telemetry "
+                f"goes to {escape(min(pools))} only[/yellow]"
+            )
+    return {node: min(pools) for node, pools in found.items()}
+
+
 async def _prepare(stack: DevStack, database_url: str) -> list[str]:
     catalog, _ = load_catalog_file(stack.catalog_path)
     store = await Store.open(database_url)
@@ -224,6 +249,7 @@ async def _wait_ready(settings: Settings, nodes: list[str], timeout_s: float = 1
     from modelforge.client import ModelForgeClient
 
     client = await ModelForgeClient.connect(settings)
+    client.router.pools_ttl_s = 0.5  # every pool's scheduler, as soon as it runs
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ class Stack:
     external: list[ExternalSpec] = field(default_factory=list)
     node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     control: ControlWorker | None = None  # None when the caller runs the control worker
+    # Every pool's scheduler by pool (`scheduler` is the first pool's).
+    schedulers: dict[str, WorkflowHandle[PoolSchedulerWorkflow, None]] = field(default_factory=dict)
 
     async def events(self, kind: str, at_least: int, within_s: float = 10.0) -> list[dict[str, Any]]:
         """Events of a kind in order, once at least `at_least` are written: the event log is
@@ -84,8 +86,10 @@ class Stack:
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 
-    async def status(self) -> PoolStatus:
-        status: PoolStatus = await self.scheduler.query(PoolSchedulerWorkflow.status)
+    async def status(self, pool: str | None = None) -> PoolStatus:
+        """The first pool's status, or `pool`'s."""
+        scheduler = self.scheduler if pool is None else self.schedulers[pool]
+        status: PoolStatus = await scheduler.query(PoolSchedulerWorkflow.status)
         return status
 
     async def start_request(
@@ -130,9 +134,12 @@ async def running_stack(
     metrics: Metrics | None = None,
     control_in_process: bool = True,
     adopt_interval_s: float = 5.0,
+    pools: Sequence[str] = ("default",),
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
-    be killed and restarted); the stack brings only Postgres rows, node workers and telemetry."""
+    be killed and restarted); the stack brings only Postgres rows, node workers and telemetry.
+    `pools`: the pools whose schedulers start (one control worker serves them all); each node
+    sends its telemetry to the pool of its accelerators (the first pool when none is listed)."""
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
     await store.migrate()
@@ -152,32 +159,37 @@ async def running_stack(
         async with contextlib.AsyncExitStack() as stack:
             if control_in_process:
                 running.control = await stack.enter_async_context(
-                    build_control_worker(client, store, metrics=metrics, adopt_interval_s=adopt_interval_s)
+                    build_control_worker(
+                        client, store, metrics=metrics, adopt_interval_s=adopt_interval_s, pools=list(pools)
+                    )
                 )
             # Node workers run as tasks, not contexts, so a test can restart one.
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)
-            scheduler = await ensure_scheduler(
-                client,
-                "default",
-                SchedulerInput(
-                    pool="default",
-                    config=config or PolicyConfig(),
-                    max_history_events=max_history_events,
-                    snapshot_interval_s=snapshot_interval_s,
-                ),
-            )
-            running.scheduler = scheduler
-            # Ready when the scheduler has its catalog: a request sent before would be refused
+            for pool in pools:
+                running.schedulers[pool] = await ensure_scheduler(
+                    client,
+                    pool,
+                    SchedulerInput(
+                        pool=pool,
+                        config=config or PolicyConfig(),
+                        max_history_events=max_history_events,
+                        snapshot_interval_s=snapshot_interval_s,
+                    ),
+                )
+            running.scheduler = running.schedulers[pools[0]]
+            # Ready when each scheduler has its catalog: a request sent before would be refused
             # as SCHEDULER_STATE_STALE and, with time skipped, could use up its retries.
-            for _ in range(300):
-                if (await running.status()).accelerators:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError("the scheduler did not load its catalog within 30 s")
+            for pool in pools:
+                for _ in range(300):
+                    if (await running.status(pool)).accelerators:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise RuntimeError(f"the scheduler of pool {pool} did not load its catalog within 30 s")
+            node_pool = {a.node: a.pool for a in catalog.accelerators if a.pool in pools}
             for node in backends:
-                await ensure_telemetry(client, node, interval_s=telemetry_interval_s)
+                await ensure_telemetry(client, node, node_pool.get(node, pools[0]), interval_s=telemetry_interval_s)
             yield running
     finally:
         await store.close()

@@ -21,6 +21,7 @@ from modelforge.logging import get_logger
 from modelforge.messages import SchedulerInput
 from modelforge.metrics import Metrics
 from modelforge.payloads import sweep_forever
+from modelforge.policy import PoolStatus
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
@@ -228,13 +229,29 @@ async def ensure_scheduler(
     )
 
 
+def _status_query(handle: WorkflowHandle[PoolSchedulerWorkflow, None]) -> Callable[[], Awaitable[PoolStatus]]:
+    async def query() -> PoolStatus:
+        status: PoolStatus = await handle.query(PoolSchedulerWorkflow.status)
+        return status
+
+    return query
+
+
 def serve_metrics(metrics: Metrics, settings: Settings) -> int:
     """/metrics on MODELFORGE_METRICS_HOST (loopback unless configured; the compose stack sets
     0.0.0.0 inside its network) and MODELFORGE_METRICS_PORT; returns the bound port."""
     return metrics.serve(settings.metrics_port, settings.metrics_host)
 
 
-async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
+async def catalog_pools(store: Store) -> list[str]:
+    """The pools the stored catalog names (its accelerators'), or the default pool."""
+    catalog = await store.load_catalog()
+    return sorted({accelerator.pool for accelerator in catalog.accelerators}) or [DEFAULT_POOL]
+
+
+async def run(settings: Settings, pools: Sequence[str] = ()) -> None:
+    """Serve each of `pools` (none given: every pool the stored catalog names): start its
+    scheduler, guard its history, adopt its silent nodes' queues and export its metrics."""
     client = await connect(settings, worker=True, role="control")
     url = settings.resolved_database_url()
     if url is None:
@@ -249,20 +266,22 @@ async def run(settings: Settings, pool: str = DEFAULT_POOL) -> None:
         await store.migrate()
         with contextlib.suppress(Exception):
             await register_search_attributes(client)
+        served = sorted(set(pools)) or await catalog_pools(store)
         metrics = Metrics()
         worker = build_control_worker(
             client,
             store,
             snapshot_retention_s=settings.snapshot_retention_days * 86400.0,
             metrics=metrics,
-            pools=[pool],
+            pools=served,
             replay_check_s=settings.replay_check_s,
         )
         async with worker:
-            handle = await ensure_scheduler(client, pool)
+            handles = {pool: await ensure_scheduler(client, pool) for pool in served}
             port = serve_metrics(metrics, settings)
-            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pool=pool, metrics_port=port)
-            await metrics.poll(pool, lambda: handle.query(PoolSchedulerWorkflow.status))
+            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=served, metrics_port=port)
+            # Every pool's status into the same registry, each series labelled with its pool.
+            await asyncio.gather(*(metrics.poll(pool, _status_query(handle)) for pool, handle in handles.items()))
     finally:
         sweeper.cancel()
         await store.close()

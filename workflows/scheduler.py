@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
         UsageQuery,
         device_index,
     )
+    from modelforge.routing import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
 from workflows._common import STORE_RETRY, resident_workflow_id
@@ -614,6 +615,12 @@ class PoolSchedulerWorkflow:
     @workflow.query
     def state(self) -> policy.PoolState:
         return self._state
+
+    @workflow.query
+    def route(self, query: RouteQuery) -> RouteInfo:
+        """How well this pool can serve a capability now: clients choose a pool by it
+        (modelforge/routing.py). Ready once a catalog is loaded (a reload keeps the old one)."""
+        return route_info(self._state, query, self._now(), ready=bool(self._state.catalog.accelerators))
 
     # --- loop -------------------------------------------------------------------------------
 

@@ -141,6 +141,9 @@ class FakeClient:
     async def status(self) -> PoolStatus:
         return _pool()
 
+    async def statuses(self) -> dict[str, PoolStatus]:
+        return {"default": _pool()}
+
     async def request(self, capability: str, payload: dict[str, Any], **kwargs: Any) -> Result:
         self.calls.append({"capability": capability, "input": payload, **kwargs})
         assert self.result is not None

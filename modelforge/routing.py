@@ -1,0 +1,366 @@
+"""Pools as shards: which pool a capability's request goes to, when the caller names none.
+
+Each pool has its own scheduler workflow, `scheduler:<pool>`, admitting onto the catalog's
+accelerators of that pool only. A pool can serve a capability when it has an accelerator the
+deployment may be placed on (its `accelerators` list; empty: any, so every pool). The client
+asks each candidate pool's scheduler (the `route` query, answered by `route_info` from its
+state) and takes the best by `route_key`: warm with a free slot, then warm, then room to load,
+then the fewest requests queued; ties by name.
+
+The pools that exist come from an explicit list (`MODELFORGE_POOLS`, comma-separated) or from
+the running schedulers (Temporal visibility), cached for `POOLS_TTL_S`. A capability's choice is
+cached for `ROUTE_TTL_S`, so a stream of warm requests pays one round of queries a second, not
+one per request. With a single pool there is nothing to choose and nothing is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from modelforge.domain import Catalog
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.identifiers import shown
+from modelforge.logging import get_logger
+from modelforge.policy import PoolState, PoolStatus, ResidentPhase
+from modelforge.policy._budget import budget_from_sums
+from modelforge.policy._pass import static_filter
+from modelforge.settings import DEFAULT_POOL
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
+
+log = get_logger("modelforge.routing")
+
+SCHEDULER_PREFIX = "scheduler:"
+# The running pool schedulers, from Temporal visibility.
+RUNNING_SCHEDULERS = "WorkflowType='PoolSchedulerWorkflow' AND ExecutionStatus='Running'"
+POOLS_TTL_S = 30.0
+ROUTE_TTL_S = 1.0
+# A pool whose scheduler does not answer the route query within this long is left out this time.
+QUERY_TIMEOUT_S = 5.0
+# ...and is asked only after the others, for this long.
+SILENT_S = 10.0
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    capability: str
+    tenant: str = "default"
+    # The class asked for (None: the tenant's default): production work needs production cards.
+    priority: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    """One pool's answer to `route`: how well it can serve the capability now."""
+
+    pool: str
+    # The catalog is loaded (a fresh scheduler reads it first; until then it knows nothing).
+    ready: bool = True
+    # The pool has an accelerator the deployment may be placed on (whatever the class).
+    known: bool = False
+    # ...and one the request's class may use (production: production-eligible, measured).
+    serves: bool = False
+    # Ready instances of the deployment on usable cards, and their free concurrency slots.
+    warm: int = 0
+    free_slots: int = 0
+    # A fresh, healthy card it may use has schedulable bytes for another instance.
+    room: bool = False
+    # Requests waiting in the pool for this capability, and in all.
+    queued: int = 0
+    queue_depth: int = 0
+
+
+def _production(catalog: Catalog, tenant: str, priority: str | None) -> bool:
+    """Whether the request's class follows the production rules (as far as the route needs to
+    know: the scheduler resolves the class for real, and refuses what is wrong with it)."""
+    known = catalog.tenant(tenant)
+    asked = priority or (known.default_priority if known is not None else "")
+    klass = catalog.priority_class(asked)
+    if klass is None:
+        klass = next((k for k in catalog.classes.values() if k.level == asked), None)
+    return klass is not None and klass.production
+
+
+def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool = True) -> RouteInfo:
+    """The scheduler's `route` query: one walk over the pool's residents, leases and queue."""
+    pool = state.pool
+    if not ready:
+        return RouteInfo(pool=pool, ready=False)
+    deployment = state.catalog.deployment_for(query.capability)
+    if deployment is None:
+        return RouteInfo(pool=pool)
+    if not static_filter(state, deployment, False)[0]:
+        return RouteInfo(pool=pool)
+    production = _production(state.catalog, query.tenant, query.priority)
+    usable = set(static_filter(state, deployment, production)[0])
+    queued = sum(1 for q in state.queue if q.capability == query.capability)
+    if not usable:
+        return RouteInfo(pool=pool, known=True, queued=queued, queue_depth=len(state.queue))
+    freshness = state.config.freshness_s
+
+    def fresh(accelerator: str) -> bool:
+        runtime = state.accelerators.get(accelerator)
+        return (
+            runtime is not None
+            and runtime.healthy
+            and runtime.observation is not None
+            and now - runtime.observation.received_at <= freshness
+        )
+
+    warm = free = 0
+    resident_sum: dict[str, int] = {}
+    for resident in state.residents.values():
+        resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
+        if (
+            resident.deployment == deployment.deployment_id
+            and resident.phase == ResidentPhase.READY
+            and resident.accelerator in usable
+            and fresh(resident.accelerator)
+        ):
+            warm += 1
+            free += max(0, deployment.concurrency - resident.active_leases)
+    room = False
+    if not free:  # the choice never looks at room when a slot is free
+        leased_sum: dict[str, int] = {}
+        for lease in state.leases.values():
+            for accelerator_id in lease.accelerators:
+                leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
+        cards = 0
+        for accelerator in state.catalog.accelerators:
+            if accelerator.id not in usable or not fresh(accelerator.id):
+                continue
+            budget = budget_from_sums(
+                accelerator,
+                state.accelerators[accelerator.id],
+                resident_sum.get(accelerator.id, 0),
+                leased_sum.get(accelerator.id, 0),
+                state.config,
+                now,
+            )
+            if budget.schedulable_bytes >= deployment.envelope_bytes:
+                cards += 1
+                if cards >= max(1, deployment.gpu_count):
+                    room = True
+                    break
+    return RouteInfo(
+        pool=pool,
+        known=True,
+        serves=True,
+        warm=warm,
+        free_slots=free,
+        room=room,
+        queued=queued,
+        queue_depth=len(state.queue),
+    )
+
+
+def route_key(info: RouteInfo) -> tuple[bool, bool, bool, int, int, str]:
+    """Smaller is better: warm with a free slot, warm, room to load, fewest queued, by name."""
+    return (
+        not (info.warm and info.free_slots > 0),
+        not info.warm,
+        not info.room,
+        info.queued,
+        info.queue_depth,
+        info.pool,
+    )
+
+
+def choose_pool(infos: Sequence[RouteInfo]) -> str | None:
+    """The pool for the request, or None when no pool serves the capability. Pools that serve it
+    for the request's class first; else one that knows it (its scheduler then says why the class
+    cannot have it, card by card); else a pool still loading its catalog (the admission retries
+    until it has it)."""
+    for eligible in (
+        [i for i in infos if i.serves],
+        [i for i in infos if i.known],
+    ):
+        if eligible:
+            return min(eligible, key=route_key).pool
+    loading = sorted(i.pool for i in infos if not i.ready)
+    return loading[0] if loading else None
+
+
+def pools_from_env() -> list[str]:
+    """MODELFORGE_POOLS: the pools to route among, comma-separated (unset: the running schedulers)."""
+    return _names(os.environ.get("MODELFORGE_POOLS", "").split(","))
+
+
+def _names(names: Sequence[str]) -> list[str]:
+    return sorted({name.strip() for name in names if name.strip()})
+
+
+def merge_statuses(statuses: Sequence[PoolStatus]) -> PoolStatus:
+    """Several pools' status as one: every accelerator and resident, queues and leases summed.
+    `pool` lists the pools, comma-separated."""
+    if len(statuses) == 1:
+        return statuses[0]
+    depth: dict[str, int] = {}
+    classes: list[str] = []
+    for status in statuses:
+        for name, count in status.queue_depth.items():
+            depth[name] = depth.get(name, 0) + count
+        classes += [c for c in status.classes if c not in classes]
+    return PoolStatus(
+        pool=",".join(s.pool for s in statuses),
+        now=max((s.now for s in statuses), default=0.0),
+        accelerators=[a for s in statuses for a in s.accelerators],
+        residents=[r for s in statuses for r in s.residents],
+        queue_depth=depth,
+        active_leases=sum(s.active_leases for s in statuses),
+        capabilities=[c for s in statuses for c in s.capabilities],
+        classes=classes,
+    )
+
+
+@dataclass
+class _Cached:
+    pool: str
+    until: float
+
+
+class PoolRouter:
+    """The client's side: the pools that exist and each capability's pool, briefly cached.
+    `pools`: an explicit list (else the running schedulers, read again every `pools_ttl_s`)."""
+
+    def __init__(
+        self,
+        client: Client,
+        pools: Sequence[str] = (),
+        *,
+        pools_ttl_s: float = POOLS_TTL_S,
+        route_ttl_s: float = ROUTE_TTL_S,
+        query_timeout_s: float = QUERY_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.pools_given = _names(pools)
+        self.pools_ttl_s = pools_ttl_s
+        self.route_ttl_s = route_ttl_s
+        self.query_timeout_s = query_timeout_s
+        self.clock = clock
+        self._pools: list[str] = []
+        self._pools_until = -math.inf
+        self._pools_lock: asyncio.Lock | None = None
+        self._routes: dict[tuple[str, str, str | None], _Cached] = {}
+        self._asking: dict[tuple[str, str, str | None], asyncio.Future[str]] = {}
+        # Pools whose scheduler did not answer, until when they are left out of the rounds (a
+        # scheduler no worker serves would otherwise cost every round the query timeout).
+        self._silent_until: dict[str, float] = {}
+
+    async def pools(self) -> list[str]:
+        """The pools to route among: given, or the running schedulers (default when none runs)."""
+        if self.pools_given:
+            return self.pools_given
+        if self.clock() < self._pools_until:
+            return self._pools
+        if self._pools_lock is None:
+            self._pools_lock = asyncio.Lock()
+        async with self._pools_lock:
+            if self.clock() >= self._pools_until:
+                running = await self._running_pools()
+                self._pools = running or [DEFAULT_POOL]
+                # None running yet (a stack starting): look again soon, not in half a minute.
+                self._pools_until = self.clock() + (self.pools_ttl_s if running else min(self.pools_ttl_s, 1.0))
+        return self._pools
+
+    async def _running_pools(self) -> list[str]:
+        from temporalio.service import RPCError
+
+        found: list[str] = []
+        try:
+            async for execution in self.client.list_workflows(
+                RUNNING_SCHEDULERS, rpc_timeout=timedelta(seconds=self.query_timeout_s)
+            ):
+                if execution.id.startswith(SCHEDULER_PREFIX):
+                    found.append(execution.id.removeprefix(SCHEDULER_PREFIX))
+        except RPCError as error:  # no visibility (the time-skipping test server): the default pool
+            log.debug("pool_discovery_failed", error=f"{error.status.name}: {error.message}")
+        return _names(found)
+
+    def forget(self, capability: str) -> None:
+        """Drop a capability's cached choice (its request failed: ask again next time)."""
+        for key in [k for k in self._routes if k[0] == capability]:
+            del self._routes[key]
+
+    async def choose(self, capability: str, tenant: str = "default", priority: str | None = None) -> str:
+        """The pool for a request; CAPABILITY_UNAVAILABLE when no pool serves the capability.
+        Concurrent callers for one capability share one round of queries."""
+        pools = await self.pools()
+        if len(pools) == 1:
+            return pools[0]
+        key = (capability, tenant, priority)
+        cached = self._routes.get(key)
+        if cached is not None and self.clock() < cached.until:
+            return cached.pool
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = asyncio.get_running_loop().create_future()
+            self._asking[key] = asking
+            try:
+                pool = await self._ask(pools, RouteQuery(capability, tenant, priority))
+            except BaseException as error:
+                asking.set_exception(error)
+                with contextlib.suppress(BaseException):
+                    asking.exception()  # retrieved: no "never retrieved" warning without waiters
+                raise
+            else:
+                asking.set_result(pool)
+                self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s)
+                return pool
+            finally:
+                del self._asking[key]
+        return await asyncio.shield(asking)
+
+    async def _ask(self, pools: list[str], query: RouteQuery) -> str:
+        """One round of route queries. Pools that did not answer lately are asked only when the
+        others leave no choice (a scheduler no worker serves costs a round the query timeout)."""
+        now = self.clock()
+        quiet = [pool for pool in pools if self._silent_until.get(pool, -math.inf) > now]
+        first = [pool for pool in pools if pool not in quiet]
+        answers = dict(zip(first, await asyncio.gather(*(self._route(p, query) for p in first)), strict=True))
+        chosen = choose_pool([a for a in answers.values() if isinstance(a, RouteInfo)])
+        if chosen is None and quiet:
+            answers |= dict(zip(quiet, await asyncio.gather(*(self._route(p, query) for p in quiet)), strict=True))
+        for pool, answer in answers.items():
+            if isinstance(answer, str):
+                self._silent_until[pool] = self.clock() + SILENT_S
+            else:
+                self._silent_until.pop(pool, None)
+        infos = [a for a in answers.values() if isinstance(a, RouteInfo)]
+        chosen = chosen or choose_pool(infos)
+        if chosen is not None:
+            return chosen
+        silent = {pool: answer for pool, answer in answers.items() if isinstance(answer, str)}
+        if not infos and DEFAULT_POOL in silent:
+            # No scheduler answered the route query (one of a release without it, mid-upgrade):
+            # the default pool, as before pools were routed.
+            return DEFAULT_POOL
+        detail = "; ".join(f"pool {p} did not answer: {why}" for p, why in sorted(silent.items()))
+        raise ModelForgeError(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"no pool serves capability {shown(query.capability)} (pools: {', '.join(pools)})"
+            + (f"; {detail}" if detail else ""),
+        )
+
+    async def _route(self, pool: str, query: RouteQuery) -> RouteInfo | str:
+        """The pool's answer, or why there is none."""
+        from temporalio.client import WorkflowQueryFailedError
+        from temporalio.service import RPCError
+
+        try:
+            info: RouteInfo = await self.client.get_workflow_handle(f"{SCHEDULER_PREFIX}{pool}").query(
+                "route", query, result_type=RouteInfo, rpc_timeout=timedelta(seconds=self.query_timeout_s)
+            )
+        except (RPCError, WorkflowQueryFailedError) as error:
+            return str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        return info

@@ -1,0 +1,227 @@
+"""Routing a capability to a pool (modelforge/routing.py): the choice as a table, each pool's
+answer from its scheduler state, the client-side cache, and a gang never spanning pools."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+from temporalio.client import Client
+
+from modelforge.domain import Priority, Residency
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.policy import PoolState, PoolStatus, ResidentPhase, decide, enqueue, validate_request
+from modelforge.routing import PoolRouter, RouteInfo, RouteQuery, choose_pool, merge_statuses, route_info
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state
+
+
+def info(pool: str, **kw: Any) -> RouteInfo:
+    kw.setdefault("known", True)
+    kw.setdefault("serves", True)
+    return RouteInfo(pool=pool, **kw)
+
+
+@pytest.mark.parametrize(
+    ("infos", "chosen"),
+    [
+        # Warm with a free slot beats warm and busy, which beats room to load, whatever the queues.
+        ([info("a", warm=1, free_slots=0, queued=0), info("b", warm=1, free_slots=2, queued=9)], "b"),
+        ([info("a", room=True), info("b", warm=1, free_slots=0, queued=3)], "b"),
+        ([info("a", room=True, queued=5), info("b", queued=0)], "a"),
+        # Neither warm nor room: the fewest queued for the capability, then in the whole pool.
+        ([info("a", queued=3), info("b", queued=1)], "b"),
+        ([info("a", queued=1, queue_depth=9), info("b", queued=1, queue_depth=2)], "b"),
+        # Ties by name.
+        ([info("b", warm=1, free_slots=1), info("a", warm=1, free_slots=4)], "a"),
+        ([info("b"), info("a")], "a"),
+        # Only the pools that serve it count, however good the others look.
+        ([info("a", serves=False, known=False, warm=3, free_slots=3), info("b", queued=7)], "b"),
+        # Known but not for this class (production on a lab pool): the scheduler says why.
+        ([info("a", serves=False), RouteInfo(pool="b")], "a"),
+        # Nobody knows it; a pool still loading its catalog may: admission waits for it.
+        ([RouteInfo(pool="a"), RouteInfo(pool="b", ready=False)], "b"),
+        # Nobody serves it.
+        ([RouteInfo(pool="a"), RouteInfo(pool="b")], None),
+        ([], None),
+    ],
+)
+def test_the_choice(infos: list[RouteInfo], chosen: str | None) -> None:
+    assert choose_pool(infos) == chosen
+
+
+def two_pools() -> PoolState:
+    """pool-a: a/0; pool-b: b/0 (not production eligible) and b/1. x@1 placed on a/0 only, y@1 on
+    b/0 only, z@1 anywhere; pool-b is the state's own pool."""
+    s = state(
+        [gpu("a/0", pool="pool-a"), gpu("b/0", pool="pool-b", production=False), gpu("b/1", pool="pool-b")],
+        [
+            deployment("x@1", gib=4, accelerators=["a/0"]),
+            deployment("y@1", gib=4, accelerators=["b/0"], concurrency=2),
+            deployment("z@1", gib=4, concurrency=2),
+        ],
+    )
+    s.pool = "pool-b"
+    for card in ("a/0", "b/0", "b/1"):
+        observe(s, card)
+    return s
+
+
+def test_a_pool_serves_what_may_be_placed_on_its_cards() -> None:
+    s = two_pools()
+    assert route_info(s, RouteQuery("x@1", "t"), NOW) == RouteInfo(pool="pool-b")  # a/0 only
+    assert route_info(s, RouteQuery("nothing@1", "t"), NOW) == RouteInfo(pool="pool-b")
+    y = route_info(s, RouteQuery("y@1", "t"), NOW)
+    assert (y.known, y.serves, y.warm, y.room) == (True, True, 0, True)
+    # Production may not use b/0: pool-b knows y@1 but cannot serve it for production.
+    production = route_info(s, RouteQuery("y@1", "t", Priority.PRODUCTION.value), NOW)
+    assert (production.known, production.serves) == (True, False)
+    assert route_info(s, RouteQuery("z@1", "t", Priority.PRODUCTION.value), NOW).serves  # on b/1
+    assert route_info(s, RouteQuery("y@1", "t"), NOW, ready=False) == RouteInfo(pool="pool-b", ready=False)
+
+
+def test_a_pool_reports_warm_instances_free_slots_room_and_queue() -> None:
+    s = two_pools()
+    resident(s, "y@1", "b/0", 4, leases=1)
+    observe(s, "b/0", managed_gib=4, loaded=["y@1@b/0"])
+    y = route_info(s, RouteQuery("y@1", "t"), NOW)
+    assert (y.warm, y.free_slots) == (1, 1)
+    # Both slots taken: warm, no free slot; room is looked at (b/0 has 24 - 1 - 4 - 4 free).
+    s.residents["y@1@b/0"].active_leases = 2
+    y = route_info(s, RouteQuery("y@1", "t"), NOW)
+    assert (y.warm, y.free_slots, y.room) == (1, 0, True)
+    # Loading is not warm.
+    s.residents["y@1@b/0"].phase = ResidentPhase.LOADING
+    assert route_info(s, RouteQuery("y@1", "t"), NOW).warm == 0
+    s.residents["y@1@b/0"].phase = ResidentPhase.READY
+    # A stale card's instance takes no new lease: not warm, and no room there either.
+    later = NOW + s.config.freshness_s + 1
+    y = route_info(s, RouteQuery("y@1", "t"), later)
+    assert (y.warm, y.room) == (0, False)
+    # No room: 24 - 1 reserve - 20 of someone else's model leaves 3 GiB, short of y's 4.
+    s2 = two_pools()
+    resident(s2, "z@1", "b/0", 20, residency=Residency.ALWAYS_WARM)
+    observe(s2, "b/0", managed_gib=20, loaded=["z@1@b/0"])
+    assert route_info(s2, RouteQuery("y@1", "t"), NOW).room is False
+    enqueue(s2, ask("q1", "y@1"), "interactive", NOW)
+    enqueue(s2, ask("q2", "z@1"), "interactive", NOW)
+    y = route_info(s2, RouteQuery("y@1", "t"), NOW)
+    assert (y.queued, y.queue_depth) == (1, 2)
+
+
+def test_a_gang_never_spans_pools() -> None:
+    """A 2-card gang: pool-a has one card of its own (the other pool's two are not its to use),
+    so it is refused there; in pool-b it lands on b/0 and b/1, never on a/0."""
+    accelerators = [gpu("a/0", pool="pool-a"), gpu("b/0", pool="pool-b"), gpu("b/1", pool="pool-b")]
+    gang = deployment("gang@1", gib=8, residency=Residency.NONE, idle_bytes=0, gpu_count=2)
+    for pool, granted in (("pool-a", None), ("pool-b", ["b/0", "b/1"])):
+        s = state(accelerators, [gang])
+        s.pool = pool
+        for card in ("a/0", "b/0", "b/1"):
+            observe(s, card)
+        request = ask("g", "gang@1")
+        _, priority = validate_request(s, request, gangs=True)
+        enqueue(s, request, priority, NOW)
+        decisions = decide(s, NOW)
+        if granted is None:
+            assert not decisions.grants
+            [reject] = decisions.rejects
+            assert reject.failure == FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM
+            assert "the pool has 1" in reject.message
+        else:
+            [grant] = decisions.grants
+            assert sorted(grant.lease.accelerators) == granted
+
+
+def test_merged_status_sums_queues_and_keeps_every_card() -> None:
+    a = PoolStatus(pool="a", now=1.0, queue_depth={"interactive": 1}, active_leases=2, classes=["interactive"])
+    b = PoolStatus(pool="b", now=2.0, queue_depth={"interactive": 2, "batch": 1}, active_leases=1, classes=["batch"])
+    merged = merge_statuses([a, b])
+    assert merged.pool == "a,b" and merged.now == 2.0 and merged.active_leases == 3
+    assert merged.queue_depth == {"interactive": 3, "batch": 1} and merged.classes == ["interactive", "batch"]
+    assert merge_statuses([a]) is a
+
+
+class FakeHandle:
+    def __init__(self, fake: FakeTemporal, pool: str) -> None:
+        self.fake, self.pool = fake, pool
+
+    async def query(self, name: str, query: RouteQuery, **kwargs: Any) -> RouteInfo:
+        self.fake.queries.append(self.pool)
+        await asyncio.sleep(0.01)
+        answer = self.fake.answers[self.pool]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class FakeTemporal:
+    """The two calls the router makes: visibility's list and a scheduler's `route` query."""
+
+    def __init__(self, answers: dict[str, RouteInfo | Exception]) -> None:
+        self.answers = answers
+        self.queries: list[str] = []
+        self.lists = 0
+
+    def get_workflow_handle(self, workflow_id: str) -> FakeHandle:
+        return FakeHandle(self, workflow_id.removeprefix("scheduler:"))
+
+    async def list_workflows(self, query: str, **kwargs: Any) -> Any:
+        self.lists += 1
+
+        class Execution:
+            def __init__(self, id: str) -> None:
+                self.id = id
+
+        for pool in self.answers:
+            yield Execution(f"scheduler:{pool}")
+
+
+async def test_the_router_caches_a_choice_briefly_and_shares_one_round() -> None:
+    fake = FakeTemporal({"pool-a": info("pool-a"), "pool-b": info("pool-b", warm=1, free_slots=1)})
+    now = [0.0]
+    router = PoolRouter(cast(Client, fake), clock=lambda: now[0])
+    # Ten concurrent requests: one discovery, one query per pool.
+    chosen = await asyncio.gather(*(router.choose("z@1", "t") for _ in range(10)))
+    assert chosen == ["pool-b"] * 10
+    assert sorted(fake.queries) == ["pool-a", "pool-b"] and fake.lists == 1
+    now[0] = 0.5  # within a second: the cached answer
+    assert await router.choose("z@1", "t") == "pool-b" and len(fake.queries) == 2
+    fake.answers["pool-a"] = info("pool-a", warm=1, free_slots=3)
+    now[0] = 1.5  # past it: asked again (pool-a wins the tie by name now)
+    assert await router.choose("z@1", "t") == "pool-a" and len(fake.queries) == 4
+    assert fake.lists == 1  # the pools are read again only after 30 s
+    now[0] = 31.0
+    await router.choose("z@1", "t")
+    assert fake.lists == 2
+
+
+async def test_the_router_says_which_capability_no_pool_serves() -> None:
+    fake = FakeTemporal({"pool-a": RouteInfo(pool="pool-a"), "pool-b": RouteInfo(pool="pool-b")})
+    with pytest.raises(ModelForgeError) as raised:
+        await PoolRouter(cast(Client, fake)).choose("nothing@1")
+    assert raised.value.failure == FailureClass.CAPABILITY_UNAVAILABLE
+    assert "nothing@1" in raised.value.message and "pool-a, pool-b" in raised.value.message
+
+
+async def test_one_pool_is_never_asked_and_a_silent_pool_is_asked_last() -> None:
+    single = FakeTemporal({"default": RouteInfo(pool="default")})
+    assert await PoolRouter(cast(Client, single)).choose("anything@1") == "default"
+    assert single.queries == []
+    from temporalio.service import RPCError, RPCStatusCode
+
+    fake = FakeTemporal(
+        {"pool-a": RPCError("deadline", RPCStatusCode.DEADLINE_EXCEEDED, b""), "pool-b": info("pool-b")}
+    )
+    router = PoolRouter(cast(Client, fake), route_ttl_s=0)
+    assert await router.choose("z@1") == "pool-b"
+    assert sorted(fake.queries) == ["pool-a", "pool-b"]
+    fake.queries.clear()
+    assert await router.choose("z@1") == "pool-b"
+    assert fake.queries == ["pool-b"]  # pool-a was silent: not waited for while pool-b serves
+    fake.answers["pool-b"] = RouteInfo(pool="pool-b")
+    fake.queries.clear()
+    with pytest.raises(ModelForgeError) as raised:
+        await router.choose("z@1")
+    assert fake.queries == ["pool-b", "pool-a"]  # asked at last, and it still does not answer
+    assert "pool pool-a did not answer" in raised.value.message

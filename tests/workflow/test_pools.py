@@ -1,0 +1,203 @@
+"""Pools as shards on one Temporal server: two pools, each with its own scheduler and node, one
+control worker serving both. A client that names no pool sends each capability to a pool that
+serves it (preferring the one where it is warm); `status` and `ps` show both pools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
+from typer.testing import CliRunner
+
+from modelforge import cli
+from modelforge.catalog import load_catalog_file
+from modelforge.client import ModelForgeClient
+from modelforge.metrics import Metrics
+from modelforge.policy import PoolStatus
+from modelforge.settings import node_task_queue
+from modelforge.store import Store
+from tests.harness import running_stack
+from workers.control import catalog_pools
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "pools.toml"
+POOLS = ("pool-a", "pool-b")
+
+
+async def test_requests_go_to_a_pool_that_serves_them_and_status_shows_every_pool(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    temporal = dev_server_env.client
+    async with running_stack(temporal, database_url, catalog_path=CATALOG, pools=POOLS) as stack:
+        # `modelforge worker control` without --pool serves every pool the stored catalog names.
+        assert await catalog_pools(stack.store) == list(POOLS)
+        # z@1 may run in either pool: warm it in pool-b, the pool that loses a tie by name.
+        warmed = await ModelForgeClient(temporal, "pool-b").request("z@1", input={"text": "warm"}, tenant="app")
+        assert warmed.ok, warmed.message
+        assert warmed.lease is not None and warmed.lease.accelerator == "node-b/0"
+
+        routed = ModelForgeClient(temporal)  # no pool named
+        for capability, card in (("x@1", "node-a/0"), ("y@1", "node-b/0"), ("z@1", "node-b/0")):
+            result = await routed.request(capability, input={"text": capability}, tenant="app")
+            assert result.ok, f"{capability}: {result.failure_class} {result.message}"
+            assert result.lease is not None and result.lease.accelerator == card, capability
+        # The node-queue hint still applies inside the chosen pool: z@1's next request runs on
+        # node-b's queue (and, being warm there, in pool-b again).
+        again = await routed.request("z@1", input={"text": "again"}, tenant="app")
+        assert again.ok and again.lease is not None and again.lease.accelerator == "node-b/0"
+        described = await temporal.get_workflow_handle(again.workflow_id).describe()
+        assert described.task_queue == node_task_queue("node-b")
+
+        # A capability no pool serves fails at once, named, and starts no workflow.
+        unknown = await routed.request("nothing@1", input={}, tenant="app", request_id="unknown-1")
+        assert not unknown.ok and unknown.failure_class == "CAPABILITY_UNAVAILABLE"
+        assert "nothing@1" in unknown.message and "pool-a, pool-b" in unknown.message
+        with pytest.raises(RPCError) as missing:
+            await temporal.get_workflow_handle("request:nothing@1:unknown-1").describe()
+        assert missing.value.status == RPCStatusCode.NOT_FOUND
+
+        # Status: every pool, each with its own card; merged, both cards and the residents.
+        statuses = await routed.statuses()
+        assert sorted(statuses) == list(POOLS)
+        assert all(isinstance(s, PoolStatus) for s in statuses.values())
+        merged = await routed.status()
+        assert sorted(a.id for a in merged.accelerators) == ["node-a/0", "node-b/0"]
+        assert sorted((r.capability, r.accelerator) for r in merged.residents) == [
+            ("x@1", "node-a/0"),
+            ("y@1", "node-b/0"),
+            ("z@1", "node-b/0"),
+        ]
+
+        # The CLI: `status` prints a table per pool, `--json` gives each card its pool;
+        # `ps` has a pool column.
+        config = temporal.service_client.config
+        env = {
+            "MODELFORGE_TEMPORAL_ADDRESS": config.target_host,
+            "MODELFORGE_HOME": str(tmp_path),
+            "COLUMNS": "120",
+        }
+        runner = CliRunner()
+        table = await asyncio.to_thread(runner.invoke, cli.app, ["status"], env=env)
+        assert table.exit_code == 0, table.output
+        assert "pool pool-a" in table.stdout and "pool pool-b" in table.stdout
+        as_json = await asyncio.to_thread(runner.invoke, cli.app, ["status", "--json"], env=env)
+        assert as_json.exit_code == 0, as_json.output
+        shown = json.loads(as_json.stdout)
+        assert {(a["id"], a["pool"]) for a in shown["accelerators"]} == {
+            ("node-a/0", "pool-a"),
+            ("node-b/0", "pool-b"),
+        }
+        assert [(p["pool"], p["up"]) for p in shown["pools"]] == [("pool-a", True), ("pool-b", True)]
+        ps = await asyncio.to_thread(runner.invoke, cli.app, ["ps", "--json"], env=env)
+        assert ps.exit_code == 0, ps.output
+        assert sorted((r["pool"], r["capability"]) for r in json.loads(ps.stdout)) == [
+            ("pool-a", "x@1"),
+            ("pool-b", "y@1"),
+            ("pool-b", "z@1"),
+        ]
+        one = await asyncio.to_thread(runner.invoke, cli.app, ["ps", "--pool", "pool-a", "--json"], env=env)
+        assert [r["capability"] for r in json.loads(one.stdout)] == ["x@1"]
+
+        # Metrics: each pool's series under its own label, in one registry.
+        metrics = Metrics()
+        for pool in POOLS:
+            metrics.observe_status(await stack.status(pool))
+        scraped = generate_latest(metrics.registry).decode()
+        for pool in POOLS:
+            assert f'modelforge_scheduler_up{{pool="{pool}"}} 1.0' in scraped
+        assert 'modelforge_resident_models{pool="pool-b",state="ready"} 2.0' in scraped
+
+
+async def test_an_explicit_pool_list_limits_the_choice(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
+    """MODELFORGE_POOLS (or `pools=`) names the pools to route among: one that leaves out the
+    pool serving a capability makes it unavailable, while the other capabilities still route."""
+    temporal = dev_server_env.client
+    async with running_stack(temporal, database_url, catalog_path=CATALOG, pools=POOLS):
+        only_a = ModelForgeClient(temporal, pools=["pool-a"])
+        x = await only_a.request("x@1", input={"text": "x"}, tenant="app")
+        assert x.ok and x.lease is not None and x.lease.accelerator == "node-a/0"
+        previous = os.environ.get("MODELFORGE_POOLS")
+        os.environ["MODELFORGE_POOLS"] = "pool-a, pool-c"
+        try:
+            from_env = ModelForgeClient(temporal)
+        finally:
+            if previous is None:
+                del os.environ["MODELFORGE_POOLS"]
+            else:
+                os.environ["MODELFORGE_POOLS"] = previous
+        assert await from_env.router.pools() == ["pool-a", "pool-c"]
+        y = await from_env.request("y@1", input={"text": "y"}, tenant="app")
+        assert not y.ok and y.failure_class == "CAPABILITY_UNAVAILABLE"
+        assert "y@1" in y.message and "pool pool-c did not answer" in y.message
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_one_control_worker_process_serves_every_pool_of_the_catalog(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    """`modelforge worker control` with no --pool, as compose and the fault tests run it: it
+    starts and serves the scheduler of each pool the stored catalog names, and exports both
+    pools' metrics."""
+    catalog, _ = load_catalog_file(CATALOG)
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(catalog)
+    finally:
+        await store.close()
+    port = _free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    environ.update(
+        MODELFORGE_TEMPORAL_ADDRESS=dev_server_env.client.service_client.config.target_host,
+        MODELFORGE_DATABASE_URL=database_url,
+        MODELFORGE_METRICS_PORT=str(port),
+        MODELFORGE_TEMPORAL_METRICS_ADDRESS="off",
+        MODELFORGE_HOME=str(tmp_path),
+    )
+    with (tmp_path / "control.log").open("ab") as log:
+        control = subprocess.Popen(
+            [sys.executable, "-m", "modelforge", "worker", "control"], env=environ, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=CATALOG, control_in_process=False, pools=POOLS
+        ):
+            routed = ModelForgeClient(dev_server_env.client)
+            for capability, card in (("x@1", "node-a/0"), ("y@1", "node-b/0")):
+                result = await routed.request(capability, input={"text": capability}, tenant="app")
+                assert result.ok, f"{capability}: {result.failure_class} {result.message}"
+                assert result.lease is not None and result.lease.accelerator == card
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while True:  # the metrics poll runs every 5 s
+                async with httpx.AsyncClient() as http:
+                    scraped = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                if all(f'modelforge_resident_models{{pool="{p}",state="ready"}} 1.0' in scraped for p in POOLS):
+                    break
+                assert loop.time() < deadline, scraped[-2000:]
+                await asyncio.sleep(0.5)
+    finally:
+        control.send_signal(signal.SIGTERM)
+        try:
+            control.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            control.kill()
+            control.wait()
+    assert "control_worker_started" in (tmp_path / "control.log").read_text()
