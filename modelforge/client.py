@@ -30,6 +30,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
 )
 from temporalio.common import (
     SearchAttributePair,
@@ -48,6 +49,8 @@ from modelforge.messages import (
     OPERATIONS,
     RequestInput,
     RequestResult,
+    ResidencyControl,
+    ResidencyControlReply,
     StreamTarget,
     client_input_problem,
 )
@@ -482,6 +485,63 @@ class ModelForgeClient:
                 values = await self.temporal.data_converter.decode(pending.heartbeat_details.payloads)
                 return str(values[0]) if values else ""
         return ""
+
+    async def residency(
+        self,
+        action: str,
+        deployment: str,
+        *,
+        accelerator: str = "",
+        drain: bool = False,
+        tenant: str = "default",
+        priority: str | None = None,
+        actor: str = "",
+    ) -> ResidencyControlReply:
+        """load, unload, pin or unpin a deployment's resident through its pool's scheduler (the
+        bound pool, else each routed pool in turn until one acts). A refusal raises
+        ModelForgeError with its class (EVICTION_NOT_ALLOWED while leases are active, unless
+        `drain`; REQUEST_INVALID for an unknown deployment or one not resident)."""
+        call = ResidencyControl(
+            action=action,
+            deployment=deployment,
+            accelerator=accelerator,
+            drain=drain,
+            actor=actor,
+            tenant=tenant,
+            priority=priority,
+        )
+        pools = [self.pool] if self.pool is not None else await self.router.pools()
+        refusals: list[ModelForgeError] = []
+        for pool in pools:
+            try:
+                reply: ResidencyControlReply = await self.temporal.get_workflow_handle(
+                    f"scheduler:{pool}"
+                ).execute_update("residency_control", call, result_type=ResidencyControlReply)
+            except WorkflowUpdateFailedError as error:
+                cause = error.cause
+                failure = cause.type if isinstance(cause, ApplicationError) and cause.type else None
+                refusals.append(
+                    ModelForgeError(
+                        FailureClass(failure)
+                        if failure in {f.value for f in FailureClass}
+                        else FailureClass.REQUEST_INVALID,
+                        cause.message if isinstance(cause, ApplicationError) else str(error),
+                    )
+                )
+                continue
+            except RPCError as error:
+                refusals.append(
+                    ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, f"the scheduler of pool {pool!r}: {error}")
+                )
+                continue
+            if reply.ok:
+                return reply
+            refusals.append(ModelForgeError(FailureClass(reply.failure or "REQUEST_INVALID"), reply.message))
+        if not refusals:
+            raise ModelForgeError(FailureClass.CAPABILITY_UNAVAILABLE, "no pool's scheduler is running")
+        # The most telling refusal: one about the resident itself before "not here".
+        refusals.sort(key=lambda e: e.failure == FailureClass.REQUEST_INVALID)
+        raise refusals[0]
 
     async def status(self) -> PoolStatus:
         """The bound pool's status; unbound, every pool's as one (`routing.merge_statuses`):

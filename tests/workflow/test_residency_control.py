@@ -6,12 +6,15 @@ the last lease ends. Every refusal is typed and changes nothing; every action is
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
+from typer.testing import CliRunner
 
 from modelforge.messages import ResidencyControl, ResidencyControlReply
 from tests.gateway.test_gateway import CATALOG
@@ -105,3 +108,50 @@ async def test_unload_with_active_leases_is_refused_unless_drained(
         assert events and events[0]["deployment"] == "chat.small@1"
         unloads = await stack.events("unload_requested", at_least=1, within_s=20)
         assert any(e["message"].startswith("drained") for e in unloads), unloads
+
+
+async def test_the_cli_loads_pins_and_unloads(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    from modelforge import cli
+
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        env = {
+            "MODELFORGE_TEMPORAL_ADDRESS": dev_server_env.client.service_client.config.target_host,
+            "MODELFORGE_HOME": str(tmp_path),
+            "MODELFORGE_POOLS": "default",
+        }
+        runner = CliRunner()
+
+        async def run(*args: str) -> Any:
+            return await asyncio.to_thread(runner.invoke, cli.app, list(args), env=env)
+
+        loaded = await run("load", "chat.small@1")
+        assert loaded.exit_code == 0, loaded.output
+
+        async def ready() -> Any:
+            resident = await _resident(stack, "chat.small@1")
+            return resident is not None and resident.state == "ready"
+
+        assert await _until(ready, 30)
+        pinned = await run("pin", "chat.small@1", "--json")
+        assert pinned.exit_code == 0 and json.loads(pinned.stdout)["ok"], pinned.output
+        holder = await stack.start_request("chat.small@1", tenant="default", input={"simulate_invoke_s": 4})
+
+        async def busy() -> Any:
+            resident = await _resident(stack, "chat.small@1")
+            return resident is not None and resident.active_leases == 1
+
+        assert await _until(busy, 30)
+        refused = await run("unload", "chat.small@1")
+        assert refused.exit_code == 1 and "EVICTION_NOT_ALLOWED" in refused.output
+        drained = await run("unload", "chat.small@1", "--drain")
+        assert drained.exit_code == 0 and "draining" in drained.output
+        assert (await holder.result()).output
+
+        async def gone() -> bool:
+            return await _resident(stack, "chat.small@1") is None
+
+        assert await _until(gone, 30)
+        unknown = await run("pin", "no.such@1")
+        assert unknown.exit_code == 1 and "REQUEST_INVALID" in unknown.output
