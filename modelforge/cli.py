@@ -1187,7 +1187,8 @@ def trace_alibaba(
     out.print(escape(f"wrote {path}"), highlight=False)
 
 
-import modelforge.cli_jobs  # noqa: E402, F401  (adds `modelforge logs`: jobs, issue 19)
+import modelforge.cli_jobs  # noqa: E402  (adds `modelforge logs`: jobs, issue 19)
+import modelforge.cli_residency  # noqa: E402, F401  (adds `modelforge load|unload|pin|unpin`)
 
 
 def main() -> None:
