@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -62,7 +62,7 @@ from modelforge.gateway._params import (
 )
 from modelforge.gateway._streams import Stream, StreamHub, chat_events, next_record, stream_router
 from modelforge.identifiers import identifier_problem, shown
-from modelforge.messages import StreamTarget
+from modelforge.messages import ResidencyControlReply, StreamTarget
 from modelforge.metrics import GatewayMetrics
 from modelforge.payloads import input_limit
 from modelforge.policy import PoolStatus
@@ -101,6 +101,10 @@ class Requester(Protocol):
 
     async def status(self) -> PoolStatus: ...
 
+    async def residency(
+        self, action: str, deployment: str, *, accelerator: str = "", drain: bool = False, actor: str = ""
+    ) -> ResidencyControlReply: ...
+
 
 CatalogSource = Callable[[], Awaitable[Catalog]]
 
@@ -122,6 +126,13 @@ class GatewayConfig:
     # /internal/streams). None: the address the client's connection reached, which a node on
     # another host may not reach: set it on a cluster.
     stream_url: str | None = field(default_factory=lambda: os.environ.get("MODELFORGE_GATEWAY_STREAM_URL") or None)
+    # Tenants whose API keys may load, unload, pin and unpin models (POST /v1/residency;
+    # MODELFORGE_GATEWAY_OPERATORS, comma-separated). Only with API keys: without keys nobody may.
+    operator_tenants: frozenset[str] = field(
+        default_factory=lambda: frozenset(
+            t.strip() for t in os.environ.get("MODELFORGE_GATEWAY_OPERATORS", "").split(",") if t.strip()
+        )
+    )
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
@@ -159,6 +170,13 @@ class CapabilityCall(_Strict):
     deadline_s: Annotated[float, Field(gt=0)] | None = None
     lease_timeout_s: Annotated[float, Field(gt=0)] | None = None
     request_id: str | None = None
+
+
+class ResidencyCall(_Strict):
+    action: Literal["load", "unload", "pin", "unpin"]
+    deployment: Annotated[str, Field(min_length=1, max_length=200)]
+    accelerator: Annotated[str, Field(max_length=200)] = ""
+    drain: bool = False
 
 
 class GatewayError(Exception):
@@ -585,6 +603,29 @@ def create_app(
                 "workflow_id": result.workflow_id,
             }
         )
+
+    @api.post("/v1/residency")
+    async def residency(request: Request) -> dict[str, Any]:
+        """An operator loads, unloads, pins or unpins a model (`modelforge load|unload|pin|unpin`
+        over HTTP): only with API keys, and only for keys of MODELFORGE_GATEWAY_OPERATORS' tenants."""
+        tenant: str = request.state.tenant
+        if not config.api_keys or tenant not in config.operator_tenants:
+            raise GatewayError(
+                FailureClass.REQUEST_INVALID,
+                "residency operations need an operator's API key (MODELFORGE_GATEWAY_OPERATORS)",
+                status=403,
+                code="permission_denied",
+            )
+        call: ResidencyCall = await body_of(request, ResidencyCall)
+        _check("capability", call.deployment)
+        request.state.capability = call.deployment
+        try:
+            reply = await requester.residency(
+                call.action, call.deployment, accelerator=call.accelerator, drain=call.drain, actor=f"gateway:{tenant}"
+            )
+        except ModelForgeError as error:
+            raise GatewayError(error.failure, error.message) from None
+        return {"ok": reply.ok, "message": reply.message, "residents": reply.residents}
 
     @api.get("/v1/status")
     async def status() -> JSONResponse:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
@@ -155,3 +156,39 @@ async def test_the_cli_loads_pins_and_unloads(
         assert await _until(gone, 30)
         unknown = await run("pin", "no.such@1")
         assert unknown.exit_code == 1 and "REQUEST_INVALID" in unknown.output
+
+
+async def test_the_gateway_takes_residency_operations_from_operators_only(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    from modelforge.gateway import GatewayConfig
+    from tests.gateway.test_gateway import _serve
+
+    ops_key, app_key = "sk-ops-0123456789abcdef", "sk-app-0123456789abcdef"
+    config = GatewayConfig(api_keys={ops_key: "ops", app_key: "default"}, operator_tenants=frozenset({"ops"}))
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        async for gateway in _serve(stack, config):
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+                body = {"action": "load", "deployment": "chat.small@1"}
+                denied = await http.post("/v1/residency", json=body, headers={"Authorization": f"Bearer {app_key}"})
+                assert denied.status_code == 403 and denied.json()["failure_class"] == "REQUEST_INVALID"
+                anonymous = await http.post("/v1/residency", json=body)
+                assert anonymous.status_code == 401
+                ops = {"Authorization": f"Bearer {ops_key}"}
+                loaded = await http.post("/v1/residency", json=body, headers=ops)
+                assert loaded.status_code == 200 and loaded.json()["ok"], loaded.text
+
+                async def ready() -> Any:
+                    resident = await _resident(stack, "chat.small@1")
+                    return resident is not None and resident.state == "ready"
+
+                assert await _until(ready, 30)
+                bad = await http.post("/v1/residency", json={"action": "evict", "deployment": "x@1"}, headers=ops)
+                assert bad.status_code == 400
+                pin_unknown = {"action": "pin", "deployment": "no.such@1"}
+                unknown = await http.post("/v1/residency", json=pin_unknown, headers=ops)
+                assert unknown.status_code == 400 and unknown.json()["failure_class"] == "REQUEST_INVALID"
+                gone = await http.post(
+                    "/v1/residency", json={"action": "unload", "deployment": "chat.small@1"}, headers=ops
+                )
+                assert gone.status_code == 200 and gone.json()["ok"], gone.text
