@@ -21,7 +21,7 @@ from modelforge.policy._pass import (
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
-from modelforge.policy._rules import Attempt, Landing, deadline_refusal, landing_refusal, take_reservation
+from modelforge.policy._rules import Attempt, Landing, deadline_refusal, may_land, take_reservation
 from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
@@ -98,11 +98,8 @@ def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
     """Phase 2: could it ever fit, with every ModelForge byte gone? Only the card sizes and
     reserves count; else it is refused now, with why."""
     queued, budgets, need, count = attempt.queued, attempt.pass_.budgets, gang.need, gang.count
-
-    def ever(accelerator: str) -> bool:
-        return need <= budgets[accelerator].total_bytes - budgets[accelerator].reserve_bytes
-
-    possible = [members for members in gang.groups.values() if sum(1 for a in members if ever(a)) >= count]
+    ever = {a: True for a in gang.passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes}
+    possible = [members for members in gang.groups.values() if sum(1 for a in members if a in ever) >= count]
     if gang.nvlink:
         if possible:
             return None
@@ -115,7 +112,7 @@ def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
             + (f" ({detail})" if detail else ""),
         )
     if sum(len(m) for m in possible) < count:
-        cards = sum(1 for a in gang.passed if ever(a))
+        cards = len(ever)
         if cards < count:
             return Reject(
                 queued.request_id,
@@ -124,7 +121,7 @@ def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
                 f"needs {count} accelerators with {need} B each; the pool has {cards}",
             )
     # Could its shape ever be satisfied, with every card empty?
-    if choose_gang([(0, a) for a in gang.passed if ever(a)], gang.shape, gang.topology) is None:
+    if choose_gang([(0, a) for a in ever], gang.shape, gang.topology) is None:
         return Reject(
             queued.request_id,
             queued.workflow_id,
@@ -152,13 +149,11 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
 
 def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:
     """(bytes left over, accelerator), best fit first, for the cards of `members` where the
-    gang may land (`landing_refusal`) and fits now, or (`evicting`) once the idle residents
+    gang may land (`may_land`) and fits now, or (`evicting`) once the idle residents
     there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
     pass_, need = attempt.pass_, gang.need
     room = []
-    for accelerator in members:
-        if landing_refusal(pass_, accelerator, attempt.production, gang.landing):
-            continue
+    for accelerator in may_land(pass_, members, attempt.production, gang.landing):
         free = pass_.free(accelerator)
         if evicting or preempting:
             free += sum(r.bytes for r in idle_residents(pass_, accelerator, attempt.production))
@@ -295,7 +290,7 @@ def _reserve_for_gang(attempt: Attempt, gang: _Gang) -> str:
 
 
 def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tuple[float, int]]], dict[str, float]]:
-    """For each card a gang could reserve (`landing_refusal` with no reservation to share): the
+    """For each card a gang could reserve (`may_land` with no reservation to share): the
     bytes it gets back and when, and when the gang's bytes would be free there."""
     pass_, now = attempt.pass_, attempt.now
     state = pass_.state
@@ -306,9 +301,7 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     promised = _promised_releases(pass_, now)
     timelines: dict[str, list[tuple[float, int]]] = {}
     ready_at: dict[str, float] = {}
-    for accelerator in gang.passed:
-        if landing_refusal(pass_, accelerator, attempt.production, None):
-            continue
+    for accelerator in may_land(pass_, gang.passed, attempt.production, None):
         coming = promised.get(accelerator, [])
         for idle in idle_residents(pass_, accelerator, attempt.production):
             # Unloaded to make room when the gang's time comes (as it does when it fits now).

@@ -60,35 +60,34 @@ class Reasons:
         return "; ".join(parts)
 
 
-class Budgets:
+class Budgets(dict[str, Budget]):
     """The invariant per accelerator, computed the first time a pass asks for it: most passes
-    (a release, a heartbeat, an empty queue) look at a handful of a large pool's cards."""
+    (a release, a heartbeat, an empty queue) look at a handful of a large pool's cards. A dict,
+    so a budget already computed is one lookup (a pass reads them per card, often twice)."""
 
-    __slots__ = ("_cache", "_leased", "_now", "_resident", "_state")
+    __slots__ = ("_leased", "_now", "_resident", "_state")
 
     def __init__(self, state: PoolState, resident: dict[str, int], leased: dict[str, int], now: float) -> None:
+        super().__init__()
         self._state = state
         self._resident = resident
         self._leased = leased
         self._now = now
-        self._cache: dict[str, Budget] = {}
 
-    def __getitem__(self, accelerator_id: str) -> Budget:
-        budget = self._cache.get(accelerator_id)
-        if budget is None:
-            state = self._state
-            accelerator = state.catalog.accelerator(accelerator_id)
-            if accelerator is None:
-                raise KeyError(accelerator_id)
-            budget = budget_from_sums(
-                accelerator,
-                state.accelerators.get(accelerator_id, IDLE_RUNTIME),
-                self._resident.get(accelerator_id, 0),
-                self._leased.get(accelerator_id, 0),
-                state.config,
-                self._now,
-            )
-            self._cache[accelerator_id] = budget
+    def __missing__(self, accelerator_id: str) -> Budget:
+        state = self._state
+        accelerator = state.catalog.accelerator(accelerator_id)
+        if accelerator is None:
+            raise KeyError(accelerator_id)
+        budget = budget_from_sums(
+            accelerator,
+            state.accelerators.get(accelerator_id, IDLE_RUNTIME),
+            self._resident.get(accelerator_id, 0),
+            self._leased.get(accelerator_id, 0),
+            state.config,
+            self._now,
+        )
+        self[accelerator_id] = budget
         return budget
 
 

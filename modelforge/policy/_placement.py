@@ -29,6 +29,7 @@ import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
@@ -56,7 +57,8 @@ from modelforge.policy._rules import (
     Landing,
     deadline_refusal,
     expiry_refusal,
-    landing_refusal,
+    landing_refusals,
+    may_land,
     refusal_reason,
     reservation_refuses,
     take_reservation,
@@ -365,9 +367,7 @@ def _warm_card(pass_: DecisionPass, deployment: Deployment, production: bool, la
     passed, _ = filtered_accelerators(pass_, deployment, production)
     need = landing.nbytes
     best: tuple[int, str] | None = None
-    for accelerator in passed:
-        if landing_refusal(pass_, accelerator, production, landing):
-            continue
+    for accelerator in may_land(pass_, passed, production, landing):
         free = pass_.free(accelerator)
         if need <= free and (best is None or (free - need, accelerator) < best):
             best = (free - need, accelerator)
@@ -377,8 +377,7 @@ def _warm_card(pass_: DecisionPass, deployment: Deployment, production: bool, la
 Decision = Grant | Reject | StartLoad | Assign | Wake | Wait | list[Unload | Sleep] | Preemption
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What placing one request decided, and whether that stands for the rest of its capability
     in this pass. A pass only consumes capacity, so once an unplaced request of a capability
     waits, or is refused for good, every later one of the same kind of class (production or
@@ -530,7 +529,7 @@ def _filtered_out(queued: QueuedRequest, refused: list[FilterResult]) -> Reject 
     return Wait(queued.request_id, str(reasons))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Joined:
     """Phase 2's result: the decision if a resident of the deployment could be joined, else
     what the later phases need and why none could."""
@@ -652,7 +651,7 @@ def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | 
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Loads:
     """Phase 3's result: where a load of the model (and this lease) may go."""
 
@@ -673,17 +672,15 @@ class _Loads:
 
 
 def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) -> _Loads:
-    """Phase 3: every accelerator where the model may land now (`landing_refusal`) and whether
+    """Phase 3: every accelerator where the model may land now (`landing_refusals`) and whether
     it fits there, best fit first."""
     pass_, deployment = attempt.pass_, attempt.deployment
     need = deployment.resident_bytes + deployment.lease_extra_bytes
     loads = _Loads(need, deployment.residency != Residency.NONE, [], Reasons())
     loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     landing = Landing(need, loads.persists, attempt, attempt.load_s)
-    for accelerator in loads.open:
-        if accelerator in holding:
-            continue
-        refusal = landing_refusal(pass_, accelerator, attempt.production, landing)
+    candidates = [a for a in loads.open if a not in holding] if holding else loads.open
+    for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing):
         if refusal:
             loads.reasons.add(refusal, refusal_reason(pass_, refusal, accelerator, attempt.now))
             if refusal == RESERVED:
@@ -702,7 +699,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
 
 def _open_accelerators(attempt: Attempt, passed: list[str], holding: dict[str, bool], reasons: Reasons) -> list[str]:
     """`passed` less the accelerators where a higher request already waits for memory (the first
-    part of `landing_refusal`, in one sweep: on a busy pool that is most of them)."""
+    part of `landing_refusals`, in one sweep: on a busy pool that is most of them)."""
     pass_ = attempt.pass_
     blocked = pass_.blocked
     if not blocked:

@@ -1,7 +1,7 @@
 """The rules a placement checks, each written once and each returning its reason.
 
-- `landing_refusal`: may new bytes land on an accelerator now? Every load asks it: a request's
-  model, an always_warm model, a gang's bytes, and a gang looking for cards to reserve.
+- `landing_refusals` (and `may_land`): may new bytes land on an accelerator now? Every load asks
+  it: a request's model, an always_warm model, a gang's bytes, a gang looking for cards to reserve.
 - `reservation_refuses`: may bytes be taken on an accelerator a waiting gang holds? (Backfill:
   only work that ends before the gang starts, or bytes within the gang's spare.) Part of the
   rule above, and asked on its own when a request joins or wakes a resident there.
@@ -14,7 +14,9 @@ what its outcome depended on.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass
@@ -47,8 +49,7 @@ class Attempt:
     reusable: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Landing:
+class Landing(NamedTuple):
     """Bytes that would land on an accelerator: how many, whether they stay after the work (a
     model does; a batch job's and a gang's go with the lease), for which attempt (None: an
     always_warm load, which no request asked for), and how long until the work starts."""
@@ -66,24 +67,43 @@ class Landing:
         return request_ends_by(attempt.queued, attempt.now + self.lead_s) <= reservation.starts_at
 
 
-def landing_refusal(pass_: DecisionPass, accelerator: str, production: bool, landing: Landing | None) -> str:
-    """May new bytes land on `accelerator` now? "" if they may, else the kind of reason (see
-    `refusal_reason`): a higher request of this pass waits for memory there (it must not be
-    overtaken), its observation is stale, it is under GPU_PRESSURE and the work is not
-    production, or a waiting gang holds it (`landing` None: a gang looking for cards of its own,
-    which shares none)."""
-    if accelerator in pass_.blocked:
-        return BLOCKED
-    if not pass_.budgets[accelerator].fresh:
-        return STALE
-    if not production and pass_.state.accelerators.get(accelerator, IDLE_RUNTIME).pressure:
-        return PRESSURE
-    if pass_.reservations:
-        if landing is None:
-            return RESERVED if accelerator in pass_.reservations else ""
-        if reservation_refuses(pass_, accelerator, landing):
-            return RESERVED
-    return ""
+def landing_refusals(
+    pass_: DecisionPass, accelerators: Iterable[str], production: bool, landing: Landing | None
+) -> Iterator[tuple[str, str]]:
+    """May new bytes land on each of `accelerators` now? (accelerator, "") where they may, else
+    (accelerator, the kind of reason: see `refusal_reason`): a higher request of this pass waits
+    for memory there (it must not be overtaken), its observation is stale, it is under
+    GPU_PRESSURE and the work is not production, or a waiting gang holds it (`landing` None: a
+    gang looking for cards of its own, which shares none). Over many cards at once: a pass asks
+    it of every card of a large pool."""
+    blocked, budgets, runtimes, reservations = (
+        pass_.blocked,
+        pass_.budgets,
+        pass_.state.accelerators,
+        pass_.reservations,
+    )
+    for accelerator in accelerators:
+        if accelerator in blocked:
+            yield accelerator, BLOCKED
+        elif not budgets[accelerator].fresh:
+            yield accelerator, STALE
+        elif not production and runtimes.get(accelerator, IDLE_RUNTIME).pressure:
+            yield accelerator, PRESSURE
+        elif reservations and (
+            accelerator in reservations if landing is None else reservation_refuses(pass_, accelerator, landing)
+        ):
+            yield accelerator, RESERVED
+        else:
+            yield accelerator, ""
+
+
+def may_land(pass_: DecisionPass, accelerators: Iterable[str], production: bool, landing: Landing | None) -> list[str]:
+    """The accelerators of `accelerators` where `landing_refusals` finds nothing."""
+    return [
+        accelerator
+        for accelerator, refusal in landing_refusals(pass_, accelerators, production, landing)
+        if not refusal
+    ]
 
 
 def reservation_refuses(pass_: DecisionPass, accelerator: str, landing: Landing) -> bool:
