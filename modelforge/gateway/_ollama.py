@@ -24,6 +24,7 @@ What is served and what is refused (never dropped silently), field by field, is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -107,9 +108,11 @@ def _idle_limit_s(deployment: Deployment) -> float:
 
 def _keep_alive_problem(deployment: Deployment, seconds: float | None) -> str | None:
     """Why this keep_alive cannot be honoured for this deployment, or None. Honoured: what the
-    residency policy already does (the catalog's `residency` and `ttl_s`), since nothing unloads,
-    pins or extends a model on request yet; a positive keep_alive up to the idle limit is met
-    (the model stays loaded at least that long unless evicted to make room, as under Ollama)."""
+    residency policy does (the catalog's `residency` and `ttl_s`), never past it; `0` unloads a
+    keep_warm model when the call is done (unless another request holds it: it then stays by its
+    TTL); a positive keep_alive up to the idle limit is met (the model stays loaded at least that
+    long unless evicted to make room, as under Ollama). Pinning (negative) is an operator's
+    decision (`modelforge pin`), not a tenant's: refused unless the catalog keeps it loaded."""
     if seconds is None:
         return None
     limit = _idle_limit_s(deployment)
@@ -122,10 +125,10 @@ def _keep_alive_problem(deployment: Deployment, seconds: float | None) -> str | 
         else f"it is unloaded when its last request ends (residency {residency})"
     )
     name = deployment.deployment_id
-    if seconds == 0 and limit > 0:
+    if seconds == 0 and limit == math.inf:
         return (
-            f"keep_alive: 0 (unload when done) is not supported yet: ModelForge cannot unload {name} on "
-            f"request; {today}. Leave keep_alive out."
+            f"keep_alive: 0 (unload when done) cannot unload {name}: the catalog keeps it loaded; {today}. "
+            "Leave keep_alive out."
         )
     if seconds == math.inf and limit != math.inf:
         return (
@@ -438,6 +441,14 @@ def ollama_router(
             raise _invalid(problem)
         return deployment
 
+    async def unload_if_asked(keep_alive: object, deployment: Deployment) -> None:
+        """keep_alive 0 on a model the catalog keeps warm: unloaded now that the call is done,
+        unless another request holds it (then it stays by its TTL)."""
+        if _idle_limit_s(deployment) <= 0 or parse_keep_alive(keep_alive) != 0:
+            return
+        with contextlib.suppress(ModelForgeError):
+            await requester.residency("unload", deployment.deployment_id, actor="ollama keep_alive 0")
+
     async def invoke(request: Request, deployment: Deployment, payload: dict[str, Any]) -> Result:
         result: Result = await run(
             request, deployment.capability, payload, request_id_of(request), tenant=request.state.tenant
@@ -493,6 +504,7 @@ def ollama_router(
         key: str,
         prompt: list[str],
         began: float,
+        keep_alive: object = None,
     ) -> Response:
         """Ollama's NDJSON stream: a line per piece as the model generates it (`done: false`),
         then the final line with the counts and durations (`done: true`). A failure after the
@@ -542,6 +554,11 @@ def ollama_router(
                 yield json.dumps({"error": message, "failure_class": failure, "request_id": request_id}) + "\n"
             finally:
                 hub.close(stream)
+                if keep_alive is not None and parse_keep_alive(keep_alive) == 0:
+                    # The lease goes back when the invoke ends, a moment after the last piece.
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(task), timeout=30)
+                    await unload_if_asked(keep_alive, deployment)
 
         return StreamingResponse(lines(), media_type=NDJSON)
 
@@ -564,7 +581,8 @@ def ollama_router(
             messages.append({"role": message.role, "content": message.content or ""})
         deployment = await resolve(call.model, call.keep_alive, "completion")
         payload: dict[str, Any] = {"messages": messages, **_sampling(call.options, deployment)}
-        if not messages:
+        if not messages:  # Ollama's load (or, with keep_alive 0, unload) of a model
+            await unload_if_asked(call.keep_alive, deployment)
             return _answer(loaded(call.model, "message", began, parse_keep_alive(call.keep_alive) == 0), call.stream)
         if call.stream is not False and open_stream is not None:
             return await streamed(
@@ -575,9 +593,11 @@ def ollama_router(
                 key="message",
                 prompt=[m["content"] for m in messages],
                 began=began,
+                keep_alive=call.keep_alive,
             )
         result = await invoke(request, deployment, payload)
         text = text_of(result, deployment)
+        await unload_if_asked(call.keep_alive, deployment)
         return _answer(
             {
                 "model": call.model,
@@ -611,7 +631,8 @@ def ollama_router(
         )
         deployment = await resolve(call.model, call.keep_alive, "completion")
         sampling = _sampling(call.options, deployment)
-        if not call.prompt:
+        if not call.prompt:  # Ollama's load (or, with keep_alive 0, unload) of a model
+            await unload_if_asked(call.keep_alive, deployment)
             return _answer(loaded(call.model, "response", began, parse_keep_alive(call.keep_alive) == 0), call.stream)
         # A one-turn chat: ModelForge's text runtimes speak chat (the model server applies the
         # model's own template, as Ollama does for a prompt that is not `raw`).
@@ -626,9 +647,11 @@ def ollama_router(
                 key="response",
                 prompt=[m["content"] for m in messages],
                 began=began,
+                keep_alive=call.keep_alive,
             )
         result = await invoke(request, deployment, {"messages": messages, **sampling})
         text = text_of(result, deployment)
+        await unload_if_asked(call.keep_alive, deployment)
         return _answer(
             {
                 "model": call.model,

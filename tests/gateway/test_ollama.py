@@ -176,7 +176,6 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, clien
     assert "keep_alive" in str(bad.error)
     # Values today's residency cannot honour are refused by name, never dropped.
     cases: list[tuple[float | str, str]] = [
-        (0, "unload"),
         (-1, "keep loaded"),
         ("2h", "idle limit"),
         ("-5m", "keep loaded"),
@@ -192,8 +191,8 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, clien
     assert "format" in str(refused.error)
 
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
-        answer = await http.post("/api/chat", json={"model": "small-chat", "messages": [], "keep_alive": 0})
-        assert answer.status_code == 400 and answer.json()["failure_class"] == "REQUEST_INVALID"
+        answer = await http.post("/api/chat", json={"model": "always-on", "messages": [], "keep_alive": 0})
+        assert answer.status_code == 404 and answer.json()["failure_class"] == "CAPABILITY_UNAVAILABLE"
         answer = await http.post("/api/embeddings", json={"model": "nope", "prompt": "x"})
         assert (answer.status_code, answer.json()["failure_class"]) == (404, "CAPABILITY_UNAVAILABLE")
         answer = await http.post("/api/embed", json={"model": "rag.embedding@1", "input": "x", "surprise": 1})
@@ -236,6 +235,36 @@ async def test_keep_alive_zero_unloads_a_load_on_demand_model(gateway: _Served, 
         pytest.fail("chat.ondemand@1 still loaded 10 s after its keep_alive 0 request")
     unloads = await gateway.stack.events("unload", at_least=1)
     assert [e["deployment"] for e in unloads] == ["chat.ondemand@1"]
+
+
+async def test_keep_alive_zero_unloads_a_keep_warm_model_when_done(
+    gateway: _Served, client: ollama.AsyncClient
+) -> None:
+    # chat.small@1 is keep_warm (it would stay ttl_s): keep_alive 0 unloads it once the call is done.
+    answer = await client.chat(model="small-chat", messages=[{"role": "user", "content": "bye"}], keep_alive=0)
+    assert "bye" in (answer.message.content or "")
+    for _ in range(100):
+        if "chat.small@1" not in {m.model for m in (await client.ps()).models}:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("chat.small@1 still loaded 10 s after its keep_alive 0 request")
+    asked = await gateway.stack.events("unload_requested", at_least=1)
+    assert any(e["deployment"] == "chat.small@1" and "ollama keep_alive 0" in e["message"] for e in asked), asked
+    # Streamed too: loaded again for the call, unloaded after it.
+    parts = [
+        p
+        async for p in await client.chat(
+            model="small-chat", messages=[{"role": "user", "content": "hi"}], keep_alive=0, stream=True
+        )
+    ]
+    assert parts[-1].done
+    for _ in range(100):
+        if "chat.small@1" not in {m.model for m in (await client.ps()).models}:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("chat.small@1 still loaded 10 s after its streamed keep_alive 0 request")
 
 
 async def test_api_keys_guard_the_ollama_routes(
