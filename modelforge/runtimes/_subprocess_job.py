@@ -259,6 +259,7 @@ class SubprocessJobRuntime:
         self._uuids: dict[str, str] = {}
         self._jobs: dict[str, _Job] = {}  # by lease id
         self._preemptions: dict[str, dict[str, Any]] = {}  # by lease id, until the node takes it
+        self._simulated_pids: set[int] = set()
 
     def version(self) -> str:
         return RUNTIME_NAME
@@ -269,7 +270,7 @@ class SubprocessJobRuntime:
 
     def running_pids(self) -> set[int]:
         """Every process of the running jobs (ModelForge's: their GPU bytes are managed)."""
-        pids: set[int] = set()
+        pids: set[int] = set(self._simulated_pids)  # a gang part's bytes on simulated cards
         for job in self._jobs.values():
             if job.process.returncode is None:
                 pids |= process_tree(job.process.pid)
@@ -749,6 +750,7 @@ class SubprocessJobRuntime:
                 for index in device_indices:
                     if index != CPU_DEVICE_INDEX:
                         pids[index] = next(_fake_pids)
+                        self._simulated_pids.add(pids[index])  # managed, never external
                         self._devices.allocate(index, pids[index], deployment.envelope_bytes, tag)
             key = f"{deployment.deployment_id}:{lease_id}"
             output = await self._run(
@@ -757,6 +759,7 @@ class SubprocessJobRuntime:
         finally:
             for index, pid in pids.items():
                 self._devices.free(index, pid, tag)
+                self._simulated_pids.discard(pid)
         return {**output, "rank": rank, "world_size": world}
 
     async def _rendezvous(

@@ -257,7 +257,10 @@ async def test_a_two_rank_gang_job_on_two_nodes_is_preempted_checkpoints_both_ra
     request_id = f"gang-{os.urandom(4).hex()}"
     steps = 40
     try:
-        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog, config=config) as stack:
+        # Samples every second: the gang's processes are the job's (managed), never external.
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=catalog, config=config, telemetry_interval_s=1.0
+        ) as stack:
             job = await stack.start_request(
                 "train.allreduce@1",
                 tenant="lab",
@@ -269,6 +272,8 @@ async def test_a_two_rank_gang_job_on_two_nodes_is_preempted_checkpoints_both_ra
                 if any(json.loads(p.read_text())["step"] >= 3 for p in state.glob("*/state.json")):
                     break
                 await asyncio.sleep(0.1)
+            await asyncio.sleep(2.5)  # a few samples taken while it runs
+            assert all(a.external_bytes == 0 for a in (await stack.status()).accelerators)
             # chat.big@1 needs 20 GiB: 24 - 10 = 14 on each card, so the gang must go.
             chat = await (await stack.start_request("chat.big@1", tenant="app", lease_timeout_s=120)).result()
             assert chat.lease.accelerator in ("g1/0", "g2/0")
