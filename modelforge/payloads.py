@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
@@ -44,6 +45,7 @@ from temporalio.converter import (
     CompositePayloadConverter,
     DataConverter,
     DefaultPayloadConverter,
+    EncodingPayloadConverter,
     ExternalStorage,
     StorageDriver,
     StorageDriverClaim,
@@ -53,6 +55,7 @@ from temporalio.converter import (
     StorageDriverWorkflowInfo,
 )
 from temporalio.converter import JSONPlainPayloadConverter as _JSONPlain
+from temporalio.exceptions import ApplicationError
 
 from modelforge.messages import MAX_INPUT_BYTES
 
@@ -68,6 +71,31 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class PayloadStoreError(RuntimeError):
     """A stored payload that cannot be read back (missing, or not the bytes its claim names)."""
+
+
+# A stored payload that cannot be read stands in as this: its decoding raises a typed failure
+# where the payload is used (a workflow's input: the workflow fails with it; an activity's: the
+# activity does), rather than a workflow task retried forever on a file that will not appear.
+MISSING_ENCODING = b"binary/modelforge-missing"
+
+
+class PayloadMissing(ApplicationError):
+    """The stored payload a workflow or activity needs is not in this process's payload store."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, type="CAPABILITY_UNAVAILABLE", non_retryable=True)
+
+
+class _MissingConverter(EncodingPayloadConverter):
+    @property
+    def encoding(self) -> str:
+        return MISSING_ENCODING.decode()
+
+    def to_payload(self, value: Any) -> Payload | None:
+        return None  # never chosen to encode: only the store writes these
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        raise PayloadMissing(payload.data.decode(errors="replace"))
 
 
 class FilesystemPayloadStore(StorageDriver):
@@ -139,13 +167,13 @@ class FilesystemPayloadStore(StorageDriver):
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise PayloadStoreError(
+            return _missing(
                 f"stored payload {sha} ({claim.claim_data.get('size', '?')} bytes) is not in {self.root}: every "
                 "client and worker must see the same MODELFORGE_PAYLOAD_DIR (a shared filesystem on a cluster), "
                 "and it is kept for the namespace's retention"
-            ) from None
+            )
         if hashlib.sha256(data).hexdigest() != sha:
-            raise PayloadStoreError(f"stored payload {path} does not match its sha256 {sha}")
+            return _missing(f"stored payload {path} does not match its sha256 {sha}")
         return Payload.FromString(data)
 
 
@@ -179,15 +207,21 @@ class _JSONEncoder(AdvancedJSONEncoder):
         return super().default(o)
 
 
+def _missing(message: str) -> Payload:
+    return Payload(metadata={"encoding": MISSING_ENCODING}, data=message.encode())
+
+
 class PayloadConverter(CompositePayloadConverter):
-    """The SDK's default payload converter with `_JSONEncoder` for JSON (identical bytes)."""
+    """The SDK's default payload converter with `_JSONEncoder` for JSON (identical bytes), and
+    the stand-in for a stored payload that cannot be read (decoding it raises PayloadMissing)."""
 
     def __init__(self) -> None:
         super().__init__(
             *(
                 _JSONPlain(encoder=_JSONEncoder) if isinstance(c, _JSONPlain) else c
                 for c in DefaultPayloadConverter.default_encoding_payload_converters
-            )
+            ),
+            _MissingConverter(),
         )
 
 

@@ -34,7 +34,10 @@ from modelforge.messages import MAX_INPUT_BYTES, RequestInput
 from modelforge.payloads import (
     DRIVER_NAME,
     LARGE_PAYLOAD_BYTES,
+    MISSING_ENCODING,
     FilesystemPayloadStore,
+    PayloadConverter,
+    PayloadMissing,
     PayloadStoreError,
     data_converter,
     external_storage,
@@ -108,16 +111,40 @@ async def test_the_store_is_content_addressed_and_checked(tmp_path: Path) -> Non
     assert back == payload
     # A changed file is an error, never a wrong answer; a forged claim names no path outside.
     store.path_for(claim["sha256"]).write_bytes(data + b"!")
-    with pytest.raises(PayloadStoreError, match="does not match"):
-        await store.retrieve(StorageDriverRetrieveContext(), first)
+    [changed] = await store.retrieve(StorageDriverRetrieveContext(), first)
+    assert changed.metadata["encoding"] == MISSING_ENCODING
+    with pytest.raises(PayloadMissing, match="does not match") as missing:
+        PayloadConverter().from_payloads([changed])
+    assert missing.value.type == "CAPABILITY_UNAVAILABLE" and missing.value.non_retryable
     with pytest.raises(PayloadStoreError, match="not a payload reference"):
         await store.retrieve(StorageDriverRetrieveContext(), [StorageDriverClaim({"sha256": "../../etc/passwd"})])
     # Retention: what was not stored (or stored again) within the period is removed.
     path = store.path_for(claim["sha256"])
     os.utime(path, (time.time() - 7200, time.time() - 7200))
     assert sweep(tmp_path, older_than_s=3600) == 1 and not path.exists()
-    with pytest.raises(PayloadStoreError, match="MODELFORGE_PAYLOAD_DIR"):
-        await store.retrieve(StorageDriverRetrieveContext(), first)
+    [gone] = await store.retrieve(StorageDriverRetrieveContext(), first)
+    with pytest.raises(PayloadMissing, match="MODELFORGE_PAYLOAD_DIR"):
+        PayloadConverter().from_payloads([gone])
+
+
+async def test_a_request_whose_input_the_workers_cannot_read_fails_typed_and_at_once(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    # The client writes its large input to a payload directory the workers do not share (a
+    # client on another host without the shared filesystem): the request fails with its class,
+    # rather than its workflow task retrying forever on a file that will not appear.
+    workers = _client(dev_server_env, tmp_path / "workers")
+    elsewhere = _client(dev_server_env, tmp_path / "elsewhere")
+    async with running_stack(workers, database_url) as stack:
+        caller = ModelForgeClient(elsewhere)
+        started = time.monotonic()
+        result = await caller.request("rag.embedding@1", {"text": "x" * 50_000}, tenant="rag")
+        assert not result.ok and result.failure_class == "CAPABILITY_UNAVAILABLE", result
+        assert "MODELFORGE_PAYLOAD_DIR" in result.message
+        assert time.monotonic() - started < 30
+        # The pool serves on: the same input from a client that shares the directory succeeds.
+        ok = await ModelForgeClient(stack.client).request("rag.embedding@1", {"text": "x" * 50_000}, tenant="rag")
+        assert ok.ok, ok
 
 
 async def test_a_2048_input_batch_and_inputs_of_any_size_keep_the_history_small(
