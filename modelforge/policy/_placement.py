@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
@@ -529,20 +528,22 @@ def _filtered_out(queued: QueuedRequest, refused: list[FilterResult]) -> Reject 
     return Wait(queued.request_id, str(reasons))
 
 
-@dataclass(slots=True)
 class _Joined:
     """Phase 2's result: the decision if a resident of the deployment could be joined, else
-    what the later phases need and why none could."""
+    what the later phases need and why none could. (A plain class: one is made per placement.)"""
 
-    decision: Grant | Assign | Wake | None = None
-    reasons: Reasons = field(default_factory=Reasons)
-    # Eligible accelerators holding a resident of it: no second load of it goes there.
-    holding: dict[str, bool] = field(default_factory=dict)
-    # Ready residents with every slot taken: their slots are where a request of a class that
-    # preempts the holders' gets in.
-    full: list[ResidentState] = field(default_factory=list)
-    # Asleep residents too big to wake now, with what a wake needs: making room may wake them.
-    asleep: list[tuple[ResidentState, int]] = field(default_factory=list)
+    __slots__ = ("asleep", "decision", "full", "holding", "reasons")
+
+    def __init__(self) -> None:
+        self.decision: Grant | Assign | Wake | None = None
+        self.reasons = Reasons()
+        # Eligible accelerators holding a resident of it: no second load of it goes there.
+        self.holding: dict[str, bool] = {}
+        # Ready residents with every slot taken: their slots are where a request of a class that
+        # preempts the holders' gets in.
+        self.full: list[ResidentState] = []
+        # Asleep residents too big to wake now, with what a wake needs: making room may wake them.
+        self.asleep: list[tuple[ResidentState, int]] = []
 
 
 def _join(attempt: Attempt) -> _Joined:
@@ -651,24 +652,26 @@ def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | 
     return None
 
 
-@dataclass(slots=True)
 class _Loads:
     """Phase 3's result: where a load of the model (and this lease) may go."""
 
-    need: int  # the model's bytes and this lease's
-    persists: bool  # a batch resident (residency none) goes with its lease; any other stays
-    # The accelerators it looked at (those where no higher request waits for memory): the ones
-    # it blocks if it has to wait.
-    open: list[str]
-    reasons: Reasons
-    best: tuple[int, str] | None = None  # (bytes left over, accelerator)
-    # Where it may land but does not fit yet (making room may help), and every card where it
-    # may land (where preemption may make room).
-    short: list[str] = field(default_factory=list)
-    room_candidates: list[str] = field(default_factory=list)
-    # Held for a gang, not for this request: later work that ends in time may still backfill
-    # them, so this wait blocks nothing there.
-    backfill_only: dict[str, bool] = field(default_factory=dict)
+    __slots__ = ("backfill_only", "best", "need", "open", "persists", "reasons", "room_candidates", "short")
+
+    def __init__(self, need: int, persists: bool) -> None:
+        self.need = need  # the model's bytes and this lease's
+        self.persists = persists  # a batch resident (residency none) goes with its lease; others stay
+        # The accelerators it looked at (those where no higher request waits for memory): the
+        # ones it blocks if it has to wait.
+        self.open: list[str] = []
+        self.reasons = Reasons()
+        self.best: tuple[int, str] | None = None  # (bytes left over, accelerator)
+        # Where it may land but does not fit yet (making room may help), and every card where it
+        # may land (where preemption may make room).
+        self.short: list[str] = []
+        self.room_candidates: list[str] = []
+        # Held for a gang, not for this request: later work that ends in time may still
+        # backfill them, so this wait blocks nothing there.
+        self.backfill_only: dict[str, bool] = {}
 
 
 def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) -> _Loads:
@@ -676,7 +679,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     it fits there, best fit first."""
     pass_, deployment = attempt.pass_, attempt.deployment
     need = deployment.resident_bytes + deployment.lease_extra_bytes
-    loads = _Loads(need, deployment.residency != Residency.NONE, [], Reasons())
+    loads = _Loads(need, deployment.residency != Residency.NONE)
     loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     landing = Landing(need, loads.persists, attempt, attempt.load_s)
     candidates = [a for a in loads.open if a not in holding] if holding else loads.open
