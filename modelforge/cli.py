@@ -904,17 +904,27 @@ def catalog_apply(file: Annotated[Path, typer.Argument(help="Catalog TOML to val
         silent: list[str] = []
         try:
             client = await connect(settings)
-            for pool in sorted({acc.pool for acc in catalog.accelerators}):
+        except Exception as error:  # the catalog is stored; the schedulers read it when they start
+            err.print(
+                f"[yellow]note[/yellow]: schedulers not told ({type(error).__name__}); they load the catalog at start"
+            )
+            return counts, silent
+        # Each pool's scheduler on its own: a pool new in this catalog has none yet (the control
+        # worker starts it, and it loads the catalog then), which must not keep the others stale.
+        for pool in sorted({acc.pool for acc in catalog.accelerators}):
+            try:
                 handle = client.get_workflow_handle(f"scheduler:{pool}")
                 await handle.signal("catalog_changed")
                 # Which of this pool's nodes has a worker: the scheduler's observations so far.
                 current = await handle.query("status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=5))
                 nodes = [acc.node for acc in catalog.accelerators if acc.pool == pool]
                 silent += never_reported(current.accelerators, nodes)
-        except Exception as error:  # the catalog is stored; the scheduler reads it when it starts
-            err.print(
-                f"[yellow]note[/yellow]: scheduler not told ({type(error).__name__}); it loads the catalog at start"
-            )
+            except Exception as error:
+                err.print(
+                    f"[yellow]note[/yellow]: the scheduler of pool {escape(pool)} not told ({type(error).__name__}); "
+                    "it loads the catalog at start",
+                    highlight=False,
+                )
         return counts, silent
 
     counts, silent = _run(go)

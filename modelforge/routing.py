@@ -16,7 +16,6 @@ one per request. With a single pool there is nothing to choose and nothing is as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import time
@@ -304,22 +303,22 @@ class PoolRouter:
             return cached.pool
         asking = self._asking.get(key)
         if asking is None:
-            asking = asyncio.get_running_loop().create_future()
+            # A task of its own: a caller that gives up does not cancel the others' answer.
+            asking = asyncio.ensure_future(self._ask_and_keep(key, pools, RouteQuery(capability, tenant, priority)))
             self._asking[key] = asking
-            try:
-                pool = await self._ask(pools, RouteQuery(capability, tenant, priority))
-            except BaseException as error:
-                asking.set_exception(error)
-                with contextlib.suppress(BaseException):
-                    asking.exception()  # retrieved: no "never retrieved" warning without waiters
-                raise
-            else:
-                asking.set_result(pool)
-                self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s)
-                return pool
-            finally:
-                del self._asking[key]
+            asking.add_done_callback(lambda done: self._done_asking(key, done))
         return await asyncio.shield(asking)
+
+    async def _ask_and_keep(self, key: tuple[str, str, str | None], pools: list[str], query: RouteQuery) -> str:
+        pool = await self._ask(pools, query)
+        self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s)
+        return pool
+
+    def _done_asking(self, key: tuple[str, str, str | None], done: asyncio.Future[str]) -> None:
+        if self._asking.get(key) is done:
+            del self._asking[key]
+        if not done.cancelled():
+            done.exception()  # retrieved: no "never retrieved" warning when every caller left
 
     async def _ask(self, pools: list[str], query: RouteQuery) -> str:
         """One round of route queries. Pools that did not answer lately are asked only when the

@@ -31,6 +31,8 @@ from workflows._common import scheduler_id
 
 log = get_logger("modelforge.worker.control")
 SCHEDULER_TASK_TIMEOUT = timedelta(seconds=60)
+# How often a control worker serving the catalog's pools looks for pools the catalog added.
+CATALOG_POOLS_S = 30.0
 
 
 def workflow_runner() -> SandboxedWorkflowRunner:
@@ -63,6 +65,11 @@ class NodeQueueAdopter:
         self._local_activities = list(local_activities)  # the admission calls (admit, confirm_lease)
         self._interval_s = interval_s
         self._workers: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
+
+    def add_pool(self, pool: str) -> None:
+        """Watch this pool's nodes too (a pool the control worker took on)."""
+        if pool not in self._pools:
+            self._pools.append(pool)
 
     @property
     def adopted(self) -> list[str]:
@@ -144,6 +151,14 @@ class ControlWorker:
         self.adopter = adopter
         self.guard = guard
         self._tasks: list[asyncio.Task[None]] = []
+
+    def serve_pool(self, pool: str) -> None:
+        """A pool whose scheduler this worker now serves: its history guarded, its silent nodes'
+        queues adopted (the scheduler itself runs on the shared scheduler queue already)."""
+        if self.adopter is not None:
+            self.adopter.add_pool(pool)
+        if self.guard is not None:
+            self.guard.watch(scheduler_id(pool))
 
     async def __aenter__(self) -> ControlWorker:
         for worker in self.workers:
@@ -249,9 +264,10 @@ async def catalog_pools(store: Store) -> list[str]:
     return sorted({accelerator.pool for accelerator in catalog.accelerators}) or [DEFAULT_POOL]
 
 
-async def run(settings: Settings, pools: Sequence[str] = ()) -> None:
-    """Serve each of `pools` (none given: every pool the stored catalog names): start its
-    scheduler, guard its history, adopt its silent nodes' queues and export its metrics."""
+async def run(settings: Settings, pools: Sequence[str] = (), catalog_check_s: float = CATALOG_POOLS_S) -> None:
+    """Serve each of `pools` (none given: every pool the stored catalog names, looked up again
+    every `catalog_check_s`, so a pool `catalog apply` adds is served): start its scheduler,
+    guard its history, adopt its silent nodes' queues and export its metrics."""
     client = await connect(settings, worker=True, role="control")
     url = settings.resolved_database_url()
     if url is None:
@@ -276,12 +292,34 @@ async def run(settings: Settings, pools: Sequence[str] = ()) -> None:
             pools=served,
             replay_check_s=settings.replay_check_s,
         )
+        polls: dict[str, asyncio.Task[None]] = {}
         async with worker:
-            handles = {pool: await ensure_scheduler(client, pool) for pool in served}
-            port = serve_metrics(metrics, settings)
-            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=served, metrics_port=port)
-            # Every pool's status into the same registry, each series labelled with its pool.
-            await asyncio.gather(*(metrics.poll(pool, _status_query(handle)) for pool, handle in handles.items()))
+            try:
+                for pool in served:
+                    # Every pool's status into the same registry, each series labelled with its pool.
+                    polls[pool] = asyncio.create_task(
+                        metrics.poll(pool, _status_query(await ensure_scheduler(client, pool)))
+                    )
+                port = serve_metrics(metrics, settings)
+                log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=served, metrics_port=port)
+                if pools:
+                    await asyncio.gather(*polls.values())
+                while True:  # following the catalog: a pool it names later is served from then on
+                    await asyncio.sleep(catalog_check_s)
+                    try:
+                        named = await catalog_pools(store)
+                        for pool in named:
+                            if pool not in polls:
+                                handle = await ensure_scheduler(client, pool)
+                                worker.serve_pool(pool)
+                                polls[pool] = asyncio.create_task(metrics.poll(pool, _status_query(handle)))
+                                log.info("pool_served", pool=pool)
+                    except Exception as error:  # Postgres or Temporal away: the next look tries again
+                        log.warning("catalog_pools_failed", error=f"{type(error).__name__}: {error}")
+            finally:
+                for task in polls.values():
+                    task.cancel()
+                await asyncio.gather(*polls.values(), return_exceptions=True)
     finally:
         sweeper.cancel()
         await store.close()

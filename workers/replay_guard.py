@@ -121,6 +121,11 @@ class ReplayGuard:
         self._rebase_wait_s = rebase_wait_s
         self.outcomes: list[GuardOutcome] = []  # the last round's, for tests and logs
 
+    def watch(self, workflow_id: str) -> None:
+        """Check this scheduler too from the next round on (a pool the control worker took on)."""
+        if workflow_id not in self._workflow_ids:
+            self._workflow_ids.append(workflow_id)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         next_round = loop.time() + min(self._interval_s, 5.0)

@@ -225,3 +225,16 @@ async def test_one_pool_is_never_asked_and_a_silent_pool_is_asked_last() -> None
         await router.choose("z@1")
     assert fake.queries == ["pool-b", "pool-a"]  # asked at last, and it still does not answer
     assert "pool pool-a did not answer" in raised.value.message
+
+
+async def test_a_caller_that_gives_up_does_not_cancel_the_others_answer() -> None:
+    fake = FakeTemporal({"pool-a": info("pool-a"), "pool-b": info("pool-b", warm=1, free_slots=1)})
+    router = PoolRouter(cast(Client, fake))
+    first = asyncio.create_task(router.choose("z@1"))
+    second = asyncio.create_task(router.choose("z@1"))
+    await asyncio.sleep(0.001)  # both wait on the one round of queries
+    first.cancel()
+    assert await second == "pool-b"
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert sorted(fake.queries) == ["pool-a", "pool-b"]

@@ -5,6 +5,8 @@ serves it (preferring the one where it is warm); `status` and `ps` show both poo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from typer.testing import CliRunner
@@ -25,9 +28,10 @@ from modelforge.catalog import load_catalog_file
 from modelforge.client import ModelForgeClient
 from modelforge.metrics import Metrics
 from modelforge.policy import PoolStatus
-from modelforge.settings import node_task_queue
+from modelforge.settings import Settings, node_task_queue
 from modelforge.store import Store
 from tests.harness import running_stack
+from workers import control
 from workers.control import catalog_pools
 
 pytestmark = pytest.mark.workflow
@@ -201,3 +205,53 @@ async def test_one_control_worker_process_serves_every_pool_of_the_catalog(
             control.kill()
             control.wait()
     assert "control_worker_started" in (tmp_path / "control.log").read_text()
+
+
+async def test_a_pool_the_catalog_adds_later_is_served_by_the_running_control_worker(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    """`catalog apply` of a catalog with a new pool: the control worker that follows the catalog
+    (no --pool) starts that pool's scheduler at its next look, without a restart."""
+    full, _ = load_catalog_file(CATALOG)
+    only_a = dataclasses.replace(
+        full,
+        accelerators=[a for a in full.accelerators if a.pool == "pool-a"],
+        deployments=[d for d in full.deployments if d.capability != "y@1"],
+    )
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(only_a)
+        settings = Settings(
+            temporal_address=dev_server_env.client.service_client.config.target_host,
+            database_url=database_url,
+            home=tmp_path,
+            metrics_port=0,
+        )
+        worker = asyncio.create_task(control.run(settings, catalog_check_s=0.5))
+        try:
+            assert await _running(dev_server_env, "scheduler:pool-a", 30)
+            assert not await _running(dev_server_env, "scheduler:pool-b", 2)
+            await store.apply_catalog(full)
+            assert await _running(dev_server_env, "scheduler:pool-b", 15)
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+    finally:
+        await store.close()
+
+
+async def _running(env: WorkflowEnvironment, workflow_id: str, within_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while loop.time() < deadline:
+        try:
+            described = await env.client.get_workflow_handle(workflow_id).describe()
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                return True
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+        await asyncio.sleep(0.2)
+    return False
