@@ -459,7 +459,7 @@ async def test_a_two_rank_gang_on_two_nodes_all_reduces_checkpoints_every_rank_a
         # exits 75 before its own request arrives, which still finds its checkpoint.
         first = await env().run(nodes[0][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", 0, 0))
         await asyncio.sleep(1.0)
-        assert not nodes[1][1].running_pids()  # rank 1 has exited already
+        assert nodes[1][1]._jobs["gang.1#rank1"].process.returncode == 75  # rank 1 has exited already
         second = await env().run(nodes[1][0].checkpoint_gang_job, GangCheckpointInput("gang.1", "gang", 1, 0))
         saved = [first, second]
         steps = [json.loads(Path(s.location).read_text())["step"] for s in saved]
