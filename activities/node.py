@@ -280,7 +280,9 @@ class NodeActivities:
                     payload.update(self._job_context(request.request_id))
                 if resume:
                     payload[RESUME_KEY] = resume
-                async with self._vouching(request):
+                async with self._vouching(
+                    request.lease_id, request.request_id, request.release_to, request.heartbeat_s
+                ):
                     if request.stream is not None:
                         output = await stream_push.push(request.stream, _stream_of(runtime, model, payload))
                     else:
@@ -318,24 +320,24 @@ class NodeActivities:
         return context
 
     @contextlib.asynccontextmanager
-    async def _vouching(self, request: InvokeInput) -> AsyncIterator[None]:
-        """While the invoke runs, heartbeat its lease to the scheduler from here, where the memory
-        is used: its holder's heartbeats stop while the holder's worker is away, this node's do
-        not (and when this node dies, so does the invoke)."""
-        if not (request.release_to and request.heartbeat_s > 0 and self._client is not None):
+    async def _vouching(
+        self, lease_id: str, request_id: str, scheduler_id: str, heartbeat_s: float
+    ) -> AsyncIterator[None]:
+        """While the invoke (or this node's part of a gang job) runs, heartbeat its lease to the
+        scheduler from here, where the memory is used: its holder's heartbeats stop while the
+        holder's worker is away, this node's do not (and when this node dies, so does the work)."""
+        if not (scheduler_id and heartbeat_s > 0 and self._client is not None):
             yield
             return
-        scheduler = self._client.get_workflow_handle(request.release_to)
+        scheduler = self._client.get_workflow_handle(scheduler_id)
 
         async def beat() -> None:
             while True:
-                await asyncio.sleep(request.heartbeat_s)
+                await asyncio.sleep(heartbeat_s)
                 try:
-                    await scheduler.signal(
-                        "lease_heartbeat", LeaseHeartbeat(lease_id=request.lease_id, request_id=request.request_id)
-                    )
+                    await scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id=lease_id, request_id=request_id))
                 except RPCError as error:  # the holder's own heartbeats still count
-                    log.warning("lease_heartbeat_failed", lease_id=request.lease_id, error=str(error))
+                    log.warning("lease_heartbeat_failed", lease_id=lease_id, error=str(error))
 
         beating = asyncio.create_task(beat())
         try:
@@ -372,7 +374,8 @@ class NodeActivities:
                     payload["modelforge_rendezvous"] = str(rendezvous / f"{_safe_name(job.lease_id, 'lease')}.json")
             if resume:
                 payload[RESUME_KEY] = resume
-            output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
+            async with self._vouching(job.lease_id, job.request_id, job.release_to, job.heartbeat_s):
+                output = await runtime.run_job(job.deployment, [device_index(a) for a in mine], payload, _heartbeat)
         except ModelForgeError as error:
             raise as_application_error(error) from None
         finally:

@@ -326,6 +326,10 @@ class GangJobInput:
     world_size: int = 1
     # This rank's checkpoint when the job resumes (set by the request workflow, never by a client).
     resume_from: str = ""
+    # Set: this node heartbeats the gang's lease to the scheduler (`release_to`) this often while
+    # its part runs, as an invoke's node does: whoever uses the memory vouches for it.
+    release_to: str = ""
+    heartbeat_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,8 @@ class CapabilityRequestWorkflow:
                     payload={**payload, RESUME_KEY: resume[rank]} if whole else payload,
                     rank=rank,
                     world_size=len(by_node),
+                    release_to=scheduler_id(request.pool),
+                    heartbeat_s=lease.heartbeat_s or LEASE_HEARTBEAT_S,
                 ),
                 result_type=InvokeResult,
                 task_queue=node_task_queue(node),

@@ -17,7 +17,7 @@ from activities.node import NodeActivities
 from modelforge.domain import Deployment, GiB
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import NodeDevices, SimulatedDevice, SimulatedGpuBackend
-from modelforge.messages import RESUME_KEY, GangCheckpointInput, GangJobInput
+from modelforge.messages import RESUME_KEY, GangCheckpointInput, GangJobInput, LeaseHeartbeat
 from modelforge.runtimes import SentenceTransformersRuntime, SimulatedRuntime, SubprocessHttpRuntime
 
 JOB = Deployment(capability="train.wide@1", envelope_bytes=2 * GiB, runtime="simulated")
@@ -96,3 +96,43 @@ async def test_the_node_checkpoints_only_its_running_ranks_and_only_into_its_sto
     with pytest.raises(ApplicationError) as escaped:
         await env.run(node.run_gang_job, outside)
     assert escaped.value.type == FailureClass.REQUEST_INVALID.value
+
+
+class _Scheduler:
+    """Stands for the scheduler's handle: records the lease heartbeats the node sends."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple[str, str]] = []
+
+    async def signal(self, name: str, heartbeat: LeaseHeartbeat) -> None:
+        self.beats.append((name, heartbeat.lease_id))
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.scheduler = _Scheduler()
+        self.asked: list[str] = []
+
+    def get_workflow_handle(self, workflow_id: str) -> _Scheduler:
+        self.asked.append(workflow_id)
+        return self.scheduler
+
+
+async def test_a_node_running_its_part_of_a_gang_vouches_for_the_lease() -> None:
+    # Whoever uses the memory vouches for it: a gang's node heartbeats the lease while its part
+    # runs, so a holder whose own worker is away does not lose a lease its job still uses.
+    devices = _devices()
+    client = _Client()
+    node = NodeActivities("g1", devices, {"simulated": SimulatedRuntime(devices)}, client=client)  # type: ignore[arg-type]
+    job = GangJobInput(
+        lease_id="job.9",
+        request_id="job",
+        deployment=JOB,
+        accelerators=["g1/0"],
+        payload={"simulate_invoke_s": 2},
+        release_to="scheduler:default",
+        heartbeat_s=0.4,
+    )
+    await ActivityEnvironment().run(node.run_gang_job, job)
+    assert client.asked == ["scheduler:default"]
+    assert len(client.scheduler.beats) >= 3 and set(client.scheduler.beats) == {("lease_heartbeat", "job.9")}
