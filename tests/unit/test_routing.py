@@ -238,3 +238,22 @@ async def test_a_caller_that_gives_up_does_not_cancel_the_others_answer() -> Non
     with pytest.raises(asyncio.CancelledError):
         await first
     assert sorted(fake.queries) == ["pool-a", "pool-b"]
+
+
+def test_the_control_worker_command_takes_several_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from modelforge import cli
+    from workers import control
+
+    served: list[list[str]] = []
+
+    async def run(settings: object, pools: Any = ()) -> None:
+        served.append(list(pools))
+
+    monkeypatch.setattr(control, "run", run)
+    monkeypatch.setattr(cli, "_settings", lambda: None)
+    runner = CliRunner()
+    assert runner.invoke(cli.app, ["worker", "control", "--pool", "pool-a", "--pool", "pool-b"]).exit_code == 0
+    assert runner.invoke(cli.app, ["worker", "control"]).exit_code == 0
+    assert served == [["pool-a", "pool-b"], []]  # none given: every pool the catalog names
