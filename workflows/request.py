@@ -73,6 +73,9 @@ PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
 PATCH_LEASE_FENCING = "lease-fencing"
 # ...and before a client's `modelforge_*` input keys were refused at the start (the node's own).
 PATCH_RESERVED_INPUT = "reserved-input-keys"
+# ...and before a request asked again (after a preemption, a crash, a refused late grant) kept
+# its deadline: it was restarted from the new admission, so a preempted request could run late.
+PATCH_DEADLINE_FROM_START = "deadline-from-start"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
 ADMIT_BUDGET = timedelta(seconds=60)
@@ -436,13 +439,24 @@ class CapabilityRequestWorkflow:
 
     async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
         fencing = workflow.patched(PATCH_LEASE_FENCING)
+        deadline_s = request.deadline_s
+        if deadline_s is not None and acquisition > 0 and workflow.patched(PATCH_DEADLINE_FROM_START):
+            # The deadline is the caller's, from its request: asked again, only the time left.
+            left = submitted_at + deadline_s - workflow.now().timestamp()
+            if left <= 0:
+                self._end(FailureClass.DEADLINE_CANNOT_BE_MET.value)
+                raise failure(
+                    FailureClass.DEADLINE_CANNOT_BE_MET,
+                    f"its deadline of {deadline_s:g} s passed before it could be admitted again",
+                )
+            deadline_s = left
         admission = AdmissionRequest(
             request_id=request.request_id,
             workflow_id=workflow.info().workflow_id,
             capability=request.capability,
             tenant=request.tenant,
             priority=request.priority or None,
-            deadline_s=request.deadline_s,
+            deadline_s=deadline_s,
             lease_timeout_s=request.lease_timeout_s,
             preempted=preempted,
             submitted_at=submitted_at if preempted else None,
@@ -488,8 +502,8 @@ class CapabilityRequestWorkflow:
         self._phase = "queued"
         lease_timeout = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
         limit, cls = lease_timeout, FailureClass.LEASE_TIMEOUT
-        if request.deadline_s is not None and request.deadline_s < lease_timeout:
-            limit, cls = request.deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET
+        if deadline_s is not None and deadline_s < lease_timeout:
+            limit, cls = deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET
         try:
             # The scheduler answers at its own timeout; this is the requester's promise to itself.
             await workflow.wait_condition(lambda: self._decision is not None, timeout=limit + 5.0)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
 from tests.harness import running_stack
+from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow
 
@@ -52,3 +55,35 @@ async def test_interactive_preempts_a_background_job_which_then_finishes(
         # The job's batch resident was unloaded for the chat model, then loaded again for the job
         # (which evicted the idle chat model in turn).
         assert len(await stack.events("load", at_least=3)) == 3
+
+
+async def test_a_preempted_request_keeps_its_deadline_from_its_start(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # The deadline is the caller's: "seconds until the answer is useless" from its request, not
+    # from each admission. Preempted and asked again, the job keeps the time it had left.
+    config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=1.0)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
+        started = time.time()
+        job = await stack.start_request("train.job@1", tenant="lab", input={"simulate_invoke_s": 8}, deadline_s=60)
+        while not any(r.active_leases for r in (await stack.status()).residents):
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(3.0)  # past the job's minimum runtime: 3 s of its 60 are gone
+        chat = await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=60, input={"simulate_invoke_s": 4})
+
+        async def requeued() -> Any:
+            state = await stack.scheduler.query(PoolSchedulerWorkflow.state)
+            return next((q for q in state.queue if q.request_id == job.id.rsplit(":", 1)[1]), None)
+
+        queued = None
+        for _ in range(100):
+            queued = await requeued()
+            if queued is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert queued is not None and queued.preempted, "the job was never requeued"
+        assert queued.deadline_at is not None
+        # From the start (about started + 60), not from the new admission (3+ s later).
+        assert queued.deadline_at <= started + 60.5, queued.deadline_at - started
+        assert (await chat.result()).output
+        assert (await job.result()).timings["preemptions"] == 1
