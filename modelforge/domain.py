@@ -11,6 +11,9 @@ from enum import StrEnum
 from functools import cached_property
 
 GiB = 1024**3
+# How long a request waits for a lease when it names no lease timeout: one default for the
+# policy (PolicyConfig.default_lease_timeout_s) and the request workflow's own promise.
+DEFAULT_LEASE_TIMEOUT_S = 300.0
 
 
 class Priority(StrEnum):

@@ -9,7 +9,6 @@ from modelforge.domain import Accelerator, Deployment, Observation
 from modelforge.events import EventRecord
 from modelforge.policy import AcceleratorStatus, AdmissionRequest, Lease, PolicyConfig, PoolState
 
-DEFAULT_LEASE_TIMEOUT_S = 300.0
 MAX_INPUT_BYTES = 1_000_000
 
 

@@ -14,11 +14,10 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import temporal as sa
-    from modelforge.domain import Catalog
+    from modelforge.domain import DEFAULT_LEASE_TIMEOUT_S, Catalog
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass
     from modelforge.messages import (
-        DEFAULT_LEASE_TIMEOUT_S,
         LEASE_HEARTBEAT_S,
         RESUME_KEY,
         AdmitCall,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from modelforge.domain import Catalog, Deployment, Observation, Residency
+from modelforge.domain import DEFAULT_LEASE_TIMEOUT_S, Catalog, Deployment, Observation, Residency
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class PolicyConfig:
     # A capability whose last this-many requests or loads failed shows as degraded in `status`.
     degraded_after_failures: int = 3
     healthy_after_successes: int = 3
-    default_lease_timeout_s: float = 300.0
+    default_lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     # A lease whose holder has not heart-beaten for this long is reclaimed.
     stale_lease_s: float = 60.0
     # A lease whose holder has never been heard from since the grant (no heartbeat, no
