@@ -9,13 +9,14 @@ choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `too
 `tool_choice` naming a function (or "required"), `response_format` json_object/json_schema,
 `logprobs`, and `dimensions` for embeddings; it reports `usage` in its own tokens. `stream: true`
 answers as OpenAI's server-sent chunks (with `stream_options.include_usage`, a usage chunk), and
-`GET /streams` tells which streams' clients went away before the end. `GET /received`
-answers the last request bodies it received (path and body), so a test can check that
-parameters reached it.
+`GET /streams` tells which streams' clients went away before the end; `--answer-tokens N` makes
+every chat answer N tokens long (its usual words, then counting words), for long streams.
+`GET /received` answers the last request bodies it received (path and body), so a test can
+check that parameters reached it.
 
     python -m modelforge.runtimes.toy_server --port 8081 [--fault never-ready|exit-at-start|
         crash-on-invoke|garbage|nan|hang] [--hold-mib 64] [--ready-after 0.5] [--ignore-term] [--orphan-worker]
-        [--token-delay-ms 20]
+        [--token-delay-ms 20] [--answer-tokens 512]
 """
 
 from __future__ import annotations
@@ -61,12 +62,24 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI chat completion for `body`, honouring the parameters listed in the docstring."""
+def _to_length(text: str, count: int) -> str:
+    """`text` cut or padded with counting words ("w9 w10 ...") to exactly `count` tokens."""
+    have = tokens(text)
+    if have >= count:
+        return _cut(text, count)
+    words = [f"w{n}" for n in range(have, count)]
+    return " ".join([text, *words]) if text else " ".join(words)
+
+
+def chat_answer(body: dict[str, Any], answer_tokens: int = 0) -> dict[str, Any]:
+    """An OpenAI chat completion for `body`, honouring the parameters listed in the docstring;
+    `answer_tokens` above 0: the answer's content is that many tokens long."""
     messages = body.get("messages") or [{}]
     last = messages[-1] if isinstance(messages[-1], dict) else {}
     said = _text_of(last.get("content"))[:200]
     content = f"[toy server] ready. You said: {said}"
+    if answer_tokens > 0:
+        content = _to_length(content, answer_tokens)
     response_format = body.get("response_format")
     format_type = response_format.get("type") if isinstance(response_format, dict) else None
     if format_type in ("json_object", "json_schema"):
@@ -247,9 +260,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._answer(400, {"error": {"message": f"n must be from 1 to {MAX_CHOICES}", "param": "n"}})
                 return
             if body.get("stream"):
-                self._stream(body, chat_answer(body))
+                self._stream(body, chat_answer(body, self.server.answer_tokens))
             else:
-                self._answer(200, chat_answer(body))
+                self._answer(200, chat_answer(body, self.server.answer_tokens))
         else:
             self._answer(404, {"error": "not found"})
 
@@ -312,6 +325,7 @@ class _ToyServer(ThreadingHTTPServer):
     received: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []
     token_delay_s: float = 0.0
+    answer_tokens: int = 0
 
 
 def _touched(mib: int) -> bytearray:
@@ -333,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a server that will not stop)")
     parser.add_argument("--token-delay-ms", type=float, default=0.0, help="time between streamed tokens")
     parser.add_argument(
+        "--answer-tokens", type=int, default=0, help="every chat answer this many tokens long (0: as it comes)"
+    )
+    parser.add_argument(
         "--orphan-worker",
         action="store_true",
         help="fork a worker into a session of its own, which outlives the server (memory left behind)",
@@ -350,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     server.received = []
     server.streams = []
     server.token_delay_s = options.token_delay_ms / 1000.0
+    server.answer_tokens = max(0, options.answer_tokens)
     if options.orphan_worker:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         server.children.append(worker.pid)
