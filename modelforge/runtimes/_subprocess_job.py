@@ -515,6 +515,9 @@ class SubprocessJobRuntime:
         with contextlib.suppress(OSError):
             if outcome != "running":  # the log first: a reader that sees the state has every line
                 with job.log_path.open("ab") as log_file:
+                    for note in job.notes:  # what it reported that was not taken
+                        log_file.write(f"[modelforge] {note}\n".encode())
+                    job.notes.clear()
                     said = f"[modelforge] attempt {job.attempt['attempt']} ended: {outcome}"
                     if fields.get("detail"):
                         said += f" ({fields['detail']})"

@@ -535,3 +535,10 @@ async def test_merge_then_evaluate_the_merged_artifact(node: Node) -> None:
     score = scored["result"]
     assert score["layers"] == 6 and score["similarity_to_a"] > score["similarity_to_b"] > 0
     assert json.loads((Path(scored["output_dir"]) / "score.json").read_text()) == score
+
+
+async def test_a_checkpoint_named_outside_the_jobs_directory_is_ignored_and_the_log_says_so(node: Node) -> None:
+    code = "import json; print(json.dumps({'checkpoint': '/etc/passwd'}))"
+    await node.load(job(python(code)))
+    done = await node.invoke("stray", {})
+    assert "[modelforge] ignored checkpoint '/etc/passwd': not in" in Path(done["log"]).read_text()
