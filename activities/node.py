@@ -46,6 +46,7 @@ from modelforge.messages import (
     client_input_problem,
     device_index,
 )
+from modelforge.payloads import payload_store, put_output
 from modelforge.runtimes import LoadedModel, Runtime, check_artifact, process_tree, rss_bytes
 from modelforge.settings import CONTROL_TASK_QUEUE
 
@@ -290,6 +291,9 @@ class NodeActivities:
         except ModelForgeError as error:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
+        store = payload_store(self._client)
+        if store is not None:  # a large answer goes by reference (modelforge/payloads.py, put_output)
+            output = await asyncio.to_thread(put_output, store, output)
         released = False
         if request.release_to and self._client is not None:
             try:

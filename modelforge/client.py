@@ -54,6 +54,7 @@ from modelforge.messages import (
     StreamTarget,
     client_input_problem,
 )
+from modelforge.payloads import PayloadMissing, get_output, payload_store
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
 from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings
@@ -314,11 +315,22 @@ class ModelForgeClient:
             self._routes[(pool, capability)] = result.route
         else:
             self._routes.pop((pool, capability), None)
+        try:  # a large answer was kept in the payload store by the node: read it back
+            output = await asyncio.to_thread(get_output, payload_store(self.temporal), result.output)
+        except PayloadMissing as error:
+            return Result(
+                ok=False,
+                request_id=request_id,
+                capability=capability,
+                failure_class=FailureClass.CAPABILITY_UNAVAILABLE.value,
+                message=error.message,
+                workflow_id=workflow_id,
+            )
         return Result(
             ok=True,
             request_id=request_id,
             capability=capability,
-            output=result.output,
+            output=output,
             lease=result.lease,
             timings=result.timings,
             workflow_id=workflow_id,

@@ -28,6 +28,7 @@ from temporalio.converter import (
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge import payloads
 from modelforge.client import ModelForgeClient
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import MAX_INPUT_BYTES, RequestInput
@@ -35,6 +36,7 @@ from modelforge.payloads import (
     DRIVER_NAME,
     LARGE_PAYLOAD_BYTES,
     MISSING_ENCODING,
+    OUTPUT_REF,
     FilesystemPayloadStore,
     PayloadConverter,
     PayloadMissing,
@@ -148,7 +150,7 @@ async def test_a_request_whose_input_the_workers_cannot_read_fails_typed_and_at_
 
 
 async def test_a_2048_input_batch_and_inputs_of_any_size_keep_the_history_small(
-    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "payloads"
     client = _client(dev_server_env, root)
@@ -161,6 +163,15 @@ async def test_a_2048_input_batch_and_inputs_of_any_size_keep_the_history_small(
         assert result.ok, (result.failure_class, result.message)
         assert result.output is not None and len(result.output["embeddings"]) == 2048
         sizes["2048 texts"] = await _history_bytes(stack.client, result.workflow_id)
+        # An answer past LARGE_OUTPUT_BYTES (the simulated vectors are short: the limit is
+        # lowered to reach it) is kept in the store by the node; the workflow only carries its
+        # name (never decoded in a workflow task) and the client reads it back.
+        monkeypatch.setattr(payloads, "LARGE_OUTPUT_BYTES", 64 * 1024)
+        large = await caller.request("rag.embedding@1", {"texts": texts}, tenant="rag", deadline_s=120)
+        assert large.ok and large.output == result.output, (large.failure_class, large.message)
+        raw = await stack.client.get_workflow_handle(large.workflow_id).result()
+        assert set(raw["output"]) == {OUTPUT_REF} and raw["output"][OUTPUT_REF]["size"] > 64 * 1024
+        monkeypatch.undo()
         # 1.8 KB: the largest input that stays inline (its payload just under the threshold).
         for label, n in (("1 KB", 1_000), ("1.8 KB", 1_800), ("1 MB", 1_000_000), ("20 MB", 20_000_000)):
             result = await caller.request("rag.embedding@1", {"text": "x" * n}, tenant="rag", deadline_s=120)
