@@ -82,6 +82,9 @@ PATCH_LEASE_FENCING = "lease-fencing"
 PATCH_UNLOAD_REMOVED = "unload-removed-deployments"
 # ...and before a heartbeat for a reclaimed lease stopped the invoke still running under it.
 PATCH_STOP_RECLAIMED = "stop-reclaimed-invokes"
+# ...and before a CPU device took only deployments whose placement list names it (the policy
+# let a deployment without a list fall back onto the host's CPU device).
+PATCH_NO_CPU_FALLBACK = "no-cpu-fallback"
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -751,6 +754,8 @@ class PoolSchedulerWorkflow:
     def _next_wake(self) -> float:
         now = self._now()
         due = [now + self._reconcile_s]
+        # Both a request's lease timeout and its deadline wake the loop (its expiry, the earlier,
+        # is refused then; the later one is a timer a refusal cancels).
         for queued in self._state.queue:
             due.append(queued.lease_timeout_at)
             if queued.deadline_at is not None:
@@ -778,6 +783,9 @@ class PoolSchedulerWorkflow:
             self._state.config = replace(self._state.config, join_stale_residents=True)
         if workflow.patched(PATCH_UNLOAD_REMOVED):
             self._state.config = replace(self._state.config, unload_removed_deployments=True)
+        if not workflow.patched(PATCH_NO_CPU_FALLBACK):
+            # Recorded before the rule: a deployment without a placement list could land on a CPU device.
+            self._state.config = replace(self._state.config, cpu_fallback=True)
         try:
             decisions = policy.decide(self._state, now)
         finally:
