@@ -1,6 +1,7 @@
-"""`kill -9` of the control worker during a burst of 100 requests, then a restart (issue 9,
-item 2): every request ends, success or a typed failure; none is lost; none is invoked more
-often than the request workflow allows (one lease per attempt, at most MAX_ATTEMPTS)."""
+"""`kill -9` of the control worker during a burst of 100 requests, then a restart: every
+request ends, success or a typed failure; none is lost; none is invoked more often than the
+request workflow allows (one lease per attempt, at most MAX_ATTEMPTS). And with two control
+workers, losing one needs no restart: the other carries the pool on."""
 
 from __future__ import annotations
 
@@ -102,3 +103,55 @@ async def test_kill_9_of_the_control_worker_during_a_burst(
     finally:
         control.kill()
         control.wait(timeout=10)
+
+
+async def test_with_two_control_workers_a_pool_survives_losing_one_without_a_restart(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    # Two control worker processes on one Temporal server: kill -9 of one mid-burst, and the
+    # other carries the pool on (its scheduler, the request workflows, the admission calls).
+    # Nothing is restarted; every request ends, none lost, none invoked more than allowed.
+    catalog, _ = load_catalog_file(CATALOG)
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(catalog)
+    finally:
+        await store.close()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _control_process(dev_server_env, database_url, tmp_path / "a")
+    second = _control_process(dev_server_env, database_url, tmp_path / "b")
+    try:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=CATALOG, control_in_process=False
+        ) as stack:
+            handles = [
+                await stack.start_request("bench.embed@1", tenant="bench", input={"simulate_invoke_s": 1})
+                for _ in range(40)
+            ]
+            await asyncio.sleep(1.0)
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
+            killed = time.monotonic()
+            outcomes: Counter[str] = Counter()
+            for handle in handles:
+                try:
+                    await asyncio.wait_for(handle.result(), timeout=300)
+                    outcomes["ok"] += 1
+                except WorkflowFailureError as error:
+                    assert isinstance(error.cause, ApplicationError), error
+                    assert error.cause.type in {f.value for f in FailureClass}, error.cause
+                    outcomes[error.cause.type] += 1
+            assert sum(outcomes.values()) == 40 and outcomes["ok"] >= 36, outcomes
+            # And the pool still admits: a new request through the survivor alone.
+            after = await stack.start_request("bench.embed@1", tenant="bench", input={"simulate_invoke_s": 0.1})
+            assert (await asyncio.wait_for(after.result(), timeout=60)).output
+            print(f"40 ended {time.monotonic() - killed:.1f} s after one of two control workers died: {dict(outcomes)}")
+            granted = await stack.events("lease_granted", at_least=outcomes["ok"], within_s=60)
+            per_request = Counter(e["request_id"] for e in granted)
+            assert max(per_request.values()) <= MAX_ATTEMPTS, per_request.most_common(3)
+    finally:
+        for process in (first, second):
+            process.kill()
+            process.wait(timeout=10)
