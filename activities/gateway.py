@@ -22,6 +22,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge.failures import FailureClass
 from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitReply, LeaseConfirmCall
+from modelforge.names import scheduler_id
 from modelforge.policy import AdmissionRequest
 
 _FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
@@ -37,7 +38,7 @@ MAX_BATCH = 200
 
 class _PoolBatcher:
     def __init__(self, client: Client, pool: str) -> None:
-        self._handle = client.get_workflow_handle(f"scheduler:{pool}")
+        self._handle = client.get_workflow_handle(scheduler_id(pool))
         self._pool = pool
         self._pending: list[tuple[AdmissionRequest, asyncio.Future[AdmitReply]]] = []
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -173,7 +174,7 @@ class SchedulerGatewayActivities:
         """Whether the scheduler still holds the lease for its holder (and, if so, that the
         holder has now been heard from): asked before a grant that arrived late is used. Like
         `admit`, it ends every attempt itself, never by Temporal's timeouts."""
-        handle = self._client.get_workflow_handle(f"scheduler:{call.pool}")
+        handle = self._client.get_workflow_handle(scheduler_id(call.pool))
         left = _call_deadline() - time.time()
         if left <= 0:
             raise ApplicationError(

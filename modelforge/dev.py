@@ -28,6 +28,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from modelforge.catalog import load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.names import scheduler_id
 from modelforge.settings import Settings
 from modelforge.store import Store, redact
 from modelforge.temporal import connect, register_search_attributes
@@ -238,7 +239,7 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
     # not started yet loads it when it starts.
     for pool in sorted({acc.pool for acc in catalog.accelerators}):
         try:
-            await client.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+            await client.get_workflow_handle(scheduler_id(pool)).signal("catalog_changed")
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise

@@ -27,11 +27,13 @@ from pydantic_settings import (
 
 from modelforge.failures import FailureClass, ModelForgeError
 
-CONTROL_TASK_QUEUE = "modelforge-control"
-# The pool schedulers' own task queue (served by the control worker process): a backlog of
-# request workflows on the control queue never delays an admission.
-SCHEDULER_TASK_QUEUE = "modelforge-scheduler"
-DEFAULT_POOL = "default"
+# Task queues and the default pool live with the other Temporal names (re-exported here).
+from modelforge.names import CONTROL_TASK_QUEUE as CONTROL_TASK_QUEUE
+from modelforge.names import DEFAULT_POOL as DEFAULT_POOL
+from modelforge.names import NODE_TASK_QUEUE_PREFIX as NODE_TASK_QUEUE_PREFIX
+from modelforge.names import SCHEDULER_TASK_QUEUE as SCHEDULER_TASK_QUEUE
+from modelforge.names import node_task_queue as node_task_queue
+
 DEFAULT_PAYLOAD_THRESHOLD_BYTES = 2 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
@@ -41,13 +43,6 @@ ENV_PREFIX = "MODELFORGE_"
 TEMPORAL_METRICS_ADDRESS = "MODELFORGE_TEMPORAL_METRICS_ADDRESS"
 TEMPORAL_METRICS_DEFAULTS: dict[str, str] = {"control": "127.0.0.1:9465", "node": "127.0.0.1:9466"}
 _OFF = ("off", "none", "0")
-
-
-NODE_TASK_QUEUE_PREFIX = "modelforge-node-"
-
-
-def node_task_queue(node: str) -> str:
-    return f"{NODE_TASK_QUEUE_PREFIX}{node}"
 
 
 def env_var(field: str) -> str:

@@ -1,4 +1,5 @@
-"""Shared bits of workflow code: ids, failures as ApplicationErrors, activity options."""
+"""Shared bits of workflow code: failures as ApplicationErrors, activity options (and the ids of
+modelforge/names.py, re-exported for the workflows)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,10 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 
 with workflow.unsafe.imports_passed_through():
     from modelforge.failures import FailureClass, is_retryable
+    from modelforge.names import request_workflow_id, resident_workflow_id, scheduler_id, telemetry_id
 
 ALL_FAILURES = [f.value for f in FailureClass]
 NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
-
-
-def scheduler_id(pool: str) -> str:
-    return f"scheduler:{pool}"
-
-
-def resident_workflow_id(deployment: str, accelerator: str, generation: int) -> str:
-    # One id per load: a reload never collides with the previous residency still closing.
-    return f"resident:{deployment}:{accelerator}:{generation}"
-
-
-def telemetry_id(node: str) -> str:
-    return f"telemetry:{node}"
-
-
-def request_workflow_id(capability: str, request_id: str) -> str:
-    return f"request:{capability}:{request_id}"
 
 
 def failure(cls: FailureClass | str, message: str) -> ApplicationError:
@@ -67,3 +52,15 @@ STORE_RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=30),
     non_retryable_error_types=["REQUEST_INVALID"],
 )
+
+
+__all__ = [
+    "ALL_FAILURES",
+    "NON_RETRYABLE",
+    "classify",
+    "failure",
+    "request_workflow_id",
+    "resident_workflow_id",
+    "scheduler_id",
+    "telemetry_id",
+]
