@@ -108,10 +108,16 @@ class SimulatedRuntime:
         self._deployments: dict[str, Deployment] = {}
         self._progress: dict[str, float] = {}  # lease id -> seconds of its invoke done
         self._job_progress: dict[tuple[str, int], float] = {}  # (lease id, rank) -> seconds done
+        self._job_pids: set[int] = set()  # the running gang jobs' processes on the simulated cards
         self._invoke_log = os.environ.get("MODELFORGE_SIMULATED_INVOKE_LOG", "")
 
     def version(self) -> str:
         return "simulated"
+
+    def running_pids(self) -> set[int]:
+        """The processes of the running gang jobs: ModelForge's (the node's samples mark them
+        managed), so their bytes are never taken for external use."""
+        return set(self._job_pids)
 
     def _log_invoke(self, model: LoadedModel, lease_id: str, began: float) -> None:
         """With MODELFORGE_SIMULATED_INVOKE_LOG set (bench/chaos.py sets it), each invoke appends
@@ -249,10 +255,13 @@ class SimulatedRuntime:
         done = min(float(hold), _checkpointed_seconds(resumed_from)) if isinstance(resumed_from, str) else 0.0
         progress = (lease_id, int(payload.get("modelforge_rank", 0)))
         pids: dict[int, int] = {}
+        claimed: list[int] = []
         try:
             self._job_progress[progress] = done
             for index in device_indices:
                 pid = next(_pids)
+                claimed.append(pid)
+                self._job_pids.add(pid)  # managed, never external (before its bytes are seen)
                 self._devices.allocate(index, pid, deployment.envelope_bytes, tag)
                 pids[index] = pid  # allocated: freed below whatever happens next
             while done < hold:
@@ -265,6 +274,7 @@ class SimulatedRuntime:
             self._job_progress.pop(progress, None)
             for index, pid in pids.items():
                 self._devices.free(index, pid, tag)
+            self._job_pids.difference_update(claimed)
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
