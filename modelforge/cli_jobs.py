@@ -6,8 +6,6 @@ which adds its commands to the app."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import json
 import sys
 import time
@@ -125,27 +123,14 @@ def logs(
 
 
 class JobClient:
-    """Submits jobs (runtime `subprocess_job`) as requests whose lease lasts `max_duration_s`,
-    which `ModelForgeClient.request` does not take yet: a ModelForgeClient whose requests carry
-    the duration (every check and error of `request` stays its own)."""
-
-    MAX_DURATION_S = 30 * 86400.0
+    """Submits jobs (runtime `subprocess_job`): `ModelForgeClient.submit_job` on a client bound
+    to `pool` (the default pool unless given), kept for the command line and older callers."""
 
     def __init__(self, temporal: Any, pool: str | None = None) -> None:
         from modelforge.client import ModelForgeClient
         from modelforge.settings import DEFAULT_POOL
 
-        duration: contextvars.ContextVar[float | None] = contextvars.ContextVar("max_duration_s", default=None)
-
-        class _Client(ModelForgeClient):
-            async def _start_and_wait(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-                chosen = duration.get()
-                if chosen is not None:
-                    request = dataclasses.replace(request, max_duration_s=chosen)
-                return await super()._start_and_wait(request, *args, **kwargs)
-
-        self._duration = duration
-        self.client = _Client(temporal, pool or DEFAULT_POOL)
+        self.client = ModelForgeClient(temporal, pool or DEFAULT_POOL)
 
     async def submit_job(
         self,
@@ -160,39 +145,18 @@ class JobClient:
         request_id: str | None = None,
         on_progress: Any = None,
     ) -> Any:
-        """Run the deployment's command with `args` appended (it needs `input_args = "true"`)
-        under a lease of at most `max_duration_s`; the job's Result when it ends. `gpu_count`,
-        when given, must be the deployment's card count (the node refuses the job otherwise)."""
-        from modelforge.client import Result
-
-        problem = None
-        if isinstance(max_duration_s, bool) or not 0 < max_duration_s <= self.MAX_DURATION_S:
-            problem = f"max_duration_s must be above 0 and at most {self.MAX_DURATION_S / 86400:.0f} days"
-        elif gpu_count is not None and (isinstance(gpu_count, bool) or not 1 <= gpu_count <= 1024):
-            problem = "gpu_count must be from 1 to 1024"
-        elif not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            problem = "args must be a list of strings"
-        if problem is not None:
-            return Result(
-                ok=False,
-                request_id=request_id or "",
-                capability=capability,
-                failure_class=FailureClass.REQUEST_INVALID.value,
-                message=problem,
-            )
-        token = self._duration.set(float(max_duration_s))
-        try:
-            return await self.client.request(
-                capability,
-                ({"args": list(args)} if args else {}) | ({"gpu_count": gpu_count} if gpu_count is not None else {}),
-                tenant=tenant,
-                queue=queue,
-                priority=priority,
-                request_id=request_id,
-                on_progress=on_progress,
-            )
-        finally:
-            self._duration.reset(token)
+        """See `ModelForgeClient.submit_job`."""
+        return await self.client.submit_job(
+            capability,
+            args,
+            max_duration_s=max_duration_s,
+            gpu_count=gpu_count,
+            tenant=tenant,
+            queue=queue,
+            priority=priority,
+            request_id=request_id,
+            on_progress=on_progress,
+        )
 
 
 job_app = typer.Typer(cls=Group, no_args_is_help=True, help="Batch jobs (runtime subprocess_job) on leased cards.")

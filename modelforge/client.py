@@ -68,6 +68,11 @@ _CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
 MAX_INPUT_DEPTH = 64
 # How long a request rides out a Temporal outage (its start, or the wait for its result).
 DEFAULT_REATTACH_S = 300.0
+# The longest and shortest lease a request may ask for (`max_duration_s`; a job's run time).
+MIN_DURATION_S = 1.0
+MAX_DURATION_S = 7 * 24 * 3600.0
+# Cards a job may ask for (`submit_job(gpu_count=...)`); the node checks the deployment has them.
+MAX_GPU_COUNT = 1024
 # What a server restart or a dropped connection looks like; anything else is an answer.
 _TRANSIENT = frozenset(
     {
@@ -111,6 +116,22 @@ def _invalid(request_id: object, capability: object, message: str) -> Result:
         failure_class=FailureClass.REQUEST_INVALID.value,
         message=message,
     )
+
+
+def job_input(args: Sequence[str], gpu_count: int | None = None) -> dict[str, Any]:
+    """A job's request input: its `args` (appended to the deployment's command) and the cards
+    it asks for. REQUEST_INVALID (ModelForgeError) for args that are not a list of strings or a
+    gpu_count out of range."""
+    if not isinstance(args, list | tuple) or not all(isinstance(a, str) for a in args):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "args must be a list of strings")
+    if gpu_count is not None and (
+        isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 1 <= gpu_count <= MAX_GPU_COUNT
+    ):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"gpu_count must be from 1 to {MAX_GPU_COUNT}")
+    payload: dict[str, Any] = {"args": list(args)} if args else {}
+    if gpu_count is not None:
+        payload["gpu_count"] = gpu_count
+    return payload
 
 
 def input_shape_problem(value: object) -> str | None:
@@ -187,12 +208,15 @@ class ModelForgeClient:
         on_progress: Callable[[str], None] | None = None,
         operation: str = "",
         stream: StreamTarget | None = None,
+        max_duration_s: float | None = None,
     ) -> Result:
         """One request, start to end. `on_progress` hears, about twice a second, what the request
         waits on: admission, the queue, a model loading (from its load activity's heartbeats),
         the invoke. `operation`: what the node does with the lease ("" invokes; "profile" is
         `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused).
-        `stream`: where the node pushes the answer as it is generated (the gateway's streams)."""
+        `stream`: where the node pushes the answer as it is generated (the gateway's streams).
+        `max_duration_s`: the longest its lease is held once granted, 1 s to 7 days (the
+        invoke or job is stopped, TIMEOUT, past it); None: RequestInput's default, 600 s."""
         chose_id = request_id is not None  # an id of our own making names nobody else's request
         request_id = uuid.uuid4().hex[:16] if request_id is None else request_id
         payload = {} if input is None else input
@@ -235,6 +259,17 @@ class ModelForgeClient:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value <= 7 * 24 * 3600):
                 return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
+        if max_duration_s is not None and (
+            isinstance(max_duration_s, bool)
+            or not isinstance(max_duration_s, int | float)
+            or not (MIN_DURATION_S <= max_duration_s <= MAX_DURATION_S)
+        ):
+            return _invalid(
+                request_id,
+                capability,
+                f"max_duration_s must be from {MIN_DURATION_S:.0f} to {MAX_DURATION_S:.0f} seconds (7 days), "
+                f"not {shown(str(max_duration_s))}",
+            )
         try:
             pool = self.pool if self.pool is not None else await self.router.choose(capability, tenant, priority)
         except ModelForgeError as error:
@@ -256,6 +291,7 @@ class ModelForgeClient:
             pool=pool,
             operation=operation,
             stream=stream,
+            **({"max_duration_s": float(max_duration_s)} if max_duration_s is not None else {}),
         )
         workflow_id = f"request:{capability}:{request_id}"
         attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
@@ -334,6 +370,40 @@ class ModelForgeClient:
             lease=result.lease,
             timings=result.timings,
             workflow_id=workflow_id,
+        )
+
+    async def submit_job(
+        self,
+        capability: str,
+        args: Sequence[str] = (),
+        *,
+        max_duration_s: float,
+        gpu_count: int | None = None,
+        tenant: str = "default",
+        queue: str | None = None,
+        priority: str | None = None,
+        request_id: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Result:
+        """A job (runtime `subprocess_job`): the deployment's command with `args` appended (it
+        needs `input_args = "true"`), run to its end under a lease of at most `max_duration_s`
+        (1 s to 7 days; TIMEOUT past it). The job's Result when it ends: `output` holds its exit
+        code, outputs (with their artifacts), log, progress and attempts. `gpu_count`, when
+        given, must be the deployment's card count (the node refuses the job otherwise). Every
+        check and error of `request` applies; a bad `args` or `gpu_count` is REQUEST_INVALID."""
+        try:
+            payload = job_input(args, gpu_count)
+        except ModelForgeError as error:
+            return _invalid(request_id or "", capability, error.message)
+        return await self.request(
+            capability,
+            payload,
+            tenant=tenant,
+            queue=queue,
+            priority=priority,
+            request_id=request_id,
+            on_progress=on_progress,
+            max_duration_s=max_duration_s,
         )
 
     async def _owner(self, workflow_id: str) -> str | None:
@@ -608,6 +678,9 @@ class SyncModelForgeClient:
 
     def request(self, capability: str, input: dict[str, Any] | None = None, **kwargs: Any) -> Result:
         return self._loop.run_until_complete(self._client.request(capability, input, **kwargs))
+
+    def submit_job(self, capability: str, args: Sequence[str] = (), **kwargs: Any) -> Result:
+        return self._loop.run_until_complete(self._client.submit_job(capability, args, **kwargs))
 
     def status(self) -> PoolStatus:
         return self._loop.run_until_complete(self._client.status())

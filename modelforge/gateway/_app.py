@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from modelforge.client import Result
+from modelforge.client import MAX_DURATION_S, MAX_GPU_COUNT, MIN_DURATION_S, Result, job_input
 from modelforge.domain import Catalog, Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_S, http_status, openai_error
@@ -97,6 +97,7 @@ class Requester(Protocol):
         lease_timeout_s: float | None = None,
         request_id: str | None = None,
         stream: StreamTarget | None = None,
+        max_duration_s: float | None = None,
     ) -> Result: ...
 
     async def status(self) -> PoolStatus: ...
@@ -169,6 +170,17 @@ class CapabilityCall(_Strict):
     tenant: str | None = None
     deadline_s: Annotated[float, Field(gt=0)] | None = None
     lease_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    request_id: str | None = None
+
+
+class JobCall(_Strict):
+    """POST /v1/jobs: a job (runtime subprocess_job) whose deployment's command gets `args`."""
+
+    capability: Annotated[str, Field(min_length=1, max_length=200)]
+    args: Annotated[list[str], Field(max_length=200)] = Field(default_factory=list)
+    max_duration_s: Annotated[float, Field(ge=MIN_DURATION_S, le=MAX_DURATION_S)]
+    gpu_count: Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)] | None = None
+    priority: str | None = None
     request_id: str | None = None
 
 
@@ -592,6 +604,60 @@ def create_app(
             priority=priority,
             deadline_s=call.deadline_s,
             lease_timeout_s=call.lease_timeout_s,
+        )
+        return JSONResponse(
+            {
+                "request_id": result.request_id,
+                "capability": result.capability,
+                "output": result.output,
+                "lease": dataclasses.asdict(result.lease) if result.lease else None,
+                "timings": result.timings,
+                "workflow_id": result.workflow_id,
+            }
+        )
+
+    @api.post("/v1/jobs")
+    async def jobs_(request: Request) -> JSONResponse:
+        """A job (runtime subprocess_job) run to its end under a lease of `max_duration_s`: its
+        Result (the job's output, timings, request id), or the typed error. `ModelForgeClient.
+        submit_job` over HTTP; a deployment of any other runtime is refused (400, named)."""
+        tenant: str = request.state.tenant
+        call: JobCall = await body_of(request, JobCall)
+        capability = _check("capability", call.capability)
+        request_id = request_id_of(request, call.request_id)
+        priority = priority_of(request, call.priority)
+        deployment = (await catalog.get()).deployment_for(capability)
+        if deployment is None:
+            raise GatewayError(
+                FailureClass.CAPABILITY_UNAVAILABLE,
+                f"no deployment serves {shown(capability)}",
+                status=404,
+                request_id=request_id,
+                code="model_not_found",
+                param="capability",
+            )
+        if deployment.runtime != "subprocess_job":
+            raise GatewayError(
+                FailureClass.REQUEST_INVALID,
+                f"{shown(capability)} runs on runtime {shown(deployment.runtime)}, not subprocess_job: "
+                "it is not a job (POST /v1/requests serves it)",
+                status=400,
+                request_id=request_id,
+                code="invalid_value",
+                param="capability",
+            )
+        try:
+            payload = job_input(call.args, call.gpu_count)
+        except ModelForgeError as error:
+            raise GatewayError(error.failure, error.message, request_id=request_id) from None
+        result = await run(
+            request,
+            capability,
+            payload,
+            request_id,
+            tenant=tenant,
+            priority=priority,
+            max_duration_s=call.max_duration_s,
         )
         return JSONResponse(
             {
