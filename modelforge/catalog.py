@@ -28,7 +28,7 @@ from modelforge.domain import (
 )
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.identifiers import identifier_problem
-from modelforge.policy._topology import shape_problems
+from modelforge.policy import shape_problems
 
 ID = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 Bytes = Annotated[int, Field(ge=0, le=2**50)]
@@ -51,6 +51,28 @@ def _identifier(kind: str) -> AfterValidator:
 
 CapabilityName = Annotated[str, Field(min_length=1), _identifier("capability")]
 TenantName = Annotated[str, Field(min_length=1), _identifier("tenant")]
+
+
+def _known_runtime(name: str) -> str:
+    """A runtime of the registry (modelforge/runtimes/_registry.py), imported only when a
+    catalog is read: importing this module stays light."""
+    from modelforge.runtimes import unknown_runtime
+
+    problem = unknown_runtime(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+def _runtime_schema(schema: dict[str, Any]) -> None:
+    from modelforge.runtimes import runtime_names
+
+    schema["enum"] = runtime_names()
+
+
+RuntimeName = Annotated[
+    str, Field(min_length=1, max_length=100, json_schema_extra=_runtime_schema), AfterValidator(_known_runtime)
+]
 
 
 class CatalogError(ModelForgeError):
@@ -117,7 +139,7 @@ class DeploymentSpec(_Strict):
     production_eligible: bool = True
     accelerators: list[ID] = Field(default_factory=list)
     measured_on: list[str] = Field(default_factory=list)
-    runtime: Literal["simulated", "subprocess_http", "subprocess_job", "sentence_transformers"] = "simulated"
+    runtime: RuntimeName = "simulated"  # a name in modelforge.runtimes.RUNTIMES
     artifact: str = Field(default="", max_length=4096)
     artifact_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     runtime_config: dict[str, str] = Field(default_factory=dict)
@@ -224,43 +246,31 @@ def _sleep_problems(dep: DeploymentSpec) -> list[str]:
         return [f"sleep_bytes: {dep.sleep_bytes} frees nothing (the model holds {awake} B awake)"]
     if dep.residency != Residency.KEEP_WARM:
         return [f"sleep_bytes: only keep_warm models sleep (a {dep.residency.value} one never idles warm)"]
-    if dep.runtime == "subprocess_http" and not (
-        dep.runtime_config.get("sleep_path") and dep.runtime_config.get("wake_path")
-    ):
-        return ["sleep_bytes: the server needs runtime_config.sleep_path and wake_path to sleep"]
+    from modelforge.runtimes import RUNTIMES
+
+    needs = RUNTIMES[dep.runtime].sleep_needs
+    if not all(dep.runtime_config.get(key) for key in needs):
+        return [f"sleep_bytes: {dep.runtime} needs runtime_config.{' and '.join(needs)} to sleep"]
     return []
 
 
 def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     """The runtime's own configuration, checked when the catalog is applied, not at first load."""
+    from modelforge.runtimes import RUNTIMES, runtime_names
     from modelforge.runtimes._secrets import secret_problems
 
     secrets = secret_problems(dep.runtime, dep.runtime_config, dep.env_from_secrets)
     if secrets:
         return secrets  # never a secret's value: names and the reference syntax only
-    if dep.runtime == "subprocess_http":
-        from modelforge.runtimes import SubprocessHttpConfig
-
+    spec = RUNTIMES[dep.runtime]
+    if spec.config is not None:
         try:
-            SubprocessHttpConfig.of(Deployment(**dep.model_dump()))
+            spec.config(Deployment(**dep.model_dump()))
         except ModelForgeError as error:
             return [error.message]
-    elif dep.runtime == "subprocess_job":
-        from modelforge.runtimes import SubprocessJobConfig
-
-        try:
-            SubprocessJobConfig.of(Deployment(**dep.model_dump()))
-        except ModelForgeError as error:
-            return [error.message]
-    elif dep.runtime == "sentence_transformers":
-        from modelforge.runtimes import SentenceTransformersConfig
-
-        try:
-            SentenceTransformersConfig.of(Deployment(**dep.model_dump()))
-        except ModelForgeError as error:
-            return [error.message]
-    elif dep.command:
-        return [f"command: only subprocess_http and subprocess_job run a command, not {dep.runtime}"]
+    if dep.command and not spec.runs_command:
+        running = " and ".join(runtime_names(lambda other: other.runs_command))
+        return [f"command: only {running} run a command, not {dep.runtime}"]
     return []
 
 

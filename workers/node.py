@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,13 +25,7 @@ from modelforge.gpu import (
 )
 from modelforge.logging import get_logger
 from modelforge.messages import TelemetryInput, device_index
-from modelforge.runtimes import (
-    Runtime,
-    SentenceTransformersRuntime,
-    SimulatedRuntime,
-    SubprocessHttpRuntime,
-    SubprocessJobRuntime,
-)
+from modelforge.runtimes import Runtime, build_runtimes
 from modelforge.settings import DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
 from workflows import CapabilityRequestWorkflow, TelemetryWorkflow
@@ -65,25 +60,11 @@ def host_device(node: str, catalog: Catalog | None, cpu_device_bytes: int | None
 
 
 def node_runtimes(devices: NodeDevices, home: Path, node: str) -> dict[str, Runtime]:
-    """Every runtime a node serves. The simulated runtime only beside simulated cards: on a real
-    one it would count bytes no process holds. Model servers an earlier run of this node's worker
-    left behind (it was killed) are stopped first: their memory is not anyone's any more."""
-    servers = SubprocessHttpRuntime(devices, home / "runtime-logs" / node)
-    reaped = servers.reap_orphans()
-    if reaped:
-        log.warning("orphaned_model_servers_stopped", node=node, pids=reaped)
-    jobs = SubprocessJobRuntime(devices, home, node)
-    reaped = jobs.reap_orphans()
-    if reaped:
-        log.warning("orphaned_jobs_stopped", node=node, pids=reaped)
-    runtimes: dict[str, Runtime] = {
-        "subprocess_http": servers,
-        "subprocess_job": jobs,
-        "sentence_transformers": SentenceTransformersRuntime(devices),
-    }
-    if devices.simulated_gpus:
-        runtimes["simulated"] = SimulatedRuntime(devices)
-    return runtimes
+    """Every runtime a node serves: each of the registry (modelforge.runtimes.RUNTIMES). The
+    simulated runtime only beside simulated cards: on a real one it would count bytes no process
+    holds. Model servers and jobs an earlier run of this node's worker left behind (it was
+    killed) are stopped first: their memory is not anyone's any more."""
+    return build_runtimes(devices, home, node)
 
 
 def build_node_worker(
@@ -203,5 +184,6 @@ async def run(
             await asyncio.Event().wait()
     finally:
         for runtime in runtimes.values():
-            if isinstance(runtime, SubprocessHttpRuntime | SubprocessJobRuntime):
-                await runtime.close()  # no model server or job outlives its node worker
+            close = getattr(runtime, "close", None)  # no model server or job outlives its node worker
+            if close is not None and inspect.isawaitable(closing := close()):
+                await closing

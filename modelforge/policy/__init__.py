@@ -54,6 +54,7 @@ from modelforge.policy._state import (
     ResidentState,
     TenantUsage,
 )
+from modelforge.policy._topology import shape_problems as shape_problems
 from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolStatus, ResidentStatus, pool_status
 
 __all__ = [

@@ -1,5 +1,6 @@
 """Model runtimes behind one Protocol: simulated, a model server as a subprocess over HTTP, a
-batch job as a subprocess, and the built-in sentence-transformers embedding runtime."""
+batch job as a subprocess, and the built-in sentence-transformers embedding runtime. `RUNTIMES`
+(modelforge/runtimes/_registry.py) lists them: a new runtime is its module plus one entry there."""
 
 from modelforge.runtimes._artifacts import (
     CheckedArtifact,
@@ -10,6 +11,14 @@ from modelforge.runtimes._artifacts import (
 )
 from modelforge.runtimes._process import process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, Runtime
+from modelforge.runtimes._registry import (
+    RUNTIMES,
+    NodeContext,
+    RuntimeSpec,
+    build_runtimes,
+    runtime_names,
+    unknown_runtime,
+)
 from modelforge.runtimes._sentence_transformers import (
     BUILTIN_MODEL,
     SentenceTransformersConfig,
@@ -27,10 +36,13 @@ from modelforge.runtimes._subprocess_job import (
 __all__ = [
     "BUILTIN_MODEL",
     "CHECKPOINTED_EXIT",
+    "RUNTIMES",
     "CheckedArtifact",
     "Heartbeat",
     "LoadedModel",
+    "NodeContext",
     "Runtime",
+    "RuntimeSpec",
     "SentenceTransformersConfig",
     "SentenceTransformersRuntime",
     "SimulatedRuntime",
@@ -39,10 +51,13 @@ __all__ = [
     "SubprocessJobConfig",
     "SubprocessJobRuntime",
     "artifact_digest",
+    "build_runtimes",
     "check_artifact",
     "job_log_dirs",
     "process_tree",
     "resolve_artifact",
     "rss_bytes",
+    "runtime_names",
+    "unknown_runtime",
     "verify_artifact",
 ]

@@ -59,8 +59,13 @@ def secret_problems(runtime: str, runtime_config: Mapping[str, str], env_from_se
             )
         if f"env.{env}" in runtime_config:
             problems.append(f"env_from_secrets.{env[:80]}: runtime_config.env.{env[:80]} is set too")
-    if env_from_secrets and runtime != "subprocess_http":
-        problems.append(f"env_from_secrets: only subprocess_http gives a server an environment, not {runtime}")
+    if env_from_secrets:
+        from modelforge.runtimes._registry import RUNTIMES, runtime_names  # it imports this module
+
+        spec = RUNTIMES.get(runtime)
+        if spec is None or not spec.env_from_secrets:
+            giving = " and ".join(runtime_names(lambda other: other.env_from_secrets))
+            problems.append(f"env_from_secrets: only {giving} gives a server an environment, not {runtime}")
     return problems
 
 

@@ -1,0 +1,102 @@
+"""The runtimes a deployment may name, one entry each. Adding a runtime is its module and one
+entry here: the catalog validates `runtime` and `runtime_config` through this table, and a node
+worker builds the runtimes it serves from it (workers/node.py `node_runtimes`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from modelforge.domain import Deployment
+from modelforge.gpu import NodeDevices
+from modelforge.logging import get_logger
+from modelforge.runtimes._protocol import Runtime
+from modelforge.runtimes._sentence_transformers import SentenceTransformersConfig, SentenceTransformersRuntime
+from modelforge.runtimes._simulated import SimulatedRuntime
+from modelforge.runtimes._subprocess_http import SubprocessHttpConfig, SubprocessHttpRuntime
+from modelforge.runtimes._subprocess_job import SubprocessJobConfig, SubprocessJobRuntime
+
+log = get_logger("modelforge.worker.node")  # reaping happens as a node worker starts
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What a runtime is built from on a node worker."""
+
+    devices: NodeDevices
+    home: Path  # MODELFORGE_HOME: logs, pid files, job directories
+    node: str
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    name: str
+    # Builds the runtime on a node worker (and stops what an earlier, killed run of it left behind).
+    build: Callable[[NodeContext], Runtime]
+    # The deployment's runtime configuration, or ModelForgeError(REQUEST_INVALID) naming the
+    # field; called when the catalog is applied, not at first load. None: nothing to configure.
+    config: Callable[[Deployment], object] | None = None
+    runs_command: bool = False  # the deployment's `command` is what it runs
+    job: bool = False  # a batch job run to its end, not a model server answering requests
+    env_from_secrets: bool = False  # gives what it starts an environment (`env_from_secrets`)
+    # runtime_config keys a deployment needs set before its model may sleep (`sleep_bytes`).
+    sleep_needs: tuple[str, ...] = ()
+    # Built only beside simulated cards: on a real one it would count bytes no process holds.
+    simulated_only: bool = False
+
+
+def _subprocess_http(ctx: NodeContext) -> Runtime:
+    runtime = SubprocessHttpRuntime(ctx.devices, ctx.home / "runtime-logs" / ctx.node)
+    reaped = runtime.reap_orphans()
+    if reaped:
+        log.warning("orphaned_model_servers_stopped", node=ctx.node, pids=reaped)
+    return runtime
+
+
+def _subprocess_job(ctx: NodeContext) -> Runtime:
+    runtime = SubprocessJobRuntime(ctx.devices, ctx.home, ctx.node)
+    reaped = runtime.reap_orphans()
+    if reaped:
+        log.warning("orphaned_jobs_stopped", node=ctx.node, pids=reaped)
+    return runtime
+
+
+_SPECS = (
+    RuntimeSpec("simulated", lambda ctx: SimulatedRuntime(ctx.devices), simulated_only=True),
+    RuntimeSpec(
+        "subprocess_http",
+        _subprocess_http,
+        SubprocessHttpConfig.of,
+        runs_command=True,
+        env_from_secrets=True,
+        sleep_needs=("sleep_path", "wake_path"),
+    ),
+    RuntimeSpec("subprocess_job", _subprocess_job, SubprocessJobConfig.of, runs_command=True, job=True),
+    RuntimeSpec(
+        "sentence_transformers", lambda ctx: SentenceTransformersRuntime(ctx.devices), SentenceTransformersConfig.of
+    ),
+)
+
+RUNTIMES: Mapping[str, RuntimeSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
+
+
+def runtime_names(where: Callable[[RuntimeSpec], bool] = lambda spec: True) -> list[str]:
+    """The registered runtimes' names (those `where` holds for), in registry order."""
+    return [name for name, spec in RUNTIMES.items() if where(spec)]
+
+
+def unknown_runtime(name: str) -> str | None:
+    """None for a registered runtime, else what the catalog says about `name`."""
+    if name in RUNTIMES:
+        return None
+    return f"unknown runtime {name[:80]!r} (known: {', '.join(RUNTIMES)})"
+
+
+def build_runtimes(devices: NodeDevices, home: Path, node: str) -> dict[str, Runtime]:
+    """Every registered runtime this node serves, by name."""
+    ctx = NodeContext(devices, home, node)
+    return {
+        name: spec.build(ctx) for name, spec in RUNTIMES.items() if devices.simulated_gpus or not spec.simulated_only
+    }
