@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.names import scheduler_id
 from modelforge.settings import Settings
 
 if TYPE_CHECKING:
@@ -805,7 +806,7 @@ def profile(
         pools = sorted({a.pool for a in catalog.accelerators})
         temporal = await connect(settings)
         for pool in pools:  # the schedulers reload the catalog, now with the measured envelope
-            await temporal.get_workflow_handle(f"scheduler:{pool}").signal("catalog_changed")
+            await temporal.get_workflow_handle(scheduler_id(pool)).signal("catalog_changed")
         production_cards.extend(
             sorted(
                 acc.id
@@ -913,7 +914,7 @@ def catalog_apply(file: Annotated[Path, typer.Argument(help="Catalog TOML to val
         # worker starts it, and it loads the catalog then), which must not keep the others stale.
         for pool in sorted({acc.pool for acc in catalog.accelerators}):
             try:
-                handle = client.get_workflow_handle(f"scheduler:{pool}")
+                handle = client.get_workflow_handle(scheduler_id(pool))
                 await handle.signal("catalog_changed")
                 # Which of this pool's nodes has a worker: the scheduler's observations so far.
                 current = await handle.query("status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=5))
@@ -1077,7 +1078,9 @@ def gateway(
 
 @app.command()
 def simulate(
-    scenario: Annotated[Path, typer.Argument(help="Scenario TOML (DESIGN §7).")],
+    scenario: Annotated[
+        Path, typer.Argument(help="Scenario TOML: a catalog plus the requests to replay (docs/SIMULATOR.md).")
+    ],
     policy: Annotated[
         str, typer.Option(help="modelforge (the production policy), fifo or ollama; 'all' runs the three side by side.")
     ] = "modelforge",
@@ -1197,7 +1200,7 @@ def trace_alibaba(
     out.print(escape(f"wrote {path}"), highlight=False)
 
 
-import modelforge.cli_jobs  # noqa: E402  (adds `modelforge logs`: jobs, issue 19)
+import modelforge.cli_jobs  # noqa: E402  (adds `modelforge job submit|jobs|logs|artifacts`)
 import modelforge.cli_residency  # noqa: E402, F401  (adds `modelforge load|unload|pin|unpin`)
 
 

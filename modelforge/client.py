@@ -54,6 +54,7 @@ from modelforge.messages import (
     StreamTarget,
     client_input_problem,
 )
+from modelforge.names import request_workflow_id, scheduler_id
 from modelforge.payloads import PayloadMissing, get_output, payload_store
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
@@ -293,7 +294,7 @@ class ModelForgeClient:
             stream=stream,
             **({"max_duration_s": float(max_duration_s)} if max_duration_s is not None else {}),
         )
-        workflow_id = f"request:{capability}:{request_id}"
+        workflow_id = request_workflow_id(capability, request_id)
         attributes = [SearchAttributePair(sa.CAPABILITY, capability), SearchAttributePair(sa.TENANT, tenant)]
         if priority:
             attributes.append(SearchAttributePair(sa.PRIORITY, priority))
@@ -597,7 +598,7 @@ class ModelForgeClient:
         for pool in pools:
             try:
                 reply: ResidencyControlReply = await self.temporal.get_workflow_handle(
-                    f"scheduler:{pool}"
+                    scheduler_id(pool)
                 ).execute_update("residency_control", call, result_type=ResidencyControlReply)
             except WorkflowUpdateFailedError as error:
                 cause = error.cause
@@ -654,7 +655,7 @@ class ModelForgeClient:
 
     async def _pool_status(self, pool: str) -> PoolStatus:
         try:
-            status: PoolStatus = await self.temporal.get_workflow_handle(f"scheduler:{pool}").query(
+            status: PoolStatus = await self.temporal.get_workflow_handle(scheduler_id(pool)).query(
                 "status", result_type=PoolStatus, rpc_timeout=timedelta(seconds=10)
             )
         except (RPCError, WorkflowQueryFailedError) as error:

@@ -455,8 +455,8 @@ class Simulation:
 
     def _deployment_of(self, key: str) -> Deployment | None:
         """A resident key is `deployment@accelerator`, and deployment ids hold `@` themselves
-        (`rag.embedding@1`): cut at the accelerator the key is on. (Cutting at the first `@`
-        found no deployment, so every unload took no time until session 6.)"""
+        (`rag.embedding@1`): cut at the accelerator the key is on. (Cutting at the first `@` found
+        no deployment, so every unload once took no time.)"""
         accelerator = self.cards.resident_on.get(key)
         base = key.split("#", 1)[0]  # the baselines number their runners: `deployment@accelerator#n`
         if accelerator is None or not base.endswith("@" + accelerator):

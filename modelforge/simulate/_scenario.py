@@ -1,4 +1,4 @@
-"""Scenario files (DESIGN §7): a catalog TOML (accelerators, external usage, deployments, tenants)
+"""Scenario files (docs/SIMULATOR.md): a catalog TOML (accelerators, external usage, deployments, tenants)
 plus `[requests] path` to a JSON-lines file, one request a line. Validated strictly: an error
 names the line and the field."""
 
