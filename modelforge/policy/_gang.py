@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelforge.domain import Accelerator
+from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait
 from modelforge.policy._pass import (
@@ -16,6 +16,7 @@ from modelforge.policy._pass import (
     filtered_accelerators,
     idle_residents,
     new_lease,
+    static_filter,
     unload_cost,
 )
 from modelforge.policy._queue_index import queue_index
@@ -69,62 +70,165 @@ def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep]
 def _filter_gang(attempt: Attempt) -> _Gang:
     """Phase 1: the accelerators that pass the filter, grouped by NVLink group or node."""
     deployment = attempt.deployment
-    passed, refused = filtered_accelerators(attempt.pass_, deployment, attempt.production)
-    catalog = attempt.pass_.state.catalog
-    nvlink = deployment.nvlink_required
-    groups: dict[str, list[str]] = {}
-    for accelerator in passed:
-        acc = catalog.accelerator(accelerator)
-        assert acc is not None
-        key = acc.nvlink_group if nvlink else acc.node
-        if nvlink and not key:
-            continue
-        groups.setdefault(key, []).append(accelerator)
+    pass_ = attempt.pass_
+    passed, refused = filtered_accelerators(pass_, deployment, attempt.production)
+    groups, topology = _grouped(pass_, deployment, attempt.production, passed)
     need = deployment.envelope_bytes
     return _Gang(
         count=deployment.gpu_count,
         need=need,
         shape=GangShape.of(deployment),
-        nvlink=nvlink,
+        nvlink=deployment.nvlink_required,
         passed=passed,
         refused=refused,
         groups=groups,
-        topology={a: acc for a in passed if (acc := catalog.accelerator(a)) is not None},
+        topology=topology,
         landing=Landing(need, persists=False, attempt=attempt, lead_s=attempt.load_s),
     )
 
 
+def _grouped(
+    pass_: DecisionPass, deployment: Deployment, production: bool, passed: list[str]
+) -> tuple[dict[str, list[str]], dict[str, Accelerator]]:
+    """`passed` grouped by NVLink group (cards in none left out) or by node, and each card's
+    topology. Kept with the catalog while `passed` is the catalog's own filter result (no card
+    unhealthy), else for the pass: read only, never changed by a placement."""
+    state = pass_.state
+    static_passed, _, _ = static_filter(state, deployment, production)
+    nvlink = deployment.nvlink_required
+    key: tuple[object, ...] = (state.pool, deployment.deployment_id, production, state.config.cpu_fallback, nvlink)
+    cache: dict[tuple[object, ...], tuple[dict[str, list[str]], dict[str, Accelerator]]]
+    if passed is static_passed:
+        cache = state.catalog.__dict__.setdefault("_policy_gang_groups", {})
+    else:
+        cache = pass_.gang_memo  # type: ignore[assignment]
+        key = ("groups", *key)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    catalog = state.catalog
+    groups: dict[str, list[str]] = {}
+    topology: dict[str, Accelerator] = {}
+    for accelerator in passed:
+        acc = catalog.accelerator(accelerator)
+        assert acc is not None
+        topology[accelerator] = acc
+        group = acc.nvlink_group if nvlink else acc.node
+        if nvlink and not group:
+            continue
+        groups.setdefault(group, []).append(accelerator)
+    cache[key] = (groups, topology)
+    return groups, topology
+
+
+def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
+    """Per accelerator holding anything: bytes that stay taken there whatever a gang's placement
+    does in this pass. `total - reserve_bytes - shortfall` bounds from above what any phase of
+    `place_gang` counts on a card (free bytes, idle residents unloaded, work preempted or ending
+    by its max_duration, unloads under way, lease bytes promised to loads): a card below the
+    gang's bytes by that bound can be passed over unseen. Generous where unsure (a larger bound
+    only prunes less): committed bytes, external bytes and the dynamic reserve are left out."""
+    memo = pass_.gang_memo
+    cached = memo.get(("shortfall",))
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    state = pass_.state
+    catalog = state.catalog
+    shortfall = dict(pass_.resident_sum)
+    for accelerator, nbytes in pass_.leased_sum.items():
+        shortfall[accelerator] = shortfall.get(accelerator, 0) + nbytes
+    for accelerator, idle in pass_.evictable.items():
+        shortfall[accelerator] -= sum(r.bytes for r in idle)
+    for resident in state.residents.values():
+        if resident.phase == ResidentPhase.UNLOADING:
+            shortfall[resident.accelerator] -= resident.bytes
+    for lease in state.leases.values():
+        leased = catalog.deployment(lease.deployment)
+        if lease.ends_by is None and lease.lease_id not in state.preempting and not (leased and leased.preemptible):
+            continue
+        freed = lease.bytes
+        holder = state.residents.get(lease.resident_key)
+        if holder is not None and holder.residency == Residency.NONE:
+            freed += holder.bytes
+        for accelerator in lease.accelerators if lease.gang else (lease.accelerator,):
+            shortfall[accelerator] -= freed
+    memo[("shortfall",)] = shortfall
+    return shortfall
+
+
+def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[str]]]:
+    """The cards of `gang.passed` where the gang's bytes could ever be found in this pass (see
+    `_ceiling_shortfall`), and (NVLink) the groups holding `count` of them, with those cards;
+    an NVLink gang's cards are those of such groups only. Every phase of `place_gang` finds
+    nothing on the others (no room, no reservation), so it looks at these alone."""
+    if not pass_.indexed:
+        return gang.passed, gang.groups
+    memo = pass_.gang_memo
+    key = ("live", id(gang.passed), gang.need, gang.count, gang.nvlink)
+    cached = memo.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    shortfall = _ceiling_shortfall(pass_)
+    need = gang.need
+    live: dict[str, bool] = {}
+    for accelerator, acc in gang.topology.items():
+        if acc.total_bytes - acc.reserve_bytes - shortfall.get(accelerator, 0) >= need:
+            live[accelerator] = True
+    groups: dict[str, list[str]] = {}
+    if gang.nvlink:
+        for group, members in gang.groups.items():
+            kept = [a for a in members if a in live]
+            if len(kept) >= gang.count:
+                groups[group] = kept
+        in_groups = {a: True for kept in groups.values() for a in kept}
+        cards = [a for a in gang.passed if a in in_groups]
+    else:
+        cards = [a for a in gang.passed if a in live]
+    memo[key] = (cards, groups)
+    return cards, groups
+
+
 def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
     """Phase 2: could it ever fit, with every ModelForge byte gone? Only the card sizes and
-    reserves count; else it is refused now, with why."""
-    queued, budgets, need, count = attempt.queued, attempt.pass_.budgets, gang.need, gang.count
-    ever = {a: True for a in gang.passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes}
-    possible = [members for members in gang.groups.values() if sum(1 for a in members if a in ever) >= count]
+    reserves count (fixed for the pass), so the answer is worked out once per deployment and
+    kind of class in a pass; else it is refused now, with why."""
+    key = ("never", attempt.deployment.deployment_id, attempt.production)
+    memo = attempt.pass_.gang_memo
+    never: tuple[FailureClass, str] | None
+    if key in memo and attempt.pass_.indexed:
+        never = memo[key]  # type: ignore[assignment]
+    else:
+        never = memo[key] = _never_fits_why(attempt.pass_, gang)
+    if never is None:
+        return None
+    return Reject(attempt.queued.request_id, attempt.queued.workflow_id, never[0], never[1])
+
+
+def _never_fits_why(pass_: DecisionPass, gang: _Gang) -> tuple[FailureClass, str] | None:
+    budgets, need, count = pass_.budgets, gang.need, gang.count
     if gang.nvlink:
-        if possible:
-            return None
+        # One group that could hold it is enough: the groups are looked at until one is found.
+        for members in gang.groups.values():
+            if sum(1 for a in members if need <= budgets[a].total_bytes - budgets[a].reserve_bytes) >= count:
+                return None
         detail = "; ".join(f.reason for f in gang.refused[:3])
-        return Reject(
-            queued.request_id,
-            queued.workflow_id,
+        return (
             FailureClass.CAPABILITY_UNAVAILABLE if not gang.groups else FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
             f"no NVLink group has {count} eligible accelerators with {need} B each"
             + (f" ({detail})" if detail else ""),
         )
+    ever = {a: True for a in gang.passed if need <= budgets[a].total_bytes - budgets[a].reserve_bytes}
+    possible = [members for members in gang.groups.values() if sum(1 for a in members if a in ever) >= count]
     if sum(len(m) for m in possible) < count:
         cards = len(ever)
         if cards < count:
-            return Reject(
-                queued.request_id,
-                queued.workflow_id,
+            return (
                 FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
                 f"needs {count} accelerators with {need} B each; the pool has {cards}",
             )
     # Could its shape ever be satisfied, with every card empty?
     if choose_gang([(0, a) for a in ever], gang.shape, gang.topology) is None:
-        return Reject(
-            queued.request_id,
-            queued.workflow_id,
+        return (
             FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
             f"no placement in the pool satisfies {gang.shape.describe()} with {need} B each",
         )
@@ -134,11 +238,12 @@ def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
 def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = False) -> list[str] | None:
     """Phase 3 (and 4, asked how things would be after making room): the cards for the gang,
     best fit, inside one NVLink group when it needs one, else as its shape allows."""
+    cards, groups = _live(attempt.pass_, gang)
     if not gang.nvlink:
-        return choose_gang(_room(attempt, gang, gang.passed, evicting, preempting), gang.shape, gang.topology)
+        return choose_gang(_room(attempt, gang, cards, evicting, preempting), gang.shape, gang.topology)
     count = gang.count
     best: tuple[int, str, list[str]] | None = None
-    for key, members in gang.groups.items():
+    for key, members in groups.items():
         room = _room(attempt, gang, members, evicting, preempting)
         if len(room) >= count:
             leftover = sum(left for left, _ in room[:count])
@@ -275,7 +380,10 @@ def _reserve_for_gang(attempt: Attempt, gang: _Gang) -> str:
     # Whether a reservation is made depends on this request's own lease timeout and deadline.
     attempt.reusable = False
     timelines, ready_at = _release_timelines(attempt, gang)
-    chosen = choose_reserved(ready_at, gang.count, gang.shape, gang.topology, gang.groups if gang.nvlink else None)
+    # Only the groups `_live` kept hold cards with a time (the others could not be chosen).
+    chosen = choose_reserved(
+        ready_at, gang.count, gang.shape, gang.topology, _live(pass_, gang)[1] if gang.nvlink else None
+    )
     if chosen is None:
         return ""
     starts_at, accelerators = chosen
@@ -294,14 +402,15 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     bytes it gets back and when, and when the gang's bytes would be free there."""
     pass_, now = attempt.pass_, attempt.now
     state = pass_.state
-    on: dict[str, list[Lease]] = {}
-    for lease in state.leases.values():
-        for accelerator in lease.accelerators:
-            on.setdefault(accelerator, []).append(lease)
-    promised = _promised_releases(pass_, now)
     timelines: dict[str, list[tuple[float, int]]] = {}
     ready_at: dict[str, float] = {}
-    for accelerator in may_land(pass_, gang.passed, attempt.production, None):
+    # The others never have the gang's bytes free, nor are chosen (`_live`).
+    cards, _ = _live(pass_, gang)
+    if not cards:
+        return timelines, ready_at
+    on = _leases_on(pass_)
+    promised = _promised_releases(pass_, now)
+    for accelerator in may_land(pass_, cards, attempt.production, None):
         coming = promised.get(accelerator, [])
         for idle in idle_residents(pass_, accelerator, attempt.production):
             # Unloaded to make room when the gang's time comes (as it does when it fits now).
@@ -310,6 +419,19 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
         timelines[accelerator] = timeline
         ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, gang.need, now)
     return timelines, ready_at
+
+
+def _leases_on(pass_: DecisionPass) -> dict[str, list[Lease]]:
+    """The leases held on each accelerator (a gang's on each of its cards), once per pass."""
+    cached = pass_.gang_memo.get(("leases_on",))
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    on: dict[str, list[Lease]] = {}
+    for lease in pass_.state.leases.values():
+        for accelerator in lease.accelerators:
+            on.setdefault(accelerator, []).append(lease)
+    pass_.gang_memo[("leases_on",)] = on
+    return on
 
 
 def _promised_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:

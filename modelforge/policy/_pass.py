@@ -124,6 +124,13 @@ class DecisionPass:
     waking: dict[str, bool] = field(default_factory=dict)
     # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
     reservations: dict[str, Reservation] = field(default_factory=dict)
+    # Resident and lease bytes per accelerator, as the budgets sum them.
+    resident_sum: dict[str, int] = field(default_factory=dict)
+    leased_sum: dict[str, int] = field(default_factory=dict)
+    # What gang placement works out once per pass rather than once per waiting gang (`_gang`),
+    # and whether it may (off: the reference pass, which looks at every card for every gang).
+    gang_memo: dict[tuple[object, ...], object] = field(default_factory=dict)
+    indexed: bool = True
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
@@ -212,7 +219,7 @@ def filter_accelerators(state: PoolState, deployment: Deployment, priority: str,
     return results
 
 
-def start_pass(state: PoolState, now: float) -> DecisionPass:
+def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPass:
     accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
     resident_sum: dict[str, int] = {}
     pinned: dict[str, int] = {}
@@ -266,6 +273,9 @@ def start_pass(state: PoolState, now: float) -> DecisionPass:
         pinned=pinned,
         preemptible=preemptible,
         position={a.id: i for i, a in enumerate(accelerators)},
+        resident_sum=resident_sum,
+        leased_sum=leased_sum,
+        indexed=indexed,
     )
     for resident in state.residents.values():
         deployment = catalog.deployment(resident.deployment)

@@ -77,8 +77,9 @@ def decide(state: PoolState, now: float) -> Decisions:
 
 def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     """`decide`, and with `reuse_settled=False` the reference it must agree with: every request
-    placed on its own, no outcome reused (the property tests compare the two)."""
-    pass_ = start_pass(state, now)
+    placed on its own, no outcome reused, every gang looking at every card (the property tests
+    compare the two)."""
+    pass_ = start_pass(state, now, indexed=reuse_settled)
     decisions = Decisions()
     counter = state.lease_counter
     # Per capability: its deployment and the outcome an unplaced request of it settled on in this
@@ -294,6 +295,18 @@ def _preempt_on_silent_nodes(pass_: DecisionPass, decisions: Decisions, now: flo
     a lease nobody can verify. (Nothing new lands there meanwhile: the accelerator is stale.)"""
     state = pass_.state
     limit = state.config.node_silent_s
+    if limit == math.inf and math.isfinite(now):
+        return  # the rule is off: no node is ever silent for that long
+    runtimes = state.accelerators
+    silent = False
+    # First the cards holding leases, once each (many leases share one): most passes find none silent.
+    for accelerator in pass_.leased_sum:
+        observation = runtimes.get(accelerator, IDLE_RUNTIME).observation
+        if observation is not None and not now - observation.received_at < limit:
+            silent = True
+            break
+    if not silent:
+        return
     asked = {p.lease_id: True for p in decisions.preemptions}
     for lease in state.leases.values():
         if lease.lease_id in state.preempting or lease.lease_id in asked:

@@ -1,0 +1,175 @@
+"""The fast pass's gang placement looks only at the cards where a gang's bytes could ever be
+found in the pass (`_gang._live`), and works out once per pass what is the same for every gang
+(grouping, whether it could ever fit, leases per card). Over random sequences on a small
+topology (NVLink groups, nodes, racks, work with and without end times, preemptible work), it
+must decide exactly what the reference pass decides, which looks at every card for every gang."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelforge.domain import GiB, Priority, Residency
+from modelforge.policy import (
+    AdmissionRejected,
+    PolicyConfig,
+    PoolState,
+    ResidentPhase,
+    apply_decisions,
+    decide,
+    enqueue,
+    release_lease,
+    resident_ready,
+    resident_unloaded,
+    validate_request,
+)
+from modelforge.policy._placement import decide_each
+from tests.builders import NOW, ask, deployment, gpu, observe, state, tenant
+
+CARDS = [f"{node}/{i}" for node, n in (("a", 4), ("b", 4), ("c", 2)) for i in range(n)]
+CAPABILITIES = ["emb@1", "llm@1", "job@1", "nv2@1", "nv4@1", "spread@1", "pair@1"]
+
+operation = st.one_of(
+    st.tuples(
+        st.just("request"),
+        st.integers(0, len(CAPABILITIES) - 1),
+        st.sampled_from(list(Priority)[:4]),
+        st.integers(1, 4),
+        st.sampled_from([None, 30.0, 300.0]),
+    ),
+    st.tuples(st.just("external"), st.integers(0, len(CARDS) - 1), st.integers(0, 20)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("loaded"), st.integers(0, 50)),
+    st.tuples(st.just("unloaded"), st.integers(0, 50)),
+    st.tuples(st.just("unhealthy"), st.integers(0, len(CARDS) - 1)),
+    st.tuples(st.just("wait"), st.integers(1, 400)),
+)
+
+
+def build(gang_reservations: bool) -> PoolState:
+    accelerators = [
+        gpu(
+            card,
+            total=24 if card.startswith("a") else 16,
+            nvlink_group=card.split("/")[0] if not card.startswith("c") else "",
+            rack="r1" if card.startswith("c") else "r0",
+        )
+        for card in CARDS
+    ]
+    return state(
+        accelerators,
+        [
+            deployment("emb@1", gib=1.2, queue_limit=100),
+            deployment("llm@1", gib=9, idle_bytes=7 * GiB, concurrency=2, queue_limit=100),
+            deployment("job@1", gib=6, residency=Residency.LOAD_ON_DEMAND, queue_limit=100, preemptible=True),
+            deployment(
+                "nv2@1",
+                gib=5,
+                residency=Residency.NONE,
+                idle_bytes=0,
+                gpu_count=2,
+                nvlink_required=True,
+                queue_limit=100,
+            ),
+            deployment(
+                "nv4@1",
+                gib=8,
+                residency=Residency.NONE,
+                idle_bytes=0,
+                gpu_count=4,
+                nvlink_required=True,
+                queue_limit=100,
+            ),
+            deployment(
+                "spread@1",
+                gib=4,
+                residency=Residency.NONE,
+                idle_bytes=0,
+                gpu_count=3,
+                anti_affinity="node",
+                queue_limit=100,
+                preemptible=True,
+            ),
+            deployment(
+                "pair@1", gib=10, residency=Residency.NONE, idle_bytes=0, gpu_count=2, gpu_per_node=2, queue_limit=100
+            ),
+        ],
+        tenants=[tenant("t", weight=2.0), tenant("u")],
+        config=PolicyConfig(preempt_min_runtime_s=0.0, gang_reservations=gang_reservations),
+    )
+
+
+def run(operations: list[tuple[object, ...]], gang_reservations: bool) -> None:
+    s = build(gang_reservations)
+    now = NOW
+    external = dict.fromkeys(CARDS, 0.0)
+    for card in CARDS:
+        observe(s, card, at=now)
+    for n, op in enumerate(operations):
+        kind = op[0]
+        if kind == "request":
+            for k in range(int(op[3])):  # type: ignore[call-overload]
+                capability = CAPABILITIES[(int(op[1]) + k * 3) % len(CAPABILITIES)]  # type: ignore[call-overload]
+                request = ask(f"r{n}.{k}", capability, tenant_name="tu"[k % 2], priority=op[2], max_duration_s=op[4])
+                try:
+                    _, priority = validate_request(s, request, gangs=True)
+                    enqueue(s, request, priority, now)
+                except AdmissionRejected:
+                    pass
+        elif kind == "external":
+            external[CARDS[int(op[1])]] = float(op[2])  # type: ignore[call-overload]
+        elif kind == "release" and s.leases:
+            release_lease(s, list(s.leases)[int(op[1]) % len(s.leases)], now, "ok")  # type: ignore[call-overload]
+        elif kind == "loaded":
+            loading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.LOADING]
+            if loading:
+                resident_ready(s, loading[int(op[1]) % len(loading)], 0, now)  # type: ignore[call-overload]
+        elif kind == "unloaded":
+            unloading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.UNLOADING]
+            if unloading:
+                resident_unloaded(s, unloading[int(op[1]) % len(unloading)], True, "")  # type: ignore[call-overload]
+        elif kind == "unhealthy":
+            observe(s, CARDS[int(op[1])], healthy=False, at=now)  # type: ignore[call-overload]
+        elif kind == "wait":
+            now += float(op[1])  # type: ignore[arg-type]
+        for card, ext in external.items():
+            managed = (
+                sum(r.bytes for r in s.residents.values() if r.accelerator == card and r.phase != ResidentPhase.LOADING)
+                + sum(lease.bytes for lease in s.leases.values() if card in lease.accelerators)
+            ) / GiB
+            observe(s, card, external_gib=ext, managed_gib=managed, at=now)
+        decisions = decide(s, now)
+        reference = decide_each(s, now, reuse_settled=False)
+        assert (
+            decisions.grants,
+            decisions.rejects,
+            decisions.loads,
+            decisions.assigns,
+            decisions.unloads,
+            decisions.sleeps,
+            decisions.wakes,
+            decisions.preemptions,
+        ) == (
+            reference.grants,
+            reference.rejects,
+            reference.loads,
+            reference.assigns,
+            reference.unloads,
+            reference.sleeps,
+            reference.wakes,
+            reference.preemptions,
+        )
+        # A gang's wait reason names the cards it reserved: the same with and without the index.
+        gang_waits = {w.request_id: w.reason for w in decisions.waits if "gang of" in w.reason}
+        reference_waits = {w.request_id: w.reason for w in reference.waits}
+        for request_id, reason in gang_waits.items():
+            assert reference_waits.get(request_id) == reason
+        apply_decisions(s, decisions, now, {})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40), st.booleans())
+def test_indexed_gang_placement_decides_what_the_reference_decides(
+    operations: list[tuple[object, ...]], gang_reservations: bool
+) -> None:
+    run(operations, gang_reservations)
