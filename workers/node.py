@@ -26,7 +26,7 @@ from modelforge.gpu import (
 from modelforge.logging import get_logger
 from modelforge.messages import TelemetryInput, device_index
 from modelforge.runtimes import Runtime, build_runtimes
-from modelforge.settings import DEFAULT_POOL, Settings, node_task_queue
+from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
 from workflows import CapabilityRequestWorkflow, TelemetryWorkflow
 from workflows._common import telemetry_id
@@ -119,7 +119,7 @@ async def ensure_telemetry(client: Client, node: str, pool: str = DEFAULT_POOL, 
         TelemetryWorkflow.run,
         TelemetryInput(node=node, pool=pool, interval_s=interval_s),
         id=telemetry_id(node),
-        task_queue="modelforge-control",
+        task_queue=CONTROL_TASK_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary=f"NVML samples of {node}",
     )
