@@ -13,8 +13,8 @@ progress line (wall clock, in a marks file), checkpoints after every step and ex
   line, against (b) `subprocess.Popen` of the same command (the node worker's interpreter, the
   same arguments) to its first line; p50/p90 of each and the ratio. Interleaved, one of each per
   round, so the drift of a shared machine hits both alike. Twice: with the stack idle (1 s after
-  the previous job's end) and back to back (the next job
-  submitted as soon as the previous one answered, its unload still under way).
+  the previous job's end) and back to back (the next job submitted as soon as the previous one
+  answered; its card's unload may still be under way).
 - (c) preemption: a 16 GiB job runs (past the minimum runtime); an interactive 12 GiB request
   (simulated, 0.2 s load) needs the room; from that request's submission to the resumed job's
   first progress line, p50, against a bare start of the same command resuming from a copy of its
