@@ -1138,7 +1138,7 @@ def simulate(
         table.add_row(label, *cells)
     out.print(table)
     if plot is not None:
-        out.print(escape(f"wrote {plot}"), highlight=False)
+        out.print(escape(f"wrote {plot}"), highlight=False, soft_wrap=True)
 
 
 @trace_app.command("azure")
@@ -1165,7 +1165,7 @@ def trace_azure(
         path = convert_azure(trace, out_dir, options)
     except ModelForgeError as error:
         _fail(error)
-    out.print(escape(f"wrote {path}"), highlight=False)
+    out.print(escape(f"wrote {path}"), highlight=False, soft_wrap=True)
 
 
 @trace_app.command("alibaba")
@@ -1197,7 +1197,7 @@ def trace_alibaba(
         path = convert_alibaba(nodes_csv, pods_csv, out_dir, options)
     except ModelForgeError as error:
         _fail(error)
-    out.print(escape(f"wrote {path}"), highlight=False)
+    out.print(escape(f"wrote {path}"), highlight=False, soft_wrap=True)
 
 
 import modelforge.cli_jobs  # noqa: E402  (adds `modelforge job submit|jobs|logs|artifacts`)
