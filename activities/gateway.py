@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -25,6 +25,7 @@ from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitRep
 from modelforge.names import scheduler_id
 from modelforge.policy import AdmissionRequest
 
+T = TypeVar("T")
 _FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
 # One admission attempt waits this long for the scheduler: under the local activity's
 # start-to-close timeout (10 s), so Temporal never times an attempt out itself.
@@ -102,6 +103,28 @@ def _call_deadline() -> float:
     return info.scheduled_time.timestamp() + budget.total_seconds() - ADMIT_MARGIN_S
 
 
+async def _within(call: Callable[[], Awaitable[T]], deadline: float, pool: str, what: str) -> T:
+    """One attempt of a call to the scheduler, ended by this activity itself: at most
+    ATTEMPT_WAIT_S (then SCHEDULER_STATE_STALE, asked again by the retry policy; the calls are
+    idempotent), and TIMEOUT once `deadline` is reached."""
+    left = deadline - time.time()
+    too_late = ApplicationError(
+        f"the scheduler of pool {pool!r} did not {what} in time", type=FailureClass.TIMEOUT.value, non_retryable=True
+    )
+    if left <= 0:
+        raise too_late
+    try:
+        return await asyncio.wait_for(call(), timeout=min(left, ATTEMPT_WAIT_S))
+    except TimeoutError:
+        if left <= ATTEMPT_WAIT_S:
+            raise too_late from None
+        raise ApplicationError(
+            f"the scheduler of pool {pool!r} did not answer within {ATTEMPT_WAIT_S:.0f} s; asking again",
+            type=FailureClass.SCHEDULER_STATE_STALE.value,
+            non_retryable=False,
+        ) from None
+
+
 def _as_failure(error: Exception, pool: str) -> Exception:
     if isinstance(error, WorkflowUpdateFailedError):
         cause = error.cause
@@ -145,29 +168,9 @@ class SchedulerGatewayActivities:
         batcher = self._batchers.get(call.pool)
         if batcher is None:
             batcher = self._batchers[call.pool] = _PoolBatcher(self._client, call.pool)
-        left = _admission_deadline(call) - time.time()
-        if left <= 0:
-            raise ApplicationError(
-                f"the scheduler of pool {call.pool!r} did not admit the request in time",
-                type=FailureClass.TIMEOUT.value,
-                non_retryable=True,
-            )
-        try:
-            return await asyncio.wait_for(batcher.admit(call.request), timeout=min(left, ATTEMPT_WAIT_S))
-        except TimeoutError:
-            if left <= ATTEMPT_WAIT_S:
-                raise ApplicationError(
-                    f"the scheduler of pool {call.pool!r} did not admit the request in time",
-                    type=FailureClass.TIMEOUT.value,
-                    non_retryable=True,
-                ) from None
-            # Asked again by the retry policy (admission is idempotent: a later answer to this
-            # attempt's update is the same one).
-            raise ApplicationError(
-                f"the scheduler of pool {call.pool!r} did not answer within {ATTEMPT_WAIT_S:.0f} s; asking again",
-                type=FailureClass.SCHEDULER_STATE_STALE.value,
-                non_retryable=False,
-            ) from None
+        return await _within(
+            lambda: batcher.admit(call.request), _admission_deadline(call), call.pool, "admit the request"
+        )
 
     @activity.defn(name="confirm_lease")
     async def confirm_lease(self, call: LeaseConfirmCall) -> bool:
@@ -175,24 +178,15 @@ class SchedulerGatewayActivities:
         holder has now been heard from): asked before a grant that arrived late is used. Like
         `admit`, it ends every attempt itself, never by Temporal's timeouts."""
         handle = self._client.get_workflow_handle(scheduler_id(call.pool))
-        left = _call_deadline() - time.time()
-        if left <= 0:
-            raise ApplicationError(
-                f"the scheduler of pool {call.pool!r} did not confirm lease {call.lease_id} in time",
-                type=FailureClass.TIMEOUT.value,
-                non_retryable=True,
-            )
         try:
-            held: bool = await asyncio.wait_for(
-                handle.execute_update("confirm_lease", call, result_type=bool, id=f"confirm:{call.lease_id}"),
-                timeout=min(left, ATTEMPT_WAIT_S),
+            held: bool = await _within(
+                lambda: handle.execute_update("confirm_lease", call, result_type=bool, id=f"confirm:{call.lease_id}"),
+                _call_deadline(),
+                call.pool,
+                f"confirm lease {call.lease_id}",
             )
-        except TimeoutError:
-            raise ApplicationError(
-                f"the scheduler of pool {call.pool!r} did not answer within {min(left, ATTEMPT_WAIT_S):.0f} s",
-                type=(FailureClass.TIMEOUT if left <= ATTEMPT_WAIT_S else FailureClass.SCHEDULER_STATE_STALE).value,
-                non_retryable=left <= ATTEMPT_WAIT_S,
-            ) from None
+        except ApplicationError:
+            raise
         except Exception as error:
             raise _as_failure(error, call.pool) from None
         return held
