@@ -122,6 +122,69 @@ def logs(
     raise typer.Exit(1 if state.startswith("failed") or state == "timeout" else 0)
 
 
+# A job TOML (`modelforge job submit --file job.toml`): these keys, each optional but `capability`
+# (given here or on the command line); what the command line gives wins.
+JOB_FILE_KEYS = {
+    "capability": "a capability, name@version",
+    "args": "a list of strings",
+    "gpu_count": "an integer from 1 to 1024",
+    "nvlink": "true or false",
+    "max_duration": "a duration (90s, 30m, 4h, 2d) or a number of seconds",
+    "queue": "a queue name",
+    "priority": "a class or queue level",
+    "tenant": "a tenant name",
+    "request_id": "a request id",
+}
+
+
+def load_job_file(path: Path) -> dict[str, Any]:
+    """A job TOML's settings, checked: REQUEST_INVALID naming the file (and the key, or the line
+    of a syntax error) for a file that cannot be read, is not TOML, has an unknown key or a
+    value of the wrong kind. `max_duration` comes back as seconds (`max_duration_s`)."""
+    import tomllib
+
+    def invalid(why: str) -> ModelForgeError:
+        return ModelForgeError(FailureClass.REQUEST_INVALID, f"job file {path}: {why}")
+
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise invalid(f"cannot read it ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise invalid("not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as error:
+        raise invalid(f"not valid TOML ({error})") from None
+    job: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in JOB_FILE_KEYS:
+            raise invalid(f"unknown key {key!r} (known: {', '.join(JOB_FILE_KEYS)})")
+        kind = JOB_FILE_KEYS[key]
+        if key == "args":
+            if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                raise invalid(f"args must be {kind}")
+            job["args"] = list(value)
+        elif key == "gpu_count":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+                raise invalid(f"gpu_count must be {kind}, not {value!r}")
+            job["gpu_count"] = value
+        elif key == "nvlink":
+            if not isinstance(value, bool):
+                raise invalid(f"nvlink must be {kind}, not {value!r}")
+            job["nvlink"] = value
+        elif key == "max_duration":
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise invalid(f"max_duration must be {kind}, not {value!r}")
+            try:
+                job["max_duration_s"] = parse_duration(str(value))
+            except ModelForgeError as error:
+                raise invalid(f"max_duration: {error.message}") from None
+        else:
+            if not isinstance(value, str) or not value:
+                raise invalid(f"{key} must be {kind} (a string), not {value!r}")
+            job[key] = value
+    return job
+
+
 class JobClient:
     """Submits jobs (runtime `subprocess_job`): `ModelForgeClient.submit_job` on a client bound
     to `pool` (the default pool unless given), kept for the command line and older callers."""
@@ -139,23 +202,44 @@ class JobClient:
         *,
         max_duration_s: float,
         gpu_count: int | None = None,
+        nvlink: bool = False,
         tenant: str = "default",
         queue: str | None = None,
         priority: str | None = None,
         request_id: str | None = None,
         on_progress: Any = None,
     ) -> Any:
-        """See `ModelForgeClient.submit_job`."""
-        return await self.client.submit_job(
+        """See `ModelForgeClient.submit_job`. `nvlink=True` asks for cards joined by NVLink: the
+        node refuses it (REQUEST_INVALID, naming why) unless the deployment requires an NVLink
+        group (`nvlink_required`), which is what makes its placement give one."""
+        if not nvlink:
+            return await self.client.submit_job(
+                capability,
+                args,
+                max_duration_s=max_duration_s,
+                gpu_count=gpu_count,
+                tenant=tenant,
+                queue=queue,
+                priority=priority,
+                request_id=request_id,
+                on_progress=on_progress,
+            )
+        from modelforge.client import _invalid, job_input
+
+        try:
+            payload = job_input(list(args), gpu_count)
+        except ModelForgeError as error:
+            return _invalid(request_id or "", capability, error.message)
+        payload["nvlink"] = True
+        return await self.client.request(
             capability,
-            args,
-            max_duration_s=max_duration_s,
-            gpu_count=gpu_count,
+            payload,
             tenant=tenant,
             queue=queue,
             priority=priority,
             request_id=request_id,
             on_progress=on_progress,
+            max_duration_s=max_duration_s,
         )
 
 
@@ -163,22 +247,58 @@ job_app = typer.Typer(cls=Group, no_args_is_help=True, help="Batch jobs (runtime
 app.add_typer(job_app, name="job")
 
 
+def _not_a_capability(text: str) -> bool:
+    from modelforge.identifiers import identifier_problem
+
+    return "@" not in text or text.startswith("-") or identifier_problem("capability", text) is not None
+
+
 @job_app.command("submit")
 def job_submit(
-    capability: Annotated[str, typer.Argument(help="The job's capability, as name@version (merge.slerp@1).")],
+    capability: Annotated[
+        str | None,
+        typer.Argument(
+            help="The job's capability, as name@version (merge.slerp@1); or the --file's.", show_default=False
+        ),
+    ] = None,
     args: Annotated[
-        list[str] | None, typer.Argument(help="Arguments for the job's command, after --.", show_default=False)
+        list[str] | None,
+        typer.Argument(
+            help="Arguments for the job's command, after --; they replace the --file's.", show_default=False
+        ),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            help="A job TOML: capability, args, gpu_count, nvlink, max_duration, queue, priority, tenant, "
+            "request_id (examples/jobs/merge-job.toml). The command line's options win over it.",
+            show_default=False,
+        ),
     ] = None,
     max_duration: Annotated[
-        str, typer.Option("--max-duration", help="Longest the job may run (90s, 30m, 4h, 2d); then it is TIMEOUT.")
-    ] = "10m",
+        str | None,
+        typer.Option(
+            "--max-duration", help="Longest the job may run (90s, 30m, 4h, 2d); then it is TIMEOUT. Default: 10m."
+        ),
+    ] = None,
     gpu_count: Annotated[
         int | None,
         typer.Option("--gpu-count", help="Cards the job needs; refused unless the deployment has that many."),
     ] = None,
+    nvlink: Annotated[
+        bool | None,
+        typer.Option(
+            "--nvlink/--no-nvlink",
+            help="The cards must be joined by NVLink: refused (REQUEST_INVALID) unless the deployment requires "
+            "an NVLink group (nvlink_required), which its placement then honours.",
+            show_default=False,
+        ),
+    ] = None,
     queue: Annotated[str | None, typer.Option(help="Queue whose --priority level is meant.")] = None,
     priority: Annotated[str | None, typer.Option(help="Class or queue level. Default: the tenant's.")] = None,
-    tenant: Annotated[str, typer.Option(help="Tenant (user or project).")] = "default",
+    tenant: Annotated[str | None, typer.Option(help="Tenant (user or project). Default: default.")] = None,
     request_id: Annotated[
         str | None, typer.Option(help="Idempotency key; also what `modelforge logs` takes. Default: a new one.")
     ] = None,
@@ -192,13 +312,36 @@ def job_submit(
     import uuid
 
     try:
-        seconds = parse_duration(max_duration)
+        spec = load_job_file(file) if file is not None else {}
+        if max_duration is not None:
+            spec["max_duration_s"] = parse_duration(max_duration)
     except ModelForgeError as error:
         _fail(error, 1)
-    _check_identifiers(capability=capability, tenant=tenant, request_id=request_id)
+    given = {
+        "capability": capability,
+        "gpu_count": gpu_count,
+        "nvlink": nvlink,
+        "queue": queue,
+        "priority": priority,
+        "tenant": tenant,
+        "request_id": request_id,
+    }
+    if spec.get("capability") and capability is not None and _not_a_capability(capability):
+        # `job submit --file job.toml -- --layers 3`: what follows -- are arguments, not a capability.
+        args, given["capability"] = [capability, *(args or [])], None
+    spec.update({key: value for key, value in given.items() if value is not None})
+    if args:
+        spec["args"] = list(args)
+    if not spec.get("capability"):
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "name the job's capability (or give --file)"), 1)
+    capability = str(spec["capability"])
+    tenant = str(spec.get("tenant", "default"))
+    _check_identifiers(capability=capability, tenant=tenant, request_id=spec.get("request_id"))
+    gpu_count = spec.get("gpu_count")
     if gpu_count is not None and not 1 <= gpu_count <= 1024:
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "--gpu-count is from 1 to 1024"), 1)
-    chosen_id = request_id or uuid.uuid4().hex[:16]
+    seconds = float(spec.get("max_duration_s", 600.0))
+    chosen_id = str(spec.get("request_id") or uuid.uuid4().hex[:16])
     settings = _settings()
     if not as_json:
         err.print(f"job {escape(chosen_id)}: modelforge logs {escape(chosen_id)} --follow", highlight=False)
@@ -211,12 +354,13 @@ def job_submit(
         with live or contextlib.nullcontext():
             return await jobs.submit_job(
                 capability,
-                list(args or []),
+                list(spec.get("args", [])),
                 max_duration_s=seconds,
                 gpu_count=gpu_count,
+                nvlink=bool(spec.get("nvlink", False)),
                 tenant=tenant,
-                queue=queue,
-                priority=priority,
+                queue=spec.get("queue"),
+                priority=spec.get("priority"),
                 request_id=chosen_id,
                 on_progress=(lambda line: live.update(f"{capability}: {line}")) if live is not None else None,
             )

@@ -357,6 +357,16 @@ class SubprocessJobRuntime:
                 f"gpu_count: the job asks for {str(wanted)[:20]} cards; {deployment.deployment_id} runs on "
                 f"{deployment.gpu_count}",
             )
+        nvlink = payload.get("nvlink")  # `modelforge job submit --nvlink`
+        if nvlink is not None and not isinstance(nvlink, bool):
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, "nvlink: true or false")
+        if nvlink and not deployment.nvlink_required:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"nvlink: the job asks for cards joined by NVLink, but {deployment.deployment_id} does not require "
+                "an NVLink group (its catalog entry has no nvlink_required = true), so its placement does not "
+                "promise one; submit without --nvlink or use a deployment that requires NVLink",
+            )
         directory = self._root / job_directory_name(request_id) / job_directory_name(run)
         output_dir = directory / "output"
         checkpoint_dir = Path(str(payload.get("modelforge_checkpoint_dir") or directory / "checkpoints"))

@@ -1,0 +1,150 @@
+"""What issue 19 left over for jobs: a job TOML and `--nvlink` for `modelforge job submit`
+(checked before anything connects, and honoured or refused by the node), a job's output
+directory as one artifact, the artifact store's own location and its retention, and the
+evaluation dataset shipped with the examples."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from typer.testing import CliRunner
+
+from modelforge import cli
+from modelforge.failures import FailureClass
+from modelforge.runtimes import job_log_dirs
+from tests.runtimes.test_subprocess_job import ROOT, Node, job, node, python
+
+__all__ = ["node"]  # the fixture, shared with test_subprocess_job.py
+
+JOB_FILE = ROOT / "examples" / "jobs" / "merge-job.toml"
+
+
+class Recorded:
+    """ModelForgeClient's request and submit_job, recording what `job submit` sends."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from modelforge import client, temporal
+
+        self.calls: list[dict[str, Any]] = []
+
+        async def connect(*args: Any, **kwargs: Any) -> object:
+            return object()
+
+        async def submit_job(self_: Any, capability: str, args: list[str], **kwargs: Any) -> Any:
+            self.calls.append({"via": "submit_job", "capability": capability, "args": args, **kwargs})
+            return client.Result(ok=True, request_id=kwargs["request_id"], capability=capability, output={})
+
+        async def request(self_: Any, capability: str, payload: dict[str, Any], **kwargs: Any) -> Any:
+            self.calls.append({"via": "request", "capability": capability, "payload": payload, **kwargs})
+            return client.Result(ok=True, request_id=kwargs["request_id"], capability=capability, output={})
+
+        monkeypatch.setattr(temporal, "connect", connect)
+        monkeypatch.setattr(client.ModelForgeClient, "submit_job", submit_job)
+        monkeypatch.setattr(client.ModelForgeClient, "request", request)
+
+
+def submit(*arguments: str) -> Any:
+    return CliRunner().invoke(cli.app, ["job", "submit", *arguments])
+
+
+def test_job_submit_takes_a_job_toml_and_the_command_line_wins_over_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
+    sent = Recorded(monkeypatch)
+    done = submit("--file", str(JOB_FILE), "--request-id", "from-file")
+    assert done.exit_code == 0, done.output
+    [call] = sent.calls
+    assert (call["capability"], call["args"], call["max_duration_s"], call["tenant"], call["priority"]) == (
+        "merge.slerp.cpu@1",
+        ["--layers", "8", "--t", "0.5"],
+        4 * 3600.0,
+        "lab",
+        "background",
+    )
+    assert call["queue"] is None and call["gpu_count"] is None
+
+    # Arguments after -- replace the file's; an option replaces its value; a name@version its capability.
+    sent.calls.clear()
+    done = submit("--file", str(JOB_FILE), "--max-duration", "90s", "--request-id", "r2", "--", "--layers", "3")
+    assert done.exit_code == 0, done.output
+    [call] = sent.calls
+    assert (call["capability"], call["args"], call["max_duration_s"]) == ("merge.slerp.cpu@1", ["--layers", "3"], 90.0)
+    sent.calls.clear()
+    done = submit("other.job@2", "--file", str(JOB_FILE), "--request-id", "r3", "--", "x")
+    assert done.exit_code == 0, done.output
+    assert (sent.calls[0]["capability"], sent.calls[0]["args"]) == ("other.job@2", ["x"])
+
+
+def test_nvlink_from_the_file_or_the_command_line_reaches_the_node_in_the_jobs_input(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
+    sent = Recorded(monkeypatch)
+    spec = tmp_path / "gang.toml"
+    spec.write_text('capability = "merge.gang@1"\nargs = ["--t", "0.5"]\ngpu_count = 2\nnvlink = true\n')
+    assert submit("--file", str(spec), "--request-id", "g1").exit_code == 0
+    assert (
+        submit("merge.gang@1", "--nvlink", "--gpu-count", "2", "--request-id", "g2", "--", "--t", "0.5").exit_code == 0
+    )
+    assert len(sent.calls) == 2
+    for call in sent.calls:
+        assert call["via"] == "request" and call["payload"] == {"args": ["--t", "0.5"], "gpu_count": 2, "nvlink": True}
+    # --no-nvlink overrides the file's nvlink = true: a plain job.
+    sent.calls.clear()
+    assert submit("--file", str(spec), "--no-nvlink", "--request-id", "g3").exit_code == 0
+    assert sent.calls[0]["via"] == "submit_job" and sent.calls[0]["gpu_count"] == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('capability = "m@1"\ngpu = 2\n', "unknown key 'gpu'"),
+        ('capability = "m@1"\nargs = "--layers 3"\n', "args must be a list of strings"),
+        ('capability = "m@1"\nnvlink = "yes"\n', "nvlink must be true or false"),
+        ('capability = "m@1"\ngpu_count = 0\n', "gpu_count must be an integer from 1 to 1024"),
+        ('capability = "m@1"\nmax_duration = "4 fortnights"\n', "max_duration: a duration is"),
+        ('capability = "m@1"\nargs = [\n', "not valid TOML"),
+        ('args = ["--t", "1"]\n', "name the job's capability"),
+        ('capability = "not a capability"\n', "capability"),
+    ],
+)
+def test_a_bad_job_toml_is_request_invalid_naming_the_file_and_key_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str, says: str
+) -> None:
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
+    sent = Recorded(monkeypatch)
+    spec = tmp_path / "bad-job.toml"
+    spec.write_text(text)
+    refused = submit("--file", str(spec))
+    assert refused.exit_code == 1, refused.output
+    assert "REQUEST_INVALID" in refused.output and says in refused.output, refused.output
+    if "name the job's" not in says and "not a capability" not in text:
+        assert "bad-job.toml" in refused.output
+    assert sent.calls == []  # refused before anything was sent
+    missing = submit("--file", str(tmp_path / "nowhere.toml"))
+    assert missing.exit_code == 1 and "nowhere.toml" in missing.output and "cannot read it" in missing.output
+
+
+async def test_the_node_refuses_nvlink_for_a_deployment_that_does_not_require_an_nvlink_group(node: Node) -> None:
+    await node.load(job(python("print('ran')")))
+    with pytest.raises(ApplicationError, match="does not require an NVLink group") as refused:
+        await node.invoke("no-nvlink", {"nvlink": True})
+    assert refused.value.type == FailureClass.REQUEST_INVALID.value
+    assert "merge.job@1" in str(refused.value)
+    assert job_log_dirs(node.home, "no-nvlink") == []  # nothing ran
+    with pytest.raises(ApplicationError) as malformed:
+        await node.invoke("bad-nvlink", {"nvlink": "yes"})
+    assert malformed.value.type == FailureClass.REQUEST_INVALID.value
+
+    # A deployment whose placement requires an NVLink group runs it; nvlink = false runs anywhere.
+    await node.env().run(node.activities.unload_model, "merge.job@1@n/cpu")
+    await node.load(dataclasses.replace(job(python("print('ran')")), nvlink_required=True))
+    assert (await node.invoke("with-nvlink", {"nvlink": True}))["exit_code"] == 0
+    assert (await node.invoke("without", {"nvlink": False}))["exit_code"] == 0
+    assert json.loads((job_log_dirs(node.home, "with-nvlink")[0] / "input.json").read_text()) == {"nvlink": True}
