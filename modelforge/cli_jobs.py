@@ -439,16 +439,34 @@ def jobs(
     _table_console().print(table)
 
 
-@app.command()
+artifacts_app = typer.Typer(
+    cls=Group,
+    invoke_without_command=True,
+    help="The artifacts jobs made (by sha256): list them, get one back.",
+)
+app.add_typer(artifacts_app, name="artifacts")
+
+
+def _artifact_store() -> Path:
+    from modelforge.runtimes._subprocess_job import artifact_store
+
+    return artifact_store(_settings().home)
+
+
+@artifacts_app.callback()
 def artifacts(
+    ctx: typer.Context,
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 50,
     as_json: JsonOption = False,
 ) -> None:
-    """List the artifacts jobs made on this host: digest, size, the outputs and requests behind each."""
+    """List the artifacts jobs made on this host: digest, kind (a file, or a job's whole output
+    directory), size, the outputs and requests behind each."""
+    if ctx.invoked_subcommand is not None:
+        return
     from modelforge.cli import _compact_table, _table_console
     from modelforge.runtimes._subprocess_job import artifact_rows
 
-    rows = artifact_rows(_settings().home)[: max(0, limit)]
+    rows = artifact_rows(_artifact_store())[: max(0, limit)]
     if as_json:
         _json(rows)
         return
@@ -456,13 +474,49 @@ def artifacts(
         out.print("no artifacts on this host", highlight=False)
         return
     table = _compact_table()
-    for column in ("artifact", "bytes", "outputs", "requests"):
+    for column in ("artifact", "kind", "bytes", "outputs", "requests"):
         table.add_column(column)
     for row in rows:
         table.add_row(
             escape(row["artifact"] + ("" if row["present"] else " (missing)")),
+            row["kind"] + (f" ({row['files']} files)" if row["kind"] == "directory" else ""),
             str(row["bytes"]),
             escape(", ".join(str(p) for p in row["paths"])[:60]),
             escape(", ".join(str(r) for r in row["requests"])[:60]),
         )
     _table_console().print(table)
+
+
+@artifacts_app.command("get")
+def artifacts_get(
+    artifact: Annotated[str, typer.Argument(help="artifact:sha256:<digest>, or the bare digest.")],
+    destination: Annotated[
+        Path | None,
+        typer.Argument(help="Copy it here (a file, or a directory for a directory artifact). Default: print its path."),
+    ] = None,
+) -> None:
+    """Check an artifact against its digest (ARTIFACT_CORRUPT when its bytes changed) and copy it
+    to DESTINATION, or print the path of the store's read-only file or directory."""
+    import shutil
+
+    from modelforge.runtimes._subprocess_job import verified_artifact
+
+    name = artifact if artifact.startswith("artifact:") else f"artifact:sha256:{artifact}"
+    try:
+        path = verified_artifact(_artifact_store(), name)
+        if destination is None:
+            out.print(str(path), highlight=False, soft_wrap=True)
+            return
+        if destination.exists() or destination.is_symlink():
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{destination} exists: give a new path")
+        if path.is_dir():
+            shutil.copytree(path, destination, copy_function=shutil.copyfile)
+            for copied in [destination, *destination.rglob("*")]:
+                copied.chmod(0o755 if copied.is_dir() else 0o644)
+        else:
+            shutil.copyfile(path, destination)
+    except OSError as error:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"cannot copy to {destination}: {error}"), 1)
+    except ModelForgeError as error:
+        _fail(error, 1)
+    out.print(f"wrote {destination}", highlight=False, soft_wrap=True)

@@ -3,16 +3,20 @@ example, the step after examples/jobs/merge_slerp.py.
 
     python examples/jobs/evaluate.py --model merged.npy [--seed-a 1 --seed-b 2] [--probes 32]
 
-The model is a stack of square layers (merge_slerp.py's `merged.npy`; through ModelForge, name the
-merge's output as `artifact:sha256:<digest>` and the node hands over the verified file). The
-parents are derived from their seeds as merge_slerp.py derives them, and the probe set from a
-fixed seed, so the same files always score the same. Each model maps a probe x through its layers
-(h = tanh(W h / sqrt(dim))); the score is the mean cosine similarity of the merged model's outputs
-to each parent's. It is written to MODELFORGE_OUTPUT_DIR/score.json and reported as the result."""
+The model is a stack of square layers: merge_slerp.py's `merged.npy`, or its whole output directory
+(the layers and their manifest). Through ModelForge, name the merge's `merged.npy` or its
+`output_artifact` (the directory) as `artifact:sha256:<digest>` and the node hands over the
+verified file or directory. The parents are derived from their seeds as merge_slerp.py derives
+them, and the probe set from a fixed seed, so the same files always score the same. Each model
+maps a probe x through its layers (h = tanh(W h / sqrt(dim))); the score is the mean cosine
+similarity of the merged model's outputs to each parent's. It is written to
+MODELFORGE_OUTPUT_DIR/score.json and reported as the result."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import sys
@@ -24,6 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_slerp import derived_layer  # the parents, derived the same way
 
 PROBE_SEED = 20261201
+
+
+def load_model(path: Path) -> np.ndarray:
+    """A stack of layers: one `.npy` file (merge_slerp.py's `merged.npy`), or a model directory
+    (merge_slerp.py's whole output, the job's output artifact): its `manifest.json` names the
+    layers in order with their sha256, each checked before it is used."""
+    if not path.is_dir():
+        single: np.ndarray = np.load(path, allow_pickle=False)
+        return single
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    layers = []
+    for name, digest in manifest["layers"].items():
+        data = (path / f"{name}.npy").read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise SystemExit(f"{path / name}.npy: not the layer its manifest names (sha256 differs)")
+        layers.append(np.load(io.BytesIO(data), allow_pickle=False))
+    return np.stack(layers)
 
 
 def forward(layers: np.ndarray, probes: np.ndarray) -> np.ndarray:
@@ -46,7 +67,7 @@ def main() -> int:
     parser.add_argument("--seed-b", type=int, default=2)
     parser.add_argument("--probes", type=int, default=32)
     args = parser.parse_args()
-    merged = np.load(args.model, allow_pickle=False)
+    merged = load_model(args.model)
     if merged.ndim != 3 or merged.shape[1] != merged.shape[2]:
         print(f"{args.model}: not a stack of square layers (shape {merged.shape})", file=sys.stderr)
         return 65

@@ -38,6 +38,7 @@ from typing import Any
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
+from modelforge.runtimes._artifacts import artifact_digest, check_artifact
 from modelforge.runtimes._process import alive, process_tree
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
@@ -576,7 +577,9 @@ class SubprocessJobRuntime:
             )
         if code == 0:
             outputs = await asyncio.to_thread(_list_outputs, job.output_dir)
-            await asyncio.to_thread(register_outputs, self._store, job.output_dir, outputs, job.request_id, self._node)
+            directory = await asyncio.to_thread(
+                register_outputs, self._store, job.output_dir, outputs, job.request_id, self._node
+            )
             self._save_attempt(job, "succeeded", exit_code=0)
             answer: dict[str, Any] = {
                 "job_id": job.request_id,
@@ -588,6 +591,8 @@ class SubprocessJobRuntime:
                 "message": job.message,
                 "attempts": self._status(job.directory).get("attempts", []),
             }
+            if directory is not None:  # the whole output directory as one artifact
+                answer["output_artifact"] = f"artifact:sha256:{directory}"
             if job.attempt.get("resumed_from"):
                 answer["resumed_from"] = job.attempt["resumed_from"]
             if job.result is not None:
@@ -898,20 +903,18 @@ def artifact_store(home: Path) -> Path:
     return home / "artifacts" / "store"
 
 
-def _digest(fd: int) -> str:
-    digest = hashlib.sha256()
-    for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
-def register_outputs(store: Path, output_dir: Path, outputs: list[dict[str, Any]], request_id: str, node: str) -> None:
+def register_outputs(
+    store: Path, output_dir: Path, outputs: list[dict[str, Any]], request_id: str, node: str
+) -> str | None:
     """Keep each output file in the store under its sha256 (read-only, written aside and renamed
     into place; one already there is kept), note who made it in `index.jsonl`, and name the
-    artifact in the output's entry (`artifact:sha256:<digest>`, what a later job's args take)."""
+    artifact in the output's entry (`artifact:sha256:<digest>`, what a later job's args take).
+    The whole output directory is kept too, as one artifact (`store_directory`); returns its
+    digest, or None when there is no output or more files than the answer lists."""
     content = store / "sha256"
     content.mkdir(parents=True, exist_ok=True)
     lines = []
+    now = time.time()
     for entry in outputs:
         target = content / entry["sha256"]
         if not target.exists():
@@ -928,43 +931,109 @@ def register_outputs(store: Path, output_dir: Path, outputs: list[dict[str, Any]
                     "path": entry["path"],
                     "request_id": request_id,
                     "node": node,
-                    "at": time.time(),
+                    "at": now,
+                }
+            )
+        )
+    listed = sum(1 for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    directory = store_directory(store, outputs) if outputs and listed == len(outputs) else None
+    if directory is not None:
+        lines.append(
+            json.dumps(
+                {
+                    "sha256": directory,
+                    "bytes": sum(int(entry["bytes"]) for entry in outputs),
+                    "path": "./",
+                    "kind": "directory",
+                    "files": len(outputs),
+                    "request_id": request_id,
+                    "node": node,
+                    "at": now,
                 }
             )
         )
     if lines:
         with (store / "index.jsonl").open("a", encoding="utf-8") as index:
             index.write("\n".join(lines) + "\n")
+    return directory
+
+
+def _writable(path: Path) -> None:
+    """Make a stored directory artifact's folders writable again, so it can be removed."""
+    for folder in [path, *(p for p in path.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        with contextlib.suppress(OSError):
+            folder.chmod(0o755)
+
+
+def store_directory(store: Path, outputs: list[dict[str, Any]]) -> str:
+    """The output files (already in the store by content) as one directory artifact,
+    `<store>/sha256/<digest>/<relative path>...`, its digest the one a deployment's
+    `artifact_sha256` checks for a model directory (sha256 over each file's relative path and
+    digest, sorted: `artifact_digest`). Its files are links to the stored files (copies where
+    the filesystem has no links), read-only, its folders closed to writing; assembled aside and
+    renamed into place, so a reader never sees half of it; one already there is kept."""
+    content = store / "sha256"
+    aside = content / f".dir.{os.urandom(6).hex()}.tmp"
+    try:
+        for entry in outputs:
+            target = aside / entry["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(content / entry["sha256"], target)
+            except OSError:
+                shutil.copyfile(content / entry["sha256"], target)
+                target.chmod(0o444)
+        digest = artifact_digest(aside)
+        final = content / digest
+        if not final.exists():
+            for folder in sorted((p for p in aside.rglob("*") if p.is_dir()), reverse=True):
+                folder.chmod(0o555)
+            aside.chmod(0o555)
+            try:
+                aside.replace(final)
+            except OSError:  # another writer put the same directory there first
+                if not final.is_dir():
+                    raise
+        return digest
+    finally:
+        if aside.exists():
+            _writable(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def verified_artifact(store: Path, argument: str) -> Path:
+    """The store's file or directory an `artifact:sha256:<digest>` names, after hashing it again
+    (its files read from descriptors, no link followed out of the store): ARTIFACT_CORRUPT when
+    its bytes no longer hash to the digest, REQUEST_INVALID for a digest the store does not hold."""
+    found = ARTIFACT_ARG.match(argument.strip())
+    if found is None:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"{argument[:100]!r} is not artifact:sha256:<64 hex digits>"
+        )
+    path = store / "sha256" / found.group(1)
+    if not os.path.lexists(path):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{argument}: no such artifact in {store}")
+    try:
+        checked = check_artifact(str(path), [store], found.group(1))
+    except ModelForgeError as error:
+        if error.failure == FailureClass.ARTIFACT_CORRUPT:
+            raise ModelForgeError(
+                FailureClass.ARTIFACT_CORRUPT,
+                f"{argument}: {path} no longer has that digest (changed on disk: {error.message})",
+            ) from None
+        raise
+    return checked.path
 
 
 def resolve_artifact_args(store: Path, args: list[str]) -> list[str]:
-    """`artifact:sha256:<digest>` arguments as the store's file, verified: its bytes must still
-    hash to the digest (ARTIFACT_CORRUPT otherwise); an unknown one is REQUEST_INVALID."""
-    resolved = []
-    for argument in args:
-        found = ARTIFACT_ARG.match(argument)
-        if found is None:
-            resolved.append(argument)
-            continue
-        path = store / "sha256" / found.group(1)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{argument}: no such artifact in {store}") from None
-        try:
-            if _digest(fd) != found.group(1):
-                raise ModelForgeError(
-                    FailureClass.ARTIFACT_CORRUPT, f"{argument}: {path} no longer has that digest (changed on disk)"
-                )
-        finally:
-            os.close(fd)
-        resolved.append(str(path))
-    return resolved
+    """`artifact:sha256:<digest>` arguments as the store's file or directory, verified: its bytes
+    must still hash to the digest (ARTIFACT_CORRUPT otherwise); an unknown one is REQUEST_INVALID."""
+    return [str(verified_artifact(store, a)) if ARTIFACT_ARG.match(a) else a for a in args]
 
 
-def artifact_rows(home: Path) -> list[dict[str, Any]]:
-    """The store's artifacts (newest first): digest, size, the outputs and requests that made it."""
-    store = artifact_store(home)
+def artifact_rows(store: Path) -> list[dict[str, Any]]:
+    """The store's artifacts (newest first): digest, kind (file or directory), size, the outputs
+    and requests that made it."""
     rows: dict[str, dict[str, Any]] = {}
     try:
         lines = (store / "index.jsonl").read_text(encoding="utf-8").splitlines()
@@ -978,14 +1047,23 @@ def artifact_rows(home: Path) -> list[dict[str, Any]]:
             continue
         row = rows.setdefault(
             digest,
-            {"artifact": f"artifact:sha256:{digest}", "bytes": entry.get("bytes"), "paths": [], "requests": []},
+            {
+                "artifact": f"artifact:sha256:{digest}",
+                "kind": "directory" if entry.get("kind") == "directory" else "file",
+                "bytes": entry.get("bytes"),
+                "paths": [],
+                "requests": [],
+            },
         )
+        if row["kind"] == "directory":
+            row["files"] = entry.get("files")
         row["at"] = entry.get("at")
         for name, value in (("paths", entry.get("path")), ("requests", entry.get("request_id"))):
             if value not in row[name]:
                 row[name].append(value)
         row["file"] = str(store / "sha256" / digest)
-        row["present"] = (store / "sha256" / digest).is_file()
+        stored = store / "sha256" / digest
+        row["present"] = stored.is_dir() if row["kind"] == "directory" else stored.is_file()
     return sorted(rows.values(), key=lambda row: float(row.get("at") or 0), reverse=True)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,12 @@ from typer.testing import CliRunner
 from modelforge import cli
 from modelforge.failures import FailureClass
 from modelforge.runtimes import job_log_dirs
-from tests.runtimes.test_subprocess_job import ROOT, Node, job, node, python
+from tests.runtimes.test_subprocess_job import CPU_KEY, MERGE, MERGE_ARGS, ROOT, Node, job, node, python
 
 __all__ = ["node"]  # the fixture, shared with test_subprocess_job.py
 
 JOB_FILE = ROOT / "examples" / "jobs" / "merge-job.toml"
+EVALUATE = ROOT / "examples" / "jobs" / "evaluate.py"
 
 
 class Recorded:
@@ -148,3 +150,60 @@ async def test_the_node_refuses_nvlink_for_a_deployment_that_does_not_require_an
     assert (await node.invoke("with-nvlink", {"nvlink": True}))["exit_code"] == 0
     assert (await node.invoke("without", {"nvlink": False}))["exit_code"] == 0
     assert json.loads((job_log_dirs(node.home, "with-nvlink")[0] / "input.json").read_text()) == {"nvlink": True}
+
+
+async def test_a_jobs_output_directory_is_one_artifact_a_later_job_and_artifacts_get_read_back(
+    node: Node, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The merge's whole output (its layers and manifest) is one directory artifact, whose digest
+    is the one a deployment's `artifact_sha256` checks for a model directory; the evaluation job
+    takes it by digest (verified) and scores it as it scores the stacked file; `artifacts get`
+    copies it back; a changed file in it is ARTIFACT_CORRUPT for both."""
+    from modelforge.runtimes._artifacts import artifact_digest, check_artifact
+
+    await node.load(job([sys.executable, str(MERGE)]))
+    merged = await node.invoke("dir-merge", {"args": MERGE_ARGS})
+    directory = merged["output_artifact"]
+    digest = directory.removeprefix("artifact:sha256:")
+    stored = node.home / "artifacts" / "store" / "sha256" / digest
+    assert sorted(p.relative_to(stored).as_posix() for p in stored.rglob("*")) == sorted(
+        e["path"] for e in merged["outputs"]
+    )
+    assert digest == artifact_digest(Path(merged["output_dir"]))  # the output directory's own digest
+    # Servable as a deployment's artifact, checked as any model directory.
+    checked = check_artifact(f"store/sha256/{digest}", [node.home / "artifacts"], digest)
+    assert checked.path == stored
+
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job([sys.executable, str(EVALUATE)]))
+    [stacked] = [e for e in merged["outputs"] if e["path"] == "merged.npy"]
+    by_dir = (await node.invoke("eval-dir", {"args": ["--model", directory]}))["result"]
+    by_file = (await node.invoke("eval-file", {"args": ["--model", stacked["artifact"]]}))["result"]
+    assert by_dir == by_file and by_dir["layers"] == 6
+
+    monkeypatch.setenv("MODELFORGE_HOME", str(node.home))
+    runner = CliRunner()
+    [row] = [
+        r for r in json.loads(runner.invoke(cli.app, ["artifacts", "--json"]).stdout) if r["artifact"] == directory
+    ]
+    assert (row["kind"], row["files"], row["requests"], row["present"]) == ("directory", 8, ["dir-merge"], True)
+    printed = runner.invoke(cli.app, ["artifacts", "get", directory])
+    assert printed.exit_code == 0 and printed.stdout.strip() == str(stored)
+    copy = tmp_path / "candidate"
+    got = runner.invoke(cli.app, ["artifacts", "get", digest, str(copy)])
+    assert got.exit_code == 0, got.output
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == {
+        p.name: p.read_bytes() for p in Path(merged["output_dir"]).iterdir()
+    }
+    again = runner.invoke(cli.app, ["artifacts", "get", digest, str(copy)])
+    assert again.exit_code == 1 and "exists" in again.output
+
+    layer = stored / "layer002.npy"
+    layer.chmod(0o644)
+    layer.write_bytes(layer.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(ApplicationError) as corrupt:
+        await node.invoke("eval-corrupt", {"args": ["--model", directory]})
+    assert corrupt.value.type == FailureClass.ARTIFACT_CORRUPT.value
+    refused = runner.invoke(cli.app, ["artifacts", "get", directory, str(tmp_path / "other")])
+    assert refused.exit_code == 1 and "ARTIFACT_CORRUPT" in refused.output
+    assert not (tmp_path / "other").exists()
