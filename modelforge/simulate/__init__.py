@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from modelforge.simulate._baselines import FifoScheduler, OllamaScheduler
 from modelforge.simulate._engine import Progress, Simulation, SimulationResult, common_span
+from modelforge.simulate._history import HistoryModel
 from modelforge.simulate._modelforge import ModelForgeScheduler
 from modelforge.simulate._plot import plotting_available, write_plot
 from modelforge.simulate._progress import ReplayProgress
@@ -29,11 +30,18 @@ POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
 }
 
 
-def simulate(scenario: Scenario, policy: str = "modelforge", progress: Progress | None = None) -> SimulationResult:
+def simulate(
+    scenario: Scenario,
+    policy: str = "modelforge",
+    progress: Progress | None = None,
+    history: HistoryModel | None = None,
+) -> SimulationResult:
+    """`history`: how to read the schedule as the scheduler workflow's Temporal history (pools,
+    delegation sync interval); the result's `scheduler_history`, for ModelForge's policy."""
     factory = POLICIES.get(policy)
     if factory is None:
         raise ScenarioError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    return Simulation(scenario, factory(scenario), progress).run()
+    return Simulation(scenario, factory(scenario), progress, history=history).run()
 
 
 __all__ = [
@@ -42,6 +50,7 @@ __all__ = [
     "CardView",
     "ExternalUsage",
     "FifoScheduler",
+    "HistoryModel",
     "Load",
     "ModelForgeScheduler",
     "OllamaScheduler",

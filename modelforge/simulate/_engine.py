@@ -22,6 +22,7 @@ from typing import Any
 
 from modelforge.domain import Deployment, Observation, ProcessUsage
 from modelforge.failures import FailureClass
+from modelforge.simulate._history import HEARTBEAT_S, HistoryCounts, HistoryModel, scheduler_history
 from modelforge.simulate._protocol import Actions, SimScheduler
 from modelforge.simulate._scenario import Scenario, SimRequest
 
@@ -37,6 +38,7 @@ class _Run:
     bytes: int
     started: float
     preempting: bool = False
+    lease_id: str = ""
 
 
 @dataclass
@@ -84,6 +86,9 @@ class SimulationResult:
     span_s: float = 0.0
     # Columns of per-step figures (see `Simulation._series`), for --json and --plot.
     series: dict[str, object] = field(default_factory=dict)
+    # The scheduler workflow's Temporal history for this schedule (modelforge only; see
+    # `modelforge.simulate._history`): events per second per pool, with and without delegation.
+    scheduler_history: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -114,6 +119,7 @@ class SimulationResult:
             "wall_s": self.wall_s,
             "requests_per_s": self.requests_per_s,
             "series": self.series,
+            "scheduler_history": self.scheduler_history,
         }
 
 
@@ -227,6 +233,7 @@ class Simulation:
         scheduler: SimScheduler,
         progress: Progress | None = None,
         step_s: float | None = None,
+        history: HistoryModel | None = None,
     ) -> None:
         self.scenario = scenario
         self.scheduler = scheduler
@@ -270,6 +277,17 @@ class Simulation:
         self.gang_starts = 0
         # Gang runs that needed one NVLink group and were spread over several (or none).
         self.gang_splits = 0
+        # What reaches the scheduler workflow, per series step (`_history.HistoryCounts`).
+        self.history_model = history or HistoryModel()
+        problems = self.history_model.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.history = HistoryCounts()
+        self.node_of = {a.id: a.node for a in scenario.catalog.accelerators}
+        # Leases of warm admissions (started on arrival on a ready resident): delegable.
+        self.warm_leases: dict[str, bool] = {}
+        self.active_second = -1
+        self.last_sync: dict[str, int] = {}
 
     def _push(self, at: float, kind: int, payload: object) -> None:
         self.seq += 1
@@ -378,9 +396,11 @@ class Simulation:
             assert isinstance(payload, SimRequest)
             refusal = self.scheduler.submit(payload, now)
             if refusal is not None:
+                # Refused by the update's validator: nothing in the history.
                 self._end(payload.index, refusal.failure.value, now)
             else:
                 self._wait(payload.index)
+                self._count(self.history.admissions, now)
         elif kind == _EXTERNAL:
             assert isinstance(payload, tuple)
             external_on: str = payload[0]
@@ -422,6 +442,10 @@ class Simulation:
                 result = FailureClass.TIMEOUT.value
             self._end(run.request.index, result, now)
             self.scheduler.finished(payload, now, result)
+            self._count(self.history.releases, now)
+            if self.warm_leases.pop(payload, False):
+                self._count(self.history.warm_releases, now)
+                self._synced(run.accelerators[0], now)
         elif kind == _CHECKPOINTED:
             assert isinstance(payload, str)
             run = self._take_run(payload, now)
@@ -430,6 +454,9 @@ class Simulation:
             outcome = self.outcomes[run.request.index]
             outcome.remaining_s = max(0.0, outcome.remaining_s - (now - run.started))
             self.preemptions += 1
+            self.warm_leases.pop(payload, None)
+            self._count(self.history.preemptions, now)
+            self._count(self.history.releases, now)
             self._wait(run.request.index)
             self.scheduler.checkpointed(payload, run.request, now)
         elif kind == _WAKE:
@@ -477,6 +504,7 @@ class Simulation:
 
     def _stop_run(self, run: _Run, now: float) -> None:
         cards = self.cards
+        self._heartbeats(run, now)
         for accelerator in run.accelerators:
             cards.change(accelerator, delta_held=-run.bytes)
             self.touched[accelerator] = True
@@ -492,6 +520,49 @@ class Simulation:
             cards.busy_sum -= cards.resident_bytes.get(run.resident_key, 0)
         else:
             cards.active_runs[run.resident_key] = left
+
+    def _hstep(self, t: float) -> int:
+        return max(0, int((t - self.origin) // self.step_s))
+
+    def _count(self, column: list[int], now: float, n: int = 1) -> None:
+        """One more of something the scheduler hears of or records at `now`."""
+        i = self._hstep(now)
+        if len(column) <= i:
+            self.history.grow(i + 1)
+        column[i] += n
+        second = int(now // 1.0)
+        if second != self.active_second:
+            self.active_second = second
+            self.history.active_seconds[i] += 1
+
+    def _synced(self, accelerator: str, now: float) -> None:
+        """A delegated admission or release on a node: its node syncs in this interval."""
+        node = self.node_of.get(accelerator, accelerator)
+        slot = int(now // self.history_model.sync_interval_s)
+        if self.last_sync.get(node) != slot:
+            self.last_sync[node] = slot
+            i = self._hstep(now)
+            if len(self.history.node_syncs) <= i:
+                self.history.grow(i + 1)
+            self.history.node_syncs[i] += 1
+
+    def _heartbeats(self, run: _Run, now: float) -> None:
+        """The heartbeat periods a run's lease went through, in the steps they fell in."""
+        if now - run.started < HEARTBEAT_S:
+            return
+        warm = self.warm_leases.get(run.lease_id, False)
+        step = self.step_s
+        first, last = self._hstep(run.started), self._hstep(now)
+        self.history.grow(last + 1)
+        done = 0
+        for i in range(first, last + 1):
+            upto = min(now, self.origin + (i + 1) * step)
+            beats = int((upto - run.started) // HEARTBEAT_S) - done
+            if beats > 0:
+                done += beats
+                self.history.heartbeats[i] += beats
+                if warm:
+                    self.history.warm_heartbeats[i] += beats
 
     def _wait(self, index: int) -> None:
         outcome = self.outcomes[index]
@@ -540,6 +611,8 @@ class Simulation:
         cards = self.cards
         self._check_invariant(actions, now)
         for refusal in actions.refusals:
+            if not self.outcomes[refusal.request_index].outcome:
+                self._count(self.history.queued_refusals, now)
             self._end(refusal.request_index, refusal.failure.value, now)
         for key, eviction in actions.unloads:
             if key not in cards.resident_bytes or key in self.unloading:
@@ -549,6 +622,7 @@ class Simulation:
             cards.ready_on[cards.resident_on[key]].pop(key, None)
             self.unloads += 1
             self.evictions += 1 if eviction else 0
+            self._count(self.history.resident_changes, now)
             deployment = self._deployment_of(key)
             self._push(now + (deployment.unload_s if deployment else 0.0), _UNLOADED, key)
         for key, kept in actions.sleeps:
@@ -557,6 +631,7 @@ class Simulation:
             # Still held by the node (listed in its samples), just not runnable until woken.
             cards.ready.pop(key, None)
             self.sleeps += 1
+            self._count(self.history.resident_changes, now)
             sleeper = self._deployment_of(key)
             self._push(now + (sleeper.sleep_s if sleeper else 0.0), _SLEPT, (key, kept))
         for key, awake in actions.wakes:
@@ -568,6 +643,7 @@ class Simulation:
             cards.resident_bytes[key] = awake
             self.touched[accelerator] = True
             self.wakes += 1
+            self._count(self.history.resident_changes, now)
             waker = self._deployment_of(key)
             self._push(now + (waker.wake_s if waker else 0.0), _WOKE, key)
         for load in actions.loads:
@@ -577,15 +653,26 @@ class Simulation:
             cards.change(load.accelerator, delta_held=load.bytes)
             self.touched[load.accelerator] = True
             self.loads += 1
+            self._count(self.history.resident_changes, now)
+            self._count(self.history.loads, now)
             self._push(now + deployment.load_s, _LOADED, load.key)
         for start in actions.starts:
             request = self.scenario.requests[start.request_index]
             outcome = self.outcomes[start.request_index]
-            if outcome.first_start is None:
+            first = outcome.first_start is None
+            if first:
                 outcome.first_start = now
             self._unwait(outcome)
-            run = _Run(request, start.accelerators, start.resident_key, start.bytes, now)
+            run = _Run(request, start.accelerators, start.resident_key, start.bytes, now, lease_id=start.lease_id)
             self.runs[start.lease_id] = run
+            if first and now == outcome.arrived and start.resident_key and not start.gang:
+                # Admitted on arrival on a ready resident: the grant went back in the admit
+                # update's reply, and with delegation the node would have admitted it itself.
+                self.warm_leases[start.lease_id] = True
+                self._count(self.history.warm, now)
+                self._synced(start.accelerator, now)
+            elif now > outcome.arrived or not first:
+                self._count(self.history.waited_grants, now)
             for accelerator in start.accelerators:
                 cards.change(accelerator, delta_held=start.bytes)
                 self.touched[accelerator] = True
@@ -698,7 +785,17 @@ class Simulation:
             span_start_s=round(self.span_start, 3),
             span_s=round(span, 3),
             series=self._series(),
+            scheduler_history=self._scheduler_history(),
         )
+
+    def _scheduler_history(self) -> dict[str, Any] | None:
+        """The scheduler workflow's history for this schedule: ModelForge's policy only (the
+        baselines are no Temporal workflow)."""
+        if self.scheduler.name != "modelforge":
+            return None
+        nodes = len(set(self.node_of.values())) or 1
+        steps = max(1, len(self.step_held))
+        return scheduler_history(self.history, self.step_s, steps, nodes, self.history_model)
 
     def _series(self) -> dict[str, object]:
         """Per step of `step_s` (a minute, or whole minutes on long spans: `series_step_s`) from

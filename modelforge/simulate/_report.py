@@ -56,7 +56,35 @@ def comparison_rows(results: list[SimulationResult]) -> list[tuple[str, list[str
         rows.append((name, [str(getattr(r, name)) for r in results]))
     for name in RATIOS:
         rows.append((name, [_cell(getattr(r, name)) for r in results]))
+    rows.extend(history_rows(results))
     rows.append(("common span (utilization window)", [f"{r.span_s:,.0f} s" for r in results]))
     rows.append(("replay's own span", [f"{r.virtual_s:,.0f} s" for r in results]))
     rows.append(("replay", [f"{r.wall_s:.2f} s ({r.requests_per_s:,.0f} req/s)" for r in results]))
+    return rows
+
+
+def history_rows(results: list[SimulationResult]) -> list[tuple[str, list[str]]]:
+    """The scheduler workflow's Temporal history events per second per pool (mean over the
+    replay / peak step), and per request, without and with warm-path delegation; `-` for the
+    baselines, which are no workflow."""
+    histories = [r.scheduler_history for r in results]
+    first = next((h for h in histories if h), None)
+    if first is None:
+        return []
+    peak = "peak minute" if first["step_s"] == 60 else f"peak {first['step_s']:g} s"
+    rows = []
+    for key, label in (("without_delegation", "no delegation"), ("with_delegation", "delegation")):
+        cells, per_request = [], []
+        for history in histories:
+            if not history:
+                cells.append("-")
+                per_request.append("-")
+                continue
+            figures = history[key]
+            cells.append(f"{figures['events_per_s_mean']:.1f} / {figures['events_per_s_peak']:.1f}")
+            per_request.append(_cell(figures["events_per_request"]))
+        pools = first["pools"]
+        where = "per pool" if pools == 1 else f"per pool of {pools}"
+        rows.append((f"scheduler events/s {where}, mean / {peak} ({label})", cells))
+        rows.append((f"scheduler events per request ({label})", per_request))
     return rows
