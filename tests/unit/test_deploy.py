@@ -216,7 +216,7 @@ def test_every_panel_honours_the_accelerator_filter() -> None:
     dashboard = _dashboard()
     assert "accelerator" in {v["name"] for v in dashboard["templating"]["list"]}
     by_accelerator = 'accelerator=~"$accelerator"'
-    by_pool = f"and on (pool) group by (pool) (modelforge_accelerator_bytes{{{by_accelerator}}})"
+    by_pool = f'and on (pool) group by (pool) (modelforge_accelerator_bytes{{pool=~"$pool", {by_accelerator}}})'
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
@@ -233,6 +233,36 @@ def test_every_panel_honours_the_accelerator_filter() -> None:
                     assert "cannot narrow" in panel.get("description", ""), (
                         f"{panel['title']}: {name} has no accelerator or pool label and the panel does not say so"
                     )
+
+
+def test_every_panel_honours_the_pool_filter() -> None:
+    """A `pool` variable from the pools the schedulers report, which narrows the accelerator
+    list; every selection of a series that carries a pool label is filtered by it, and a panel
+    whose series carry none says so."""
+    exported = _exported()
+    dashboard = _dashboard()
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables.index("pool") < variables.index("accelerator")  # Grafana resolves them in order
+    pool = next(v for v in dashboard["templating"]["list"] if v["name"] == "pool")
+    assert pool["datasource"]["uid"] == "${datasource}" and pool["includeAll"] and pool["multi"]
+    source = re.fullmatch(r"label_values\((\w+), pool\)", pool["query"])
+    assert source and "pool" in exported[source.group(1)], pool["query"]
+    accelerator = next(v for v in dashboard["templating"]["list"] if v["name"] == "accelerator")
+    assert ('pool=~"$pool"') in accelerator["query"]
+    pooled = {name for name, labels in exported.items() if "pool" in labels}
+    assert {"modelforge_queue_depth", "modelforge_active_leases", "modelforge_scheduler_up"} <= pooled
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            names = _metric_names(expr)
+            for name in names & pooled:
+                uses = len(re.findall(rf"\b{name}\b", expr))
+                filtered = [s for n, s in _selectors(expr) if n == name and s.get("pool") == "$pool"]
+                assert len(filtered) == uses, f"{panel['title']}: {name} is not filtered by pool in {expr}"
+            if names and not names & pooled:
+                assert "pool" in panel.get("description", "") and "cannot narrow" in panel["description"], panel[
+                    "title"
+                ]
 
 
 # --- Temporal setup -----------------------------------------------------------------------------------
