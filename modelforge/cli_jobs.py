@@ -448,9 +448,7 @@ app.add_typer(artifacts_app, name="artifacts")
 
 
 def _artifact_store() -> Path:
-    from modelforge.runtimes._subprocess_job import artifact_store
-
-    return artifact_store(_settings().home)
+    return _settings().resolved_artifact_store()
 
 
 @artifacts_app.callback()
@@ -520,3 +518,43 @@ def artifacts_get(
     except ModelForgeError as error:
         _fail(error, 1)
     out.print(f"wrote {destination}", highlight=False, soft_wrap=True)
+
+
+@artifacts_app.command("gc")
+def artifacts_gc(
+    older_than: Annotated[
+        str,
+        typer.Option("--older-than", help="Delete artifacts last made longer ago than this (30d, 12h, 90m)."),
+    ],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; delete nothing.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete old artifacts from the store (MODELFORGE_ARTIFACT_STORE), never one a job takes as
+    input while it runs or may run again (preempted, retried) on any node writing to the store."""
+    from modelforge.runtimes._subprocess_job import collect_garbage
+
+    try:
+        seconds = parse_duration(older_than)
+    except ModelForgeError as error:
+        _fail(error, 1)
+    store = _artifact_store()
+    if not (store / "index.jsonl").exists():
+        report: dict[str, Any] = {"deleted": [], "kept_in_use": [], "bytes_freed": 0, "dry_run": dry_run}
+    else:
+        report = collect_garbage(store, seconds, dry_run=dry_run)
+    if as_json:
+        _json(report)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for row in report["deleted"]:
+        out.print(f"{verb} {row['artifact']} ({row['kind']}, {row['bytes']} bytes)", highlight=False, soft_wrap=True)
+    for row in report["kept_in_use"]:
+        out.print(
+            f"kept {row['artifact']}: input of {', '.join(row['in_use_by'])[:120]}", highlight=False, soft_wrap=True
+        )
+    out.print(
+        f"{verb} {len(report['deleted'])} artifacts ({report['bytes_freed']} bytes) from {store}; "
+        f"{len(report['kept_in_use'])} kept in use",
+        highlight=False,
+        soft_wrap=True,
+    )

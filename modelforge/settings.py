@@ -179,6 +179,10 @@ class Settings(BaseSettings):
     # The checkpoint store of preempted work (MODELFORGE_CHECKPOINT_DIR); empty:
     # $MODELFORGE_HOME/checkpoints. A shared filesystem when jobs may resume on another node.
     checkpoint_dir: Path | None = None
+    # The artifact store of jobs' outputs (MODELFORGE_ARTIFACT_STORE); empty:
+    # $MODELFORGE_HOME/artifacts/store. A shared filesystem when a job may take another node's
+    # output; put it inside MODELFORGE_ARTIFACT_ROOTS for deployments to serve its artifacts.
+    artifact_store: Path | None = None
     # The store of payloads too large for the event history (MODELFORGE_PAYLOAD_DIR); empty:
     # $MODELFORGE_HOME/payloads. Every client and worker must see the same directory: a shared
     # filesystem on a cluster (modelforge/payloads.py, docs/RUNTIMES.md "Large payloads").
@@ -282,6 +286,9 @@ class Settings(BaseSettings):
 
     def resolved_checkpoint_dir(self) -> Path:
         return self.checkpoint_dir or self.home / "checkpoints"
+
+    def resolved_artifact_store(self) -> Path:
+        return self.artifact_store or self.home / "artifacts" / "store"
 
     def resolved_artifact_roots(self) -> list[Path]:
         return list(self.artifact_roots) or [self.home / "artifacts"]

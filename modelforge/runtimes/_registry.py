@@ -56,7 +56,10 @@ def _subprocess_http(ctx: NodeContext) -> Runtime:
 
 
 def _subprocess_job(ctx: NodeContext) -> Runtime:
-    runtime = SubprocessJobRuntime(ctx.devices, ctx.home, ctx.node)
+    from modelforge.settings import Settings
+
+    # The artifact store (MODELFORGE_ARTIFACT_STORE), else the one under ctx.home.
+    runtime = SubprocessJobRuntime(ctx.devices, ctx.home, ctx.node, Settings.from_env().artifact_store)
     reaped = runtime.reap_orphans()
     if reaped:
         log.warning("orphaned_jobs_stopped", node=ctx.node, pids=reaped)

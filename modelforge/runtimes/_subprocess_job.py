@@ -248,12 +248,14 @@ class SubprocessJobRuntime:
     # The node gives this runtime's invokes their request id, run and checkpoint directory.
     job_runtime = True
 
-    def __init__(self, devices: NodeDevices, home: Path, node: str = "node") -> None:
-        """`home`: MODELFORGE_HOME; jobs keep their logs and outputs under `home/jobs/<node>`."""
+    def __init__(self, devices: NodeDevices, home: Path, node: str = "node", store: Path | None = None) -> None:
+        """`home`: MODELFORGE_HOME; jobs keep their logs and outputs under `home/jobs/<node>`.
+        `store`: the artifact store (MODELFORGE_ARTIFACT_STORE, shared by the nodes when it is on
+        shared storage); by default `home/artifacts/store`, inside the default artifact root, so a
+        deployment can serve an output."""
         self._devices = devices
         self._root = home / "jobs" / job_directory_name(node)
-        # The artifact store: inside the default artifact root, so a deployment can serve an output.
-        self._store = artifact_store(home)
+        self._store = artifact_store(home, store)
         self._node = node
         self._configs: dict[str, SubprocessJobConfig] = {}
         self._deployments: dict[str, Deployment] = {}
@@ -268,6 +270,11 @@ class SubprocessJobRuntime:
     @property
     def jobs_dir(self) -> Path:
         return self._root
+
+    @property
+    def store(self) -> Path:
+        """The artifact store its jobs' outputs go to and their `artifact:sha256:` inputs come from."""
+        return self._store
 
     def running_pids(self) -> set[int]:
         """Every process of the running jobs (ModelForge's: their GPU bytes are managed)."""
@@ -335,6 +342,48 @@ class SubprocessJobRuntime:
         return await self._run(model.resident_key, lease_id, "", config, deployment, cards, payload, heartbeat, {})
 
     async def _run(
+        self,
+        key: str,
+        job_key: str,
+        part: str,
+        config: SubprocessJobConfig,
+        deployment: Deployment,
+        cards: str,
+        payload: dict[str, Any],
+        heartbeat: Heartbeat,
+        extra_env: dict[str, str],
+    ) -> dict[str, Any]:
+        """Run one attempt of a job (`part`: "" or a gang rank's "-rank<r>") to its end."""
+        request_id = str(payload.get("modelforge_request_id", "")) or job_key
+        args = payload.get("args")
+        inputs = sorted(
+            {
+                found.group(1)
+                for argument in (args if isinstance(args, list) else [])
+                if isinstance(argument, str) and (found := ARTIFACT_ARG.match(argument))
+            }
+        )
+        if not inputs:
+            return await self._run_attempt(key, job_key, part, config, deployment, cards, payload, heartbeat, extra_env)
+        # The artifacts it takes are in use (`collect_garbage` keeps them) from before they are
+        # checked until the request is done with them: kept while it may run again.
+        pin = self._store / IN_USE / f"{job_directory_name(request_id)}{part}.json"
+        record = {"request_id": request_id, "node": self._node, "artifacts": inputs, "state": "running"}
+        await asyncio.to_thread(_write_pin, pin, record)
+        final = False
+        try:
+            output = await self._run_attempt(
+                key, job_key, part, config, deployment, cards, payload, heartbeat, extra_env
+            )
+            final = True
+            return output
+        except ModelForgeError as error:
+            final = error.failure != FailureClass.RUNTIME_CRASH  # RUNTIME_CRASH is retried
+            raise
+        finally:  # preempted, cancelled or retried: it runs again, with the same inputs
+            await asyncio.to_thread(_release_pin, pin, record, final)
+
+    async def _run_attempt(
         self,
         key: str,
         job_key: str,
@@ -898,9 +947,104 @@ def _list_outputs(output_dir: Path) -> list[dict[str, Any]]:
 ARTIFACT_ARG = re.compile(r"^artifact:sha256:([0-9a-f]{64})$")
 
 
-def artifact_store(home: Path) -> Path:
-    """Where jobs' outputs are kept by content: `<home>/artifacts/store/sha256/<digest>`."""
-    return home / "artifacts" / "store"
+IN_USE = "in-use"  # <store>/in-use/<request>.json: the artifacts a job takes as input
+# A job that may run again (preempted, retried) keeps its inputs this long after it last ran:
+# the longest lease a request may ask for (7 days).
+IN_USE_WAITING_S = 7 * 24 * 3600.0
+
+
+def artifact_store(home: Path, configured: Path | None = None) -> Path:
+    """Where jobs' outputs are kept by content, `<store>/sha256/<digest>`: the configured store
+    (MODELFORGE_ARTIFACT_STORE), else `<home>/artifacts/store`."""
+    return configured if configured is not None else home / "artifacts" / "store"
+
+
+def _write_pin(pin: Path, record: dict[str, Any]) -> None:
+    pin.parent.mkdir(parents=True, exist_ok=True)
+    aside = pin.with_name(f".{pin.name}.{os.urandom(6).hex()}.tmp")
+    aside.write_text(json.dumps({**record, "at": time.time()}), encoding="utf-8")
+    aside.replace(pin)
+
+
+def _release_pin(pin: Path, record: dict[str, Any], final: bool) -> None:
+    """The request is done with its inputs (removed), or may run again (kept, `waiting`)."""
+    with contextlib.suppress(OSError):
+        if final:
+            pin.unlink(missing_ok=True)
+        else:
+            _write_pin(pin, {**record, "state": "waiting"})
+
+
+def artifacts_in_use(store: Path, now: float | None = None) -> dict[str, list[str]]:
+    """The artifacts jobs take as input, by digest, with the requests that take them: a job
+    running now on any node that writes to this store, or one that may run again (preempted or
+    retried, for IN_USE_WAITING_S after it last ran). A job still queued for its first attempt
+    is not known here."""
+    now = time.time() if now is None else now
+    found: dict[str, list[str]] = {}
+    for pin in sorted((store / IN_USE).glob("*.json")):
+        try:
+            record = json.loads(pin.read_text(encoding="utf-8"))
+            digests, request_id = [str(d) for d in record["artifacts"]], str(record["request_id"])
+            stale = record.get("state") != "running" and now - float(record["at"]) > IN_USE_WAITING_S
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not stale:
+            for digest in digests:
+                found.setdefault(digest, []).append(request_id)
+    return found
+
+
+def collect_garbage(
+    store: Path, older_than_s: float, *, dry_run: bool = False, now: float | None = None
+) -> dict[str, Any]:
+    """Delete the artifacts last registered more than `older_than_s` ago, except those a job
+    takes as input (`artifacts_in_use`). Each deletion is a tombstone line appended to
+    `index.jsonl` (append-only: a node registering an output meanwhile loses nothing), and
+    writers' leftovers (`.*.tmp` aside files) of that age go too. Returns what was deleted and
+    what was kept because a job uses it."""
+    now = time.time() if now is None else now
+    in_use = artifacts_in_use(store, now)
+    deleted: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    tombstones: list[str] = []
+    for row in artifact_rows(store):
+        at = row.get("at")
+        if not row["present"] or not isinstance(at, int | float) or now - float(at) <= older_than_s:
+            continue
+        digest = row["artifact"].removeprefix("artifact:sha256:")
+        summary = {"artifact": row["artifact"], "kind": row["kind"], "bytes": row["bytes"], "at": at}
+        if digest in in_use:
+            kept.append({**summary, "in_use_by": in_use[digest]})
+            continue
+        deleted.append(summary)
+        if dry_run:
+            continue
+        path = store / "sha256" / digest
+        if path.is_dir() and not path.is_symlink():
+            _writable(path)
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        tombstones.append(json.dumps({"sha256": digest, "deleted": True, "at": now}))
+    if tombstones:
+        with (store / "index.jsonl").open("a", encoding="utf-8") as index:
+            index.write("\n".join(tombstones) + "\n")
+    if not dry_run:
+        for leftover in (store / "sha256").glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - leftover.lstat().st_mtime > older_than_s:
+                    if leftover.is_dir() and not leftover.is_symlink():
+                        _writable(leftover)
+                        shutil.rmtree(leftover, ignore_errors=True)
+                    else:
+                        leftover.unlink()
+    return {
+        "deleted": deleted,
+        "kept_in_use": kept,
+        "bytes_freed": sum(int(d["bytes"] or 0) for d in deleted),
+        "dry_run": dry_run,
+    }
 
 
 def register_outputs(
@@ -1045,6 +1189,9 @@ def artifact_rows(store: Path) -> list[dict[str, Any]]:
             digest = str(entry["sha256"])
         except (ValueError, KeyError, TypeError):
             continue
+        if entry.get("deleted"):  # collected (`collect_garbage`): what came before is gone
+            rows.pop(digest, None)
+            continue
         row = rows.setdefault(
             digest,
             {
@@ -1080,6 +1227,8 @@ __all__ = [
     "SubprocessJobRuntime",
     "artifact_rows",
     "artifact_store",
+    "artifacts_in_use",
+    "collect_garbage",
     "job_directory_name",
     "job_log_dirs",
 ]

@@ -5,9 +5,11 @@ evaluation dataset shipped with the examples."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 from typer.testing import CliRunner
 
 from modelforge import cli
+from modelforge.domain import GiB
 from modelforge.failures import FailureClass
 from modelforge.runtimes import job_log_dirs
 from tests.runtimes.test_subprocess_job import CPU_KEY, MERGE, MERGE_ARGS, ROOT, Node, job, node, python
@@ -207,3 +210,108 @@ async def test_a_jobs_output_directory_is_one_artifact_a_later_job_and_artifacts
     refused = runner.invoke(cli.app, ["artifacts", "get", directory, str(tmp_path / "other")])
     assert refused.exit_code == 1 and "ARTIFACT_CORRUPT" in refused.output
     assert not (tmp_path / "other").exists()
+
+
+def test_the_artifact_store_is_a_setting_of_its_own_and_node_workers_use_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from modelforge.gpu import HostMemoryDevice, NodeDevices, SimulatedGpuBackend
+    from modelforge.runtimes import build_runtimes
+    from modelforge.settings import Settings
+
+    assert Settings(home=tmp_path).resolved_artifact_store() == tmp_path / "artifacts" / "store"  # unchanged
+    monkeypatch.setenv("MODELFORGE_ARTIFACT_STORE", str(tmp_path / "shared" / "artifacts"))
+    assert Settings.from_env().resolved_artifact_store() == tmp_path / "shared" / "artifacts"
+    devices = NodeDevices(SimulatedGpuBackend([]), HostMemoryDevice("n", 8 * GiB))
+    runtimes = build_runtimes(devices, tmp_path / "home", "n")  # starts nothing
+    assert getattr(runtimes["subprocess_job"], "store", None) == tmp_path / "shared" / "artifacts"
+
+
+async def test_two_nodes_with_their_own_homes_share_artifacts_through_the_configured_store(tmp_path: Path) -> None:
+    """Node a's merge output is node b's input: both write to and read from one store (a shared
+    filesystem on a cluster), while their jobs, logs and homes stay their own."""
+    from activities.node import NodeActivities
+    from modelforge.gpu import HostMemoryDevice, NodeDevices, SimulatedGpuBackend
+    from modelforge.runtimes import SubprocessJobRuntime
+
+    shared = tmp_path / "shared-store"
+    nodes = []
+    for name in ("a", "b"):
+        devices = NodeDevices(SimulatedGpuBackend([]), HostMemoryDevice(name, 8 * GiB))
+        runtime = SubprocessJobRuntime(devices, tmp_path / f"home-{name}", name, shared)
+        activities = NodeActivities(name, devices, {"subprocess_job": runtime}, checkpoint_root=tmp_path / "ckpt")
+        nodes.append(Node(activities, runtime, tmp_path / "ckpt", tmp_path / f"home-{name}", []))
+    try:
+        await nodes[0].load(job([sys.executable, str(MERGE)]))
+        merged = await nodes[0].invoke("shared-merge", {"args": MERGE_ARGS})
+        assert (shared / "sha256" / merged["output_artifact"].removeprefix("artifact:sha256:")).is_dir()
+        assert not (tmp_path / "home-a" / "artifacts").exists()  # nothing in the node's own home
+        await nodes[1].load(job([sys.executable, str(EVALUATE)]))
+        scored = await nodes[1].invoke("shared-eval", {"args": ["--model", merged["output_artifact"]]})
+        assert scored["result"]["layers"] == 6
+    finally:
+        for each in nodes:
+            await each.runtime.close()
+
+
+READER = (
+    "import pathlib, sys, time\n"
+    "mode, model = sys.argv[1], pathlib.Path(sys.argv[2])\n"
+    "assert model.exists()\n"
+    "if mode == 'crash': sys.exit(3)\n"
+    "if mode == 'usage': sys.exit(2)\n"
+    "while mode == 'wait' and not (model.parent.parent / 'go').exists(): time.sleep(0.05)\n"
+)
+
+
+async def test_artifacts_gc_deletes_old_artifacts_but_never_a_running_or_requeued_jobs_input(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelforge.runtimes._subprocess_job import artifact_rows, artifacts_in_use, collect_garbage
+
+    store = node.home / "artifacts" / "store"
+    await node.load(job([sys.executable, str(MERGE)]))
+    merged = await node.invoke("gc-merge", {"args": MERGE_ARGS})
+    by_path = {entry["path"]: entry["artifact"] for entry in merged["outputs"]}
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job(python(READER)))
+    # Crashed (RUNTIME_CRASH, which is retried): its input stays in use. Refused its arguments
+    # (REQUEST_INVALID, final): not any more.
+    with pytest.raises(ApplicationError):
+        await node.invoke("gc-crash", {"args": ["crash", by_path["layer000.npy"]]})
+    with pytest.raises(ApplicationError):
+        await node.invoke("gc-usage", {"args": ["usage", by_path["layer001.npy"]]})
+    running = asyncio.create_task(node.invoke("gc-running", {"args": ["wait", by_path["manifest.json"]]}))
+    while "gc-running" not in str(artifacts_in_use(store)):
+        await asyncio.sleep(0.05)
+
+    later = time.time() + 7200  # two hours on: every artifact is older than an hour
+    preview = collect_garbage(store, 3600, dry_run=True, now=later)
+    assert len(preview["deleted"]) == 7 and len(artifact_rows(store)) == 9  # a dry run deletes nothing
+    report = collect_garbage(store, 3600, now=later)
+    kept = {row["artifact"]: row["in_use_by"] for row in report["kept_in_use"]}
+    assert kept == {by_path["layer000.npy"]: ["gc-crash"], by_path["manifest.json"]: ["gc-running"]}
+    assert {row["artifact"] for row in report["deleted"]} == {
+        *(a for p, a in by_path.items() if p not in ("layer000.npy", "manifest.json")),
+        merged["output_artifact"],
+    }
+    assert report["bytes_freed"] > 0
+    assert {row["artifact"] for row in artifact_rows(store)} == set(kept)  # the index says what is left
+    assert sorted(p.name for p in (store / "sha256").iterdir()) == sorted(a[16:] for a in kept)
+    with pytest.raises(ApplicationError) as gone:
+        await node.invoke("gc-late", {"args": ["usage", by_path["layer001.npy"]]})
+    assert gone.value.type == FailureClass.REQUEST_INVALID.value
+
+    # The running job ends: its input is no longer in use, and goes on the next collection
+    # (here from the command line, with a real age of a second).
+    (store / "go").touch()
+    assert (await running)["exit_code"] == 0
+    monkeypatch.setenv("MODELFORGE_HOME", str(node.home))
+    await asyncio.sleep(1.1)
+    printed = CliRunner().invoke(cli.app, ["artifacts", "gc", "--older-than", "1s", "--json"])
+    assert printed.exit_code == 0, printed.output
+    report = json.loads(printed.stdout)
+    assert [row["artifact"] for row in report["deleted"]] == [by_path["manifest.json"]]
+    assert [row["artifact"] for row in report["kept_in_use"]] == [by_path["layer000.npy"]]
+    refused = CliRunner().invoke(cli.app, ["artifacts", "gc", "--older-than", "soon"])
+    assert refused.exit_code == 1 and "REQUEST_INVALID" in refused.output
