@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -21,9 +21,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge.failures import FailureClass
-from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitReply, LeaseConfirmCall
+from modelforge.messages import AdmitBatch, AdmitBatchReply, AdmitCall, AdmitReply, LeaseConfirmCall, SlotClaim
 from modelforge.names import scheduler_id
-from modelforge.policy import AdmissionRequest
+from modelforge.policy import AdmissionRequest, Lease
+
+if TYPE_CHECKING:
+    from activities._delegation import NodeSlots
 
 T = TypeVar("T")
 _FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
@@ -150,13 +153,21 @@ def _as_failure(error: Exception, pool: str) -> Exception:
 
 
 class SchedulerGatewayActivities:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, slots: NodeSlots | None = None) -> None:
+        """`slots`: on a node's worker, the slots its scheduler lent it (warm-path delegation)."""
         self._client = client
         self._batchers: dict[str, _PoolBatcher] = {}
+        self._slots = slots
 
     def activities(self) -> list[Callable[..., Awaitable[Any]]]:
         """What a worker that runs request workflows registers (as local activities)."""
-        return [self.admit, self.confirm_lease]
+        return [self.admit, self.confirm_lease, self.claim_slot]
+
+    @activity.defn(name="claim_slot")
+    async def claim_slot(self, claim: SlotClaim) -> Lease | None:
+        """A free slot of this node for the request (activities/_delegation.py), or None: no
+        slots here (the control worker has none), and the scheduler admits it as always."""
+        return None if self._slots is None else self._slots.claim(claim)
 
     @activity.defn(name="admit")
     async def admit(self, call: AdmitCall) -> AdmitReply:

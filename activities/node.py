@@ -20,6 +20,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from activities import _stream_push as stream_push
+from activities._delegation import NodeSlots
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
 from modelforge.events import EventRecord
@@ -121,11 +122,13 @@ class NodeActivities:
         labels: dict[str, str] | None = None,
         checkpoint_root: Path | None = None,
         request_queue: str = "",
+        slots: NodeSlots | None = None,
     ) -> None:
         """`labels`: what this node advertises for all its accelerators (`rack_id`,
         `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML.
         `request_queue`: this node's worker runs request workflows there too (invoke results name
         it, so clients route later requests for the capability to it)."""
+        self._slots = slots  # lent by the scheduler for warm requests (activities/_delegation.py)
         self._labels = dict(labels or {})
         self._request_queue = request_queue
         self._checkpoint_root = checkpoint_root
@@ -259,6 +262,34 @@ class NodeActivities:
 
     @activity.defn(name="invoke")
     async def invoke(self, request: InvokeInput) -> InvokeResult:
+        if not request.delegated:
+            return await self._invoke(request)
+        # On a slot this node was lent: started only if the claim is still this request's, and
+        # reported (not released) when done, the slot free for the next request.
+        slots = self._slots
+        if slots is None or not slots.started(request.lease_id, request.request_id):
+            raise ApplicationError(
+                f"the slot {request.lease_id} is no longer this request's (its claim expired)",
+                type=FailureClass.LEASE_CONFLICT.value,
+                non_retryable=True,
+            )
+        started = time.monotonic()
+        outcome, message = "ok", ""
+        try:
+            return await self._invoke(request)
+        except ApplicationError as error:
+            outcome, message = error.type or FailureClass.RUNTIME_CRASH.value, error.message
+            raise
+        except asyncio.CancelledError:
+            outcome, message = "cancelled", "the invoke was cancelled (preempted, or its request ended)"
+            raise
+        except Exception as error:
+            outcome, message = FailureClass.RUNTIME_CRASH.value, str(error)
+            raise
+        finally:
+            slots.finish(request.lease_id, request.request_id, outcome, time.monotonic() - started, message)
+
+    async def _invoke(self, request: InvokeInput) -> InvokeResult:
         # At once: a heartbeat timeout with no heartbeat then means this node never ran it.
         _heartbeat("started")
         runtime, model = self._model(request.key)
@@ -294,8 +325,8 @@ class NodeActivities:
         store = payload_store(self._client)
         if store is not None:  # a large answer goes by reference (modelforge/payloads.py, put_output)
             output = await asyncio.to_thread(put_output, store, output)
-        released = False
-        if request.release_to and self._client is not None:
+        released = request.delegated  # its node reports it in the next sync
+        if request.release_to and self._client is not None and not request.delegated:
             try:
                 await self._client.get_workflow_handle(request.release_to).signal(
                     "release",

@@ -7,7 +7,15 @@ from typing import Any
 
 from modelforge.domain import Accelerator, Deployment, Observation
 from modelforge.events import EventRecord
-from modelforge.policy import AcceleratorStatus, AdmissionRequest, Lease, PolicyConfig, PoolState
+from modelforge.policy import (
+    AcceleratorStatus,
+    AdmissionRequest,
+    Lease,
+    PolicyConfig,
+    PoolState,
+    SlotReply,
+    SlotSync,
+)
 
 MAX_INPUT_BYTES = 1_000_000
 
@@ -309,6 +317,35 @@ class InvokeInput:
     heartbeat_s: float = 0.0
     # RequestInput.stream: the answer is pushed there as it is generated.
     stream: StreamTarget | None = None
+    # The lease is a slot the node was lent (warm-path delegation): the node reports the request
+    # in its next sync and keeps the slot, instead of releasing a lease (release_to heartbeats only).
+    delegated: bool = False
+
+
+@dataclass(frozen=True)
+class SlotClaim:
+    """A request workflow running on a node's worker asks that node for one of its delegated
+    slots (a local activity: no round trip). Answered with the request's lease, or None: no free
+    slot here, and the request is admitted by the scheduler as always."""
+
+    pool: str
+    request_id: str
+    workflow_id: str
+    capability: str
+    tenant: str
+    priority: str | None = None
+
+
+@dataclass(frozen=True)
+class DelegationSync:
+    """A node's `delegation_sync` update to its pool's scheduler (policy.SlotSync)."""
+
+    sync: SlotSync
+
+
+@dataclass(frozen=True)
+class DelegationReply:
+    reply: SlotReply
 
 
 @dataclass(frozen=True)

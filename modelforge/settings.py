@@ -79,6 +79,7 @@ _MUST_BE: dict[str, str] = {
     "payload_threshold_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
     "max_payload_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
     "replay_check_s": "0 (off) or 5 to 86400 seconds",
+    "delegation_sync_s": "0 (off) or 0.1 to 10 seconds",
 }
 # Read from the variable or the file MODELFORGE_<NAME>_FILE names; never shown.
 _SECRETS = ("temporal_api_key", "database_url")
@@ -200,6 +201,11 @@ class Settings(BaseSettings):
     # could replay before it wedges the pool (MODELFORGE_REPLAY_CHECK_S; 0: off;
     # workers/replay_guard.py). Checks also follow every Temporal outage.
     replay_check_s: float = 60.0
+    # How often a node worker syncs the slots its scheduler lent it for warm requests, while it
+    # holds any (MODELFORGE_DELEGATION_SYNC_S; 0: no delegation, every request is admitted by
+    # the scheduler; activities/_delegation.py). A request waiting at the scheduler is overtaken
+    # on a node for at most about this long.
+    delegation_sync_s: float = 1.0
 
     @classmethod
     def settings_customise_sources(
@@ -248,6 +254,13 @@ class Settings(BaseSettings):
     @classmethod
     def _replay_check(cls, value: float) -> float:
         if not (value == 0 or 5 <= value <= 86400) or math.isnan(value):
+            raise ValueError("out of range")
+        return value
+
+    @field_validator("delegation_sync_s")
+    @classmethod
+    def _delegation_sync(cls, value: float) -> float:
+        if not (value == 0 or 0.1 <= value <= 10) or math.isnan(value):
             raise ValueError("out of range")
         return value
 

@@ -15,6 +15,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
+from activities._delegation import NodeSlots
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
@@ -43,6 +44,11 @@ class Stack:
     control: ControlWorker | None = None  # None when the caller runs the control worker
     # Every pool's scheduler by pool (`scheduler` is the first pool's).
     schedulers: dict[str, WorkflowHandle[PoolSchedulerWorkflow, None]] = field(default_factory=dict)
+    # Each node's delegated slots (warm-path delegation) when the stack runs it; the sync loops
+    # run as tasks of their own, stopped with the stack.
+    delegation_sync_s: float = 0.0
+    slots: dict[str, NodeSlots] = field(default_factory=dict)
+    sync_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def events(self, kind: str, at_least: int, within_s: float = 10.0) -> list[dict[str, Any]]:
         """Events of a kind in order, once at least `at_least` are written: the event log is
@@ -64,8 +70,20 @@ class Stack:
         await self.stop_node(node)
         await self.start_node(node)
 
+    def _new_slots(self, client: Client, node: str) -> NodeSlots | None:
+        """A node worker's slots, a fresh life of them (its sync loop started), or None."""
+        if not self.delegation_sync_s:
+            return None
+        pool = next((a.pool for a in self.catalog.accelerators if a.node == node and a.pool in self.schedulers), "")
+        slots = NodeSlots(client, node, pool or next(iter(self.schedulers), "default"), sync_s=self.delegation_sync_s)
+        self.slots[node] = slots
+        self.sync_tasks[node] = asyncio.create_task(slots.run())
+        return slots
+
     async def stop_node(self, node: str) -> None:
-        """Stop a node worker (its queue goes unserved until `start_node`)."""
+        """Stop a node worker (its queue goes unserved until `start_node`), and its slots' sync."""
+        if node in self.sync_tasks:
+            self.sync_tasks[node].cancel()
         worker = self.node_workers[node]
         if worker.is_running and not worker.is_shutdown:
             await worker.shutdown()
@@ -82,7 +100,7 @@ class Stack:
             tls=config.tls,
             data_converter=self.client.data_converter,
         )
-        worker = _node_worker(own, node, backend, self.catalog)
+        worker = _node_worker(own, node, backend, self.catalog, self._new_slots(own, node))
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 
@@ -107,13 +125,15 @@ class Stack:
         )
 
 
-def _node_worker(client: Client, node: str, backend: SimulatedGpuBackend, catalog: Catalog) -> Worker:
+def _node_worker(
+    client: Client, node: str, backend: SimulatedGpuBackend, catalog: Catalog, slots: NodeSlots | None = None
+) -> Worker:
     """A node worker as `modelforge worker node --simulate-from` builds one: every runtime, the
     catalog's CPU device when it declares one on this node."""
     devices = NodeDevices(backend, host_device(node, catalog, None))
     home = Path(tempfile.gettempdir()) / "modelforge"
     runtimes = node_runtimes(devices, home, node)
-    worker = build_node_worker(client, node, devices, runtimes, checkpoint_root=home / "checkpoints")
+    worker = build_node_worker(client, node, devices, runtimes, checkpoint_root=home / "checkpoints", slots=slots)
     _SERVERS[worker] = [r for r in runtimes.values() if isinstance(r, SubprocessHttpRuntime)]
     return worker
 
@@ -135,6 +155,7 @@ async def running_stack(
     control_in_process: bool = True,
     adopt_interval_s: float = 5.0,
     pools: Sequence[str] = ("default",),
+    delegation_sync_s: float = 0.0,
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
     be killed and restarted); the stack brings only Postgres rows, node workers and telemetry.
@@ -145,16 +166,21 @@ async def running_stack(
     await store.migrate()
     await store.apply_catalog(catalog)
     backends = {node: simulated_backend(node, catalog, external) for node in catalog.nodes()}
-    node_workers = {node: _node_worker(client, node, backend, catalog) for node, backend in backends.items()}
     running = Stack(
         client=client,
         store=store,
         catalog=catalog,
         scheduler=None,  # type: ignore[arg-type]
         backends=backends,
-        node_workers=node_workers,
         external=external,
+        delegation_sync_s=delegation_sync_s,
+        schedulers={pool: None for pool in pools},  # type: ignore[misc]  # set below; names the pools
     )
+    node_workers = {
+        node: _node_worker(client, node, backend, catalog, running._new_slots(client, node))
+        for node, backend in backends.items()
+    }
+    running.node_workers = node_workers
     try:
         async with contextlib.AsyncExitStack() as stack:
             if control_in_process:
@@ -196,6 +222,9 @@ async def running_stack(
 
 
 async def _shutdown_all(stack: Stack) -> None:
+    for task in stack.sync_tasks.values():
+        task.cancel()
+    await asyncio.gather(*stack.sync_tasks.values(), return_exceptions=True)
     # Bounded: a test that fails mid-way must not hang its teardown on a still-running invoke.
     for worker in stack.node_workers.values():
         if worker.is_running and not worker.is_shutdown:

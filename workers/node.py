@@ -12,6 +12,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities import NodeActivities, SchedulerGatewayActivities
+from activities._delegation import NodeSlots
 from modelforge.catalog import ExternalSpec, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import (
@@ -75,7 +76,10 @@ def build_node_worker(
     artifact_roots: list[Path] | None = None,
     labels: dict[str, str] | None = None,
     checkpoint_root: Path | None = None,
+    slots: NodeSlots | None = None,
 ) -> Worker:
+    """`slots`: the node's delegated slots (warm-path delegation); their sync loop is the
+    caller's to run (`NodeSlots.run`). None: every request is admitted by the scheduler."""
     node_activities = NodeActivities(
         node,
         backend,
@@ -85,6 +89,7 @@ def build_node_worker(
         labels=labels,
         checkpoint_root=checkpoint_root,
         request_queue=node_task_queue(node),
+        slots=slots,
     )
     return Worker(
         client,
@@ -98,7 +103,7 @@ def build_node_worker(
         # 25 ms of a warm request on the dev server. The admission call is their local activity.
         workflows=[CapabilityRequestWorkflow],
         activities=[
-            *SchedulerGatewayActivities(client).activities(),
+            *SchedulerGatewayActivities(client, slots).activities(),
             node_activities.sample_node,
             node_activities.load_model,
             node_activities.health_check,
@@ -161,6 +166,7 @@ async def run(
 ) -> None:
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
     client = await connect(settings, worker=True, role="node")
+    slots = NodeSlots(client, node, pool, sync_s=settings.delegation_sync_s) if settings.delegation_sync_s else None
     worker = build_node_worker(
         client,
         node,
@@ -169,7 +175,9 @@ async def run(
         settings.resolved_artifact_roots(),
         labels,
         settings.resolved_checkpoint_dir(),
+        slots,
     )
+    syncing = asyncio.create_task(slots.run()) if slots is not None else None
     try:
         async with worker:
             await ensure_telemetry(client, node, pool)
@@ -183,6 +191,8 @@ async def run(
             )
             await asyncio.Event().wait()
     finally:
+        if syncing is not None:
+            syncing.cancel()
         for runtime in runtimes.values():
             close = getattr(runtime, "close", None)  # no model server or job outlives its node worker
             if close is not None and inspect.isawaitable(closing := close()):

@@ -36,10 +36,11 @@ with workflow.unsafe.imports_passed_through():
         RequestInput,
         RequestResult,
         RuntimeOpResult,
+        SlotClaim,
         client_input_problem,
     )
     from modelforge.policy import AdmissionRequest, Lease
-    from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
+    from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, node_task_queue
 
 from workflows._common import (
     ALL_FAILURES,
@@ -75,6 +76,8 @@ PATCH_RESERVED_INPUT = "reserved-input-keys"
 # ...and before a request asked again (after a preemption, a crash, a refused late grant) kept
 # its deadline: it was restarted from the new admission, so a preempted request could run late.
 PATCH_DEADLINE_FROM_START = "deadline-from-start"
+# ...and before a warm request on its node's worker could run on a slot lent to that node.
+PATCH_DELEGATED_SLOTS = "delegated-slots"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
 ADMIT_BUDGET = timedelta(seconds=60)
@@ -125,15 +128,22 @@ class CapabilityRequestWorkflow:
             self._decision = None
             self._preempt = None
             acquisition = crashes + preemptions + refused
-            lease = await self._acquire(
-                request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=acquisition
-            )
-            if fencing and not await self._still_held(request, lease, acquisition):
-                refused += 1
-                if refused > MAX_PREEMPTIONS:
-                    self._end(FailureClass.LEASE_CONFLICT.value)
-                    raise failure(FailureClass.LEASE_CONFLICT, f"{refused} grants were reclaimed before they arrived")
-                continue
+            slot = await self._claim_slot(request) if acquisition == 0 and _may_claim(request) else None
+            if slot is not None:
+                lease = slot  # admitted on its node, from a slot the scheduler lent it
+                timings["delegated"] = 1.0
+            else:
+                lease = await self._acquire(
+                    request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=acquisition
+                )
+                if fencing and not await self._still_held(request, lease, acquisition):
+                    refused += 1
+                    if refused > MAX_PREEMPTIONS:
+                        self._end(FailureClass.LEASE_CONFLICT.value)
+                        raise failure(
+                            FailureClass.LEASE_CONFLICT, f"{refused} grants were reclaimed before they arrived"
+                        )
+                    continue
             self._lease = lease
             timings["lease_s"] = (workflow.now() - started).total_seconds()
             workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
@@ -150,7 +160,7 @@ class CapabilityRequestWorkflow:
                 invoke = asyncio.ensure_future(self._run_gang(request, lease, payload, gang_resume))
             else:
                 invoke = self._invoke_resident(
-                    request, lease, payload, node_releases, heartbeats, resume_from if fencing else ""
+                    request, lease, payload, node_releases, heartbeats, resume_from if fencing else "", slot is not None
                 )
             if heartbeats:
                 await self._heartbeat_until_done(request, lease, invoke)
@@ -243,6 +253,7 @@ class CapabilityRequestWorkflow:
         node_releases: bool,
         heartbeats: bool,
         resume_from: str = "",
+        delegated: bool = False,
     ) -> asyncio.Future[InvokeResult | None]:
         return workflow.start_activity(
             "invoke",
@@ -250,7 +261,8 @@ class CapabilityRequestWorkflow:
                 key=lease.resident_key,
                 lease_id=lease.lease_id,
                 payload=payload,
-                release_to=scheduler_id(request.pool) if node_releases else "",
+                release_to=scheduler_id(request.pool) if node_releases or delegated else "",
+                delegated=delegated,
                 request_id=request.request_id,
                 heartbeat_s=lease.heartbeat_s if heartbeats else 0.0,
                 # Set here only, never from the client's input (its modelforge_* keys are refused).
@@ -399,6 +411,33 @@ class CapabilityRequestWorkflow:
                     "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
                 )
 
+    async def _claim_slot(self, request: RequestInput) -> Lease | None:
+        """A warm request on its node's worker asks that node for a slot the scheduler lent it
+        (a local activity, no round trip: activities/_delegation.py). None (no free slot, or
+        anything going wrong): the scheduler admits it as always."""
+        if not workflow.patched(PATCH_DELEGATED_SLOTS):
+            return None
+        try:
+            slot: Lease | None = await workflow.execute_local_activity(
+                "claim_slot",
+                SlotClaim(
+                    pool=request.pool,
+                    request_id=request.request_id,
+                    workflow_id=workflow.info().workflow_id,
+                    capability=request.capability,
+                    tenant=request.tenant,
+                    priority=request.priority or None,
+                ),
+                result_type=Lease | None,  # type: ignore[arg-type]
+                start_to_close_timeout=timedelta(seconds=5),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"claim a delegated slot for {request.capability}",
+            )
+        except (ActivityError, ApplicationError) as error:
+            workflow.logger.info("no delegated slot for %s: %s", request.request_id, error)
+            return None
+        return slot
+
     async def _still_held(self, request: RequestInput, lease: Lease, acquisition: int) -> bool:
         """A grant that reaches its holder later than a heartbeat period after it was made (the
         holder's worker, or Temporal, was away) may have been reclaimed meanwhile and its room
@@ -460,9 +499,7 @@ class CapabilityRequestWorkflow:
             preempted=preempted,
             submitted_at=submitted_at if preempted else None,
             max_duration_s=request.max_duration_s,
-            admit_by=(
-                workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S if fencing else None
-            ),
+            admit_by=(workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S if fencing else None),
         )
         try:
             reply = await workflow.execute_local_activity(
@@ -549,6 +586,12 @@ class CapabilityRequestWorkflow:
     def _end(self, outcome: str) -> None:
         self._phase = "failed"
         workflow.upsert_search_attributes([sa.OUTCOME.value_set(outcome)])
+
+
+def _may_claim(request: RequestInput) -> bool:
+    """Only a plain invoke whose workflow runs on a node's worker (routed there by its client)
+    can use that node's slots; the control worker's queue has none."""
+    return request.operation == "" and workflow.info().task_queue.startswith(NODE_TASK_QUEUE_PREFIX)
 
 
 def _gang_nodes(lease: Lease) -> dict[str, list[str]]:

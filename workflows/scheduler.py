@@ -29,6 +29,8 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         CarriedOutbox,
+        DelegationReply,
+        DelegationSync,
         LeaseConfirmCall,
         LeaseDecision,
         LeaseHeartbeat,
@@ -97,6 +99,9 @@ EVENT_BATCH = 200
 # per request.
 EVENT_WRITE_INTERVAL_S = 1.0
 MAX_ADMIT_BATCH = 500
+# Resident slots kept back from delegation for admissions through the scheduler (requests that
+# did not start on the resident's node: a CLI's first request, another pool's client).
+DELEGATION_SPARE_SLOTS = 1
 
 
 @workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
@@ -246,6 +251,18 @@ class PoolSchedulerWorkflow:
     def release(self, signal: ReleaseSignal) -> None:
         now = self._now()
         lease = self._state.leases.get(signal.lease_id)
+        if signal.lease_id in self._state.slots:
+            # A request on a delegated slot failed or was preempted: its node reports it and keeps
+            # the slot (closed if it was preempted). Only a crashed model changes anything here.
+            if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
+                self._record_all(policy.close_slot(self._state, signal.lease_id, signal.message), now)
+                events = policy.resident_crashed(self._state, lease.resident_key, lease.granted_at, signal.message)
+                for event in events:
+                    if event.workflow_id:
+                        self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
+                self._record_all(events, now)
+            self._wake = True
+            return
         if lease is not None:
             failure_class = parse_failure(signal.outcome)
             self._record(
@@ -321,6 +338,35 @@ class PoolSchedulerWorkflow:
                 self._now(),
             )
         return held
+
+    @workflow.update
+    def delegation_sync(self, sync: DelegationSync) -> DelegationReply:
+        """A node's sync about the slots it was lent for warm requests (policy/_delegation.py):
+        the requests it served, the slots it still holds, the capabilities it wants slots for.
+        The reply lists the slots it may keep. No patch needed: a history without this update
+        runs exactly as before."""
+        now = self._now()
+        reply, events = policy.sync_slots(self._state, sync.sync, now, spare=DELEGATION_SPARE_SLOTS)
+        self._record_all(events, now)
+        if any(event.kind == "slot_returned" for event in events) or sync.sync.runs:
+            self._wake = True  # a slot given back may serve what waits
+        return DelegationReply(reply)
+
+    @delegation_sync.validator
+    def _validate_delegation_sync(self, sync: DelegationSync) -> None:
+        if self._catalog_stale:
+            raise ApplicationError(
+                "the scheduler is still loading its catalog",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            )
+        node = sync.sync.node
+        if not node or len(node) > 200 or not node.isprintable() or len(sync.sync.held) > 10_000:
+            raise ApplicationError(
+                "a delegation sync names its node (1 to 200 printable characters) and at most 10,000 slots",
+                type=FailureClass.REQUEST_INVALID.value,
+                non_retryable=True,
+            )
 
     @workflow.update
     def residency_control(self, call: ResidencyControl) -> ResidencyControlReply:
@@ -716,6 +762,7 @@ class PoolSchedulerWorkflow:
             summary="load catalog",
         )
         self._state.catalog = catalog
+        self._state.view_epoch += 1  # nodes lent slots check requests by the new one
         # Admission waits for the usage too: the first decisions already see past consumption.
         if self._usage_unseeded and workflow.patched(PATCH_USAGE_FROM_LEDGER):
             self._usage_unseeded = False
@@ -912,11 +959,19 @@ class PoolSchedulerWorkflow:
         return None
 
     async def _preempt_holder(self, workflow_id: str, preempt: PreemptSignal) -> object:
+        if preempt.lease_id in self._state.slots:
+            # A delegated slot is taken back by closing it: its node gives it back once free. Its
+            # request, if one holds it, is preempted too (below).
+            self._record_all(policy.close_slot(self._state, preempt.lease_id, preempt.reason), self._now())
+            if policy.is_delegation_holder(workflow_id):
+                return None
         try:
             await workflow.get_external_workflow_handle(workflow_id).signal("preempt", preempt)
         except Exception as error:
             # The holder is gone: nobody will release, so the lease goes back now.
             now = self._now()
+            if preempt.lease_id in self._state.slots:
+                return None  # its node still holds the slot: it comes back with the node's next sync
             lease = self._state.leases.get(preempt.lease_id)
             if lease is not None:
                 self._record_all(

@@ -39,12 +39,24 @@ from modelforge.policy._decisions import (
     Wait,
     Wake,
 )
+from modelforge.policy._delegation import (
+    SLOT_CLASS,
+    SlotReply,
+    SlotRun,
+    SlotSync,
+    close_slot,
+    holder_id,
+    is_delegation_holder,
+    is_slot,
+    sync_slots,
+)
 from modelforge.policy._observe import ADVERTISED_LABELS, apply_observations, relabel, with_advertised_labels
-from modelforge.policy._order import fair_share_scores, queue_order
+from modelforge.policy._order import fair_share_scores, is_production, queue_order
 from modelforge.policy._placement import FilterResult, decide, filter_accelerators, silent_nodes_due
 from modelforge.policy._state import (
     AcceleratorRuntime,
     CapabilityHealth,
+    DelegatedSlot,
     Lease,
     MeasuredTimes,
     PolicyConfig,
@@ -60,6 +72,7 @@ from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolSt
 __all__ = [
     "ADVERTISED_LABELS",
     "RESIDENCY_ACTIONS",
+    "SLOT_CLASS",
     "AcceleratorRuntime",
     "AcceleratorStatus",
     "AdmissionRejected",
@@ -70,6 +83,7 @@ __all__ = [
     "CapabilityStatus",
     "ControlOutcome",
     "Decisions",
+    "DelegatedSlot",
     "FilterResult",
     "Grant",
     "Lease",
@@ -85,6 +99,9 @@ __all__ = [
     "ResidentState",
     "ResidentStatus",
     "Sleep",
+    "SlotReply",
+    "SlotRun",
+    "SlotSync",
     "StartLoad",
     "TenantUsage",
     "Unload",
@@ -94,6 +111,7 @@ __all__ = [
     "apply_observations",
     "cancel_request",
     "capacity_alerts",
+    "close_slot",
     "compute_budget",
     "control_residents",
     "decide",
@@ -103,6 +121,10 @@ __all__ = [
     "existing_admission",
     "fair_share_scores",
     "filter_accelerators",
+    "holder_id",
+    "is_delegation_holder",
+    "is_production",
+    "is_slot",
     "keep_warm_check",
     "lease_heartbeat",
     "pool_status",
@@ -120,6 +142,7 @@ __all__ = [
     "resolve_priority",
     "silent_nodes_due",
     "stale_leases_due",
+    "sync_slots",
     "validate_request",
     "with_advertised_labels",
 ]

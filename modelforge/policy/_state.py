@@ -151,6 +151,18 @@ class QueuedRequest:
 
 
 @dataclass
+class DelegatedSlot:
+    """A lease lent to a node for its warm requests (policy/_delegation.py): which node, which
+    life of its worker, and whether it still takes new requests (closed: the node gives it back
+    once free)."""
+
+    node: str
+    boot: str
+    open: bool = True
+    closed_reason: str = ""
+
+
+@dataclass
 class AcceleratorRuntime:
     observation: Observation | None = None
     # [received_at, external_bytes] pairs inside the volatility window.
@@ -238,6 +250,10 @@ class PoolState:
     # Residents an operator asked to unload with drain (key -> when): they take no new lease and
     # are unloaded when their last lease ends (policy/_control.py).
     draining: dict[str, float] = field(default_factory=dict)
+    # Slots lent to nodes (warm-path delegation), by lease id; each is also in `leases`.
+    slots: dict[str, DelegatedSlot] = field(default_factory=dict)
+    # Bumped at each catalog load: a node whose view of tenants and classes is older gets it again.
+    view_epoch: int = 0
 
     def pool_accelerators(self) -> list[str]:
         return [a.id for a in self.catalog.accelerators if a.pool == self.pool]
