@@ -1,0 +1,272 @@
+"""A node's side of warm-path delegation (modelforge/policy/_delegation.py): the slots its
+scheduler lent it, claimed by the request workflows that run on this node's worker (a local
+activity: no round trip), and the sync loop that reports what ran and renews the slots.
+
+Safety, on the node's side:
+- a slot serves one request at a time, and only while it is open and the last answer of the
+  scheduler is younger than its `valid_s` (half the scheduler's stale_lease_s: the scheduler
+  reclaims a silent node's slots only after all of it);
+- a claim refused here for any reason (no slot, a class that may not run here, a tenant the view
+  does not know) is not a refusal: the request goes to the scheduler, which decides as always;
+- a claim whose invoke does not start within `CLAIM_START_S` is voided, and that invoke, should it
+  come later, is refused (the slot may be another's by then)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from temporalio.client import Client
+
+from modelforge.domain import Catalog
+from modelforge.identifiers import identifier_problem
+from modelforge.logging import get_logger
+from modelforge.messages import DelegationReply, DelegationSync, SlotClaim
+from modelforge.names import scheduler_id
+from modelforge.policy import (
+    AdmissionRejected,
+    AdmissionRequest,
+    Lease,
+    PoolState,
+    SlotReply,
+    SlotRun,
+    SlotSync,
+    is_production,
+    resolve_priority,
+)
+
+log = get_logger("modelforge.delegation")
+
+DEFAULT_SYNC_S = 1.0
+# An open slot nobody claimed for this long goes back to the scheduler (and the node stops
+# syncing once it holds nothing): an idle node costs its scheduler no history.
+IDLE_GIVE_BACK_S = 10.0
+CLAIM_START_S = 30.0
+# A sync asked for by a claim that found no slot waits at least this long after the last one.
+MIN_SYNC_GAP_S = 0.1
+MAX_RUNS_KEPT = 20_000  # reports kept through a scheduler outage, the oldest dropped past it
+SYNC_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Slot:
+    lease: Lease
+    open: bool = True
+    request_id: str = ""  # the request on it ("" free)
+    workflow_id: str = ""
+    tenant: str = ""
+    priority: str = ""
+    claimed_at: float = 0.0
+    started: bool = False
+    last_used: float = 0.0
+
+
+class NodeSlots:
+    """One per node worker process."""
+
+    def __init__(
+        self,
+        client: Client | None,
+        node: str,
+        pool: str,
+        *,
+        sync_s: float = DEFAULT_SYNC_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.node = node
+        self.pool = pool
+        self.sync_s = sync_s
+        self._clock = clock
+        self.boot = uuid.uuid4().hex[:16]
+        self._slots: dict[str, _Slot] = {}
+        self._production_ok: set[str] = set()
+        self._valid_until = 0.0
+        self._view: Catalog | None = None
+        self._view_epoch = -1
+        self._runs: list[SlotRun] = []
+        self._wanted: dict[str, None] = {}
+        self._wake = asyncio.Event()
+        self._last_sync = 0.0
+        self.syncs = 0  # sent, for tests and the benchmark
+
+    # --- claims (local activity) -------------------------------------------------------------
+
+    def claim(self, claim: SlotClaim) -> Lease | None:
+        """The request's lease on a free open slot of its capability here, or None."""
+        now = self._clock()
+        if claim.pool != self.pool:
+            return None
+        if now >= self._valid_until or self._view is None:
+            self._want(claim.capability)
+            return None
+        priority = self._class_of(claim)
+        if priority is None:
+            return None
+        production = is_production(self._view, priority)
+        for slot in self._slots.values():
+            lease = slot.lease
+            if lease.capability != claim.capability or not slot.open or slot.request_id:
+                continue
+            if production and lease.resident_key not in self._production_ok:
+                continue
+            slot.request_id, slot.workflow_id = claim.request_id, claim.workflow_id
+            slot.tenant, slot.priority = claim.tenant, priority
+            slot.claimed_at = slot.last_used = now
+            slot.started = False
+            return replace(
+                lease,
+                request_id=claim.request_id,
+                workflow_id=claim.workflow_id,
+                tenant=claim.tenant,
+                priority=priority,
+            )
+        self._want(claim.capability)
+        return None
+
+    def _class_of(self, claim: SlotClaim) -> str | None:
+        """The request's class by the scheduler's own rules (its tenant's default, ceiling and
+        queues), or None where they refuse it: the scheduler then refuses it, typed."""
+        for kind, name in (
+            ("request_id", claim.request_id),
+            ("capability", claim.capability),
+            ("tenant", claim.tenant),
+        ):
+            if identifier_problem(kind, name) is not None:
+                return None
+        assert self._view is not None
+        request = AdmissionRequest(
+            request_id=claim.request_id,
+            workflow_id=claim.workflow_id,
+            capability=claim.capability,
+            tenant=claim.tenant,
+            priority=claim.priority,
+        )
+        try:
+            return resolve_priority(PoolState(pool=self.pool, catalog=self._view), request)
+        except AdmissionRejected:
+            return None
+
+    def _want(self, capability: str) -> None:
+        if len(self._wanted) < 64:
+            self._wanted[capability] = None
+        self._wake.set()
+
+    def started(self, lease_id: str, request_id: str) -> bool:
+        """The invoke of a claim begins: False when the claim is no longer its own (voided)."""
+        slot = self._slots.get(lease_id)
+        if slot is None or slot.request_id != request_id:
+            return False
+        slot.started = True
+        return True
+
+    def finish(self, lease_id: str, request_id: str, outcome: str, invoke_s: float, message: str = "") -> None:
+        """The request on the slot is over: reported in the next sync, the slot free again."""
+        slot = self._slots.get(lease_id)
+        if slot is None or slot.request_id != request_id:
+            return
+        self._runs.append(
+            SlotRun(
+                lease_id=lease_id,
+                request_id=request_id,
+                workflow_id=slot.workflow_id,
+                tenant=slot.tenant,
+                priority=slot.priority,
+                capability=slot.lease.capability,
+                outcome=outcome,
+                invoke_s=invoke_s,
+                message=message[:500],
+            )
+        )
+        if len(self._runs) > MAX_RUNS_KEPT:
+            del self._runs[: len(self._runs) - MAX_RUNS_KEPT]
+        slot.request_id = slot.workflow_id = ""
+        slot.last_used = self._clock()
+
+    def free_slots(self, capability: str) -> int:
+        return sum(1 for s in self._slots.values() if s.lease.capability == capability and s.open and not s.request_id)
+
+    def in_use(self) -> int:
+        return sum(1 for s in self._slots.values() if s.request_id)
+
+    # --- sync -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Sync while there is anything to say: slots held, requests to report, slots wanted."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.sync_s)
+                gap = self._last_sync + MIN_SYNC_GAP_S - self._clock()
+                if gap > 0:
+                    await asyncio.sleep(gap)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.sync_once()
+            except Exception as error:  # never the end of the loop: the next sync tries again
+                log.warning("delegation_sync_failed", node=self.node, error=str(error))
+
+    def _prepare(self, now: float) -> SlotSync | None:
+        for lease_id, slot in list(self._slots.items()):
+            if slot.request_id and not slot.started and now - slot.claimed_at > CLAIM_START_S:
+                slot.request_id = slot.workflow_id = ""  # its invoke never came
+            if not slot.request_id and (not slot.open or now - slot.last_used > IDLE_GIVE_BACK_S):
+                del self._slots[lease_id]  # given back: not in `held`
+        if not self._slots and not self._runs and not self._wanted and not self._last_sync_held:
+            return None
+        return SlotSync(
+            node=self.node,
+            boot=self.boot,
+            held=list(self._slots),
+            in_use={lease_id: slot.workflow_id for lease_id, slot in self._slots.items() if slot.request_id},
+            runs=list(self._runs),
+            wanted=list(self._wanted),
+            view_epoch=self._view_epoch,
+        )
+
+    _last_sync_held = False  # the last sync held slots: the next one (holding none) says so
+
+    async def sync_once(self) -> SlotReply | None:
+        if self._client is None:
+            return None
+        sent_at = self._clock()
+        sync = self._prepare(sent_at)
+        if sync is None:
+            return None
+        runs = len(sync.runs)
+        self._wanted.clear()
+        self._last_sync = sent_at
+        self.syncs += 1
+        handle = self._client.get_workflow_handle(scheduler_id(self.pool))
+        reply: DelegationReply = await asyncio.wait_for(
+            handle.execute_update("delegation_sync", DelegationSync(sync), result_type=DelegationReply),
+            timeout=SYNC_TIMEOUT_S,
+        )
+        del self._runs[:runs]  # reported: the scheduler has them
+        self._apply(reply.reply, sent_at)
+        self._last_sync_held = bool(sync.held)
+        return reply.reply
+
+    def _apply(self, reply: SlotReply, sent_at: float) -> None:
+        listed = {lease.lease_id: lease for lease in reply.slots}
+        for lease_id, slot in list(self._slots.items()):
+            if lease_id not in listed:
+                if slot.request_id:
+                    slot.open = False  # taken back while in use: dropped when its request ends
+                else:
+                    del self._slots[lease_id]
+        for lease_id, lease in listed.items():
+            slot = self._slots.get(lease_id)
+            if slot is None:
+                self._slots[lease_id] = _Slot(lease=lease, open=lease_id not in reply.closing, last_used=sent_at)
+            elif lease_id in reply.closing:
+                slot.open = False
+        self._production_ok = set(reply.production_ok)
+        if reply.view is not None:
+            self._view, self._view_epoch = reply.view, reply.view_epoch
+        # Counted from when the sync was sent: never later than the scheduler's own clock.
+        self._valid_until = sent_at + reply.valid_s

@@ -1,0 +1,335 @@
+"""Warm-path delegation: the scheduler lends a node some of a ready resident's concurrency slots,
+and the node admits warm requests into them itself, with no scheduler round trip.
+
+A slot is a lease like any other in the pool's state (so concurrency, eviction and the memory
+invariant see it), held by the node (`holder_id`) instead of a request. No bytes change hands:
+only deployments whose envelope already covers their concurrency (`lease_extra_bytes == 0`) are
+delegated. The node syncs with the scheduler about once a second while it holds slots or has
+something to report (`sync_slots`): the sync reports the requests served, says which slots the
+node still holds and which are in use (by whom), and asks for slots for the capabilities it was
+asked for; its reply is the authoritative list of slots the node may keep.
+
+The scheduler keeps the invariant and the order of classes:
+- a slot is closed (the node takes no new request on it and gives it back once free) whenever
+  anything waits at the scheduler, the card is under GPU_PRESSURE, stale or unhealthy, the
+  resident is leaving or draining, or the slot is preempted (`closing_reason`); so a request
+  waiting at the scheduler is overtaken on a node for at most one sync interval;
+- a slot goes back to the pool only when the node says it no longer holds it (a sync without it),
+  or when the node has been silent for stale_lease_s (the node stops using its slots after half
+  of that, `SlotReply.valid_s`), so no slot is ever used by two requests at once;
+- a node worker that restarts holds nothing: its first sync gives every slot of its previous
+  life back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from modelforge.domain import Catalog, Residency, fair_share_entity
+from modelforge.policy._admission import note_outcome
+from modelforge.policy._decisions import PolicyEvent
+from modelforge.policy._order import decayed_usage
+from modelforge.policy._pass import static_reason
+from modelforge.policy._state import DelegatedSlot, Lease, PoolState, ResidentPhase, ResidentState, TenantUsage
+
+SLOT_PREFIX = "slot-"
+HOLDER_PREFIX = "delegation:"
+# A slot's class: none of the catalog's, so the policy never picks one to preempt (closing it
+# is how the scheduler takes it back) and fair share never charges a slot, only its requests.
+SLOT_CLASS = "delegated"
+# Wanted capabilities looked at per sync: a sync's size is bounded whatever a node sends.
+MAX_WANTED = 32
+MAX_RUNS = 2000
+
+
+def holder_id(node: str) -> str:
+    """The holder of a node's free slots (a slot in use names its request's workflow)."""
+    return f"{HOLDER_PREFIX}{node}"
+
+
+def is_delegation_holder(workflow_id: str) -> bool:
+    return workflow_id.startswith(HOLDER_PREFIX)
+
+
+def is_slot(lease_id: str) -> bool:
+    return lease_id.startswith(SLOT_PREFIX)
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One request a node served on a delegated slot, reported in its next sync."""
+
+    lease_id: str
+    request_id: str
+    workflow_id: str
+    tenant: str
+    priority: str
+    capability: str
+    outcome: str
+    invoke_s: float
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class SlotSync:
+    """What a node tells its scheduler at each sync. `held`: every slot it holds, free or in use
+    (anything else it was lent, it has given back); `in_use`: slot -> the workflow of the request
+    on it; `wanted`: capabilities it was asked for and had no free slot for. `boot`: its worker
+    process (slots of another life of the node are gone with it)."""
+
+    node: str
+    boot: str
+    held: list[str] = field(default_factory=list)
+    in_use: dict[str, str] = field(default_factory=dict)
+    runs: list[SlotRun] = field(default_factory=list)
+    wanted: list[str] = field(default_factory=list)
+    view_epoch: int = -1
+
+
+@dataclass(frozen=True)
+class SlotReply:
+    """The slots the node may keep (all of them: one it holds and is not listed here is no longer
+    its own), which of them are closing (no new request; give back when free, with the reason),
+    where production classes may run, and for how long this answer holds without another.
+    `view`: the catalog's tenants, queues and delegated deployments, for the node's own checks,
+    when its `view_epoch` is behind."""
+
+    slots: list[Lease] = field(default_factory=list)
+    closing: dict[str, str] = field(default_factory=dict)
+    production_ok: list[str] = field(default_factory=list)
+    valid_s: float = 0.0
+    view: Catalog | None = None
+    view_epoch: int = 0
+
+
+def closing_reason(state: PoolState, resident: ResidentState | None, lease_id: str, now: float) -> str:
+    """Why a slot of `resident` takes no new request (""): the one rule of what a delegated slot
+    may still be used for."""
+    if lease_id in state.preempting:
+        return f"preempted: {state.preempting[lease_id]}"
+    if state.queue:
+        # Whatever waits may need this slot, this card or this model's memory: the scheduler
+        # takes its slots back and decides in class order.
+        return f"{len(state.queue)} requests wait at the scheduler"
+    if resident is None or resident.phase != ResidentPhase.READY:
+        return "its model is no longer ready" if resident is None else f"its model is {resident.phase.value}"
+    if resident.key in state.draining:
+        return "its model is draining"
+    deployment = state.catalog.deployment(resident.deployment)
+    if deployment is None or deployment.lease_extra_bytes or state.catalog.accelerator(resident.accelerator) is None:
+        return "its deployment or card left the catalog (or changed)"
+    runtime = state.accelerators.get(resident.accelerator)
+    observation = runtime.observation if runtime is not None else None
+    if runtime is None or observation is None or now - observation.received_at > state.config.freshness_s:
+        return f"{resident.accelerator}: no fresh telemetry"
+    if not runtime.healthy:
+        return f"{resident.accelerator}: UNHEALTHY"
+    if runtime.pressure:
+        return f"{resident.accelerator}: GPU_PRESSURE"
+    return ""
+
+
+def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) -> tuple[SlotReply, list[PolicyEvent]]:
+    """One node's sync (module docstring). `spare`: slots of each resident kept back for the
+    scheduler's own admissions (requests that did not reach this node's worker)."""
+    events = record_runs(state, sync.node, sync.runs[:MAX_RUNS], now)
+    held = set(sync.held)
+    for lease_id in [lid for lid, slot in state.slots.items() if slot.node == sync.node and lid not in held]:
+        events.extend(return_slot(state, lease_id, now, "given back by its node"))
+    holder = holder_id(sync.node)
+    mine: list[Lease] = []
+    for lease_id in sync.held:
+        slot = state.slots.get(lease_id)
+        lease = state.leases.get(lease_id)
+        if slot is None or lease is None or slot.node != sync.node or slot.boot != sync.boot:
+            continue  # reclaimed, or another life's: the node drops it
+        # The node that holds the slot is alive: it vouches for it (stale_lease_s applies).
+        state.lease_seen[lease_id] = now
+        state.lease_heard[lease_id] = True
+        workflow_id = sync.in_use.get(lease_id, holder)[:300]
+        if lease.workflow_id != workflow_id:  # a preemption reaches the request on it
+            lease = replace(lease, workflow_id=workflow_id)
+            state.leases[lease_id] = lease
+        mine.append(lease)
+    closing: dict[str, str] = {}
+    for lease in mine:
+        slot = state.slots[lease.lease_id]
+        if slot.open:
+            reason = closing_reason(state, state.residents.get(lease.resident_key), lease.lease_id, now)
+            if reason:
+                slot.open, slot.closed_reason = False, reason
+                events.append(_slot_event("slot_closed", lease, reason))
+        if not slot.open:
+            closing[lease.lease_id] = slot.closed_reason
+    for capability in list(dict.fromkeys(sync.wanted))[:MAX_WANTED]:
+        granted = _lend(state, sync.node, sync.boot, capability, now, spare)
+        mine.extend(granted)
+        events.extend(_slot_event("slot_lent", lease, "") for lease in granted)
+    keys = {lease.resident_key for lease in mine}
+    reply = SlotReply(
+        slots=mine,
+        closing=closing,
+        production_ok=sorted(key for key in keys if _production_ok(state, key)),
+        valid_s=state.config.stale_lease_s / 2,
+        view=admission_view(state, keys) if sync.view_epoch != state.view_epoch else None,
+        view_epoch=state.view_epoch,
+    )
+    return reply, events
+
+
+def _lend(state: PoolState, node: str, boot: str, capability: str, now: float, spare: int) -> list[Lease]:
+    deployment = state.catalog.deployment_for(capability)
+    if deployment is None or deployment.lease_extra_bytes or deployment.gpu_count > 1:
+        return []
+    if deployment.residency == Residency.NONE:
+        return []  # loaded for its requests and gone after: nothing warm to lend
+    lent: list[Lease] = []
+    for resident in list(state.residents.values()):
+        if resident.node != node or resident.deployment != deployment.deployment_id:
+            continue
+        if closing_reason(state, resident, "", now):
+            continue
+        free = deployment.concurrency - resident.active_leases - (spare if deployment.concurrency > 1 else 0)
+        for _ in range(max(0, free)):
+            state.lease_counter += 1
+            lease = Lease(
+                lease_id=f"{SLOT_PREFIX}{state.lease_counter}",
+                request_id=f"{SLOT_PREFIX}{state.lease_counter}",
+                workflow_id=holder_id(node),
+                capability=capability,
+                deployment=deployment.deployment_id,
+                accelerator=resident.accelerator,
+                node=node,
+                resident_key=resident.key,
+                bytes=0,
+                granted_at=now,
+                priority=SLOT_CLASS,
+                tenant="",
+                heartbeat_s=state.config.stale_lease_s / 3,
+            )
+            state.leases[lease.lease_id] = lease
+            state.lease_seen[lease.lease_id] = now
+            state.lease_heard[lease.lease_id] = True
+            state.slots[lease.lease_id] = DelegatedSlot(node=node, boot=boot)
+            resident.active_leases += 1
+            resident.last_used = now
+            lent.append(lease)
+    return lent
+
+
+def return_slot(state: PoolState, lease_id: str, now: float, why: str) -> list[PolicyEvent]:
+    """A slot back in the pool (its node gave it back, or it was reclaimed): no usage is charged,
+    its requests were charged as they ran."""
+    state.slots.pop(lease_id, None)
+    lease = state.leases.pop(lease_id, None)
+    state.lease_seen.pop(lease_id, None)
+    state.lease_heard.pop(lease_id, None)
+    state.preempting.pop(lease_id, None)
+    if lease is None:
+        return []
+    resident = state.residents.get(lease.resident_key)
+    if resident is not None:
+        resident.active_leases = max(0, resident.active_leases - 1)
+        resident.last_used = now
+    return [_slot_event("slot_returned", lease, why)]
+
+
+def close_slot(state: PoolState, lease_id: str, reason: str) -> list[PolicyEvent]:
+    """No new request on this slot (a preemption, or its request failed in a way that ends the
+    model): the node hears at its next sync and gives it back once free."""
+    slot = state.slots.get(lease_id)
+    lease = state.leases.get(lease_id)
+    if slot is None or lease is None or not slot.open:
+        return []
+    slot.open, slot.closed_reason = False, reason
+    return [_slot_event("slot_closed", lease, reason)]
+
+
+def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) -> list[PolicyEvent]:
+    """Requests served on slots: each charged to its tenant's fair share and counted towards its
+    capability's health, with the events (and lease ledger rows) a scheduler-granted request has."""
+    events: list[PolicyEvent] = []
+    for run in runs:
+        slot = state.leases.get(run.lease_id)
+        resident = state.residents.get(slot.resident_key) if slot is not None else None
+        note_outcome(state, run.capability, run.outcome, run.message, now)
+        held_s = max(0.0, run.invoke_s)
+        entity = fair_share_entity(run.priority, run.tenant)
+        usage = state.usage.setdefault(entity, TenantUsage(updated_at=now))
+        usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + held_s
+        usage.updated_at = now
+        if resident is not None:
+            resident.last_used = now
+            resident.last_priority = run.priority
+        accelerator = slot.accelerator if slot is not None else ""
+        deployment = slot.deployment if slot is not None else ""
+        run_lease = f"{run.lease_id}/{run.request_id}"[:300]
+        events.append(
+            PolicyEvent(
+                kind="invoke" if run.outcome == "ok" else "invoke_failed",
+                request_id=run.request_id,
+                lease_id=run_lease,
+                accelerator=accelerator,
+                deployment=deployment,
+                workflow_id=run.workflow_id,
+                message=run.message or f"on a slot delegated to {node}",
+                payload={"invoke_s": round(run.invoke_s, 4), "delegated": True},
+            )
+        )
+        events.append(
+            PolicyEvent(
+                kind="lease_released",
+                request_id=run.request_id,
+                lease_id=run_lease,
+                accelerator=accelerator,
+                deployment=deployment,
+                workflow_id=run.workflow_id,
+                message=run.outcome,
+                payload={
+                    "held_s": round(held_s, 3),
+                    "bytes": 0,
+                    "outcome": run.outcome,
+                    "tenant": run.tenant,
+                    "capability": run.capability,
+                    "priority": run.priority,
+                    "pool": state.pool,
+                    "accelerators": accelerator,
+                    "granted_at": now - held_s,
+                    "delegated": True,
+                },
+            )
+        )
+    return events
+
+
+def admission_view(state: PoolState, resident_keys: set[str]) -> Catalog:
+    """What a node needs to check a request by the scheduler's own rules (identifiers, tenant,
+    class, ceiling, queues): the tenants, the queues and the delegated deployments."""
+    deployments = {state.residents[key].deployment for key in resident_keys if key in state.residents}
+    return Catalog(
+        deployments=[d for d in state.catalog.deployments if d.deployment_id in deployments],
+        tenants=list(state.catalog.tenants),
+        queues=list(state.catalog.queues),
+    )
+
+
+def _production_ok(state: PoolState, resident_key: str) -> bool:
+    """Production classes may run on this resident's slots (its card and deployment pass the
+    production rules of placement)."""
+    resident = state.residents.get(resident_key)
+    if resident is None:
+        return False
+    accelerator = state.catalog.accelerator(resident.accelerator)
+    deployment = state.catalog.deployment(resident.deployment)
+    return accelerator is not None and deployment is not None and not static_reason(accelerator, deployment, True)
+
+
+def _slot_event(kind: str, lease: Lease, message: str) -> PolicyEvent:
+    return PolicyEvent(
+        kind=kind,
+        lease_id=lease.lease_id,
+        accelerator=lease.accelerator,
+        deployment=lease.deployment,
+        workflow_id=lease.workflow_id,
+        message=message,
+        payload={"node": lease.node, "resident": lease.resident_key},
+    )

@@ -1,0 +1,103 @@
+"""Warm-path delegation: a node lent slots of a ready resident admits the warm requests routed to
+it without a scheduler round trip, reports them in batches, and gives the slots back whenever
+the scheduler needs them (modelforge/policy/_delegation.py, activities/_delegation.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from modelforge.client import ModelForgeClient, Result
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "routing.toml"
+CAPABILITY = "route.embed@1"
+SYNC_S = 0.3
+
+
+async def _until(check: object, within_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while loop.time() < deadline:
+        if await check():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def _history_length(stack: Stack) -> int:
+    described = await stack.scheduler.describe()
+    return int(described.raw_description.workflow_execution_info.history_length)
+
+
+async def _warm_up(client: ModelForgeClient, stack: Stack) -> str:
+    """Load the model, route the client to its node and wait for the node to be lent slots."""
+    first = await client.request(CAPABILITY, input={"text": "a"}, tenant="app")
+    assert first.ok and first.lease is not None, first
+    node = first.lease.node
+
+    async def lent() -> bool:
+        probe = await client.request(CAPABILITY, input={"text": "probe"}, tenant="app")
+        assert probe.ok, probe
+        return stack.slots[node].free_slots(CAPABILITY) > 0
+
+    assert await _until(lent, within_s=15), "the node was never lent a slot"
+    return node
+
+
+async def _updates_since(stack: Stack, first_event: int) -> dict[str, int]:
+    """The scheduler's updates (by name) accepted after history event `first_event`."""
+    counts: dict[str, int] = {}
+    async for event in stack.scheduler.fetch_history_events():
+        if event.event_id > first_event and event.HasField("workflow_execution_update_accepted_event_attributes"):
+            name = event.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _delegated(result: Result) -> bool:
+    return bool(result.timings.get("delegated"))
+
+
+async def test_warm_requests_run_on_delegated_slots_and_cost_the_scheduler_almost_nothing(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=CATALOG, delegation_sync_s=SYNC_S
+    ) as stack:
+        client = ModelForgeClient(dev_server_env.client)
+        node = await _warm_up(client, stack)
+        slots = stack.slots[node]
+        lent = slots.free_slots(CAPABILITY)
+        # One slot of the 8 is kept back for admissions that do not reach the node's worker.
+        assert lent == 7
+        before = await _history_length(stack)
+        results = [await client.request(CAPABILITY, input={"text": f"t{i}"}, tenant="app") for i in range(20)]
+        assert all(r.ok for r in results), [r for r in results if not r.ok]
+        assert all(_delegated(r) for r in results), [r.timings for r in results]
+        # The answer and the lease are the request's own, as with a lease from the scheduler.
+        assert all(r.lease is not None and r.lease.tenant == "app" and r.lease.node == node for r in results)
+        assert {r.lease.priority for r in results if r.lease} == {"interactive"}
+        # No admission round trip: the scheduler's history grew by the node's syncs (one update
+        # each, whatever the number of requests) and its event writes, not per request.
+        await asyncio.sleep(SYNC_S * 3)
+        updates = await _updates_since(stack, before)
+        assert "admit_batch" not in updates and "admit" not in updates, updates
+        assert set(updates) == {"delegation_sync"}, updates
+        grown = await _history_length(stack) - before
+        # (each sync: a workflow task and its update, 5 events; each event write, about once a
+        # second: 6 events)
+        assert grown <= 6 * updates["delegation_sync"] + 30, (grown, updates)
+        # Reported in the node's syncs: every request is in the event log and the lease ledger.
+        events = await stack.events("invoke", at_least=22, within_s=10)
+        ids = {e["request_id"] for e in events if e["payload"].get("delegated")}
+        assert {r.request_id for r in results} <= ids
+        # Never more in flight than the concurrency: slots plus the scheduler's own leases.
+        status = await stack.status()
+        [resident] = [r for r in status.residents if r.deployment.startswith("route.embed")]
+        assert resident.active_leases <= 8
