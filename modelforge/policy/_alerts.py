@@ -9,7 +9,8 @@ from modelforge.domain import Deployment
 from modelforge.failures import Alert
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import PolicyEvent
-from modelforge.policy._pass import is_evictable, static_reason
+from modelforge.policy._pass import static_reason
+from modelforge.policy._standing import is_evictable
 from modelforge.policy._state import PoolState
 
 _GiB = 1024**3

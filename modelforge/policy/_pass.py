@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass, field
 
 from modelforge.domain import Accelerator, Deployment, Residency
-from modelforge.policy._budget import Budget, budget_from_sums
+from modelforge.policy._budget import Budget, dynamic_reserve_bytes
 from modelforge.policy._decisions import Grant
 from modelforge.policy._order import class_rank, is_production
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation
+from modelforge.policy._standing import LeaseGroups, is_evictable, lease_groups, pool_cards, resident_groups
 from modelforge.policy._state import (
     AcceleratorRuntime,
     Lease,
@@ -47,6 +48,14 @@ class Reasons:
             self._first[kind] = text
             self._count[kind] = count
 
+    def again(self, kind: str) -> bool:
+        """Counts one more reason of `kind` if there is one already (its text would not be
+        shown): the caller builds a reason's text only when this says False."""
+        if kind in self._count:
+            self._count[kind] += 1
+            return True
+        return False
+
     def extend(self, other: Reasons) -> None:
         """Adds `other`'s reasons after these, as if each had been added here."""
         for kind, text in other._first.items():
@@ -75,18 +84,49 @@ class Budgets(dict[str, Budget]):
         self._now = now
 
     def __missing__(self, accelerator_id: str) -> Budget:
+        # `budget_from_sums`, written out: a pass of a full pool asks it of every card.
         state = self._state
         accelerator = state.catalog.accelerator(accelerator_id)
         if accelerator is None:
             raise KeyError(accelerator_id)
-        budget = budget_from_sums(
-            accelerator,
-            state.accelerators.get(accelerator_id, IDLE_RUNTIME),
-            self._resident.get(accelerator_id, 0),
-            self._leased.get(accelerator_id, 0),
-            state.config,
-            self._now,
-        )
+        runtime = state.accelerators.get(accelerator_id, IDLE_RUNTIME)
+        now = self._now
+        if len(runtime.external_history) < 2:
+            reserve = max(accelerator.reserve_bytes, 0)  # no spread of external usage to keep
+        else:
+            reserve = max(accelerator.reserve_bytes, dynamic_reserve_bytes(runtime, state.config, now))
+        resident = self._resident.get(accelerator_id, 0)
+        leased = self._leased.get(accelerator_id, 0)
+        total = accelerator.total_bytes
+        observation = runtime.observation
+        if observation is None:
+            budget = Budget(
+                accelerator_id,
+                total,
+                None,
+                0,
+                resident,
+                leased,
+                reserve,
+                total - resident - leased - reserve,
+                False,
+                None,
+            )
+        else:
+            external = observation.external_bytes
+            age = max(0.0, now - observation.received_at)
+            budget = Budget(
+                accelerator_id,
+                total,
+                observation.used_bytes,
+                external,
+                resident,
+                leased,
+                reserve,
+                total - external - resident - leased - reserve,
+                age <= state.config.freshness_s,
+                age,
+            )
         self[accelerator_id] = budget
         return budget
 
@@ -164,16 +204,6 @@ def request_ends_by(queued: QueuedRequest, start: float) -> float:
 BECOMING_READY = (ResidentPhase.LOADING, ResidentPhase.WAKING, ResidentPhase.READY)
 
 
-def is_evictable(resident: ResidentState) -> bool:
-    """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
-    An asleep resident still holds its kept bytes: it may be unloaded too."""
-    return (
-        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
-        and resident.active_leases == 0
-        and resident.residency != Residency.ALWAYS_WARM
-    )
-
-
 def static_reason(
     accelerator: Accelerator, deployment: Deployment, production: bool, cpu_fallback: bool = False
 ) -> str:
@@ -220,7 +250,77 @@ def filter_accelerators(state: PoolState, deployment: Deployment, priority: str,
 
 
 def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPass:
-    accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
+    """What a pass starts from. `indexed` (the fast pass): the residents' and leases' groupings
+    kept across passes (`_standing`, rebuilt when they changed); off (the reference pass): built
+    here from scratch by one walk over residents and leases."""
+    if indexed:
+        accelerators, position = pool_cards(state)
+        residents = resident_groups(state)
+        leases = lease_groups(state)
+        resident_sum, pinned, leased_sum = residents.resident_sum, residents.pinned, leases.leased_sum
+        # Copied: a pass adds the loads it starts to these (`_start_load`) and counts slots down.
+        residents_of = dict(residents.residents_of)
+        slots = dict(residents.slots)
+        evictable = dict(residents.evictable)
+        preemptible = _preemptible(state, leases, now)
+    else:
+        accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
+        position = {a.id: i for i, a in enumerate(accelerators)}
+        resident_sum, pinned, residents_of, evictable, slots = _group_residents(state)
+        leased_sum, preemptible = _group_leases(state, now)
+    for leases_on in preemptible.values():
+        leases_on.sort(
+            key=lambda lease: (
+                lease.lease_id not in state.preempting,
+                class_rank(state.catalog, lease.priority),
+                -lease.granted_at,
+                lease.lease_id,
+            )
+        )
+    budgets = Budgets(state, resident_sum, leased_sum, now)
+    # Cheapest to unload first, then the largest (fewest models go), then by key.
+    catalog = state.catalog
+    for accelerator_id, candidates in evictable.items():
+        if len(candidates) > 1:
+            evictable[accelerator_id] = sorted(
+                candidates, key=lambda r: (unload_cost(state, catalog.deployment(r.deployment)), -r.bytes, r.key)
+            )
+    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
+    pass_ = DecisionPass(
+        state=state,
+        budgets=budgets,
+        pool_accelerators=accelerators,
+        unhealthy=unhealthy,
+        residents_of=residents_of,
+        evictable=evictable,
+        pinned=pinned,
+        preemptible=preemptible,
+        position=position,
+        resident_sum=resident_sum,
+        leased_sum=leased_sum,
+        slots=slots,
+        indexed=indexed,
+    )
+    for queued in queue_index(state).assigned.values():
+        if queued.assigned_to:
+            waited_on = state.residents.get(queued.assigned_to)
+            if waited_on is None or waited_on.phase not in BECOMING_READY:
+                continue
+            deployment = catalog.deployment(waited_on.deployment)
+            extra = deployment.lease_extra_bytes if deployment is not None else 0
+            if extra:
+                pass_.commit(waited_on.accelerator, extra)
+                pass_.reserved[queued.request_id] = extra
+    return pass_
+
+
+def _group_residents(
+    state: PoolState,
+) -> tuple[
+    dict[str, int], dict[str, int], dict[str, list[ResidentState]], dict[str, list[ResidentState]], dict[str, int]
+]:
+    """(resident bytes, always_warm bytes, residents per deployment, idle residents, free slots)
+    by one walk over the residents: what `_standing.ResidentGroups` keeps across passes."""
     resident_sum: dict[str, int] = {}
     pinned: dict[str, int] = {}
     residents_of: dict[str, list[ResidentState]] = {}
@@ -233,6 +333,17 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
             pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
         if is_evictable(resident):
             evictable.setdefault(resident.accelerator, []).append(resident)
+    slots: dict[str, int] = {}
+    for resident in state.residents.values():
+        deployment = state.catalog.deployment(resident.deployment)
+        concurrency = deployment.concurrency if deployment else 1
+        slots[resident.key] = concurrency - resident.active_leases
+    return resident_sum, pinned, residents_of, evictable, slots
+
+
+def _group_leases(state: PoolState, now: float) -> tuple[dict[str, int], dict[str, list[Lease]]]:
+    """(lease bytes per accelerator, the leases a pass may preempt per accelerator, unsorted) by
+    one walk over the leases."""
     leased_sum: dict[str, int] = {}
     preemptible: dict[str, list[Lease]] = {}
     min_runtime = state.config.preempt_min_runtime_s
@@ -248,50 +359,22 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
         if leased is not None and leased.preemptible and now - lease.granted_at >= min_runtime:
             for accelerator_id in held_on:
                 preemptible.setdefault(accelerator_id, []).append(lease)
-    for leases in preemptible.values():
-        leases.sort(
-            key=lambda lease: (
-                lease.lease_id not in state.preempting,
-                class_rank(state.catalog, lease.priority),
-                -lease.granted_at,
-                lease.lease_id,
-            )
-        )
-    budgets = Budgets(state, resident_sum, leased_sum, now)
-    # Cheapest to unload first, then the largest (fewest models go), then by key.
-    catalog = state.catalog
-    for candidates in evictable.values():
-        candidates.sort(key=lambda r: (unload_cost(state, catalog.deployment(r.deployment)), -r.bytes, r.key))
-    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
-    pass_ = DecisionPass(
-        state=state,
-        budgets=budgets,
-        pool_accelerators=accelerators,
-        unhealthy=unhealthy,
-        residents_of=residents_of,
-        evictable=evictable,
-        pinned=pinned,
-        preemptible=preemptible,
-        position={a.id: i for i, a in enumerate(accelerators)},
-        resident_sum=resident_sum,
-        leased_sum=leased_sum,
-        indexed=indexed,
-    )
-    for resident in state.residents.values():
-        deployment = catalog.deployment(resident.deployment)
-        concurrency = deployment.concurrency if deployment else 1
-        pass_.slots[resident.key] = concurrency - resident.active_leases
-    for queued in queue_index(state).assigned.values():
-        if queued.assigned_to:
-            waited_on = state.residents.get(queued.assigned_to)
-            if waited_on is None or waited_on.phase not in BECOMING_READY:
-                continue
-            deployment = catalog.deployment(waited_on.deployment)
-            extra = deployment.lease_extra_bytes if deployment is not None else 0
-            if extra:
-                pass_.commit(waited_on.accelerator, extra)
-                pass_.reserved[queued.request_id] = extra
-    return pass_
+    return leased_sum, preemptible
+
+
+def _preemptible(state: PoolState, leases: LeaseGroups, now: float) -> dict[str, list[Lease]]:
+    """`_group_leases`'s preemptible leases from the kept groupings: while nothing is being
+    preempted, the leases of preemptible deployments past their minimum runtime; else (rare,
+    and short-lived) the walk over every lease."""
+    if state.preempting:
+        return _group_leases(state, now)[1]
+    preemptible: dict[str, list[Lease]] = {}
+    min_runtime = state.config.preempt_min_runtime_s
+    for lease, held_on in leases.of_preemptible:
+        if now - lease.granted_at >= min_runtime:
+            for accelerator_id in held_on:
+                preemptible.setdefault(accelerator_id, []).append(lease)
+    return preemptible
 
 
 def unload_cost(state: PoolState, deployment: Deployment | None) -> float:

@@ -43,7 +43,6 @@ from modelforge.policy._pass import (
     filter_accelerators,
     filtered_accelerators,
     grant_on,
-    is_evictable,
     start_pass,
 )
 from modelforge.policy._queue_index import Lane, queue_index
@@ -62,6 +61,7 @@ from modelforge.policy._rules import (
     reservation_refuses,
     take_reservation,
 )
+from modelforge.policy._standing import is_evictable
 from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "silent_nodes_due"]
@@ -585,7 +585,8 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
     if not pass_.budgets[accelerator].fresh and not pass_.state.config.join_stale_residents:
         # Its node has not reported within freshness_s: it may be gone, and work sent there
         # would wait on a worker nobody can see.
-        reasons.add(STALE, refusal_reason(pass_, STALE, accelerator, attempt.now))
+        if not reasons.again(STALE):
+            reasons.add(STALE, refusal_reason(pass_, STALE, accelerator, attempt.now))
         return None
     if resident.key in pass_.evicting:
         # A higher request of this pass is unloading it to make room: joining it now would run
@@ -594,7 +595,10 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         return None
     deployment = attempt.deployment
     if pass_.slots.get(resident.key, 0) <= 0:
-        reasons.add("concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}")
+        if not reasons.again("concurrency"):
+            reasons.add(
+                "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
+            )
         if resident.phase == ResidentPhase.READY:
             joined.full.append(resident)
         return None
@@ -696,20 +700,23 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     landing = Landing(need, loads.persists, attempt, attempt.load_s)
     candidates = [a for a in loads.open if a not in holding] if holding else loads.open
+    budgets, committed, reasons = pass_.budgets, pass_.committed, loads.reasons
     for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing):
         if refusal:
-            loads.reasons.add(refusal, refusal_reason(pass_, refusal, accelerator, attempt.now))
+            if not reasons.again(refusal):
+                reasons.add(refusal, refusal_reason(pass_, refusal, accelerator, attempt.now))
             if refusal == RESERVED:
                 loads.backfill_only[accelerator] = True
             continue
         loads.room_candidates.append(accelerator)
-        free = pass_.free(accelerator)
+        free = budgets[accelerator].schedulable_bytes - committed.get(accelerator, 0)  # `pass_.free`
         if need <= free:
             if loads.best is None or (free - need, accelerator) < loads.best:
                 loads.best = (free - need, accelerator)
             continue
         loads.short.append(accelerator)
-        loads.reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
+        if not reasons.again("no_room"):
+            reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
     return loads
 
 
@@ -745,7 +752,9 @@ def _start_load(attempt: Attempt, loads: _Loads) -> StartLoad:
     pass_.slots[key] = deployment.concurrency - 1
     # Later requests of this pass join the load (up to its concurrency) instead of starting a
     # second one under the same key on the same card.
-    pass_.residents_of.setdefault(deployment.deployment_id, []).append(
+    # A new list, not an append: the lists a pass starts from are kept across passes (`_standing`).
+    pass_.residents_of[deployment.deployment_id] = [
+        *pass_.residents_of.get(deployment.deployment_id, []),
         ResidentState(
             key=key,
             deployment=deployment.deployment_id,
@@ -758,8 +767,8 @@ def _start_load(attempt: Attempt, loads: _Loads) -> StartLoad:
             ttl_s=deployment.ttl_s,
             workflow_id="",
             requested_at=attempt.now,
-        )
-    )
+        ),
+    ]
     return StartLoad(
         key, deployment.deployment_id, accelerator, acc.node, deployment.resident_bytes, [attempt.queued.request_id]
     )

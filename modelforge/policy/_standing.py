@@ -1,0 +1,145 @@
+"""What a decision pass starts from, kept across passes: the residents and leases grouped per
+accelerator and per deployment (bytes, always_warm bytes, idle residents, free slots, leases of
+preemptible deployments), and the pool's accelerators in order.
+
+`start_pass` used to walk every resident and every lease on every pass. These groupings depend
+on the residents' and leases' fields alone (and the catalog), not on time, so they are kept in
+the state's `__dict__` (never serialized) and rebuilt only when what they were built from
+changed. Whether it did is checked, not trusted: residents are mutable and changed in place by
+many transitions (and by tests), so each pass compares, at C speed, the residents' identities
+and the fields read here with the ones the grouping was built from; leases are frozen, so their
+identities suffice. A change of any of them rebuilds the part it touches (residents or leases)
+from scratch, in the same walk order as a pass always used, so a pass sees exactly what it
+computed before. What depends on time or on per-pass state (a lease's minimum runtime, leases
+being preempted, measured unload times) is still worked out per pass, from these groupings.
+
+The reference pass (`decide_each(..., reuse_settled=False)`) never uses them: it builds its own
+from scratch, and the property tests compare the two."""
+
+from __future__ import annotations
+
+from operator import attrgetter, is_
+from typing import TYPE_CHECKING
+
+from modelforge.domain import Accelerator, Catalog, Residency
+from modelforge.policy._state import Lease, PoolState, ResidentPhase, ResidentState
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+_KEY = "_policy_standing"
+
+# Every field of a resident that the groupings below read.
+_resident_fields = attrgetter("key", "deployment", "accelerator", "bytes", "phase", "residency", "active_leases")
+
+
+def is_evictable(resident: ResidentState) -> bool:
+    """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
+    An asleep resident still holds its kept bytes: it may be unloaded too."""
+    return (
+        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
+        and resident.active_leases == 0
+        and resident.residency != Residency.ALWAYS_WARM
+    )
+
+
+def _same(now: list[object], then: list[object]) -> bool:
+    return len(now) == len(then) and all(map(is_, now, then))
+
+
+class ResidentGroups:
+    """The residents grouped as a pass reads them. Never changed once built: a pass copies what
+    it changes (`slots`, `residents_of`)."""
+
+    __slots__ = ("catalog", "evictable", "marks", "pinned", "resident_sum", "residents", "residents_of", "slots")
+
+    def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[tuple[object, ...]]) -> None:
+        self.catalog = catalog
+        self.residents = residents
+        self.marks = marks
+        # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
+        self.resident_sum: dict[str, int] = {}
+        self.pinned: dict[str, int] = {}
+        self.residents_of: dict[str, list[ResidentState]] = {}
+        # Idle residents per accelerator in the residents' order (a pass sorts them by cost).
+        self.evictable: dict[str, list[ResidentState]] = {}
+        self.slots: dict[str, int] = {}
+        resident_sum, pinned, residents_of, evictable = (
+            self.resident_sum,
+            self.pinned,
+            self.residents_of,
+            self.evictable,
+        )
+        for resident in residents:
+            resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
+            residents_of.setdefault(resident.deployment, []).append(resident)
+            if resident.residency == Residency.ALWAYS_WARM:
+                pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
+            if is_evictable(resident):
+                evictable.setdefault(resident.accelerator, []).append(resident)
+        for resident in residents:
+            deployment = catalog.deployment(resident.deployment)
+            concurrency = deployment.concurrency if deployment else 1
+            self.slots[resident.key] = concurrency - resident.active_leases
+
+
+class LeaseGroups:
+    """The leases grouped as a pass reads them. Never changed once built."""
+
+    __slots__ = ("catalog", "leased_sum", "leases", "of_preemptible")
+
+    def __init__(self, catalog: Catalog, leases: list[Lease]) -> None:
+        self.catalog = catalog
+        self.leases = leases
+        self.leased_sum: dict[str, int] = {}
+        # Leases of preemptible deployments, in the leases' order, with the cards each holds:
+        # those a pass may preempt once past their minimum runtime.
+        self.of_preemptible: list[tuple[Lease, Iterable[str]]] = []
+        leased_sum = self.leased_sum
+        for lease in leases:
+            held_on = lease.accelerators if lease.gang else (lease.accelerator,)
+            for accelerator_id in held_on:
+                leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
+            leased = catalog.deployment(lease.deployment)
+            if leased is not None and leased.preemptible:
+                self.of_preemptible.append((lease, held_on))
+
+
+def resident_groups(state: PoolState) -> ResidentGroups:
+    """The residents' groupings, rebuilt when a resident came, went, or changed a field read."""
+    cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
+    residents = list(state.residents.values())
+    marks = list(map(_resident_fields, residents))
+    groups = cached.get("residents")
+    if (
+        not isinstance(groups, ResidentGroups)
+        or groups.catalog is not state.catalog
+        or groups.marks != marks
+        or not _same(residents, groups.residents)  # type: ignore[arg-type]
+    ):
+        groups = cached["residents"] = ResidentGroups(state.catalog, residents, marks)
+    return groups
+
+
+def lease_groups(state: PoolState) -> LeaseGroups:
+    """The leases' groupings, rebuilt when a lease came or went (a lease is frozen)."""
+    cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
+    leases = list(state.leases.values())
+    groups = cached.get("leases")
+    if (
+        not isinstance(groups, LeaseGroups) or groups.catalog is not state.catalog or not _same(leases, groups.leases)  # type: ignore[arg-type]
+    ):
+        groups = cached["leases"] = LeaseGroups(state.catalog, leases)
+    return groups
+
+
+def pool_cards(state: PoolState) -> tuple[list[Accelerator], dict[str, int]]:
+    """The pool's accelerators in catalog order and each one's position, kept with the catalog
+    (immutable by contract). Neither is changed by a pass."""
+    cache: dict[str, tuple[list[Accelerator], dict[str, int]]]
+    cache = state.catalog.__dict__.setdefault("_policy_pool_cards", {})
+    cards = cache.get(state.pool)
+    if cards is None:
+        accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
+        cards = cache[state.pool] = (accelerators, {a.id: i for i, a in enumerate(accelerators)})
+    return cards

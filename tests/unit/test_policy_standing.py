@@ -1,0 +1,157 @@
+"""The groupings a decision pass starts from are kept across passes (`policy/_standing.py`) and
+the leases are indexed by request (`policy/_lease_index.py`): whatever changes behind their
+back, a pass and an admission see exactly what a walk over the state sees."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from modelforge.domain import GiB, Priority
+from modelforge.policy import (
+    AdmissionRejected,
+    PoolState,
+    ResidentPhase,
+    apply_decisions,
+    cancel_request,
+    decide,
+    enqueue,
+    existing_admission,
+    release_lease,
+    validate_request,
+)
+from modelforge.policy._pass import start_pass
+from modelforge.policy._placement import decide_each
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+
+def build() -> PoolState:
+    s = state(
+        [gpu("a/0", total=24), gpu("b/0", total=16)],
+        [
+            deployment("emb@1", gib=1, queue_limit=100),
+            deployment("llm@1", gib=9, idle_bytes=7 * GiB, concurrency=2, queue_limit=100),
+            deployment("job@1", gib=4, queue_limit=100, preemptible=True),
+        ],
+        tenants=[tenant("t")],
+    )
+    for acc in ("a/0", "b/0"):
+        observe(s, acc, at=NOW)
+    return s
+
+
+def same_start(s: PoolState, now: float) -> None:
+    """The kept groupings agree with a walk, and the fast pass with the reference."""
+    kept, walked = start_pass(s, now, indexed=True), start_pass(s, now, indexed=False)
+    for name in ("resident_sum", "leased_sum", "pinned", "slots", "residents_of", "evictable", "preemptible"):
+        assert getattr(kept, name) == getattr(walked, name), name
+    assert [a.id for a in kept.pool_accelerators] == [a.id for a in walked.pool_accelerators]
+    fast, reference = decide(s, now), decide_each(s, now, reuse_settled=False)
+    assert (fast.grants, fast.rejects, fast.loads, fast.assigns, fast.unloads, fast.preemptions) == (
+        reference.grants,
+        reference.rejects,
+        reference.loads,
+        reference.assigns,
+        reference.unloads,
+        reference.preemptions,
+    )
+
+
+def sample(s: PoolState, now: float) -> None:
+    for acc in ("a/0", "b/0"):
+        observe(s, acc, at=now, loaded=[r.key for r in s.residents.values() if r.accelerator == acc])
+
+
+def admit(s: PoolState, request_id: str, capability: str, now: float) -> None:
+    request = ask(request_id, capability, priority=Priority.BACKGROUND)
+    _, priority = validate_request(s, request)
+    enqueue(s, request, priority, now)
+
+
+def test_groupings_follow_changes_made_behind_their_back() -> None:
+    s = build()
+    llm = resident(s, "llm@1", "a/0", 7)
+    resident(s, "emb@1", "b/0", 1, leases=1)
+    same_start(s, NOW)
+    # Fields changed in place, as transitions and tests do.
+    llm.active_leases = 2
+    same_start(s, NOW)
+    llm.phase = ResidentPhase.UNLOADING
+    same_start(s, NOW)
+    llm.bytes = 3 * GiB
+    llm.phase = ResidentPhase.READY
+    llm.active_leases = 0
+    same_start(s, NOW)
+    # A resident replaced by an equal copy, and one removed.
+    s.residents[llm.key] = dataclasses.replace(llm)
+    same_start(s, NOW)
+    del s.residents["emb@1@b/0"]
+    same_start(s, NOW)
+    # The residents replaced whole (a new run of the scheduler starts from a copy).
+    s.residents = dict(s.residents)
+    same_start(s, NOW)
+
+
+def test_groupings_follow_grants_releases_and_preemptible_work() -> None:
+    s = build()
+    now = NOW
+    for n in range(3):
+        admit(s, f"j{n}", "job@1", now)
+    admit(s, "l0", "llm@1", now)
+    for _ in range(3):
+        sample(s, now)
+        same_start(s, now)
+        apply_decisions(s, decide(s, now), now, {})
+        for r in list(s.residents.values()):
+            if r.phase == ResidentPhase.LOADING:
+                r.phase = ResidentPhase.READY
+        now += 40.0  # past the minimum runtime: the jobs become preemptible
+    sample(s, now)
+    assert s.leases
+    same_start(s, now)
+    # A production request preempts a job: leases under preemption change the pass.
+    request = ask("p0", "llm@1", priority=Priority.PRODUCTION)
+    _, priority = validate_request(s, request)
+    enqueue(s, request, priority, now)
+    same_start(s, now)
+    apply_decisions(s, decide(s, now), now, {})
+    same_start(s, now)
+    s.preempting[next(iter(s.leases))] = "making room"  # a lease being preempted
+    same_start(s, now)
+    release_lease(s, next(iter(s.leases)), now, "ok")
+    same_start(s, now)
+    s.leases.pop(next(iter(s.leases)))  # behind the policy's back
+    same_start(s, now)
+
+
+def test_admission_sees_leases_by_request() -> None:
+    s = build()
+    resident(s, "emb@1", "a/0", 1)
+    admit(s, "r1", "emb@1", NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    lease = next(iter(s.leases.values()))
+    assert lease.request_id == "r1"
+    # The same requester asking again gets its lease; another asker with that id a conflict.
+    assert existing_admission(s, ask("r1", "emb@1")) is lease
+    assert existing_admission(s, dataclasses.replace(ask("r1", "emb@1"), workflow_id="other")) is None
+    try:
+        validate_request(s, ask("r1", "emb@1"))
+        raise AssertionError("a second admission of r1 was accepted")
+    except AdmissionRejected as refused:
+        assert "already admitted" in refused.message
+    # Released through the policy: the id is free again.
+    release_lease(s, lease.lease_id, NOW, "ok")
+    assert existing_admission(s, ask("r1", "emb@1")) is None
+    validate_request(s, ask("r1", "emb@1"))
+    # Added and removed behind the index's back: still seen.
+    s.leases[lease.lease_id] = lease
+    assert existing_admission(s, ask("r1", "emb@1")) is lease
+    del s.leases[lease.lease_id]
+    assert existing_admission(s, ask("r1", "emb@1")) is None
+    s.leases[lease.lease_id] = lease
+    # Cancelled: its lease goes, found by request.
+    cancel_request(s, "r1", NOW, "gone")
+    assert not s.leases
+    # A queued request is found again by its requester.
+    admit(s, "r2", "emb@1", NOW)
+    queued = existing_admission(s, ask("r2", "emb@1"))
+    assert queued is not None and queued.request_id == "r2"
