@@ -12,6 +12,9 @@
    (no node has 8 free cards), 10,000 queued requests for models at their concurrency and
    pinned to their cards. CPU per pass, after one new request and after a telemetry update.
    Target 50 ms.
+4. Admission with 2,000 leases (issue 20): a full pool of 500 GPUs (2,000 leases), 1,000
+   waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
+   `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
 
     .venv/bin/python bench/policy_decide.py [--quick]
 
@@ -52,6 +55,8 @@ from modelforge.policy import (
     cancel_request,
     decide,
     enqueue,
+    existing_admission,
+    validate_request,
 )
 
 NOW = 1_000_000.0
@@ -380,6 +385,30 @@ def event_costs(state: PoolState, repeats: int) -> Costs:
     )
 
 
+def admission_cost(state: PoolState, repeats: int) -> float:
+    """Median CPU of one submission as the scheduler admits it (is it already admitted, is it
+    valid, enqueue), in microseconds; each request is withdrawn again afterwards, untimed."""
+    capabilities = sorted({q.capability for q in state.queue})
+    times: list[float] = []
+    now = NOW + 1.0
+    for k in range(repeats):
+        now += 0.001
+        rid = 60_000_000 + k
+        request = _request(rid, capabilities[k % len(capabilities)])
+        gc.collect()
+        gc.disable()
+        try:
+            started = time.process_time()
+            if existing_admission(state, request) is None:
+                _, priority = validate_request(state, request, gangs=True)
+                enqueue(state, request, priority, now)
+            times.append(time.process_time() - started)
+        finally:
+            gc.enable()
+        cancel_request(state, request.request_id, now, "bench")
+    return statistics.median(times) * 1e6
+
+
 def report(label: str, costs: Costs, target_ms: float) -> list[tuple[str, float, float]]:
     print(
         f"{label}: after a telemetry update {costs.telemetry_ms:8.2f} ms, after one new request "
@@ -433,6 +462,14 @@ def main() -> None:
         f"   (built in {time.perf_counter() - started:.1f} s: {len(state.leases)} leases, {len(state.queue)} waiting)"
     )
     rows += report("cluster 6,000 GPUs, 2,000 leases, 50 gangs, 10,000 queued", event_costs(state, 7), 50.0)
+    print("\n4. admission with 2,000 leases: a full pool of 500 GPUs, 1,000 waiting")
+    started = time.perf_counter()
+    state = full_pool(500, 1_000)
+    print(
+        f"   (built in {time.perf_counter() - started:.1f} s: {len(state.leases)} leases, {len(state.queue)} waiting)"
+    )
+    admit_us = admission_cost(state, 2_001)
+    print(f"admission with {len(state.leases):,} leases: {admit_us:.1f} us CPU per submission (median of 2,001)")
     print("\n| case | measured | target | measured / target | |")
     print("|---|---:|---:|---:|---|")
     for label, measured, target in rows:

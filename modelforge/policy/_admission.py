@@ -26,6 +26,7 @@ from modelforge.policy._decisions import (
     Reject,
     resident_event,
 )
+from modelforge.policy._lease_index import current_lease_index, lease_index
 from modelforge.policy._order import decayed_usage, insert_in_submission_order
 from modelforge.policy._queue_index import current_index, queue_index
 from modelforge.policy._state import (
@@ -119,12 +120,19 @@ def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
 
 def existing_admission(state: PoolState, request: AdmissionRequest) -> Lease | QueuedRequest | None:
     """The same requester asking again for the same request (its call was retried): what it
-    already has, so admission is idempotent instead of a LEASE_CONFLICT with itself."""
-    for queued in state.queue:
-        if queued.request_id == request.request_id and queued.workflow_id == request.workflow_id:
+    already has, so admission is idempotent instead of a LEASE_CONFLICT with itself. Looked up
+    by request id in the queue's and the leases' indexes, not by a walk over either."""
+    index = queue_index(state)
+    if len(index.by_id) == index.length:  # one queued request per id: the index finds it
+        queued = index.by_id.get(request.request_id)
+        if queued is not None and queued.workflow_id == request.workflow_id:
             return queued
-    for lease in state.leases.values():
-        if lease.request_id == request.request_id and lease.workflow_id == request.workflow_id:
+    else:
+        for queued in state.queue:
+            if queued.request_id == request.request_id and queued.workflow_id == request.workflow_id:
+                return queued
+    for _, lease in lease_index(state).held_for(request.request_id):
+        if lease.workflow_id == request.workflow_id:
             return lease
     return None
 
@@ -177,9 +185,7 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
         )
     priority = resolve_priority(state, request)
     index = queue_index(state)
-    if request.request_id in index.by_id or any(
-        lease.request_id == request.request_id for lease in state.leases.values()
-    ):
+    if request.request_id in index.by_id or lease_index(state).held_for(request.request_id):
         raise AdmissionRejected(FailureClass.LEASE_CONFLICT, f"request {request.request_id} is already admitted")
     queued = index.per_capability.get(request.capability, 0)
     if queued >= deployment.queue_limit:
@@ -225,6 +231,7 @@ def apply_decisions(
     events: list[PolicyEvent] = []
     index = queue_index(state)
     by_id = index.by_id
+    leases = current_lease_index(state)
     done: list[str] = []
     for load in decisions.loads:
         deployment = state.catalog.deployment(load.deployment)
@@ -259,6 +266,8 @@ def apply_decisions(
     for grant in decisions.grants:
         lease = grant.lease
         state.leases[lease.lease_id] = lease
+        if leases is not None:
+            leases.added(lease)
         state.lease_seen[lease.lease_id] = now
         state.lease_counter += 1
         if lease.resident_key:  # a gang job's lease is the whole job: no resident
@@ -375,31 +384,20 @@ def note_outcome(state: PoolState, capability: str, outcome: str, message: str, 
 
 
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
+    index = current_lease_index(state)
     lease = state.leases.pop(lease_id, None)
+    if lease is not None and index is not None:
+        index.removed(lease)
     state.lease_seen.pop(lease_id, None)
     state.lease_heard.pop(lease_id, None)
     state.preempting.pop(lease_id, None)
-    lent = state.slots.pop(lease_id, None) is not None  # a node's slot (reclaimed): its requests were charged
     if lease is None:
         return []
-    if not lent:
-        note_outcome(state, lease.capability, outcome, message, now)
+    note_outcome(state, lease.capability, outcome, message, now)
     resident = state.residents.get(lease.resident_key)
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)
         resident.last_used = now
-    if lent:
-        return [
-            PolicyEvent(
-                kind="slot_returned",
-                lease_id=lease_id,
-                accelerator=lease.accelerator,
-                deployment=lease.deployment,
-                workflow_id=lease.workflow_id,
-                message=outcome,
-                payload={"node": lease.node, "resident": lease.resident_key},
-            )
-        ]
     usage = state.usage.setdefault(fair_share_entity(lease.priority, lease.tenant), TenantUsage(updated_at=now))
     usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + max(
         0.0, now - lease.granted_at
@@ -550,7 +548,7 @@ def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -
     _drop(state, {request_id: True})
     if len(state.queue) != before:
         events.append(PolicyEvent(kind="request_cancelled", request_id=request_id, message=reason))
-    for lease_id in [lid for lid, lease in state.leases.items() if lease.request_id == request_id]:
+    for lease_id, _ in lease_index(state).held_for(request_id):
         events.extend(release_lease(state, lease_id, now, f"reclaimed: {reason}"))
     return events
 
