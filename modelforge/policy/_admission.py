@@ -391,13 +391,27 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
     state.lease_seen.pop(lease_id, None)
     state.lease_heard.pop(lease_id, None)
     state.preempting.pop(lease_id, None)
+    lent = state.slots.pop(lease_id, None) is not None  # a node's slot (reclaimed): its requests were charged
     if lease is None:
         return []
-    note_outcome(state, lease.capability, outcome, message, now)
+    if not lent:
+        note_outcome(state, lease.capability, outcome, message, now)
     resident = state.residents.get(lease.resident_key)
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)
         resident.last_used = now
+    if lent:
+        return [
+            PolicyEvent(
+                kind="slot_returned",
+                lease_id=lease_id,
+                accelerator=lease.accelerator,
+                deployment=lease.deployment,
+                workflow_id=lease.workflow_id,
+                message=outcome,
+                payload={"node": lease.node, "resident": lease.resident_key},
+            )
+        ]
     usage = state.usage.setdefault(fair_share_entity(lease.priority, lease.tenant), TenantUsage(updated_at=now))
     usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + max(
         0.0, now - lease.granted_at
