@@ -1,15 +1,24 @@
 """Scores a merged model against the two models it was merged from: a ModelForge `subprocess_job`
 example, the step after examples/jobs/merge_slerp.py.
 
-    python examples/jobs/evaluate.py --model merged.npy [--seed-a 1 --seed-b 2] [--probes 32]
+    python examples/jobs/evaluate.py --model merged.npy [--dataset triples.jsonl] [--seed-a 1 --seed-b 2]
 
 The model is a stack of square layers: merge_slerp.py's `merged.npy`, or its whole output directory
 (the layers and their manifest). Through ModelForge, name the merge's `merged.npy` or its
 `output_artifact` (the directory) as `artifact:sha256:<digest>` and the node hands over the
 verified file or directory. The parents are derived from their seeds as merge_slerp.py derives
-them, and the probe set from a fixed seed, so the same files always score the same. Each model
-maps a probe x through its layers (h = tanh(W h / sqrt(dim))); the score is the mean cosine
-similarity of the merged model's outputs to each parent's. It is written to
+them.
+
+The evaluation set is a JSON-lines file of sentence triples, `{"anchor", "positive", "negative"}`
+(a paraphrase and an unrelated sentence); by default the 36 triples shipped beside this script
+(`examples/jobs/data/eval-triples.jsonl`, the project's own text: nothing is downloaded). Each
+sentence becomes a vector by feature hashing (its words and character trigrams, hashed with
+blake2b into `dim` signed buckets: the same text always gives the same vector), and each model
+maps it through its layers (h = tanh(W h / sqrt(dim))). The scores: the mean cosine similarity of
+the merged model's outputs to each parent's over every sentence (`similarity_to_a`,
+`similarity_to_b`), and for each model the share of triples whose anchor lands closer to its
+paraphrase than to the unrelated sentence (`ranking_accuracy`). `--probes N` scores N seeded
+random inputs instead (the earlier behaviour). The score is written to
 MODELFORGE_OUTPUT_DIR/score.json and reported as the result."""
 
 from __future__ import annotations
@@ -28,6 +37,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_slerp import derived_layer  # the parents, derived the same way
 
 PROBE_SEED = 20261201
+DATASET = Path(__file__).resolve().parent / "data" / "eval-triples.jsonl"
+FIELDS = ("anchor", "positive", "negative")
+
+
+def load_triples(path: Path) -> list[dict[str, str]]:
+    """The evaluation set: one JSON object per line with the three FIELDS as strings
+    (ValueError, or OSError, naming the file and line otherwise)."""
+    triples = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            triple = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+        if not isinstance(triple, dict) or not all(isinstance(triple.get(f), str) for f in FIELDS):
+            raise ValueError(f"{path}:{number}: needs string fields {', '.join(FIELDS)}")
+        triples.append({field: triple[field] for field in FIELDS})
+    if not triples:
+        raise ValueError(f"{path}: no triples")
+    return triples
+
+
+def embed(text: str, dim: int) -> np.ndarray:
+    """A unit vector for `text` by feature hashing: each lower-cased word and character trigram
+    adds +-1 in the bucket its blake2b digest names (deterministic across runs and machines)."""
+    vector = np.zeros(dim)
+    words = "".join(c if c.isalnum() else " " for c in text.lower()).split()
+    features = words + [f"#{w[i : i + 3]}" for w in (f" {w} " for w in words) for i in range(len(w) - 2)]
+    for feature in features:
+        digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
+        bucket = int.from_bytes(digest[:4], "little") % dim
+        vector[bucket] += 1.0 if digest[4] & 1 else -1.0
+    norm = np.linalg.norm(vector)
+    return vector / norm if norm else vector
+
+
+def ranking_accuracy(outputs: np.ndarray) -> float:
+    """Share of triples (rows anchor, positive, negative in turn) whose anchor is closer, by
+    cosine, to the paraphrase than to the unrelated sentence."""
+    unit = outputs / (np.linalg.norm(outputs, axis=1, keepdims=True) + 1e-12)
+    anchor, positive, negative = unit[0::3], unit[1::3], unit[2::3]
+    return float(np.mean(np.sum(anchor * positive, axis=1) > np.sum(anchor * negative, axis=1)))
 
 
 def load_model(path: Path) -> np.ndarray:
@@ -63,9 +115,10 @@ def similarity(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--dataset", type=Path, default=DATASET, help="sentence triples, JSON lines")
     parser.add_argument("--seed-a", type=int, default=1)
     parser.add_argument("--seed-b", type=int, default=2)
-    parser.add_argument("--probes", type=int, default=32)
+    parser.add_argument("--probes", type=int, help="score this many seeded random inputs instead of the dataset")
     args = parser.parse_args()
     merged = load_model(args.model)
     if merged.ndim != 3 or merged.shape[1] != merged.shape[2]:
@@ -73,14 +126,30 @@ def main() -> int:
         return 65
     count, dim = merged.shape[0], merged.shape[1]
     parents = [np.stack([derived_layer(seed, i, dim) for i in range(count)]) for seed in (args.seed_a, args.seed_b)]
-    probes = np.random.default_rng(PROBE_SEED).standard_normal((args.probes, dim))
+    if args.probes is not None:
+        probes = np.random.default_rng(PROBE_SEED).standard_normal((args.probes, dim))
+        source: dict[str, object] = {"probes": args.probes}
+    else:
+        try:
+            triples = load_triples(args.dataset)
+        except (OSError, ValueError) as error:  # exit 2: the request's arguments are wrong
+            parser.error(f"--dataset: {error}")
+        probes = np.stack([embed(t[field], dim) for t in triples for field in FIELDS])
+        source = {"dataset": args.dataset.name, "triples": len(triples), "probes": len(probes)}
+        print(json.dumps({"progress": 0.1, "message": f"{len(triples)} triples from {args.dataset.name}"}), flush=True)
     outputs = forward(merged, probes)
-    score = {
-        "similarity_to_a": round(similarity(outputs, forward(parents[0], probes)), 6),
-        "similarity_to_b": round(similarity(outputs, forward(parents[1], probes)), 6),
+    parent_outputs = [forward(parent, probes) for parent in parents]
+    score: dict[str, object] = {
+        "similarity_to_a": round(similarity(outputs, parent_outputs[0]), 6),
+        "similarity_to_b": round(similarity(outputs, parent_outputs[1]), 6),
         "layers": count,
-        "probes": args.probes,
+        **source,
     }
+    if args.probes is None:
+        score["ranking_accuracy"] = {
+            name: round(ranking_accuracy(result), 6)
+            for name, result in (("merged", outputs), ("a", parent_outputs[0]), ("b", parent_outputs[1]))
+        }
     output = Path(os.environ.get("MODELFORGE_OUTPUT_DIR", "evaluate-out"))
     output.mkdir(parents=True, exist_ok=True)
     (output / "score.json").write_text(json.dumps(score, indent=1))

@@ -315,3 +315,50 @@ async def test_artifacts_gc_deletes_old_artifacts_but_never_a_running_or_requeue
     assert [row["artifact"] for row in report["kept_in_use"]] == [by_path["layer000.npy"]]
     refused = CliRunner().invoke(cli.app, ["artifacts", "gc", "--older-than", "soon"])
     assert refused.exit_code == 1 and "REQUEST_INVALID" in refused.output
+
+
+DATASET = ROOT / "examples" / "jobs" / "data" / "eval-triples.jsonl"
+
+
+def test_the_evaluation_dataset_ships_with_the_project() -> None:
+    """A few dozen triples of the project's own text, in the repository (a fresh clone has it)."""
+    import subprocess
+
+    triples = [json.loads(line) for line in DATASET.read_text(encoding="utf-8").splitlines()]
+    assert 24 <= len(triples) <= 100
+    assert all(set(t) == {"anchor", "positive", "negative"} and all(t.values()) for t in triples)
+    if (ROOT / ".git").exists():
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", str(DATASET.relative_to(ROOT))],
+            cwd=ROOT,
+            capture_output=True,
+            check=False,
+        )
+        assert tracked.returncode == 0, "examples/jobs/data/eval-triples.jsonl is not committed"
+
+
+async def test_merge_then_evaluate_scores_on_the_shipped_dataset_by_default(node: Node, tmp_path: Path) -> None:
+    """The chain as a fresh clone runs it: no dataset named, the shipped one is used (the job
+    runs in its own directory, not the checkout); the same merge scores the same, and a merge
+    nearer its first parent is more similar to it on the dataset's sentences."""
+    await node.load(job([sys.executable, str(MERGE)]))
+    merged = await node.invoke("ds-merge", {"args": MERGE_ARGS})
+    await node.env().run(node.activities.unload_model, CPU_KEY)
+    await node.load(job([sys.executable, str(EVALUATE)]))
+    score = (await node.invoke("ds-eval", {"args": ["--model", merged["output_artifact"]]}))["result"]
+    assert (score["dataset"], score["triples"], score["probes"], score["layers"]) == ("eval-triples.jsonl", 36, 108, 6)
+    assert score["similarity_to_a"] > score["similarity_to_b"] > 0
+    accuracy = score["ranking_accuracy"]
+    assert set(accuracy) == {"merged", "a", "b"} and all(0.5 < value <= 1.0 for value in accuracy.values())
+    again = (await node.invoke("ds-eval-2", {"args": ["--model", merged["output_artifact"]]}))["result"]
+    assert again == score  # deterministic: the same model and dataset score the same
+
+    # Another dataset by argument; a broken one is the request's arguments being wrong.
+    own = tmp_path / "mine.jsonl"
+    own.write_text(json.dumps({"anchor": "a cat sat", "positive": "the cat sat", "negative": "stock prices"}) + "\n")
+    mine = await node.invoke("ds-own", {"args": ["--model", merged["output_artifact"], "--dataset", str(own)]})
+    assert (mine["result"]["dataset"], mine["result"]["triples"]) == ("mine.jsonl", 1)
+    own.write_text('{"anchor": "only"}\n')
+    with pytest.raises(ApplicationError, match="refused its arguments") as refused:
+        await node.invoke("ds-bad", {"args": ["--model", merged["output_artifact"], "--dataset", str(own)]})
+    assert refused.value.type == FailureClass.REQUEST_INVALID.value
