@@ -3,6 +3,7 @@ one run, and the replay speed of a 100,000-request scenario.
 
     .venv/bin/python bench/simulate.py            # everything (about 2 minutes on 2 cores)
     .venv/bin/python bench/simulate.py --quick    # the two traces only, no speed run
+    .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
 
 Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
@@ -14,12 +15,25 @@ common span; a 100,000-request scenario replays in at most 30 s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 import tempfile
 from pathlib import Path
 
-from modelforge.simulate import SimulationResult, comparison_rows, load_scenario, simulate
+from modelforge.simulate import (
+    HistoryModel,
+    ModelForgeScheduler,
+    Scenario,
+    SimulationResult,
+    comparison_rows,
+    load_scenario,
+    simulate,
+)
+from modelforge.simulate._engine import Simulation
+from modelforge.simulate._history import HistoryCounts, scheduler_history
 from modelforge.traces import AlibabaOptions, AzureOptions, convert_alibaba, convert_azure
+from modelforge.traces._azure import read_azure
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 POLICIES = ("modelforge", "fifo", "ollama")
@@ -48,11 +62,120 @@ def check(label: str, ok: bool, detail: str) -> bool:
     return ok
 
 
+def pool_scenario(scenario: Scenario, copies: int, gpus: int, gpus_per_node: int) -> Scenario:
+    """One pool's share of a cluster: the scenario's requests overlaid `copies` times (1 ms
+    apart) on `gpus` copies of its first card, `gpus_per_node` to a node, without its external
+    usage (a desktop's Plex and Tdarr)."""
+    card = scenario.catalog.accelerators[0]
+    cards = [
+        dataclasses.replace(card, id=f"node{i // gpus_per_node}/{i % gpus_per_node}", node=f"node{i // gpus_per_node}")
+        for i in range(gpus)
+    ]
+    overlaid = sorted(((r.t + c * 1e-3, c, r) for r in scenario.requests for c in range(copies)), key=lambda x: x[:2])
+    requests = [
+        dataclasses.replace(r, index=i, request_id=f"{r.request_id}.{c}", t=t) for i, (t, c, r) in enumerate(overlaid)
+    ]
+    return Scenario(dataclasses.replace(scenario.catalog, accelerators=cards), requests, [], scenario.config)
+
+
+# The cluster docs/SCALING.md sizes: 10,000 GPUs, 8 to a node, at 100x the Azure trace's rate.
+CLUSTER_GPUS, GPUS_PER_NODE, RATE_FACTOR = 10_000, 8, 100
+POOL_COUNTS = (1, 10, 50, 100, 250, 500, 625, 1250)
+TARGET_EVENTS_PER_S = 20.0
+
+
+def sizing(azure: Scenario) -> None:
+    trace = read_azure(TRACES / "azure_llm_code_2023.csv")
+    span = trace[-1][0] - trace[0][0]
+    per_minute: dict[int, int] = {}
+    for row in trace:
+        per_minute[int(row[0] // 60)] = per_minute.get(int(row[0] // 60), 0) + 1
+    start, end = azure.requests[0].t, max(r.t for r in azure.requests)
+    print("\n## Sizing: 10,000 GPUs at 100x the Azure trace's rate (docs/SCALING.md)\n")
+    print(
+        f"- trace: {len(trace):,} requests over {span:,.0f} s = {len(trace) / span:.3f}/s mean, "
+        f"peak minute {max(per_minute.values())} = {max(per_minute.values()) / 60:.2f}/s"
+    )
+    print(
+        f"- scenario from it (`modelforge trace azure`, with its embedding, evaluation and lab calls): "
+        f"{len(azure.requests):,} requests over {end - start:,.0f} s = {len(azure.requests) / (end - start):.3f}/s"
+    )
+    nodes = CLUSTER_GPUS // GPUS_PER_NODE
+    gpus = CLUSTER_GPUS // RATE_FACTOR
+    share = pool_scenario(azure, 1, gpus, GPUS_PER_NODE)
+    sim = Simulation(share, ModelForgeScheduler(share))
+    result = sim.run()
+    print(
+        f"- replayed: the scenario once on {gpus} GPUs ({math.ceil(gpus / GPUS_PER_NODE)} nodes), i.e. 1/{RATE_FACTOR} "
+        f"of the cluster: goodput {result.goodput:.3f}, invariant violations {result.invariant_violations}, "
+        f"{result.wall_s:.1f} s of replay"
+    )
+    assert result.scheduler_history is not None
+    print(f"- warm share (admitted on arrival on a ready resident): {result.scheduler_history['warm_share']:.3f}")
+    cluster: HistoryCounts = sim.history.scaled(RATE_FACTOR, sim.step_s)
+    steps = max(1, len(sim.step_held))
+    models = {
+        "no delegation": (False, HistoryModel()),
+        "delegation, every node syncs each 1 s": (True, HistoryModel(sync_interval_s=1.0)),
+        "delegation, nodes with work sync each 1 s": (True, HistoryModel(sync_when_idle=False)),
+        "delegation, nodes with work sync each 5 s": (True, HistoryModel(sync_interval_s=5.0, sync_when_idle=False)),
+    }
+    print(
+        "\nScheduler history events/s per pool, mean / peak minute, the cluster's counts "
+        f"({RATE_FACTOR}x the replay, {nodes:,} nodes) split evenly over the pools:\n"
+    )
+    print("| pools | GPUs / nodes per pool | requests/s per pool | " + " | ".join(models) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(models))
+    fewest: dict[str, int] = {}
+    # Node-intervals with delegated work, by sync interval (the replay above counted 1 s ones).
+    replayed = {sim.history_model.sync_interval_s: sim.history}
+    for pools in POOL_COUNTS:
+        cells = []
+        rate = 0.0
+        for label, (delegated, base) in models.items():
+            model = dataclasses.replace(base, pools=pools)
+            if not delegated or model.sync_when_idle:
+                figures = scheduler_history(cluster, sim.step_s, steps, nodes, model)
+            else:
+                # Nodes with work: the replay's node-intervals with a delegated request, at the
+                # cluster's rate per node (the same rate per node as the replay), for every node.
+                if model.sync_interval_s not in replayed:
+                    replayed[model.sync_interval_s] = _replayed_node_syncs(share, model)
+                synced = replayed[model.sync_interval_s]
+                scaled = dataclasses.replace(cluster, node_syncs=[x * RATE_FACTOR for x in synced.node_syncs])
+                figures = scheduler_history(scaled, sim.step_s, steps, nodes, model)
+            rate = figures["admissions_per_s_per_pool"]
+            key = "with_delegation" if delegated else "without_delegation"
+            mean, peak = figures[key]["events_per_s_mean"], figures[key]["events_per_s_peak"]
+            cells.append(f"{mean:.1f} / {peak:.1f}")
+            if peak <= TARGET_EVENTS_PER_S and label not in fewest:
+                fewest[label] = pools
+        print(
+            f"| {pools:,} | {CLUSTER_GPUS / pools:,.0f} / {nodes / pools:,.1f} | {rate:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    print(f"\nFewest pools of those with a peak minute at most {TARGET_EVENTS_PER_S:g} events/s:")
+    for label in models:
+        print(f"- {label}: {fewest.get(label, 'none of ' + str(POOL_COUNTS[-1]) + ' or fewer')}")
+
+
+def _replayed_node_syncs(share: Scenario, model: HistoryModel) -> HistoryCounts:
+    sim = Simulation(share, ModelForgeScheduler(share), history=dataclasses.replace(model, pools=1))
+    sim.run()
+    return sim.history
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="skip the 100,000-request speed run")
+    parser.add_argument("--sizing", action="store_true", help="only the pool sizing of docs/SCALING.md")
     args = parser.parse_args()
     ok = True
+    if args.sizing:
+        with tempfile.TemporaryDirectory() as tmp:
+            sizing(load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure")))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         azure = load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure"))
         results = [simulate(azure, p) for p in POLICIES]

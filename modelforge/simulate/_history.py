@@ -18,6 +18,7 @@ TTL: rare next to requests).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,19 +103,28 @@ class HistoryModel:
 class HistoryCounts:
     """Per series step, what reaches one scheduler (the engine fills these; see `Simulation`)."""
 
-    admissions: list[int] = field(default_factory=list)  # accepted admissions (one update each)
-    warm: list[int] = field(default_factory=list)  # of those, started on arrival on a ready resident
-    waited_grants: list[int] = field(default_factory=list)  # first starts after a wait: `lease_decision`
-    queued_refusals: list[int] = field(default_factory=list)  # refused while queued: `lease_decision`
-    releases: list[int] = field(default_factory=list)  # runs that ended (release signal)
-    warm_releases: list[int] = field(default_factory=list)  # of those, runs of warm admissions
-    preemptions: list[int] = field(default_factory=list)  # preempt out, then a release in
-    heartbeats: list[int] = field(default_factory=list)  # heartbeat periods of running leases
-    warm_heartbeats: list[int] = field(default_factory=list)  # of those, of warm admissions' runs
-    resident_changes: list[int] = field(default_factory=list)  # loads, unloads, sleeps, wakes
-    loads: list[int] = field(default_factory=list)
-    active_seconds: list[int] = field(default_factory=list)  # whole seconds with anything to record
-    node_syncs: list[int] = field(default_factory=list)  # (node, sync interval) pairs with warm work
+    # Counts (floats once `scaled`).
+    admissions: list[float] = field(default_factory=list)  # accepted admissions (one update each)
+    warm: list[float] = field(default_factory=list)  # of those, started on arrival on a ready resident
+    waited_grants: list[float] = field(default_factory=list)  # first starts after a wait: `lease_decision`
+    queued_refusals: list[float] = field(default_factory=list)  # refused while queued: `lease_decision`
+    releases: list[float] = field(default_factory=list)  # runs that ended (release signal)
+    warm_releases: list[float] = field(default_factory=list)  # of those, runs of warm admissions
+    preemptions: list[float] = field(default_factory=list)  # preempt out, then a release in
+    heartbeats: list[float] = field(default_factory=list)  # heartbeat periods of running leases
+    warm_heartbeats: list[float] = field(default_factory=list)  # of those, of warm admissions' runs
+    resident_changes: list[float] = field(default_factory=list)  # loads, unloads, sleeps, wakes
+    loads: list[float] = field(default_factory=list)
+    active_seconds: list[float] = field(default_factory=list)  # whole seconds with anything to record
+    node_syncs: list[float] = field(default_factory=list)  # (node, sync interval) pairs with warm work
+
+    def scaled(self, factor: float, step_s: float) -> HistoryCounts:
+        """The same schedule at `factor` times the traffic: every count times it, and the seconds
+        with something to record left to the Poisson bound of `_per_step` (for sizing a cluster
+        from a smaller replay)."""
+        out = HistoryCounts(**{name: [x * factor for x in column] for name, column in self.__dict__.items()})
+        out.active_seconds = [step_s] * len(self.active_seconds)
+        return out
 
     def grow(self, steps: int) -> None:
         for column in self.__dict__.values():
@@ -149,9 +159,11 @@ def _per_step(counts: HistoryCounts, i: int, step_s: float, nodes: int, model: H
     )
     children = share * counts.loads[i]
     # One event write a second at most, in a second with something to record (a delegated
-    # request is recorded too, from its sync): never more writes than records in the pool.
+    # request is recorded too, from its sync): at most the seconds the replay saw records in,
+    # and the seconds a Poisson stream of the pool's records would touch.
     records = share * (counts.admissions[i] + counts.releases[i] + counts.resident_changes[i] + counts.preemptions[i])
-    writes = min(float(counts.active_seconds[i]), records, step_s / EVENT_WRITE_INTERVAL_S)
+    touched = step_s * (1.0 - math.exp(-records / step_s)) if step_s > 0 else 0.0
+    writes = min(float(counts.active_seconds[i]), touched, step_s / EVENT_WRITE_INTERVAL_S)
     activities = writes + step_s / model.snapshot_interval_s
     timers = TIMER_EVENTS_PER_WRITE * writes
     # Every update, signal in, signal out completed, child started and closed, activity completed

@@ -147,3 +147,20 @@ def test_the_constants_agree_with_the_code_they_come_from() -> None:
     assert SchedulerInput(pool="p").max_history_events == history.MAX_HISTORY_EVENTS
     assert TelemetryInput(node="n").interval_s == history.TELEMETRY_INTERVAL_S
     assert history.HEARTBEAT_S == LEASE_HEARTBEAT_S == PolicyConfig().stale_lease_s / 3
+
+
+def test_a_replay_scaled_up_and_split_over_as_many_pools_reads_as_the_replay() -> None:
+    """bench/simulate.py --sizing: the cluster's counts are a replay's times the rate factor,
+    split over pools; k times the traffic over k pools (k times the nodes) is the replay again."""
+    from modelforge.simulate._engine import Simulation
+    from modelforge.simulate._modelforge import ModelForgeScheduler
+
+    scenario = _scenario(4.0, cards=2, cards_per_node=1)
+    sim = Simulation(scenario, ModelForgeScheduler(scenario))
+    sim.run()
+    steps = len(sim.step_held)
+    one = history.scheduler_history(sim.history, sim.step_s, steps, 2, HistoryModel())
+    four = history.scheduler_history(sim.history.scaled(4, sim.step_s), sim.step_s, steps, 8, HistoryModel(pools=4))
+    for key in ("without_delegation", "with_delegation"):
+        assert four[key]["events_per_s_mean"] == pytest.approx(one[key]["events_per_s_mean"], rel=0.1)
+    assert four["admissions_per_s_per_pool"] == pytest.approx(one["admissions_per_s_per_pool"])
