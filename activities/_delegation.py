@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from temporalio.client import Client
@@ -75,8 +75,12 @@ class NodeSlots:
         *,
         sync_s: float = DEFAULT_SYNC_S,
         clock: Callable[[], float] = time.monotonic,
+        send: Callable[[SlotSync], Awaitable[SlotReply]] | None = None,
     ) -> None:
+        """`send`: how a sync reaches the scheduler and its reply comes back (injected I/O: tests
+        give the pure policy directly); by default the `delegation_sync` update through `client`."""
         self._client = client
+        self._send = send or self._update
         self.node = node
         self.pool = pool
         self.sync_s = sync_s
@@ -91,6 +95,9 @@ class NodeSlots:
         self._wanted: dict[str, None] = {}
         self._wake = asyncio.Event()
         self._last_sync = 0.0
+        # The scheduler counts slots as this node's (the last reply lent some): a node that gave
+        # them all back syncs once more, to say so.
+        self._lent = False
         self.syncs = 0  # sent, for tests and the benchmark
 
     # --- claims (local activity) -------------------------------------------------------------
@@ -216,7 +223,7 @@ class NodeSlots:
                 slot.request_id = slot.workflow_id = ""  # its invoke never came
             if not slot.request_id and (not slot.open or now - slot.last_used > IDLE_GIVE_BACK_S):
                 del self._slots[lease_id]  # given back: not in `held`
-        if not self._slots and not self._runs and not self._wanted and not self._last_sync_held:
+        if not self._slots and not self._runs and not self._wanted and not self._lent:
             return None
         return SlotSync(
             node=self.node,
@@ -228,11 +235,8 @@ class NodeSlots:
             view_epoch=self._view_epoch,
         )
 
-    _last_sync_held = False  # the last sync held slots: the next one (holding none) says so
-
     async def sync_once(self) -> SlotReply | None:
-        if self._client is None:
-            return None
+        """One sync now, if there is anything to say; its reply applied (None: nothing said)."""
         sent_at = self._clock()
         sync = self._prepare(sent_at)
         if sync is None:
@@ -241,14 +245,20 @@ class NodeSlots:
         self._wanted.clear()
         self._last_sync = sent_at
         self.syncs += 1
+        reply = await self._send(sync)
+        del self._runs[:runs]  # reported: the scheduler has them
+        self._apply(reply, sent_at)
+        self._lent = bool(self._slots)
+        return reply
+
+    async def _update(self, sync: SlotSync) -> SlotReply:
+        if self._client is None:
+            raise RuntimeError("no Temporal client to sync with")
         handle = self._client.get_workflow_handle(scheduler_id(self.pool))
         reply: DelegationReply = await asyncio.wait_for(
             handle.execute_update("delegation_sync", DelegationSync(sync), result_type=DelegationReply),
             timeout=SYNC_TIMEOUT_S,
         )
-        del self._runs[:runs]  # reported: the scheduler has them
-        self._apply(reply.reply, sent_at)
-        self._last_sync_held = bool(sync.held)
         return reply.reply
 
     def _apply(self, reply: SlotReply, sent_at: float) -> None:

@@ -133,7 +133,13 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
     scheduler's own admissions (requests that did not reach this node's worker)."""
     events = record_runs(state, sync.node, sync.runs[:MAX_RUNS], now)
     held = set(sync.held)
-    for lease_id in [lid for lid, slot in state.slots.items() if slot.node == sync.node and lid not in held]:
+    # Not held any more, or lent to another life of this node's worker (gone with it).
+    given_back = [
+        lease_id
+        for lease_id, slot in state.slots.items()
+        if slot.node == sync.node and (lease_id not in held or slot.boot != sync.boot)
+    ]
+    for lease_id in given_back:
         events.extend(return_slot(state, lease_id, now, "given back by its node"))
     holder = holder_id(sync.node)
     mine: list[Lease] = []

@@ -1,0 +1,344 @@
+"""Warm-path delegation, without Temporal: the scheduler's rules for lending, closing and taking
+back slots (modelforge/policy/_delegation.py) and the node's side of them
+(activities/_delegation.py), joined by the pure policy in place of the `delegation_sync` update.
+
+The properties the design promises: never more requests in flight on a resident than its
+concurrency (the node's slots and the scheduler's own leases together); a request waiting at
+the scheduler closes every slot at the next sync; no slot is used by two requests, also after a
+node worker restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from activities._delegation import CLAIM_START_S, NodeSlots
+from modelforge.domain import Priority, Residency
+from modelforge.messages import SlotClaim
+from modelforge.policy import (
+    PolicyConfig,
+    PoolState,
+    ResidentPhase,
+    SlotRun,
+    SlotSync,
+    apply_decisions,
+    decide,
+    enqueue,
+    reclaim_stale_leases,
+    release_lease,
+    sync_slots,
+)
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+CAP = "emb@1"
+KEY = f"{CAP}@n/0"
+
+
+def pool(concurrency: int = 4, production_card: bool = True, **kw: object) -> PoolState:
+    s = state(
+        [gpu("n/0", production=production_card)],
+        [deployment(CAP, gib=2, concurrency=concurrency, **kw)],
+        tenants=[tenant("t", max_priority=Priority.PRODUCTION, default_priority=Priority.INTERACTIVE)],
+    )
+    observe(s, "n/0", managed_gib=2, loaded=[KEY])
+    resident(s, CAP, "n/0", 2)
+    return s
+
+
+def asking(s: PoolState, now: float = NOW, boot: str = "b1", held: list[str] | None = None) -> list[str]:
+    reply, _ = sync_slots(s, SlotSync(node="n", boot=boot, held=held or [], wanted=[CAP]), now)
+    return [lease.lease_id for lease in reply.slots if lease.lease_id not in reply.closing]
+
+
+def test_a_node_is_lent_the_free_slots_but_one_and_they_count_as_leases() -> None:
+    s = pool(concurrency=4)
+    lent = asking(s)
+    assert len(lent) == 3  # one kept back for requests that do not reach the node's worker
+    assert s.residents[KEY].active_leases == 3
+    assert all(s.leases[lease_id].bytes == 0 for lease_id in lent)
+    # The scheduler's own admissions get the spare one, then wait.
+    for n in range(2):
+        enqueue(s, ask(f"r{n}", CAP), Priority.INTERACTIVE, NOW)
+    decisions = decide(s, NOW)
+    apply_decisions(s, decisions, NOW, {})
+    assert [g.request_id for g in decisions.grants] == ["r0"]
+    assert [q.request_id for q in s.queue] == ["r1"]
+
+
+@pytest.mark.parametrize(
+    ("change", "lent"),
+    [
+        (lambda s: None, 3),
+        (lambda s: enqueue(s, ask("waiting", CAP), Priority.BACKGROUND, NOW), 0),
+        (lambda s: setattr(s.accelerators["n/0"], "pressure", True), 0),
+        (lambda s: setattr(s.residents[KEY], "phase", ResidentPhase.LOADING), 0),
+        (lambda s: s.draining.__setitem__(KEY, NOW), 0),
+        (lambda s: observe(s, "n/0", managed_gib=2, loaded=[KEY], at=NOW - 60), 0),  # stale telemetry
+    ],
+)
+def test_nothing_is_lent_while_the_scheduler_needs_the_resident(change: object, lent: int) -> None:
+    s = pool()
+    change(s)  # type: ignore[operator]
+    assert len(asking(s)) == lent
+
+
+def test_deployments_whose_leases_add_bytes_or_that_unload_after_use_are_never_lent() -> None:
+    assert asking(pool(idle_bytes=1 << 30)) == []  # a lease adds (envelope - idle) bytes
+    s = pool()
+    s.residents[KEY].residency = Residency.NONE
+    s.catalog = state([gpu("n/0")], [deployment(CAP, gib=2, concurrency=4, residency="none")]).catalog
+    assert asking(s) == []
+
+
+def test_a_request_waiting_at_the_scheduler_closes_every_slot_at_the_next_sync() -> None:
+    s = pool()
+    lent = asking(s)
+    enqueue(s, ask("waiting", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
+    reply, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, in_use={lent[0]: "wf-a"}), NOW + 1)
+    assert set(reply.closing) == set(lent)
+    assert all("wait at the scheduler" in why for why in reply.closing.values())
+    assert [e.kind for e in events].count("slot_closed") == 3
+    # The free ones are given back at the next sync (not held); the one in use when it ends.
+    reply, events = sync_slots(s, SlotSync(node="n", boot="b1", held=[lent[0]], in_use={lent[0]: "wf-a"}), NOW + 2)
+    assert [lease.lease_id for lease in reply.slots] == [lent[0]]
+    assert s.residents[KEY].active_leases == 1
+    assert s.leases[lent[0]].workflow_id == "wf-a"  # a preemption would reach the request on it
+    sync_slots(s, SlotSync(node="n", boot="b1", held=[]), NOW + 3)
+    assert s.residents[KEY].active_leases == 0 and not s.slots
+
+
+def test_a_restarted_node_worker_holds_nothing_of_its_previous_life() -> None:
+    s = pool()
+    old = asking(s, boot="old")
+    # The new life syncs (it holds nothing): every slot of the old one is back in the pool, then
+    # lent afresh; an old slot id it might name is never taken as its own.
+    reply, _ = sync_slots(s, SlotSync(node="n", boot="new", held=old[:1], wanted=[CAP]), NOW + 1)
+    assert not set(old) & {lease.lease_id for lease in reply.slots}
+    assert not set(old) & set(s.slots)
+    assert len(reply.slots) == 3 and s.residents[KEY].active_leases == 3
+
+
+def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> None:
+    s = pool()
+    lent = asking(s)
+    run = SlotRun(lent[0], "r1", "wf-r1", "t", "interactive", CAP, "ok", 2.5)
+    failed = SlotRun(lent[1], "r2", "wf-r2", "t", "interactive", CAP, "INVALID_OUTPUT", 0.1, "bad")
+    _, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=[run, failed]), NOW + 1)
+    assert s.usage["t"].gpu_seconds == pytest.approx(2.6)
+    assert s.capability_health[CAP].consecutive_failures == 1
+    released = [e for e in events if e.kind == "lease_released"]
+    assert [e.request_id for e in released] == ["r1", "r2"]
+    assert released[0].payload["tenant"] == "t" and released[0].payload["held_s"] == 2.5
+
+
+def test_a_silent_node_loses_its_slots_after_stale_lease_s_and_no_tenant_is_charged() -> None:
+    s = pool()
+    s.config = PolicyConfig(stale_lease_s=10.0, unheard_lease_s=50.0)
+    lent = asking(s)
+    for at in (NOW + 5, NOW + 9):
+        reclaim_stale_leases(s, at)
+    assert set(lent) <= set(s.leases)
+    reclaim_stale_leases(s, NOW + 10.5)
+    assert not set(lent) & set(s.leases) and not s.slots
+    assert s.residents[KEY].active_leases == 0
+    assert not s.usage, "a slot is never charged, only the requests that ran on it"
+
+
+def test_a_node_sees_the_tenants_and_classes_once_per_catalog() -> None:
+    s = pool()
+    reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", wanted=[CAP], view_epoch=-1), NOW)
+    assert reply.view is not None and [d.capability for d in reply.view.deployments] == [CAP]
+    reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", view_epoch=reply.view_epoch), NOW)
+    assert reply.view is None
+
+
+# --- the node's side ------------------------------------------------------------------------
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Scheduler:
+    """The `delegation_sync` update, as the scheduler runs it, on a plain PoolState."""
+
+    s: PoolState
+    clock: Clock
+    syncs: list[SlotSync] = field(default_factory=list)
+
+    async def __call__(self, sync: SlotSync) -> object:
+        self.syncs.append(sync)
+        reply, _ = sync_slots(self.s, sync, NOW + self.clock.now)
+        return reply
+
+
+def node(s: PoolState, clock: Clock) -> tuple[NodeSlots, Scheduler]:
+    scheduler = Scheduler(s, clock)
+    return NodeSlots(None, "n", "default", clock=clock, send=scheduler), scheduler  # type: ignore[arg-type]
+
+
+def claim(request_id: str, priority: str | None = None, tenant_name: str = "t") -> SlotClaim:
+    return SlotClaim("default", request_id, f"wf-{request_id}", CAP, tenant_name, priority)
+
+
+def lent_node(concurrency: int = 4, **kw: object) -> tuple[NodeSlots, Scheduler, Clock]:
+    clock = Clock()
+    slots, scheduler = node(pool(concurrency, **kw), clock)
+    assert slots.claim(claim("first")) is None  # nothing lent yet: it asks at its next sync
+    asyncio.run(slots.sync_once())
+    return slots, scheduler, clock
+
+
+def test_a_claim_gets_the_requests_own_lease_on_a_lent_slot_and_the_slot_serves_one_at_a_time() -> None:
+    slots, _, _ = lent_node(concurrency=3)
+    a, b = slots.claim(claim("a")), slots.claim(claim("b"))
+    assert a is not None and b is not None and a.lease_id != b.lease_id
+    assert (a.request_id, a.tenant, a.priority) == ("a", "t", "interactive")
+    assert slots.claim(claim("c")) is None, "2 slots lent (concurrency 3, one spare): the third goes to the scheduler"
+    assert slots.started(a.lease_id, "a")
+    slots.finish(a.lease_id, "a", "ok", 0.2)
+    again = slots.claim(claim("c"))
+    assert again is not None and again.lease_id == a.lease_id
+
+
+def test_a_claim_the_scheduler_would_refuse_is_left_to_the_scheduler() -> None:
+    slots, _, _ = lent_node()
+    assert slots.claim(claim("x", tenant_name="stranger")) is None  # unknown tenant
+    assert slots.claim(claim("y", priority="no-such-class")) is None
+    # Production only where the card and the deployment pass the production rules.
+    assert slots.claim(claim("p", priority="production")) is not None
+    slots2, _, _ = lent_node(production_card=False)
+    assert slots2.claim(claim("p", priority="production")) is None
+    assert slots2.claim(claim("i")) is not None
+
+
+def test_a_node_that_cannot_reach_its_scheduler_stops_using_its_slots_before_they_are_reclaimed() -> None:
+    slots, scheduler, clock = lent_node()
+    valid_s = scheduler.s.config.stale_lease_s / 2
+    clock.now = valid_s - 0.1
+    lease = slots.claim(claim("in-time"))
+    assert lease is not None
+    slots.finish(lease.lease_id, "in-time", "ok", 0.1)
+    clock.now = valid_s + 0.1  # no sync answered since: the scheduler may reclaim them soon
+    assert slots.claim(claim("late")) is None
+
+
+def test_a_claim_whose_invoke_never_starts_is_voided_and_that_invoke_refused() -> None:
+    slots, scheduler, clock = lent_node(concurrency=2)
+    lease = slots.claim(claim("lost"))
+    assert lease is not None
+    clock.now = CLAIM_START_S + 1
+    asyncio.run(slots.sync_once())
+    assert not slots.started(lease.lease_id, "lost")
+    # Voided long ago and idle since: given back; lent again when asked for.
+    assert slots.claim(claim("next")) is None
+    observe(scheduler.s, "n/0", managed_gib=2, loaded=[KEY], at=NOW + clock.now)  # telemetry is fresh
+    asyncio.run(slots.sync_once())
+    again = slots.claim(claim("next"))
+    assert again is not None and again.lease_id != lease.lease_id
+
+
+def test_an_idle_node_gives_its_slots_back_and_then_stops_syncing() -> None:
+    slots, scheduler, clock = lent_node()
+    clock.now = 11.0
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].held == [] and not scheduler.s.slots
+    assert scheduler.s.residents[KEY].active_leases == 0
+    count = len(scheduler.syncs)
+    asyncio.run(slots.sync_once())
+    assert len(scheduler.syncs) == count, "a node holding nothing and with nothing to say does not sync"
+
+
+# --- the property -----------------------------------------------------------------------------
+
+
+class Delegation(RuleBasedStateMachine):
+    """Claims, finishes, syncs, scheduler admissions and releases, a queue forming and draining,
+    node restarts, in any order: the resident never has more requests in flight than its
+    concurrency, and no slot serves two requests at once."""
+
+    CONCURRENCY = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.s = pool(self.CONCURRENCY)
+        self.node, self.scheduler = node(self.s, self.clock)
+        self.old_nodes: list[NodeSlots] = []
+        self.running: dict[str, str] = {}  # request -> slot, on the node
+        self.n = 0
+
+    @rule()
+    def claim_on_the_node(self) -> None:
+        self.n += 1
+        request = f"n{self.n}"
+        lease = self.node.claim(claim(request))
+        if lease is not None:
+            assert self.node.started(lease.lease_id, request)
+            assert lease.lease_id not in self.running.values(), "a slot serves one request at a time"
+            self.running[request] = lease.lease_id
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish_on_the_node(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from(sorted(self.running)))
+        self.node.finish(self.running.pop(request), request, "ok", 0.1)
+
+    @rule(seconds=st.sampled_from([0.1, 1.0, 5.0]))
+    def sync(self, seconds: float) -> None:
+        self.clock.now += seconds
+        asyncio.run(self.node.sync_once())
+
+    @rule()
+    def telemetry(self) -> None:
+        observe(self.s, "n/0", managed_gib=2, loaded=[KEY], at=NOW + self.clock.now)
+
+    @rule()
+    def admit_at_the_scheduler(self) -> None:
+        self.n += 1
+        enqueue(self.s, ask(f"s{self.n}", CAP), Priority.INTERACTIVE, NOW + self.clock.now)
+        apply_decisions(self.s, decide(self.s, NOW + self.clock.now), NOW + self.clock.now, {})
+
+    @precondition(lambda self: any(not lid.startswith("slot-") for lid in self.s.leases))
+    @rule(data=st.data())
+    def release_at_the_scheduler(self, data: st.DataObject) -> None:
+        own = sorted(lid for lid in self.s.leases if not lid.startswith("slot-"))
+        now = NOW + self.clock.now
+        release_lease(self.s, data.draw(st.sampled_from(own)), now, "ok")
+        apply_decisions(self.s, decide(self.s, now), now, {})
+
+    @rule()
+    def restart_the_node_worker(self) -> None:
+        # The old life's requests died with it; the new one holds nothing.
+        self.old_nodes.append(self.node)
+        self.running.clear()
+        self.node, self.scheduler = node(self.s, self.clock)
+
+    @invariant()
+    def never_more_in_flight_than_the_concurrency(self) -> None:
+        leases = self.s.leases.items()
+        own = sum(1 for lid, lease in leases if not lid.startswith("slot-") and lease.resident_key == KEY)
+        assert len(self.running) + own <= self.CONCURRENCY
+        # And the scheduler counts every lease, lent or its own, on the resident.
+        resident = self.s.residents[KEY]
+        assert resident.active_leases <= self.CONCURRENCY
+        assert resident.active_leases == sum(1 for lease in self.s.leases.values() if lease.resident_key == KEY)
+
+    @invariant()
+    def a_node_uses_only_slots_the_scheduler_counts_as_its_own(self) -> None:
+        for slot in self.running.values():
+            assert slot in self.s.leases and self.s.slots[slot].boot == self.node.boot
+
+
+TestDelegation = Delegation.TestCase
+TestDelegation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
