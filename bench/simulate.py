@@ -4,6 +4,7 @@ one run, and the replay speed of a 100,000-request scenario.
     .venv/bin/python bench/simulate.py            # everything (about 2 minutes on 2 cores)
     .venv/bin/python bench/simulate.py --quick    # the two traces only, no speed run
     .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
+    .venv/bin/python bench/simulate.py --measure-history 4 160  # the real scheduler's events per request
 
 Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
@@ -166,12 +167,93 @@ def _replayed_node_syncs(share: Scenario, model: HistoryModel) -> HistoryCounts:
     return sim.history
 
 
+def measure_history(rate: float, count: int) -> None:
+    """The figures the history model's constants are checked against (docs/SCALING.md): `count`
+    warm requests at `rate`/s to a resident model on the Temporal dev server (bench/sustained.py's
+    pool and stack), then the scheduler's history, every run, counted by event type over the
+    load window, next to an idle window of the same length before it."""
+    import asyncio
+    import time
+    from collections import Counter
+
+    from pgserver import get_server  # type: ignore[attr-defined]
+    from temporalio.client import Client
+    from temporalio.testing import WorkflowEnvironment
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sustained
+
+    from modelforge.dev import temporal_binary
+    from modelforge.temporal import register_search_attributes
+    from tests.harness import running_stack
+
+    async def counted(client: Client, lo: float, hi: float) -> tuple[Counter[str], int]:
+        kinds: Counter[str] = Counter()
+        runs = 0
+        async for run in client.list_workflows('WorkflowId = "scheduler:default"'):
+            runs += 1
+            history = await client.get_workflow_handle(run.id, run_id=run.run_id).fetch_history()
+            for event in history.events:
+                if lo <= event.event_time.ToDatetime().timestamp() < hi:
+                    kinds[str(event.WhichOneof("attributes")).removesuffix("_event_attributes")] += 1
+        return kinds, runs
+
+    async def run(database_url: str) -> None:
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(), dev_server_log_level="error"
+        )
+        try:
+            await register_search_attributes(env.client)
+            async with running_stack(env.client, database_url, catalog_path=sustained.CATALOG) as stack:
+                outcomes: Counter[str] = Counter()
+                await sustained._one(stack, outcomes)  # the model loads
+                await asyncio.sleep(2)
+                idle_lo = time.time()
+                await asyncio.sleep(count / rate)
+                idle_hi = lo = time.time()
+                began = time.monotonic()
+                tasks = []
+                for i in range(count):
+                    await asyncio.sleep(max(0.0, began + i / rate - time.monotonic()))
+                    tasks.append(asyncio.create_task(sustained._one(stack, outcomes)))
+                await asyncio.gather(*tasks)
+                await asyncio.sleep(1.5)
+                hi = time.time()
+                idle, _ = await counted(env.client, idle_lo, idle_hi)
+                load, runs = await counted(env.client, lo, hi)
+        finally:
+            await env.shutdown()
+        print(f"\n## Scheduler history: {count} warm requests at {rate:g}/s on the dev server\n")
+        print(f"- outcomes {dict(outcomes)}, scheduler runs {runs}, load window {hi - lo:.1f} s")
+        print(f"- idle window {idle_hi - idle_lo:.1f} s: {sum(idle.values())} events")
+        for kind, n in load.most_common():
+            print(f"- {kind}: {n} ({n / count:.2f} per request)")
+        print(f"- per request: {sum(load.values()) / count:.2f}; events/s {sum(load.values()) / (hi - lo):.1f}")
+
+    with tempfile.TemporaryDirectory() as pgdata:
+        server = get_server(pgdata, cleanup_mode="stop")
+        try:
+            asyncio.run(run(server.get_uri()))
+        finally:
+            server.cleanup()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="skip the 100,000-request speed run")
     parser.add_argument("--sizing", action="store_true", help="only the pool sizing of docs/SCALING.md")
+    parser.add_argument(
+        "--measure-history",
+        nargs=2,
+        metavar=("RATE", "COUNT"),
+        help="only: COUNT warm requests at RATE/s on the Temporal dev server, the scheduler's history counted",
+    )
     args = parser.parse_args()
     ok = True
+    if args.measure_history:
+        measure_history(float(args.measure_history[0]), int(args.measure_history[1]))
+        return 0
     if args.sizing:
         with tempfile.TemporaryDirectory() as tmp:
             sizing(load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure")))
