@@ -270,11 +270,11 @@ class NodeSlots:
                 else:
                     del self._slots[lease_id]
         for lease_id, lease in listed.items():
-            slot = self._slots.get(lease_id)
-            if slot is None:
+            known = self._slots.get(lease_id)
+            if known is None:
                 self._slots[lease_id] = _Slot(lease=lease, open=lease_id not in reply.closing, last_used=sent_at)
             elif lease_id in reply.closing:
-                slot.open = False
+                known.open = False
         self._production_ok = set(reply.production_ok)
         if reply.view is not None:
             self._view, self._view_epoch = reply.view, reply.view_epoch

