@@ -524,7 +524,7 @@ class Simulation:
     def _hstep(self, t: float) -> int:
         return max(0, int((t - self.origin) // self.step_s))
 
-    def _count(self, column: list[int], now: float, n: int = 1) -> None:
+    def _count(self, column: list[float], now: float, n: int = 1) -> None:
         """One more of something the scheduler hears of or records at `now`."""
         i = self._hstep(now)
         if len(column) <= i:
