@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from activities._delegation import NodeSlots
 from modelforge.client import ModelForgeClient, Result
+from modelforge.policy import PoolState
 from tests.harness import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
@@ -100,4 +102,75 @@ async def test_warm_requests_run_on_delegated_slots_and_cost_the_scheduler_almos
         # Never more in flight than the concurrency: slots plus the scheduler's own leases.
         status = await stack.status()
         [resident] = [r for r in status.residents if r.deployment.startswith("route.embed")]
+        assert resident.active_leases <= 8
+
+
+async def test_a_request_waiting_at_the_scheduler_gets_the_slots_back_within_a_sync(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=CATALOG, delegation_sync_s=SYNC_S
+    ) as stack:
+        routed = ModelForgeClient(dev_server_env.client)
+        node = await _warm_up(routed, stack)
+        slots = stack.slots[node]
+        assert slots.free_slots(CAPABILITY) == 7
+        # Two slow requests that do not reach the node's worker (a CLI's: started on the control
+        # queue): the first takes the slot kept back, the second waits at the scheduler, which
+        # closes the node's slots; the node gives back the free ones at its next sync and the
+        # waiting request is granted one of them.
+        cli = ModelForgeClient(dev_server_env.client, pool="default")
+        slow = {"text": "slow", "simulate_invoke_s": 2.0}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first, second = await asyncio.gather(
+            cli.request(CAPABILITY, input=slow, tenant="app"),
+            cli.request(CAPABILITY, input=slow, tenant="app"),
+        )
+        assert first.ok and second.ok, (first, second)
+        assert not _delegated(first) and not _delegated(second)
+        waited = max(first.timings["lease_s"], second.timings["lease_s"])
+        assert waited < SYNC_S * 4 + 1.0, f"the waiting request got its lease after {waited:.2f} s"
+        assert loop.time() - started < 2.0 + SYNC_S * 4 + 2.0
+        closed = await stack.events("slot_closed", at_least=7, within_s=5)
+        assert any("wait at the scheduler" in e["message"] for e in closed)
+        returned = await stack.events("slot_returned", at_least=7, within_s=5)
+        assert len(returned) >= 7
+        # Nothing waits any more: the node is lent slots again when its requests ask.
+        assert await _until(lambda: _lent_again(routed, slots), within_s=10)
+
+
+async def _lent_again(client: ModelForgeClient, slots: NodeSlots) -> bool:
+    result = await client.request(CAPABILITY, input={"text": "again"}, tenant="app")
+    assert result.ok, result
+    return _delegated(result)
+
+
+async def test_a_restarted_node_worker_is_never_lent_its_previous_lifes_slots(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=CATALOG, delegation_sync_s=SYNC_S
+    ) as stack:
+        client = ModelForgeClient(dev_server_env.client)
+        node = await _warm_up(client, stack)
+        old = stack.slots[node]
+        old_slots = set(old._slots)
+        assert len(old_slots) == 7
+        await stack.restart_node(node)
+        new = stack.slots[node]
+        assert new.boot != old.boot
+
+        async def new_life_lent() -> bool:
+            result = await client.request(CAPABILITY, input={"text": "after"}, tenant="app")
+            assert result.ok, result
+            return _delegated(result)
+
+        assert await _until(new_life_lent, within_s=20)
+        state = await stack.scheduler.query("state", result_type=PoolState)
+        lent = {lease_id: slot for lease_id, slot in state.slots.items() if slot.node == node}
+        assert lent and not set(lent) & old_slots, "a slot of the old life was kept or lent again"
+        assert {slot.boot for slot in lent.values()} == {new.boot}
+        [resident] = [r for r in state.residents.values() if r.node == node]
+        assert resident.active_leases == sum(1 for lease in state.leases.values() if lease.resident_key == resident.key)
         assert resident.active_leases <= 8
