@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
         client_input_problem,
     )
     from modelforge.policy import AdmissionRequest, Lease
-    from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, node_task_queue
+    from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
 from workflows._common import (
     ALL_FAILURES,
@@ -589,9 +589,11 @@ class CapabilityRequestWorkflow:
 
 
 def _may_claim(request: RequestInput) -> bool:
-    """Only a plain invoke whose workflow runs on a node's worker (routed there by its client)
-    can use that node's slots; the control worker's queue has none."""
-    return request.operation == "" and workflow.info().task_queue.startswith(NODE_TASK_QUEUE_PREFIX)
+    """A plain invoke may run on a slot of the node whose worker runs its workflow (its client
+    routed it there); a worker with no slots (the control worker) answers None at once. Asked
+    of every such request, not only of those on a node's queue: a replay runs on a queue of its
+    own, and must take the same path."""
+    return request.operation == ""
 
 
 def _gang_nodes(lease: Lease) -> dict[str, list[str]]:

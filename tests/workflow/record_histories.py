@@ -1,6 +1,6 @@
 """Record the histories that tests/workflow/test_replay.py replays.
 
-    .venv/bin/python -m tests.workflow.record_histories v8
+    .venv/bin/python -m tests.workflow.record_histories v9
 
 Runs the keep-warm story (cold request, warm request, a warm request started on the node's queue,
 keep-warm eviction, an unknown capability), a
@@ -9,7 +9,8 @@ request whose runtime crashes (retried once on a fresh load) and a request that 
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
 per workflow type into tests/histories/<version>/; then, each on a server of its own, a model put
 to sleep for another and woken again (scheduler and residency histories) and a two-node gang job
-(its request history), then one preempted, checkpointed on both nodes and resumed (v6 on).
+(its request history), then one preempted, checkpointed on both nodes and resumed (v6 on), and a
+warm request admitted on its node from a delegated slot, with the scheduler's syncs (v9 on).
 Record a new version after each change to the workflows (guarded with `workflow.patched`); never
 rewrite an old one: they prove old runs replay."""
 
@@ -109,6 +110,28 @@ async def record_sleep(version: str) -> None:
     await _record_catalog(
         version, root / "gang.toml", _gang_story, PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
     )
+    await _record_catalog(version, root / "routing.toml", _delegation_story, delegation_sync_s=0.3)
+
+
+async def _delegation_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
+    """v9 on: a warm request admitted on its node from a slot the scheduler lent the node, and the
+    scheduler's `delegation_sync` updates (lent, reported, given back)."""
+    await (await stack.start_request("route.embed@1", tenant="app", request_id="load")).result()
+    state = await stack.scheduler.query("state", result_type=PoolState)
+    [node] = [r.node for r in state.residents.values()]
+    queue = node_task_queue(node)
+    for n in range(50):
+        handle = await stack.start_request("route.embed@1", tenant="app", request_id=f"routed-{n}", task_queue=queue)
+        result = await handle.result()
+        if result.timings.get("delegated"):
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise RuntimeError("no request was delegated")
+    while stack.slots[node].in_use() or stack.slots[node].free_slots("route.embed@1"):
+        await asyncio.sleep(0.5)  # idle: the node gives its slots back
+    await asyncio.sleep(1.0)
+    return {"request_delegated": handle, "scheduler_delegation": stack.scheduler}
 
 
 async def _sleep_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
@@ -139,6 +162,7 @@ async def _record_catalog(
     catalog: Path,
     story: Callable[[WorkflowEnvironment, Stack], Awaitable[dict[str, WorkflowHandle[Any, Any]]]],
     config: PolicyConfig | None = None,
+    delegation_sync_s: float = 0.0,
 ) -> None:
     import pgserver
 
@@ -147,7 +171,9 @@ async def _record_catalog(
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=binary)
     try:
         await register_search_attributes(env.client)
-        async with running_stack(env.client, server.get_uri(), catalog_path=catalog, config=config) as stack:
+        async with running_stack(
+            env.client, server.get_uri(), catalog_path=catalog, config=config, delegation_sync_s=delegation_sync_s
+        ) as stack:
             await _write(version, await story(env, stack))
     finally:
         await env.shutdown()
