@@ -1,3 +1,3 @@
-from modelforge.cli import main
+from modelforge._fastcli import main
 
 main()

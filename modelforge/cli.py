@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# First, as the `modelforge` script: `status --json` and `request ... --json` answered from
+# Temporal's HTTP API when that is safe, before typer, rich and the SDK load (_fastcli.py).
+import modelforge._fastcli
+
+# isort: split
 import contextlib
 import dataclasses
 import inspect
@@ -432,6 +437,7 @@ def request(
     as_json: JsonOption = False,
 ) -> None:
     """Submit one capability request and print its result (exit 1 with the failure class)."""
+    from modelforge._fastcli import attaching_client
     from modelforge.client import ModelForgeClient, Result
 
     try:
@@ -454,7 +460,8 @@ def request(
     settings = _settings()
 
     async def go() -> Result:
-        client = await ModelForgeClient.connect(settings)
+        # A request the fast path sent is attached to by its id, never run twice.
+        client: ModelForgeClient = await attaching_client().connect(settings)
         # On a terminal: a live line of what the request waits on (the queue, a model load with
         # its progress from the load activity's heartbeats, the invoke).
         live = err.status(f"{capability}: submitting") if not as_json and err.is_terminal else None

@@ -48,6 +48,19 @@ def _answers(address: str) -> bool:
     return False
 
 
+# Where `dev` says which HTTP API its Temporal serves: "<gRPC address> <HTTP address>" in the
+# home's run/ directory. The CLI's fast path (modelforge/_fastcli.py) reads it when
+# MODELFORGE_TEMPORAL_HTTP_ADDRESS is unset, and only for that gRPC address.
+HTTP_ADDRESS_FILE = "temporal_http_address"
+
+
+def _free(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.socket() as probe:
+        probe.bind((host, port))
+        return True
+    return False
+
+
 def temporal_binary() -> str:
     found = shutil.which("temporal", path=str(Path(sys.executable).parent)) or shutil.which("temporal")
     if not found:
@@ -83,6 +96,15 @@ class DevStack:
             console.print(f"[dim]Temporal already answers at {escape(address)}: reusing it[/dim]")
             return
         host, port = _split(address)
+        bind = host if host != "localhost" else "127.0.0.1"
+        # The HTTP API on a known port: the configured one, else the gRPC port + 10 when free
+        # (another stack may hold it: then a random one, and the CLI takes the SDK path).
+        http = self.settings.resolved_temporal_http_address()
+        http_port = _split(http)[1] if http is not None else 0
+        if http is not None and self.settings.temporal_http_address is None and not _free(bind, http_port):
+            http, http_port = None, 0
+        with contextlib.suppress(FileNotFoundError):
+            (self.settings.run_dir / HTTP_ADDRESS_FILE).unlink()
         self._spawn(
             "temporal",
             [
@@ -90,13 +112,13 @@ class DevStack:
                 "server",
                 "start-dev",
                 "--ip",
-                host if host != "localhost" else "127.0.0.1",
+                bind,
                 "--port",
                 str(port),
                 "--ui-port",
                 str(self.ui_port),
                 "--http-port",
-                "0",
+                str(http_port),
                 "--db-filename",
                 str(self.settings.home / "temporal.db"),
                 "--namespace",
@@ -119,6 +141,8 @@ class DevStack:
                     FailureClass.CAPABILITY_UNAVAILABLE, "the Temporal dev server did not start in 60 s"
                 )
             time.sleep(0.2)
+        if http is not None:
+            (self.settings.run_dir / HTTP_ADDRESS_FILE).write_text(f"{address} {bind}:{http_port}\n")
 
     def start_postgres(self) -> str:
         if self.settings.database_url:
@@ -184,6 +208,9 @@ class DevStack:
             self.pg = None
         with contextlib.suppress(FileNotFoundError):
             (self.settings.run_dir / "database_url").unlink()
+        if self.started_temporal:
+            with contextlib.suppress(FileNotFoundError):
+                (self.settings.run_dir / HTTP_ADDRESS_FILE).unlink()
 
 
 @contextlib.contextmanager

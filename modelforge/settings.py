@@ -74,6 +74,7 @@ _MUST_BE: dict[str, str] = {
     "metrics_port": "a port (0 to 65535)",
     "metrics_host": "an interface address or host name",
     "temporal_metrics_address": "host:port (127.0.0.1:9465) or off",
+    "temporal_http_address": "host:port (127.0.0.1:7243) or off",
     "snapshot_retention_days": "a positive number of days",
     "payload_retention_days": "a positive number of days",
     "payload_threshold_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
@@ -162,6 +163,10 @@ class Settings(BaseSettings):
     temporal_tls_ca: str | None = None
     # Secrets (also from MODELFORGE_TEMPORAL_API_KEY_FILE, MODELFORGE_DATABASE_URL_FILE).
     temporal_api_key: str | None = Field(default=None, repr=False, exclude=True)
+    # host:port of the Temporal frontend's HTTP API (MODELFORGE_TEMPORAL_HTTP_ADDRESS), or "off";
+    # None: the dev server's, the gRPC port + 10 on its host (7243). `modelforge dev` serves it
+    # there, and `status --json` and `request` read it without the SDK (modelforge/_fastcli.py).
+    temporal_http_address: str | None = None
     database_url: str | None = Field(default=None, repr=False, exclude=True)
     home: Path = Field(default_factory=lambda: Path.home() / ".modelforge")
     gpu_backend: Literal["auto", "nvml", "simulated"] = "auto"
@@ -250,6 +255,11 @@ class Settings(BaseSettings):
             raise ValueError("not host:port")
         return text
 
+    @field_validator("temporal_http_address")
+    @classmethod
+    def _http_address(cls, value: str | None) -> str | None:
+        return cls._bind_address(value)
+
     @field_validator("replay_check_s")
     @classmethod
     def _replay_check(cls, value: float) -> float:
@@ -293,6 +303,16 @@ class Settings(BaseSettings):
         """Where a worker of this role serves the Temporal SDK's metrics; None when off."""
         address = self.temporal_metrics_address or TEMPORAL_METRICS_DEFAULTS[role]
         return None if address == "off" else address
+
+    def resolved_temporal_http_address(self) -> str | None:
+        """The Temporal HTTP API's host:port: the configured one, or the gRPC port + 10 on the
+        gRPC address's host (the Temporal server's convention, 7233 -> 7243); None when off."""
+        if self.temporal_http_address is not None:
+            return None if self.temporal_http_address == "off" else self.temporal_http_address
+        host, _, port = self.temporal_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) + 10 < 65536:
+            return None
+        return f"{host}:{int(port) + 10}"
 
     def resolved_payload_dir(self) -> Path:
         return self.payload_dir or self.home / "payloads"

@@ -1,0 +1,668 @@
+"""The CLI's fast path: `modelforge status --json` and `modelforge request CAP ... --json` answered
+from Temporal's HTTP API (its frontend's grpc-gateway JSON) with the standard library only, so a
+short command does not pay for importing temporalio, typer, rich and pydantic (about 0.9 s; the
+Temporal CLI's own `workflow describe` takes about 70 ms).
+
+It prints exactly what the SDK path prints (tests/e2e/test_fast_cli.py compares them on one
+stack), and it is taken only when that is certain: no TLS or API key, no setting it does not
+read, the HTTP address configured (MODELFORGE_TEMPORAL_HTTP_ADDRESS) or recorded by `modelforge
+dev` for this gRPC address, every payload `json/plain` (a payload the payload store or a codec
+wrote is anything else), the options it knows. Anything else, any HTTP error, anything
+unexpected: the normal path runs, as if this module did not exist. A request this path started
+and then could not finish (its answer is in the payload store, a connection dropped, a close it
+does not read) is handed over under its request id to a client that only attaches to that
+workflow (`attaching_client`): never a second run.
+
+Payloads are decoded as the SDK's JSON converter does (`value_to_type` for the dataclass the SDK
+path names) by `_SCHEMAS`, a copy of those dataclasses' fields that tests/unit/test_fastcli.py
+keeps equal to the real ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import re
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from modelforge.names import CONTROL_TASK_QUEUE, DEFAULT_POOL, request_workflow_id, scheduler_id
+
+HTTP_ADDRESS_FILE = "temporal_http_address"  # modelforge/dev.py writes it
+_PLAIN = "json/plain"
+_OUTPUT_REF = "modelforge_output_ref"  # modelforge/payloads.py OUTPUT_REF
+_LARGE_PAYLOAD_BYTES = 256 * 1024  # modelforge/payloads.py LARGE_PAYLOAD_BYTES
+_RESERVED_INPUT_PREFIX = "modelforge_"  # modelforge/messages.py
+_SCHEDULER_PREFIX = "scheduler:"
+_RUNNING_SCHEDULERS = "WorkflowType='PoolSchedulerWorkflow' AND ExecutionStatus='Running'"
+# Settings this path reads; any other MODELFORGE_* variable set sends the command the SDK way
+# (Settings validates every one, and this path cannot tell which would be refused).
+_READ = {
+    "MODELFORGE_TEMPORAL_ADDRESS",
+    "MODELFORGE_TEMPORAL_NAMESPACE",
+    "MODELFORGE_TEMPORAL_HTTP_ADDRESS",
+    "MODELFORGE_HOME",
+    "MODELFORGE_POOLS",
+    "MODELFORGE_GPU_BACKEND",
+    "MODELFORGE_DATABASE_URL",
+    "MODELFORGE_PAYLOAD_DIR",
+    "MODELFORGE_PAYLOAD_THRESHOLD_BYTES",
+    "MODELFORGE_MAX_PAYLOAD_BYTES",
+}
+_SAFE_ID = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:@-")
+
+# The dataclasses the SDK path decodes into, field by field: "str", "int", "float", "bool",
+# "any", ("opt", T), ("list", T), ("dict", T) (str keys), or another schema's name.
+_SCHEMAS: dict[str, dict[str, Any]] = {
+    "AcceleratorStatus": {
+        "id": "str",
+        "node": "str",
+        "kind": "str",
+        "model": "str",
+        "production_eligible": "bool",
+        "simulated": "bool",
+        "total_bytes": "int",
+        "observed_used_bytes": ("opt", "int"),
+        "external_bytes": "int",
+        "resident_bytes": "int",
+        "leased_bytes": "int",
+        "reserve_bytes": "int",
+        "schedulable_bytes": "int",
+        "pressure": "bool",
+        "healthy": "bool",
+        "fresh": "bool",
+        "observation_age_s": ("opt", "float"),
+        "observed_at": ("opt", "float"),
+    },
+    "ResidentStatus": {
+        "deployment": "str",
+        "capability": "str",
+        "accelerator": "str",
+        "bytes": "int",
+        "state": "str",
+        "residency": "str",
+        "active_leases": "int",
+        "last_used": "float",
+        "ttl_s": "float",
+        "expires_at": ("opt", "float"),
+        "workflow_id": "str",
+    },
+    "CapabilityStatus": {
+        "capability": "str",
+        "degraded": "bool",
+        "consecutive_failures": "int",
+        "last_failure": "str",
+        "last_message": "str",
+        "last_failure_at": "float",
+    },
+    "PoolStatus": {
+        "pool": "str",
+        "now": "float",
+        "accelerators": ("list", "AcceleratorStatus"),
+        "residents": ("list", "ResidentStatus"),
+        "queue_depth": ("dict", "int"),
+        "active_leases": "int",
+        "capabilities": ("list", "CapabilityStatus"),
+        "classes": ("list", "str"),
+    },
+    "Lease": {
+        "lease_id": "str",
+        "request_id": "str",
+        "workflow_id": "str",
+        "capability": "str",
+        "deployment": "str",
+        "accelerator": "str",
+        "node": "str",
+        "resident_key": "str",
+        "bytes": "int",
+        "granted_at": "float",
+        "priority": "str",
+        "tenant": "str",
+        "heartbeat_s": "float",
+        "gang": ("list", "str"),
+        "nodes": ("list", "str"),
+        "ends_by": ("opt", "float"),
+    },
+    "RequestResult": {
+        "request_id": "str",
+        "capability": "str",
+        "output": ("dict", "any"),
+        "lease": ("opt", "Lease"),
+        "timings": ("dict", "float"),
+        "route": "str",
+    },
+}
+# RequestInput's fields with what the CLI leaves at their defaults (tests check them).
+REQUEST_INPUT_DEFAULTS: dict[str, Any] = {"max_duration_s": 600.0, "operation": "", "stream": None}
+
+
+class Fallback(Exception):
+    """This command goes the SDK way."""
+
+
+def convert(hint: Any, value: Any) -> Any:
+    """`value` (loaded JSON) as the SDK's `value_to_type(hint)` makes it and as
+    `dataclasses.asdict` then shows it; Fallback where the SDK would fail or this cannot tell."""
+    if hint == "any":
+        return value
+    if hint in ("int", "float"):
+        if not isinstance(value, int | float):
+            raise Fallback(f"not a number: {value!r}")
+        return int(value) if hint == "int" else float(value)
+    if hint == "bool":
+        if not isinstance(value, bool):
+            raise Fallback(f"not a bool: {value!r}")
+        return value
+    if hint == "str":
+        if not isinstance(value, str):
+            raise Fallback(f"not a str: {value!r}")
+        return value
+    if isinstance(hint, tuple):
+        kind, inner = hint
+        if kind == "opt":
+            return None if value is None else convert(inner, value)
+        if kind == "list" and isinstance(value, list):
+            return [convert(inner, item) for item in value]
+        if kind == "dict" and isinstance(value, dict):
+            return {key: convert(inner, item) for key, item in value.items()}
+        raise Fallback(f"not a {kind}: {type(value).__name__}")
+    fields = _SCHEMAS[hint]
+    if not isinstance(value, dict) or any(name not in value for name in fields):
+        raise Fallback(f"not a whole {hint}")
+    return {name: convert(field_hint, value[name]) for name, field_hint in fields.items()}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def plain(value: Any, **metadata: str) -> dict[str, Any]:
+    """A `json/plain` payload in the HTTP API's JSON, as the SDK's converter encodes `value`."""
+    data = json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+    fields = {"encoding": _b64(_PLAIN.encode())} | {key: _b64(text.encode()) for key, text in metadata.items()}
+    return {"metadata": fields, "data": _b64(data)}
+
+
+def decoded(payloads: Any) -> Any:
+    """The one `json/plain` payload of a `Payloads` message, loaded; Fallback for anything else
+    (a reference to the payload store, a codec's encoding, binary/null, several)."""
+    items = payloads.get("payloads") if isinstance(payloads, dict) else None
+    if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
+        raise Fallback("not one payload")
+    metadata = items[0].get("metadata")
+    if not isinstance(metadata, dict) or set(metadata) != {"encoding"}:
+        raise Fallback("payload metadata other than encoding")
+    if base64.b64decode(metadata["encoding"], validate=True) != _PLAIN.encode():
+        raise Fallback("payload encoding other than json/plain")
+    return json.loads(base64.b64decode(items[0].get("data", ""), validate=True))
+
+
+class Environment:
+    """What the fast path needs from the environment; Fallback where it cannot be sure."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ[str]) -> None:
+        def get(name: str) -> str | None:
+            return environ.get(name) or None  # empty counts as unset, as in Settings
+
+        unread = sorted(k for k, v in environ.items() if k.startswith("MODELFORGE_") and v and k not in _READ)
+        if unread:
+            raise Fallback(f"settings this path does not read: {unread}")
+        if get("MODELFORGE_GPU_BACKEND") not in (None, "auto", "nvml", "simulated"):
+            raise Fallback("MODELFORGE_GPU_BACKEND")
+        self.temporal_address = get("MODELFORGE_TEMPORAL_ADDRESS") or "localhost:7233"
+        self.namespace = get("MODELFORGE_TEMPORAL_NAMESPACE") or "default"
+        self.home = Path(get("MODELFORGE_HOME") or Path.home() / ".modelforge")
+        self.threshold = self._bytes(get("MODELFORGE_PAYLOAD_THRESHOLD_BYTES"), 2 * 1024)
+        self._bytes(get("MODELFORGE_MAX_PAYLOAD_BYTES"), 64 * 1024 * 1024)
+        pools = get("MODELFORGE_POOLS")
+        self.pools = sorted({p.strip() for p in pools.split(",") if p.strip()}) if pools else []
+        self.http_address = self._http_address(get("MODELFORGE_TEMPORAL_HTTP_ADDRESS"))
+
+    @staticmethod
+    def _bytes(text: str | None, default: int) -> int:
+        if text is None:
+            return default
+        if not text.isascii() or not text.isdigit() or int(text) <= 0:
+            raise Fallback("a byte size this path does not read")
+        return int(text)
+
+    def _http_address(self, configured: str | None) -> tuple[str, int]:
+        if configured is None:
+            try:
+                recorded = (self.home / "run" / HTTP_ADDRESS_FILE).read_text(encoding="utf-8").split()
+            except OSError:
+                raise Fallback("no HTTP address configured or recorded") from None
+            if len(recorded) != 2 or recorded[0] != self.temporal_address:
+                raise Fallback("the recorded HTTP address is another Temporal's")
+            configured = recorded[1]
+        host, sep, port = configured.strip().rpartition(":")
+        if configured.strip().lower() in ("off", "none", "0") or not sep or not host or not port.isdigit():
+            raise Fallback("no usable HTTP address")
+        if not 0 < int(port) < 65536:
+            raise Fallback("no usable HTTP address")
+        return host.strip("[]"), int(port)
+
+
+class Http:
+    """One keep-alive connection to Temporal's HTTP API; every answer but a 200 is Fallback."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        host, port = env.http_address
+        self.connection = http.client.HTTPConnection(host, port, timeout=10)
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 10.0, **query: str) -> Any:
+        url = f"/api/v1/namespaces/{quote(self.env.namespace, safe='')}{path}?" + urlencode(
+            {"noPayloadShorthand": "true", **query}
+        )
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        self.connection.timeout = timeout
+        if self.connection.sock is not None:
+            self.connection.sock.settimeout(timeout)
+        try:
+            self.connection.request(method, url, body=data, headers=headers)
+            response = self.connection.getresponse()
+            text = response.read()
+        except (OSError, http.client.HTTPException) as error:
+            self.connection.close()
+            raise Fallback(f"HTTP API: {error}") from None
+        if response.status != 200:
+            raise Fallback(f"HTTP API answered {response.status}: {text[:200]!r}")
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise Fallback("HTTP API answered something other than JSON") from None
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _pools(api: Http, pool: str | None) -> list[str]:
+    """As PoolRouter.pools: the bound pool, MODELFORGE_POOLS, or the running schedulers."""
+    if pool is not None:
+        return [pool]
+    if api.env.pools:
+        return api.env.pools
+    listed = api.call("GET", "/workflows", query=_RUNNING_SCHEDULERS)
+    if listed.get("nextPageToken"):
+        raise Fallback("more schedulers than one page")
+    found = {
+        e["execution"]["workflowId"].removeprefix(_SCHEDULER_PREFIX)
+        for e in listed.get("executions") or []
+        if e["execution"]["workflowId"].startswith(_SCHEDULER_PREFIX)
+    }
+    return sorted({name.strip() for name in found if name.strip()}) or [DEFAULT_POOL]
+
+
+def _pool_status(api: Http, pool: str) -> dict[str, Any]:
+    workflow_id = scheduler_id(pool)
+    if not set(workflow_id) <= _SAFE_ID:
+        raise Fallback("a workflow id this path does not put in a URL")
+    answer = api.call("POST", f"/workflows/{workflow_id}/query/status", {"query": {"queryType": "status"}})
+    if answer.get("queryRejected"):
+        raise Fallback("query rejected")
+    status: dict[str, Any] = convert("PoolStatus", decoded(answer.get("queryResult")))
+    return status
+
+
+def _merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """routing.merge_statuses, as dataclasses.asdict shows it."""
+    if len(statuses) == 1:
+        return dict(statuses[0])
+    depth: dict[str, int] = {}
+    classes: list[str] = []
+    for status in statuses:
+        for name, count in status["queue_depth"].items():
+            depth[name] = depth.get(name, 0) + count
+        classes += [c for c in status["classes"] if c not in classes]
+    return {
+        "pool": ",".join(s["pool"] for s in statuses),
+        "now": max((s["now"] for s in statuses), default=0.0),
+        "accelerators": [a for s in statuses for a in s["accelerators"]],
+        "residents": [r for s in statuses for r in s["residents"]],
+        "queue_depth": depth,
+        "active_leases": sum(s["active_leases"] for s in statuses),
+        "capabilities": [c for s in statuses for c in s["capabilities"]],
+        "classes": classes,
+    }
+
+
+def status_json(api: Http, pool: str | None) -> dict[str, Any]:
+    """What `modelforge status --json` prints, when every pool's scheduler answers."""
+    answered = [_pool_status(api, name) for name in _pools(api, pool)]
+    merged = _merged(answered)
+    merged["accelerators"] = [{**acc, "pool": s["pool"]} for s in answered for acc in s["accelerators"]]
+    merged["residents"] = [{**r, "pool": s["pool"]} for s in answered for r in s["residents"]]
+    merged["pools"] = [
+        {"pool": s["pool"], "up": True, "queue_depth": s["queue_depth"], "active_leases": s["active_leases"]}
+        for s in answered
+    ]
+    return merged
+
+
+def _depth_and_items(value: Any, limit: int = 10_000) -> bool:
+    """Whether `value` nests under 64 levels in fewer than `limit` items (client.input_shape_problem
+    then finds nothing)."""
+    stack = [(value, 0)]
+    items = 0
+    while stack:
+        item, depth = stack.pop()
+        items += 1
+        if items > limit:
+            return False
+        children: Any = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth >= 63:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
+
+
+class RequestArgs:
+    """`request CAP [--input J] [--tenant T] [--priority P] [--deadline S] [--lease-timeout S] --json`:
+    anything else (no --json, --queue, --request-id, --help, a repeated option) is Fallback."""
+
+    _OPTIONS = {"--input": "input", "--tenant": "tenant", "--priority": "priority", "--deadline": "deadline"}
+    _OPTIONS |= {"--lease-timeout": "lease_timeout"}
+
+    def __init__(self, args: list[str]) -> None:
+        values: dict[str, str] = {}
+        positional: list[str] = []
+        as_json = False
+        rest = list(args)
+        while rest:
+            arg = rest.pop(0)
+            name, eq, inline = arg.partition("=")
+            if arg == "--json" and not as_json:
+                as_json = True
+            elif name in self._OPTIONS and self._OPTIONS[name] not in values and (eq or rest):
+                values[self._OPTIONS[name]] = inline if eq else rest.pop(0)
+            elif not arg.startswith("-") and not positional:
+                positional.append(arg)
+            else:
+                raise Fallback(f"an argument this path does not take: {arg!r}")
+        if not as_json or len(positional) != 1:
+            raise Fallback("not `request CAP --json`")
+        self.capability = positional[0]
+        self.tenant = values.get("tenant", "default")
+        self.priority = values.get("priority")
+        self.deadline_s = self._seconds(values.get("deadline"))
+        self.lease_timeout_s = self._seconds(values.get("lease_timeout"))
+        try:
+            self.input = json.loads(values.get("input", "{}"))
+        except (ValueError, RecursionError):
+            raise Fallback("--input is not JSON") from None
+        from modelforge.identifiers import identifier_problem
+
+        for kind, value in (("capability", self.capability), ("tenant", self.tenant)):
+            if identifier_problem(kind, value) is not None:
+                raise Fallback(f"a bad {kind}")
+        if self.priority is not None and not _is_class(self.priority):
+            raise Fallback("a priority the client refuses")
+        if not isinstance(self.input, dict) or not _depth_and_items(self.input):
+            raise Fallback("an input the client refuses")
+        if any(key.startswith(_RESERVED_INPUT_PREFIX) for key in self.input):
+            raise Fallback("reserved input keys")
+        try:
+            self.size = len(json.dumps(self.input, allow_nan=False).encode())
+        except ValueError:
+            raise Fallback("input is not JSON") from None
+
+    @staticmethod
+    def _seconds(text: str | None) -> float | None:
+        if text is None:
+            return None
+        head, _, tail = text.partition(".")
+        if not head.isascii() or not head.isdigit() or (tail and not (tail.isascii() and tail.isdigit())):
+            raise Fallback("seconds this path does not read")
+        value = float(text)
+        if not 0 < value <= 7 * 24 * 3600:
+            raise Fallback("seconds out of range")
+        return value
+
+
+# client._CLASS: a level, or queue.level.
+CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
+
+
+def _is_class(text: str) -> bool:
+    return CLASS.fullmatch(text) is not None
+
+
+class HandOver(Exception):
+    """The request was sent: the SDK path attaches to it by `request_id` (never a second run)."""
+
+    def __init__(self, request_id: str, began: float, why: str) -> None:
+        super().__init__(why)
+        self.request_id = request_id
+        self.began = began
+
+
+def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
+    """What `modelforge request ... --json` prints, for a request this path can see through."""
+    pools = _pools(api, None)
+    if len(pools) != 1:
+        raise Fallback("several pools: the route is the client's to choose")
+    request_id = uuid.uuid4().hex[:16]
+    workflow_id = request_workflow_id(args.capability, request_id)
+    if not set(workflow_id) <= _SAFE_ID:
+        raise Fallback("a workflow id this path does not put in a URL")
+    request = {
+        "request_id": request_id,
+        "capability": args.capability,
+        "input": args.input,
+        "priority": args.priority,
+        "tenant": args.tenant,
+        "deadline_s": args.deadline_s,
+        "lease_timeout_s": args.lease_timeout_s,
+        "pool": pools[0],
+        **REQUEST_INPUT_DEFAULTS,
+    }
+    payload = plain(request)
+    # The payload store takes a request workflow's payloads from the threshold (a payload's size
+    # counts its metadata too): those go the SDK way, which writes them there.
+    if len(json.dumps(request, separators=(",", ":"), sort_keys=True).encode()) + 64 >= min(
+        api.env.threshold, _LARGE_PAYLOAD_BYTES
+    ):
+        raise Fallback("a payload for the payload store")
+    attributes = {"ModelForgeCapability": args.capability, "ModelForgeTenant": args.tenant}
+    if args.priority:
+        attributes["ModelForgePriority"] = args.priority
+    start = {
+        "workflowId": workflow_id,
+        "workflowType": {"name": "CapabilityRequestWorkflow"},
+        "taskQueue": {"name": CONTROL_TASK_QUEUE},
+        "input": {"payloads": [payload]},
+        "identity": f"{os.getpid()}@{socket.gethostname()}",
+        "requestId": str(uuid.uuid4()),
+        "workflowIdReusePolicy": "WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE_FAILED_ONLY",
+        "workflowIdConflictPolicy": "WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING",
+        "memo": {
+            "fields": {
+                "capability": plain(args.capability),
+                "tenant": plain(args.tenant),
+                "input_bytes": plain(args.size),
+            }
+        },
+        "searchAttributes": {"indexedFields": {k: plain(v, type="Keyword") for k, v in attributes.items()}},
+        "userMetadata": {"summary": plain(f"{args.capability} for {args.tenant}")},
+    }
+    began = time.time()
+    try:
+        started = api.call("POST", f"/workflows/{workflow_id}", start)
+    except Fallback as error:  # it may have reached the server
+        raise HandOver(request_id, began, str(error)) from None
+    run_id = started.get("runId")
+    if not started.get("started") or not isinstance(run_id, str) or not run_id:
+        raise HandOver(request_id, began, "not a new run")
+    try:
+        return _result(api, args, request_id, workflow_id, run_id)
+    except Fallback as error:
+        raise HandOver(request_id, began, str(error)) from None
+
+
+def _result(api: Http, args: RequestArgs, request_id: str, workflow_id: str, run_id: str) -> dict[str, Any]:
+    token = ""
+    while True:
+        query = {
+            "execution.runId": run_id,
+            "waitNewEvent": "true",
+            "historyEventFilterType": "HISTORY_EVENT_FILTER_TYPE_CLOSE_EVENT",
+            "skipArchival": "true",
+        }
+        if token:
+            query["nextPageToken"] = token
+        page = api.call("GET", f"/workflows/{workflow_id}/history", timeout=90.0, **query)
+        events = (page.get("history") or {}).get("events") or []
+        if events:
+            break
+        token = page.get("nextPageToken") or ""
+        if not token:
+            raise Fallback("history ended without a close event")
+    event = events[-1]
+    kind = event.get("eventType")
+    base: dict[str, Any] = {"request_id": request_id, "capability": args.capability, "workflow_id": workflow_id}
+    base |= {"output": None, "failure_class": None, "message": "", "lease": None, "timings": {}}
+    if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED":
+        attributes = event.get("workflowExecutionCompletedEventAttributes") or {}
+        if attributes.get("newExecutionRunId"):
+            raise Fallback("continued in another run")
+        result = convert("RequestResult", decoded(attributes.get("result")))
+        lease = result["lease"]
+        if lease is not None and lease["tenant"] and lease["tenant"] != args.tenant:
+            raise Fallback("another tenant's lease")
+        if _OUTPUT_REF in result["output"]:
+            raise Fallback("the answer is in the payload store")
+        return base | {"ok": True, "output": result["output"], "lease": lease, "timings": result["timings"]}
+    if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED":
+        attributes = event.get("workflowExecutionFailedEventAttributes") or {}
+        failure = attributes.get("failure") or {}
+        info = failure.get("applicationFailureInfo")
+        if attributes.get("newExecutionRunId") or failure.get("encodedAttributes") or not isinstance(info, dict):
+            raise Fallback("a failure this path does not read")
+        failure_class, message = info.get("type"), failure.get("message", "")
+        if not isinstance(failure_class, str) or not failure_class or not isinstance(message, str):
+            raise Fallback("a failure without a class")
+        return base | {"ok": False, "failure_class": failure_class, "message": message}
+    raise Fallback(f"closed as {kind}")
+
+
+# --- the entry -----------------------------------------------------------------------------------
+
+_handed_over: HandOver | None = None
+
+
+def attaching_client() -> Any:
+    """The client class `modelforge request` uses: ModelForgeClient, or after a hand-over one
+    whose start only attaches to the run this path started (REJECT_DUPLICATE with
+    USE_EXISTING, as a retried start: a failed run is reported, never run again)."""
+    from modelforge.client import ModelForgeClient
+
+    handed = _handed_over
+    if handed is None:
+        return ModelForgeClient
+    from datetime import UTC, datetime
+
+    began = datetime.fromtimestamp(handed.began, UTC)
+
+    class AttachingClient(ModelForgeClient):
+        async def _start(self, *args: Any, **kwargs: Any) -> Any:
+            kwargs.update(retrying=True, began=began)
+            return await super()._start(*args, **kwargs)
+
+    return AttachingClient
+
+
+def _print(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _status_pool(args: list[str]) -> str | None:
+    """The --pool of `status --json [--pool P]`; Fallback for any other arguments."""
+    rest, pool, as_json = list(args), None, False
+    while rest:
+        arg = rest.pop(0)
+        name, eq, inline = arg.partition("=")
+        if arg == "--json" and not as_json:
+            as_json = True
+        elif name == "--pool" and pool is None and (eq or rest):
+            pool = inline if eq else rest.pop(0)
+        else:
+            raise Fallback(f"an argument this path does not take: {arg!r}")
+    if not as_json:
+        raise Fallback("not --json")
+    return pool
+
+
+def run(argv: list[str], environ: dict[str, str] | os._Environ[str] | None = None) -> int | None:
+    """The exit code of `argv` (the whole command line, sys.argv) answered here, or None: the
+    normal path runs (after a hand-over, with the sent request's `--request-id` appended)."""
+    global _handed_over
+    command, rest = (argv[1], argv[2:]) if len(argv) > 1 else ("", [])
+    if command not in ("status", "request"):
+        return None
+    try:
+        env = Environment(os.environ if environ is None else environ)
+        if command == "status":
+            pool = _status_pool(rest)
+            api = Http(env)
+            try:
+                value = status_json(api, pool)
+            finally:
+                api.close()
+            _print(value)
+            return 0
+        args = RequestArgs(rest)
+        api = Http(env)
+        try:
+            result = request_json(api, args)
+        finally:
+            api.close()
+        _print(result)
+        return 0 if result["ok"] else 1
+    except HandOver as handed:
+        _handed_over = handed
+        argv += ["--request-id", handed.request_id]
+        return None
+    except Exception:  # anything at all: the normal path answers
+        return None
+
+
+def main() -> None:
+    """`python -m modelforge`: the fast path, else the full CLI."""
+    code = run(sys.argv)
+    if code is not None:
+        sys.stdout.flush()
+        os._exit(code)
+    from modelforge.cli import main as full
+
+    full()
+
+
+def _from_console_script() -> None:
+    """The `modelforge` script imports modelforge.cli to call its main(): when this module is
+    imported by that (and only then), the fast path answers before the rest is imported."""
+    script = sys.modules.get("__main__")
+    path = getattr(script, "__file__", None) or ""
+    if getattr(script, "__spec__", None) is not None or Path(path).name not in ("modelforge", "modelforge-script.py"):
+        return
+    if getattr(script, "_modelforge_fast_tried", False):
+        return
+    script._modelforge_fast_tried = True  # type: ignore[union-attr]
+    code = run(sys.argv)
+    if code is not None:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+# Imported by modelforge/cli.py ahead of everything else: see _from_console_script.
+_from_console_script()
