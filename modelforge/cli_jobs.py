@@ -212,34 +212,17 @@ class JobClient:
         """See `ModelForgeClient.submit_job`. `nvlink=True` asks for cards joined by NVLink: the
         node refuses it (REQUEST_INVALID, naming why) unless the deployment requires an NVLink
         group (`nvlink_required`), which is what makes its placement give one."""
-        if not nvlink:
-            return await self.client.submit_job(
-                capability,
-                args,
-                max_duration_s=max_duration_s,
-                gpu_count=gpu_count,
-                tenant=tenant,
-                queue=queue,
-                priority=priority,
-                request_id=request_id,
-                on_progress=on_progress,
-            )
-        from modelforge.client import _invalid, job_input
-
-        try:
-            payload = job_input(list(args), gpu_count)
-        except ModelForgeError as error:
-            return _invalid(request_id or "", capability, error.message)
-        payload["nvlink"] = True
-        return await self.client.request(
+        return await self.client.submit_job(
             capability,
-            payload,
+            args,
+            max_duration_s=max_duration_s,
+            gpu_count=gpu_count,
+            nvlink=nvlink,
             tenant=tenant,
             queue=queue,
             priority=priority,
             request_id=request_id,
             on_progress=on_progress,
-            max_duration_s=max_duration_s,
         )
 
 

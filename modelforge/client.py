@@ -119,19 +119,24 @@ def _invalid(request_id: object, capability: object, message: str) -> Result:
     )
 
 
-def job_input(args: Sequence[str], gpu_count: int | None = None) -> dict[str, Any]:
-    """A job's request input: its `args` (appended to the deployment's command) and the cards
-    it asks for. REQUEST_INVALID (ModelForgeError) for args that are not a list of strings or a
-    gpu_count out of range."""
+def job_input(args: Sequence[str], gpu_count: int | None = None, nvlink: bool = False) -> dict[str, Any]:
+    """A job's request input: its `args` (appended to the deployment's command), the cards it
+    asks for, and whether they must be joined by NVLink (`"nvlink": true`, only when asked).
+    REQUEST_INVALID (ModelForgeError) for args that are not a list of strings, a gpu_count out
+    of range or an nvlink that is not True or False."""
     if not isinstance(args, list | tuple) or not all(isinstance(a, str) for a in args):
         raise ModelForgeError(FailureClass.REQUEST_INVALID, "args must be a list of strings")
     if gpu_count is not None and (
         isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 1 <= gpu_count <= MAX_GPU_COUNT
     ):
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"gpu_count must be from 1 to {MAX_GPU_COUNT}")
+    if not isinstance(nvlink, bool):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "nvlink must be true or false")
     payload: dict[str, Any] = {"args": list(args)} if args else {}
     if gpu_count is not None:
         payload["gpu_count"] = gpu_count
+    if nvlink:
+        payload["nvlink"] = True
     return payload
 
 
@@ -380,6 +385,7 @@ class ModelForgeClient:
         *,
         max_duration_s: float,
         gpu_count: int | None = None,
+        nvlink: bool = False,
         tenant: str = "default",
         queue: str | None = None,
         priority: str | None = None,
@@ -390,10 +396,13 @@ class ModelForgeClient:
         needs `input_args = "true"`), run to its end under a lease of at most `max_duration_s`
         (1 s to 7 days; TIMEOUT past it). The job's Result when it ends: `output` holds its exit
         code, outputs (with their artifacts), log, progress and attempts. `gpu_count`, when
-        given, must be the deployment's card count (the node refuses the job otherwise). Every
-        check and error of `request` applies; a bad `args` or `gpu_count` is REQUEST_INVALID."""
+        given, must be the deployment's card count (the node refuses the job otherwise).
+        `nvlink=True` asks for cards joined by NVLink: honoured by the placement of a deployment
+        with `nvlink_required = true`, refused by the node (REQUEST_INVALID, before the job
+        starts) for any other. Every check and error of `request` applies; a bad `args`,
+        `gpu_count` or `nvlink` is REQUEST_INVALID."""
         try:
-            payload = job_input(args, gpu_count)
+            payload = job_input(args, gpu_count, nvlink)
         except ModelForgeError as error:
             return _invalid(request_id or "", capability, error.message)
         return await self.request(

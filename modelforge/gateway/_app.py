@@ -36,7 +36,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -180,6 +180,7 @@ class JobCall(_Strict):
     args: Annotated[list[str], Field(max_length=200)] = Field(default_factory=list)
     max_duration_s: Annotated[float, Field(ge=MIN_DURATION_S, le=MAX_DURATION_S)]
     gpu_count: Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)] | None = None
+    nvlink: StrictBool = False
     priority: str | None = None
     request_id: str | None = None
 
@@ -651,8 +652,19 @@ def create_app(
                 code="invalid_value",
                 param="capability",
             )
+        if call.nvlink and not deployment.nvlink_required:  # what the node would refuse, before any workflow
+            raise GatewayError(
+                FailureClass.REQUEST_INVALID,
+                f"nvlink: the job asks for cards joined by NVLink, but {deployment.deployment_id} does not require an "
+                "NVLink group (its catalog entry has no nvlink_required = true), so its placement does not "
+                "promise one; submit without nvlink or use a deployment that requires NVLink",
+                status=400,
+                request_id=request_id,
+                code="invalid_value",
+                param="nvlink",
+            )
         try:
-            payload = job_input(call.args, call.gpu_count)
+            payload = job_input(call.args, call.gpu_count, call.nvlink)
         except ModelForgeError as error:
             raise GatewayError(error.failure, error.message, request_id=request_id) from None
         result = await run(

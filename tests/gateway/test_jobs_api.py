@@ -1,13 +1,17 @@
 """POST /v1/jobs against the dev stack: a real job (examples/jobs/merge_slerp.py, runtime
 subprocess_job) submitted over HTTP runs under its max_duration and its output comes back; a
 deployment that is not a job, a bad duration, a job past its max_duration and a card count the
-deployment does not have are refused with their class in the gateway's error shape."""
+deployment does not have are refused with their class in the gateway's error shape. And, with a
+recording stand-in for Temporal (no stack), `nvlink`: put in the job's input for a deployment
+that requires an NVLink group, refused (400, param nvlink) for any other before anything is sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +19,17 @@ import httpx
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge.catalog import parse_catalog
+from modelforge.client import Result
+from modelforge.domain import Catalog
 from modelforge.failures import FailureClass
-from modelforge.gateway import GatewayConfig
+from modelforge.gateway import GatewayConfig, create_app
 from modelforge.runtimes import job_log_dirs
 from tests.gateway.test_gateway import _serve
 from tests.harness import running_stack
 from tests.workflow.test_subprocess_job_preemption import catalog_for_test
 
-pytestmark = pytest.mark.workflow
-pytest.importorskip("numpy")  # the merge example's only dependency
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "merge.toml"
 
 
 def _error(answer: httpx.Response, status: int, failure: str, param: str | None = None) -> dict[str, Any]:
@@ -35,9 +41,11 @@ def _error(answer: httpx.Response, status: int, failure: str, param: str | None 
     return body
 
 
+@pytest.mark.workflow
 async def test_a_job_over_http_runs_and_answers_its_output_and_refusals_are_typed(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
+    pytest.importorskip("numpy")  # the merge example's only dependency
     home = Path(tempfile.gettempdir()) / "modelforge"  # the harness's node workers' home
     ids = [f"http-job-{os.urandom(4).hex()}" for _ in range(3)]
     try:
@@ -108,3 +116,57 @@ async def _jobs(base_url: str, ids: list[str]) -> None:
         )
         body = _error(slow, 504, FailureClass.TIMEOUT.value)
         assert body["request_id"] == ids[1] and "max_duration" in body["error"]["message"]
+
+
+class _Recording:
+    """Stands in for ModelForgeClient: keeps what would be sent and answers ok."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    async def request(self, capability: str, input: dict[str, Any] | None = None, **options: Any) -> Result:
+        self.calls.append({"capability": capability, "input": input, **options})
+        return Result(ok=True, request_id=options["request_id"], capability=capability, output={"exit_code": 0})
+
+    async def status(self) -> Any:
+        raise NotImplementedError
+
+    async def residency(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+async def _example_catalog() -> Catalog:
+    """The example jobs catalog, its card merge marked as requiring an NVLink group."""
+    catalog, _ = parse_catalog(tomllib.loads(EXAMPLE.read_text()))
+    deployments = [
+        dataclasses.replace(d, nvlink_required=True) if d.capability == "merge.slerp@1" else d
+        for d in catalog.deployments
+    ]
+    return dataclasses.replace(catalog, deployments=deployments)
+
+
+async def test_nvlink_over_http_reaches_the_jobs_input_or_is_refused_before_anything_is_sent() -> None:
+    requester = _Recording()
+    app = create_app(requester, _example_catalog, GatewayConfig())
+    transport = httpx.ASGITransport(app=app)
+    headers = {"X-ModelForge-Tenant": "lab"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway", headers=headers) as http:
+        job = {"capability": "merge.slerp@1", "args": ["--t", "0.5"], "max_duration_s": 60}
+        honoured = await http.post("/v1/jobs", json={**job, "nvlink": True, "request_id": "nv-1"})
+        assert honoured.status_code == 200, honoured.text
+        plain = await http.post("/v1/jobs", json={**job, "nvlink": False, "request_id": "nv-2"})
+        assert plain.status_code == 200, plain.text
+        assert [(c["capability"], c["input"], c["max_duration_s"]) for c in requester.calls] == [
+            ("merge.slerp@1", {"args": ["--t", "0.5"], "nvlink": True}, 60),
+            ("merge.slerp@1", {"args": ["--t", "0.5"]}, 60),  # nvlink false: nothing asked, as before
+        ]
+
+        # A deployment that does not require an NVLink group: refused as the node would, unsent.
+        requester.calls.clear()
+        refused = await http.post("/v1/jobs", json={**job, "capability": "merge.slerp.cpu@1", "nvlink": True})
+        body = _error(refused, 400, FailureClass.REQUEST_INVALID.value, "nvlink")
+        assert "merge.slerp.cpu@1 does not require an NVLink group" in body["error"]["message"]
+        for bad in ("true", 1, None):  # a JSON boolean only
+            wrong = await http.post("/v1/jobs", json={**job, "nvlink": bad})
+            _error(wrong, 400, FailureClass.REQUEST_INVALID.value, "nvlink")
+        assert requester.calls == []

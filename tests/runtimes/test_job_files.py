@@ -98,12 +98,15 @@ def test_nvlink_from_the_file_or_the_command_line_reaches_the_node_in_the_jobs_i
         submit("merge.gang@1", "--nvlink", "--gpu-count", "2", "--request-id", "g2", "--", "--t", "0.5").exit_code == 0
     )
     assert len(sent.calls) == 2
-    for call in sent.calls:
-        assert call["via"] == "request" and call["payload"] == {"args": ["--t", "0.5"], "gpu_count": 2, "nvlink": True}
+    for call in sent.calls:  # ModelForgeClient.submit_job(nvlink=True) puts it in the job's input
+        assert call["via"] == "submit_job" and (call["args"], call["gpu_count"], call["nvlink"]) == (
+            ["--t", "0.5"], 2, True
+        )  # fmt: skip
     # --no-nvlink overrides the file's nvlink = true: a plain job.
     sent.calls.clear()
     assert submit("--file", str(spec), "--no-nvlink", "--request-id", "g3").exit_code == 0
     assert sent.calls[0]["via"] == "submit_job" and sent.calls[0]["gpu_count"] == 2
+    assert sent.calls[0]["nvlink"] is False
 
 
 @pytest.mark.parametrize(

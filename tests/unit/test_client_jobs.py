@@ -1,7 +1,7 @@
 """`ModelForgeClient.request(max_duration_s=...)` and `submit_job`: a duration from 1 s to 7 days
 reaches the request workflow's input (the lease's limit), anything else is REQUEST_INVALID before
-anything is sent; a job's args and card count go in its input. The command line's JobClient is
-submit_job."""
+anything is sent; a job's args, card count and nvlink go in its input. The command line's
+JobClient is submit_job."""
 
 from __future__ import annotations
 
@@ -100,3 +100,23 @@ async def test_the_command_lines_job_client_is_submit_job() -> None:
     assert type(jobs.client) is ModelForgeClient  # a plain client: no private override any more
     result = await jobs.submit_job("merge.job@1", [], max_duration_s=0.5)
     assert result.failure_class == "REQUEST_INVALID" and "max_duration_s" in result.message
+
+
+async def test_submit_job_sends_nvlink_only_when_asked_and_refuses_anything_but_a_bool() -> None:
+    with pytest.raises(_Sent) as sent:
+        await _client().submit_job("merge.gang@1", ["--t", "0.5"], max_duration_s=60, gpu_count=2, nvlink=True)
+    assert sent.value.request.input == {"args": ["--t", "0.5"], "gpu_count": 2, "nvlink": True}
+    with pytest.raises(_Sent) as plain:
+        await _client().submit_job("merge.gang@1", max_duration_s=60, nvlink=False)
+    assert plain.value.request.input == {}  # nothing asked: the input as before
+    for bad in ("true", 1, None):
+        result = await _client().submit_job("merge.gang@1", max_duration_s=60, nvlink=cast(bool, bad))
+        assert result.failure_class == "REQUEST_INVALID" and "nvlink must be true or false" in result.message
+
+
+async def test_the_command_lines_job_client_passes_nvlink_to_submit_job() -> None:
+    jobs = JobClient(cast(Client, None))
+    jobs.client = _client()
+    with pytest.raises(_Sent) as sent:
+        await jobs.submit_job("merge.gang@1", [], max_duration_s=60, gpu_count=2, nvlink=True, tenant="lab")
+    assert sent.value.request.input == {"gpu_count": 2, "nvlink": True} and sent.value.request.tenant == "lab"
