@@ -2,6 +2,8 @@
 example, the step after examples/jobs/merge_slerp.py.
 
     python examples/jobs/evaluate.py --model merged.npy [--dataset triples.jsonl] [--seed-a 1 --seed-b 2]
+    python examples/jobs/evaluate.py --model MODEL_DIR [--dataset triples.jsonl] [--base DIR]
+                                     [--model-a DIR --model-b DIR]
 
 The model is a stack of square layers: merge_slerp.py's `merged.npy`, or its whole output directory
 (the layers and their manifest). Through ModelForge, name the merge's `merged.npy` or its
@@ -19,7 +21,15 @@ the merged model's outputs to each parent's over every sentence (`similarity_to_
 `similarity_to_b`), and for each model the share of triples whose anchor lands closer to its
 paraphrase than to the unrelated sentence (`ranking_accuracy`). `--probes N` scores N seeded
 random inputs instead (the earlier behaviour). The score is written to
-MODELFORGE_OUTPUT_DIR/score.json and reported as the result."""
+MODELFORGE_OUTPUT_DIR/score.json and reported as the result.
+
+A sentence-transformers model directory (what `merge_slerp.py --base` writes: `modules.json`,
+`model.safetensors` and the recipe, `merge.json`) is scored as an embedding model: each sentence
+of the set is embedded by the merged model and by its two parents (sentence-transformers on the
+CPU; the parents rebuilt from the recipe's base and seeds, or given as `--model-a/--model-b`
+directories), with the same scores (`model` is then `"embedding"`, with `dimensions`). The base
+must be the one the recipe names (its weights' sha256 is checked): the shipped MiniLM, or
+`--base DIR` for another."""
 
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_slerp import derived_layer  # the parents, derived the same way
+from merge_slerp import WEIGHTS, derived_layer, file_sha256, resolve_base, write_parent  # the parents, made alike
 
 PROBE_SEED = 20261201
 DATASET = Path(__file__).resolve().parent / "data" / "eval-triples.jsonl"
@@ -112,6 +122,52 @@ def similarity(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(dots))
 
 
+def is_model_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "modules.json").is_file() and (path / WEIGHTS).is_file()
+
+
+def score_embedding_model(args: argparse.Namespace, triples: list[dict[str, str]]) -> dict[str, object]:
+    """The merged embedding model against its parents on the triples (see the docstring)."""
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer
+
+    recipe = json.loads((args.model / "merge.json").read_text(encoding="utf-8"))
+    sentences = [t[field] for t in triples for field in FIELDS]
+    with tempfile.TemporaryDirectory(prefix="evaluate-parents-") as scratch:
+        if args.model_a is not None and args.model_b is not None:
+            parents = [args.model_a, args.model_b]
+        else:
+            seeds = [recipe["parents"][name].get("seed") for name in ("a", "b")]
+            if None in seeds:
+                raise SystemExit("the merge's parents were model directories: give them as --model-a and --model-b")
+            if args.base is None and recipe["base"] == "directory":
+                raise SystemExit("the merge's base was a model directory: give it as --base")
+            base, _ = resolve_base(args.base or recipe["base"])
+            if file_sha256(base / WEIGHTS) != recipe["base_sha256"]:
+                raise SystemExit(f"{base}: not the base this merge was made from (its weights' sha256 differs)")
+            scale = float(recipe["parents"]["delta_scale"])
+            parents = [write_parent(base, seed, scale, Path(scratch) / f"parent-{seed}") for seed in seeds]
+        vectors = []
+        for step, directory in enumerate([args.model, *parents]):
+            model = SentenceTransformer(str(directory), device="cpu", local_files_only=True)
+            vectors.append(np.asarray(model.encode(sentences, normalize_embeddings=True), dtype=np.float64))
+            del model
+            report = {"progress": 0.2 + 0.25 * step, "message": f"embedded {len(sentences)} sentences ({step + 1}/3)"}
+            print(json.dumps(report), flush=True)
+    merged, a, b = vectors
+    return {
+        "similarity_to_a": round(similarity(merged, a), 6),
+        "similarity_to_b": round(similarity(merged, b), 6),
+        "ranking_accuracy": {
+            name: round(ranking_accuracy(result), 6) for name, result in (("merged", merged), ("a", a), ("b", b))
+        },
+        "model": "embedding",
+        "dimensions": int(merged.shape[1]),
+        "t": recipe["t"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -119,7 +175,22 @@ def main() -> int:
     parser.add_argument("--seed-a", type=int, default=1)
     parser.add_argument("--seed-b", type=int, default=2)
     parser.add_argument("--probes", type=int, help="score this many seeded random inputs instead of the dataset")
+    parser.add_argument("--base", help="a model directory's base, when not the shipped MiniLM")
+    parser.add_argument("--model-a", type=Path, help="a model directory's first parent (else from its recipe)")
+    parser.add_argument("--model-b", type=Path, help="a model directory's second parent (else from its recipe)")
     args = parser.parse_args()
+    if is_model_directory(args.model):
+        if args.probes is not None:
+            parser.error("--probes: a model directory is scored on sentences (--dataset)")
+        if (args.model_a is None) != (args.model_b is None):
+            parser.error("give both --model-a and --model-b, or neither")
+        try:
+            triples = load_triples(args.dataset)
+        except (OSError, ValueError) as error:
+            parser.error(f"--dataset: {error}")
+        print(json.dumps({"progress": 0.1, "message": f"{len(triples)} triples from {args.dataset.name}"}), flush=True)
+        scored = {**score_embedding_model(args, triples), "dataset": args.dataset.name, "triples": len(triples)}
+        return write_score(scored)
     merged = load_model(args.model)
     if merged.ndim != 3 or merged.shape[1] != merged.shape[2]:
         print(f"{args.model}: not a stack of square layers (shape {merged.shape})", file=sys.stderr)
@@ -150,6 +221,10 @@ def main() -> int:
             name: round(ranking_accuracy(result), 6)
             for name, result in (("merged", outputs), ("a", parent_outputs[0]), ("b", parent_outputs[1]))
         }
+    return write_score(score)
+
+
+def write_score(score: dict[str, object]) -> int:
     output = Path(os.environ.get("MODELFORGE_OUTPUT_DIR", "evaluate-out"))
     output.mkdir(parents=True, exist_ok=True)
     (output / "score.json").write_text(json.dumps(score, indent=1))
