@@ -262,19 +262,20 @@ class NodeSlots:
         return reply.reply
 
     def _apply(self, reply: SlotReply, sent_at: float) -> None:
-        listed = {lease.lease_id: lease for lease in reply.slots}
+        kept = set(reply.kept)
         for lease_id, slot in list(self._slots.items()):
-            if lease_id not in listed:
+            if lease_id not in kept:
                 if slot.request_id:
                     slot.open = False  # taken back while in use: dropped when its request ends
                 else:
                     del self._slots[lease_id]
-        for lease_id, lease in listed.items():
-            known = self._slots.get(lease_id)
-            if known is None:
-                self._slots[lease_id] = _Slot(lease=lease, open=lease_id not in reply.closing, last_used=sent_at)
             elif lease_id in reply.closing:
-                known.open = False
+                slot.open = False
+        for lease in reply.lent:
+            if lease.lease_id not in self._slots:
+                self._slots[lease.lease_id] = _Slot(
+                    lease=lease, open=lease.lease_id not in reply.closing, last_used=sent_at
+                )
         self._production_ok = set(reply.production_ok)
         if reply.view is not None:
             self._view, self._view_epoch = reply.view, reply.view_epoch

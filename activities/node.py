@@ -323,7 +323,9 @@ class NodeActivities:
             raise as_application_error(error) from None
         invoke_s = time.monotonic() - started
         store = payload_store(self._client)
-        if store is not None:  # a large answer goes by reference (modelforge/payloads.py, put_output)
+        if store is not None and _may_be_large(output):
+            # A large answer goes by reference (modelforge/payloads.py, put_output), encoded off
+            # the event loop; a small one (most) costs no thread hop and no encoding here.
             output = await asyncio.to_thread(put_output, store, output)
         released = request.delegated  # its node reports it in the next sync
         if request.release_to and self._client is not None and not request.delegated:
@@ -659,6 +661,34 @@ class NodeActivities:
                 )
             _heartbeat("waiting for memory to be reclaimed")
             await asyncio.sleep(0.5)
+
+
+# An answer with at most this many values and characters is surely under put_output's threshold
+# (LARGE_OUTPUT_BYTES, 256 KiB): a number or a character takes at most ~25 or 6 bytes of JSON.
+_SMALL_VALUES = 4096
+_SMALL_CHARS = 32 * 1024
+
+
+def _may_be_large(output: object) -> bool:
+    """Whether `output` might reach the size put_output stores by reference: a bounded walk."""
+    values = chars = 0
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            chars += sum(len(str(key)) for key in item)
+            values += len(item)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+            values += len(item)
+        elif isinstance(item, str):
+            chars += len(item)
+        else:
+            values += 1
+        if values > _SMALL_VALUES or chars > _SMALL_CHARS:
+            return True
+    return False
 
 
 def loaded_key(deployment: str, accelerator: str) -> str:

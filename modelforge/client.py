@@ -55,7 +55,7 @@ from modelforge.messages import (
     client_input_problem,
 )
 from modelforge.names import request_workflow_id, scheduler_id
-from modelforge.payloads import PayloadMissing, get_output, payload_store
+from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_store
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
 from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings
@@ -358,7 +358,9 @@ class ModelForgeClient:
         else:
             self._routes.pop((pool, capability), None)
         try:  # a large answer was kept in the payload store by the node: read it back
-            output = await asyncio.to_thread(get_output, payload_store(self.temporal), result.output)
+            output = result.output
+            if isinstance(output, dict) and OUTPUT_REF in output:  # a thread only for a file to read
+                output = await asyncio.to_thread(get_output, payload_store(self.temporal), output)
         except PayloadMissing as error:
             return Result(
                 ok=False,

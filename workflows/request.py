@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from temporalio import workflow
@@ -163,7 +164,12 @@ class CapabilityRequestWorkflow:
                     request, lease, payload, node_releases, heartbeats, resume_from if fencing else "", slot is not None
                 )
             if heartbeats:
-                await self._heartbeat_until_done(request, lease, invoke)
+                if slot is not None:
+                    # Its node vouches for a lent slot (its syncs, and the invoke's own heartbeats
+                    # from the node): no heartbeat timer here.
+                    await workflow.wait_condition(partial(self._ended_or_preempted, invoke))
+                else:
+                    await self._heartbeat_until_done(request, lease, invoke)
                 if self._preempt is not None and not invoke.done():
                     # The grace time: finishing now is better than being requeued.
                     self._phase = "preempting"
@@ -410,6 +416,9 @@ class CapabilityRequestWorkflow:
                 await scheduler.signal(
                     "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
                 )
+
+    def _ended_or_preempted(self, invoke: asyncio.Future[Any]) -> bool:
+        return invoke.done() or self._preempt is not None
 
     async def _claim_slot(self, request: RequestInput) -> Lease | None:
         """A warm request on its node's worker asks that node for a slot the scheduler lent it

@@ -10,10 +10,11 @@ node still holds and which are in use (by whom), and asks for slots for the capa
 asked for; its reply is the authoritative list of slots the node may keep.
 
 The scheduler keeps the invariant and the order of classes:
-- a slot is closed (the node takes no new request on it and gives it back once free) whenever
-  anything waits at the scheduler, the card is under GPU_PRESSURE, stale or unhealthy, the
-  resident is leaving or draining, or the slot is preempted (`closing_reason`); so a request
-  waiting at the scheduler is overtaken on a node for at most one sync interval;
+- a slot is closed (the node takes no new request on it and gives it back once free) whenever a
+  request waiting at the scheduler may want it, its card or its model's memory (one for the same
+  model, or one not yet placed that may land on the card), the card is under GPU_PRESSURE, stale
+  or unhealthy, the resident is leaving or draining, or the slot is preempted
+  (`closing_reason`); so such a request is overtaken on a node for at most one sync interval;
 - a slot goes back to the pool only when the node says it no longer holds it (a sync without it),
   or when the node has been silent for stale_lease_s (the node stops using its slots after half
   of that, `SlotReply.valid_s`), so no slot is ever used by two requests at once;
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from modelforge.domain import Catalog, Residency, fair_share_entity
 from modelforge.policy._admission import note_outcome
 from modelforge.policy._decisions import PolicyEvent
-from modelforge.policy._order import decayed_usage
+from modelforge.policy._order import decayed_usage, is_production
 from modelforge.policy._pass import static_reason
 from modelforge.policy._state import DelegatedSlot, Lease, PoolState, ResidentPhase, ResidentState, TenantUsage
 
@@ -87,13 +88,15 @@ class SlotSync:
 
 @dataclass(frozen=True)
 class SlotReply:
-    """The slots the node may keep (all of them: one it holds and is not listed here is no longer
-    its own), which of them are closing (no new request; give back when free, with the reason),
-    where production classes may run, and for how long this answer holds without another.
-    `view`: the catalog's tenants, queues and delegated deployments, for the node's own checks,
-    when its `view_epoch` is behind."""
+    """The slots the node may keep: `kept` of those it holds (one it holds and is not named here
+    is no longer its own) and the ones lent now (`lent`, whole: only new slots cross, so a sync's
+    reply stays small whatever the node holds); which of them are closing (no new request; give
+    back when free, with the reason); where production classes may run; and for how long this
+    answer holds without another. `view`: the catalog's tenants, queues and delegated
+    deployments, for the node's own checks, when its `view_epoch` is behind."""
 
-    slots: list[Lease] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    lent: list[Lease] = field(default_factory=list)
     closing: dict[str, str] = field(default_factory=dict)
     production_ok: list[str] = field(default_factory=list)
     valid_s: float = 0.0
@@ -101,17 +104,20 @@ class SlotReply:
     view_epoch: int = 0
 
 
-def closing_reason(state: PoolState, resident: ResidentState | None, lease_id: str, now: float) -> str:
+def closing_reason(
+    state: PoolState, resident: ResidentState | None, lease_id: str, now: float, memo: dict[str, str] | None = None
+) -> str:
     """Why a slot of `resident` takes no new request (""): the one rule of what a delegated slot
-    may still be used for."""
+    may still be used for. `memo`: what waits for each resident, found once per sync."""
     if lease_id in state.preempting:
         return f"preempted: {state.preempting[lease_id]}"
-    if state.queue:
-        # Whatever waits may need this slot, this card or this model's memory: the scheduler
-        # takes its slots back and decides in class order.
-        return f"{len(state.queue)} requests wait at the scheduler"
     if resident is None or resident.phase != ResidentPhase.READY:
         return "its model is no longer ready" if resident is None else f"its model is {resident.phase.value}"
+    waiting = _waiting_here(state, resident, memo)
+    if waiting:
+        # It may need this slot, this card or this model's memory (a lent slot keeps the model
+        # from being evicted): the scheduler takes the slots back and decides in class order.
+        return f"{waiting} waits at the scheduler"
     if resident.key in state.draining:
         return "its model is draining"
     deployment = state.catalog.deployment(resident.deployment)
@@ -126,6 +132,31 @@ def closing_reason(state: PoolState, resident: ResidentState | None, lease_id: s
     if runtime.pressure:
         return f"{resident.accelerator}: GPU_PRESSURE"
     return ""
+
+
+def _waiting_here(state: PoolState, resident: ResidentState, memo: dict[str, str] | None) -> str:
+    """A request waiting at the scheduler that may want this resident's slots, its card or its
+    memory ("" when none): one for the same model, or one not yet placed that may land on the
+    card. Requests waiting on another model's load, or that may not use this card, do not close
+    the slots."""
+    if memo is not None and resident.key in memo:
+        return memo[resident.key]
+    found = ""
+    card = state.catalog.accelerator(resident.accelerator)
+    for queued in state.queue:
+        if queued.assigned_to and queued.assigned_to != resident.key:
+            continue
+        deployment = state.catalog.deployment_for(queued.capability)
+        if deployment is None:
+            continue
+        if deployment.deployment_id == resident.deployment or (
+            card is not None and not static_reason(card, deployment, is_production(state.catalog, queued.priority))
+        ):
+            found = f"{queued.capability} ({queued.priority})"
+            break
+    if memo is not None:
+        memo[resident.key] = found
+    return found
 
 
 def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) -> tuple[SlotReply, list[PolicyEvent]]:
@@ -157,22 +188,25 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
             state.leases[lease_id] = lease
         mine.append(lease)
     closing: dict[str, str] = {}
+    memo: dict[str, str] = {}
     for lease in mine:
         slot = state.slots[lease.lease_id]
         if slot.open:
-            reason = closing_reason(state, state.residents.get(lease.resident_key), lease.lease_id, now)
+            reason = closing_reason(state, state.residents.get(lease.resident_key), lease.lease_id, now, memo)
             if reason:
                 slot.open, slot.closed_reason = False, reason
                 events.append(_slot_event("slot_closed", lease, reason))
         if not slot.open:
             closing[lease.lease_id] = slot.closed_reason
+    lent: list[Lease] = []
     for capability in list(dict.fromkeys(sync.wanted))[:MAX_WANTED]:
-        granted = _lend(state, sync.node, sync.boot, capability, now, spare)
-        mine.extend(granted)
+        granted = _lend(state, sync.node, sync.boot, capability, now, spare, memo)
+        lent.extend(granted)
         events.extend(_slot_event("slot_lent", lease, "") for lease in granted)
-    keys = {lease.resident_key for lease in mine}
+    keys = {lease.resident_key for lease in [*mine, *lent]}
     reply = SlotReply(
-        slots=mine,
+        kept=[lease.lease_id for lease in mine],
+        lent=lent,
         closing=closing,
         production_ok=sorted(key for key in keys if _production_ok(state, key)),
         valid_s=state.config.stale_lease_s / 2,
@@ -182,7 +216,9 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
     return reply, events
 
 
-def _lend(state: PoolState, node: str, boot: str, capability: str, now: float, spare: int) -> list[Lease]:
+def _lend(
+    state: PoolState, node: str, boot: str, capability: str, now: float, spare: int, memo: dict[str, str]
+) -> list[Lease]:
     deployment = state.catalog.deployment_for(capability)
     if deployment is None or deployment.lease_extra_bytes or deployment.gpu_count > 1:
         return []
@@ -192,7 +228,7 @@ def _lend(state: PoolState, node: str, boot: str, capability: str, now: float, s
     for resident in list(state.residents.values()):
         if resident.node != node or resident.deployment != deployment.deployment_id:
             continue
-        if closing_reason(state, resident, "", now):
+        if closing_reason(state, resident, "", now, memo):
             continue
         free = deployment.concurrency - resident.active_leases - (spare if deployment.concurrency > 1 else 0)
         for _ in range(max(0, free)):

@@ -52,7 +52,11 @@ def pool(concurrency: int = 4, production_card: bool = True, **kw: object) -> Po
 
 def asking(s: PoolState, now: float = NOW, boot: str = "b1", held: list[str] | None = None) -> list[str]:
     reply, _ = sync_slots(s, SlotSync(node="n", boot=boot, held=held or [], wanted=[CAP]), now)
-    return [lease.lease_id for lease in reply.slots if lease.lease_id not in reply.closing]
+    return [
+        lease_id
+        for lease_id in [*reply.kept, *(lease.lease_id for lease in reply.lent)]
+        if lease_id not in reply.closing
+    ]
 
 
 def test_a_node_is_lent_the_free_slots_but_one_and_they_count_as_leases() -> None:
@@ -87,6 +91,35 @@ def test_nothing_is_lent_while_the_scheduler_needs_the_resident(change: object, 
     assert len(asking(s)) == lent
 
 
+def test_only_a_request_that_may_want_the_slot_the_card_or_the_memory_closes_the_slots() -> None:
+    s = state(
+        [gpu("n/0"), gpu("m/0", production=False)],
+        [
+            deployment(CAP, gib=2, concurrency=4),
+            deployment("other@1", gib=2, accelerators=["m/0"]),  # placed on another card only
+            deployment("here@1", gib=2),  # may land on n/0 too
+        ],
+        tenants=[tenant("t", max_priority=Priority.PRODUCTION, default_priority=Priority.INTERACTIVE)],
+    )
+    observe(s, "n/0", managed_gib=2, loaded=[KEY])
+    observe(s, "m/0")
+    resident(s, CAP, "n/0", 2)
+    lent = asking(s)
+    assert len(lent) == 3
+
+    def closing() -> dict[str, str]:
+        reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", held=lent), NOW + 1)
+        return reply.closing
+
+    enqueue(s, ask("elsewhere", "other@1"), Priority.INTERACTIVE, NOW)
+    waiting = enqueue(s, ask("loading", "here@1"), Priority.INTERACTIVE, NOW)
+    waiting.assigned_to = "here@1@m/0"  # waits on another resident's load
+    assert closing() == {}, "a request that cannot use this card or slot overtakes nobody here"
+    enqueue(s, ask("may-land", "here@1"), Priority.BACKGROUND, NOW)
+    reasons = closing()
+    assert set(reasons) == set(lent) and all("here@1" in why for why in reasons.values())
+
+
 def test_deployments_whose_leases_add_bytes_or_that_unload_after_use_are_never_lent() -> None:
     assert asking(pool(idle_bytes=1 << 30)) == []  # a lease adds (envelope - idle) bytes
     s = pool()
@@ -101,11 +134,11 @@ def test_a_request_waiting_at_the_scheduler_closes_every_slot_at_the_next_sync()
     enqueue(s, ask("waiting", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
     reply, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, in_use={lent[0]: "wf-a"}), NOW + 1)
     assert set(reply.closing) == set(lent)
-    assert all("wait at the scheduler" in why for why in reply.closing.values())
+    assert all("waits at the scheduler" in why for why in reply.closing.values())
     assert [e.kind for e in events].count("slot_closed") == 3
     # The free ones are given back at the next sync (not held); the one in use when it ends.
     reply, events = sync_slots(s, SlotSync(node="n", boot="b1", held=[lent[0]], in_use={lent[0]: "wf-a"}), NOW + 2)
-    assert [lease.lease_id for lease in reply.slots] == [lent[0]]
+    assert reply.kept == [lent[0]] and not reply.lent
     assert s.residents[KEY].active_leases == 1
     assert s.leases[lent[0]].workflow_id == "wf-a"  # a preemption would reach the request on it
     sync_slots(s, SlotSync(node="n", boot="b1", held=[]), NOW + 3)
@@ -118,9 +151,9 @@ def test_a_restarted_node_worker_holds_nothing_of_its_previous_life() -> None:
     # The new life syncs (it holds nothing): every slot of the old one is back in the pool, then
     # lent afresh; an old slot id it might name is never taken as its own.
     reply, _ = sync_slots(s, SlotSync(node="n", boot="new", held=old[:1], wanted=[CAP]), NOW + 1)
-    assert not set(old) & {lease.lease_id for lease in reply.slots}
+    assert not reply.kept and not set(old) & {lease.lease_id for lease in reply.lent}
     assert not set(old) & set(s.slots)
-    assert len(reply.slots) == 3 and s.residents[KEY].active_leases == 3
+    assert len(reply.lent) == 3 and s.residents[KEY].active_leases == 3
 
 
 def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> None:
