@@ -487,7 +487,12 @@ async def run(args: argparse.Namespace, database_url: str) -> None:
             catalog_path = Path(scratch) / "catalog.toml"
             catalog_path.write_text(catalog(args.token_delay_ms))
             bare_worker = Worker(client, task_queue=BARE_QUEUE, workflows=[BareWorkflow], activities=[bare_echo])
-            async with bare_worker, running_stack(client, database_url, catalog_path=catalog_path) as stack:
+            # Node workers sync their lent slots every second (MODELFORGE_DELEGATION_SYNC_S's
+            # default), as `modelforge worker node` does: warm requests take the delegated path.
+            async with (
+                bare_worker,
+                running_stack(client, database_url, catalog_path=catalog_path, delegation_sync_s=1.0) as stack,
+            ):
                 async for base_url in _gateway(stack):
                     await measure(args, stack, client, base_url)
     finally:
