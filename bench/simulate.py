@@ -5,6 +5,7 @@ one run, and the replay speed of a 100,000-request scenario.
     .venv/bin/python bench/simulate.py --quick    # the two traces only, no speed run
     .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
     .venv/bin/python bench/simulate.py --measure-history 4 160  # the real scheduler's events per request
+    .venv/bin/python bench/simulate.py --overload  # deadlines and lower classes (issue 20 items 2, 3)
 
 Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from modelforge.policy import PolicyConfig
 from modelforge.simulate import (
     HistoryModel,
     ModelForgeScheduler,
@@ -239,10 +241,170 @@ def measure_history(rate: float, count: int) -> None:
             server.cleanup()
 
 
+# The overload scenario: the shipped Azure trace at 4x its rate (its timestamps compressed; the
+# converter's lab sessions, evaluation jobs and transcodes keep their own clock), and a homelab:
+# the same trace at a quarter of its rate, a home server's quieter use over four hours.
+OVERLOAD_RATE, HOMELAB_RATE = 4.0, 0.25
+# Production's deadline and its deployment's slots in the Azure scenario (`modelforge trace azure`).
+PRODUCTION_DEADLINE_S, PRODUCTION_SLOTS = 60.0, 8
+# Upper bound windows: every partition of the arrivals into windows of these lengths (and offsets
+# of a third and two thirds of one) gives a bound; the least of them is taken.
+BOUND_WINDOWS_S = (60, 120, 180, 240, 300, 450, 600, 900, 1200)
+
+
+def azure_at_rate(rate: float, out: Path) -> Scenario:
+    """The shipped Azure trace with its timestamps divided by `rate`, converted as shipped."""
+    import csv
+    from datetime import datetime
+
+    out.mkdir(parents=True, exist_ok=True)
+    source = TRACES / "azure_llm_code_2023.csv"
+    with source.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    first = datetime.fromisoformat(rows[0]["TIMESTAMP"].strip()[:26])
+    path = out / f"azure_x{rate:g}.csv"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for row in rows:
+            at = first + (datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]) - first) / rate
+            writer.writerow([at.isoformat(sep=" "), row["ContextTokens"], row["GeneratedTokens"]])
+    return load_scenario(convert_azure(path, out / "scenario"))
+
+
+def production_work_bound(scenario: Scenario) -> tuple[float, int]:
+    """An upper bound on the share of production work (service seconds) that any policy can
+    finish by its deadline on the card, and the window length that gave it. A request arriving
+    in [a, a + L) that meets its deadline runs inside [a, a + L + deadline], where the card's
+    production slots give at most slots x (L + deadline) seconds of service; so the work met in
+    a window is at most the least of that and the work that arrived in it. Summed over the
+    windows of a partition of the arrivals, it bounds the total; every partition gives a bound,
+    and the least over the lengths and offsets tried is kept. It assumes the model loaded and the
+    slots busy from the first arrival, no memory contention and no lost work: a bound, not a
+    target a policy could always meet."""
+    production = [r for r in scenario.requests if r.priority == "production"]
+    total = sum(r.service_s for r in production)
+    best, best_window = 1.0, 0
+    for window in BOUND_WINDOWS_S:
+        for offset in (0.0, window / 3, 2 * window / 3):
+            work: dict[int, float] = {}
+            for r in production:
+                key = int((r.t + offset) // window)
+                work[key] = work.get(key, 0.0) + r.service_s
+            capacity = PRODUCTION_SLOTS * (window + PRODUCTION_DEADLINE_S)
+            bound = sum(min(w, capacity) for w in work.values()) / total
+            if bound < best:
+                best, best_window = bound, window
+    return best, best_window
+
+
+def run_side_by_side(scenario: Scenario) -> tuple[list[SimulationResult], list[Simulation]]:
+    """ModelForge before (deadlines count load time only, slot waits block lower classes: the
+    flags off), ModelForge now, fifo and ollama, on the same scenario in one run."""
+    from modelforge.simulate import POLICIES
+
+    runs = [
+        (
+            "modelforge-before",
+            ModelForgeScheduler(scenario, PolicyConfig(deadline_service=False, pack_lower_classes=False)),
+        ),
+        ("modelforge", ModelForgeScheduler(scenario)),
+        ("fifo", POLICIES["fifo"](scenario)),
+        ("ollama", POLICIES["ollama"](scenario)),
+    ]
+    results, sims = [], []
+    for name, scheduler in runs:
+        sim = Simulation(scenario, scheduler)
+        results.append(dataclasses.replace(sim.run(), policy=name))
+        sims.append(sim)
+    return results, sims
+
+
+def production_work_goodput(scenario: Scenario, sim: Simulation) -> float:
+    """Service seconds of production requests that completed by their deadline, over all offered."""
+    met = total = 0.0
+    for request, outcome in zip(scenario.requests, sim.outcomes, strict=True):
+        if request.priority != "production":
+            continue
+        total += request.service_s
+        deadline = math.inf if request.deadline_s is None else request.t + request.deadline_s
+        if outcome.outcome == "ok" and outcome.ended is not None and outcome.ended <= deadline + 1e-9:
+            met += request.service_s
+    return met / total if total else 1.0
+
+
+def overload() -> bool:
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        scenarios = {
+            "Azure LLM code 2023 as shipped": load_scenario(
+                convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure")
+            ),
+            f"Azure at {OVERLOAD_RATE:g}x its rate (overload)": azure_at_rate(OVERLOAD_RATE, Path(tmp) / "x4"),
+            f"Homelab: Azure at {HOMELAB_RATE:g}x its rate": azure_at_rate(HOMELAB_RATE, Path(tmp) / "home"),
+        }
+        for title, scenario in scenarios.items():
+            results, sims = run_side_by_side(scenario)
+            table(title, results)
+            before, mine, fifo, _ = results
+            prod = "production"
+            print()
+            if "overload" in title:
+                bound, window = production_work_bound(scenario)
+                work = [production_work_goodput(scenario, sim) for sim in sims]
+                print(
+                    f"- upper bound on production work met by its deadline (card's {PRODUCTION_SLOTS} slots, "
+                    f"windows of {window} s): {bound:.3f}"
+                )
+                print(
+                    "- production work met / offered: "
+                    + ", ".join(
+                        f"{r.policy} {w:.3f} ({w / bound:.3f} of the bound)" for r, w in zip(results, work, strict=True)
+                    )
+                )
+                ok &= check(
+                    "production work goodput >= 0.9 x the bound",
+                    work[1] >= 0.9 * bound,
+                    f"{work[1]:.3f} vs {bound:.3f}, ratio {work[1] / bound:.3f}",
+                )
+                goodput = mine.by_class[prod]["goodput"]
+                ok &= check(
+                    "production goodput (requests) >= 0.9 x the bound",
+                    goodput >= 0.9 * bound,
+                    f"{goodput:.3f} vs {bound:.3f}, ratio {goodput / bound:.3f}",
+                )
+                p99 = mine.by_class[prod]["served_wait_p99_s"]
+                ok &= check(
+                    "served production p99 wait leaves room for its service",
+                    p99 is not None and p99 < PRODUCTION_DEADLINE_S - 1.0,
+                    f"{seconds(p99)} (before {seconds(before.by_class[prod]['served_wait_p99_s'])}), "
+                    f"deadline {PRODUCTION_DEADLINE_S:g} s",
+                )
+                continue
+            ok &= check(
+                "production goodput no worse than before",
+                mine.by_class[prod]["goodput"] >= before.by_class[prod]["goodput"],
+                f"{mine.by_class[prod]['goodput']:.3f} vs {before.by_class[prod]['goodput']:.3f}",
+            )
+            background = mine.by_class.get("background", {})
+            refused = background.get("refused", 0) / max(1, background.get("requests", 0))
+            ok &= check("background refused <= 5%", refused <= 0.05, f"{refused:.3f}")
+            ok &= check(
+                "VRAM utilization (common span) >= fifo's",
+                mine.vram_utilization >= fifo.vram_utilization,
+                f"{mine.vram_utilization:.3f} vs {fifo.vram_utilization:.3f} "
+                f"(fifo {fifo.invariant_violations} invariant violations)",
+            )
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="skip the 100,000-request speed run")
     parser.add_argument("--sizing", action="store_true", help="only the pool sizing of docs/SCALING.md")
+    parser.add_argument(
+        "--overload", action="store_true", help="only deadlines and lower classes: Azure as shipped, at 4x, homelab"
+    )
     parser.add_argument(
         "--measure-history",
         nargs=2,
@@ -254,6 +416,8 @@ def main() -> int:
     if args.measure_history:
         measure_history(float(args.measure_history[0]), int(args.measure_history[1]))
         return 0
+    if args.overload:
+        return 0 if overload() else 1
     if args.sizing:
         with tempfile.TemporaryDirectory() as tmp:
             sizing(load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure")))

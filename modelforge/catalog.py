@@ -163,6 +163,9 @@ class LevelSpec(_Strict):
     priority: Annotated[int, Field(ge=1, le=1_000_000)]
     preempts: list[Annotated[str, Field(min_length=1, max_length=130)]] = Field(default_factory=list)
     production: bool = False
+    # A request that cannot meet its deadline: "refuse" (DEADLINE_CANNOT_BE_MET as soon as that is
+    # known) or "run_late" (served when its turn comes, however late).
+    on_deadline: Literal["refuse", "run_late"] = "refuse"
 
 
 class QueueSpec(_Strict):
@@ -384,7 +387,13 @@ def _queues(specs: list[QueueSpec], problems: list[str]) -> list[Queue]:
             name=q.name,
             weight=q.weight,
             levels=[
-                PriorityLevel(name=lv.name, priority=lv.priority, preempts=list(lv.preempts), production=lv.production)
+                PriorityLevel(
+                    name=lv.name,
+                    priority=lv.priority,
+                    preempts=list(lv.preempts),
+                    production=lv.production,
+                    run_late=lv.on_deadline == "run_late",
+                )
                 for lv in q.levels
             ],
         )

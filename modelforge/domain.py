@@ -68,6 +68,10 @@ class PriorityLevel:
     priority: int
     preempts: list[str] = field(default_factory=list)
     production: bool = False
+    # What a request of this level that cannot meet its deadline gets: refused with
+    # DEADLINE_CANNOT_BE_MET as soon as that is known (False, the default), or run late (True:
+    # its deadline is not an admission limit; the queue's order and lease timeout still hold).
+    run_late: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class PriorityClass:
     queue_weight: float
     preempts: tuple[str, ...]
     production: bool
+    run_late: bool = False
 
     @property
     def rank(self) -> int:
@@ -165,6 +170,7 @@ def build_classes(queues: list[Queue]) -> dict[str, PriorityClass]:
                     queue_weight=queue.weight,
                     preempts=preempts,
                     production=level.production,
+                    run_late=level.run_late,
                 )
             )
     ordered = sorted(enumerate(classes), key=lambda item: (-item[1].priority, item[0]))

@@ -27,7 +27,7 @@ from modelforge.policy._decisions import (
     resident_event,
 )
 from modelforge.policy._lease_index import current_lease_index, lease_index
-from modelforge.policy._order import decayed_usage, insert_in_submission_order
+from modelforge.policy._order import decayed_usage, insert_in_submission_order, runs_late
 from modelforge.policy._queue_index import current_index, queue_index
 from modelforge.policy._state import (
     CapabilityHealth,
@@ -38,6 +38,7 @@ from modelforge.policy._state import (
     ResidentState,
     TenantUsage,
     measured,
+    note_service,
 )
 
 # A month: batch jobs of the Alibaba trace run for days.
@@ -210,7 +211,10 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: flo
         submitted_at=submitted,
         preempted=request.preempted,
         lease_timeout_at=now + timeout,
-        deadline_at=None if request.deadline_s is None else now + request.deadline_s,
+        # A class that runs late (`on_deadline = "run_late"`) is never refused for its deadline.
+        deadline_at=None
+        if request.deadline_s is None or runs_late(state.catalog, priority)
+        else now + request.deadline_s,
         max_duration_s=request.max_duration_s,
     )
     index = current_index(state)
@@ -396,6 +400,8 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
         return []
     if not lent:
         note_outcome(state, lease.capability, outcome, message, now)
+        if outcome == "ok":
+            note_service(state, lease.deployment, now - lease.granted_at)
     resident = state.residents.get(lease.resident_key)
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)

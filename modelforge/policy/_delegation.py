@@ -30,7 +30,15 @@ from modelforge.policy._admission import note_outcome
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._order import decayed_usage, is_production
 from modelforge.policy._pass import static_reason
-from modelforge.policy._state import DelegatedSlot, Lease, PoolState, ResidentPhase, ResidentState, TenantUsage
+from modelforge.policy._state import (
+    DelegatedSlot,
+    Lease,
+    PoolState,
+    ResidentPhase,
+    ResidentState,
+    TenantUsage,
+    note_service,
+)
 
 SLOT_PREFIX = "slot-"
 HOLDER_PREFIX = "delegation:"
@@ -294,6 +302,8 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
         slot = state.leases.get(run.lease_id)
         resident = state.residents.get(slot.resident_key) if slot is not None else None
         note_outcome(state, run.capability, run.outcome, run.message, now)
+        if run.outcome == "ok" and slot is not None:
+            note_service(state, slot.deployment, run.invoke_s)
         held_s = max(0.0, run.invoke_s)
         entity = fair_share_entity(run.priority, run.tenant)
         usage = state.usage.setdefault(entity, TenantUsage(updated_at=now))

@@ -27,6 +27,12 @@ def is_production(catalog: Catalog, class_id: str) -> bool:
     return klass is not None and klass.production
 
 
+def runs_late(catalog: Catalog, class_id: str) -> bool:
+    """Whether the class's level runs work late rather than refusing it for its deadline."""
+    klass = catalog.classes.get(class_id)
+    return klass is not None and klass.run_late
+
+
 def production_ranks(catalog: Catalog) -> dict[int, bool]:
     """Ranks of production classes. The catalog keeps production and other levels on distinct
     priorities, so a rank alone says which admission rules apply."""

@@ -171,6 +171,17 @@ class DecisionPass:
     # and whether it may (off: the reference pass, which looks at every card for every gang).
     gang_memo: dict[tuple[object, ...], object] = field(default_factory=dict)
     indexed: bool = True
+    # Deadline-aware admission (`_rules.service_estimate`, `_rules.predicted_refusal`): per
+    # deployment, its measured (mean, high percentile) service time; how many requests of it this
+    # pass left waiting ahead of the one being placed, and granted; the seconds its running
+    # leases still need (summed once per pass, when first asked).
+    service: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Per deployment: the most any request of it could need before its deadline (its load and
+    # its service's high percentile; a batch job's max_duration is its own).
+    margin: dict[str, float] = field(default_factory=dict)
+    ahead: dict[str, int] = field(default_factory=dict)
+    granted: dict[str, int] = field(default_factory=dict)
+    busy_s: dict[str, float] | None = None
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)

@@ -55,10 +55,14 @@ from modelforge.policy._rules import (
     Landing,
     deadline_refusal,
     expiry_refusal,
+    hopeless_refusal,
     landing_refusals,
     may_land,
+    predicted_refusal,
     refusal_reason,
     reservation_refuses,
+    service_estimate,
+    service_of,
     take_reservation,
 )
 from modelforge.policy._standing import is_evictable
@@ -203,7 +207,8 @@ def _decide_queue(
     for key in sorted(groups):
         lanes = groups[key]
         settled_by = settled_production if key[0] in production else settled_other
-        walk = _single(lanes[0], settled_by, now) if len(lanes) == 1 else _merged(lanes, settled_by, now)
+        skip = _Skip(pass_, settled_by, deployments, now)
+        walk = _single(lanes[0], skip) if len(lanes) == 1 else _merged(lanes, skip)
         for queued in walk:
             counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=True)
     return counter
@@ -225,20 +230,35 @@ def _visit(
         decisions.rejects.append(expired)
         return counter
     capability = queued.capability
+    if capability in deployments:
+        deployment = deployments[capability]
+    else:
+        deployment = deployments[capability] = pass_.state.catalog.deployment_for(capability)
+    if deployment is not None and queued.deadline_at is not None and pass_.state.config.deadline_service:
+        margin = _margin(pass_, deployment)
+        if queued.deadline_at - margin <= now or deployment.residency == Residency.NONE:
+            hopeless = hopeless_refusal(
+                pass_, queued, deployment, now, operation_seconds(pass_.state, deployment, "load")
+            )
+            if hopeless is not None:
+                decisions.rejects.append(hopeless)
+                return counter
     if reuse_settled and not queued.assigned_to:
         settled = settled_by.get(capability)
         if settled is not None:
             # The hot path on a busy pool: most of the queue waits behind its head.
             if settled[0] is None:
+                predicted = None if deployment is None else predicted_refusal(pass_, queued, deployment, now)
+                if predicted is not None:
+                    decisions.rejects.append(predicted)
+                    return counter
+                if deployment is not None:
+                    pass_.ahead[deployment.deployment_id] = pass_.ahead.get(deployment.deployment_id, 0) + 1
                 if queued.waiting_reason != settled[1]:
                     decisions.waits.append(Wait(queued.request_id, settled[1]))
             else:
                 decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
             return counter
-    if capability in deployments:
-        deployment = deployments[capability]
-    else:
-        deployment = deployments[capability] = pass_.state.catalog.deployment_for(capability)
     if deployment is None:
         decisions.rejects.append(
             Reject(
@@ -252,35 +272,107 @@ def _visit(
     return _decide_one(pass_, decisions, queued, deployment, settled_by, now, counter)
 
 
-def _skippable(lane: Lane, settled_by: Settled, now: float) -> bool:
-    settled = settled_by.get(lane.capability)
-    return settled is not None and settled[0] is None and lane.uniformly_waiting(settled[1], now)
+def _margin(pass_: DecisionPass, deployment: Deployment) -> float:
+    """The most a request of `deployment` could need before its deadline, once per pass: its
+    load and its service's high percentile (a batch job's own max_duration comes on top)."""
+    margin = pass_.margin.get(deployment.deployment_id)
+    if margin is None:
+        margin = operation_seconds(pass_.state, deployment, "load") + service_of(pass_, deployment.deployment_id)[1]
+        pass_.margin[deployment.deployment_id] = margin
+    return margin
 
 
-def _single(lane: Lane, settled_by: Settled, now: float) -> Iterator[QueuedRequest]:
+class _Skip:
+    """Whether the rest of a lane may be passed over in this pass, and the count of what it
+    passes over (the requests left waiting ahead of later ones, `DecisionPass.ahead`)."""
+
+    __slots__ = ("deployments", "floors", "now", "pass_", "settled_by")
+
+    def __init__(
+        self, pass_: DecisionPass, settled_by: Settled, deployments: dict[str, Deployment | None], now: float
+    ) -> None:
+        self.pass_, self.settled_by, self.deployments, self.now = pass_, settled_by, deployments, now
+        # Per lane (by identity), the suffix minima of when its requests stop merely waiting.
+        self.floors: dict[int, list[float]] = {}
+
+    def deployment(self, capability: str) -> Deployment | None:
+        deployments = self.deployments
+        if capability in deployments:
+            return deployments[capability]
+        deployment = deployments[capability] = self.pass_.state.catalog.deployment_for(capability)
+        return deployment
+
+    def skippable(self, lane: Lane, position: int) -> bool:
+        """Every request of the lane from `position` on would only be told, again, the reason
+        it waits for: none waits on a load, none expired, none hopeless for its deadline
+        (`hopeless_refusal`: its load and its service counted). Worked out once per lane and
+        pass, once its capability has settled on waiting."""
+        floors = self.floors.get(id(lane))
+        if floors is None:
+            settled = self.settled_by.get(lane.capability)
+            if settled is None:
+                return False  # not settled yet: asked again after the next request
+            floors = self.floors[id(lane)] = self._floors(lane, settled)
+        return floors[min(position, len(floors) - 1)] > self.now
+
+    def _floors(self, lane: Lane, settled: tuple[FailureClass, str] | tuple[None, str]) -> list[float]:
+        """From each position of the lane on, the earliest moment one of its requests stops
+        merely waiting (its expiry, or the last moment it could start and finish by its
+        deadline); -inf everywhere when the lane does not wait uniformly."""
+        pass_, now = self.pass_, self.now
+        never = [-math.inf]
+        if settled[0] is not None or not lane.uniformly_waiting(settled[1], now):
+            return never
+        deployment = self.deployment(lane.capability)
+        if not pass_.state.config.deadline_service or deployment is None:
+            return [math.inf]
+        margin = _margin(pass_, deployment)
+        job = deployment.residency == Residency.NONE
+        if not job and lane.uniformly_waiting(settled[1], now + margin):
+            return [math.inf]  # the lane's earliest expiry is later than any of its requests could need
+        load_s = operation_seconds(pass_.state, deployment, "load")
+        items = lane.items
+        floors = [math.inf] * (len(items) + 1)
+        least = math.inf
+        for n in range(len(items) - 1, -1, -1):
+            queued = items[n]
+            limit = queued.expires_at
+            if queued.deadline_at is not None:
+                need = load_s + service_estimate(pass_, queued, deployment) if job else margin
+                limit = min(limit, queued.deadline_at - need)
+            least = min(least, limit)
+            floors[n] = least
+        return floors
+
+    def passed_over(self, lane: Lane, count: int) -> None:
+        deployment = self.deployment(lane.capability)
+        if deployment is not None and count:
+            ahead = self.pass_.ahead
+            ahead[deployment.deployment_id] = ahead.get(deployment.deployment_id, 0) + count
+
+
+def _single(lane: Lane, skip: _Skip) -> Iterator[QueuedRequest]:
     capability = lane.capability
-    items = iter(lane.items)
+    settled_by = skip.settled_by
     # Until the capability settles, request by request; once it has (it stays so for the pass),
-    # the lane is skipped whole or walked to the end.
-    for queued in items:
-        settled = settled_by.get(capability)
-        if settled is not None:
-            if settled[0] is None and lane.uniformly_waiting(settled[1], now):
-                return
-            yield queued
-            yield from items
+    # the rest of the lane is passed over as soon as nothing in it would change.
+    for position, queued in enumerate(lane.items):
+        if capability in settled_by and skip.skippable(lane, position):
+            skip.passed_over(lane, len(lane.items) - position)
             return
         yield queued
 
 
-def _merged(lanes: list[Lane], settled_by: Settled, now: float) -> Iterator[QueuedRequest]:
-    """Requests of several lanes in submission order; a lane leaves once it is skippable."""
+def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
+    """Requests of several lanes in submission order; a lane leaves once the rest of it is
+    skippable."""
     heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
     heapq.heapify(heads)
     while heads:
         _, _, n, position = heapq.heappop(heads)
         lane = lanes[n]
-        if _skippable(lane, settled_by, now):
+        if skip.skippable(lane, position):
+            skip.passed_over(lane, len(lane.items) - position)
             continue
         yield lane.items[position]
         position += 1
@@ -418,6 +510,16 @@ def _decide_one(
             settled_by[queued.capability] = (decision.failure, decision.message)
         elif isinstance(decision, Wait):
             settled_by[queued.capability] = (None, decision.reason)
+    deployment_id = deployment.deployment_id
+    if isinstance(decision, Wait):
+        # It waits: refused now if it would start too late behind the work ahead of it.
+        predicted = predicted_refusal(pass_, queued, deployment, now)
+        if predicted is not None:
+            decision = predicted
+    if isinstance(decision, Grant):
+        pass_.granted[deployment_id] = pass_.granted.get(deployment_id, 0) + 1
+    elif not isinstance(decision, Reject):
+        pass_.ahead[deployment_id] = pass_.ahead.get(deployment_id, 0) + 1
     return _record(decisions, queued, decision, counter)
 
 
@@ -462,6 +564,7 @@ def _place(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, n
         now=now,
         load_s=operation_seconds(pass_.state, deployment, "load"),  # measured here, else the catalog's
         counter=counter,
+        service_s=service_estimate(pass_, queued, deployment),
     )
     decision = place_gang(attempt) if deployment.gpu_count > 1 else _place_one(attempt)
     if queued.assigned_to:
@@ -499,7 +602,7 @@ def _place_one(attempt: Attempt) -> Decision:
     room = _make_room(attempt, cards, joined)
     if room is not None:
         return room
-    return _wait(attempt, passed, cards, reasons)
+    return _wait(attempt, passed, cards, reasons, joined)
 
 
 def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
@@ -545,7 +648,7 @@ class _Joined:
     """Phase 2's result: the decision if a resident of the deployment could be joined, else
     what the later phases need and why none could. (A plain class: one is made per placement.)"""
 
-    __slots__ = ("asleep", "decision", "full", "holding", "reasons")
+    __slots__ = ("asleep", "decision", "full", "holding", "reasons", "short")
 
     def __init__(self) -> None:
         self.decision: Grant | Assign | Wake | None = None
@@ -557,6 +660,8 @@ class _Joined:
         self.full: list[ResidentState] = []
         # Asleep residents too big to wake now, with what a wake needs: making room may wake them.
         self.asleep: list[tuple[ResidentState, int]] = []
+        # Accelerators holding one where joining or waking it wanted more bytes than are free.
+        self.short: dict[str, bool] = {}
 
 
 def _join(attempt: Attempt) -> _Joined:
@@ -612,29 +717,33 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         reasons.add(RESERVED, refusal_reason(pass_, RESERVED, accelerator, attempt.now))
         return None
     if resident.phase == ResidentPhase.READY:
-        return _join_ready(attempt, resident, landing, reasons)
+        return _join_ready(attempt, resident, landing, joined)
     if resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING) or resident.key in pass_.waking:
-        return _join_loading(attempt, resident, reasons)
+        return _join_loading(attempt, resident, joined)
     if resident.phase == ResidentPhase.ASLEEP:
         return _wake(attempt, resident, joined)
     reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
     return None
 
 
-def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, reasons: Reasons) -> Grant | None:
+def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, joined: _Joined) -> Grant | None:
     pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
     if extra == 0 or extra <= pass_.free(accelerator):
         take_reservation(pass_, accelerator, landing)
         return grant_on(attempt.queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
-    reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
+    joined.short[accelerator] = True
+    joined.reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
     return None
 
 
-def _join_loading(attempt: Attempt, resident: ResidentState, reasons: Reasons) -> Assign | None:
+def _join_loading(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Assign | None:
     """A loading (or waking) resident: the request waits on it, its lease bytes held from now."""
     pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
     if extra and extra > pass_.free(accelerator):
-        reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
+        joined.short[accelerator] = True
+        joined.reasons.add(
+            "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
+        )
         return None
     take_reservation(pass_, accelerator, Landing(extra, persists=False, attempt=attempt, lead_s=attempt.load_s))
     pass_.slots[resident.key] -= 1
@@ -665,6 +774,7 @@ def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | 
         pass_.waking[resident.key] = True
         return Wake(resident.key, awake, [attempt.queued.request_id])
     joined.asleep.append((resident, wake_need))
+    joined.short[accelerator] = True
     reasons.add("asleep", f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable")
     return None
 
@@ -815,15 +925,21 @@ def _eviction_options(
     return options
 
 
-def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons) -> Reject | Wait:
+def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, joined: _Joined) -> Reject | Wait:
     """Phase 5, nothing fits now: refused at once when no release of ModelForge's own work could
-    ever help; else it waits, and later requests may not take new bytes where it waits."""
+    ever help; else it waits, and later requests may not take new bytes where it waits. Where
+    it only waits for a slot of its own resident (no second copy goes there, and joining wants
+    no more bytes than are free), it waits for no memory: lower work may use what is free there
+    (`pack_lower_classes`)."""
     pass_, queued = attempt.pass_, attempt.queued
     never = _never_fits(pass_, passed, loads.need)
     if never is not None:
         return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
     budgets = pass_.budgets
+    slot_only = joined.holding if pass_.state.config.pack_lower_classes else {}
     for accelerator in loads.open:
+        if accelerator in slot_only and accelerator not in joined.short:
+            continue
         if budgets[accelerator].fresh and accelerator not in loads.backfill_only:
             pass_.blocked[accelerator] = True
     return Wait(queued.request_id, str(reasons) or "waiting for capacity")

@@ -5,7 +5,11 @@
 - `reservation_refuses`: may bytes be taken on an accelerator a waiting gang holds? (Backfill:
   only work that ends before the gang starts, or bytes within the gang's spare.) Part of the
   rule above, and asked on its own when a request joins or wakes a resident there.
-- `deadline_refusal`: can work that must load first still start before its deadline?
+- `deadline_refusal`: can work that must load first still finish by its deadline (its load and
+  its estimated service time, `service_estimate`)?
+- `hopeless_refusal`: can a waiting request still finish by its deadline if it started now?
+- `predicted_refusal`: will a request just submitted start in time to finish by its deadline,
+  behind the work of its deployment ahead of it in the queue and on its slots?
 - `expiry_refusal`: has a queued request run out of time (`QueuedRequest.expires_at`)?
 
 `Attempt` is one request being placed: what the phases of `_placement` and `_gang` share, and
@@ -18,12 +22,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from modelforge.domain import Deployment
+from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Reject
-from modelforge.policy._pass import IDLE_RUNTIME, DecisionPass, request_ends_by
+from modelforge.policy._pass import BECOMING_READY, IDLE_RUNTIME, DecisionPass, request_ends_by
 from modelforge.policy._reservation import Reservation
-from modelforge.policy._state import QueuedRequest
+from modelforge.policy._state import QueuedRequest, service_figures
 
 # Why new bytes may not land on an accelerator now (the kinds a waiting request is told).
 BLOCKED = "blocked"  # a higher-ordered request of this pass waits for memory there
@@ -43,6 +47,7 @@ class Attempt:
     now: float
     load_s: float  # the deployment's load, measured in this pool if it has been
     counter: int  # the lease counter: a grant's lease id is built from it
+    service_s: float = 0.0  # its estimated service time (`service_estimate`)
     # False once the outcome depended on this request's own durations: it consulted a gang's
     # reservation (whether it may backfill depends on its max_duration) or made one (that depends
     # on its own lease timeout and deadline). Its wait then stands for itself alone.
@@ -147,17 +152,104 @@ def refusal_reason(pass_: DecisionPass, kind: str, accelerator: str, now: float)
 
 
 def deadline_refusal(attempt: Attempt, doing: str) -> Reject | None:
-    """Work that must first load (`doing`: "loading", "starting") cannot start before its
-    deadline: refused now, not loaded for nothing."""
+    """Work that must first load (`doing`: "loading", "starting") cannot finish by its deadline,
+    its load and its estimated service time counted: refused now, not loaded for nothing."""
     queued, now = attempt.queued, attempt.now
-    if queued.deadline_at is None or now + attempt.load_s <= queued.deadline_at:
+    if queued.deadline_at is None or now + attempt.load_s + attempt.service_s <= queued.deadline_at:
+        return None
+    service = f" and its service about {attempt.service_s:.1f} s" if attempt.service_s else ""
+    return Reject(
+        queued.request_id,
+        queued.workflow_id,
+        FailureClass.DEADLINE_CANNOT_BE_MET,
+        f"{doing} {attempt.deployment.deployment_id} takes {attempt.load_s:.1f} s{service}; the deadline is in "
+        f"{queued.deadline_at - now:.1f} s",
+    )
+
+
+def service_of(pass_: DecisionPass, deployment_id: str) -> tuple[float, float]:
+    """(mean, high percentile) of a deployment's measured service times, once per pass."""
+    figures = pass_.service.get(deployment_id)
+    if figures is None:
+        figures = pass_.service[deployment_id] = service_figures(pass_.state, deployment_id)
+    return figures
+
+
+def service_estimate(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment) -> float:
+    """How long `queued` will hold its lease: a batch job's max_duration (it says how long it
+    may run; none is measured for its kind of work), else the configured high percentile of its
+    deployment's measured lease times, at most its max_duration; 0 while nothing is known (and
+    with `deadline_service` off)."""
+    if not pass_.state.config.deadline_service:
+        return 0.0
+    if deployment.residency == Residency.NONE and queued.max_duration_s is not None:
+        return queued.max_duration_s
+    high = service_of(pass_, deployment.deployment_id)[1]
+    return high if queued.max_duration_s is None else min(high, queued.max_duration_s)
+
+
+def hopeless_refusal(
+    pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, load_s: float
+) -> Reject | None:
+    """A waiting request that could not finish by its deadline even if it started now (loading
+    its model first where none of it is resident) leaves the queue at once: the capacity goes to
+    work that can."""
+    if queued.deadline_at is None or not pass_.state.config.deadline_service:
+        return None
+    service = service_estimate(pass_, queued, deployment)
+    load = 0.0 if pass_.residents_of.get(deployment.deployment_id) else load_s
+    if now + load + service <= queued.deadline_at:
+        return None
+    loading = f"a {load:.1f} s load and " if load else ""
+    return Reject(
+        queued.request_id,
+        queued.workflow_id,
+        FailureClass.DEADLINE_CANNOT_BE_MET,
+        f"cannot finish by its deadline: {loading}about {service:.1f} s of service "
+        f"({deployment.deployment_id}, p{pass_.state.config.service_percentile * 100:g} of its measured runs), "
+        f"{queued.deadline_at - now:.1f} s left",
+    )
+
+
+def _busy_s(pass_: DecisionPass, now: float) -> dict[str, float]:
+    """Per deployment, the seconds its running leases still need at their mean service time."""
+    busy = pass_.busy_s
+    if busy is None:
+        busy = pass_.busy_s = {}
+        for lease in pass_.state.leases.values():
+            mean = service_of(pass_, lease.deployment)[0]
+            busy[lease.deployment] = busy.get(lease.deployment, 0.0) + max(0.0, lease.granted_at + mean - now)
+    return busy
+
+
+def predicted_refusal(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float) -> Reject | None:
+    """A request just submitted (never told a reason yet) that has to wait for its deployment's
+    slots, and would start too late to finish by its deadline: refused at submission. Its start
+    is predicted from the work ahead of it: its deployment's running leases (what they still
+    need at the mean service time), the requests of it this pass granted or left waiting before
+    it, each at the mean, spread over the slots of its residents; its own service at the high
+    percentile (`service_estimate`)."""
+    if queued.deadline_at is None or queued.waiting_reason or not pass_.state.config.deadline_service:
+        return None
+    deployment_id = deployment.deployment_id
+    mean = service_of(pass_, deployment_id)[0]
+    if mean <= 0.0:
+        return None
+    slots = sum(deployment.concurrency for r in pass_.residents_of.get(deployment_id, ()) if r.phase in BECOMING_READY)
+    if slots <= 0:
+        return None
+    work = _busy_s(pass_, now).get(deployment_id, 0.0)
+    work += (pass_.ahead.get(deployment_id, 0) + pass_.granted.get(deployment_id, 0)) * mean
+    start = now + work / slots
+    service = service_estimate(pass_, queued, deployment)
+    if start + service <= queued.deadline_at:
         return None
     return Reject(
         queued.request_id,
         queued.workflow_id,
         FailureClass.DEADLINE_CANNOT_BE_MET,
-        f"{doing} {attempt.deployment.deployment_id} takes {attempt.load_s:.1f} s; the deadline is in "
-        f"{queued.deadline_at - now:.1f} s",
+        f"would start in about {start - now:.1f} s behind {work:.0f} s of {deployment_id} work on {slots} slots "
+        f"and need about {service:.1f} s; the deadline is in {queued.deadline_at - now:.1f} s",
     )
 
 

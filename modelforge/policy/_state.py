@@ -3,6 +3,7 @@ what the simulator replays. Plain dataclasses, JSON-friendly, iterated in insert
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -57,6 +58,16 @@ class PolicyConfig:
     # fallback. On only for schedulers recorded before the rule, which replay with it.
     cpu_fallback: bool = False
     fair_share_half_life_s: float = 3600.0
+    # Deadline-aware admission (on): a request's service time is estimated (`service_estimate`:
+    # this percentile of its deployment's measured lease times, a batch job's max_duration) and
+    # its deadline checks count it on top of any load; work that cannot meet its deadline is
+    # refused as soon as that is known. Off: load time only, for schedulers recorded before.
+    deadline_service: bool = True
+    service_percentile: float = 0.95
+    # Lower classes get what higher ones leave (on): a request that waits only for a free slot
+    # of its resident (no second copy may go on that card, and joining needs no more bytes than
+    # are free) keeps no memory there from lower work. Off: for schedulers recorded before.
+    pack_lower_classes: bool = True
 
 
 class ResidentPhase(StrEnum):
@@ -200,6 +211,35 @@ class MeasuredTimes:
     unload_s: float | None = None
     sleep_s: float | None = None
     wake_s: float | None = None
+    # The latest SERVICE_SAMPLES lease times (grant to a successful release; a delegated run's
+    # invoke), oldest first: what a request's service time is estimated from.
+    service_s: list[float] = field(default_factory=list)
+
+
+# How many recent lease times per deployment the service estimate is taken over.
+SERVICE_SAMPLES = 64
+
+
+def note_service(state: PoolState, deployment_id: str, seconds: float) -> None:
+    """A lease of `deployment_id` held `seconds` to a successful end: one more sample of its
+    service time (the scheduler's release and a node's delegated runs call it)."""
+    times = state.measured.setdefault(deployment_id, MeasuredTimes())
+    samples = times.service_s
+    samples.append(max(0.0, float(seconds)))
+    if len(samples) > SERVICE_SAMPLES:
+        del samples[: len(samples) - SERVICE_SAMPLES]
+
+
+def service_figures(state: PoolState, deployment_id: str) -> tuple[float, float]:
+    """(mean, the configured high percentile) of a deployment's measured service times; (0, 0)
+    while none was measured (nothing is counted then, as before service was measured)."""
+    measured = state.measured.get(deployment_id)
+    samples = measured.service_s if measured is not None else None
+    if not samples:
+        return 0.0, 0.0
+    ordered = sorted(samples)
+    rank = max(0, min(len(ordered) - 1, math.ceil(state.config.service_percentile * len(ordered)) - 1))
+    return sum(ordered) / len(ordered), ordered[rank]
 
 
 def operation_seconds(state: PoolState, deployment: Deployment, operation: str) -> float:

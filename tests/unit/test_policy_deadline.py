@@ -1,0 +1,170 @@
+"""Deadline-aware admission (service time measured and counted, hopeless work refused early,
+classes that run late) and lower classes packed into what a slot wait leaves free."""
+
+from __future__ import annotations
+
+from modelforge.domain import DEFAULT_QUEUE, Catalog, Priority, PriorityLevel, Queue, Residency
+from modelforge.failures import FailureClass
+from modelforge.policy import PolicyConfig, apply_decisions, decide, enqueue, release_lease, validate_request
+from modelforge.policy._state import SERVICE_SAMPLES, note_service, service_figures
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+
+def admit(s, request, now=NOW):  # type: ignore[no-untyped-def]
+    _, priority = validate_request(s, request)
+    enqueue(s, request, priority, now)
+    decisions = decide(s, now)
+    apply_decisions(s, decisions, now, {})
+    return decisions
+
+
+def served(s, deployment_id: str, seconds: float, count: int = 20) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(count):
+        note_service(s, deployment_id, seconds)
+
+
+def test_released_leases_are_the_service_samples_and_the_estimate_is_a_high_percentile() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    [grant] = admit(s, ask("r1", "llm@1")).grants
+    release_lease(s, grant.lease.lease_id, NOW + 3.0, "ok")
+    assert s.measured["llm@1"].service_s == [3.0]
+    [again] = admit(s, ask("r2", "llm@1"), NOW + 4).grants
+    release_lease(s, again.lease.lease_id, NOW + 5.0, "RUNTIME_CRASH")  # only successes count
+    assert s.measured["llm@1"].service_s == [3.0]
+    for n in range(200):
+        note_service(s, "llm@1", float(n % 100))
+    samples = s.measured["llm@1"].service_s
+    assert len(samples) == SERVICE_SAMPLES and samples[-1] == 99.0
+    mean, high = service_figures(s, "llm@1")
+    assert high == sorted(samples)[60] and mean == sum(samples) / len(samples)
+
+
+def test_a_load_and_the_service_together_past_the_deadline_are_refused_at_once() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", load_s=20.0)])
+    observe(s, "n/0")
+    assert admit(s, ask("r1", "llm@1", deadline_s=25.0)).loads  # nothing measured: the load alone counts
+    s = state([gpu("n/0")], [deployment("llm@1", load_s=20.0)])
+    observe(s, "n/0")
+    served(s, "llm@1", 10.0)
+    [reject] = admit(s, ask("r1", "llm@1", deadline_s=25.0)).rejects
+    assert reject.failure == FailureClass.DEADLINE_CANNOT_BE_MET and "10.0 s of service" in reject.message
+
+
+def test_a_waiting_request_leaves_as_soon_as_it_could_no_longer_finish_in_time() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    assert admit(s, ask("r1", "llm@1")).grants
+    served(s, "llm@1", 10.0)
+    s.measured["llm@1"].service_s = [1.0] * 18 + [10.0] * 2  # p95 10 s, a short mean
+    waiting = admit(s, ask("r2", "llm@1", deadline_s=60.0))
+    assert waiting.waits and not waiting.rejects
+    assert not decide(s, NOW + 49.0).rejects  # 49 + 10 <= 60: it could still finish
+    [reject] = decide(s, NOW + 50.5).rejects  # 9.5 s before its deadline, a 10 s service
+    assert reject.failure == FailureClass.DEADLINE_CANNOT_BE_MET and "cannot finish by its deadline" in reject.message
+
+
+def test_a_request_that_would_start_too_late_behind_the_work_ahead_is_refused_at_submission() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=1, concurrency=2)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    served(s, "llm@1", 10.0)
+    for n in range(2):
+        assert admit(s, ask(f"run{n}", "llm@1")).grants
+    # Two slots busy for 10 s each; requests without a deadline queue behind them.
+    for n in range(8):
+        assert admit(s, ask(f"w{n}", "llm@1")).waits
+    # A second later, ahead: 2 x 9 s still running + 8 x 10 s waiting over 2 slots = 49 s; plus
+    # its own 10 s > 45 s.
+    [reject] = admit(s, ask("late", "llm@1", deadline_s=45.0), NOW + 1).rejects
+    assert reject.failure == FailureClass.DEADLINE_CANNOT_BE_MET and "would start in about 49.0 s" in reject.message
+    # 49 + 10 <= 60: it waits.
+    decisions = admit(s, ask("fits", "llm@1", deadline_s=60.0), NOW + 1)
+    assert decisions.waits and not decisions.rejects
+
+
+def test_without_deadline_service_the_old_rules_hold() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", load_s=20.0)], config=PolicyConfig(deadline_service=False))
+    observe(s, "n/0")
+    served(s, "llm@1", 10.0)
+    assert admit(s, ask("r1", "llm@1", deadline_s=25.0)).loads
+
+
+def test_a_class_that_runs_late_is_never_refused_for_its_deadline() -> None:
+    queues = [
+        Queue(
+            name=DEFAULT_QUEUE,
+            levels=[
+                PriorityLevel(name="production", priority=50, production=True),
+                PriorityLevel(name="batch", priority=10, run_late=True),
+            ],
+        )
+    ]
+    s = state([gpu("n/0")], [deployment("llm@1", gib=1, concurrency=1)])
+    s.catalog = Catalog(
+        accelerators=s.catalog.accelerators,
+        deployments=s.catalog.deployments,
+        tenants=[tenant(max_priority=Priority.PRODUCTION, default_priority="batch")],
+        queues=queues,
+    )
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    served(s, "llm@1", 10.0)
+    assert admit(s, ask("r1", "llm@1", priority="batch")).grants
+    decisions = admit(s, ask("r2", "llm@1", priority="batch", deadline_s=5.0))
+    assert decisions.waits and not decisions.rejects
+    assert s.queue[0].deadline_at is None
+    assert not decide(s, NOW + 100.0).rejects  # past its deadline: it waits to run late
+
+
+def test_a_request_waiting_only_for_a_slot_keeps_no_memory_from_lower_work() -> None:
+    s = state(
+        [gpu("n/0")],
+        [
+            deployment("llm@1", gib=4, concurrency=1, residency=Residency.KEEP_WARM),
+            deployment("eval@1", gib=6, residency=Residency.NONE, production_eligible=False, measured_on=[]),
+        ],
+        [tenant()],
+    )
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    assert admit(s, ask("p1", "llm@1", priority=Priority.PRODUCTION)).grants
+    assert admit(s, ask("p2", "llm@1", priority=Priority.PRODUCTION)).waits  # at concurrency 1
+    decisions = admit(s, ask("bg", "eval@1", priority=Priority.BACKGROUND))
+    assert [load.deployment for load in decisions.loads] == ["eval@1"]
+    # Before the rule, the production request's slot wait kept the card from lower work.
+    s = state(
+        [gpu("n/0")],
+        [
+            deployment("llm@1", gib=4, concurrency=1, residency=Residency.KEEP_WARM),
+            deployment("eval@1", gib=6, residency=Residency.NONE, production_eligible=False, measured_on=[]),
+        ],
+        [tenant()],
+        config=PolicyConfig(pack_lower_classes=False),
+    )
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    assert admit(s, ask("p1", "llm@1", priority=Priority.PRODUCTION)).grants
+    assert admit(s, ask("p2", "llm@1", priority=Priority.PRODUCTION)).waits
+    blocked = admit(s, ask("bg", "eval@1", priority=Priority.BACKGROUND))
+    [waits] = [w.reason for w in blocked.waits if w.request_id == "bg"]
+    assert not blocked.loads and "a higher request waits for memory" in waits
+
+
+def test_the_catalog_declares_a_level_that_runs_late() -> None:
+    from modelforge.catalog import parse_catalog
+
+    levels = [
+        {"name": "live", "priority": 50, "production": True},
+        {"name": "batch", "priority": 10, "on_deadline": "run_late"},
+    ]
+    catalog, _ = parse_catalog({"queues": [{"name": "default", "levels": levels}]})
+    assert catalog.classes["batch"].run_late and not catalog.classes["live"].run_late
+    try:
+        parse_catalog({"queues": [{"name": "default", "levels": [{**levels[1], "on_deadline": "later"}]}]})
+    except Exception as error:
+        assert "on_deadline" in str(error)
+    else:
+        raise AssertionError("an unknown on_deadline was accepted")
