@@ -281,3 +281,26 @@ class NodeSlots:
             self._view, self._view_epoch = reply.view, reply.view_epoch
         # Counted from when the sync was sent: never later than the scheduler's own clock.
         self._valid_until = sent_at + reply.valid_s
+
+
+class PoolSlots:
+    """The slots of a node whose cards are in several pools: one `NodeSlots` per pool (each
+    syncs with its own scheduler), a claim answered by the one of its request's pool."""
+
+    def __init__(self, pools: list[NodeSlots]) -> None:
+        self.by_pool = {slots.pool: slots for slots in pools}
+
+    def claim(self, claim: SlotClaim) -> Lease | None:
+        slots = self.by_pool.get(claim.pool)
+        return None if slots is None else slots.claim(claim)
+
+    def started(self, lease_id: str, request_id: str) -> bool:
+        # A slot's id is its pool's; with the request's id it names one slot of one pool.
+        return any(slots.started(lease_id, request_id) for slots in self.by_pool.values())
+
+    def finish(self, lease_id: str, request_id: str, outcome: str, invoke_s: float, message: str = "") -> None:
+        for slots in self.by_pool.values():
+            slots.finish(lease_id, request_id, outcome, invoke_s, message)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(slots.run() for slots in self.by_pool.values()))

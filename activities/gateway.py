@@ -26,7 +26,7 @@ from modelforge.names import scheduler_id
 from modelforge.policy import AdmissionRequest, Lease
 
 if TYPE_CHECKING:
-    from activities._delegation import NodeSlots
+    from activities._delegation import NodeSlots, PoolSlots
 
 T = TypeVar("T")
 _FAILURE_CLASSES = frozenset(f.value for f in FailureClass)
@@ -153,7 +153,7 @@ def _as_failure(error: Exception, pool: str) -> Exception:
 
 
 class SchedulerGatewayActivities:
-    def __init__(self, client: Client, slots: NodeSlots | None = None) -> None:
+    def __init__(self, client: Client, slots: NodeSlots | PoolSlots | None = None) -> None:
         """`slots`: on a node's worker, the slots its scheduler lent it (warm-path delegation)."""
         self._client = client
         self._batchers: dict[str, _PoolBatcher] = {}

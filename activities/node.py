@@ -20,7 +20,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from activities import _stream_push as stream_push
-from activities._delegation import NodeSlots
+from activities._delegation import NodeSlots, PoolSlots
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
 from modelforge.events import EventRecord
@@ -122,7 +122,7 @@ class NodeActivities:
         labels: dict[str, str] | None = None,
         checkpoint_root: Path | None = None,
         request_queue: str = "",
-        slots: NodeSlots | None = None,
+        slots: NodeSlots | PoolSlots | None = None,
     ) -> None:
         """`labels`: what this node advertises for all its accelerators (`rack_id`,
         `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML.

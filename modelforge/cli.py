@@ -1004,7 +1004,13 @@ def worker_control(
 def worker_node(
     node: Annotated[str, typer.Option(help="This GPU host's node name.")],
     simulate_from: Annotated[Path | None, typer.Option(help="Catalog whose devices to simulate.")] = None,
-    pool: Annotated[str, typer.Option(help="The pool whose scheduler receives this node's telemetry.")] = "default",
+    pool: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A pool of this node's cards: its scheduler receives the node's telemetry and lends it slots; "
+            "repeatable, for a node whose cards are in several pools (default: default)."
+        ),
+    ] = None,
     cpu_device_bytes: Annotated[
         str | None,
         typer.Option(help="Serve this host's CPU as the device <node>/cpu with this memory budget (e.g. 4GiB)."),
@@ -1028,7 +1034,8 @@ def worker_node(
         labels = {"rack_id": rack_id} if rack_id else {}
         if network_bandwidth_gbps is not None:
             labels["network_bandwidth_gbps"] = f"{network_bandwidth_gbps:g}"
-        _run(lambda: node_worker.run(_settings(), node, simulate_from, pool, budget, labels))
+        pools = list(dict.fromkeys(pool or ["default"]))
+        _run(lambda: node_worker.run(_settings(), node, simulate_from, pools, budget, labels))
     except KeyboardInterrupt:
         pass
 

@@ -163,7 +163,7 @@ class DevStack:
         env["MODELFORGE_TEMPORAL_ADDRESS"] = self.settings.temporal_address
         env["MODELFORGE_GPU_BACKEND"] = self.settings.gpu_backend
         python = sys.executable
-        served = sorted(set(pools.values())) or ["default"]
+        served = sorted({pool for names in pools.values() for pool in names}) or ["default"]
         control = [python, "-m", "modelforge", "worker", "control"]
         for pool in served:
             control += ["--pool", pool]
@@ -181,8 +181,7 @@ class DevStack:
                     node,
                     "--simulate-from",
                     str(self.catalog_path),
-                    "--pool",
-                    pools.get(node, "default"),
+                    *(option for pool in pools.get(node, ["default"]) for option in ("--pool", pool)),
                 ],
                 env,
             )
@@ -234,19 +233,13 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def node_pools(catalog: Catalog) -> dict[str, str]:
-    """Each node's pool: the pool of its accelerators (a node whose cards are in several pools
-    reports to the first by name, and a warning says so)."""
+def node_pools(catalog: Catalog) -> dict[str, list[str]]:
+    """Each node's pools: the pools of its accelerators, by name (a node whose cards are in
+    several pools reports to each of their schedulers)."""
     found: dict[str, set[str]] = {}
     for accelerator in catalog.accelerators:
         found.setdefault(accelerator.node, set()).add(accelerator.pool)
-    for node, pools in sorted(found.items()):
-        if len(pools) > 1:
-            console.print(
-                f"[yellow]node {escape(node)} has cards in pools {escape(', '.join(sorted(pools)))}: its telemetry "
-                f"goes to {escape(min(pools))} only[/yellow]"
-            )
-    return {node: min(pools) for node, pools in found.items()}
+    return {node: sorted(pools) for node, pools in found.items()}
 
 
 async def _prepare(stack: DevStack, database_url: str) -> list[str]:

@@ -270,6 +270,9 @@ class UnloadReport:
 class TelemetryInput:
     node: str
     pool: str = "default"
+    # The other pools this node's cards are in: each of their schedulers gets the same sample
+    # (each keeps its own cards' observations).
+    other_pools: list[str] = field(default_factory=list)
     interval_s: float = 10.0
     samples_before_continue: int = 200
 

@@ -15,7 +15,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from activities._delegation import NodeSlots
+from activities._delegation import NodeSlots, PoolSlots
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
@@ -70,13 +70,20 @@ class Stack:
         await self.stop_node(node)
         await self.start_node(node)
 
-    def _new_slots(self, client: Client, node: str) -> NodeSlots | None:
-        """A node worker's slots, a fresh life of them (its sync loop started), or None."""
+    def node_pools(self, node: str) -> list[str]:
+        """The pools of a node's cards that this stack runs (the first pool when none)."""
+        pools = sorted({a.pool for a in self.catalog.accelerators if a.node == node and a.pool in self.schedulers})
+        return pools or [next(iter(self.schedulers), "default")]
+
+    def _new_slots(self, client: Client, node: str) -> NodeSlots | PoolSlots | None:
+        """A node worker's slots, a fresh life of them (its sync loops started), or None. A node
+        whose cards are in several pools has slots of each (`PoolSlots`); `slots[node]` is then
+        those of its first pool."""
         if not self.delegation_sync_s:
             return None
-        pool = next((a.pool for a in self.catalog.accelerators if a.node == node and a.pool in self.schedulers), "")
-        slots = NodeSlots(client, node, pool or next(iter(self.schedulers), "default"), sync_s=self.delegation_sync_s)
-        self.slots[node] = slots
+        lives = [NodeSlots(client, node, pool, sync_s=self.delegation_sync_s) for pool in self.node_pools(node)]
+        slots: NodeSlots | PoolSlots = lives[0] if len(lives) == 1 else PoolSlots(lives)
+        self.slots[node] = lives[0]
         self.sync_tasks[node] = asyncio.create_task(slots.run())
         return slots
 
@@ -126,7 +133,11 @@ class Stack:
 
 
 def _node_worker(
-    client: Client, node: str, backend: SimulatedGpuBackend, catalog: Catalog, slots: NodeSlots | None = None
+    client: Client,
+    node: str,
+    backend: SimulatedGpuBackend,
+    catalog: Catalog,
+    slots: NodeSlots | PoolSlots | None = None,
 ) -> Worker:
     """A node worker as `modelforge worker node --simulate-from` builds one: every runtime, the
     catalog's CPU device when it declares one on this node."""
@@ -213,9 +224,8 @@ async def running_stack(
                     await asyncio.sleep(0.1)
                 else:
                     raise RuntimeError(f"the scheduler of pool {pool} did not load its catalog within 30 s")
-            node_pool = {a.node: a.pool for a in catalog.accelerators if a.pool in pools}
             for node in backends:
-                await ensure_telemetry(client, node, node_pool.get(node, pools[0]), interval_s=telemetry_interval_s)
+                await ensure_telemetry(client, node, running.node_pools(node), interval_s=telemetry_interval_s)
             yield running
     finally:
         await store.close()

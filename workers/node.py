@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities import NodeActivities, SchedulerGatewayActivities
-from activities._delegation import NodeSlots
+from activities._delegation import NodeSlots, PoolSlots
 from modelforge.catalog import ExternalSpec, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import (
@@ -76,7 +77,7 @@ def build_node_worker(
     artifact_roots: list[Path] | None = None,
     labels: dict[str, str] | None = None,
     checkpoint_root: Path | None = None,
-    slots: NodeSlots | None = None,
+    slots: NodeSlots | PoolSlots | None = None,
 ) -> Worker:
     """`slots`: the node's delegated slots (warm-path delegation); their sync loop is the
     caller's to run (`NodeSlots.run`). None: every request is admitted by the scheduler."""
@@ -119,10 +120,15 @@ def build_node_worker(
     )
 
 
-async def ensure_telemetry(client: Client, node: str, pool: str = DEFAULT_POOL, interval_s: float = 10.0) -> None:
+async def ensure_telemetry(
+    client: Client, node: str, pool: str | Sequence[str] = DEFAULT_POOL, interval_s: float = 10.0
+) -> None:
+    """The node's telemetry workflow, its samples to the scheduler of `pool` (or of each of
+    several pools, for a node whose cards are in more than one)."""
+    pools = [pool] if isinstance(pool, str) else list(pool) or [DEFAULT_POOL]
     await client.start_workflow(
         TelemetryWorkflow.run,
-        TelemetryInput(node=node, pool=pool, interval_s=interval_s),
+        TelemetryInput(node=node, pool=pools[0], other_pools=pools[1:], interval_s=interval_s),
         id=telemetry_id(node),
         task_queue=CONTROL_TASK_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
@@ -160,13 +166,19 @@ async def run(
     settings: Settings,
     node: str,
     simulate_from: Path | None,
-    pool: str = DEFAULT_POOL,
+    pool: str | Sequence[str] = DEFAULT_POOL,
     cpu_device_bytes: int | None = None,
     labels: dict[str, str] | None = None,
 ) -> None:
+    """`pool`: the pool of this node's cards, or each of the pools they are in."""
+    pools = [pool] if isinstance(pool, str) else list(pool) or [DEFAULT_POOL]
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
     client = await connect(settings, worker=True, role="node")
-    slots = NodeSlots(client, node, pool, sync_s=settings.delegation_sync_s) if settings.delegation_sync_s else None
+    slots = (
+        PoolSlots([NodeSlots(client, node, name, sync_s=settings.delegation_sync_s) for name in pools])
+        if settings.delegation_sync_s
+        else None
+    )
     worker = build_node_worker(
         client,
         node,
@@ -180,7 +192,7 @@ async def run(
     syncing = asyncio.create_task(slots.run()) if slots is not None else None
     try:
         async with worker:
-            await ensure_telemetry(client, node, pool)
+            await ensure_telemetry(client, node, pools)
             log.info(
                 "node_worker_started",
                 node=node,

@@ -1,5 +1,6 @@
 """TelemetryWorkflow: one per node, `telemetry:<node>`. An NVML sample every 10 s through the
-node's task queue, sent to the scheduler as one batched signal per sample."""
+node's task queue, sent to the scheduler of each pool the node's cards are in as one batched
+signal per sample."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from workflows._common import scheduler_id
 class TelemetryWorkflow:
     @workflow.run
     async def run(self, start: TelemetryInput) -> None:
-        scheduler = workflow.get_external_workflow_handle(scheduler_id(start.pool))
+        schedulers = [
+            workflow.get_external_workflow_handle(scheduler_id(pool)) for pool in [start.pool, *start.other_pools]
+        ]
         for _ in range(start.samples_before_continue):
             try:
                 sample = await workflow.execute_activity(
@@ -37,11 +40,13 @@ class TelemetryWorkflow:
                 )
                 now = workflow.now().timestamp()
                 sample = replace(sample, observations=[replace(o, received_at=now) for o in sample.observations])
-                await scheduler.signal("observe", sample)
+                for scheduler in schedulers:
+                    await scheduler.signal("observe", sample)
             except ActivityError as error:
                 cause = error.cause
                 if isinstance(cause, ApplicationError) and cause.type == FailureClass.DRIVER_ERROR.value:
-                    await scheduler.signal("observe", NodeSample(node=start.node, error=cause.message))
+                    for scheduler in schedulers:
+                        await scheduler.signal("observe", NodeSample(node=start.node, error=cause.message))
                 # A silent node sends nothing: its accelerators go stale at the scheduler.
             await workflow.sleep(start.interval_s)
         workflow.continue_as_new(start)

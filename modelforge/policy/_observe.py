@@ -73,8 +73,8 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
     labels_changed = False
     for observation in observations:
         accelerator = state.catalog.accelerator(observation.accelerator)
-        if accelerator is None:
-            continue
+        if accelerator is None or accelerator.pool != state.pool:
+            continue  # unknown, or another pool's card (a node whose cards are in several pools)
         if observation.labels and with_advertised_labels(accelerator, observation.labels) is not accelerator:
             labels_changed = True
         runtime = state.accelerators.setdefault(accelerator.id, AcceleratorRuntime())

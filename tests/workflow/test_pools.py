@@ -27,7 +27,7 @@ from modelforge import cli
 from modelforge.catalog import load_catalog_file
 from modelforge.client import ModelForgeClient
 from modelforge.metrics import Metrics
-from modelforge.policy import PoolStatus
+from modelforge.policy import PoolState, PoolStatus
 from modelforge.settings import Settings, node_task_queue
 from modelforge.store import Store
 from tests.harness import running_stack
@@ -255,3 +255,35 @@ async def _running(env: WorkflowEnvironment, workflow_id: str, within_s: float) 
                 raise
         await asyncio.sleep(0.2)
     return False
+
+
+SHARED = Path(__file__).resolve().parents[1] / "catalogs" / "shared_node.toml"
+
+
+async def test_a_node_whose_cards_are_in_two_pools_reports_to_both_and_is_lent_slots_by_each(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    temporal = dev_server_env.client
+    async with running_stack(temporal, database_url, catalog_path=SHARED, pools=POOLS, delegation_sync_s=0.3) as stack:
+        # Each scheduler sees its own card fresh from the one node's samples, and only that card.
+        for pool, card in (("pool-a", "shared/0"), ("pool-b", "shared/1")):
+            for _ in range(100):
+                status = await stack.status(pool)
+                if all(a.fresh for a in status.accelerators):
+                    break
+                await asyncio.sleep(0.2)
+            assert [(a.id, a.fresh) for a in status.accelerators] == [(card, True)], status.accelerators
+        client = ModelForgeClient(temporal)  # routes each capability to the pool that serves it
+        for capability, pool in (("x@1", "pool-a"), ("y@1", "pool-b")):
+            delegated = False
+            for _ in range(30):
+                result = await client.request(capability, input={"text": "hi"}, tenant="app")
+                assert result.ok and result.lease is not None, result
+                assert result.lease.node == "shared" and result.lease.accelerator.startswith("shared/")
+                if result.timings.get("delegated"):
+                    delegated = True
+                    break
+                await asyncio.sleep(0.2)
+            assert delegated, f"{capability}: the node was never lent a slot by {pool}"
+            state = await stack.schedulers[pool].query("state", result_type=PoolState)
+            assert state.slots and all(slot.node == "shared" for slot in state.slots.values())
