@@ -5,6 +5,8 @@ which adds its commands to the app."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import sys
@@ -99,6 +101,151 @@ def follow_log(
             directory, offset = newer, 0
 
 
+# --- jobs across nodes, through Temporal --------------------------------------------------------
+# A job's log and status files live on the node that ran it. What every host can read is
+# Temporal: a running job's progress is its invoke activity's heartbeat detail ("job 40%: merged
+# layer 3"), and a finished job's answer carries the end of its log (`log_tail`), or its failure
+# quotes it.
+
+REQUEST_WORKFLOW_TYPE = "CapabilityRequestWorkflow"
+SCAN_LIMIT = 2000  # request workflows looked through for an id, newest first
+
+
+async def find_request_workflow(temporal: Any, request_id: str, scan: int = SCAN_LIMIT) -> str | None:
+    """The id of the request workflow for `request_id` (`request:<capability>:<request id>`),
+    among the newest `scan` request workflows, or None."""
+    suffix = f":{request_id}"
+    seen = 0
+    async for execution in temporal.list_workflows(f"WorkflowType = '{REQUEST_WORKFLOW_TYPE}'"):
+        if execution.id.startswith("request:") and execution.id.endswith(suffix):
+            return str(execution.id)
+        seen += 1
+        if seen >= scan:
+            break
+    return None
+
+
+async def _invoke_heartbeat(temporal: Any, described: Any) -> tuple[str, str]:
+    """The running invoke's latest heartbeat detail and the worker that runs it ("" when none)."""
+    for pending in described.raw_description.pending_activities:
+        if pending.activity_type.name != "invoke":
+            continue
+        details = pending.heartbeat_details.payloads
+        decoded = await temporal.data_converter.decode(list(details)) if details else []
+        return (str(decoded[-1]) if decoded else ""), str(pending.last_worker_identity)
+    return "", ""
+
+
+async def remote_job(temporal: Any, request_id: str) -> dict[str, Any] | None:
+    """What Temporal knows of a job, from any host: {"request_id", "workflow_id", "state"
+    (running, completed, failed...), "line" (the invoke's latest heartbeat: its progress line),
+    "worker" (the node worker running it), and once it ended "ok", "log" (the path on its node),
+    "log_tail", "progress", "message", or "failure"}. None when no request workflow has the id."""
+    from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+
+    from modelforge.messages import RequestResult
+
+    workflow_id = await find_request_workflow(temporal, request_id)
+    if workflow_id is None:
+        return None
+    handle = temporal.get_workflow_handle(workflow_id)
+    described = await handle.describe()
+    status = described.status
+    line, worker = await _invoke_heartbeat(temporal, described)
+    row: dict[str, Any] = {
+        "request_id": request_id,
+        "workflow_id": workflow_id,
+        "state": status.name.lower() if status is not None else "",
+        "line": line,
+        "worker": worker,
+    }
+    if status == WorkflowExecutionStatus.COMPLETED:
+        result = await temporal.get_workflow_handle(workflow_id, result_type=RequestResult).result()
+        output: Any = result.output
+        if isinstance(output, dict) and "modelforge_output_ref" in output:
+            from modelforge.payloads import get_output, payload_store
+
+            output = await asyncio.to_thread(get_output, payload_store(temporal), output)
+        if not isinstance(output, dict):
+            output = {}
+        row.update(
+            ok="exit_code" in output,
+            log=str(output.get("log", "")),
+            log_tail=str(output.get("log_tail", "")),
+            progress=output.get("progress"),
+            message=str(output.get("message", "")),
+        )
+    elif status is not None and status != WorkflowExecutionStatus.RUNNING:
+        try:
+            await handle.result()
+        except WorkflowFailureError as error:  # a job's failure quotes the end of its log
+            cause = error.cause
+            kind = getattr(cause, "type", None) or type(cause or error).__name__
+            row.update(ok=False, failure=f"{kind}: {getattr(cause, 'message', None) or cause or error}")
+        except Exception as error:
+            row.update(ok=False, failure=f"{type(error).__name__}: {error}")
+    return row
+
+
+async def running_jobs(temporal: Any, limit: int = 50) -> list[dict[str, Any]]:
+    """The jobs running on any node: running request workflows whose invoke heartbeats a job's
+    progress line ("job 40%: ..."), newest first, each as `remote_job` describes it."""
+    rows: list[dict[str, Any]] = []
+    query = f"WorkflowType = '{REQUEST_WORKFLOW_TYPE}' AND ExecutionStatus = 'Running'"
+    async for execution in temporal.list_workflows(query):
+        described = await temporal.get_workflow_handle(execution.id).describe()
+        line, worker = await _invoke_heartbeat(temporal, described)
+        if line.startswith("job "):
+            rows.append(
+                {
+                    "request_id": execution.id.rsplit(":", 1)[-1],
+                    "workflow_id": execution.id,
+                    "state": "running",
+                    "line": line,
+                    "worker": worker,
+                    "started_at": execution.start_time.timestamp() if execution.start_time else None,
+                }
+            )
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+def _print_remote(row: dict[str, Any], write: Any) -> None:
+    if row.get("log_tail"):
+        write(row["log_tail"].encode())
+    if row.get("failure"):
+        write(f"[modelforge] {row['failure']}\n".encode())
+    where = f"; the whole log is on its node: {row['log']}" if row.get("log") else ""
+    write(f"[modelforge] {row['workflow_id']}: {row['state']}{where} (read through Temporal)\n".encode())
+
+
+async def follow_remote(
+    temporal: Any, request_id: str, write: Any, follow: bool, home: Path, poll_s: float = 1.0
+) -> str | None:
+    """A job this host has no log of, read through Temporal (`remote_job`): its progress line
+    while it runs (with `follow`, each new one until it ends), then the end of its log, or its
+    failure. "" when a local log appears meanwhile (the job was only queued: the caller follows
+    that), None when Temporal knows no such request; else its state."""
+    row = await remote_job(temporal, request_id)
+    if row is None:
+        return None
+    last = ""
+    while row["state"] == "running":
+        if row["line"] and row["line"] != last:
+            last = row["line"]
+            worker = f" on {row['worker']}" if row["worker"] else ""
+            write(f"[modelforge] {row['workflow_id']}{worker}: {last}\n".encode())
+        if not follow:
+            return "running"
+        if latest_log(home, request_id) is not None:
+            return ""
+        await asyncio.sleep(poll_s)
+        row = await remote_job(temporal, request_id) or row
+    _print_remote(row, write)
+    return "succeeded" if row.get("ok") else "failed"
+
+
 @app.command()
 def logs(
     request_id: Annotated[str, typer.Argument(help="The job's request id.")],
@@ -106,13 +253,21 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing what the job writes until it ends.")
     ] = False,
 ) -> None:
-    """Print a job's log (stdout and stderr of every attempt), kept on the node that ran it."""
+    """Print a job's log (stdout and stderr of every attempt), kept on the node that ran it.
+
+    On another host (no log of the request here) it asks Temporal: a running job's progress
+    line (with --follow, each new one until it ends), then the end of its log (the last 4 KiB)
+    or its failure, and where the whole log lies on its node."""
     settings = _settings()
 
     def write(chunk: bytes) -> None:
         sys.stdout.buffer.write(chunk)
         sys.stdout.buffer.flush()
 
+    if latest_log(settings.home, request_id) is None:
+        remote = _remote_logs(settings, request_id, write, follow)
+        if remote:
+            raise typer.Exit(0 if remote in ("succeeded", "running") else 1)
     try:
         state = follow_log(settings.home, request_id, write, follow)
     except ModelForgeError as error:
@@ -120,6 +275,37 @@ def logs(
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     raise typer.Exit(1 if state.startswith("failed") or state == "timeout" else 0)
+
+
+def _remote_logs(settings: Any, request_id: str, write: Any, follow: bool) -> str | None:
+    """`follow_remote` on a Temporal connection of its own; None when Temporal cannot be reached
+    or knows no such request (the local log is then waited for or refused, as before)."""
+    from modelforge.temporal import connect
+
+    async def go() -> str | None:
+        try:
+            temporal = await asyncio.wait_for(connect(settings), 10)
+        except Exception:
+            return None
+        try:
+            return await follow_remote(temporal, request_id, write, follow, settings.home) or None
+        except Exception as error:
+            err.print(f"[yellow]note[/yellow]: Temporal: {escape(type(error).__name__)}: {escape(str(error))}")
+            return None
+
+    def runner() -> str | None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: a command line, no loop running
+            return asyncio.run(go())
+        # Called from a running loop (a program embedding the CLI, a test): a thread of its own.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(lambda: asyncio.run(go())).result()
+
+    try:
+        return runner()
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 # A job TOML (`modelforge job submit --file job.toml`): these keys, each optional but `capability`
@@ -392,11 +578,22 @@ def job_rows(home: Path) -> list[dict[str, Any]]:
 @app.command()
 def jobs(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 50,
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster",
+            help="The jobs running on any node, through Temporal (their progress lines), not this host's files.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """List the jobs this host's node workers ran, with their state, progress and attempts."""
+    """List the jobs this host's node workers ran, with their state, progress and attempts
+    (--cluster: the jobs running on every node, read through Temporal)."""
     from modelforge.cli import _compact_table, _table_console
 
+    if cluster:
+        _cluster_jobs(max(0, limit), as_json)
+        return
     rows = job_rows(_settings().home)[: max(0, limit)]
     if as_json:
         _json(rows)
@@ -418,6 +615,37 @@ def jobs(
             str(row["attempts"]),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, int | float) else "",
             escape(row["message"][:60]),
+        )
+    _table_console().print(table)
+
+
+def _cluster_jobs(limit: int, as_json: bool) -> None:
+    from modelforge.cli import _compact_table, _table_console
+
+    settings = _settings()
+
+    async def go() -> list[dict[str, Any]]:
+        from modelforge.temporal import connect
+
+        return await running_jobs(await connect(settings), limit)
+
+    rows = _run(go)
+    if as_json:
+        _json(rows)
+        return
+    if not rows:
+        out.print("no jobs running on any node", highlight=False)
+        return
+    table = _compact_table()
+    for column in ("request", "worker", "started", "progress"):
+        table.add_column(column)
+    for row in rows:
+        started = row["started_at"]
+        table.add_row(
+            escape(row["request_id"]),
+            escape(row["worker"]),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, int | float) else "",
+            escape(row["line"][:80]),
         )
     _table_console().print(table)
 

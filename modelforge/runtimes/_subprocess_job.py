@@ -51,6 +51,7 @@ SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGHUP": signal.
 MAX_PREEMPT_GRACE_S = 50.0  # below the request workflow's checkpoint timeout (60 s)
 MAX_ARGS = 200
 MAX_OUTPUT_FILES = 1000
+LOG_TAIL_BYTES = 4096  # the end of a successful job's log, in its answer (`log_tail`)
 POLL_S = 0.2
 # What a CUDA (or ROCm, or PyTorch) out-of-memory failure prints.
 OOM_TEXT = re.compile(
@@ -636,6 +637,7 @@ class SubprocessJobRuntime:
                 "output_dir": str(job.output_dir),
                 "outputs": outputs,
                 "log": str(job.log_path),
+                "log_tail": self._log_lines(job),  # the log's end, for `modelforge logs` on any host
                 "progress": job.progress,
                 "message": job.message,
                 "attempts": self._status(job.directory).get("attempts", []),
@@ -672,6 +674,19 @@ class SubprocessJobRuntime:
         if code == CHECKPOINTED_EXIT:
             return FailureClass.RUNTIME_CRASH, f"the job exited {code} (checkpointed) but no preemption asked it to"
         return FailureClass.RUNTIME_CRASH, f"the job exited with code {code}"
+
+    def _log_lines(self, job: _Job, limit: int = LOG_TAIL_BYTES) -> str:
+        """The log's last whole lines within `limit` bytes, as text ("" when it cannot be read)."""
+        try:
+            with job.log_path.open("rb") as stream:
+                size = stream.seek(0, os.SEEK_END)
+                stream.seek(max(0, size - limit))
+                data = stream.read()
+        except OSError:
+            return ""
+        if size > limit and b"\n" in data:
+            data = data[data.index(b"\n") + 1 :]  # from a line's start
+        return data.decode("utf-8", errors="replace")
 
     def _log_tail(self, job: _Job, limit: int = 600) -> str:
         try:

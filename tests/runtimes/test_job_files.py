@@ -1,7 +1,8 @@
 """What issue 19 left over for jobs: a job TOML and `--nvlink` for `modelforge job submit`
 (checked before anything connects, and honoured or refused by the node), a job's output
-directory as one artifact, the artifact store's own location and its retention, and the
-evaluation dataset shipped with the examples."""
+directory as one artifact, the artifact store's own location and its retention, the
+evaluation dataset shipped with the examples, and `modelforge logs`/`jobs --cluster` reading
+another node's jobs through Temporal (the end of a job's log in its answer)."""
 
 from __future__ import annotations
 
@@ -365,3 +366,143 @@ async def test_merge_then_evaluate_scores_on_the_shipped_dataset_by_default(node
     with pytest.raises(ApplicationError, match="refused its arguments") as refused:
         await node.invoke("ds-bad", {"args": ["--model", merged["output_artifact"], "--dataset", str(own)]})
     assert refused.value.type == FailureClass.REQUEST_INVALID.value
+
+
+async def test_a_jobs_answer_carries_the_end_of_its_log_from_a_lines_start(node: Node) -> None:
+    await node.load(job(python("for i in range(2000): print(f'line {i:04d}')")))
+    done = await node.invoke("tail", {})
+    tail = done["log_tail"]
+    assert 3000 < len(tail.encode()) <= 4096 and tail.startswith("line ")  # whole lines, at most 4 KiB
+    assert "line 1999\n" in tail and "line 0000" not in tail
+    assert Path(done["log"]).read_text().endswith(tail)
+
+
+class _Handle:
+    def __init__(self, described: Any, result: Any) -> None:
+        self.described, self.outcome = described, result
+
+    async def describe(self) -> Any:
+        return self.described
+
+    async def result(self) -> Any:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+class _Temporal:
+    """Stands in for a Temporal client on a host that ran none of the jobs: request workflows,
+    their invoke's heartbeat and their results."""
+
+    def __init__(self) -> None:
+        from temporalio.converter import DataConverter
+
+        self.data_converter = DataConverter.default
+        self.workflows: dict[str, _Handle] = {}
+
+    def add(self, request_id: str, status: Any, heartbeat: str = "", result: Any = None) -> None:
+        from types import SimpleNamespace
+
+        from temporalio.api.common.v1 import ActivityType, Payloads
+        from temporalio.api.workflow.v1 import PendingActivityInfo
+
+        pending = []
+        if heartbeat:
+            details = Payloads(payloads=self.data_converter.payload_converter.to_payloads([heartbeat]))
+            pending.append(
+                PendingActivityInfo(
+                    activity_type=ActivityType(name="invoke"),
+                    heartbeat_details=details,
+                    last_worker_identity="7@node-b",
+                )
+            )
+        described = SimpleNamespace(status=status, raw_description=SimpleNamespace(pending_activities=pending))
+        self.workflows[f"request:merge.slerp.cpu@1:{request_id}"] = _Handle(described, result)
+
+    async def list_workflows(self, query: str) -> Any:
+        from types import SimpleNamespace
+
+        from temporalio.client import WorkflowExecutionStatus
+
+        for workflow_id in reversed(self.workflows):
+            running = self.workflows[workflow_id].described.status == WorkflowExecutionStatus.RUNNING
+            if "Running" in query and not running:
+                continue
+            yield SimpleNamespace(id=workflow_id, start_time=None)
+
+    def get_workflow_handle(self, workflow_id: str, *, result_type: Any = None) -> _Handle:
+        return self.workflows[workflow_id]
+
+
+def _temporal_with_three_jobs() -> _Temporal:
+    from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+
+    from modelforge.messages import RequestResult
+
+    temporal = _Temporal()
+    answer = {"exit_code": 0, "log": "/node-b/jobs/done/job.log", "log_tail": "merged 8 layers\n", "progress": 1.0}
+    temporal.add(
+        "done", WorkflowExecutionStatus.COMPLETED, result=RequestResult("done", "merge.slerp.cpu@1", answer, None)
+    )
+    temporal.add("busy", WorkflowExecutionStatus.RUNNING, heartbeat="job 40%: merged layer 3")
+    temporal.add("chat", WorkflowExecutionStatus.RUNNING, heartbeat="leased")  # not a job
+    crash = ApplicationError("the job exited 1; job log ends: Traceback...", type="RUNTIME_CRASH")
+    temporal.add("broken", WorkflowExecutionStatus.FAILED, result=WorkflowFailureError(cause=crash))
+    return temporal
+
+
+async def test_jobs_and_logs_of_another_nodes_jobs_are_read_through_temporal(tmp_path: Path) -> None:
+    from modelforge.cli_jobs import follow_remote, remote_job, running_jobs
+
+    temporal = _temporal_with_three_jobs()
+    assert await running_jobs(temporal) == [
+        {
+            "request_id": "busy",
+            "workflow_id": "request:merge.slerp.cpu@1:busy",
+            "state": "running",
+            "line": "job 40%: merged layer 3",
+            "worker": "7@node-b",
+            "started_at": None,
+        }
+    ]
+    assert await remote_job(temporal, "nowhere") is None
+    done = await remote_job(temporal, "done")
+    assert done is not None and (done["ok"], done["log"], done["log_tail"]) == (
+        True, "/node-b/jobs/done/job.log", "merged 8 layers\n"
+    )  # fmt: skip
+
+    written: list[bytes] = []
+    assert await follow_remote(temporal, "done", written.append, False, tmp_path) == "succeeded"
+    text = b"".join(written).decode()
+    assert text.startswith("merged 8 layers\n") and "the whole log is on its node: /node-b/jobs/done/job.log" in text
+    written.clear()
+    assert await follow_remote(temporal, "busy", written.append, False, tmp_path) == "running"
+    assert b"on 7@node-b: job 40%: merged layer 3" in b"".join(written)
+    written.clear()
+    assert await follow_remote(temporal, "broken", written.append, False, tmp_path) == "failed"
+    assert b"RUNTIME_CRASH: the job exited 1; job log ends: Traceback..." in b"".join(written)
+    assert await follow_remote(temporal, "nowhere", written.append, False, tmp_path) is None
+
+
+def test_the_command_line_reads_another_hosts_jobs_through_temporal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from modelforge import temporal as temporal_module
+
+    monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))  # this host ran nothing
+    fake = _temporal_with_three_jobs()
+
+    async def connect(*args: Any, **kwargs: Any) -> _Temporal:
+        return fake
+
+    monkeypatch.setattr(temporal_module, "connect", connect)
+    runner = CliRunner()
+    done = runner.invoke(cli.app, ["logs", "done"])
+    assert done.exit_code == 0 and done.stdout.startswith("merged 8 layers\n"), done.output
+    broken = runner.invoke(cli.app, ["logs", "broken"])
+    assert broken.exit_code == 1 and "RUNTIME_CRASH" in broken.stdout
+    unknown = runner.invoke(cli.app, ["logs", "nowhere"])  # neither here nor in Temporal: as before
+    assert unknown.exit_code == 1 and "no job log of request 'nowhere'" in unknown.output
+    listed = runner.invoke(cli.app, ["jobs", "--cluster", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [(r["request_id"], r["line"]) for r in json.loads(listed.stdout)] == [("busy", "job 40%: merged layer 3")]
