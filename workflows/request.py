@@ -77,6 +77,9 @@ PATCH_RESERVED_INPUT = "reserved-input-keys"
 # ...and before a request asked again (after a preemption, a crash, a refused late grant) kept
 # its deadline: it was restarted from the new admission, so a preempted request could run late.
 PATCH_DEADLINE_FROM_START = "deadline-from-start"
+# ...and before a class could run late past its deadline: the requester stopped waiting at its
+# deadline; now it waits for the scheduler's word until its lease timeout.
+PATCH_SCHEDULER_DEADLINES = "scheduler-deadlines"
 # ...and before a warm request on its node's worker could run on a slot lent to that node.
 PATCH_DELEGATED_SLOTS = "delegated-slots"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
@@ -547,7 +550,9 @@ class CapabilityRequestWorkflow:
         self._phase = "queued"
         lease_timeout = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
         limit, cls = lease_timeout, FailureClass.LEASE_TIMEOUT
-        if deadline_s is not None and deadline_s < lease_timeout:
+        if deadline_s is not None and deadline_s < lease_timeout and not workflow.patched(PATCH_SCHEDULER_DEADLINES):
+            # Before classes could run late: the requester gave up at its deadline itself. Now
+            # the scheduler refuses at the deadline (or, for a run_late class, runs it late).
             limit, cls = deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET
         try:
             # The scheduler answers at its own timeout; this is the requester's promise to itself.

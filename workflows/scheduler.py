@@ -87,6 +87,10 @@ PATCH_STOP_RECLAIMED = "stop-reclaimed-invokes"
 # ...and before a CPU device took only deployments whose placement list names it (the policy
 # let a deployment without a list fall back onto the host's CPU device).
 PATCH_NO_CPU_FALLBACK = "no-cpu-fallback"
+# ...and before deadlines counted measured service time and lower classes used the memory a
+# production request waiting only for a slot does not need (PolicyConfig.deadline_service,
+# pack_lower_classes).
+PATCH_DEADLINE_SERVICE = "deadline-service"
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -130,6 +134,7 @@ class PoolSchedulerWorkflow:
         # Event batches whose write has not been confirmed, by write: carried at continue-as-new.
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
+        self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
@@ -677,6 +682,9 @@ class PoolSchedulerWorkflow:
     async def run(self, start: SchedulerInput) -> None:
         self._quiet = workflow.patched(PATCH_QUIET_LOOP)
         self._fencing = workflow.patched(PATCH_LEASE_FENCING)
+        # Decided here, before any handler can run the policy: a patch first asked inside an
+        # update handler records its marker where a replay does not expect it.
+        self._deadline_service = workflow.patched(PATCH_DEADLINE_SERVICE)
         if self._fencing and self._state.config.unheard_lease_s is None:
             config = self._state.config
             self._state.config = replace(config, unheard_lease_s=UNHEARD_LEASE_FACTOR * config.stale_lease_s)
@@ -833,6 +841,8 @@ class PoolSchedulerWorkflow:
         if not workflow.patched(PATCH_NO_CPU_FALLBACK):
             # Recorded before the rule: a deployment without a placement list could land on a CPU device.
             self._state.config = replace(self._state.config, cpu_fallback=True)
+        if not self._deadline_service:
+            self._state.config = replace(self._state.config, deadline_service=False, pack_lower_classes=False)
         try:
             decisions = policy.decide(self._state, now)
         finally:
