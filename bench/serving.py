@@ -491,7 +491,9 @@ async def run(args: argparse.Namespace, database_url: str) -> None:
             # default), as `modelforge worker node` does: warm requests take the delegated path.
             async with (
                 bare_worker,
-                running_stack(client, database_url, catalog_path=catalog_path, delegation_sync_s=1.0) as stack,
+                running_stack(
+                    client, database_url, catalog_path=catalog_path, delegation_sync_s=args.delegation_sync_s
+                ) as stack,
             ):
                 async for base_url in _gateway(stack):
                     await measure(args, stack, client, base_url)
@@ -536,6 +538,12 @@ async def measure(args: argparse.Namespace, stack: Stack, client: Client, base_u
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds: about half the time")
+    parser.add_argument(
+        "--delegation-sync-s",
+        type=float,
+        default=1.0,
+        help="the node's slot sync interval (MODELFORGE_DELEGATION_SYNC_S); 0: every request admitted by the scheduler",
+    )
     parser.add_argument(
         "--token-delay-ms", type=float, default=20.0, help="the toy server's time between tokens (20: 50 tokens/s)"
     )
