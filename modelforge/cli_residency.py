@@ -47,13 +47,29 @@ def _control(
     out.print(escape(str(getattr(reply, "message", reply))), highlight=False, soft_wrap=True)
 
 
+LoadAccelerator = Annotated[
+    str,
+    typer.Option(
+        "--accelerator",
+        help="Load on this accelerator now, or be refused (no room, a card it may not use) and change nothing.",
+    ),
+]
+
+
 @app.command("load")
-def load(deployment: Deployment, pool: Pool = None, tenant: Tenant = "default", as_json: JsonOption = False) -> None:
+def load(
+    deployment: Deployment,
+    accelerator: LoadAccelerator = "",
+    pool: Pool = None,
+    tenant: Tenant = "default",
+    as_json: JsonOption = False,
+) -> None:
     """Load a deployment now, before any request asks for it.
 
     It is placed and admitted like a request of the tenant's class, and then stays by its residency.
+    With --accelerator it loads on that card now or is refused, typed, making no room.
     """
-    _control("load", deployment, "", False, pool, tenant, as_json)
+    _control("load", deployment, accelerator, False, pool, tenant, as_json)
 
 
 @app.command("unload")

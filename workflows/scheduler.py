@@ -17,7 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import policy
-    from modelforge.domain import Catalog, Observation
+    from modelforge.domain import Catalog, Deployment, Observation
     from modelforge.events import EventRecord
     from modelforge.failures import FailureClass, parse_failure
     from modelforge.messages import (
@@ -427,11 +427,7 @@ class PoolSchedulerWorkflow:
                 False, f"no deployment {call.deployment!r} in the catalog", FailureClass.REQUEST_INVALID.value
             )
         if call.accelerator:
-            return ResidencyControlReply(
-                False,
-                "load places the model by the placement rules; --accelerator is not served for load yet",
-                FailureClass.REQUEST_INVALID.value,
-            )
+            return self._load_on_accelerator(call, spec, now)
         present = (policy.ResidentPhase.READY, policy.ResidentPhase.LOADING)
         residents = self._state.residents.values()
         here = [r.key for r in residents if r.deployment == spec.deployment_id and r.phase in present]
@@ -463,6 +459,38 @@ class PoolSchedulerWorkflow:
             placed = reply.lease.resident_key
             return ResidencyControlReply(True, f"loaded on {reply.lease.accelerator}", residents=[placed])
         return ResidencyControlReply(True, "queued: it loads as soon as there is room", residents=[])
+
+    def _load_on_accelerator(self, call: ResidencyControl, spec: Deployment, now: float) -> ResidencyControlReply:
+        """Load on the named card now, or refuse typed and change nothing (`policy.load_on`)."""
+        decided = policy.load_on(self._state, spec, call.accelerator, now)
+        if isinstance(decided, policy.AlreadyResident):
+            return ResidencyControlReply(
+                True, f"already resident: {decided.resident_key}", residents=[decided.resident_key]
+            )
+        actor = call.actor or "an operator"
+        if isinstance(decided, policy.LoadRefusal):
+            self._record(
+                policy.PolicyEvent(
+                    kind="load_asked",
+                    accelerator=call.accelerator,
+                    deployment=spec.deployment_id,
+                    failure=decided.failure,
+                    message=f"load asked by {actor}: refused: {decided.message}",
+                ),
+                now,
+            )
+            return ResidencyControlReply(False, decided.message, decided.failure.value)
+        self._record(
+            policy.PolicyEvent(
+                kind="load_asked",
+                accelerator=decided.accelerator,
+                deployment=spec.deployment_id,
+                message=f"load asked by {actor}: loading on {decided.accelerator}",
+            ),
+            now,
+        )
+        self._start_loads([decided], now)
+        return ResidencyControlReply(True, f"loading on {decided.accelerator}", residents=[decided.resident_key])
 
     def _own_grants(self, now: float) -> None:
         """Decisions addressed to this scheduler are its own loads: their leases go back at once."""
@@ -850,16 +878,7 @@ class PoolSchedulerWorkflow:
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})
             return
-        ids: dict[str, str] = {}
-        for load in decisions.loads:
-            if workflow.patched(PATCH_RESIDENCY_GENERATIONS):
-                self._state.load_counter += 1
-                ids[load.resident_key] = resident_workflow_id(
-                    load.deployment, load.accelerator, self._state.load_counter
-                )
-            else:  # a scheduler started before generations keeps its ids while it replays
-                ids[load.resident_key] = f"resident:{load.deployment}:{load.accelerator}"
-        self._record_all(policy.apply_decisions(self._state, decisions, now, ids), now)
+        self._record_all(policy.apply_decisions(self._state, decisions, now, self._load_ids(decisions.loads)), now)
         for grant in decisions.grants:
             self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
         for preempt in decisions.preemptions:
@@ -873,19 +892,7 @@ class PoolSchedulerWorkflow:
                     LeaseDecision(reject.request_id, failure=reject.failure.value, message=reject.message),
                 )
             )
-        for load in decisions.loads:
-            deployment = next(d for d in self._state.catalog.deployments if d.deployment_id == load.deployment)
-            accelerator = self._state.catalog.accelerator(load.accelerator)
-            assert accelerator is not None
-            self._loads_out.append(
-                ResidencyInput(
-                    pool=self._state.pool,
-                    key=load.resident_key,
-                    deployment=deployment,
-                    accelerator=accelerator,
-                    device_index=device_index(accelerator.id),
-                )
-            )
+        self._send_loads(decisions.loads)
         for unload in decisions.unloads:
             resident = self._state.residents.get(unload.resident_key)
             if resident is not None:
@@ -898,6 +905,43 @@ class PoolSchedulerWorkflow:
             resident = self._state.residents.get(wake.resident_key)
             if resident is not None:
                 self._commands_out.append((resident.workflow_id, ResidentCommand("wake")))
+        self._wake = True
+
+    def _load_ids(self, loads: list[policy.StartLoad]) -> dict[str, str]:
+        """The residency workflow id of each new load (resident key -> id)."""
+        ids: dict[str, str] = {}
+        for load in loads:
+            if workflow.patched(PATCH_RESIDENCY_GENERATIONS):
+                self._state.load_counter += 1
+                ids[load.resident_key] = resident_workflow_id(
+                    load.deployment, load.accelerator, self._state.load_counter
+                )
+            else:  # a scheduler started before generations keeps its ids while it replays
+                ids[load.resident_key] = f"resident:{load.deployment}:{load.accelerator}"
+        return ids
+
+    def _send_loads(self, loads: list[policy.StartLoad]) -> None:
+        """Each applied load's residency workflow, to start at the next flush."""
+        for load in loads:
+            deployment = next(d for d in self._state.catalog.deployments if d.deployment_id == load.deployment)
+            accelerator = self._state.catalog.accelerator(load.accelerator)
+            assert accelerator is not None
+            self._loads_out.append(
+                ResidencyInput(
+                    pool=self._state.pool,
+                    key=load.resident_key,
+                    deployment=deployment,
+                    accelerator=accelerator,
+                    device_index=device_index(accelerator.id),
+                )
+            )
+
+    def _start_loads(self, loads: list[policy.StartLoad], now: float) -> None:
+        """Start loads decided outside a decision pass (an operator's load on a named card) the
+        way a pass starts its own: ids, applied to the state, sent at the next flush."""
+        decisions = policy.Decisions(loads=loads)
+        self._record_all(policy.apply_decisions(self._state, decisions, now, self._load_ids(loads)), now)
+        self._send_loads(loads)
         self._wake = True
 
     async def _flush(self) -> None:

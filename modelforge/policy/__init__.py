@@ -25,7 +25,7 @@ from modelforge.policy._admission import (
 from modelforge.policy._alerts import capacity_alerts, production_headroom
 from modelforge.policy._budget import Budget, compute_budget, dynamic_reserve_bytes
 from modelforge.policy._control import ACTIONS as RESIDENCY_ACTIONS
-from modelforge.policy._control import ControlOutcome, control_residents, drained
+from modelforge.policy._control import AlreadyResident, ControlOutcome, LoadRefusal, control_residents, drained, load_on
 from modelforge.policy._decisions import (
     Assign,
     Decisions,
@@ -77,6 +77,7 @@ __all__ = [
     "AcceleratorStatus",
     "AdmissionRejected",
     "AdmissionRequest",
+    "AlreadyResident",
     "Assign",
     "Budget",
     "CapabilityHealth",
@@ -87,6 +88,7 @@ __all__ = [
     "FilterResult",
     "Grant",
     "Lease",
+    "LoadRefusal",
     "MeasuredTimes",
     "PolicyConfig",
     "PolicyEvent",
@@ -127,6 +129,7 @@ __all__ = [
     "is_slot",
     "keep_warm_check",
     "lease_heartbeat",
+    "load_on",
     "pool_status",
     "production_headroom",
     "queue_order",

@@ -9,16 +9,22 @@ either acts or refuses with a class and a reason; it never half-acts. The rules:
 - unload: an idle resident is unloaded now; one with active leases is EVICTION_NOT_ALLOWED,
   unless `drain`: it then takes no new lease (it counts as unloading) and is unloaded when its
   last lease ends (`drained`).
+- load on a named accelerator (`load_on`): loaded there now, or refused with its class and the
+  numbers (REQUEST_INVALID: not a card of the pool, or one the deployment's placement rules
+  exclude; CAPABILITY_UNAVAILABLE: too little room; RESIDENCY_CONFLICT: a stale, unhealthy or
+  pressured card, or the resident there is in another phase); never makes room for itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelforge.domain import Residency
+from modelforge.domain import Deployment, Residency, resident_key
 from modelforge.failures import FailureClass
-from modelforge.policy._decisions import PolicyEvent, resident_event
-from modelforge.policy._state import PoolState, ResidentPhase, ResidentState
+from modelforge.policy._budget import compute_budget
+from modelforge.policy._decisions import PolicyEvent, StartLoad, resident_event
+from modelforge.policy._pass import static_reason
+from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase, ResidentState
 
 ACTIONS = ("load", "unload", "pin", "unpin")
 
@@ -118,6 +124,67 @@ def control_residents(
             outcome.unload[resident.key] = resident.workflow_id
             outcome.events.append(resident_event(resident, "unload_requested", f"unload asked by {actor}"))
     return outcome
+
+
+@dataclass(frozen=True)
+class LoadRefusal:
+    failure: FailureClass
+    message: str
+
+
+@dataclass(frozen=True)
+class AlreadyResident:
+    resident_key: str
+
+
+def load_on(
+    state: PoolState, deployment: Deployment, accelerator_id: str, now: float
+) -> StartLoad | AlreadyResident | LoadRefusal:
+    """An operator's load of `deployment` on one named accelerator: the load to start there now
+    (the `StartLoad` a placement makes), the resident already there (ready or loading), or why
+    not. Pure: changes nothing; it never evicts or waits to make room."""
+    accelerator = state.catalog.accelerator(accelerator_id)
+    if accelerator is None or accelerator.pool != state.pool:
+        return LoadRefusal(FailureClass.REQUEST_INVALID, f"no accelerator {accelerator_id!r} in pool {state.pool!r}")
+    excluded = static_reason(accelerator, deployment, False, state.config.cpu_fallback)
+    if excluded:
+        return LoadRefusal(FailureClass.REQUEST_INVALID, f"{deployment.deployment_id} may not load on {excluded}")
+    key = resident_key(deployment.deployment_id, accelerator.id)
+    there = state.residents.get(key)
+    if there is not None:
+        if there.phase in (ResidentPhase.READY, ResidentPhase.LOADING):
+            return AlreadyResident(key)
+        return LoadRefusal(
+            FailureClass.RESIDENCY_CONFLICT, f"{key} is {there.phase.value}: ask again once it is ready or gone"
+        )
+    runtime = state.accelerators.get(accelerator.id)
+    if runtime is not None and not runtime.healthy:
+        return LoadRefusal(FailureClass.RESIDENCY_CONFLICT, f"{accelerator.id}: UNHEALTHY")
+    budget = compute_budget(
+        accelerator,
+        runtime if runtime is not None else AcceleratorRuntime(),
+        list(state.residents.values()),
+        list(state.leases.values()),
+        state.config,
+        now,
+    )
+    if not budget.fresh:
+        age = "never reported" if budget.age_s is None else f"last report {budget.age_s:.1f} s ago"
+        return LoadRefusal(
+            FailureClass.RESIDENCY_CONFLICT,
+            f"{accelerator.id}: observation stale ({age}, freshness {state.config.freshness_s} s)",
+        )
+    if runtime is not None and runtime.pressure:
+        return LoadRefusal(FailureClass.RESIDENCY_CONFLICT, f"{accelerator.id}: under GPU_PRESSURE")
+    need = deployment.resident_bytes
+    if need > budget.schedulable_bytes:
+        return LoadRefusal(
+            FailureClass.CAPABILITY_UNAVAILABLE,
+            f"{accelerator.id}: {deployment.deployment_id} needs {need} B, {budget.schedulable_bytes} B schedulable "
+            f"(total {budget.total_bytes}, external {budget.external_bytes}, resident {budget.resident_bytes}, "
+            f"leased {budget.leased_bytes}, reserve {budget.reserve_bytes})",
+        )
+    return StartLoad(key, deployment.deployment_id, accelerator.id, accelerator.node, need)
 
 
 def drained(state: PoolState) -> dict[str, str]:

@@ -192,3 +192,121 @@ async def test_the_gateway_takes_residency_operations_from_operators_only(
                     "/v1/residency", json={"action": "unload", "deployment": "chat.small@1"}, headers=ops
                 )
                 assert gone.status_code == 200 and gone.json()["ok"], gone.text
+
+
+TWO_CARDS = """
+[[accelerators]]
+id = "gpu-node/0"
+node = "gpu-node"
+model = "Simulated RTX 3090 24GB"
+total_bytes = 25769803776
+simulated = true
+
+[[accelerators]]
+id = "gpu-node/1"
+node = "gpu-node"
+model = "Simulated RTX 3090 24GB"
+total_bytes = 25769803776
+simulated = true
+
+[[external]]
+accelerator = "gpu-node/1"
+name = "someone else's job"
+bytes = 22548578304
+
+[[deployments]]
+capability = "chat.small@1"
+envelope_bytes = 4294967296
+residency = "keep_warm"
+concurrency = 2
+
+[[deployments]]
+capability = "pinned.only@1"
+envelope_bytes = 1073741824
+residency = "keep_warm"
+concurrency = 1
+accelerators = ["gpu-node/0"]
+
+[[tenants]]
+name = "default"
+default_priority = "interactive"
+max_priority = "interactive"
+"""
+
+
+async def _fresh(stack: Stack) -> bool:
+    cards = (await stack.status()).accelerators
+    return len(cards) == 2 and all(card.fresh for card in cards)
+
+
+async def test_load_on_a_named_accelerator_or_a_typed_refusal_that_changes_nothing(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    catalog = tmp_path / "two_cards.toml"
+    catalog.write_text(TWO_CARDS)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
+        assert await _until(lambda: _fresh(stack), 30), "the cards never reported"
+        # Placement alone would choose either card: the operator names one.
+        loaded = await _control(stack, "load", "chat.small@1", accelerator="gpu-node/0")
+        assert loaded.ok and loaded.residents == ["chat.small@1@gpu-node/0"], loaded
+
+        async def ready() -> Any:
+            resident = await _resident(stack, "chat.small@1")
+            return resident if resident is not None and resident.state == "ready" else None
+
+        resident = await _until(ready, 30)
+        assert resident is not None and resident.accelerator == "gpu-node/0"
+        again = await _control(stack, "load", "chat.small@1", accelerator="gpu-node/0")
+        assert again.ok and "already resident" in again.message
+
+        before = await stack.status()
+        # A card its placement list excludes, and one not in the pool at all: REQUEST_INVALID.
+        excluded = await _control(stack, "load", "pinned.only@1", accelerator="gpu-node/1")
+        assert (excluded.ok, excluded.failure) == (False, "REQUEST_INVALID"), excluded
+        assert "placement list" in excluded.message
+        unknown = await _control(stack, "load", "chat.small@1", accelerator="gpu-node/9")
+        assert (unknown.ok, unknown.failure) == (False, "REQUEST_INVALID"), unknown
+        # A full card: refused with the numbers, and no room is made.
+        full = await _control(stack, "load", "chat.small@1", accelerator="gpu-node/1")
+        assert (full.ok, full.failure) == (False, "CAPABILITY_UNAVAILABLE"), full
+        assert "4294967296 B" in full.message and "schedulable" in full.message
+        after = await stack.status()
+        seen = [(r.deployment, r.accelerator, r.state) for r in after.residents]
+        assert seen == [(r.deployment, r.accelerator, r.state) for r in before.residents]
+        assert not any(r.accelerator == "gpu-node/1" for r in after.residents)
+        asked = await stack.events("load_asked", at_least=4, within_s=10)
+        refused = [e for e in asked if e["accelerator"] == "gpu-node/1"]
+        assert any(e["failure_class"] == "CAPABILITY_UNAVAILABLE" for e in refused), asked
+
+
+async def test_the_cli_loads_on_a_named_accelerator(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    from modelforge import cli
+
+    catalog = tmp_path / "two_cards.toml"
+    catalog.write_text(TWO_CARDS)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
+        assert await _until(lambda: _fresh(stack), 30), "the cards never reported"
+        env = {
+            "MODELFORGE_TEMPORAL_ADDRESS": dev_server_env.client.service_client.config.target_host,
+            "MODELFORGE_HOME": str(tmp_path),
+            "MODELFORGE_POOLS": "default",
+        }
+        runner = CliRunner()
+
+        async def run(*args: str) -> Any:
+            return await asyncio.to_thread(runner.invoke, cli.app, list(args), env=env)
+
+        full = await run("load", "chat.small@1", "--accelerator", "gpu-node/1")
+        assert full.exit_code == 1 and "CAPABILITY_UNAVAILABLE" in full.output, full.output
+        excluded = await run("load", "pinned.only@1", "--accelerator", "gpu-node/1")
+        assert excluded.exit_code == 1 and "REQUEST_INVALID" in excluded.output, excluded.output
+        loaded = await run("load", "pinned.only@1", "--accelerator", "gpu-node/0", "--json")
+        assert loaded.exit_code == 0 and json.loads(loaded.stdout)["residents"] == ["pinned.only@1@gpu-node/0"]
+
+        async def ready() -> Any:
+            resident = await _resident(stack, "pinned.only@1")
+            return resident is not None and resident.state == "ready" and resident.accelerator == "gpu-node/0"
+
+        assert await _until(ready, 30)
