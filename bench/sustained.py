@@ -339,7 +339,20 @@ async def _edge_of(
         if not step.passed(p50_max_s):
             break
         edge, at_edge = rate, step
+    await _settle(stack)
     return edge, at_edge
+
+
+async def _settle(stack: Stack, within_s: float = 180.0) -> None:
+    """Wait until no request waits at any scheduler: the failing step's backlog must not be the
+    next configuration's (a request waiting at the scheduler takes lent slots back)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        depths = [sum((await stack.status(pool)).queue_depth.values()) for pool in stack.schedulers]
+        if not any(depths):
+            return
+        await asyncio.sleep(1.0)
+    print(f"  (the schedulers still had requests waiting after {within_s:.0f} s)", flush=True)
 
 
 async def _warm(send: Send, want: str, tries: int = 40) -> None:

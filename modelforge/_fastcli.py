@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from modelforge.names import CONTROL_TASK_QUEUE, DEFAULT_POOL, request_workflow_id, scheduler_id
+from modelforge.names import CONTROL_TASK_QUEUE, DEFAULT_POOL, node_task_queue, request_workflow_id, scheduler_id
 
 HTTP_ADDRESS_FILE = "temporal_http_address"  # modelforge/dev.py writes it
 _PLAIN = "json/plain"
@@ -447,11 +447,31 @@ class HandOver(Exception):
         self.began = began
 
 
+def _warm_queue(api: Http, pool: str, capability: str) -> str:
+    """The task queue of a node where the capability is ready on a fresh card, else the control
+    queue: started there, the request is admitted on that node from a slot its scheduler lent it
+    (warm-path delegation), as a long-lived client's routed requests are. Only a hint: the
+    workflow runs wherever it starts and admission decides (a node gone silent has its queue
+    served by the control worker)."""
+    try:
+        status = _pool_status(api, pool)
+    except Fallback:
+        return CONTROL_TASK_QUEUE
+    fresh = {a["id"]: a["node"] for a in status.get("accelerators", []) if a.get("fresh") and a.get("healthy")}
+    for resident in status.get("residents", []):
+        if resident.get("capability") == capability and resident.get("state") == "ready":
+            node = fresh.get(resident.get("accelerator"))
+            if node:
+                return node_task_queue(node)
+    return CONTROL_TASK_QUEUE
+
+
 def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
     """What `modelforge request ... --json` prints, for a request this path can see through."""
     pools = _pools(api, None)
     if len(pools) != 1:
         raise Fallback("several pools: the route is the client's to choose")
+    task_queue = _warm_queue(api, pools[0], args.capability)
     request_id = uuid.uuid4().hex[:16]
     workflow_id = request_workflow_id(args.capability, request_id)
     if not set(workflow_id) <= _SAFE_ID:
@@ -480,7 +500,7 @@ def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
     start = {
         "workflowId": workflow_id,
         "workflowType": {"name": "CapabilityRequestWorkflow"},
-        "taskQueue": {"name": CONTROL_TASK_QUEUE},
+        "taskQueue": {"name": task_queue},
         "input": {"payloads": [payload]},
         "identity": f"{os.getpid()}@{socket.gethostname()}",
         "requestId": str(uuid.uuid4()),
