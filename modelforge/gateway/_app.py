@@ -66,6 +66,7 @@ from modelforge.messages import ResidencyControlReply, StreamTarget
 from modelforge.metrics import GatewayMetrics
 from modelforge.payloads import Float32Vectors, input_limit
 from modelforge.policy import PoolStatus
+from modelforge.runtimes import runtime_names, speaks
 from modelforge.settings import Settings
 
 # A class: a level, or `queue.level` (the client's rule, matched whole: no trailing newline).
@@ -642,10 +643,11 @@ def create_app(
                 code="model_not_found",
                 param="capability",
             )
-        if deployment.runtime != "subprocess_job":
+        if not speaks(deployment).job:
+            jobs = " or ".join(runtime_names(lambda spec: spec.job))
             raise GatewayError(
                 FailureClass.REQUEST_INVALID,
-                f"{shown(capability)} runs on runtime {shown(deployment.runtime)}, not subprocess_job: "
+                f"{shown(capability)} runs on runtime {shown(deployment.runtime)}, not {jobs}: "
                 "it is not a job (POST /v1/requests serves it)",
                 status=400,
                 request_id=request_id,

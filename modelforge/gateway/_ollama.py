@@ -48,6 +48,7 @@ from modelforge.gateway._errors import RETRY_AFTER_S
 from modelforge.gateway._streams import Stream, StreamHub, next_record
 from modelforge.gateway._streams import outcome as outcome_of
 from modelforge.identifiers import shown
+from modelforge.runtimes import speaks
 
 _log = logging.getLogger(__name__)
 
@@ -160,13 +161,9 @@ def _words(text: str) -> int:
 
 
 def _kinds(deployment: Deployment) -> list[str]:
-    """Ollama's capabilities of a deployment, from its runtime (the simulated one answers both)."""
-    if deployment.runtime == "sentence_transformers":
-        return ["embedding"]
-    if deployment.runtime == "subprocess_http":
-        chat = deployment.runtime_config.get("api", "openai_embeddings") == "openai_chat"
-        return ["completion"] if chat else ["embedding"]
-    return ["completion", "embedding"]
+    """Ollama's capabilities of a deployment: what its runtime answers (the registry's `speaks`)."""
+    answers = speaks(deployment).answers
+    return [kind for kind, answer in (("completion", "text"), ("embedding", "vectors")) if answer in answers]
 
 
 def _details(deployment: Deployment) -> dict[str, Any]:
@@ -284,8 +281,8 @@ def _refuse_set(fields: dict[str, object]) -> None:
 
 def _takes_options(deployment: Deployment) -> bool:
     """Whether the runtime hands sampling options to its model server: only an OpenAI-compatible
-    chat server (subprocess_http, api openai_chat) reads them."""
-    return deployment.runtime == "subprocess_http" and deployment.runtime_config.get("api") == "openai_chat"
+    chat server (the registry's `speaks`: api openai_chat) reads them."""
+    return speaks(deployment).api == "openai_chat"
 
 
 def _sampling(options: dict[str, Any] | None, deployment: Deployment) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelforge.domain import Deployment
+from modelforge.runtimes import speaks
 
 
 class ChatMessage(BaseModel):
@@ -124,8 +125,9 @@ def _no_effect(name: str, value: Any, given: dict[str, Any]) -> bool:
 
 
 def takes_parameters(deployment: Deployment, api: str) -> bool:
-    """Whether the deployment's runtime passes parameters to an OpenAI-compatible server."""
-    return deployment.runtime == "subprocess_http" and deployment.runtime_config.get("api", "openai_embeddings") == api
+    """Whether the deployment's runtime passes parameters to an OpenAI-compatible server
+    speaking `api` (the registry's `speaks`)."""
+    return speaks(deployment).api == api
 
 
 def refused(given: dict[str, Any]) -> list[str]:

@@ -15,8 +15,10 @@ from modelforge.runtimes._registry import (
     RUNTIMES,
     NodeContext,
     RuntimeSpec,
+    Speaks,
     build_runtimes,
     runtime_names,
+    speaks,
     unknown_runtime,
 )
 from modelforge.runtimes._sentence_transformers import (
@@ -46,6 +48,7 @@ __all__ = [
     "SentenceTransformersConfig",
     "SentenceTransformersRuntime",
     "SimulatedRuntime",
+    "Speaks",
     "SubprocessHttpConfig",
     "SubprocessHttpRuntime",
     "SubprocessJobConfig",
@@ -58,6 +61,7 @@ __all__ = [
     "resolve_artifact",
     "rss_bytes",
     "runtime_names",
+    "speaks",
     "unknown_runtime",
     "verify_artifact",
 ]

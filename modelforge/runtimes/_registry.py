@@ -5,7 +5,7 @@ worker builds the runtimes it serves from it (workers/node.py `node_runtimes`)."
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -31,6 +31,25 @@ class NodeContext:
 
 
 @dataclass(frozen=True)
+class Speaks:
+    """What a deployment on a runtime speaks to the gateway: what the gateway decides by, so
+    that it never compares runtime names."""
+
+    # The wire API of the model server behind it: "openai_chat" / "openai_embeddings"
+    # (OpenAI-compatible: a request's parameters pass through whole) or "tei_embed" (takes
+    # none); None: the runtime answers ModelForge's own inputs and takes no parameters.
+    api: str | None
+    # What it answers: "text" (completions, chat) and/or "vectors" (embeddings).
+    answers: frozenset[str]
+    job: bool = False  # a batch job run to its end (POST /v1/jobs), not a model server
+
+
+# What the gateway assumes of a runtime no entry names (a catalog refuses one; a hand-built
+# Deployment may still carry one): ModelForge's own inputs, both answers.
+_UNKNOWN = Speaks(None, frozenset({"text", "vectors"}))
+
+
+@dataclass(frozen=True)
 class RuntimeSpec:
     name: str
     # Builds the runtime on a node worker (and stops what an earlier, killed run of it left behind).
@@ -45,6 +64,8 @@ class RuntimeSpec:
     sleep_needs: tuple[str, ...] = ()
     # Built only beside simulated cards: on a real one it would count bytes no process holds.
     simulated_only: bool = False
+    # What a deployment on it speaks (it may depend on the deployment's runtime_config).
+    speaks: Callable[[Deployment], Speaks] = field(kw_only=True)
 
 
 def _subprocess_http(ctx: NodeContext) -> Runtime:
@@ -66,8 +87,18 @@ def _subprocess_job(ctx: NodeContext) -> Runtime:
     return runtime
 
 
+def _http_speaks(deployment: Deployment) -> Speaks:
+    api = deployment.runtime_config.get("api", "openai_embeddings")  # SubprocessHttpConfig's default
+    return Speaks(api, frozenset({"text"} if api == "openai_chat" else {"vectors"}))
+
+
 _SPECS = (
-    RuntimeSpec("simulated", lambda ctx: SimulatedRuntime(ctx.devices), simulated_only=True),
+    RuntimeSpec(
+        "simulated",
+        lambda ctx: SimulatedRuntime(ctx.devices),
+        simulated_only=True,
+        speaks=lambda deployment: Speaks(None, frozenset({"text", "vectors"})),  # answers both
+    ),
     RuntimeSpec(
         "subprocess_http",
         _subprocess_http,
@@ -75,10 +106,22 @@ _SPECS = (
         runs_command=True,
         env_from_secrets=True,
         sleep_needs=("sleep_path", "wake_path"),
+        speaks=_http_speaks,
     ),
-    RuntimeSpec("subprocess_job", _subprocess_job, SubprocessJobConfig.of, runs_command=True, job=True),
     RuntimeSpec(
-        "sentence_transformers", lambda ctx: SentenceTransformersRuntime(ctx.devices), SentenceTransformersConfig.of
+        "subprocess_job",
+        _subprocess_job,
+        SubprocessJobConfig.of,
+        runs_command=True,
+        job=True,
+        # As the gateway always listed it to Ollama clients (it serves no requests).
+        speaks=lambda deployment: Speaks(None, frozenset({"text", "vectors"}), job=True),
+    ),
+    RuntimeSpec(
+        "sentence_transformers",
+        lambda ctx: SentenceTransformersRuntime(ctx.devices),
+        SentenceTransformersConfig.of,
+        speaks=lambda deployment: Speaks(None, frozenset({"vectors"})),
     ),
 )
 
@@ -88,6 +131,12 @@ RUNTIMES: Mapping[str, RuntimeSpec] = MappingProxyType({spec.name: spec for spec
 def runtime_names(where: Callable[[RuntimeSpec], bool] = lambda spec: True) -> list[str]:
     """The registered runtimes' names (those `where` holds for), in registry order."""
     return [name for name, spec in RUNTIMES.items() if where(spec)]
+
+
+def speaks(deployment: Deployment) -> Speaks:
+    """What `deployment` speaks, from its runtime's entry: the one place the gateway asks."""
+    spec = RUNTIMES.get(deployment.runtime)
+    return _UNKNOWN if spec is None else spec.speaks(deployment)
 
 
 def unknown_runtime(name: str) -> str | None:

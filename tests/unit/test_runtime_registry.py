@@ -3,6 +3,7 @@ through it, and a node builds every runtime it lists."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from modelforge.catalog import CatalogError, CatalogFile, parse_catalog
 from modelforge.domain import Deployment, GiB
 from modelforge.failures import FailureClass
 from modelforge.gpu import NodeDevices, SimulatedDevice, SimulatedGpuBackend
-from modelforge.runtimes import RUNTIMES, build_runtimes, runtime_names
+from modelforge.runtimes import RUNTIMES, Speaks, build_runtimes, runtime_names, speaks
+from modelforge.runtimes._http_api import API_NAMES
 
 ACC = {"id": "gpu-node/0", "node": "gpu-node", "total_bytes": 24 * GiB}
 # A deployment each registered runtime accepts. A new runtime adds its own: the test below
@@ -102,3 +104,40 @@ def test_the_catalog_uses_the_policy_public_api_and_the_cli_imports_no_worker() 
     assert not [m for m in cli_modules if m.split(".")[0] in ("workers", "workflows", "activities")]
     # The registry is read when a catalog is, not when the catalog module is imported.
     assert "modelforge.runtimes" not in _modules_after("import modelforge.catalog")
+
+
+@pytest.mark.parametrize("name", list(RUNTIMES))
+def test_every_registered_runtime_says_what_it_speaks(name: str) -> None:
+    """The gateway decides by `speaks` (the registry's entry), never by a runtime's name."""
+    catalog, _ = parse_catalog(_catalog(name, **VALID[name]))
+    [deployment] = catalog.deployments
+    said = speaks(deployment)
+    assert isinstance(said, Speaks)
+    assert said.api is None or said.api in API_NAMES
+    assert said.answers and said.answers <= {"text", "vectors"}
+    assert said.job == RUNTIMES[name].job
+
+
+def test_what_an_http_server_speaks_follows_its_api() -> None:
+    for api, answers in (("openai_chat", {"text"}), ("openai_embeddings", {"vectors"}), ("tei_embed", {"vectors"})):
+        config = {**VALID["subprocess_http"], "runtime_config": {"api": api}}
+        [deployment] = parse_catalog(_catalog("subprocess_http", **config))[0].deployments
+        assert speaks(deployment) == Speaks(api, frozenset(answers))
+    [default] = parse_catalog(_catalog("subprocess_http", command=["server"]))[0].deployments
+    assert speaks(default).api == "openai_embeddings"
+
+
+def test_the_gateway_compares_no_runtime_name() -> None:
+    """No runtime name as a string of its own in modelforge/gateway/*.py, and no comparison with
+    a deployment's `runtime`: adding a runtime touches the registry only. (Prose in messages and
+    docstrings may still name one.)"""
+    found = []
+    for path in sorted(Path(__file__).parents[2].joinpath("modelforge", "gateway").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in RUNTIMES:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(side, ast.Attribute) and side.attr == "runtime" for side in sides):
+                    found.append(f"{path.name}:{node.lineno}: compares .runtime")
+    assert not found, found
