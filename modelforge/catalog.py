@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from modelforge.domain import (
     DEFAULT_QUEUES,
@@ -166,6 +166,16 @@ class LevelSpec(_Strict):
     # A request that cannot meet its deadline: "refuse" (DEADLINE_CANNOT_BE_MET as soon as that is
     # known) or "run_late" (served when its turn comes, however late).
     on_deadline: Literal["refuse", "run_late"] = "refuse"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored(cls, value: Any) -> Any:
+        """The store keeps a catalog as the domain's dataclasses, where a level says `run_late`:
+        read back as this field (a TOML level never has it)."""
+        if isinstance(value, dict) and "run_late" in value and "on_deadline" not in value:
+            value = dict(value)
+            value["on_deadline"] = "run_late" if value.pop("run_late") else "refuse"
+        return value
 
 
 class QueueSpec(_Strict):

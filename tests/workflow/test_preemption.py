@@ -65,9 +65,17 @@ async def test_a_preempted_request_keeps_its_deadline_from_its_start(
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=1.0)
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG, config=config) as stack:
         started = time.time()
-        job = await stack.start_request("train.job@1", tenant="lab", input={"simulate_invoke_s": 8}, deadline_s=60)
-        while not any(r.active_leases for r in (await stack.status()).residents):
+        # A job's service is counted as its max_duration: 20 s fits its 60 s deadline, before and
+        # after the preemption (the default 600 s would be refused at once as hopeless).
+        job = await stack.start_request(
+            "train.job@1", tenant="lab", input={"simulate_invoke_s": 8}, deadline_s=60, max_duration_s=20.0
+        )
+        for _ in range(150):  # bounded: a job refused at once fails here, not by the suite's timeout
+            if any(r.active_leases for r in (await stack.status()).residents):
+                break
             await asyncio.sleep(0.2)
+        else:
+            pytest.fail("the job never got its lease")
         await asyncio.sleep(3.0)  # past the job's minimum runtime: 3 s of its 60 are gone
         chat = await stack.start_request("chat.llm@1", tenant="app", lease_timeout_s=60, input={"simulate_invoke_s": 4})
 

@@ -55,12 +55,14 @@ async def test_a_request_waits_in_the_queue_and_is_granted_or_times_out_typed(
         no_lease = await stack.start_request(JOB, tenant="lab", lease_timeout_s=2)
         no_time = await stack.start_request(JOB, tenant="lab", deadline_s=2)
         assert await _phase(waiting) == "queued"
-        assert (await stack.status()).queue_depth["background"] == 3
+        # A job is served for up to its max_duration (600 s here) and waits behind one running
+        # 5 s more: with a 2 s deadline it is hopeless from the start, refused at once, never queued.
+        deadline = await _failure(no_time)
+        assert deadline.type == "DEADLINE_CANNOT_BE_MET"
+        assert (await stack.status()).queue_depth["background"] == 2
 
         lease_timeout = await _failure(no_lease)
         assert lease_timeout.type == "LEASE_TIMEOUT"
-        deadline = await _failure(no_time)
-        assert deadline.type == "DEADLINE_CANNOT_BE_MET"
 
         first = await holder.result()
         granted = await waiting.result()
