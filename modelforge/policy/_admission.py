@@ -387,6 +387,14 @@ def note_outcome(state: PoolState, capability: str, outcome: str, message: str, 
     health.last_failure_at = now
 
 
+def charge_usage(state: PoolState, priority: str, tenant: str, seconds: float, now: float) -> None:
+    """`seconds` of GPU time to the fair-share entity of `priority` and `tenant` (decayed to
+    `now` first): what a released lease, or a request served on a lent slot, costs its tenant."""
+    usage = state.usage.setdefault(fair_share_entity(priority, tenant), TenantUsage(updated_at=now))
+    usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + max(0.0, seconds)
+    usage.updated_at = now
+
+
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
     index = current_lease_index(state)
     lease = state.leases.pop(lease_id, None)
@@ -418,11 +426,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
                 payload={"node": lease.node, "resident": lease.resident_key},
             )
         ]
-    usage = state.usage.setdefault(fair_share_entity(lease.priority, lease.tenant), TenantUsage(updated_at=now))
-    usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + max(
-        0.0, now - lease.granted_at
-    )
-    usage.updated_at = now
+    charge_usage(state, lease.priority, lease.tenant, now - lease.granted_at, now)
     return [
         PolicyEvent(
             kind="lease_released",

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from modelforge.domain import Catalog, Residency, fair_share_entity
-from modelforge.policy._admission import note_outcome
+from modelforge.domain import Catalog, Residency
+from modelforge.policy._admission import charge_usage, note_outcome
 from modelforge.policy._decisions import PolicyEvent
-from modelforge.policy._order import decayed_usage, is_production
+from modelforge.policy._order import is_production
 from modelforge.policy._pass import static_reason
 from modelforge.policy._state import (
     DelegatedSlot,
@@ -36,7 +36,6 @@ from modelforge.policy._state import (
     PoolState,
     ResidentPhase,
     ResidentState,
-    TenantUsage,
     note_service,
 )
 
@@ -305,10 +304,7 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
         if run.outcome == "ok" and slot is not None:
             note_service(state, slot.deployment, run.invoke_s)
         held_s = max(0.0, run.invoke_s)
-        entity = fair_share_entity(run.priority, run.tenant)
-        usage = state.usage.setdefault(entity, TenantUsage(updated_at=now))
-        usage.gpu_seconds = decayed_usage(usage, state.config.fair_share_half_life_s, now) + held_s
-        usage.updated_at = now
+        charge_usage(state, run.priority, run.tenant, held_s, now)
         if resident is not None:
             resident.last_used = now
             resident.last_priority = run.priority
