@@ -9,6 +9,7 @@ from modelforge.domain import Accelerator, Observation
 from modelforge.failures import Alert, FailureClass
 from modelforge.policy._budget import compute_budget, in_window
 from modelforge.policy._decisions import PolicyEvent
+from modelforge.policy._fit_index import mark_observed
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
 
 # Labels a node advertises for its accelerators, and the catalog field each one sets.
@@ -78,6 +79,7 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         if observation.labels and with_advertised_labels(accelerator, observation.labels) is not accelerator:
             labels_changed = True
         runtime = state.accelerators.setdefault(accelerator.id, AcceleratorRuntime())
+        mark_observed(state, accelerator.id)
         events.extend(_apply_health(state, runtime, observation))
         if not observation.healthy and observation.used_bytes < 0:
             continue

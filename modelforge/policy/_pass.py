@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.policy._budget import Budget, dynamic_reserve_bytes
 from modelforge.policy._decisions import Grant
+from modelforge.policy._fit_index import FitIndex, fit_index
 from modelforge.policy._order import class_rank, is_production
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation
@@ -171,6 +172,8 @@ class DecisionPass:
     # and whether it may (off: the reference pass, which looks at every card for every gang).
     gang_memo: dict[tuple[object, ...], object] = field(default_factory=dict)
     indexed: bool = True
+    # The cards by schedulable bytes, kept across passes (`_fit_index`); None in the reference pass.
+    fit: FitIndex | None = None
     # Deadline-aware admission (`_rules.service_estimate`, `_rules.predicted_refusal`): per
     # deployment, its measured (mean, high percentile) service time; how many requests of it this
     # pass left waiting ahead of the one being placed, and granted; the seconds its running
@@ -296,7 +299,19 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
             evictable[accelerator_id] = sorted(
                 candidates, key=lambda r: (unload_cost(state, catalog.deployment(r.deployment)), -r.bytes, r.key)
             )
-    unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
+    fit: FitIndex | None = None
+    if indexed:
+        fit = fit_index(
+            state,
+            accelerators,
+            position,
+            lambda card: budgets[card].schedulable_bytes,
+            resident_sum,
+            leased_sum,
+        )
+        unhealthy = dict(fit.unhealthy)
+    else:
+        unhealthy = {a: True for a, runtime in state.accelerators.items() if not runtime.healthy}
     pass_ = DecisionPass(
         state=state,
         budgets=budgets,
@@ -311,6 +326,7 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
         leased_sum=leased_sum,
         slots=slots,
         indexed=indexed,
+        fit=fit,
     )
     for queued in queue_index(state).assigned.values():
         if queued.assigned_to:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, Sleep, StartLoad, Unload, Wait, Wake
+from modelforge.policy._fit_index import drop_fit_index
 from modelforge.policy._gang import place_gang
 from modelforge.policy._order import class_rank, fair_share_scores, is_production, ordered_buckets, production_ranks
 from modelforge.policy._pass import (
@@ -807,8 +808,12 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     pass_, deployment = attempt.pass_, attempt.deployment
     need = deployment.resident_bytes + deployment.lease_extra_bytes
     loads = _Loads(need, deployment.residency != Residency.NONE)
-    loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     landing = Landing(need, loads.persists, attempt, attempt.load_s)
+    if pass_.fit is not None:
+        loads.best = _best_fit_indexed(attempt, landing, holding)
+        if loads.best is not None:
+            return loads  # what else a walk gathers serves only a request that cannot load
+    loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     candidates = [a for a in loads.open if a not in holding] if holding else loads.open
     budgets, committed, reasons = pass_.budgets, pass_.committed, loads.reasons
     for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing):
@@ -828,6 +833,56 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
         if not reasons.again("no_room"):
             reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
     return loads
+
+
+# How many cards with room the indexed search looks at before it leaves the choice to the walk
+# over every card (they refused the load: stale, under pressure, reserved for a gang).
+_INDEXED_LOOKS = 64
+
+
+def _best_fit_indexed(attempt: Attempt, landing: Landing, holding: dict[str, bool]) -> tuple[int, str] | None:
+    """Phase 3's best fit from the fit index (`_fit_index`): the card that `_score_loads`'s walk
+    would choose, the least schedulable bytes left over then the id, found by searching from the
+    bytes needed. Cards this pass already promised bytes on are compared by what they have left.
+    None when no card with room takes it within `_INDEXED_LOOKS` looks: the walk decides then,
+    and gathers what waiting or making room needs."""
+    pass_ = attempt.pass_
+    fit = pass_.fit
+    assert fit is not None
+    need = landing.nbytes
+    eligible = pass_.eligible[(attempt.deployment.deployment_id, attempt.production)]
+    blocked, committed, budgets = pass_.blocked, pass_.committed, pass_.budgets
+    best: tuple[int, str] | None = None
+
+    def lands(card: str) -> bool:
+        if card not in eligible or card in blocked or card in holding:
+            return False
+        return next(iter(landing_refusals(pass_, (card,), attempt.production, landing)))[1] == ""
+
+    for card, promised in committed.items():
+        if promised:
+            free = budgets[card].schedulable_bytes - promised
+            if need <= free and (best is None or (free - need, card) < best) and lands(card):
+                best = (free - need, card)
+    order, looks = fit.order, 0
+    for i in range(fit.from_bytes(need), len(order)):
+        schedulable, card = order[i]
+        if best is not None and (schedulable - need, card) >= best:
+            break
+        if committed.get(card):
+            continue  # compared above, by what it has left
+        if lands(card):
+            if budgets[card].schedulable_bytes != schedulable:
+                # Kept bytes that differ from the budget: the index missed a change. Placed by
+                # the walk, and rebuilt from scratch by the next pass.
+                drop_fit_index(pass_.state)
+                pass_.fit = None
+                return None
+            return (schedulable - need, card)
+        looks += 1
+        if looks >= _INDEXED_LOOKS:
+            return None
+    return best
 
 
 def _open_accelerators(attempt: Attempt, passed: list[str], holding: dict[str, bool], reasons: Reasons) -> list[str]:

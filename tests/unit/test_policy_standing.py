@@ -155,3 +155,65 @@ def test_admission_sees_leases_by_request() -> None:
     admit(s, "r2", "emb@1", NOW)
     queued = existing_admission(s, ask("r2", "emb@1"))
     assert queued is not None and queued.request_id == "r2"
+
+
+def fit_agrees(s: PoolState, now: float) -> None:
+    """The fit index holds every card's budget of now, in best-fit order, and the fast pass
+    decides what the reference does."""
+    kept = start_pass(s, now, indexed=True)
+    assert kept.fit is not None
+    for card in kept.pool_accelerators:
+        assert kept.fit.schedulable[card.id] == kept.budgets[card.id].schedulable_bytes, card.id
+    assert kept.fit.order == sorted((v, k) for k, v in kept.fit.schedulable.items())
+    walked = start_pass(s, now, indexed=False)
+    assert kept.unhealthy == walked.unhealthy
+    same_start(s, now)
+
+
+def test_a_load_lands_on_the_best_fit_of_a_large_pool_and_the_index_follows_every_change() -> None:
+    # 40 cards of four sizes; a 5 GiB model loads where the least is left over, then id order.
+    cards = [gpu(f"n{i:02d}/0", total=[8, 24, 12, 6][i % 4], reserve=0) for i in range(40)]
+    s = state(cards, [deployment("emb@1", gib=5, queue_limit=1000)], tenants=[tenant("t")])
+    now = NOW
+    for card in cards:
+        observe(s, card.id, at=now)
+    fit_agrees(s, now)
+    admit(s, "r0", "emb@1", now)
+    first = decide(s, now)
+    assert [load.accelerator for load in first.loads] == ["n03/0"]  # 6 GiB: 1 left over, lowest id
+    # External usage lands on the card it chose and on the next 6 GiB one: the load goes to the third.
+    observe(s, "n03/0", external_gib=2, at=now)
+    observe(s, "n07/0", external_gib=2, at=now)
+    fit_agrees(s, now)
+    assert [load.accelerator for load in decide(s, now).loads] == ["n11/0"]
+    # Usage that swings keeps a reserve that moves with time alone (the volatility window).
+    for at, ext in ((now + 1, 0.5), (now + 2, 1.5)):
+        observe(s, "n00/0", external_gib=ext, at=at)
+    now += 2
+    fit_agrees(s, now)
+    # With no new sample, the first reading leaves the window: the spread, so the reserve, shrinks.
+    now = NOW + s.config.volatility_window_s + 0.5
+    fit_agrees(s, now)
+    now += s.config.volatility_window_s + 1
+    for card in cards:
+        observe(s, card.id, at=now, external_gib=2 if card.id in ("n03/0", "n07/0") else 0)
+    fit_agrees(s, now)
+    # A card turns UNHEALTHY and recovers; a resident and a lease come and go.
+    observe(s, "n04/0", healthy=False, at=now)
+    fit_agrees(s, now)
+    observe(s, "n04/0", at=now)
+    fit_agrees(s, now)
+    apply_decisions(s, decide(s, now), now, {})
+    fit_agrees(s, now)
+    admit(s, "r1", "emb@1", now)
+    fit_agrees(s, now)
+    apply_decisions(s, decide(s, now), now, {})
+    for r in list(s.residents.values()):
+        r.phase = ResidentPhase.READY  # behind the policy's back
+    fit_agrees(s, now)
+    for lease in list(s.leases):
+        release_lease(s, lease, now, "ok")
+    fit_agrees(s, now)
+    # The state replaced by a copy (a new run of the scheduler) builds the index anew.
+    copy = dataclasses.replace(s)
+    fit_agrees(copy, now)
