@@ -166,6 +166,10 @@ class LevelSpec(_Strict):
     # A request that cannot meet its deadline: "refuse" (DEADLINE_CANNOT_BE_MET as soon as that is
     # known) or "run_late" (served when its turn comes, however late).
     on_deadline: Literal["refuse", "run_late"] = "refuse"
+    # Seconds a waiting request of this level may be overtaken by later work of its own level and
+    # of lower levels while capacity for it exists; past that it reserves the card it needs
+    # (higher levels still go first). Absent: no bound. At most a week.
+    starvation_bound_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -403,6 +407,7 @@ def _queues(specs: list[QueueSpec], problems: list[str]) -> list[Queue]:
                     preempts=list(lv.preempts),
                     production=lv.production,
                     run_late=lv.on_deadline == "run_late",
+                    starvation_bound_s=lv.starvation_bound_s,
                 )
                 for lv in q.levels
             ],

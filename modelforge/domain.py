@@ -72,6 +72,10 @@ class PriorityLevel:
     # DEADLINE_CANNOT_BE_MET as soon as that is known (False, the default), or run late (True:
     # its deadline is not an admission limit; the queue's order and lease timeout still hold).
     run_late: bool = False
+    # Seconds a waiting request of this level may be overtaken by work ordered after it (its own
+    # level's later work and every lower level's) while capacity for it exists; past that it
+    # reserves a card (policy/_placement.py, `_reserve_starved`). None: no bound (the default).
+    starvation_bound_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class PriorityClass:
     preempts: tuple[str, ...]
     production: bool
     run_late: bool = False
+    starvation_bound_s: float | None = None
 
     @property
     def rank(self) -> int:
@@ -171,6 +176,7 @@ def build_classes(queues: list[Queue]) -> dict[str, PriorityClass]:
                     preempts=preempts,
                     production=level.production,
                     run_late=level.run_late,
+                    starvation_bound_s=level.starvation_bound_s,
                 )
             )
     ordered = sorted(enumerate(classes), key=lambda item: (-item[1].priority, item[0]))

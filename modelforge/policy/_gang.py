@@ -408,7 +408,7 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     cards, _ = _live(pass_, gang)
     if not cards:
         return timelines, ready_at
-    on = _leases_on(pass_)
+    on = leases_on(pass_)
     promised = _promised_releases(pass_, now)
     for accelerator in may_land(pass_, cards, attempt.production, None):
         coming = promised.get(accelerator, [])
@@ -421,7 +421,7 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     return timelines, ready_at
 
 
-def _leases_on(pass_: DecisionPass) -> dict[str, list[Lease]]:
+def leases_on(pass_: DecisionPass) -> dict[str, list[Lease]]:
     """The leases held on each accelerator (a gang's on each of its cards), once per pass."""
     cached = pass_.gang_memo.get(("leases_on",))
     if cached is not None:

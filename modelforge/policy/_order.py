@@ -33,6 +33,19 @@ def runs_late(catalog: Catalog, class_id: str) -> bool:
     return klass is not None and klass.run_late
 
 
+def starvation_bound(catalog: Catalog, class_id: str) -> float | None:
+    """Seconds a waiting request of the class may be overtaken by work ordered after it while
+    capacity for it exists (its level's `starvation_bound_s`); None: no bound."""
+    klass = catalog.classes.get(class_id)
+    return None if klass is None else klass.starvation_bound_s
+
+
+def starving(catalog: Catalog, queued: QueuedRequest, now: float) -> bool:
+    """Whether `queued` has waited past its class's starvation bound."""
+    bound = starvation_bound(catalog, queued.priority)
+    return bound is not None and now - queued.submitted_at >= bound
+
+
 def production_ranks(catalog: Catalog) -> dict[int, bool]:
     """Ranks of production classes. The catalog keeps production and other levels on distinct
     priorities, so a rank alone says which admission rules apply."""

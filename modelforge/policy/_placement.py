@@ -34,8 +34,16 @@ from modelforge.domain import Deployment, Residency, fair_share_entity, resident
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, Sleep, StartLoad, Unload, Wait, Wake
 from modelforge.policy._fit_index import drop_fit_index
-from modelforge.policy._gang import place_gang
-from modelforge.policy._order import class_rank, fair_share_scores, is_production, ordered_buckets, production_ranks
+from modelforge.policy._gang import leases_on, place_gang
+from modelforge.policy._order import (
+    class_rank,
+    fair_share_scores,
+    is_production,
+    ordered_buckets,
+    production_ranks,
+    starvation_bound,
+    starving,
+)
 from modelforge.policy._pass import (
     IDLE_RUNTIME,
     DecisionPass,
@@ -47,16 +55,19 @@ from modelforge.policy._pass import (
     start_pass,
 )
 from modelforge.policy._queue_index import Lane, queue_index
+from modelforge.policy._reservation import Reservation, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
 from modelforge.policy._rules import (
     BLOCKED,
     RESERVED,
     STALE,
+    STARVED,
     Attempt,
     Landing,
     deadline_refusal,
     expiry_refusal,
     hopeless_refusal,
+    joining_keeps,
     landing_refusals,
     may_land,
     predicted_refusal,
@@ -246,7 +257,8 @@ def _visit(
                 return counter
     if reuse_settled and not queued.assigned_to:
         settled = settled_by.get(capability)
-        if settled is not None:
+        # A request past its class's starvation bound is placed on its own: it may reserve a card.
+        if settled is not None and not starving(pass_.state.catalog, queued, now):
             # The hot path on a busy pool: most of the queue waits behind its head.
             if settled[0] is None:
                 predicted = None if deployment is None else predicted_refusal(pass_, queued, deployment, now)
@@ -318,8 +330,22 @@ class _Skip:
 
     def _floors(self, lane: Lane, settled: tuple[FailureClass, str] | tuple[None, str]) -> list[float]:
         """From each position of the lane on, the earliest moment one of its requests stops
-        merely waiting (its expiry, or the last moment it could start and finish by its
-        deadline); -inf everywhere when the lane does not wait uniformly."""
+        merely waiting (its expiry, the last moment it could start and finish by its deadline,
+        or when it passes its class's starvation bound and may reserve a card); -inf everywhere
+        when the lane does not wait uniformly."""
+        floors = self._waiting_floors(lane, settled)
+        bound = starvation_bound(self.pass_.state.catalog, lane.priority)
+        if bound is None or floors[0] == -math.inf:
+            return floors
+        items = lane.items
+        floors = [floors[0]] * (len(items) + 1) if len(floors) == 1 else list(floors)
+        least = math.inf
+        for n in range(len(items) - 1, -1, -1):
+            least = min(least, items[n].submitted_at + bound)
+            floors[n] = min(floors[n], least)
+        return floors
+
+    def _waiting_floors(self, lane: Lane, settled: tuple[FailureClass, str] | tuple[None, str]) -> list[float]:
         pass_, now = self.pass_, self.now
         never = [-math.inf]
         if settled[0] is not None or not lane.uniformly_waiting(settled[1], now):
@@ -710,8 +736,12 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         return None
     # Joining an idle resident keeps it from being unloaded until this lease ends: on a reserved
     # accelerator that counts as taking its bytes too.
+    # So does joining one a request past its starvation bound needs unloaded (`joining_keeps`).
     nbytes = deployment.lease_extra_bytes
-    if resident.phase == ResidentPhase.READY and resident.active_leases == 0 and resident.key not in pass_.in_use:
+    if resident.phase == ResidentPhase.READY and (
+        (resident.active_leases == 0 and resident.key not in pass_.in_use)
+        or (pass_.reservations and joining_keeps(pass_, resident))
+    ):
         nbytes += resident.bytes
     landing = Landing(nbytes, persists=False, attempt=attempt)
     if reservation_refuses(pass_, accelerator, landing):
@@ -992,12 +1022,65 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
         return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
     budgets = pass_.budgets
     slot_only = joined.holding if pass_.state.config.pack_lower_classes else {}
+    starved = _reserve_starved(attempt, loads, joined) if starving(pass_.state.catalog, queued, attempt.now) else ""
     for accelerator in loads.open:
         if accelerator in slot_only and accelerator not in joined.short:
             continue
         if budgets[accelerator].fresh and accelerator not in loads.backfill_only:
             pass_.blocked[accelerator] = True
-    return Wait(queued.request_id, str(reasons) or "waiting for capacity")
+    reason = str(reasons) or "waiting for capacity"
+    return Wait(queued.request_id, f"{reason}; {starved}" if starved else reason)
+
+
+def _reserve_starved(attempt: Attempt, loads: _Loads, joined: _Joined) -> str:
+    """A request waiting past its class's starvation bound (its level's `starvation_bound_s`)
+    reserves the card where it falls short least, among those where it could fit with
+    ModelForge's evictable work gone (capacity exists) and no other reservation holds: a load's
+    card (`loads.short`), or one holding its resident that joining or waking lacks bytes on
+    (`joined.short`). It is the gang reservation's rule (`_reservation`): later work of this pass
+    (its own class's and lower classes'; higher classes were placed before it, so class order is
+    unchanged) takes bytes there only within the spare or if it ends before the bytes come back
+    by the leases' end times (never, without them); joining a resident it needs unloaded counts
+    that resident's bytes. Returns what was reserved, or ""."""
+    pass_, queued, now = attempt.pass_, attempt.queued, attempt.now
+    # Whether it reserves depends on its own submission time.
+    attempt.reusable = False
+    budgets, reservations = pass_.budgets, pass_.reservations
+    wake_need = {r.accelerator: need for r, need in joined.asleep}
+    # (card, bytes it needs there, whether a load: only a load needs other residents unloaded)
+    wanted = [(a, loads.need, True) for a in loads.short]
+    wanted += [
+        (a, wake_need.get(a, attempt.deployment.lease_extra_bytes), False)
+        for a in joined.short
+        if budgets[a].fresh and (attempt.production or not pass_.state.accelerators.get(a, IDLE_RUNTIME).pressure)
+    ]
+    best: tuple[int, int, str, int, bool] | None = None
+    for accelerator, need, load in wanted:
+        budget = budgets[accelerator]
+        ceiling = budget.total_bytes - budget.reserve_bytes - budget.external_bytes - pass_.pinned.get(accelerator, 0)
+        if accelerator in reservations or need > ceiling:
+            continue
+        option = (need - pass_.free(accelerator), pass_.position.get(accelerator, 0), accelerator, need, load)
+        if best is None or option < best:
+            best = option
+    if best is None:
+        return ""
+    _, _, accelerator, need, load = best
+    on = leases_on(pass_).get(accelerator, [])
+    free = pass_.free(accelerator)
+    timeline = release_timeline(on, pass_.state.residents, now, [])
+    starts_at = free_at(free, timeline, need, now)
+    spare = free - need + (freed_by(timeline, starts_at) if not math.isinf(starts_at) else 0)
+    reservations[accelerator] = Reservation(
+        queued.request_id,
+        starts_at,
+        max(0, spare),
+        starving=True,
+        keeps_residents=load and need > free + sum(lease.bytes for lease in on),
+        production=attempt.production,
+    )
+    waited = now - queued.submitted_at
+    return f"{STARVED} waited {waited:.0f} s, past its class's starvation bound: reserved {accelerator}"
 
 
 def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:

@@ -1,10 +1,18 @@
-"""Reservations for waiting gangs, with backfill (EASY backfilling, as batch schedulers do it).
+"""Reservations for waiting gangs, with backfill (EASY backfilling, as batch schedulers do it),
+and for requests waiting past their class's starvation bound.
 
 A gang that cannot start now reserves the accelerators where it can start soonest, counting on
 the work there ending by its `max_duration` (`Lease.ends_by`). Until then, later work may still
 use them, but only work that ends before the reservation starts, or bytes the gang will not need
 (the reservation's spare). Without end times nothing can be promised, so nothing is reserved and
 the gang waits as before (draining a node for days starved 1,577 other jobs in simulation).
+
+A single-card request that has waited longer than its level's `starvation_bound_s` reserves the
+one card where it falls short least (`_placement._reserve_starved`), by the same rule: later work
+in the pass (its own class's and lower classes'; higher classes were placed before it) may take
+bytes there only within the spare or if it ends before the reservation starts, which without end
+times is never. Joining a resident it needs gone counts that resident's bytes (`keeps_residents`):
+joiners would otherwise keep the resident busy, and it never unloads.
 """
 
 from __future__ import annotations
@@ -19,9 +27,16 @@ from modelforge.policy._topology import GangShape, choose_gang
 
 @dataclass
 class Reservation:
-    gang: str  # the waiting gang's request id
-    starts_at: float  # when every reserved accelerator will have the gang's bytes
-    spare: int  # bytes on this accelerator beyond the gang's, at starts_at: free to take now
+    holder: str  # the waiting request's id (a gang's, or a starving request's)
+    starts_at: float  # when every reserved accelerator will have its bytes (inf: unknown)
+    spare: int  # bytes on this accelerator beyond its own, at starts_at: free to take now
+    # Held for a request past its class's starvation bound (not a gang).
+    starving: bool = False
+    # It needs residents on the card unloaded (its bytes cannot come from leases ending alone):
+    # joining a resident it may unload keeps that resident, so counts its bytes. For a
+    # production holder any such resident, else one that did not last serve production.
+    keeps_residents: bool = False
+    production: bool = False
 
 
 def release_timeline(

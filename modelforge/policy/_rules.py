@@ -2,9 +2,10 @@
 
 - `landing_refusals` (and `may_land`): may new bytes land on an accelerator now? Every load asks
   it: a request's model, an always_warm model, a gang's bytes, a gang looking for cards to reserve.
-- `reservation_refuses`: may bytes be taken on an accelerator a waiting gang holds? (Backfill:
-  only work that ends before the gang starts, or bytes within the gang's spare.) Part of the
-  rule above, and asked on its own when a request joins or wakes a resident there.
+- `reservation_refuses`: may bytes be taken on an accelerator a waiting gang, or a request past
+  its class's starvation bound, holds? (Backfill: only work that ends before it starts, or bytes
+  within its spare.) Part of the rule above, and asked on its own when a request joins or wakes
+  a resident there (`joining_keeps`: joining a resident the holder needs gone takes its bytes).
 - `deadline_refusal`: can work that must load first still finish by its deadline (its load and
   its estimated service time, `service_estimate`)?
 - `hopeless_refusal`: can a waiting request still finish by its deadline if it started now?
@@ -18,6 +19,7 @@ what its outcome depended on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,15 +27,19 @@ from typing import NamedTuple
 from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Reject
+from modelforge.policy._order import is_production
 from modelforge.policy._pass import BECOMING_READY, IDLE_RUNTIME, DecisionPass, request_ends_by
 from modelforge.policy._reservation import Reservation
-from modelforge.policy._state import QueuedRequest, service_figures
+from modelforge.policy._state import QueuedRequest, ResidentState, service_figures
 
 # Why new bytes may not land on an accelerator now (the kinds a waiting request is told).
 BLOCKED = "blocked"  # a higher-ordered request of this pass waits for memory there
 STALE = "stale"  # its node has not reported within freshness_s: it may be gone
 PRESSURE = "pressure"  # GPU_PRESSURE: only production work may load
-RESERVED = "reserved"  # held for a waiting gang
+RESERVED = "reserved"  # held for a waiting gang, or for a request past its starvation bound
+# What a request past its class's starvation bound is told when it reserves a card, and the
+# start of the line later work is told there.
+STARVED = "starved:"
 
 
 @dataclass
@@ -67,7 +73,7 @@ class Landing(NamedTuple):
     def ends_before(self, reservation: Reservation) -> bool:
         """Gone before the gang starts: takes nothing the gang will need."""
         attempt = self.attempt
-        if self.persists or attempt is None:
+        if self.persists or attempt is None or math.isinf(reservation.starts_at):
             return False
         return request_ends_by(attempt.queued, attempt.now + self.lead_s) <= reservation.starts_at
 
@@ -125,6 +131,21 @@ def reservation_refuses(pass_: DecisionPass, accelerator: str, landing: Landing)
     return landing.nbytes > reservation.spare
 
 
+def joining_keeps(pass_: DecisionPass, resident: ResidentState) -> bool:
+    """Whether joining `resident` keeps bytes a starving request's reservation on its card waits
+    for: the reservation counts on residents there being unloaded (`Reservation.keeps_residents`)
+    and this is one its holder may unload (never always_warm; one that last served production
+    only for a production holder). Joining it then counts its bytes as taken."""
+    reservation = pass_.reservations.get(resident.accelerator)
+    if reservation is None or not reservation.keeps_residents or resident.residency == Residency.ALWAYS_WARM:
+        return False
+    return (
+        reservation.production
+        or resident.last_priority is None
+        or not is_production(pass_.state.catalog, resident.last_priority)
+    )
+
+
 def take_reservation(pass_: DecisionPass, accelerator: str, landing: Landing) -> None:
     """Bytes taken on a reserved accelerator that outlast the reservation's start come out of
     its spare."""
@@ -145,8 +166,15 @@ def refusal_reason(pass_: DecisionPass, kind: str, accelerator: str, now: float)
     if kind == PRESSURE:
         return f"{accelerator}: GPU_PRESSURE, only production work may load"
     reservation = pass_.reservations[accelerator]
+    if reservation.starving:
+        starts_in = reservation.starts_at - now
+        ends = "" if math.isinf(starts_in) else f", work that ends within {starts_in:.0f} s"
+        return (
+            f"{accelerator}: {STARVED} {reservation.holder} waits past its class's starvation bound "
+            f"(only work of a higher class{ends} or within {reservation.spare} B may take memory there)"
+        )
     return (
-        f"{accelerator}: reserved for gang {reservation.gang} starting in {reservation.starts_at - now:.0f} s "
+        f"{accelerator}: reserved for gang {reservation.holder} starting in {reservation.starts_at - now:.0f} s "
         "(only work that ends by then may use it)"
     )
 
