@@ -174,6 +174,7 @@ class DecisionPass:
     indexed: bool = True
     # The cards by schedulable bytes, kept across passes (`_fit_index`); None in the reference pass.
     fit: FitIndex | None = None
+    fit_misses: int = 0  # searches of `fit` that ended without a card (`_placement._best_fit_indexed`)
     # Deadline-aware admission (`_rules.service_estimate`, `_rules.predicted_refusal`): per
     # deployment, its measured (mean, high percentile) service time; how many requests of it this
     # pass left waiting ahead of the one being placed, and granted; the seconds its running

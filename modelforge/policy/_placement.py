@@ -839,7 +839,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     need = deployment.resident_bytes + deployment.lease_extra_bytes
     loads = _Loads(need, deployment.residency != Residency.NONE)
     landing = Landing(need, loads.persists, attempt, attempt.load_s)
-    if pass_.fit is not None:
+    if pass_.fit is not None and pass_.fit_misses < _INDEXED_MISSES:
         loads.best = _best_fit_indexed(attempt, landing, holding)
         if loads.best is not None:
             return loads  # what else a walk gathers serves only a request that cannot load
@@ -866,8 +866,11 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
 
 
 # How many cards with room the indexed search looks at before it leaves the choice to the walk
-# over every card (they refused the load: stale, under pressure, reserved for a gang).
+# over every card (they refused the load: stale, under pressure, reserved for a gang, blocked by
+# a request ahead), and how many searches a pass lets end that way before it walks for the rest:
+# on a pool whose cards with room all refuse, the search only adds to the walk.
 _INDEXED_LOOKS = 64
+_INDEXED_MISSES = 3
 
 
 def _best_fit_indexed(attempt: Attempt, landing: Landing, holding: dict[str, bool]) -> tuple[int, str] | None:
@@ -911,6 +914,7 @@ def _best_fit_indexed(attempt: Attempt, landing: Landing, holding: dict[str, boo
             return (schedulable - need, card)
         looks += 1
         if looks >= _INDEXED_LOOKS:
+            pass_.fit_misses += 1
             return None
     return best
 
