@@ -6,6 +6,7 @@ one run, and the replay speed of a 100,000-request scenario.
     .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
     .venv/bin/python bench/simulate.py --measure-history 4 160  # the real scheduler's events per request
     .venv/bin/python bench/simulate.py --overload  # deadlines and lower classes (issue 20 items 2, 3)
+    .venv/bin/python bench/simulate.py --cluster   # the whole Alibaba cluster: 6,212 cards (issue 20)
 
 Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
@@ -398,6 +399,36 @@ def overload() -> bool:
     return ok
 
 
+def whole_cluster() -> bool:
+    """The whole Alibaba cluster of data/traces (every node, every pod of the shipped list), fifo
+    then modelforge, in one run: modelforge's replay at most 3x fifo's wall time and under 120 s,
+    with no invariant violation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scenario = load_scenario(
+            convert_alibaba(
+                TRACES / "alibaba_gpu_2023_nodes.csv",
+                TRACES / "alibaba_gpu_2023_pods_default.csv",
+                Path(tmp) / "cluster",
+                AlibabaOptions(),
+            )
+        )
+        results = [simulate(scenario, p) for p in ("fifo", "modelforge")]
+    cards = len(scenario.catalog.accelerators)
+    table(f"Alibaba GPU 2023, the whole cluster: {cards:,} cards, {len(scenario.requests):,} pods", results)
+    fifo, mine = results
+    print()
+    for result in results:
+        print(f"- {result.policy}: {result.wall_s:.1f} s wall, {result.requests_per_s:,.0f} requests/s")
+    ok = check(
+        "whole cluster: modelforge's replay <= 3x fifo's",
+        mine.wall_s <= 3 * fifo.wall_s,
+        f"{mine.wall_s:.1f} s vs {fifo.wall_s:.1f} s, ratio {mine.wall_s / fifo.wall_s:.2f}",
+    )
+    ok &= check("whole cluster: under 120 s", mine.wall_s < 120.0, f"{mine.wall_s:.1f} s")
+    ok &= check("whole cluster: invariant violations", mine.invariant_violations == 0, str(mine.invariant_violations))
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="skip the 100,000-request speed run")
@@ -405,6 +436,7 @@ def main() -> int:
     parser.add_argument(
         "--overload", action="store_true", help="only deadlines and lower classes: Azure as shipped, at 4x, homelab"
     )
+    parser.add_argument("--cluster", action="store_true", help="only the whole Alibaba cluster (6,212 cards)")
     parser.add_argument(
         "--measure-history",
         nargs=2,
@@ -418,6 +450,8 @@ def main() -> int:
         return 0
     if args.overload:
         return 0 if overload() else 1
+    if args.cluster:
+        return 0 if whole_cluster() else 1
     if args.sizing:
         with tempfile.TemporaryDirectory() as tmp:
             sizing(load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", Path(tmp) / "azure")))
@@ -483,6 +517,7 @@ def main() -> int:
                 f"- modelforge replays at {speed[0].requests_per_s / fastest.requests_per_s:.3f}x the fastest baseline"
             )
             ok &= check("100,000 requests in <= 30 s", speed[0].wall_s <= 30.0, f"{speed[0].wall_s:.1f} s")
+            ok &= whole_cluster()
     return 0 if ok else 1
 
 
