@@ -42,7 +42,7 @@ import typing
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
@@ -220,10 +220,13 @@ class _Dataclasses(JSONTypeConverter):
     type hints resolved once. The SDK resolves them on every decode (`typing.get_type_hints`,
     which compiles each string annotation of a module with `from __future__ import annotations`
     anew): a node's delegation reply of 255 slots took about 80 ms of event-loop time to decode,
-    and every request's workflow and activity inputs paid the same per field."""
+    and every request's workflow and activity inputs paid the same per field. The resolved hints
+    are shared by every instance: the SDK makes a new payload converter for each serialization
+    context (several per workflow task), so a cache of one instance's own mostly missed."""
+
+    _fields: ClassVar[dict[type, list[tuple[str, Any, bool]]]] = {}
 
     def __init__(self) -> None:
-        self._fields: dict[type, list[tuple[str, Any, bool]]] = {}
         self._converters: list[JSONTypeConverter] = [self]
 
     def to_typed_value(self, hint: type, value: Any) -> Any:

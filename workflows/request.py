@@ -82,6 +82,11 @@ PATCH_DEADLINE_FROM_START = "deadline-from-start"
 PATCH_SCHEDULER_DEADLINES = "scheduler-deadlines"
 # ...and before a warm request on its node's worker could run on a slot lent to that node.
 PATCH_DELEGATED_SLOTS = "delegated-slots"
+# ...and before one marker stood for all of the above (histories v10): a run that has it holds
+# every request patch above without recording a marker of each (each marker also costs an upsert
+# of TemporalChangeVersion: ten history events of every warm request). Evaluated first in `run`;
+# runs recorded before it take the old branches, each behind its own patch, as before.
+PATCH_ONE_MARKER = "request-patches-through-v9"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
 ADMIT_BUDGET = timedelta(seconds=60)
@@ -97,6 +102,12 @@ class CapabilityRequestWorkflow:
         self._phase = "admitting"
         self._lease: Lease | None = None
         self._preempt: PreemptSignal | None = None
+        self._through_v9 = False  # PATCH_ONE_MARKER, set first in `run`
+
+    def _patched(self, patch_id: str) -> bool:
+        """`workflow.patched` for a request patch up to histories v9: True without a marker in a
+        run that has PATCH_ONE_MARKER (a new run holds every one of them)."""
+        return self._through_v9 or workflow.patched(patch_id)
 
     @workflow.signal
     def lease_decision(self, decision: LeaseDecision) -> None:
@@ -114,8 +125,9 @@ class CapabilityRequestWorkflow:
 
     @workflow.run
     async def run(self, request: RequestInput) -> RequestResult:
+        self._through_v9 = workflow.patched(PATCH_ONE_MARKER)
         started = workflow.now()
-        if workflow.patched(PATCH_RESERVED_INPUT):
+        if self._patched(PATCH_RESERVED_INPUT):
             # The last entrance: a client that skipped its own checks (or an old one) cannot choose
             # a node operation or a checkpoint through its input.
             problem = client_input_problem(request.input)
@@ -126,7 +138,7 @@ class CapabilityRequestWorkflow:
         crashes = preemptions = 0
         resume_from = ""  # the checkpoint the next run starts from, once one was taken
         gang_resume: dict[int, str] = {}  # a gang job's: each rank's checkpoint, all or none
-        fencing = workflow.patched(PATCH_LEASE_FENCING)
+        fencing = self._patched(PATCH_LEASE_FENCING)
         refused = 0  # grants found reclaimed on arrival (bounded like crashes)
         while True:
             self._decision = None
@@ -154,8 +166,8 @@ class CapabilityRequestWorkflow:
             self._phase = "invoking"
             outcome, message = "ok", ""
             result: InvokeResult | None = None
-            heartbeats = workflow.patched(PATCH_LEASE_HEARTBEATS)
-            node_releases = workflow.patched(PATCH_NODE_RELEASES)
+            heartbeats = self._patched(PATCH_LEASE_HEARTBEATS)
+            node_releases = self._patched(PATCH_NODE_RELEASES)
             payload = request.input
             if resume_from and not fencing:  # older runs handed the checkpoint over in the payload
                 payload = {**request.input, RESUME_KEY: resume_from}
@@ -179,9 +191,9 @@ class CapabilityRequestWorkflow:
                     try:
                         await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
                     except TimeoutError:
-                        if workflow.patched(PATCH_CHECKPOINT_ON_PREEMPT) and not lease.gang:
+                        if self._patched(PATCH_CHECKPOINT_ON_PREEMPT) and not lease.gang:
                             resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
-                        elif lease.gang and workflow.patched(PATCH_GANG_CHECKPOINTS):
+                        elif lease.gang and self._patched(PATCH_GANG_CHECKPOINTS):
                             gang_resume = await self._checkpoint_gang(request, lease, preemptions) or gang_resume
                         invoke.cancel()
             lost = False
@@ -191,7 +203,7 @@ class CapabilityRequestWorkflow:
                 outcome, message = classify(error)
                 # The node heartbeats as an invoke starts: none at all means it never ran there,
                 # so running it on a fresh lease cannot run it twice.
-                if never_started(error) and not lease.gang and workflow.patched(PATCH_RETRY_UNSTARTED):
+                if never_started(error) and not lease.gang and self._patched(PATCH_RETRY_UNSTARTED):
                     lost = True
                     message = "the node never started the invoke (its task was lost in flight)"
             preempted = result is None and self._preempt is not None
@@ -427,7 +439,7 @@ class CapabilityRequestWorkflow:
         """A warm request on its node's worker asks that node for a slot the scheduler lent it
         (a local activity, no round trip: activities/_delegation.py). None (no free slot, or
         anything going wrong): the scheduler admits it as always."""
-        if not workflow.patched(PATCH_DELEGATED_SLOTS):
+        if not self._patched(PATCH_DELEGATED_SLOTS):
             return None
         try:
             slot: Lease | None = await workflow.execute_local_activity(
@@ -488,9 +500,9 @@ class CapabilityRequestWorkflow:
             workflow.logger.info("withdrawal of %s not delivered: %s", request.request_id, error)
 
     async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
-        fencing = workflow.patched(PATCH_LEASE_FENCING)
+        fencing = self._patched(PATCH_LEASE_FENCING)
         deadline_s = request.deadline_s
-        if deadline_s is not None and acquisition > 0 and workflow.patched(PATCH_DEADLINE_FROM_START):
+        if deadline_s is not None and acquisition > 0 and self._patched(PATCH_DEADLINE_FROM_START):
             # The deadline is the caller's, from its request: asked again, only the time left.
             left = submitted_at + deadline_s - workflow.now().timestamp()
             if left <= 0:
@@ -533,7 +545,7 @@ class CapabilityRequestWorkflow:
         except (ActivityError, ApplicationError) as error:
             # A failed local activity arrives as its ApplicationError itself (SDK 1.35), not
             # wrapped in an ActivityError as a regular activity's failure is.
-            if not workflow.patched(PATCH_RECORD_ADMIT_FAILURES) and isinstance(error, ApplicationError):
+            if not self._patched(PATCH_RECORD_ADMIT_FAILURES) and isinstance(error, ApplicationError):
                 raise  # as requests recorded before histories v3 did: no outcome attribute, no event
             cls, message = classify(error)
             self._end(cls)
@@ -550,7 +562,7 @@ class CapabilityRequestWorkflow:
         self._phase = "queued"
         lease_timeout = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
         limit, cls = lease_timeout, FailureClass.LEASE_TIMEOUT
-        if deadline_s is not None and deadline_s < lease_timeout and not workflow.patched(PATCH_SCHEDULER_DEADLINES):
+        if deadline_s is not None and deadline_s < lease_timeout and not self._patched(PATCH_SCHEDULER_DEADLINES):
             # Before classes could run late: the requester gave up at its deadline itself. Now
             # the scheduler refuses at the deadline (or, for a run_late class, runs it late).
             limit, cls = deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET

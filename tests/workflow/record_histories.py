@@ -1,6 +1,6 @@
 """Record the histories that tests/workflow/test_replay.py replays.
 
-    .venv/bin/python -m tests.workflow.record_histories v9
+    .venv/bin/python -m tests.workflow.record_histories v10
 
 Runs the keep-warm story (cold request, warm request, a warm request started on the node's queue,
 keep-warm eviction, an unknown capability), a
