@@ -45,8 +45,10 @@ DEFAULT_SYNC_S = 1.0
 # syncing once it holds nothing): an idle node costs its scheduler no history.
 IDLE_GIVE_BACK_S = 10.0
 CLAIM_START_S = 30.0
-# A sync asked for by a claim that found no slot waits at least this long after the last one.
+# A sync asked for by a claim that found no slot waits at least this long after the last one,
+# and the claim waits at most CLAIM_WAIT_S for its answer before the scheduler admits the request.
 MIN_SYNC_GAP_S = 0.1
+CLAIM_WAIT_S = 0.5
 MAX_RUNS_KEPT = 20_000  # reports kept through a scheduler outage, the oldest dropped past it
 SYNC_TIMEOUT_S = 10.0
 
@@ -94,29 +96,62 @@ class NodeSlots:
         self._runs: list[SlotRun] = []
         self._wanted: dict[str, None] = {}
         self._wake = asyncio.Event()
+        # Set when the next sync's reply has been applied (a new event per sync): what a claim
+        # that asked for a slot waits on.
+        self._answered = asyncio.Event()
         self._last_sync = 0.0
         # The scheduler counts slots as this node's (the last reply lent some): a node that gave
         # them all back syncs once more, to say so.
         self._lent = False
         self.syncs = 0  # sent, for tests and the benchmark
+        # Whether a resident is loaded on this node (its worker's runtimes): slots on others are
+        # not claimed. Everything, until the worker says (`serve_only`).
+        self._serves: Callable[[str], bool] = lambda key: True
+
+    def serve_only(self, serves: Callable[[str], bool]) -> None:
+        self._serves = serves
 
     # --- claims (local activity) -------------------------------------------------------------
 
+    async def claim_or_ask(self, claim: SlotClaim, wait_s: float = CLAIM_WAIT_S) -> Lease | None:
+        """`claim`, and where it found no slot it could take, the same again once the sync it asked
+        for has been answered (at most `wait_s`): a warm request that arrives just before its
+        scheduler lends the node a slot (the first after a quiet spell, or the next of a
+        concurrency-1 model whose one slot was just taken back for an admission) takes that slot
+        instead of queueing at the scheduler, which would then have to take the slot back from
+        this node a sync later before it could grant it."""
+        lease, asked = self._claim(claim)
+        if lease is not None or not asked:
+            return lease
+        answered = self._answered
+        try:
+            await asyncio.wait_for(answered.wait(), timeout=wait_s)
+        except TimeoutError:
+            return None
+        return self._claim(claim, ask=False)[0]
+
     def claim(self, claim: SlotClaim) -> Lease | None:
         """The request's lease on a free open slot of its capability here, or None."""
+        return self._claim(claim)[0]
+
+    def _claim(self, claim: SlotClaim, ask: bool = True) -> tuple[Lease | None, bool]:
+        """(the lease, or None; whether a sync was asked for a slot of its capability)."""
         now = self._clock()
         if claim.pool != self.pool:
-            return None
+            return None, False
         if now >= self._valid_until or self._view is None:
-            self._want(claim.capability)
-            return None
+            if ask:
+                self._want(claim.capability)
+            return None, ask
         priority = self._class_of(claim)
         if priority is None:
-            return None
+            return None, False
         production = is_production(self._view, priority)
         for slot in self._slots.values():
             lease = slot.lease
             if lease.capability != claim.capability or not slot.open or slot.request_id:
+                continue
+            if not self._serves(lease.resident_key):
                 continue
             if production and lease.resident_key not in self._production_ok:
                 continue
@@ -130,9 +165,10 @@ class NodeSlots:
                 workflow_id=claim.workflow_id,
                 tenant=claim.tenant,
                 priority=priority,
-            )
-        self._want(claim.capability)
-        return None
+            ), False
+        if ask:
+            self._want(claim.capability)
+        return None, ask
 
     def _class_of(self, claim: SlotClaim) -> str | None:
         """The request's class by the scheduler's own rules (its tenant's default, ceiling and
@@ -245,10 +281,14 @@ class NodeSlots:
         self._wanted.clear()
         self._last_sync = sent_at
         self.syncs += 1
-        reply = await self._send(sync)
-        del self._runs[:runs]  # reported: the scheduler has them
-        self._apply(reply, sent_at)
-        self._lent = bool(self._slots)
+        answered, self._answered = self._answered, asyncio.Event()  # later claims wait on the next
+        try:
+            reply = await self._send(sync)
+            del self._runs[:runs]  # reported: the scheduler has them
+            self._apply(reply, sent_at)
+            self._lent = bool(self._slots)
+        finally:
+            answered.set()  # answered or failed: the claims that waited on it look again, once
         return reply
 
     async def _update(self, sync: SlotSync) -> SlotReply:
@@ -293,6 +333,14 @@ class PoolSlots:
     def claim(self, claim: SlotClaim) -> Lease | None:
         slots = self.by_pool.get(claim.pool)
         return None if slots is None else slots.claim(claim)
+
+    async def claim_or_ask(self, claim: SlotClaim) -> Lease | None:
+        slots = self.by_pool.get(claim.pool)
+        return None if slots is None else await slots.claim_or_ask(claim)
+
+    def serve_only(self, serves: Callable[[str], bool]) -> None:
+        for slots in self.by_pool.values():
+            slots.serve_only(serves)
 
     def started(self, lease_id: str, request_id: str) -> bool:
         # A slot's id is its pool's; with the request's id it names one slot of one pool.

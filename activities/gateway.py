@@ -167,7 +167,7 @@ class SchedulerGatewayActivities:
     async def claim_slot(self, claim: SlotClaim) -> Lease | None:
         """A free slot of this node for the request (activities/_delegation.py), or None: no
         slots here (the control worker has none), and the scheduler admits it as always."""
-        return None if self._slots is None else self._slots.claim(claim)
+        return None if self._slots is None else await self._slots.claim_or_ask(claim)
 
     @activity.defn(name="admit")
     async def admit(self, call: AdmitCall) -> AdmitReply:

@@ -241,6 +241,10 @@ class NodeActivities:
         log.info("model_loaded", key=request.key, bytes=model.measured_bytes, load_s=round(model.load_s, 3))
         return LoadResult(model.measured_bytes, model.load_s, model.pid)
 
+    def serves(self, key: str) -> bool:
+        """Whether the resident `key` is loaded in this worker (a lent slot on it may be claimed)."""
+        return key in self._loaded
+
     def _model(self, key: str) -> tuple[Runtime, LoadedModel]:
         entry = self._loaded.get(key)
         if entry is None:

@@ -92,6 +92,10 @@ def build_node_worker(
         request_queue=node_task_queue(node),
         slots=slots,
     )
+    if slots is not None:
+        # A slot is claimed only on a model this worker has loaded: a restarted worker (its
+        # model servers reaped) is lent slots before its next sample tells the scheduler so.
+        slots.serve_only(node_activities.serves)
     return Worker(
         client,
         task_queue=node_task_queue(node),

@@ -244,6 +244,68 @@ def test_a_claim_gets_the_requests_own_lease_on_a_lent_slot_and_the_slot_serves_
     assert again is not None and again.lease_id == a.lease_id
 
 
+def test_a_claim_that_finds_no_slot_takes_the_one_its_sync_brings_and_else_goes_to_the_scheduler() -> None:
+    async def scenario(concurrency: int, send_hangs: bool = False) -> tuple[object, int, float]:
+        clock = Clock()
+        slots, scheduler = node(pool(concurrency), clock)
+        if send_hangs:
+
+            async def never(sync: SlotSync) -> object:
+                await asyncio.Event().wait()
+
+            slots._send = never  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        syncing = asyncio.create_task(slots.run())
+        began = loop.time()
+        try:
+            lease = await slots.claim_or_ask(claim("first"), wait_s=2.0)
+        finally:
+            syncing.cancel()
+        return lease, len(scheduler.syncs), loop.time() - began
+
+    # A warm model with free slots: the claim's own sync brings one, and the request runs on it.
+    lease, syncs, took = asyncio.run(scenario(concurrency=1))
+    assert lease is not None and lease.request_id == "first" and lease.tenant == "t"  # type: ignore[attr-defined]
+    assert syncs == 1 and took < 1.0, "answered by the one sync it asked for, not the periodic one"
+    # A scheduler that answers lends nothing: the request goes to the scheduler after one sync.
+    s = pool(1)
+    s.residents.clear()  # nothing warm to lend
+    clock = Clock()
+    slots, scheduler = node(s, clock)
+
+    async def unwarm() -> object:
+        task = asyncio.create_task(slots.run())
+        try:
+            return await slots.claim_or_ask(claim("cold"), wait_s=2.0)
+        finally:
+            task.cancel()
+
+    assert asyncio.run(unwarm()) is None and len(scheduler.syncs) == 1
+    # A scheduler that does not answer: no longer than the wait.
+    lease, _, took = asyncio.run(scenario(concurrency=1, send_hangs=True))
+    assert lease is None and 1.9 <= took < 3.0
+    # A claim the scheduler would refuse asks nothing and waits for nothing.
+    clock = Clock()
+    slots, scheduler = node(pool(1), clock)
+    asyncio.run(slots.sync_once())  # the view: who the tenants are
+
+    async def stranger() -> object:
+        return await slots.claim_or_ask(claim("x", tenant_name="stranger"), wait_s=2.0)
+
+    syncs_before = len(scheduler.syncs)
+    assert asyncio.run(stranger()) is None and len(scheduler.syncs) == syncs_before
+
+
+def test_a_slot_on_a_model_this_worker_has_not_loaded_is_never_claimed() -> None:
+    # A restarted worker reaped its model servers; the scheduler lends before a sample says so.
+    slots, _, _ = lent_node()
+    loaded: set[str] = set()
+    slots.serve_only(loaded.__contains__)
+    assert slots.claim(claim("a")) is None
+    loaded.update(slot.lease.resident_key for slot in slots._slots.values())
+    assert slots.claim(claim("a")) is not None
+
+
 def test_a_claim_the_scheduler_would_refuse_is_left_to_the_scheduler() -> None:
     slots, _, _ = lent_node()
     assert slots.claim(claim("x", tenant_name="stranger")) is None  # unknown tenant
