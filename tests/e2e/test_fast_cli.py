@@ -89,7 +89,10 @@ def test_a_warm_request_is_the_sdk_paths(dev: Dev) -> None:
     sdk_code, sdk = _run(REQUEST, sdk_env)
     assert fast_code == sdk_code == 0
     assert set(fast) == set(sdk) and set(fast["lease"]) == set(sdk["lease"])
-    assert set(fast["timings"]) == set(sdk["timings"])
+    # The fast path starts the request on the node where the model is ready, where it is served
+    # on a slot the scheduler lent (timing `delegated`); the SDK path starts it on the control
+    # queue. Otherwise the same keys.
+    assert set(fast["timings"]) - {"delegated"} == set(sdk["timings"]) - {"delegated"}
     assert _steady(fast) == _steady(sdk)
     assert fast["workflow_id"].endswith(fast["request_id"])
 

@@ -262,3 +262,78 @@ def test_it_imports_nothing_heavy() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert json.loads(done.stdout) == []
+
+
+def _serve(answers: list[bytes]) -> tuple[int, list[bytes]]:
+    """A one-connection server on loopback that sends `answers` in turn, one per request read;
+    returns its port and the requests it read."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        with connection, listener:
+            for answer in answers:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += connection.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(
+                    next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(
+                        b":"
+                    )[1]
+                )
+                while len(body) < length:
+                    body += connection.recv(65536)
+                seen.append(head + b"\r\n\r\n" + body)
+                connection.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], seen
+
+
+def _http(port: int) -> fast.Http:
+    env = types.SimpleNamespace(namespace="default", http_address=("127.0.0.1", port))
+    return fast.Http(env)  # type: ignore[arg-type]
+
+
+def test_the_http_client_reads_length_and_chunked_answers_on_one_connection() -> None:
+    port, seen = _serve(
+        [
+            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{"a": 1}',
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b'4\r\n{"b"\r\n3;x=y\r\n: 2\r\n1\r\n}\r\n0\r\nTrailer: t\r\n\r\n',
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        ]
+    )
+    api = _http(port)
+    assert api.call("POST", "/workflows/w", {"x": "é"}) == {"a": 1}
+    assert api.call("GET", "/workflows", query="q") == {"b": 2}
+    with pytest.raises(fast.Fallback, match="404"):
+        api.call("GET", "/missing")
+    assert api.sock is None, "closed as the server said"
+    first = seen[0].decode()
+    assert first.startswith("POST /api/v1/namespaces/default/workflows/w?noPayloadShorthand=true HTTP/1.1\r\n")
+    assert json.loads(first.partition("\r\n\r\n")[2]) == {"x": "é"}
+    assert "Content-Type: application/json" in first and "Content-Type" not in seen[1].decode()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}",  # closed before the body ends
+        b"HTTP/1.1 200 OK\r\n\r\n{}",  # no length
+        b"SSH-2.0-OpenSSH\r\n\r\n",  # not HTTP
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",  # not JSON
+    ],
+)
+def test_an_answer_the_http_client_cannot_read_is_fallback_never_a_traceback(answer: bytes) -> None:
+    port, _ = _serve([answer])
+    api = _http(port)
+    try:
+        with pytest.raises(fast.Fallback):
+            api.call("GET", "/x", timeout=5)
+    finally:
+        api.close()
