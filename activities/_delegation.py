@@ -228,6 +228,8 @@ class NodeSlots:
             del self._runs[: len(self._runs) - MAX_RUNS_KEPT]
         slot.request_id = slot.workflow_id = ""
         slot.last_used = self._clock()
+        if not slot.open:
+            self._wake.set()  # taken back while in use: given back by a sync now
 
     def free_slots(self, capability: str) -> int:
         return sum(1 for s in self._slots.values() if s.lease.capability == capability and s.open and not s.request_id)
@@ -311,6 +313,10 @@ class NodeSlots:
                     del self._slots[lease_id]
             elif lease_id in reply.closing:
                 slot.open = False
+                if not slot.request_id:
+                    # Idle: given back by a sync now, not a period later; a request is waiting
+                    # at the scheduler for it (or its card, or its model's memory).
+                    self._wake.set()
         for lease in reply.lent:
             if lease.lease_id not in self._slots:
                 self._slots[lease.lease_id] = _Slot(

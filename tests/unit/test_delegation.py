@@ -306,6 +306,23 @@ def test_a_slot_on_a_model_this_worker_has_not_loaded_is_never_claimed() -> None
     assert slots.claim(claim("a")) is not None
 
 
+def test_a_node_gives_closed_slots_back_by_a_sync_at_once_not_a_period_later() -> None:
+    slots, scheduler, clock = lent_node(concurrency=3)
+    busy = slots.claim(claim("busy"))
+    assert busy is not None and slots.started(busy.lease_id, "busy")
+    enqueue(scheduler.s, ask("waiting", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
+    slots._wake.clear()
+    asyncio.run(slots.sync_once())  # the reply closes both: the idle one goes back at once
+    assert slots._wake.is_set(), "an idle slot closed: the node syncs again without waiting"
+    slots._wake.clear()
+    clock.now += 0.2
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].held == [busy.lease_id]
+    assert not slots._wake.is_set()
+    slots.finish(busy.lease_id, "busy", "ok", 0.1)  # the closed slot in use ends: back at once too
+    assert slots._wake.is_set()
+
+
 def test_a_claim_the_scheduler_would_refuse_is_left_to_the_scheduler() -> None:
     slots, _, _ = lent_node()
     assert slots.claim(claim("x", tenant_name="stranger")) is None  # unknown tenant
