@@ -41,8 +41,13 @@ The edge is the highest rate that passed. It prints, each step: achieved arrival
 rate over the step, p50/p99 latency, the share of requests delegated, and each scheduler's
 history events per request and per second (history length deltas from the step's start to its
 requests' end plus 1.5 syncs, so the node's report of them is counted; telemetry and syncs
-included). The dev server runs with limit.historyCount.suggestContinueAsNew=1000000 and the
-schedulers with max_history_events=1,000,000, so no run continues as new and the deltas add up.
+included). The dev server runs with limit.historyCount.suggestContinueAsNew=1000000 and
+limit.historySize.suggestContinueAsNew at 40 MiB (the syncs' replies pass the 4 MB default in a
+few minutes), and the schedulers with max_history_events=1,000,000, so no run continues as new
+and the deltas add up.
+  (c) bare (unless --no-ceiling): the same steps with bare one-activity workflows on a worker of
+      their own in this process, no ModelForge at all: the ceiling of every path on this
+      machine. When 4x edge(a) is past it, no path can meet the target here, and it says so.
 At the end: edge(b)/edge(a) against the issue's target (>= 4x), and the delegated path's
 events per request (<= 1) and per second of its busiest scheduler (<= 20) at its edge, each PASS
 or MISS. (a) runs first unless --first delegated: whichever runs second inherits a longer
@@ -413,6 +418,7 @@ async def run_edge(
     baseline: str,
     first_phase: str,
     database_url: str,
+    ceiling: bool = True,
 ) -> int:
     # Warnings and worse only: an info line per lease, written by the process that also runs the
     # workers and the load, would cost the edge what it measures.
@@ -421,7 +427,13 @@ async def run_edge(
         dev_server_existing_path=temporal_binary(),
         dev_server_log_level="error",
         # One scheduler run per pool for the whole benchmark, so history deltas add up.
-        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=1000000"],
+        # (Temporal also suggests it past 4 MB of history, which the syncs' replies reach.)
+        dev_server_extra_args=[
+            "--dynamic-config-value",
+            "limit.historyCount.suggestContinueAsNew=1000000",
+            "--dynamic-config-value",
+            f"limit.historySize.suggestContinueAsNew={40 * 1024 * 1024}",
+        ],
     )
     try:
         client = env.client
@@ -476,12 +488,27 @@ async def run_edge(
                 else:
                     edge_b, at_edge = await phase_b()
                     edge_a, _ = await phase_a()
+                edge_c = await _bare_edge(stack, rates, step_s, drain_s, p50_max_s) if ceiling else None
         top = " (passed every step: a lower bound, add higher --rates)"
         print(f"\nedge (a) admitted, 1 pool: {edge_a:g} requests/s{top if edge_a == rates[-1] else ''}")
         print(f"edge (b) delegated, {len(names)} pool(s): {edge_b:g} requests/s{top if edge_b == rates[-1] else ''}")
+        if edge_c is not None:
+            print(f"edge (c) bare one-activity workflows, the ceiling here: {edge_c:g} requests/s")
         ok = True
         ratio = edge_b / edge_a if edge_a else float("inf") if edge_b else 0.0
         ok &= _verdict(f"edge(b)/edge(a) >= {EDGE_TARGET:g}", ratio >= EDGE_TARGET and edge_a > 0, f"{ratio:.2f}x")
+        if edge_c is not None and edge_a:
+            wanted = EDGE_TARGET * edge_a
+            if not edge_c:
+                where = "(bare workflows passed no step)"
+            elif wanted <= edge_c:
+                where = f"is within what bare workflows sustain on this machine ({edge_c:g}/s)"
+            else:
+                where = (
+                    f"is past what bare workflows sustain on this machine ({edge_c:g}/s): no path reaches it"
+                    f" here; delegated / bare {edge_b / edge_c:.2f}x"
+                )
+            print(f"- {EDGE_TARGET:g} x edge(a) = {wanted:g} requests/s {where}")
         if at_edge is not None:
             ok &= _verdict(
                 f"scheduler events per delegated request at the edge <= {EVENTS_PER_REQUEST_TARGET:g}",
@@ -498,6 +525,30 @@ async def run_edge(
         return 0 if ok else 1
     finally:
         await env.shutdown()
+
+
+async def _bare_edge(stack: Stack, rates: list[float], step_s: float, drain_s: float, p50_max_s: float) -> float:
+    """(c) The same steps with bare one-activity workflows (bench/orchestration.py's, on a worker
+    of their own in this process): what this machine sustains with no ModelForge at all, the
+    ceiling every path here is under."""
+    from temporalio.worker import Worker
+
+    from bench.orchestration import BARE_QUEUE, BareWorkflow, bare_echo
+
+    client = stack.client
+    print("(c) bare: one-activity workflows, no ModelForge (the ceiling on this machine)", flush=True)
+
+    async def send() -> tuple[bool, str]:
+        await client.execute_workflow(
+            BareWorkflow.run, {"text": "x"}, id=f"bare-{uuid.uuid4().hex}", task_queue=BARE_QUEUE
+        )
+        return True, "bare"
+
+    async with Worker(client, task_queue=BARE_QUEUE, workflows=[BareWorkflow], activities=[bare_echo]):
+        for _ in range(10):
+            await send()
+        edge, _ = await _edge_of(stack, "bare", send, rates, step_s, drain_s, p50_max_s)
+    return edge
 
 
 def _verdict(label: str, ok: bool, detail: str) -> bool:
@@ -529,6 +580,9 @@ def main() -> None:
     edge.add_argument(
         "--first", choices=("admitted", "delegated"), default="admitted", help="which edge is found first"
     )
+    edge.add_argument(
+        "--no-ceiling", action="store_true", help="skip (c), the bare workflows' edge (the machine's ceiling)"
+    )
     args = parser.parse_args()
 
     def measure(database_url: str) -> int:
@@ -543,6 +597,7 @@ def main() -> None:
                     args.baseline,
                     args.first,
                     database_url,
+                    ceiling=not args.no_ceiling,
                 )
             )
         return asyncio.run(run(args.minutes, args.rate, args.max_history, args.memory_bound_mib, database_url))
