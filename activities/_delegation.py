@@ -49,6 +49,9 @@ CLAIM_START_S = 30.0
 # and the claim waits at most CLAIM_WAIT_S for its answer before the scheduler admits the request.
 MIN_SYNC_GAP_S = 0.1
 CLAIM_WAIT_S = 0.5
+# A capability a sync asked for and was not lent is not waited for again for this long (it still
+# asks: the scheduler lends once it can).
+UNLENT_S = 10.0
 MAX_RUNS_KEPT = 20_000  # reports kept through a scheduler outage, the oldest dropped past it
 SYNC_TIMEOUT_S = 10.0
 
@@ -99,6 +102,9 @@ class NodeSlots:
         # Set when the next sync's reply has been applied (a new event per sync): what a claim
         # that asked for a slot waits on.
         self._answered = asyncio.Event()
+        # Capabilities a sync asked for and was not lent (a deployment never lent, or none free):
+        # until when a claim of them does not wait for the next sync's answer.
+        self._unlent: dict[str, float] = {}
         self._last_sync = 0.0
         # The scheduler counts slots as this node's (the last reply lent some): a node that gave
         # them all back syncs once more, to say so.
@@ -121,8 +127,8 @@ class NodeSlots:
         instead of queueing at the scheduler, which would then have to take the slot back from
         this node a sync later before it could grant it."""
         lease, asked = self._claim(claim)
-        if lease is not None or not asked:
-            return lease
+        if lease is not None or not asked or self._unlent.get(claim.capability, -1.0) > self._clock():
+            return lease  # (a capability whose last asking sync brought nothing: not worth waiting)
         answered = self._answered
         try:
             await asyncio.wait_for(answered.wait(), timeout=wait_s)
@@ -147,13 +153,13 @@ class NodeSlots:
         if priority is None:
             return None, False
         production = is_production(self._view, priority)
+        passed_over = False  # a free slot of it this request may not take: another sync will not help
         for slot in self._slots.values():
             lease = slot.lease
             if lease.capability != claim.capability or not slot.open or slot.request_id:
                 continue
-            if not self._serves(lease.resident_key):
-                continue
-            if production and lease.resident_key not in self._production_ok:
+            if not self._serves(lease.resident_key) or (production and lease.resident_key not in self._production_ok):
+                passed_over = True
                 continue
             slot.request_id, slot.workflow_id = claim.request_id, claim.workflow_id
             slot.tenant, slot.priority = claim.tenant, priority
@@ -168,7 +174,7 @@ class NodeSlots:
             ), False
         if ask:
             self._want(claim.capability)
-        return None, ask
+        return None, ask and not passed_over
 
     def _class_of(self, claim: SlotClaim) -> str | None:
         """The request's class by the scheduler's own rules (its tenant's default, ceiling and
@@ -289,6 +295,12 @@ class NodeSlots:
             del self._runs[:runs]  # reported: the scheduler has them
             self._apply(reply, sent_at)
             self._lent = bool(self._slots)
+            free = {slot.lease.capability for slot in self._slots.values() if slot.open and not slot.request_id}
+            for capability in sync.wanted:  # asked for, and no free slot of it after (never lent, or all in use)
+                if capability in free:
+                    self._unlent.pop(capability, None)
+                else:
+                    self._unlent[capability] = sent_at + UNLENT_S
         finally:
             answered.set()  # answered or failed: the claims that waited on it look again, once
         return reply

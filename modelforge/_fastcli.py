@@ -266,7 +266,8 @@ class Http:
         )
         data = b"" if body is None else json.dumps(body).encode()
         host, port = self.env.http_address
-        head = f"{method} {url} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(data)}\r\n"
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        head = f"{method} {url} HTTP/1.1\r\nHost: {authority}\r\nContent-Length: {len(data)}\r\n"
         if body is not None:
             head += "Content-Type: application/json\r\n"
         try:
@@ -327,20 +328,28 @@ class Http:
     def _body(self, headers: dict[str, str]) -> bytes:
         if headers.get("transfer-encoding", "").lower() == "chunked":
             parts = []
-            while size := int(self._until(b"\r\n").partition(b";")[0], 16):
+            while size := _length(self._until(b"\r\n").partition(b";")[0].strip().decode("latin-1"), 16):
                 parts.append(self._exactly(size))
                 self._until(b"\r\n")
             while self._until(b"\r\n"):  # trailers, up to the empty line
                 pass
             return b"".join(parts)
         if "content-length" in headers:
-            return self._exactly(int(headers["content-length"]))
+            return self._exactly(_length(headers["content-length"], 10))
         raise ValueError("an answer without a length")
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def _length(text: str, base: int) -> int:
+    """A length as HTTP writes it (digits only: no sign, prefix or underscore), else ValueError."""
+    digits = "0123456789abcdefABCDEF" if base == 16 else "0123456789"
+    if not text or len(text) > 16 or any(c not in digits for c in text):
+        raise ValueError(f"a malformed length: {text[:20]!r}")
+    return int(text, base)
 
 
 def _pools(api: Http, pool: str | None) -> list[str]:
@@ -584,7 +593,7 @@ def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
         raise HandOver(request_id, began, "not a new run")
     try:
         return _result(api, args, request_id, workflow_id, run_id)
-    except Fallback as error:
+    except Exception as error:  # the request was sent: whatever went wrong, the SDK path attaches to it
         raise HandOver(request_id, began, str(error)) from None
 
 

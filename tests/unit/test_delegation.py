@@ -281,6 +281,19 @@ def test_a_claim_that_finds_no_slot_takes_the_one_its_sync_brings_and_else_goes_
             task.cancel()
 
     assert asyncio.run(unwarm()) is None and len(scheduler.syncs) == 1
+    # Not lent when asked: the next claims of it within UNLENT_S go to the scheduler at once.
+
+    async def again() -> tuple[object, float]:
+        task = asyncio.create_task(slots.run())
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            return await slots.claim_or_ask(claim("cold2"), wait_s=2.0), loop.time() - began
+        finally:
+            task.cancel()
+
+    lease, took = asyncio.run(again())
+    assert lease is None and took < 0.05
     # A scheduler that does not answer: no longer than the wait.
     lease, _, took = asyncio.run(scenario(concurrency=1, send_hangs=True))
     assert lease is None and 1.9 <= took < 3.0
@@ -302,6 +315,7 @@ def test_a_slot_on_a_model_this_worker_has_not_loaded_is_never_claimed() -> None
     loaded: set[str] = set()
     slots.serve_only(loaded.__contains__)
     assert slots.claim(claim("a")) is None
+    assert slots._claim(claim("a"))[1] is False, "a sync would not help: the claim does not wait for one"
     loaded.update(slot.lease.resident_key for slot in slots._slots.values())
     assert slots.claim(claim("a")) is not None
 

@@ -327,6 +327,8 @@ def test_the_http_client_reads_length_and_chunked_answers_on_one_connection() ->
         b"HTTP/1.1 200 OK\r\n\r\n{}",  # no length
         b"SSH-2.0-OpenSSH\r\n\r\n",  # not HTTP
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",  # not JSON
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n{}",  # a length int() would take
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
     ],
 )
 def test_an_answer_the_http_client_cannot_read_is_fallback_never_a_traceback(answer: bytes) -> None:
