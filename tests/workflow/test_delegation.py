@@ -162,16 +162,23 @@ async def test_a_restarted_node_worker_is_never_lent_its_previous_lifes_slots(
         new = stack.slots[node]
         assert new.boot != old.boot
 
+        served_on: set[str] = set()  # the slots the new life's delegated requests ran on
+
         async def new_life_lent() -> bool:
             result = await client.request(CAPABILITY, input={"text": "after"}, tenant="app")
             assert result.ok, result
+            if _delegated(result) and result.lease is not None:
+                served_on.add(result.lease.lease_id)
             return _delegated(result)
 
         assert await _until(new_life_lent, within_s=20)
+        assert served_on and not served_on & old_slots, "a slot of the old life was kept or lent again"
+        # Whatever the scheduler still lends this node is the new life's (an idle node gives its
+        # slots back at once, so the state may already hold none).
         state = await stack.scheduler.query("state", result_type=PoolState)
         lent = {lease_id: slot for lease_id, slot in state.slots.items() if slot.node == node}
-        assert lent and not set(lent) & old_slots, "a slot of the old life was kept or lent again"
-        assert {slot.boot for slot in lent.values()} == {new.boot}
+        assert not set(lent) & old_slots, "a slot of the old life was kept or lent again"
+        assert {slot.boot for slot in lent.values()} <= {new.boot}
         [resident] = [r for r in state.residents.values() if r.node == node]
         assert resident.active_leases == sum(1 for lease in state.leases.values() if lease.resident_key == resident.key)
         assert resident.active_leases <= 8

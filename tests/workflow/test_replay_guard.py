@@ -60,7 +60,14 @@ async def test_a_live_scheduler_with_an_unreplayable_history_moves_to_a_clean_ru
     async with running_stack(
         dev_server_env.client, database_url, catalog_path=FENCING, config=config, adopt_interval_s=3600
     ) as stack:
-        holder = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 6})
+        holder = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 12})
+
+        async def holder_holds() -> bool:
+            return (await stack.status()).active_leases == 1
+
+        # Started together, either could reach the scheduler first: the second is started only
+        # once the slow one holds the card's one slot.
+        assert await _until(holder_holds, 30)
         waiting = await stack.start_request("fence.one@1", tenant="app")
 
         async def one_holds_one_waits() -> bool:
