@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
@@ -27,10 +26,9 @@ from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
 from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
-from workflows._common import scheduler_id
+from workflows._common import SCHEDULER_TASK_TIMEOUT, scheduler_id
 
 log = get_logger("modelforge.worker.control")
-SCHEDULER_TASK_TIMEOUT = timedelta(seconds=60)
 # How often a control worker serving the catalog's pools looks for pools the catalog added.
 CATALOG_POOLS_S = 30.0
 
@@ -236,9 +234,7 @@ async def ensure_scheduler(
         id=scheduler_id(pool),
         task_queue=SCHEDULER_TASK_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        # Under overload one scheduler task carries many batched admissions; past the default
-        # 10 s the server times it out, the backlog grows and the next task is slower still (seen
-        # in bench/sustained.py at 8 requests/s on 2 cores). Continue-as-new keeps this timeout.
+        # (why 60 s: workflows/_common.py). Continue-as-new keeps this timeout.
         task_timeout=SCHEDULER_TASK_TIMEOUT,
         static_summary=f"admission for pool {pool}",
     )

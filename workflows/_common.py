@@ -14,6 +14,12 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.names import request_workflow_id, resident_workflow_id, scheduler_id, telemetry_id
 
 ALL_FAILURES = [f.value for f in FailureClass]
+# The pool scheduler's workflow task timeout. Under overload one scheduler task carries many
+# batched admissions; past the default 10 s the server times it out, the backlog grows and the
+# next task is slower still (seen in bench/sustained.py at 8 requests/s on 2 cores). It is also
+# how long a pool stands still when the worker holding one of its tasks dies mid-task: the
+# admission budget below outlasts it.
+SCHEDULER_TASK_TIMEOUT = timedelta(seconds=60)
 NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
 
 

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows._common import (
     ALL_FAILURES,
+    SCHEDULER_TASK_TIMEOUT,
     STORE_RETRY,
     classify,
     failure,
@@ -88,8 +89,11 @@ PATCH_DELEGATED_SLOTS = "delegated-slots"
 # runs recorded before it take the old branches, each behind its own patch, as before.
 PATCH_ONE_MARKER = "request-patches-through-v9"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
-# refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN.
-ADMIT_BUDGET = timedelta(seconds=60)
+# refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN. It outlasts one timed-out
+# scheduler task: when the control worker running one dies, the scheduler stands still until the
+# task times out, and an admission asked meanwhile must still be answered (it was 60 s, equal to
+# the task timeout, and such admissions failed with TIMEOUT).
+ADMIT_BUDGET = SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
 ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 

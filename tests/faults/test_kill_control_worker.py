@@ -24,7 +24,7 @@ from modelforge.catalog import load_catalog_file
 from modelforge.failures import FailureClass
 from modelforge.store import Store
 from tests.harness import running_stack
-from workers.control import SCHEDULER_TASK_TIMEOUT
+from workflows._common import SCHEDULER_TASK_TIMEOUT
 from workflows.request import MAX_ATTEMPTS
 
 pytestmark = pytest.mark.workflow
@@ -150,7 +150,7 @@ async def test_with_two_control_workers_a_pool_survives_losing_one_without_a_res
             # When the killed worker had a scheduler task in flight, the scheduler resumes on the
             # survivor only after that task's timeout (SCHEDULER_TASK_TIMEOUT, 60 s), and the 40
             # may all have ended before then (their releases are signals): this one may wait
-            # that long for its lease. Seen at 60 s: the grant came a few seconds too late.
+            # that long for its lease (its admission budget outlasts it: test_scheduler_stall.py).
             began = time.monotonic()
             assert (await asyncio.wait_for(after.result(), timeout=SCHEDULER_TASK_TIMEOUT.total_seconds() + 60)).output
             print(f"a new request through the survivor ended in {time.monotonic() - began:.1f} s")
