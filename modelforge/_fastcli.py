@@ -20,20 +20,37 @@ keeps equal to the real ones.
 
 from __future__ import annotations
 
-import base64
+# Only what a warm call needs, each measured (`python -X importtime`): `_socket` rather than
+# `socket` (its enums and selectors), binascii rather than base64 (struct), no typing, pathlib
+# or urllib.parse. Each is a millisecond or two of a command the target holds to ~160 ms (re is
+# loaded anyway: the console script and modelforge.identifiers import it).
+import _socket
+import binascii
 import json
 import os
 import re
-import socket
 import sys
 import time
-from pathlib import Path
-from typing import Any
-from urllib.parse import quote, urlencode
 
-from modelforge.names import CONTROL_TASK_QUEUE, DEFAULT_POOL, node_task_queue, request_workflow_id, scheduler_id
+from modelforge.names import (
+    CONTROL_TASK_QUEUE,
+    DEFAULT_POOL,
+    NODE_TASK_QUEUE_PREFIX,
+    node_task_queue,
+    request_workflow_id,
+    scheduler_id,
+)
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
+if TYPE_CHECKING:
+    from typing import Any
 
 HTTP_ADDRESS_FILE = "temporal_http_address"  # modelforge/dev.py writes it
+# The routes this path learned (below, "The route cache"), in $MODELFORGE_HOME/run.
+ROUTE_CACHE_FILE = "cli_routes.json"
+# How long a learned route is used without asking: PoolRouter's pools are cached as long.
+ROUTE_TTL_S = 30.0
+_ROUTE_CACHE_ENTRIES = 64  # at most, the newest kept
 _PLAIN = "json/plain"
 _OUTPUT_REF = "modelforge_output_ref"  # modelforge/payloads.py OUTPUT_REF
 _LARGE_PAYLOAD_BYTES = 256 * 1024  # modelforge/payloads.py LARGE_PAYLOAD_BYTES
@@ -179,7 +196,22 @@ def convert(hint: Any, value: Any) -> Any:
 
 
 def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
+
+
+def _unb64(text: Any) -> bytes:
+    """base64.b64decode(text, validate=True): binascii.Error (a ValueError) for anything else."""
+    if not isinstance(text, str):
+        raise Fallback("not base64 text")
+    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-~")
+
+
+def _quote(text: str) -> str:
+    """urllib.parse.quote(text, safe=""): every byte but the unreserved ones percent-encoded."""
+    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in text.encode())
 
 
 def plain(value: Any, **metadata: str) -> dict[str, Any]:
@@ -198,9 +230,9 @@ def decoded(payloads: Any) -> Any:
     metadata = items[0].get("metadata")
     if not isinstance(metadata, dict) or set(metadata) != {"encoding"}:
         raise Fallback("payload metadata other than encoding")
-    if base64.b64decode(metadata["encoding"], validate=True) != _PLAIN.encode():
+    if _unb64(metadata["encoding"]) != _PLAIN.encode():
         raise Fallback("payload encoding other than json/plain")
-    return json.loads(base64.b64decode(items[0].get("data", ""), validate=True))
+    return json.loads(_unb64(items[0].get("data", "")))
 
 
 class Environment:
@@ -217,11 +249,12 @@ class Environment:
             raise Fallback("MODELFORGE_GPU_BACKEND")
         self.temporal_address = get("MODELFORGE_TEMPORAL_ADDRESS") or "localhost:7233"
         self.namespace = get("MODELFORGE_TEMPORAL_NAMESPACE") or "default"
-        self.home = Path(get("MODELFORGE_HOME") or Path.home() / ".modelforge")
+        self.home = get("MODELFORGE_HOME") or os.path.join(os.path.expanduser("~"), ".modelforge")
         self.threshold = self._bytes(get("MODELFORGE_PAYLOAD_THRESHOLD_BYTES"), 2 * 1024)
         self._bytes(get("MODELFORGE_MAX_PAYLOAD_BYTES"), 64 * 1024 * 1024)
         pools = get("MODELFORGE_POOLS")
         self.pools = sorted({p.strip() for p in pools.split(",") if p.strip()}) if pools else []
+        self.run_dir = os.path.join(self.home, "run")
         self.http_address = self._http_address(get("MODELFORGE_TEMPORAL_HTTP_ADDRESS"))
 
     @staticmethod
@@ -235,7 +268,8 @@ class Environment:
     def _http_address(self, configured: str | None) -> tuple[str, int]:
         if configured is None:
             try:
-                recorded = (self.home / "run" / HTTP_ADDRESS_FILE).read_text(encoding="utf-8").split()
+                with open(os.path.join(self.run_dir, HTTP_ADDRESS_FILE), encoding="utf-8") as file:
+                    recorded = file.read().split()
             except OSError:
                 raise Fallback("no HTTP address configured or recorded") from None
             if len(recorded) != 2 or recorded[0] != self.temporal_address:
@@ -257,12 +291,13 @@ class Http:
 
     def __init__(self, env: Environment) -> None:
         self.env = env
-        self.sock: socket.socket | None = None
+        self.sock: _socket.socket | None = None
         self._buffer = b""
 
     def call(self, method: str, path: str, body: Any = None, timeout: float = 10.0, **query: str) -> Any:
-        url = f"/api/v1/namespaces/{quote(self.env.namespace, safe='')}{path}?" + urlencode(
-            {"noPayloadShorthand": "true", **query}
+        fields = {"noPayloadShorthand": "true", **query}
+        url = f"/api/v1/namespaces/{_quote(self.env.namespace)}{path}?" + "&".join(
+            f"{_quote(name)}={_quote(value)}" for name, value in fields.items()
         )
         data = b"" if body is None else json.dumps(body).encode()
         host, port = self.env.http_address
@@ -272,7 +307,7 @@ class Http:
             head += "Content-Type: application/json\r\n"
         try:
             if self.sock is None:
-                self.sock = socket.create_connection((host, port), timeout=timeout)
+                self.sock = _connect(host, port, timeout)
                 self._buffer = b""
             self.sock.settimeout(timeout)
             self.sock.sendall(head.encode("ascii") + b"\r\n" + data)
@@ -342,6 +377,21 @@ class Http:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def _connect(host: str, port: int, timeout: float) -> _socket.socket:
+    """socket.create_connection((host, port), timeout) on `_socket`: each address in turn."""
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in _socket.getaddrinfo(host, port, 0, _socket.SOCK_STREAM):
+        sock = _socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as failed:
+            sock.close()
+            error = failed
+    raise error
 
 
 def _length(text: str, base: int) -> int:
@@ -533,12 +583,104 @@ def _warm_queue(api: Http, pool: str, capability: str) -> str:
     return CONTROL_TASK_QUEUE
 
 
-def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
-    """What `modelforge request ... --json` prints, for a request this path can see through."""
-    pools = _pools(api, None)
-    if len(pools) != 1:
-        raise Fallback("several pools: the route is the client's to choose")
-    task_queue = _warm_queue(api, pools[0], args.capability)
+# --- the route cache -----------------------------------------------------------------------------
+#
+# A long-lived ModelForgeClient remembers, per pool and capability, the node queue its last
+# result named (`_routes`) and its PoolRouter the pools for 30 s; a CLI process lives for one
+# request, so this path keeps the same in a small file: for a key (this Temporal, namespace,
+# MODELFORGE_POOLS, capability, tenant, priority), the pool and the node queue the last
+# successful request's result named, for ROUTE_TTL_S. A fresh entry spares the two queries that
+# find them (the visibility list of schedulers and the pool's status). Only a hint, as the
+# client's: the request runs wherever it starts, and admission decides. Anything unreadable in
+# the file (another version's, a torn or foreign file, a wrong type) is no entry; a failure of a
+# request started from an entry forgets it.
+
+
+def _route_key(env: Environment, args: RequestArgs) -> str:
+    parts = [env.temporal_address, env.namespace, ",".join(env.pools), args.capability, args.tenant]
+    return json.dumps([*parts, args.priority or ""])
+
+
+def _read_routes(env: Environment) -> dict[str, Any]:
+    """The cache's entries, as written; {} for anything else."""
+    try:
+        with open(os.path.join(env.run_dir, ROUTE_CACHE_FILE), encoding="utf-8") as file:
+            data = json.loads(file.read(1024 * 1024))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("routes"), dict):
+        return {}
+    routes: dict[str, Any] = data["routes"]
+    return routes
+
+
+def _usable(entry: Any, now: float) -> tuple[str, str, float] | None:
+    """(pool, node queue, when the pools were asked) of a well-formed entry whose pools were
+    asked in the last ROUTE_TTL_S, else None."""
+    if not isinstance(entry, dict):
+        return None
+    pool, queue, at = entry.get("pool"), entry.get("queue"), entry.get("at")
+    if not isinstance(pool, str) or not pool.strip() or not set(scheduler_id(pool)) <= _SAFE_ID:
+        return None
+    if not isinstance(queue, str) or not queue.startswith(NODE_TASK_QUEUE_PREFIX) or not set(queue) <= _SAFE_ID:
+        return None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= now - at <= ROUTE_TTL_S:
+        return None  # stale, or written "in the future" (a clock stepped back): ask
+    return pool, queue, float(at)
+
+
+def cached_route(env: Environment, args: RequestArgs, now: float | None = None) -> tuple[str, str, float] | None:
+    """(pool, node queue, when the pools were asked) to start this request with, without asking,
+    or None: ask."""
+    return _usable(_read_routes(env).get(_route_key(env, args)), time.time() if now is None else now)
+
+
+def remember_route(env: Environment, args: RequestArgs, route: tuple[str, str] | None, asked_at: float) -> None:
+    """Keep (pool, node queue) for this key with the time its pools were asked (`asked_at`: a
+    route learned from a cached one keeps that one's time, so the pools are asked again
+    ROUTE_TTL_S after they were, however many requests succeed meanwhile), or forget the key
+    (None). Never raises. The file is replaced whole (a temporary file renamed over it): a reader
+    sees the old one or the new one."""
+    try:
+        now = time.time()
+        key = _route_key(env, args)
+        routes = _read_routes(env)
+        if route is None and key not in routes:
+            return
+        kept = {k: v for k, v in routes.items() if k != key and _usable(v, now) is not None}
+        if route is not None and _usable({"pool": route[0], "queue": route[1], "at": asked_at}, now):
+            kept[key] = {"pool": route[0], "queue": route[1], "at": asked_at}
+        newest = sorted(kept.items(), key=lambda item: item[1]["at"])[-_ROUTE_CACHE_ENTRIES:]
+        os.makedirs(env.run_dir, exist_ok=True)
+        path = os.path.join(env.run_dir, ROUTE_CACHE_FILE)
+        temporary = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                file.write(json.dumps({"version": 1, "routes": dict(newest)}))
+            os.replace(temporary, path)
+        except BaseException:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise
+    except Exception:  # a cache: not writing it only costs the next call two queries
+        return
+
+
+def request_json(api: Http, args: RequestArgs, route: tuple[str, str] | None = None) -> dict[str, Any]:
+    """What `modelforge request ... --json` prints, for a request this path can see through.
+    `route`: the (pool, node queue) to start it with (from the cache); else both are asked for.
+    The printed dict's "route" is the (pool, node queue) its result named, or None: it is
+    removed before printing."""
+    if route is not None:
+        pools, task_queue = [route[0]], route[1]
+    else:
+        pools = _pools(api, None)
+        if len(pools) != 1:
+            raise Fallback("several pools: the route is the client's to choose")
+        task_queue = _warm_queue(api, pools[0], args.capability)
     request_id = os.urandom(8).hex()  # as the client's: 16 hex digits (uuid, not imported: 4 ms)
     workflow_id = request_workflow_id(args.capability, request_id)
     if not set(workflow_id) <= _SAFE_ID:
@@ -569,7 +711,7 @@ def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
         "workflowType": {"name": "CapabilityRequestWorkflow"},
         "taskQueue": {"name": task_queue},
         "input": {"payloads": [payload]},
-        "identity": f"{os.getpid()}@{socket.gethostname()}",
+        "identity": f"{os.getpid()}@{_socket.gethostname()}",
         "requestId": os.urandom(16).hex(),
         "workflowIdReusePolicy": "WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE_FAILED_ONLY",
         "workflowIdConflictPolicy": "WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING",
@@ -592,9 +734,12 @@ def request_json(api: Http, args: RequestArgs) -> dict[str, Any]:
     if not started.get("started") or not isinstance(run_id, str) or not run_id:
         raise HandOver(request_id, began, "not a new run")
     try:
-        return _result(api, args, request_id, workflow_id, run_id)
+        result = _result(api, args, request_id, workflow_id, run_id)
     except Exception as error:  # the request was sent: whatever went wrong, the SDK path attaches to it
         raise HandOver(request_id, began, str(error)) from None
+    named = result.pop("route", "")
+    learned = (pools[0], named) if result["ok"] and named.startswith(NODE_TASK_QUEUE_PREFIX) else None
+    return result | {"route": learned}
 
 
 def _result(api: Http, args: RequestArgs, request_id: str, workflow_id: str, run_id: str) -> dict[str, Any]:
@@ -629,7 +774,8 @@ def _result(api: Http, args: RequestArgs, request_id: str, workflow_id: str, run
             raise Fallback("another tenant's lease")
         if _OUTPUT_REF in result["output"]:
             raise Fallback("the answer is in the payload store")
-        return base | {"ok": True, "output": result["output"], "lease": lease, "timings": result["timings"]}
+        printed = {"ok": True, "output": result["output"], "lease": lease, "timings": result["timings"]}
+        return base | printed | {"route": result["route"]}
     if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED":
         attributes = event.get("workflowExecutionFailedEventAttributes") or {}
         failure = attributes.get("failure") or {}
@@ -709,12 +855,20 @@ def run(argv: list[str], environ: dict[str, str] | os._Environ[str] | None = Non
             _print(value)
             return 0
         args = RequestArgs(rest)
+        cached = cached_route(env, args)
+        asked_at = time.time() if cached is None else cached[2]
         api = Http(env)
         try:
-            result = request_json(api, args)
+            result = request_json(api, args, None if cached is None else cached[:2])
+        except HandOver:  # sent, and not seen through: the next one asks afresh
+            remember_route(env, args, None, asked_at)
+            raise
         finally:
             api.close()
+        learned = result.pop("route")
         _print(result)
+        sys.stdout.flush()
+        remember_route(env, args, learned, asked_at)  # a failure (learned None) forgets it
         return 0 if result["ok"] else 1
     except HandOver as handed:
         _handed_over = handed
@@ -724,31 +878,41 @@ def run(argv: list[str], environ: dict[str, str] | os._Environ[str] | None = Non
         return None
 
 
-def main() -> None:
-    """`python -m modelforge`: the fast path, else the full CLI."""
+_tried = False
+
+
+def _answer_here() -> None:
+    """Once per process: the fast path answers sys.argv and the process exits, or it returns
+    and the full CLI runs (with `--request-id` appended after a hand-over)."""
+    global _tried
+    if _tried:
+        return
+    _tried = True
     code = run(sys.argv)
     if code is not None:
         sys.stdout.flush()
         os._exit(code)
+
+
+def main() -> None:
+    """The `modelforge` script (pyproject's entry point) and `python -m modelforge`: the fast
+    path, else the full CLI. modelforge/cli.py is imported only then: without its bytecode
+    (PYTHONDONTWRITEBYTECODE=1, a source tree that cannot be written) compiling its 1,200 lines
+    takes longer than everything this path imports."""
+    _answer_here()
     from modelforge.cli import main as full
 
     full()
 
 
 def _from_console_script() -> None:
-    """The `modelforge` script imports modelforge.cli to call its main(): when this module is
-    imported by that (and only then), the fast path answers before the rest is imported."""
+    """A `modelforge` script installed before the entry point moved here imports modelforge.cli
+    to call its main(): when this module is imported by that, the fast path answers before the
+    rest is imported."""
     script = sys.modules.get("__main__")
     path = getattr(script, "__file__", None) or ""
-    if getattr(script, "__spec__", None) is not None or Path(path).name not in ("modelforge", "modelforge-script.py"):
-        return
-    if getattr(script, "_modelforge_fast_tried", False):
-        return
-    script._modelforge_fast_tried = True  # type: ignore[union-attr]
-    code = run(sys.argv)
-    if code is not None:
-        sys.stdout.flush()
-        os._exit(code)
+    if getattr(script, "__spec__", None) is None and os.path.basename(path) in ("modelforge", "modelforge-script.py"):
+        _answer_here()
 
 
 # Imported by modelforge/cli.py ahead of everything else: see _from_console_script.

@@ -18,9 +18,12 @@ it safe for Postgres (which rejects NUL in text and jsonb) and for UTF-8 (lone s
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from modelforge.failures import FailureClass, ModelForgeError
+
+TYPE_CHECKING = False  # typing's, without importing typing: the CLI's fast path imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_TENANT_LENGTH = 64
 MAX_REQUEST_ID_LENGTH = 128
