@@ -8,6 +8,11 @@ alternate the commands so load drifts alike; medians and minimums, each fast pat
     python bench/cli_latency.py                 # its own `modelforge dev` in a temporary home
     python bench/cli_latency.py --rounds 10
     python bench/cli_latency.py --home ~/.modelforge --address localhost:7233   # a running stack
+
+The fast request after the first starts from the route the fast path remembered (for 30 s after
+it asked for the pools, modelforge/_fastcli.py). The commands inherit the environment: with
+PYTHONDONTWRITEBYTECODE=1 each compiles its modules from source; `env -u PYTHONDONTWRITEBYTECODE
+PYTHONPYCACHEPREFIX=/tmp/pyc` times them as an installed CLI, with bytecode.
 """
 
 from __future__ import annotations
