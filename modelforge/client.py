@@ -58,7 +58,7 @@ from modelforge.names import request_workflow_id, scheduler_id
 from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_store
 from modelforge.policy import Lease, PoolStatus, ResidentStatus
 from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
-from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings
+from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings, node_task_queue
 
 # Whole-string matches (fullmatch): `$` would also match before a trailing newline.
 _CLASS_PART = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}")
@@ -186,7 +186,10 @@ class ModelForgeClient:
         # started there runs its workflow on that node's worker, which hands itself the invoke
         # (eager dispatch) when the lease lands on that node; anywhere else it runs as from the
         # control queue. Only a hint: admission decides, and a node gone silent has its queue
-        # served by the control worker (workers/control.py, NodeQueueAdopter).
+        # served by the control worker (workers/control.py, NodeQueueAdopter). With none known
+        # yet, the pool's scheduler names the node where the capability is warm (the `route`
+        # query's `node`, asked with the pool's choice; `_task_queue`). After a failure the
+        # control queue, until a request succeeds again.
         self._routes: dict[tuple[str, str], str] = {}
 
     @classmethod
@@ -307,14 +310,14 @@ class ModelForgeClient:
             result: RequestResult = await self._start_and_wait(
                 request,
                 workflow_id,
-                task_queue=self._routes.get((pool, capability), CONTROL_TASK_QUEUE),
+                task_queue=await self._task_queue(pool, capability, tenant, priority),
                 search_attributes=TypedSearchAttributes(attributes),
                 summary=f"{capability} for {tenant}",
                 memo={"capability": capability, "tenant": tenant, "input_bytes": size},
                 on_progress=on_progress,
             )
         except WorkflowFailureError as error:
-            self._routes.pop((pool, capability), None)  # the next one starts from the control queue
+            self._routes[(pool, capability)] = CONTROL_TASK_QUEUE  # the next one starts from there
             self.router.forget(capability)  # and is routed afresh
             if chose_id and await self._owner(workflow_id) not in (None, tenant):
                 return _invalid(request_id, capability, _NOT_YOURS.format(request_id=request_id))
@@ -379,6 +382,18 @@ class ModelForgeClient:
             timings=result.timings,
             workflow_id=workflow_id,
         )
+
+    async def _task_queue(self, pool: str, capability: str, tenant: str, priority: str | None) -> str:
+        """Where the request's workflow starts: the node queue its capability's last result named;
+        the control queue after a failure; with neither, the node the pool's scheduler names as
+        warm for it (`PoolRouter.warm_node`), whose worker admits it on a lent slot, else the
+        control queue. A node queue is only a hint, guarded as a remembered one is: the node is
+        one with fresh telemetry, and the control worker serves the queue of a node gone silent."""
+        remembered = self._routes.get((pool, capability))
+        if remembered is not None:
+            return remembered
+        node = await self.router.warm_node(pool, capability, tenant, priority)
+        return node_task_queue(node) if node else CONTROL_TASK_QUEUE
 
     async def submit_job(
         self,

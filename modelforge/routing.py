@@ -10,7 +10,12 @@ then the fewest requests queued; ties by name.
 The pools that exist come from an explicit list (`MODELFORGE_POOLS`, comma-separated) or from
 the running schedulers (Temporal visibility), cached for `POOLS_TTL_S`. A capability's choice is
 cached for `ROUTE_TTL_S`, so a stream of warm requests pays one round of queries a second, not
-one per request. With a single pool there is nothing to choose and nothing is asked.
+one per request. With a single pool there is nothing to choose and nothing is asked for it.
+
+The answer also names the pool's warm node for the capability (`RouteInfo.node`), where a client
+with no route of its own starts the request (its worker admits it on a slot lent to it). With a
+single pool, or a client bound to one, that is one query of its own (`warm_node`), asked only for
+such requests (a new client's first, and after a request with no node route).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from modelforge.identifiers import shown
 from modelforge.logging import get_logger
 from modelforge.policy import PoolState, PoolStatus, ResidentPhase
 from modelforge.policy._budget import budget_from_sums
+from modelforge.policy._delegation import holder_id
 from modelforge.policy._pass import static_filter
 from modelforge.settings import DEFAULT_POOL
 
@@ -47,6 +53,12 @@ ROUTE_TTL_S = 1.0
 QUERY_TIMEOUT_S = 5.0
 # ...and is asked only after the others, for this long.
 SILENT_S = 10.0
+# The route query a client sends for the warm node alone (one pool: no pool to choose) waits
+# this long at most; unanswered, the request starts on the control queue as before.
+NODE_QUERY_TIMEOUT_S = 1.0
+# A node holding lent slots syncs about every second (MODELFORGE_DELEGATION_SYNC_S); slots not
+# vouched for this long (a worker gone quiet) do not make its node the preferred one.
+LENT_SEEN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,11 @@ class RouteInfo:
     # Requests waiting in the pool for this capability, and in all.
     queued: int = 0
     queue_depth: int = 0
+    # The node that should take a warm request of the capability ("" when none): one with a
+    # ready instance on a fresh card, preferring open slots lent to it (warm-path delegation: its
+    # worker admits the request itself), then free concurrency. A client with no route of its
+    # own starts the request on that node's task queue. Answers of schedulers before it have none.
+    node: str = ""
 
 
 def _production(catalog: Catalog, tenant: str, priority: str | None) -> bool:
@@ -117,6 +134,9 @@ def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool =
 
     warm = free = 0
     resident_sum: dict[str, int] = {}
+    # The best node for a warm request so far, by `_node_key`.
+    best: tuple[bool, bool, int, str] | None = None
+    lent: dict[str, int] | None = None
     for resident in state.residents.values():
         resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
         if (
@@ -126,7 +146,14 @@ def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool =
             and fresh(resident.accelerator)
         ):
             warm += 1
-            free += max(0, deployment.concurrency - resident.active_leases)
+            spare = max(0, deployment.concurrency - resident.active_leases)
+            free += spare
+            if resident.key in state.draining:
+                continue  # takes no new lease: no node to send requests to
+            if lent is None:
+                lent = _open_lent_slots(state, now)
+            key = _node_key(resident.node, lent.get(resident.key, 0), spare)
+            best = key if best is None or key < best else best
     room = False
     if not free:  # the choice never looks at room when a slot is free
         leased_sum: dict[str, int] = {}
@@ -159,7 +186,29 @@ def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool =
         room=room,
         queued=queued,
         queue_depth=len(state.queue),
+        node=best[-1] if best is not None else "",
     )
+
+
+def _open_lent_slots(state: PoolState, now: float) -> dict[str, int]:
+    """Resident key -> slots lent to its node that are open and free (held by the node, not by a
+    request), of nodes that vouched for them within LENT_SEEN_S."""
+    counts: dict[str, int] = {}
+    for lease_id, slot in state.slots.items():
+        lease = state.leases.get(lease_id)
+        if (
+            lease is not None
+            and slot.open
+            and lease.workflow_id == holder_id(slot.node)
+            and now - state.lease_seen.get(lease_id, -math.inf) <= LENT_SEEN_S
+        ):
+            counts[lease.resident_key] = counts.get(lease.resident_key, 0) + 1
+    return counts
+
+
+def _node_key(node: str, lent: int, spare: int) -> tuple[bool, bool, int, str]:
+    """Smaller is better: open lent slots, then free concurrency, then the most of both, by name."""
+    return (not lent, not spare, -(lent + spare), node)
 
 
 def route_key(info: RouteInfo) -> tuple[bool, bool, bool, int, int, str]:
@@ -225,6 +274,8 @@ def merge_statuses(statuses: Sequence[PoolStatus]) -> PoolStatus:
 class _Cached:
     pool: str
     until: float
+    # The pool's warm node for the capability ("" none), from the same answer.
+    node: str = ""
 
 
 class PoolRouter:
@@ -252,6 +303,10 @@ class PoolRouter:
         self._pools_lock: asyncio.Lock | None = None
         self._routes: dict[tuple[str, str, str | None], _Cached] = {}
         self._asking: dict[tuple[str, str, str | None], asyncio.Future[str]] = {}
+        # The warm node of a pool the client did not ask to choose (one pool, or a bound client):
+        # (pool, capability, tenant, class) -> answer, and the rounds under way.
+        self._nodes: dict[tuple[str, str, str, str | None], _Cached] = {}
+        self._asking_node: dict[tuple[str, str, str, str | None], asyncio.Future[str]] = {}
         # Pools whose scheduler did not answer, until when they are left out of the rounds (a
         # scheduler no worker serves would otherwise cost every round the query timeout).
         self._silent_until: dict[str, float] = {}
@@ -290,6 +345,8 @@ class PoolRouter:
         """Drop a capability's cached choice (its request failed: ask again next time)."""
         for key in [k for k in self._routes if k[0] == capability]:
             del self._routes[key]
+        for node_key in [k for k in self._nodes if k[1] == capability]:
+            del self._nodes[node_key]
 
     async def choose(self, capability: str, tenant: str = "default", priority: str | None = None) -> str:
         """The pool for a request; CAPABILITY_UNAVAILABLE when no pool serves the capability.
@@ -310,9 +367,47 @@ class PoolRouter:
         return await asyncio.shield(asking)
 
     async def _ask_and_keep(self, key: tuple[str, str, str | None], pools: list[str], query: RouteQuery) -> str:
-        pool = await self._ask(pools, query)
-        self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s)
+        pool, node = await self._ask(pools, query)
+        self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s, node)
         return pool
+
+    async def warm_node(self, pool: str, capability: str, tenant: str = "default", priority: str | None = None) -> str:
+        """The node of `pool` that should take a warm request of the capability (`RouteInfo.node`),
+        or "" when none is, or its scheduler does not answer within NODE_QUERY_TIMEOUT_S (then it
+        is not asked again for SILENT_S). The answer of the round that chose the pool when there
+        was one; else one query, cached and shared as `choose`'s rounds are."""
+        now = self.clock()
+        chosen = self._routes.get((capability, tenant, priority))
+        if chosen is not None and chosen.pool == pool and now < chosen.until:
+            return chosen.node
+        key = (pool, capability, tenant, priority)
+        cached = self._nodes.get(key)
+        if cached is not None and now < cached.until:
+            return cached.node
+        if self._silent_until.get(pool, -math.inf) > now:
+            return ""
+        asking = self._asking_node.get(key)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask_node(key, RouteQuery(capability, tenant, priority)))
+            self._asking_node[key] = asking
+            asking.add_done_callback(lambda done: self._done_asking_node(key, done))
+        return await asyncio.shield(asking)
+
+    async def _ask_node(self, key: tuple[str, str, str, str | None], query: RouteQuery) -> str:
+        pool = key[0]
+        answer = await self._route(pool, query, timeout_s=min(self.query_timeout_s, NODE_QUERY_TIMEOUT_S))
+        if isinstance(answer, str):
+            self._silent_until[pool] = self.clock() + SILENT_S
+            return ""
+        self._silent_until.pop(pool, None)
+        self._nodes[key] = _Cached(pool, self.clock() + self.route_ttl_s, answer.node)
+        return answer.node
+
+    def _done_asking_node(self, key: tuple[str, str, str, str | None], done: asyncio.Future[str]) -> None:
+        if self._asking_node.get(key) is done:
+            del self._asking_node[key]
+        if not done.cancelled():
+            done.exception()
 
     def _done_asking(self, key: tuple[str, str, str | None], done: asyncio.Future[str]) -> None:
         if self._asking.get(key) is done:
@@ -320,7 +415,7 @@ class PoolRouter:
         if not done.cancelled():
             done.exception()  # retrieved: no "never retrieved" warning when every caller left
 
-    async def _ask(self, pools: list[str], query: RouteQuery) -> str:
+    async def _ask(self, pools: list[str], query: RouteQuery) -> tuple[str, str]:
         """One round of route queries. Pools that did not answer lately are asked only when the
         others leave no choice (a scheduler no worker serves costs a round the query timeout)."""
         now = self.clock()
@@ -338,12 +433,12 @@ class PoolRouter:
         infos = [a for a in answers.values() if isinstance(a, RouteInfo)]
         chosen = chosen or choose_pool(infos)
         if chosen is not None:
-            return chosen
+            return chosen, next((info.node for info in infos if info.pool == chosen), "")
         silent = {pool: answer for pool, answer in answers.items() if isinstance(answer, str)}
         if not infos and DEFAULT_POOL in silent:
             # No scheduler answered the route query (one of a release without it, mid-upgrade):
             # the default pool, as before pools were routed.
-            return DEFAULT_POOL
+            return DEFAULT_POOL, ""
         detail = "; ".join(f"pool {p} did not answer: {why}" for p, why in sorted(silent.items()))
         raise ModelForgeError(
             FailureClass.CAPABILITY_UNAVAILABLE,
@@ -351,14 +446,15 @@ class PoolRouter:
             + (f"; {detail}" if detail else ""),
         )
 
-    async def _route(self, pool: str, query: RouteQuery) -> RouteInfo | str:
+    async def _route(self, pool: str, query: RouteQuery, timeout_s: float | None = None) -> RouteInfo | str:
         """The pool's answer, or why there is none."""
         from temporalio.client import WorkflowQueryFailedError
         from temporalio.service import RPCError
 
+        timeout = timedelta(seconds=self.query_timeout_s if timeout_s is None else timeout_s)
         try:
             info: RouteInfo = await self.client.get_workflow_handle(f"{SCHEDULER_PREFIX}{pool}").query(
-                "route", query, result_type=RouteInfo, rpc_timeout=timedelta(seconds=self.query_timeout_s)
+                "route", query, result_type=RouteInfo, rpc_timeout=timeout
             )
         except (RPCError, WorkflowQueryFailedError) as error:
             return str(error).splitlines()[0][:200] if str(error) else type(error).__name__

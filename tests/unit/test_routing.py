@@ -4,15 +4,34 @@ answer from its scheduler state, the client-side cache, and a gang never spannin
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
 from temporalio.client import Client
+from temporalio.converter import DataConverter
 
 from modelforge.domain import Priority, Residency
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.policy import PoolState, PoolStatus, ResidentPhase, decide, enqueue, validate_request
-from modelforge.routing import PoolRouter, RouteInfo, RouteQuery, choose_pool, merge_statuses, route_info
+from modelforge.policy import (
+    PoolState,
+    PoolStatus,
+    ResidentPhase,
+    SlotSync,
+    decide,
+    enqueue,
+    sync_slots,
+    validate_request,
+)
+from modelforge.routing import (
+    LENT_SEEN_S,
+    PoolRouter,
+    RouteInfo,
+    RouteQuery,
+    choose_pool,
+    merge_statuses,
+    route_info,
+)
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state
 
 
@@ -107,6 +126,57 @@ def test_a_pool_reports_warm_instances_free_slots_room_and_queue() -> None:
     enqueue(s2, ask("q2", "z@1"), "interactive", NOW)
     y = route_info(s2, RouteQuery("y@1", "t"), NOW)
     assert (y.queued, y.queue_depth) == (1, 2)
+
+
+def test_the_warm_node_is_one_with_a_ready_instance_preferring_lent_slots_then_free_ones() -> None:
+    """`RouteInfo.node`: where a client with no route of its own starts a warm request."""
+    s = state(
+        [gpu("n1/0"), gpu("n2/0"), gpu("n3/0")],
+        [deployment("w@1", gib=2, concurrency=4), deployment("other@1", gib=2)],
+    )
+    for card in ("n1/0", "n2/0", "n3/0"):
+        observe(s, card)
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == ""  # nothing loaded: no node
+    resident(s, "w@1", "n3/0", 2, phase=ResidentPhase.LOADING)
+    resident(s, "other@1", "n1/0", 2)
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == ""  # loading, or another model
+    busy = resident(s, "w@1", "n1/0", 2, leases=4)
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n1"  # warm, if busy
+    resident(s, "w@1", "n2/0", 2, leases=1)
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n2"  # a free slot beats none
+    # n1 is lent two slots (warm-path delegation): its worker admits the request itself.
+    busy.active_leases = 2
+    reply, _ = sync_slots(s, SlotSync(node="n1", boot="b1", wanted=["w@1"]), NOW)
+    assert len(reply.lent) == 1  # 4 - 2 in use - 1 kept back
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n1"
+    # A node that stopped vouching for its slots (its worker gone quiet) is not preferred for them.
+    assert route_info(s, RouteQuery("w@1", "t"), NOW + LENT_SEEN_S + 1).node == "n2"
+    # Slots closed (no new request on them) do not count either.
+    for slot in s.slots.values():
+        slot.open = False
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n2"
+    # A stale card, or a draining instance, takes no new lease: not a node to send requests to.
+    s.draining["w@1@n2/0"] = NOW
+    assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n1"
+    later = NOW + s.config.freshness_s + 1
+    assert route_info(s, RouteQuery("w@1", "t"), later).node == ""
+
+
+def test_route_answers_with_and_without_the_node_stay_readable() -> None:
+    """RouteInfo is a payload: a scheduler of an older release answers without `node` (read as
+    none), and a client of an older release reads a newer answer, ignoring the field."""
+    converter = DataConverter.default.payload_converter
+    [old_answer] = converter.to_payloads([{"pool": "p", "known": True, "serves": True, "warm": 1}])
+    assert converter.from_payloads([old_answer], [RouteInfo])[0] == RouteInfo(pool="p", known=True, serves=True, warm=1)
+
+    @dataclass(frozen=True)
+    class OldRouteInfo:
+        pool: str
+        warm: int = 0
+
+    [new_answer] = converter.to_payloads([RouteInfo(pool="p", warm=2, node="n1")])
+    assert converter.from_payloads([new_answer], [OldRouteInfo])[0] == OldRouteInfo(pool="p", warm=2)
+    assert converter.from_payloads([new_answer], [RouteInfo])[0].node == "n1"
 
 
 def test_a_gang_never_spans_pools() -> None:
@@ -225,6 +295,31 @@ async def test_one_pool_is_never_asked_and_a_silent_pool_is_asked_last() -> None
         await router.choose("z@1")
     assert fake.queries == ["pool-b", "pool-a"]  # asked at last, and it still does not answer
     assert "pool pool-a did not answer" in raised.value.message
+
+
+async def test_the_warm_node_of_one_pool_is_asked_once_a_second_and_never_waited_on_twice() -> None:
+    fake = FakeTemporal({"default": RouteInfo(pool="default", known=True, serves=True, warm=1, node="n1")})
+    now = [0.0]
+    router = PoolRouter(cast(Client, fake), clock=lambda: now[0])
+    # Ten first requests at once: one query, one answer for all.
+    nodes = await asyncio.gather(*(router.warm_node("default", "w@1", "t") for _ in range(10)))
+    assert nodes == ["n1"] * 10 and fake.queries == ["default"]
+    now[0] = 0.5
+    assert await router.warm_node("default", "w@1", "t") == "n1" and len(fake.queries) == 1
+    router.forget("w@1")  # a failed request: asked again
+    assert await router.warm_node("default", "w@1", "t") == "n1" and len(fake.queries) == 2
+    # A scheduler that does not answer: no node, and not asked again for a while.
+    from temporalio.service import RPCError, RPCStatusCode
+
+    fake.answers["default"] = RPCError("deadline", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+    now[0] = 2.0
+    assert await router.warm_node("default", "w@1", "t") == ""
+    assert await router.warm_node("default", "w@1", "t") == "" and len(fake.queries) == 3
+    # Several pools: the node comes with the round that chose the pool (no query of its own).
+    two = FakeTemporal({"pool-a": info("pool-a"), "pool-b": info("pool-b", warm=1, free_slots=1, node="n9")})
+    routed = PoolRouter(cast(Client, two))
+    assert await routed.choose("z@1", "t") == "pool-b"
+    assert await routed.warm_node("pool-b", "z@1", "t") == "n9" and len(two.queries) == 2
 
 
 async def test_a_caller_that_gives_up_does_not_cancel_the_others_answer() -> None:

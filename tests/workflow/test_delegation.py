@@ -12,7 +12,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities._delegation import NodeSlots
 from modelforge.client import ModelForgeClient, Result
-from modelforge.policy import PoolState
+from modelforge.messages import RequestResult
+from modelforge.policy import PolicyConfig, PoolState
+from modelforge.settings import node_task_queue
 from tests.harness import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
@@ -63,7 +65,7 @@ async def _updates_since(stack: Stack, first_event: int) -> dict[str, int]:
     return counts
 
 
-def _delegated(result: Result) -> bool:
+def _delegated(result: Result | RequestResult) -> bool:
     return bool(result.timings.get("delegated"))
 
 
@@ -109,26 +111,21 @@ async def test_warm_requests_run_on_delegated_slots_and_cost_the_scheduler_almos
 async def test_a_request_waiting_at_the_scheduler_gets_the_slots_back_within_a_sync(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
-    async with running_stack(
-        dev_server_env.client, database_url, catalog_path=SOLO, delegation_sync_s=SYNC_S
-    ) as stack:
+    async with running_stack(dev_server_env.client, database_url, catalog_path=SOLO, delegation_sync_s=SYNC_S) as stack:
         routed = ModelForgeClient(dev_server_env.client)
         node = await _warm_up(routed, stack)
         slots = stack.slots[node]
         assert slots.free_slots(CAPABILITY) == 7
-        # Two slow requests that do not reach the node's worker (a CLI's: started on the control
-        # queue): the first takes the slot kept back, the second waits at the scheduler, which
-        # closes the node's slots; the node gives back the free ones at its next sync and the
-        # waiting request is granted one of them.
-        cli = ModelForgeClient(dev_server_env.client, pool="default")
+        # Two slow requests that do not reach the node's worker (started on the control queue,
+        # as a client's whose scheduler named no warm node): the first takes the slot kept back,
+        # the second waits at the scheduler, which closes the node's slots; the node gives back
+        # the free ones at its next sync and the waiting request is granted one of them.
         slow = {"text": "slow", "simulate_invoke_s": 2.0}
         loop = asyncio.get_running_loop()
         started = loop.time()
-        first, second = await asyncio.gather(
-            cli.request(CAPABILITY, input=slow, tenant="app"),
-            cli.request(CAPABILITY, input=slow, tenant="app"),
-        )
-        assert first.ok and second.ok, (first, second)
+        handles = [await stack.start_request(CAPABILITY, input=slow, tenant="app") for _ in range(2)]
+        first, second = await asyncio.gather(*(handle.result() for handle in handles))
+        assert first.lease is not None and second.lease is not None, (first, second)
         assert not _delegated(first) and not _delegated(second)
         waited = max(first.timings["lease_s"], second.timings["lease_s"])
         assert waited < SYNC_S * 4 + 1.0, f"the waiting request got its lease after {waited:.2f} s"
@@ -182,3 +179,52 @@ async def test_a_restarted_node_worker_is_never_lent_its_previous_lifes_slots(
         [resident] = [r for r in state.residents.values() if r.node == node]
         assert resident.active_leases == sum(1 for lease in state.leases.values() if lease.resident_key == resident.key)
         assert resident.active_leases <= 8
+
+
+async def test_a_new_clients_first_request_to_a_warm_capability_starts_on_its_node(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """A client process that never served the capability asks its pool's scheduler for the warm
+    node (`RouteInfo.node`): its first request is admitted by that node on a lent slot. With the
+    node's worker gone, a new client's request started there is still answered (the control
+    worker adopts the silent node's queue) and admitted on the other node."""
+    config = PolicyConfig(freshness_s=5.0)
+    async with running_stack(
+        dev_server_env.client,
+        database_url,
+        catalog_path=CATALOG,
+        config=config,
+        telemetry_interval_s=0.5,
+        adopt_interval_s=0.5,
+        delegation_sync_s=SYNC_S,
+    ) as stack:
+        node = await _warm_up(ModelForgeClient(dev_server_env.client), stack)
+        for text in ("first", "second"):
+            fresh = ModelForgeClient(dev_server_env.client)  # a new process: no route of its own
+            result = await fresh.request(CAPABILITY, input={"text": text}, tenant="app")
+            assert result.ok, result
+            assert await _task_queue(stack, result.workflow_id) == node_task_queue(node)
+            assert _delegated(result), result.timings
+            assert result.lease is not None and result.lease.node == node
+
+        # The node's worker stops; its telemetry is still fresh for a few seconds, so a new
+        # client's request starts on its queue, where nobody polls until the control worker
+        # adopts it: it is then admitted on the other node (the silent node's card goes stale).
+        await stack.stop_node(node)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        late = ModelForgeClient(dev_server_env.client)
+        result = await asyncio.wait_for(late.request(CAPABILITY, input={"text": "late"}, tenant="app"), 90)
+        assert result.ok, result
+        assert await _task_queue(stack, result.workflow_id) == node_task_queue(node)
+        assert result.lease is not None and result.lease.node != node
+        print(f"answered {loop.time() - began:.1f} s after its node's worker stopped")
+        # Its card stale, the node is not named any more: the next new client starts on the
+        # control queue (or the other node, where the capability is warm now).
+        after = await ModelForgeClient(dev_server_env.client).request(CAPABILITY, input={"text": "x"}, tenant="app")
+        assert after.ok, after
+        assert await _task_queue(stack, after.workflow_id) != node_task_queue(node)
+
+
+async def _task_queue(stack: Stack, workflow_id: str) -> str:
+    return (await stack.client.get_workflow_handle(workflow_id).describe()).task_queue

@@ -57,6 +57,9 @@ async def test_requests_go_to_a_pool_that_serves_them_and_status_shows_every_poo
             result = await routed.request(capability, input={"text": capability}, tenant="app")
             assert result.ok, f"{capability}: {result.failure_class} {result.message}"
             assert result.lease is not None and result.lease.accelerator == card, capability
+            if capability == "z@1":  # warm already: its first request starts on the warm node
+                described = await temporal.get_workflow_handle(result.workflow_id).describe()
+                assert described.task_queue == node_task_queue("node-b")
         # The node-queue hint still applies inside the chosen pool: z@1's next request runs on
         # node-b's queue (and, being warm there, in pool-b again).
         again = await routed.request("z@1", input={"text": "again"}, tenant="app")
