@@ -54,6 +54,15 @@ CLAIM_WAIT_S = 0.5
 UNLENT_S = 10.0
 MAX_RUNS_KEPT = 20_000  # reports kept through a scheduler outage, the oldest dropped past it
 SYNC_TIMEOUT_S = 10.0
+# A sync that had nothing new to say (no requests served, no slot given back, taken back or lent,
+# no slot in use by another request, nothing wanted) doubles the wait before the next one, from
+# `sync_s` up to this many `sync_s` (4 s by default), and never past a third of the reply's
+# `valid_s` (so the slots stay valid; the scheduler reclaims a silent node's slots only after
+# twice `valid_s`): each sync costs the scheduler's history about five events. Anything to say
+# brings back `sync_s`; a request wanting a slot, or a closed slot to give back, still syncs at
+# once. The cost: a request waiting at the scheduler for a slot lent to an idle node waits for
+# that node's next sync, up to IDLE_SYNC_FACTOR sync intervals instead of one.
+IDLE_SYNC_FACTOR = 4.0
 
 
 @dataclass
@@ -109,6 +118,11 @@ class NodeSlots:
         # The scheduler counts slots as this node's (the last reply lent some): a node that gave
         # them all back syncs once more, to say so.
         self._lent = False
+        # Between syncs now: `sync_s`, longer while the syncs have had nothing new to say
+        # (IDLE_SYNC_FACTOR); what the last sync said, to tell.
+        self.interval = sync_s
+        self._said: tuple[frozenset[str], frozenset[tuple[str, str]]] = (frozenset(), frozenset())
+        self._last_turn = clock()
         self.syncs = 0  # sent, for tests and the benchmark
         # Whether a resident is loaded on this node (its worker's runtimes): slots on others are
         # not claimed. Everything, until the worker says (`serve_only`).
@@ -248,18 +262,36 @@ class NodeSlots:
     async def run(self) -> None:
         """Sync while there is anything to say: slots held, requests to report, slots wanted."""
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.sync_s)
-                gap = self._last_sync + MIN_SYNC_GAP_S - self._clock()
-                if gap > 0:
-                    await asyncio.sleep(gap)
-            except TimeoutError:
-                pass
+            await self._wait_turn()
             self._wake.clear()
+            self._last_turn = self._clock()
             try:
                 await self.sync_once()
             except Exception as error:  # never the end of the loop: the next sync tries again
+                self.interval = self.sync_s
                 log.warning("delegation_sync_failed", node=self.node, error=str(error))
+
+    def due_in(self) -> float:
+        """Seconds until the next periodic sync: `sync_s` after the last turn while served
+        requests wait to be reported, else the current interval (longer while idle)."""
+        interval = self.sync_s if self._runs else self.interval
+        return self._last_turn + interval - self._clock()
+
+    async def _wait_turn(self) -> None:
+        """Until the next sync: when woken (at most every MIN_SYNC_GAP_S after the last), or when
+        `due_in` runs out, looked at at least every `sync_s` (a request that ends while the node
+        is idle is reported within about `sync_s`, as before)."""
+        while not self._wake.is_set():
+            left = self.due_in()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=min(left, self.sync_s))
+            except TimeoutError:
+                pass
+        gap = self._last_sync + MIN_SYNC_GAP_S - self._clock()
+        if gap > 0:
+            await asyncio.sleep(gap)
 
     def _prepare(self, now: float) -> SlotSync | None:
         for lease_id, slot in list(self._slots.items()):
@@ -295,6 +327,7 @@ class NodeSlots:
             del self._runs[:runs]  # reported: the scheduler has them
             self._apply(reply, sent_at)
             self._lent = bool(self._slots)
+            self._back_off(sync, reply)
             free = {slot.lease.capability for slot in self._slots.values() if slot.open and not slot.request_id}
             for capability in sync.wanted:  # asked for, and no free slot of it after (never lent, or all in use)
                 if capability in free:
@@ -304,6 +337,22 @@ class NodeSlots:
         finally:
             answered.set()  # answered or failed: the claims that waited on it look again, once
         return reply
+
+    def _back_off(self, sync: SlotSync, reply: SlotReply) -> None:
+        """The next interval: `sync_s` after a sync that said or brought anything new, else twice
+        the last one, at most IDLE_SYNC_FACTOR `sync_s` and a third of `valid_s` (never below
+        `sync_s`)."""
+        said = (frozenset(sync.held), frozenset(sync.in_use.items()))
+        news = sync.runs or sync.wanted or reply.lent or said != self._said
+        news = news or len(reply.kept) != len(sync.held)  # something taken back
+        # What the scheduler knows now: the slots kept and lent, and who is on them.
+        in_use = {(lease_id, slot.workflow_id) for lease_id, slot in self._slots.items() if slot.request_id}
+        self._said = (frozenset(self._slots), frozenset(in_use))
+        if news:
+            self.interval = self.sync_s
+        else:
+            ceiling = max(self.sync_s, min(IDLE_SYNC_FACTOR * self.sync_s, reply.valid_s / 3))
+            self.interval = min(ceiling, max(self.sync_s, self.interval * 2))
 
     async def _update(self, sync: SlotSync) -> SlotReply:
         if self._client is None:

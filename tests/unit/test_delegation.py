@@ -10,6 +10,7 @@ node worker restarts."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -383,6 +384,59 @@ def test_an_idle_node_gives_its_slots_back_and_then_stops_syncing() -> None:
     count = len(scheduler.syncs)
     asyncio.run(slots.sync_once())
     assert len(scheduler.syncs) == count, "a node holding nothing and with nothing to say does not sync"
+
+
+def test_a_node_with_nothing_new_to_say_syncs_less_often_and_at_the_usual_pace_once_it_has() -> None:
+    slots, scheduler, _ = lent_node()  # its first sync asked for slots: news
+    assert slots.interval == slots.sync_s == 1.0
+    intervals = []
+    for _ in range(4):  # the same slots held, nothing served, nothing wanted
+        asyncio.run(slots.sync_once())
+        intervals.append(slots.interval)
+    assert intervals == [2.0, 4.0, 4.0, 4.0], "doubling, up to 4 sync intervals"
+    assert slots.due_in() == pytest.approx(4.0)
+    lease = slots.claim(claim("a"))
+    assert lease is not None and slots.started(lease.lease_id, "a")
+    slots.finish(lease.lease_id, "a", "ok", 0.1)
+    assert slots.due_in() == pytest.approx(1.0), "a request served is reported at the usual pace"
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].runs and slots.interval == 1.0
+    # The slots stay valid: never longer than a third of the answer's validity.
+    short, short_scheduler, _ = lent_node()
+    short.sync_s = 0.5
+    short_scheduler.s.config = PolicyConfig(stale_lease_s=6.0)
+    for _ in range(4):
+        asyncio.run(short.sync_once())
+    assert short.interval == 1.0, "valid_s 3: at most 1 s between syncs, not 2"
+
+
+def test_an_idle_node_holding_slots_syncs_a_few_times_where_it_synced_every_interval() -> None:
+    async def idle(run_s: float) -> tuple[int, float]:
+        slots, scheduler = node(pool(4), Clock())
+        slots._clock = time.monotonic  # type: ignore[method-assign]
+        slots.sync_s = 0.05
+        assert slots.claim(claim("first")) is None
+        await slots.sync_once()
+        before = len(scheduler.syncs)
+        task = asyncio.create_task(slots.run())
+        try:
+            await asyncio.sleep(run_s)
+            idle_syncs = len(scheduler.syncs) - before
+            # A request served: reported by the next sync, within about one sync interval.
+            lease = slots.claim(claim("a"))
+            assert lease is not None and slots.started(lease.lease_id, "a")
+            slots.finish(lease.lease_id, "a", "ok", 0.01)
+            ended = time.monotonic()
+            while not scheduler.syncs[-1].runs:
+                await asyncio.sleep(0.005)
+            return idle_syncs, time.monotonic() - ended
+        finally:
+            task.cancel()
+
+    idle_syncs, reported_after = asyncio.run(idle(1.0))
+    # Every 0.05 s: 20 syncs. Backing off (0.1, 0.2, 0.2, ...): 5 or 6.
+    assert idle_syncs <= 8, idle_syncs
+    assert reported_after < 0.05 * 2 + 0.05, reported_after
 
 
 # --- the property -----------------------------------------------------------------------------

@@ -130,9 +130,9 @@ async def test_a_request_waiting_at_the_scheduler_gets_the_slots_back_within_a_s
         waited = max(first.timings["lease_s"], second.timings["lease_s"])
         assert waited < SYNC_S * 4 + 1.0, f"the waiting request got its lease after {waited:.2f} s"
         assert loop.time() - started < 2.0 + SYNC_S * 4 + 2.0
-        closed = await stack.events("slot_closed", at_least=7, within_s=5)
+        closed = await stack.events("slot_closed", at_least=7, within_s=10)
         assert any("waits at the scheduler" in e["message"] for e in closed), [e["message"] for e in closed]
-        returned = await stack.events("slot_returned", at_least=7, within_s=5)
+        returned = await stack.events("slot_returned", at_least=7, within_s=10)
         assert len(returned) >= 7
         # Nothing waits any more: the node is lent slots again when its requests ask.
         assert await _until(lambda: _lent_again(routed, slots), within_s=10)

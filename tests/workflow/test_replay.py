@@ -15,7 +15,8 @@ from workflows import ALL_WORKFLOWS
 ROOT = Path(__file__).resolve().parents[1] / "histories"
 # One folder per recording (one per workflow change; tests/workflow/record_histories.py): every one must keep replaying.
 HISTORIES = sorted(ROOT.glob("*/*.json"))
-VERSIONS = sorted({path.parent.name for path in HISTORIES})
+# By number: v10 is newer than v9 (sorted as text it was not, and v9 passed for the newest).
+VERSIONS = sorted({path.parent.name for path in HISTORIES}, key=lambda name: int(name.removeprefix("v")))
 
 
 def _types(version: str) -> set[str]:
