@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from temporalio.client import WorkflowFailureError
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
@@ -92,6 +92,7 @@ from modelforge.dev import temporal_binary
 from modelforge.logging import configure
 from modelforge.temporal import register_search_attributes
 from tests.harness import Stack, running_stack
+from workflows._common import SCHEDULER_TASK_TIMEOUT
 
 CATALOG = Path(__file__).parent / "catalogs" / "throughput.toml"
 CAPABILITY = "bench.embed@1"
@@ -489,6 +490,15 @@ async def run_edge(
                     edge_b, at_edge = await phase_b()
                     edge_a, _ = await phase_a()
                 edge_c = await _bare_edge(stack, rates, step_s, drain_s, p50_max_s) if ceiling else None
+                # The whole run, the steps past each edge included: how near the longest scheduler
+                # task came to its timeout (SCHEDULER_TASK_TIMEOUT; a control worker dying mid-task
+                # stalls the pool that long, so it is kept no longer than slow passes need).
+                for pool, handle in stack.schedulers.items():
+                    longest, timed_out, tasks = await _scheduler_tasks(client, handle.id)
+                    print(
+                        f"scheduler {pool}: {tasks} workflow tasks, longest {longest:.2f} s, {timed_out} timed out"
+                        f" (task timeout {SCHEDULER_TASK_TIMEOUT.total_seconds():g} s)"
+                    )
         top = " (passed every step: a lower bound, add higher --rates)"
         print(f"\nedge (a) admitted, 1 pool: {edge_a:g} requests/s{top if edge_a == rates[-1] else ''}")
         print(f"edge (b) delegated, {len(names)} pool(s): {edge_b:g} requests/s{top if edge_b == rates[-1] else ''}")
@@ -525,6 +535,26 @@ async def run_edge(
         return 0 if ok else 1
     finally:
         await env.shutdown()
+
+
+async def _scheduler_tasks(client: Client, workflow_id: str) -> tuple[float, int, int]:
+    """(the longest workflow task from start to completion in s, how many timed out, how many
+    completed) over every run of the scheduler (a run may continue as new mid-step)."""
+    longest, timed_out, tasks = 0.0, 0, 0
+    async for execution in client.list_workflows(f'WorkflowId = "{workflow_id}"'):
+        started: dict[int, float] = {}
+        handle = client.get_workflow_handle(workflow_id, run_id=execution.run_id)
+        async for event in handle.fetch_history_events():
+            at = event.event_time.ToDatetime().timestamp()
+            if event.HasField("workflow_task_started_event_attributes"):
+                started[event.event_id] = at
+            elif event.HasField("workflow_task_completed_event_attributes"):
+                began = started.get(event.workflow_task_completed_event_attributes.started_event_id)
+                if began is not None:
+                    longest, tasks = max(longest, at - began), tasks + 1
+            elif event.HasField("workflow_task_timed_out_event_attributes"):
+                timed_out += 1
+    return longest, timed_out, tasks
 
 
 async def _bare_edge(stack: Stack, rates: list[float], step_s: float, drain_s: float, p50_max_s: float) -> float:

@@ -14,12 +14,20 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.names import request_workflow_id, resident_workflow_id, scheduler_id, telemetry_id
 
 ALL_FAILURES = [f.value for f in FailureClass]
-# The pool scheduler's workflow task timeout. Under overload one scheduler task carries many
-# batched admissions; past the default 10 s the server times it out, the backlog grows and the
-# next task is slower still (seen in bench/sustained.py at 8 requests/s on 2 cores). It is also
-# how long a pool stands still when the worker holding one of its tasks dies mid-task: the
-# admission budget below outlasts it.
-SCHEDULER_TASK_TIMEOUT = timedelta(seconds=60)
+# The pool scheduler's workflow task timeout: how long a pool stands still when the worker
+# holding one of its tasks dies mid-task (Temporal hands the task to another worker only once it
+# times out), and the room a task has. Measured (docs/ARCHITECTURE.md): the longest scheduler
+# task in `bench/sustained.py --edge --pools 2` at 1.5x the admitted edge was 3.65 s, and a cold
+# replay of a 1,376-event scheduler history took 1.0 s (a full 5,000-event run: about 3.6 s),
+# which a worker taking over a pool does within its first task. Past the default 10 s the server
+# times out a slow task, the backlog grows and the next task is slower still (seen before the
+# scheduler had its own queue). A run started with it keeps it across continue-as-new, and the
+# scheduler passes it again when it continues as new, so a run started with another moves to it.
+SCHEDULER_TASK_TIMEOUT = timedelta(seconds=30)
+# What it was before (60 s): a scheduler started then keeps it until it next continues as new.
+SCHEDULER_TASK_TIMEOUT_BEFORE = timedelta(seconds=60)
+# The longest task timeout a running scheduler may have: what an admission must outlast.
+LONGEST_SCHEDULER_TASK_TIMEOUT = max(SCHEDULER_TASK_TIMEOUT, SCHEDULER_TASK_TIMEOUT_BEFORE)
 NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
 
 

@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows._common import (
     ALL_FAILURES,
-    SCHEDULER_TASK_TIMEOUT,
+    LONGEST_SCHEDULER_TASK_TIMEOUT,
     STORE_RETRY,
     classify,
     failure,
@@ -92,8 +92,8 @@ PATCH_ONE_MARKER = "request-patches-through-v9"
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN. It outlasts one timed-out
 # scheduler task: when the control worker running one dies, the scheduler stands still until the
 # task times out, and an admission asked meanwhile must still be answered (it was 60 s, equal to
-# the task timeout, and such admissions failed with TIMEOUT).
-ADMIT_BUDGET = SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
+# the task timeout then, and such admissions failed with TIMEOUT).
+ADMIT_BUDGET = LONGEST_SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
 ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 

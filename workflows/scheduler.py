@@ -53,7 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.routing import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import STORE_RETRY, resident_workflow_id
+from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
 # One residency workflow id per load (histories v2); older histories used one id per key.
@@ -762,9 +762,11 @@ class PoolSchedulerWorkflow:
                 if carry:
                     # Nothing waits on Postgres here: what is not yet delivered or written goes
                     # to the next run in its input, and is sent or written (again) from there.
-                    workflow.continue_as_new(replace(start, state=self._state, carried=self._outbox()))
+                    workflow.continue_as_new(
+                        replace(start, state=self._state, carried=self._outbox()), task_timeout=SCHEDULER_TASK_TIMEOUT
+                    )
                 await self._drain_event_writes()
-                workflow.continue_as_new(replace(start, state=self._state))
+                workflow.continue_as_new(replace(start, state=self._state), task_timeout=SCHEDULER_TASK_TIMEOUT)
             if self._quiet:
                 self._arm_timer(self._next_wake())
                 await workflow.wait_condition(

@@ -148,7 +148,7 @@ async def test_with_two_control_workers_a_pool_survives_losing_one_without_a_res
             # And the pool still admits: a new request through the survivor alone.
             after = await stack.start_request("bench.embed@1", tenant="bench", input={"simulate_invoke_s": 0.1})
             # When the killed worker had a scheduler task in flight, the scheduler resumes on the
-            # survivor only after that task's timeout (SCHEDULER_TASK_TIMEOUT, 60 s), and the 40
+            # survivor only after that task's timeout (SCHEDULER_TASK_TIMEOUT, 30 s), and the 40
             # may all have ended before then (their releases are signals): this one may wait
             # that long for its lease (its admission budget outlasts it: test_scheduler_stall.py).
             began = time.monotonic()
