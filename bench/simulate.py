@@ -85,7 +85,7 @@ def pool_scenario(scenario: Scenario, copies: int, gpus: int, gpus_per_node: int
 
 # The cluster docs/SCALING.md sizes: 10,000 GPUs, 8 to a node, at 100x the Azure trace's rate.
 CLUSTER_GPUS, GPUS_PER_NODE, RATE_FACTOR = 10_000, 8, 100
-POOL_COUNTS = (1, 10, 50, 100, 250, 500, 625, 1250)
+POOL_COUNTS = (1, 10, 50, 100, 125, 150, 250, 500, 625, 1250)
 TARGET_EVENTS_PER_S = 20.0
 
 
