@@ -46,7 +46,10 @@ async def test_lease_and_queue_survive_continue_as_new(dev_server_env: WorkflowE
         latest = await stack.client.get_workflow_handle(stack.scheduler.id).describe()
         assert latest.run_id != first_run, "the scheduler continued as new"
         # ...and took this release's task timeout with it (a dead worker's task stalls it 30 s, not 60).
-        assert latest.raw_description.execution_config.default_workflow_task_timeout.ToTimedelta() == SCHEDULER_TASK_TIMEOUT
+        assert (
+            latest.raw_description.execution_config.default_workflow_task_timeout.ToTimedelta()
+            == SCHEDULER_TASK_TIMEOUT
+        )
         history = await stack.client.get_workflow_handle(stack.scheduler.id).fetch_history()
         assert len(history.events) < 200  # the current run's history stays short
         status = await stack.status()
