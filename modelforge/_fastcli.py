@@ -730,6 +730,8 @@ def request_json(api: Http, args: RequestArgs, route: tuple[str, str] | None = N
         started = api.call("POST", f"/workflows/{workflow_id}", start)
     except Fallback as error:  # it may have reached the server
         raise HandOver(request_id, began, str(error)) from None
+    if not isinstance(started, dict):  # sent: whatever the answer, never sent again from here
+        raise HandOver(request_id, began, "an answer to the start that is not an object")
     run_id = started.get("runId")
     if not started.get("started") or not isinstance(run_id, str) or not run_id:
         raise HandOver(request_id, began, "not a new run")
@@ -865,17 +867,40 @@ def run(argv: list[str], environ: dict[str, str] | os._Environ[str] | None = Non
             raise
         finally:
             api.close()
-        learned = result.pop("route")
-        _print(result)
-        sys.stdout.flush()
-        remember_route(env, args, learned, asked_at)  # a failure (learned None) forgets it
-        return 0 if result["ok"] else 1
+        # Answered: from here on nothing hands the command to the normal path, which would
+        # submit the request again under a new id.
+        return _answered(env, args, result, asked_at)
     except HandOver as handed:
         _handed_over = handed
         argv += ["--request-id", handed.request_id]
         return None
     except Exception:  # anything at all: the normal path answers
         return None
+
+
+# The exit code when an answered request's output cannot be written (a closed pipe, a full
+# disk): Python's own when its last flush fails.
+OUTPUT_LOST = 120
+
+
+def _answered(env: Environment, args: RequestArgs, result: dict[str, Any], asked_at: float) -> int:
+    """Print a request's answer and remember its route; the exit code, whatever fails here."""
+    learned = result.pop("route", None)
+    code = 0 if result.get("ok") else 1
+    try:
+        _print(result)
+        sys.stdout.flush()
+    except Exception as error:  # the request ran; its answer is lost, never asked again
+        code = OUTPUT_LOST
+        try:
+            sys.stderr.write(f"modelforge: the answer could not be written: {error}\n")
+        except Exception:
+            pass
+    try:
+        remember_route(env, args, learned, asked_at)  # a failure (learned None) forgets it
+    except Exception:
+        pass  # only the next call's speed
+    return code
 
 
 _tried = False
@@ -890,7 +915,10 @@ def _answer_here() -> None:
     _tried = True
     code = run(sys.argv)
     if code is not None:
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except Exception:
+            code = code or OUTPUT_LOST
         os._exit(code)
 
 

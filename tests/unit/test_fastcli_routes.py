@@ -191,6 +191,42 @@ def test_a_request_handed_over_forgets_its_route(tmp_path: Path) -> None:
     assert fast.cached_route(env, args) is None
 
 
+class _LostOutput:
+    """A stdout whose reader is gone (`modelforge request ... --json | true`)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_an_answer_that_cannot_be_written_is_not_asked_for_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # The request ran: its lost output ends the command (Python's exit code for a failed last
+    # flush), and nothing hands it to the normal path, which would submit it again.
+    _remember(tmp_path)
+    port, seen = _serve([STARTED, _closed()])
+    argv = list(ARGV)
+    monkeypatch.setattr(fast.sys, "stdout", _LostOutput())
+    assert fast.run(argv, _environ(tmp_path, port)) == fast.OUTPUT_LOST
+    assert argv == ARGV and fast._handed_over is None
+    assert len(seen) == 2, "one start, one wait for its close"
+    assert "could not be written" in capsys.readouterr().err
+
+
+def test_a_start_answered_with_something_else_than_an_object_is_handed_over(tmp_path: Path) -> None:
+    # Sent, so never sent again from here: the SDK path attaches to it by its request id.
+    _remember(tmp_path)
+    port, seen = _serve([_answer(["not", "an", "object"])])
+    argv = list(ARGV)
+    assert fast.run(argv, _environ(tmp_path, port)) is None
+    assert fast._handed_over is not None
+    assert argv == [*ARGV, "--request-id", fast._handed_over.request_id]
+    assert len(seen) == 1 and _started_on(seen[0]) == NODE_QUEUE
+
+
 def test_a_route_is_learned_from_a_result_after_asking(tmp_path: Path, capsys: Any) -> None:
     """No entry: the pools and the status are asked, and the result's route is kept."""
     status: dict[str, Any] = {"pool": "default", "now": 1.0, "accelerators": [], "residents": []}
