@@ -13,6 +13,7 @@ from temporalio.client import Client
 from modelforge.cli_jobs import JobClient
 from modelforge.client import MAX_DURATION_S, ModelForgeClient, Result
 from modelforge.messages import RequestInput
+from modelforge.names import CONTROL_TASK_QUEUE
 
 
 class _Sent(Exception):
@@ -27,9 +28,12 @@ class _Capturing(ModelForgeClient):
     async def _start_and_wait(self, request: RequestInput, *args: Any, **kwargs: Any) -> Any:
         raise _Sent(request)
 
+    async def _task_queue(self, *args: Any) -> str:
+        return CONTROL_TASK_QUEUE  # no Temporal here to ask for the warm node
+
 
 def _client() -> ModelForgeClient:
-    return _Capturing(cast(Client, None), "default")  # bound to a pool: no routing call
+    return _Capturing(cast(Client, None), "default")  # bound to a pool: no pool routing call
 
 
 @pytest.mark.parametrize("duration", [0, 0.5, -3, MAX_DURATION_S + 1, float("nan"), float("inf"), True, "1h"])
