@@ -310,6 +310,19 @@ class PoolRouter:
         # Pools whose scheduler did not answer, until when they are left out of the rounds (a
         # scheduler no worker serves would otherwise cost every round the query timeout).
         self._silent_until: dict[str, float] = {}
+        # Expired entries are dropped at most once a route_ttl_s, when an answer is kept: a
+        # long-lived client (the gateway) sees many tenant and class pairs over its life.
+        self._prune_at = -math.inf
+
+    def _prune(self) -> None:
+        now = self.clock()
+        if now < self._prune_at:
+            return
+        self._prune_at = now + self.route_ttl_s
+        self._routes = {key: cached for key, cached in self._routes.items() if cached.until > now}
+        self._nodes = {key: cached for key, cached in self._nodes.items() if cached.until > now}
+        for pool in [p for p, until in self._silent_until.items() if until <= now]:
+            del self._silent_until[pool]
 
     async def pools(self) -> list[str]:
         """The pools to route among: given, or the running schedulers (default when none runs)."""
@@ -368,6 +381,7 @@ class PoolRouter:
 
     async def _ask_and_keep(self, key: tuple[str, str, str | None], pools: list[str], query: RouteQuery) -> str:
         pool, node = await self._ask(pools, query)
+        self._prune()
         self._routes[key] = _Cached(pool, self.clock() + self.route_ttl_s, node)
         return pool
 
@@ -400,6 +414,7 @@ class PoolRouter:
             self._silent_until[pool] = self.clock() + SILENT_S
             return ""
         self._silent_until.pop(pool, None)
+        self._prune()
         self._nodes[key] = _Cached(pool, self.clock() + self.route_ttl_s, answer.node)
         return answer.node
 

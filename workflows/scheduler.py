@@ -91,9 +91,6 @@ PATCH_NO_CPU_FALLBACK = "no-cpu-fallback"
 # production request waiting only for a slot does not need (PolicyConfig.deadline_service,
 # pack_lower_classes).
 PATCH_DEADLINE_SERVICE = "deadline-service"
-# ...and before events waited for a batch, for EVENT_WRITE_WAIT_S or for an urgent one (a write of
-# its own about once a second cost a quiet pool about six history events a second).
-PATCH_LAZY_EVENT_WRITES = "lazy-event-writes"
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -105,32 +102,6 @@ EVENT_BATCH = 200
 # the event log trails by up to this much, and a busy pool writes one batch a second, not one
 # per request.
 EVENT_WRITE_INTERVAL_S = 1.0
-# With lazy event writes (PATCH_LAZY_EVENT_WRITES), events go when a batch is full, when the
-# oldest has waited this long, or (at most every EVENT_WRITE_INTERVAL_S) when one is urgent.
-EVENT_WRITE_WAIT_S = 5.0
-# Urgent: what an operator acts on, written within about a second as before. Any event with an
-# alert or a failure class, and these kinds. (Part of the commands: a change needs a patch.)
-URGENT_EVENT_KINDS = frozenset(
-    {
-        "preemption_requested",
-        "preempted",
-        "lease_reclaimed",
-        "resident_lost",
-        "resident_unreachable",
-        "gpu_unhealthy",
-        "gpu_pressure_entered",
-        "health_check_failed",
-        "load_failed",
-        "invoke_failed",
-        "request_refused",
-        "request_rejected",
-        "admission_failed",
-        "grant_withdrawn",
-        "scheduler_rebased",
-        "reclaim_failed",
-        "capacity_alert_raised",
-    }
-)
 MAX_ADMIT_BATCH = 500
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
@@ -164,8 +135,6 @@ class PoolSchedulerWorkflow:
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
-        self._lazy_writes = False  # PATCH_LAZY_EVENT_WRITES, decided once per run
-        self._urgent_events = 0  # buffered events that are urgent (lazy writes)
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
@@ -176,7 +145,6 @@ class PoolSchedulerWorkflow:
             self._preempts_out = [(p.workflow_id, p.preempt) for p in carried.preempts]
             self._loads_out = list(carried.loads)
             self._events = list(carried.events)
-            self._urgent_events = sum(1 for event in self._events if _urgent(event))
             self._wake = True
 
     # --- messages ---------------------------------------------------------------------------
@@ -745,11 +713,6 @@ class PoolSchedulerWorkflow:
         # Decided here, before any handler can run the policy: a patch first asked inside an
         # update handler records its marker where a replay does not expect it.
         self._deadline_service = workflow.patched(PATCH_DEADLINE_SERVICE)
-        # Lazy event writes are off: with them on, the time-skipping test server's scheduler
-        # failed a replay 1 in 2 (`tests/workflow/test_keep_warm.py`: "UpsertWorkflowSearchAttributes
-        # Machine does not handle ... WorkflowExecutionUpdateAccepted"), never without. The patch
-        # is not asked until that is understood; the code stays behind it.
-        self._lazy_writes = False
         if self._fencing and self._state.config.unheard_lease_s is None:
             config = self._state.config
             self._state.config = replace(config, unheard_lease_s=UNHEARD_LEASE_FACTOR * config.stale_lease_s)
@@ -819,15 +782,7 @@ class PoolSchedulerWorkflow:
         if len(self._events) >= EVENT_BATCH:
             return True
         idle = self._events_in_flight is None or self._events_in_flight.done()
-        return idle and self._now() >= self._events_due_at()
-
-    def _events_due_at(self) -> float:
-        """When the buffered events may go: EVENT_WRITE_INTERVAL_S after the last write; with
-        lazy writes, not before the oldest has waited EVENT_WRITE_WAIT_S unless one is urgent."""
-        due = self._events_written_at + EVENT_WRITE_INTERVAL_S
-        if self._lazy_writes and self._events and not self._urgent_events:
-            due = max(due, self._events[0].at + EVENT_WRITE_WAIT_S)
-        return due
+        return idle and self._now() >= self._events_written_at + EVENT_WRITE_INTERVAL_S
 
     def _should_continue_as_new(self, start: SchedulerInput) -> bool:
         info = workflow.info()
@@ -900,7 +855,7 @@ class PoolSchedulerWorkflow:
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
         if self._quiet and self._events:
-            due.append(self._events_due_at())
+            due.append(self._events_written_at + EVENT_WRITE_INTERVAL_S)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -1131,7 +1086,6 @@ class PoolSchedulerWorkflow:
     def _write_next_batch(self) -> asyncio.Future[object]:
         """Not awaited: the event log never sits on the admission path. Retried until it lands."""
         batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
-        self._urgent_events = sum(1 for event in self._events if _urgent(event))
         write = workflow.start_activity(
             "record_events",
             batch,
@@ -1159,8 +1113,6 @@ class PoolSchedulerWorkflow:
             self._reclaimed[event.lease_id] = event.workflow_id
             if len(self._reclaimed) > RECLAIMED_REMEMBERED:
                 del self._reclaimed[next(iter(self._reclaimed))]
-        if _urgent_kind(event.kind, event.failure is not None, event.alert is not None):
-            self._urgent_events += 1
         self._events.append(
             EventRecord(
                 event_id=str(workflow.uuid4()),
@@ -1181,14 +1133,6 @@ class PoolSchedulerWorkflow:
     def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
         for event in events:
             self._record(event, now)
-
-
-def _urgent_kind(kind: str, failed: bool, alert: bool) -> bool:
-    return failed or alert or kind in URGENT_EVENT_KINDS
-
-
-def _urgent(event: EventRecord) -> bool:
-    return _urgent_kind(event.kind, event.failure_class is not None, event.alert is not None)
 
 
 def _succeeded(write: asyncio.Future[object]) -> bool:

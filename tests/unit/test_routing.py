@@ -322,6 +322,23 @@ async def test_the_warm_node_of_one_pool_is_asked_once_a_second_and_never_waited
     assert await routed.warm_node("pool-b", "z@1", "t") == "n9" and len(two.queries) == 2
 
 
+async def test_a_long_lived_router_forgets_expired_answers() -> None:
+    """The gateway's router lives for weeks and sees many tenant and class pairs: what it keeps
+    is what was asked within about two route TTLs, not everything it was ever asked."""
+    fake = FakeTemporal({"pool-a": info("pool-a", warm=1, node="n1"), "pool-b": info("pool-b")})
+    now = [0.0]
+    router = PoolRouter(cast(Client, fake), clock=lambda: now[0])
+    single = FakeTemporal({"default": RouteInfo(pool="default", known=True, serves=True, warm=1, node="n1")})
+    bound = PoolRouter(cast(Client, single), clock=lambda: now[0])
+    for second in range(600):
+        now[0] = float(second)
+        for tenant in (f"tenant-{second}-a", f"tenant-{second}-b"):
+            assert await router.choose("z@1", tenant) == "pool-a"
+            assert await bound.warm_node("default", "w@1", tenant) == "n1"
+    assert len(router._routes) <= 6, len(router._routes)
+    assert len(bound._nodes) <= 6, len(bound._nodes)
+
+
 async def test_a_caller_that_gives_up_does_not_cancel_the_others_answer() -> None:
     fake = FakeTemporal({"pool-a": info("pool-a"), "pool-b": info("pool-b", warm=1, free_slots=1)})
     router = PoolRouter(cast(Client, fake))
