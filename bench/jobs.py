@@ -1,5 +1,5 @@
 """Jobs (runtime `subprocess_job`) through a warm stack against a bare `subprocess` start of the
-same command, in one run (issue 19's benchmark):
+same command, in one run:
 
     .venv/bin/python bench/jobs.py [--rounds 10] [--quick]
 

@@ -1,18 +1,18 @@
 """Decision cost of the pure policy, three ways, with the targets side by side in one run:
 
-1. The steady state of a busy pool (issue 3): G accelerators, one busy resident each (its
+1. The steady state of a busy pool: G accelerators, one busy resident each (its
    leases only counted, and the cards' memory reported as external), N queued requests; the
    median `decide` pass per size, the growth exponent in N.
-2. A full pool (issue 20): 64 GPUs, every card holding a resident at its concurrency with real
+2. A full pool: 64 GPUs, every card holding a resident at its concurrency with real
    leases granted by the policy itself, the cards' memory reported as ModelForge's own, nothing
    new fits anywhere, 1,000 requests waiting. CPU per pass (decide and apply) after a telemetry
    update of one node, and after one new request. Target 1 ms.
-3. A cluster (issue 20): 6,000 GPUs (750 nodes of 8, one NVLink group each, 32 nodes a rack),
+3. A cluster: 6,000 GPUs (750 nodes of 8, one NVLink group each, 32 nodes a rack),
    2,000 active leases on 2,000 full cards spread over every node, 50 waiting 8-GPU NVLink gangs
    (no node has 8 free cards), 10,000 queued requests for models at their concurrency and
    pinned to their cards. CPU per pass, after one new request and after a telemetry update.
    Target 50 ms.
-4. Admission with 2,000 leases (issue 20): a full pool of 500 GPUs (2,000 leases), 1,000
+4. Admission with 2,000 leases: a full pool of 500 GPUs (2,000 leases), 1,000
    waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
    `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
 
@@ -138,7 +138,7 @@ def measure(gpus: int, queued: int, repeats: int) -> tuple[float, float]:
     return statistics.median(decide_times), statistics.median(sort_times)
 
 
-# --- issue 20: a full pool and a cluster, with real leases ------------------------------------
+# --- parts 2 to 4: a full pool and a cluster, with real leases ---------------------------------
 
 
 def _observations(state: PoolState, accelerators: list[Accelerator], now: float) -> list[Observation]:
@@ -427,14 +427,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip part 1's 1,024 x 10,000 size and growth measure")
     args = parser.parse_args()
     rows: list[tuple[str, float, float]] = []
-    print("1. steady state of a busy pool (issue 3), median wall time of one decide pass:")
+    print("1. steady state of a busy pool, median wall time of one decide pass:")
     sizes = [(8, 100, 101), (64, 1_000, 51)] + ([] if args.quick else [(1_024, 10_000, 11)])
     targets = {(64, 1_000): 1.0, (1_024, 10_000): 50.0}
     for gpus, queued, repeats in sizes:
         decide_s, sort_s = measure(gpus, queued, repeats)
         target = targets.get((gpus, queued))
         if target is not None:
-            rows.append((f"busy pool {gpus} GPUs x {queued:,} queued (issue 3)", decide_s * 1000, target))
+            rows.append((f"busy pool {gpus} GPUs x {queued:,} queued", decide_s * 1000, target))
         print(
             f"{gpus:>5} GPUs x {queued:>6} queued: median {decide_s * 1000:8.2f} ms"
             f"  ({decide_s / sort_s:5.1f}x one sorted() of the queue)",

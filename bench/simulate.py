@@ -5,10 +5,10 @@ one run, and the replay speed of a 100,000-request scenario.
     .venv/bin/python bench/simulate.py --quick    # the two traces only, no speed run
     .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
     .venv/bin/python bench/simulate.py --measure-history 4 160  # the real scheduler's events per request
-    .venv/bin/python bench/simulate.py --overload  # deadlines and lower classes (issue 20 items 2, 3)
-    .venv/bin/python bench/simulate.py --cluster   # the whole Alibaba cluster: 6,212 cards (issue 20)
+    .venv/bin/python bench/simulate.py --overload  # deadlines and lower classes
+    .venv/bin/python bench/simulate.py --cluster   # the whole Alibaba cluster: 6,212 cards
 
-Targets (issue 8), checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
+Targets, checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
 ollama baseline's (over every call, a call never served waiting forever, and over the calls
 served), no more loads than it, and at least 0.95x its VRAM utilization over the scenario's

@@ -48,7 +48,7 @@ and the deltas add up.
   (c) bare (unless --no-ceiling): the same steps with bare one-activity workflows on a worker of
       their own in this process, no ModelForge at all: the ceiling of every path on this
       machine. When 4x edge(a) is past it, no path can meet the target here, and it says so.
-At the end: edge(b)/edge(a) against the issue's target (>= 4x), and the delegated path's
+At the end: edge(b)/edge(a) against the target (>= 4x), and the delegated path's
 events per request (<= 1) and per second of its busiest scheduler (<= 20) at its edge, each PASS
 or MISS. (a) runs first unless --first delegated: whichever runs second inherits a longer
 scheduler history, a fuller in-memory Temporal store and a warmer Python heap; run both orders

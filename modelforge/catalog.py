@@ -159,7 +159,7 @@ QueueName = Annotated[str, Field(min_length=1, max_length=60, pattern=r"^[a-z0-9
 
 class LevelSpec(_Strict):
     name: QueueName
-    # Orders levels across queues (higher first) and is the seed's fair-share `priority` factor.
+    # Orders levels across queues (higher first) and is the fair-share score's `priority` factor.
     priority: Annotated[int, Field(ge=1, le=1_000_000)]
     preempts: list[Annotated[str, Field(min_length=1, max_length=130)]] = Field(default_factory=list)
     production: bool = False
@@ -394,8 +394,8 @@ def parse_catalog(data: dict[str, Any], base_dir: Path | None = None) -> tuple[C
 
 
 def _queues(specs: list[QueueSpec], problems: list[str]) -> list[Queue]:
-    """Seed 003's queues. A level preempts only strictly lower priorities, so preemption can
-    never cycle (A stops B to run, B stops A to run)."""
+    """The configured queues ([[queues]]). A level preempts only strictly lower priorities, so
+    preemption can never cycle (A stops B to run, B stops A to run)."""
     queues = [
         Queue(
             name=q.name,

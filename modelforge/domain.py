@@ -46,7 +46,7 @@ class Residency(StrEnum):
     KEEP_WARM = "keep_warm"
     LOAD_ON_DEMAND = "load_on_demand"
     NONE = "none"
-    # Accepted spellings that the seed reserves for later; rejected with a clear reason today.
+    # Accepted spellings reserved for later; rejected with a clear reason (RESIDENCY_CONFLICT) today.
     EXCLUSIVE = "exclusive"
     LAB_ONLY = "lab_only"
 

@@ -1,4 +1,4 @@
-"""The admission invariant of DESIGN.md section 3, per accelerator:
+"""The admission invariant (docs/ARCHITECTURE.md, "2. The invariant"), per accelerator:
 
 schedulable = total - external - resident - leased - reserve
 """

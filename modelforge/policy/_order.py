@@ -66,13 +66,14 @@ def decayed_usage(usage: TenantUsage, half_life_s: float, now: float) -> float:
 
 
 def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
-    """Seed 003: `score = priority * (1 + (target - consumed) / target)`, clamped at zero, where
-    `target` is the entity's weighted share of all decayed usage and `consumed` its own.
+    """The fair-share order: `score = priority * (1 + (target - consumed) / target)`, clamped at
+    zero, where `target` is the entity's weighted share of all decayed usage and `consumed` its
+    own.
 
     The entity is a tenant within a queue (`fair_share_entity`), weighted by the queue's weight
-    times the tenant's: with seed 000's single default queue that is the tenant alone.
+    times the tenant's: with the built-in single default queue that is the tenant alone.
 
-    `priority` in the seed's formula is the job's priority level. The queue is ordered by class
+    `priority` in the formula is the job's priority level. The queue is ordered by class
     first, so within a class that factor is the same for every request and the order is the
     deficit term alone: this returns it per tenant. Ordering by it converges each tenant's usage
     to its weight (the property tests check within 10% on a saturated two-tenant pool); using

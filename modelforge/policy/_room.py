@@ -143,7 +143,7 @@ def eviction_plan(
     largest, so the fewest models go; if sleeping frees too little, sleepers are unloaded
     instead. A model that last served production is evicted only for production: no other work
     unloads a warm production model (it waits until that model's TTL lets it go). Below
-    production, any class may evict an idle model, as the seed's making-room order says."""
+    production, any class may evict an idle model (the README's making-room order, "How it works")."""
     candidates = pass_.evictable.get(accelerator)
     if not candidates:
         return None

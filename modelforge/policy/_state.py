@@ -43,11 +43,12 @@ class PolicyConfig:
     # reconciled against NVML when it samples again.
     node_silent_s: float = 120.0
     # A waiting gang reserves the accelerators where it starts soonest; later work backfills them
-    # only if it ends in time (off: the gang waits for room to appear, as before session 6).
+    # only if it ends in time (off: nothing is reserved, each freed card may go to later work and
+    # the gang waits until room happens to appear, so a stream of small jobs can starve it).
     gang_reservations: bool = True
     # Off: no new lease joins a ready resident on a card whose node has not reported within
-    # freshness_s (it may be gone). On only for schedulers recorded before session 7, which
-    # replay with it.
+    # freshness_s (it may be gone). On only for schedulers recorded before the no-stale-joins
+    # patch (histories before v6), which replay with it.
     join_stale_residents: bool = False
     # On: a resident whose deployment or accelerator left the catalog is unloaded once idle (the
     # scheduler turns it on; off for schedulers recorded before the rule, which replay without

@@ -67,7 +67,7 @@ HEARTBEATS_PER_PERIOD = 2
 # (0.0054 s); their mean.
 WORKFLOW_TASK_S = 0.0064
 
-# --- warm-path delegation (being built; issue 21) ------------------------------------------------
+# --- warm-path delegation ------------------------------------------------------------------------
 # A warm request on a ready resident with a free delegated slot is admitted on its node; the node
 # reports admissions and releases in one `delegation_sync` update per sync interval.
 DELEGATION_SYNC_INTERVAL_S = 1.0

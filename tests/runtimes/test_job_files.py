@@ -1,4 +1,4 @@
-"""What issue 19 left over for jobs: a job TOML and `--nvlink` for `modelforge job submit`
+"""Jobs from files and across nodes: a job TOML and `--nvlink` for `modelforge job submit`
 (checked before anything connects, and honoured or refused by the node), a job's output
 directory as one artifact, the artifact store's own location and its retention, the
 evaluation dataset shipped with the examples, and `modelforge logs`/`jobs --cluster` reading

@@ -103,7 +103,7 @@ def test_the_filter_says_why_a_cpu_device_is_out() -> None:
 
 @pytest.mark.parametrize("reporting", [("gpu-node",), ("gpu-node", "desktop")], ids=["gpu-node reports", "both report"])
 def test_the_example_catalogs_embedding_never_falls_back_to_the_host_cpu(reporting: tuple[str, ...]) -> None:
-    """`modelforge request rag.embedding@1 --tenant default` on the example catalog (issue 20) was
+    """`modelforge request rag.embedding@1 --tenant default` on the example catalog was
     leased on gpu-node/cpu, which its deployment does not name: now on a GPU, the best fit among
     the cards whose nodes report."""
     catalog, _ = load_catalog_file(example_catalog_path())

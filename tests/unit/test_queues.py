@@ -1,6 +1,7 @@
 """Queues as configuration: named queues with their own levels, which levels preempt
 which, and per-queue fair-share weights; the five built-in classes as the built-in default queue.
-Both seed tables ship as example catalogs and are exercised here."""
+Both tables (the built-in classes and a three-queue design) ship as example catalogs
+(queues-seed000.toml, queues-seed003.toml) and are exercised here."""
 
 from __future__ import annotations
 

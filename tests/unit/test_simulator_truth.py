@@ -1,4 +1,4 @@
-"""What the simulator reports, on scenarios small enough to work out by hand (issue 20, item 5):
+"""What the simulator reports, on scenarios small enough to work out by hand:
 waits over every request (one never served waits forever), goodput per class, utilization over
 one common span for every policy, the per-minute series of --json, the progress bar and --plot."""
 

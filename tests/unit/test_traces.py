@@ -1,5 +1,5 @@
 """Trace converters on cut-down files, and each real trace replayed end to end through the three
-policies with the issue's targets checked."""
+policies with the policy's targets checked (bench/simulate.py lists them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hypothesis against the client on a running stack (issue finding 11): whatever identifiers and
+"""Hypothesis against the client on a running stack: whatever identifiers and
 input a caller passes, `ModelForgeClient.request` returns a Result (success, or a typed refusal:
 REQUEST_INVALID, or CAPABILITY_UNAVAILABLE for a well-formed capability the catalog lacks) and
 never raises; and the next ordinary request still succeeds."""

@@ -1,4 +1,4 @@
-"""A request id is the request's idempotency key (issue finding 9): the client attaches to the
+"""A request id is the request's idempotency key: the client attaches to the
 workflow `request:<capability>:<request_id>` instead of starting new work, and rides out a
 Temporal outage (its start, or its wait for the result) to report what the request really did.
 During a restart the client used to answer `CAPABILITY_UNAVAILABLE: Temporal refused the request`
