@@ -241,7 +241,7 @@ async def run(
                     f" scheduler history events/s ({events} events, {_syncs(stack) - syncs} syncs)",
                     flush=True,
                 )
-            print(f"scheduler history after the run: {await _history_length(stack)} events")
+            print(f"scheduler history after the run: {await _history_length(stack)} events (every run)")
     finally:
         await env.shutdown()
         scratch.cleanup()
@@ -252,8 +252,17 @@ def _syncs(stack: Stack) -> int:
 
 
 async def _history_length(stack: Stack) -> int:
+    """Events in every run of the scheduler so far: a run may continue as new between two
+    readings (a difference of the current run's length alone then goes negative)."""
     description = await stack.scheduler.describe()
-    return int(description.raw_description.workflow_execution_info.history_length)
+    current = description.run_id
+    total = int(description.raw_description.workflow_execution_info.history_length)
+    async for execution in stack.client.list_workflows(f'WorkflowId = "{stack.scheduler.id}"'):
+        if execution.run_id != current:
+            # A closed run: describe it (visibility's own count may trail a just-closed run).
+            closed = await stack.client.get_workflow_handle(execution.id, run_id=execution.run_id).describe()
+            total += int(closed.raw_description.workflow_execution_info.history_length)
+    return total
 
 
 def main() -> None:

@@ -36,22 +36,12 @@ OUTSIDE_REFERENCES = re.compile(
 MILESTONE = re.compile(r"\bM[0-9]\b")
 # "seed" as a random seed stays: a trace's seed, `--seed`, an OpenAI `seed` parameter, hypothesis.
 RANDOM_SEED = re.compile(r"random seed|--seed|seed=|_seed|seed_a|seed_b", re.IGNORECASE)
-# Lines another change owns and has not yet rewritten: exact text, each with its file. Remove an
-# entry once its line is gone.
-PENDING = {
-    (
-        "docs/BENCHMARKS.md",
-        "### Lazy event writes and the idle sync back-off, side by side (issue 21 item 4, 2026-12-01)",
-    ),
-}
 
 
 def outside_references(path: str, text: str) -> list[str]:
     """`path:line: text` for every line of `text` that cites something outside the repository."""
     found = []
     for number, line in enumerate(text.splitlines(), start=1):
-        if (path, line.strip()) in PENDING:
-            continue
         matches = [m.group() for m in OUTSIDE_REFERENCES.finditer(line)] + MILESTONE.findall(line)
         if RANDOM_SEED.search(line):  # a seed on a random seed's line is that seed; the rest still counts
             matches = [m for m in matches if "seed" not in m.lower()]
