@@ -91,6 +91,12 @@ PATCH_NO_CPU_FALLBACK = "no-cpu-fallback"
 # production request waiting only for a slot does not need (PolicyConfig.deadline_service,
 # pack_lower_classes).
 PATCH_DEADLINE_SERVICE = "deadline-service"
+# One marker for every scheduler patch above, asked first in each run: a new run holds them all
+# without asking any again. The others are asked where a path is first reached, mid-run, and a
+# patch marker (with the SDK's TemporalChangeVersion upsert) asked in the same workflow task as
+# an update's acceptance or completion can be ordered differently on replay (a nondeterminism
+# error; docs/SCALING.md). Runs recorded before this marker still ask each where they did.
+PATCH_ONE_MARKER = "scheduler-patches-through-v11"
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -135,6 +141,7 @@ class PoolSchedulerWorkflow:
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
+        self._through_v11 = False  # PATCH_ONE_MARKER, set first in `run`
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
@@ -146,6 +153,11 @@ class PoolSchedulerWorkflow:
             self._loads_out = list(carried.loads)
             self._events = list(carried.events)
             self._wake = True
+
+    def _patched(self, patch_id: str) -> bool:
+        """`workflow.patched` for a scheduler patch up to histories v11: True without a marker in
+        a run that has PATCH_ONE_MARKER (a new run holds every one of them)."""
+        return self._through_v11 or workflow.patched(patch_id)
 
     # --- messages ---------------------------------------------------------------------------
 
@@ -199,7 +211,7 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(
                     status="rejected", failure=rejected.failure.value, message=rejected.message
                 )
-                if workflow.patched(PATCH_RECORD_REFUSALS):
+                if self._patched(PATCH_RECORD_REFUSALS):
                     # Bad input and full queues are in the event log too, never only in a reply.
                     self._record(
                         policy.PolicyEvent(
@@ -297,7 +309,7 @@ class PoolSchedulerWorkflow:
     def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
         # A live holder pushes its lease's stale deadline out.
         held = policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
-        if held or heartbeat.lease_id not in self._reclaimed or not workflow.patched(PATCH_STOP_RECLAIMED):
+        if held or heartbeat.lease_id not in self._reclaimed or not self._patched(PATCH_STOP_RECLAIMED):
             return
         # The lease was reclaimed while neither its holder nor its node could be heard (a node
         # cut off from Temporal longer than stale_lease_s); its room may be granted again by now,
@@ -556,7 +568,7 @@ class PoolSchedulerWorkflow:
                 if acc.node == sample.node
             ]
         events = policy.apply_observations(self._state, observations, now)
-        if workflow.patched(PATCH_CAPACITY_ALERTS):
+        if self._patched(PATCH_CAPACITY_ALERTS):
             events.extend(policy.capacity_alerts(self._state, now))
         for event in events:
             if event.kind == "resident_lost" and event.workflow_id:
@@ -708,15 +720,16 @@ class PoolSchedulerWorkflow:
 
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
-        self._quiet = workflow.patched(PATCH_QUIET_LOOP)
-        self._fencing = workflow.patched(PATCH_LEASE_FENCING)
+        self._through_v11 = workflow.patched(PATCH_ONE_MARKER)
+        self._quiet = self._patched(PATCH_QUIET_LOOP)
+        self._fencing = self._patched(PATCH_LEASE_FENCING)
         # Decided here, before any handler can run the policy: a patch first asked inside an
         # update handler records its marker where a replay does not expect it.
-        self._deadline_service = workflow.patched(PATCH_DEADLINE_SERVICE)
+        self._deadline_service = self._patched(PATCH_DEADLINE_SERVICE)
         if self._fencing and self._state.config.unheard_lease_s is None:
             config = self._state.config
             self._state.config = replace(config, unheard_lease_s=UNHEARD_LEASE_FACTOR * config.stale_lease_s)
-        carry = workflow.patched(PATCH_CARRY_OUTBOX)
+        carry = self._patched(PATCH_CARRY_OUTBOX)
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
@@ -788,7 +801,7 @@ class PoolSchedulerWorkflow:
         info = workflow.info()
         if info.is_continue_as_new_suggested() or self._rebase is not None:
             return True
-        return workflow.patched(PATCH_HISTORY_BOUND) and info.get_current_history_length() >= start.max_history_events
+        return self._patched(PATCH_HISTORY_BOUND) and info.get_current_history_length() >= start.max_history_events
 
     async def _reload_catalog(self) -> None:
         catalog = await workflow.execute_activity(
@@ -802,7 +815,7 @@ class PoolSchedulerWorkflow:
         self._state.catalog = catalog
         self._state.view_epoch += 1  # nodes lent slots check requests by the new one
         # Admission waits for the usage too: the first decisions already see past consumption.
-        if self._usage_unseeded and workflow.patched(PATCH_USAGE_FROM_LEDGER):
+        if self._usage_unseeded and self._patched(PATCH_USAGE_FROM_LEDGER):
             self._usage_unseeded = False
             now = self._now()
             usage = await workflow.execute_activity(
@@ -861,14 +874,14 @@ class PoolSchedulerWorkflow:
     def _run_policy(self, now: float) -> None:
         self._record_all(policy.reclaim_stale_leases(self._state, now), now)
         config = self._state.config
-        if not workflow.patched(PATCH_SILENT_NODES):
+        if not self._patched(PATCH_SILENT_NODES):
             # A scheduler run recorded before the rule replays without it.
             self._state.config = replace(config, node_silent_s=math.inf)
-        if not workflow.patched(PATCH_NO_STALE_JOINS):
+        if not self._patched(PATCH_NO_STALE_JOINS):
             self._state.config = replace(self._state.config, join_stale_residents=True)
-        if workflow.patched(PATCH_UNLOAD_REMOVED):
+        if self._patched(PATCH_UNLOAD_REMOVED):
             self._state.config = replace(self._state.config, unload_removed_deployments=True)
-        if not workflow.patched(PATCH_NO_CPU_FALLBACK):
+        if not self._patched(PATCH_NO_CPU_FALLBACK):
             # Recorded before the rule: a deployment without a placement list could land on a CPU device.
             self._state.config = replace(self._state.config, cpu_fallback=True)
         if not self._deadline_service:
@@ -913,7 +926,7 @@ class PoolSchedulerWorkflow:
         """The residency workflow id of each new load (resident key -> id)."""
         ids: dict[str, str] = {}
         for load in loads:
-            if workflow.patched(PATCH_RESIDENCY_GENERATIONS):
+            if self._patched(PATCH_RESIDENCY_GENERATIONS):
                 self._state.load_counter += 1
                 ids[load.resident_key] = resident_workflow_id(
                     load.deployment, load.accelerator, self._state.load_counter
@@ -1049,7 +1062,7 @@ class PoolSchedulerWorkflow:
     def _snapshot(self) -> None:
         """Once per interval, what `status` shows per accelerator goes to the capacity history;
         written like events, off the admission path and retried until it lands."""
-        if self._snapshot_interval_s <= 0 or not workflow.patched(PATCH_SNAPSHOTS):
+        if self._snapshot_interval_s <= 0 or not self._patched(PATCH_SNAPSHOTS):
             return
         now = self._now()
         if self._next_snapshot_at is not None and now < self._next_snapshot_at:
