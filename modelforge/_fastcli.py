@@ -51,6 +51,9 @@ ROUTE_CACHE_FILE = "cli_routes.json"
 # How long a learned route is used without asking: PoolRouter's pools are cached as long.
 ROUTE_TTL_S = 30.0
 _ROUTE_CACHE_ENTRIES = 64  # at most, the newest kept
+# A writer killed between writing its temporary and renaming it leaves the temporary behind; the
+# next writer deletes those older than this (a younger one may be another writer's, mid-write).
+_ROUTE_TEMPORARY_STALE_S = 60.0
 _PLAIN = "json/plain"
 _OUTPUT_REF = "modelforge_output_ref"  # modelforge/payloads.py OUTPUT_REF
 _LARGE_PAYLOAD_BYTES = 256 * 1024  # modelforge/payloads.py LARGE_PAYLOAD_BYTES
@@ -653,6 +656,7 @@ def remember_route(env: Environment, args: RequestArgs, route: tuple[str, str] |
         newest = sorted(kept.items(), key=lambda item: item[1]["at"])[-_ROUTE_CACHE_ENTRIES:]
         os.makedirs(env.run_dir, exist_ok=True)
         path = os.path.join(env.run_dir, ROUTE_CACHE_FILE)
+        _forget_stale_temporaries(env.run_dir, now)
         temporary = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -667,6 +671,21 @@ def remember_route(env: Environment, args: RequestArgs, route: tuple[str, str] |
             raise
     except Exception:  # a cache: not writing it only costs the next call two queries
         return
+
+
+def _forget_stale_temporaries(run_dir: str, now: float) -> None:
+    """Delete the route cache's temporaries (`cli_routes.json.<pid>.<hex>.tmp`) that no writer
+    renamed within _ROUTE_TEMPORARY_STALE_S: left by one killed mid-write."""
+    prefix = ROUTE_CACHE_FILE + "."
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime < now - _ROUTE_TEMPORARY_STALE_S:
+                    os.unlink(entry.path)
+            except OSError:  # gone already (another writer's sweep), or not ours to delete
+                continue
 
 
 def request_json(api: Http, args: RequestArgs, route: tuple[str, str] | None = None) -> dict[str, Any]:

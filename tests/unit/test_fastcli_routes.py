@@ -291,3 +291,22 @@ def test_a_request_imports_only_what_it_needs() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert set(json.loads(done.stdout)) & slow == set()
+
+
+def test_a_temporary_left_by_a_killed_writer_is_deleted_by_the_next(tmp_path: Path) -> None:
+    """A CLI killed between writing the route cache's temporary and renaming it leaves the
+    temporary; the next write deletes it once it is stale, never a younger one (another writer's)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = run / f"{fast.ROUTE_CACHE_FILE}.4242.deadbeef.tmp"
+    young = run / f"{fast.ROUTE_CACHE_FILE}.4343.cafef00d.tmp"
+    unrelated = run / "other.tmp"
+    for leftover in (stale, young, unrelated):
+        leftover.write_text("{")
+    old = fast.time.time() - 2 * fast._ROUTE_TEMPORARY_STALE_S
+    os.utime(stale, (old, old))
+    os.utime(unrelated, (old, old))
+    env, args = _env_args(tmp_path)
+    fast.remember_route(env, args, ("default", NODE_QUEUE), fast.time.time())
+    assert sorted(p.name for p in run.iterdir()) == sorted([fast.ROUTE_CACHE_FILE, young.name, unrelated.name])
+    assert fast.cached_route(env, args) is not None
