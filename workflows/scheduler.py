@@ -108,6 +108,42 @@ EVENT_BATCH = 200
 # the event log trails by up to this much, and a busy pool writes one batch a second, not one
 # per request.
 EVENT_WRITE_INTERVAL_S = 1.0
+# The scheduler's rules by SchedulerInput.rules, for changes that would change the commands of a
+# run recorded before them (the patches above are for runs recorded before this field):
+# RULES_LAZY_WRITES: routine event records wait until the oldest has waited EVENT_WRITE_WAIT_S
+# (a full batch, or an urgent record, goes at the next EVENT_WRITE_INTERVAL_S), and no wake-up
+# timer is armed for events while a write is in flight (its completion wakes the loop: a write
+# retried through a Postgres outage no longer wakes the scheduler twice a second).
+RULES_LAZY_WRITES = 1
+SCHEDULER_RULES = RULES_LAZY_WRITES  # what new runs get
+EVENT_WRITE_WAIT_S = 5.0
+# Urgent: what an operator acts on, written within about a second. Any event with an alert or a
+# failure class, and these kinds. (Part of the commands: a change needs a new input rule.)
+URGENT_EVENT_KINDS = frozenset(
+    {
+        "preemption_requested",
+        "preempted",
+        "lease_reclaimed",
+        "resident_lost",
+        "resident_unreachable",
+        "gpu_unhealthy",
+        "gpu_pressure_entered",
+        "health_check_failed",
+        "load_failed",
+        "invoke_failed",
+        "request_refused",
+        "request_rejected",
+        "admission_failed",
+        "grant_withdrawn",
+        "scheduler_rebased",
+        "reclaim_failed",
+        "capacity_alert_raised",
+        "capacity_alert_cleared",
+        "job_preempted",
+        "reclaimed_invoke_stopped",
+        "stale_grant_refused",
+    }
+)
 MAX_ADMIT_BATCH = 500
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
@@ -142,6 +178,9 @@ class PoolSchedulerWorkflow:
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
         self._through_v11 = False  # PATCH_ONE_MARKER, set first in `run`
+        # From the run's input: a run keeps the rules it started with.
+        self._lazy_writes = start.rules >= RULES_LAZY_WRITES
+        self._urgent_events = 0  # buffered events that are urgent (lazy writes)
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
@@ -152,6 +191,7 @@ class PoolSchedulerWorkflow:
             self._preempts_out = [(p.workflow_id, p.preempt) for p in carried.preempts]
             self._loads_out = list(carried.loads)
             self._events = list(carried.events)
+            self._urgent_events = sum(1 for event in self._events if _urgent(event))
             self._wake = True
 
     def _patched(self, patch_id: str) -> bool:
@@ -743,10 +783,14 @@ class PoolSchedulerWorkflow:
                     # Nothing waits on Postgres here: what is not yet delivered or written goes
                     # to the next run in its input, and is sent or written (again) from there.
                     workflow.continue_as_new(
-                        replace(start, state=self._state, carried=self._outbox()), task_timeout=SCHEDULER_TASK_TIMEOUT
+                        replace(start, state=self._state, carried=self._outbox(), rules=SCHEDULER_RULES),
+                        task_timeout=SCHEDULER_TASK_TIMEOUT,
                     )
                 await self._drain_event_writes()
-                workflow.continue_as_new(replace(start, state=self._state), task_timeout=SCHEDULER_TASK_TIMEOUT)
+                workflow.continue_as_new(
+                    replace(start, state=self._state, rules=SCHEDULER_RULES),
+                    task_timeout=SCHEDULER_TASK_TIMEOUT,
+                )
             if self._quiet:
                 self._arm_timer(self._next_wake())
                 await workflow.wait_condition(
@@ -794,8 +838,18 @@ class PoolSchedulerWorkflow:
             return False
         if len(self._events) >= EVENT_BATCH:
             return True
-        idle = self._events_in_flight is None or self._events_in_flight.done()
-        return idle and self._now() >= self._events_written_at + EVENT_WRITE_INTERVAL_S
+        return not self._event_write_in_flight() and self._now() >= self._events_due_at()
+
+    def _event_write_in_flight(self) -> bool:
+        return self._events_in_flight is not None and not self._events_in_flight.done()
+
+    def _events_due_at(self) -> float:
+        """When the buffered events may go: EVENT_WRITE_INTERVAL_S after the last write; with
+        lazy writes, not before the oldest has waited EVENT_WRITE_WAIT_S unless one is urgent."""
+        due = self._events_written_at + EVENT_WRITE_INTERVAL_S
+        if self._lazy_writes and self._events and not self._urgent_events:
+            due = max(due, self._events[0].at + EVENT_WRITE_WAIT_S)
+        return due
 
     def _should_continue_as_new(self, start: SchedulerInput) -> bool:
         info = workflow.info()
@@ -867,8 +921,8 @@ class PoolSchedulerWorkflow:
                 due.append(silent_at)
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
-        if self._quiet and self._events:
-            due.append(self._events_written_at + EVENT_WRITE_INTERVAL_S)
+        if self._quiet and self._events and not (self._lazy_writes and self._event_write_in_flight()):
+            due.append(self._events_due_at())
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -1099,6 +1153,7 @@ class PoolSchedulerWorkflow:
     def _write_next_batch(self) -> asyncio.Future[object]:
         """Not awaited: the event log never sits on the admission path. Retried until it lands."""
         batch, self._events = self._events[:EVENT_BATCH], self._events[EVENT_BATCH:]
+        self._urgent_events = sum(1 for event in self._events if _urgent(event))
         write = workflow.start_activity(
             "record_events",
             batch,
@@ -1126,6 +1181,15 @@ class PoolSchedulerWorkflow:
             self._reclaimed[event.lease_id] = event.workflow_id
             if len(self._reclaimed) > RECLAIMED_REMEMBERED:
                 del self._reclaimed[next(iter(self._reclaimed))]
+        urgent = _urgent_kind(event.kind, event.failure is not None, event.alert is not None)
+        if self._lazy_writes and (not self._events or (urgent and not self._urgent_events)):
+            # The first buffered record, or the first urgent one: the write is due sooner than
+            # the loop's timer was armed for (if at all), so the loop sets it again. An update or
+            # a signal that records without waking the loop would otherwise leave the write to
+            # that timer, up to EVENT_WRITE_WAIT_S or reconcile_interval_s later.
+            self._wake = True
+        if urgent:
+            self._urgent_events += 1
         self._events.append(
             EventRecord(
                 event_id=str(workflow.uuid4()),
@@ -1146,6 +1210,14 @@ class PoolSchedulerWorkflow:
     def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
         for event in events:
             self._record(event, now)
+
+
+def _urgent_kind(kind: str, failed: bool, alert: bool) -> bool:
+    return failed or alert or kind in URGENT_EVENT_KINDS
+
+
+def _urgent(event: EventRecord) -> bool:
+    return _urgent_kind(event.kind, event.failure_class is not None, event.alert is not None)
 
 
 def _succeeded(write: asyncio.Future[object]) -> bool:

@@ -443,6 +443,8 @@ class Simulation:
             self._end(run.request.index, result, now)
             self.scheduler.finished(payload, now, result)
             self._count(self.history.releases, now)
+            if result != "ok":
+                self._count(self.history.failed_releases, now)
             if self.warm_leases.pop(payload, False):
                 self._count(self.history.warm_releases, now)
                 self._synced(run.accelerators[0], now)

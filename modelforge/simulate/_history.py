@@ -13,7 +13,13 @@ key, modelforge/routing.py; an even split is the assumption).
 Upper bounds where the workflow may do better: one `admit_batch` update per admission (the
 admission call coalesces concurrent requests of one worker process into one update, which this
 model does not credit), and no keep-warm TTL checks (one `resident_idle` signal per resident per
-TTL: rare next to requests).
+TTL: rare next to requests). The delegation sync is modelled at the node's working pace, one per
+sync interval; a node whose syncs have nothing new to say backs off (activities/_delegation.py:
+doubling up to IDLE_SYNC_FACTOR = 4 intervals, and an idle node gives its slots back and stops
+syncing after IDLE_GIVE_BACK_S = 10 s), which this model does not credit: `sync_when_idle=True`
+(every node every interval) is an upper bound for idle nodes, and `sync_when_idle=False` (only
+intervals with a delegated admission or release) a lower bound that misses the few backed-off
+syncs after a node's last request.
 """
 
 from __future__ import annotations
@@ -44,14 +50,23 @@ CHILD_EVENTS = 3
 CONTINUE_AS_NEW_EVENTS = 1 + WORKFLOW_TASK_EVENTS + 1
 
 # --- the scheduler's cadence, from the code -------------------------------------------------------
-# workflows/scheduler.py EVENT_WRITE_INTERVAL_S: events go to Postgres in one `record_events`
-# activity at most once a second (a test checks the two agree).
+# workflows/scheduler.py, lazy event writes (SchedulerInput.rules, RULES_LAZY_WRITES, which every new
+# run gets; a test checks the constants agree): events go to
+# Postgres in one `record_events` activity, one in flight, at most once every
+# EVENT_WRITE_INTERVAL_S; a routine event waits until the oldest has waited EVENT_WRITE_WAIT_S or a
+# batch of EVENT_BATCH is full; an urgent one (an alert, a failure class, URGENT_EVENT_KINDS: here
+# refusals, preemptions and failed runs) goes at the next interval, taking the routine ones along.
 EVENT_WRITE_INTERVAL_S = 1.0
-# The timer the quiet loop arms to wait out that interval, per write: measured 3.1 (62 started,
-# 39 fired, 23 cancelled over 40 writes; 160 requests at 4/s on the dev server, docs/SCALING.md).
-TIMER_EVENTS_PER_WRITE = 3.1
-# ...of which fired (each wakes the workflow): 39 of 40 writes.
-TIMERS_FIRED_PER_WRITE = 39 / 40
+EVENT_WRITE_WAIT_S = 5.0
+EVENT_BATCH = 200
+# Timer events per write (started, fired, cancelled: the quiet loop's one wake-up timer, armed for
+# the next due write or whatever else is due first), measured with lazy writes on the dev server
+# (docs/SCALING.md, `bench/simulate.py --measure-history 4 160` and `8 240`): 56 timer events
+# (16 + 9 + 7 and 12 + 8 + 4) over 16 activities, less about 1.2 capacity snapshots (one a minute
+# over the 73 s of the two load windows): 56 / 14.8 writes. (Before lazy writes: 3.1.)
+TIMER_EVENTS_PER_WRITE = 3.8
+# ...of which fired (each wakes the workflow): 9 + 8 = 17 over the same 14.8 writes.
+TIMERS_FIRED_PER_WRITE = 1.15
 # SchedulerInput defaults: a capacity snapshot activity a minute; continue-as-new at 5,000 events.
 SNAPSHOT_INTERVAL_S = SchedulerInput.snapshot_interval_s
 MAX_HISTORY_EVENTS = SchedulerInput.max_history_events
@@ -63,9 +78,9 @@ HEARTBEAT_S = LEASE_HEARTBEAT_S
 HEARTBEATS_PER_PERIOD = 2
 # Messages that arrive while a workflow task runs are handled by one next task: workflow tasks
 # per second = wakes / (1 + wakes x WORKFLOW_TASK_S) (dead-time batching). Fitted to the dev
-# server runs in docs/SCALING.md: 403 wakes -> 376 tasks at 4/s (0.0074 s), 543 -> 497 at 8/s
-# (0.0054 s); their mean.
-WORKFLOW_TASK_S = 0.0064
+# server runs in docs/SCALING.md (lazy writes): 342 wakes -> 340 tasks in 41.4 s at 4/s
+# (0.0007 s), 498 -> 393 in 31.6 s at 8/s (0.0170 s); their mean. (Before: 0.0064.)
+WORKFLOW_TASK_S = 0.0088
 
 # --- warm-path delegation ------------------------------------------------------------------------
 # A warm request on a ready resident with a free delegated slot is admitted on its node; the node
@@ -108,6 +123,7 @@ class HistoryCounts:
     warm: list[float] = field(default_factory=list)  # of those, started on arrival on a ready resident
     waited_grants: list[float] = field(default_factory=list)  # first starts after a wait: `lease_decision`
     queued_refusals: list[float] = field(default_factory=list)  # refused while queued: `lease_decision`
+    failed_releases: list[float] = field(default_factory=list)  # runs that ended with a failure class
     releases: list[float] = field(default_factory=list)  # runs that ended (release signal)
     warm_releases: list[float] = field(default_factory=list)  # of those, runs of warm admissions
     preemptions: list[float] = field(default_factory=list)  # preempt out, then a release in
@@ -136,6 +152,25 @@ def _wft(wakes_per_s: float) -> float:
     return wakes_per_s / (1.0 + wakes_per_s * WORKFLOW_TASK_S)
 
 
+def event_writes_per_s(routine_per_s: float, urgent_per_s: float) -> float:
+    """`record_events` activities a second for Poisson streams of routine and urgent records.
+
+    After a write, the next cycle waits for the first record (rate r + u). An urgent one is
+    written at once (the EVENT_WRITE_INTERVAL_S gap aside); a routine one waits EVENT_WRITE_WAIT_S,
+    or until an urgent record comes (expected min(W, Exp(u)) = (1 - e^-uW) / u), or until the
+    batch is full. Writes a second = 1 / the expected cycle: exact for the lazy rule alone (r / (1 +
+    rW): one write per W-second window opened by a record, never more than one per W), capped at
+    one per interval, and never fewer than full batches."""
+    r, u = max(0.0, routine_per_s), max(0.0, urgent_per_s)
+    total = r + u
+    if total <= 0:
+        return 0.0
+    hold = (1.0 - math.exp(-u * EVENT_WRITE_WAIT_S)) / u if u > 0 else EVENT_WRITE_WAIT_S
+    hold = min(hold, (EVENT_BATCH - 1) / total)
+    cycle = 1.0 / total + (r / total) * hold
+    return max(min(1.0 / EVENT_WRITE_INTERVAL_S, 1.0 / cycle), total / EVENT_BATCH)
+
+
 def _per_step(counts: HistoryCounts, i: int, step_s: float, nodes: int, model: HistoryModel, delegated: bool) -> float:
     """History events per second on one pool's scheduler in step i: the step's counts split
     evenly among the pools, then turned into events."""
@@ -158,12 +193,15 @@ def _per_step(counts: HistoryCounts, i: int, step_s: float, nodes: int, model: H
         counts.waited_grants[i] + counts.queued_refusals[i] + counts.preemptions[i] + counts.resident_changes[i]
     )
     children = share * counts.loads[i]
-    # One event write a second at most, in a second with something to record (a delegated
-    # request is recorded too, from its sync): at most the seconds the replay saw records in,
-    # and the seconds a Poisson stream of the pool's records would touch.
-    records = share * (counts.admissions[i] + counts.releases[i] + counts.resident_changes[i] + counts.preemptions[i])
-    touched = step_s * (1.0 - math.exp(-records / step_s)) if step_s > 0 else 0.0
-    writes = min(float(counts.active_seconds[i]), touched, step_s / EVENT_WRITE_INTERVAL_S)
+    # Event writes (`record_events`): at most the seconds the replay saw records in, and what
+    # `event_writes_per_s` makes of the pool's records as Poisson streams. A delegated request
+    # is recorded too, from its sync.
+    routine = share * (
+        counts.admissions[i] + counts.releases[i] - counts.failed_releases[i] + counts.resident_changes[i]
+    )
+    urgent = share * (counts.queued_refusals[i] + counts.preemptions[i] + counts.failed_releases[i])
+    rate = event_writes_per_s(routine / step_s, urgent / step_s) if step_s > 0 else 0.0
+    writes = min(float(counts.active_seconds[i]), rate * step_s)
     activities = writes + step_s / model.snapshot_interval_s
     timers = TIMER_EVENTS_PER_WRITE * writes
     # Every update, signal in, signal out completed, child started and closed, activity completed

@@ -316,6 +316,38 @@ async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_no
         assert sorted(e["lease_id"] for e in granted) == sorted(leases), "a grant event was lost or doubled"
 
 
+async def test_an_event_write_retried_through_an_outage_does_not_wake_the_scheduler(
+    dev_server_env: WorkflowEnvironment,
+    outage_postgres: _Postgres,  # noqa: F811
+) -> None:
+    # With Postgres down the event write is retried by Temporal (STORE_RETRY), in flight for as
+    # long as the outage lasts. The scheduler used to arm its wake-up timer for the next write
+    # anyway, find the write still in flight, and arm it again: two wake-ups a second, about
+    # 10 history events a second, for nothing. Its completion is what wakes it now.
+    url = outage_postgres.server.get_uri()
+    async with running_stack(dev_server_env.client, url, snapshot_interval_s=0.0) as stack:
+        await (await stack.start_request("rag.embedding@1", tenant="rag")).result()
+        await asyncio.to_thread(outage_postgres.stop)
+        try:
+            # Records (and an urgent one: a refusal) while the write cannot land.
+            await (await stack.start_request("rag.embedding@1", tenant="rag", input={"text": "x"})).result()
+            refused = await stack.start_request("rag.embedding@1", tenant="nobody-has-this-tenant")
+            with pytest.raises(WorkflowFailureError):
+                await refused.result()
+            await asyncio.sleep(2.0)  # that write is in flight and failing by now
+            # Records buffered behind the write in flight: their write is due, and waits.
+            await (await stack.start_request("rag.embedding@1", tenant="rag", input={"text": "y"})).result()
+            before = (await stack.scheduler.describe()).history_length
+            await asyncio.sleep(12.0)
+            grown = (await stack.scheduler.describe()).history_length - before
+        finally:
+            await asyncio.to_thread(outage_postgres.start)
+        # What remains: an observe signal per node every 10 s and its workflow task.
+        assert grown / 12.0 < 2.0, f"the scheduler wrote {grown} history events in 12 idle seconds of an outage"
+        refusals = await stack.events("request_refused", at_least=1, within_s=60)
+        assert refusals, "the refusal recorded during the outage was lost"
+
+
 async def test_an_admission_the_scheduler_never_answers_fails_typed_and_its_history_replays(
     dev_server_env: WorkflowEnvironment,
 ) -> None:
