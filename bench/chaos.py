@@ -114,9 +114,7 @@ class Parts:
     async def start(self) -> None:
         import pgserver
 
-        self.postgres = await asyncio.to_thread(
-            pgserver.get_server, str(self.workdir / "pg"), cleanup_mode="stop"
-        )
+        self.postgres = await asyncio.to_thread(pgserver.get_server, str(self.workdir / "pg"), cleanup_mode="stop")
         self.url = self.postgres.get_uri()
         catalog, _ = load_catalog_file(CATALOG)
         store = await Store.open(self.url)

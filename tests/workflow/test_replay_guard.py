@@ -191,8 +191,6 @@ async def _until(check: Any, within_s: float, every_s: float = 0.2) -> Any:
         await asyncio.sleep(every_s)
 
 
-
-
 async def test_checks_follow_an_outage_and_the_interval() -> None:
     rounds: list[float] = []
     health = iter([True, True, False, False, True] + [True] * 1000)
