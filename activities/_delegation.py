@@ -63,6 +63,14 @@ SYNC_TIMEOUT_S = 10.0
 # once. The cost: a request waiting at the scheduler for a slot lent to an idle node waits for
 # that node's next sync, up to IDLE_SYNC_FACTOR sync intervals instead of one.
 IDLE_SYNC_FACTOR = 4.0
+# A busy node whose syncs only report requests served without a failure class (and the slots
+# they took and freed) syncs every ROUTINE_SYNC_FACTOR sync intervals, not every one: each sync
+# costs the scheduler's history about five events, and these reports are not urgent (fair share,
+# health counts, the event log, which trails by up to 5 s anyway). A failed request, a slot
+# wanted, given back, taken back or newly lent still bring back `sync_s` (or sync at once). The
+# cost: a request waiting at the scheduler for a slot lent to a busy node waits for that node's
+# next sync, up to ROUTINE_SYNC_FACTOR sync intervals instead of one.
+ROUTINE_SYNC_FACTOR = 2.0
 
 
 @dataclass
@@ -121,6 +129,7 @@ class NodeSlots:
         # Between syncs now: `sync_s`, longer while the syncs have had nothing new to say
         # (IDLE_SYNC_FACTOR); what the last sync said, to tell.
         self.interval = sync_s
+        self._valid_ceiling = sync_s  # a third of the last reply's valid_s (none yet: sync_s)
         self._said: tuple[frozenset[str], frozenset[tuple[str, str]]] = (frozenset(), frozenset())
         self._last_turn = clock()
         self.syncs = 0  # sent, for tests and the benchmark
@@ -272,9 +281,14 @@ class NodeSlots:
                 log.warning("delegation_sync_failed", node=self.node, error=str(error))
 
     def due_in(self) -> float:
-        """Seconds until the next periodic sync: `sync_s` after the last turn while served
-        requests wait to be reported, else the current interval (longer while idle)."""
-        interval = self.sync_s if self._runs else self.interval
+        """Seconds until the next periodic sync: `sync_s` after the last turn while a failed
+        request waits to be reported, at most ROUTINE_SYNC_FACTOR `sync_s` while served requests
+        do, else the current interval (longer while idle)."""
+        interval = self.interval
+        if any(run.outcome != "ok" for run in self._runs):
+            interval = self.sync_s
+        elif self._runs:
+            interval = min(interval, self._routine_interval)
         return self._last_turn + interval - self._clock()
 
     async def _wait_turn(self) -> None:
@@ -339,20 +353,31 @@ class NodeSlots:
         return reply
 
     def _back_off(self, sync: SlotSync, reply: SlotReply) -> None:
-        """The next interval: `sync_s` after a sync that said or brought anything new, else twice
-        the last one, at most IDLE_SYNC_FACTOR `sync_s` and a third of `valid_s` (never below
-        `sync_s`)."""
-        said = (frozenset(sync.held), frozenset(sync.in_use.items()))
-        news = sync.runs or sync.wanted or reply.lent or said != self._said
+        """The next interval: `sync_s` after a sync that said or brought anything new about the
+        slots (wanted, lent, given or taken back) or a failed request; ROUTINE_SYNC_FACTOR
+        `sync_s` after one that only reported requests served (and who is on which slot); else
+        twice the last one, at most IDLE_SYNC_FACTOR `sync_s`. Never past a third of `valid_s`,
+        never below `sync_s`."""
+        said_held, said_in_use = frozenset(sync.held), frozenset(sync.in_use.items())
+        news = sync.wanted or reply.lent or said_held != self._said[0]
         news = news or len(reply.kept) != len(sync.held)  # something taken back
+        news = news or any(run.outcome != "ok" for run in sync.runs)
+        routine = sync.runs or said_in_use != self._said[1]
         # What the scheduler knows now: the slots kept and lent, and who is on them.
         in_use = {(lease_id, slot.workflow_id) for lease_id, slot in self._slots.items() if slot.request_id}
         self._said = (frozenset(self._slots), frozenset(in_use))
+        self._valid_ceiling = max(self.sync_s, reply.valid_s / 3)
         if news:
             self.interval = self.sync_s
+        elif routine:
+            self.interval = self._routine_interval
         else:
-            ceiling = max(self.sync_s, min(IDLE_SYNC_FACTOR * self.sync_s, reply.valid_s / 3))
-            self.interval = min(ceiling, max(self.sync_s, self.interval * 2))
+            ceiling = min(IDLE_SYNC_FACTOR * self.sync_s, self._valid_ceiling)
+            self.interval = min(max(self.sync_s, ceiling), max(self.sync_s, self.interval * 2))
+
+    @property
+    def _routine_interval(self) -> float:
+        return max(self.sync_s, min(ROUTINE_SYNC_FACTOR * self.sync_s, self._valid_ceiling))
 
     async def _update(self, sync: SlotSync) -> SlotReply:
         if self._client is None:

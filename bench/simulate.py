@@ -123,6 +123,9 @@ def sizing(azure: Scenario) -> None:
         "no delegation": (False, HistoryModel()),
         "delegation, every node syncs each 1 s": (True, HistoryModel(sync_interval_s=1.0)),
         "delegation, nodes with work sync each 1 s": (True, HistoryModel(sync_when_idle=False)),
+        # A busy node that only reports requests served syncs every ROUTINE_SYNC_FACTOR (2) intervals:
+        # the default's pace.
+        "delegation, nodes with work sync each 2 s": (True, HistoryModel(sync_interval_s=2.0, sync_when_idle=False)),
         "delegation, nodes with work sync each 5 s": (True, HistoryModel(sync_interval_s=5.0, sync_when_idle=False)),
     }
     print(

@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from activities._delegation import CLAIM_START_S, NodeSlots
+from activities._delegation import CLAIM_START_S, ROUTINE_SYNC_FACTOR, NodeSlots
 from modelforge.domain import Priority, Residency
 from modelforge.messages import SlotClaim
 from modelforge.policy import (
@@ -398,9 +398,16 @@ def test_a_node_with_nothing_new_to_say_syncs_less_often_and_at_the_usual_pace_o
     lease = slots.claim(claim("a"))
     assert lease is not None and slots.started(lease.lease_id, "a")
     slots.finish(lease.lease_id, "a", "ok", 0.1)
-    assert slots.due_in() == pytest.approx(1.0), "a request served is reported at the usual pace"
+    assert slots.due_in() == pytest.approx(ROUTINE_SYNC_FACTOR), "a request served: within 2 sync intervals"
     asyncio.run(slots.sync_once())
-    assert scheduler.syncs[-1].runs and slots.interval == 1.0
+    assert scheduler.syncs[-1].runs and slots.interval == ROUTINE_SYNC_FACTOR
+    # A failed request is reported at the usual pace, and brings it back.
+    lease = slots.claim(claim("b"))
+    assert lease is not None and slots.started(lease.lease_id, "b")
+    slots.finish(lease.lease_id, "b", "RUNTIME_CRASH", 0.1, "the runtime died")
+    assert slots.due_in() == pytest.approx(1.0)
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].runs[0].outcome == "RUNTIME_CRASH" and slots.interval == 1.0
     # The slots stay valid: never longer than a third of the answer's validity.
     short, short_scheduler, _ = lent_node()
     short.sync_s = 0.5
@@ -422,7 +429,7 @@ def test_an_idle_node_holding_slots_syncs_a_few_times_where_it_synced_every_inte
         try:
             await asyncio.sleep(run_s)
             idle_syncs = len(scheduler.syncs) - before
-            # A request served: reported by the next sync, within about one sync interval.
+            # A request served: reported by the next sync, within about ROUTINE_SYNC_FACTOR intervals.
             lease = slots.claim(claim("a"))
             assert lease is not None and slots.started(lease.lease_id, "a")
             slots.finish(lease.lease_id, "a", "ok", 0.01)
@@ -436,7 +443,7 @@ def test_an_idle_node_holding_slots_syncs_a_few_times_where_it_synced_every_inte
     idle_syncs, reported_after = asyncio.run(idle(1.0))
     # Every 0.05 s: 20 syncs. Backing off (0.1, 0.2, 0.2, ...): 5 or 6.
     assert idle_syncs <= 8, idle_syncs
-    assert reported_after < 0.05 * 2 + 0.05, reported_after
+    assert reported_after < 0.05 * ROUTINE_SYNC_FACTOR + 0.1, reported_after
 
 
 # --- the property -----------------------------------------------------------------------------
@@ -522,3 +529,21 @@ class Delegation(RuleBasedStateMachine):
 
 TestDelegation = Delegation.TestCase
 TestDelegation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_busy_node_reporting_only_served_requests_syncs_every_other_interval() -> None:
+    """Requests served without failure, one after another on the lent slots: the node reports
+    them every ROUTINE_SYNC_FACTOR sync intervals (each sync is about five scheduler history
+    events), every request reported once."""
+    slots, scheduler, _ = lent_node()
+    assert ROUTINE_SYNC_FACTOR == 2.0
+    intervals = []
+    for n in range(4):
+        lease = slots.claim(claim(f"r{n}"))
+        assert lease is not None and slots.started(lease.lease_id, f"r{n}")
+        slots.finish(lease.lease_id, f"r{n}", "ok", 0.01)
+        assert slots.due_in() <= ROUTINE_SYNC_FACTOR + 1e-9
+        asyncio.run(slots.sync_once())
+        intervals.append(slots.interval)
+    assert intervals == [2.0, 2.0, 2.0, 2.0]
+    assert [run.request_id for sync in scheduler.syncs for run in sync.runs] == ["r0", "r1", "r2", "r3"]
