@@ -178,8 +178,8 @@ class PoolSchedulerWorkflow:
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
         self._through_v11 = False  # PATCH_ONE_MARKER, set first in `run`
-        # From the run's input: a run keeps the rules it started with.
-        self._lazy_writes = start.rules >= RULES_LAZY_WRITES
+        # From the run's input (decided first in `run`): a run keeps the rules it started with.
+        self._lazy_writes = False
         self._urgent_events = 0  # buffered events that are urgent (lazy writes)
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
@@ -761,6 +761,10 @@ class PoolSchedulerWorkflow:
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
         self._through_v11 = workflow.patched(PATCH_ONE_MARKER)
+        # The input's rules hold only in a run that has the one marker: a worker of a release
+        # before `SchedulerInput.rules` ignores the field (an unknown key), so a run it started
+        # from an input that names rules follows none of them, and its replay here must not.
+        self._lazy_writes = self._through_v11 and start.rules >= RULES_LAZY_WRITES
         self._quiet = self._patched(PATCH_QUIET_LOOP)
         self._fencing = self._patched(PATCH_LEASE_FENCING)
         # Decided here, before any handler can run the policy: a patch first asked inside an

@@ -3,6 +3,8 @@ that would break running workflows fails here (guard deliberate ones with workfl
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from temporalio.worker import Replayer
 
 from workers.control import workflow_runner
 from workflows import ALL_WORKFLOWS
+from workflows.scheduler import SCHEDULER_RULES
 
 ROOT = Path(__file__).resolve().parents[1] / "histories"
 # One folder per recording (one per workflow change; tests/workflow/record_histories.py): every one must keep replaying.
@@ -42,3 +45,20 @@ def test_every_recorded_type_still_exists(version: str) -> None:
 async def test_history_replays(path: Path) -> None:
     replayer = Replayer(workflows=ALL_WORKFLOWS, workflow_runner=workflow_runner())
     await replayer.replay_workflow(WorkflowHistory.from_json(path.stem, path.read_text()))
+
+
+async def test_a_run_an_older_worker_started_from_an_input_with_rules_replays_without_them() -> None:
+    """A worker of a release before `SchedulerInput.rules` ignores the field (an unknown key), so
+    in a rolling upgrade it may run a scheduler continued as new with `rules` set, by the old
+    rules. Replayed here (the scheduler of v11, recorded before the field, its input given
+    `rules: 1`), the run must follow the commands it recorded: the rules hold only in a run
+    that has the one marker new workers ask first."""
+    path = ROOT / "v11" / "scheduler.json"
+    document = json.loads(path.read_text())
+    started = document["events"][0]["workflowExecutionStartedEventAttributes"]["input"]["payloads"][0]
+    start = json.loads(base64.b64decode(started["data"]))
+    assert "rules" not in start, "v11 was recorded before SchedulerInput.rules"
+    start["rules"] = SCHEDULER_RULES
+    started["data"] = base64.b64encode(json.dumps(start).encode()).decode()
+    replayer = Replayer(workflows=ALL_WORKFLOWS, workflow_runner=workflow_runner())
+    await replayer.replay_workflow(WorkflowHistory.from_json("scheduler-with-rules", json.dumps(document)))
