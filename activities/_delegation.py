@@ -285,7 +285,7 @@ class NodeSlots:
         request waits to be reported, at most ROUTINE_SYNC_FACTOR `sync_s` while served requests
         do, else the current interval (longer while idle)."""
         interval = self.interval
-        if any(run.outcome != "ok" for run in self._runs):
+        if _any_failed(self._runs):
             interval = self.sync_s
         elif self._runs:
             interval = min(interval, self._routine_interval)
@@ -361,7 +361,7 @@ class NodeSlots:
         said_held, said_in_use = frozenset(sync.held), frozenset(sync.in_use.items())
         news = sync.wanted or reply.lent or said_held != self._said[0]
         news = news or len(reply.kept) != len(sync.held)  # something taken back
-        news = news or any(run.outcome != "ok" for run in sync.runs)
+        news = news or _any_failed(sync.runs)
         routine = sync.runs or said_in_use != self._said[1]
         # What the scheduler knows now: the slots kept and lent, and who is on them.
         in_use = {(lease_id, slot.workflow_id) for lease_id, slot in self._slots.items() if slot.request_id}
@@ -413,6 +413,11 @@ class NodeSlots:
             self._view, self._view_epoch = reply.view, reply.view_epoch
         # Counted from when the sync was sent: never later than the scheduler's own clock.
         self._valid_until = sent_at + reply.valid_s
+
+
+def _any_failed(runs: list[SlotRun]) -> bool:
+    """A served request that ended with a failure class: reported at the usual pace."""
+    return any(run.outcome != "ok" for run in runs)
 
 
 class PoolSlots:
