@@ -323,6 +323,7 @@ class NodeSlots:
             runs=list(self._runs),
             wanted=list(self._wanted),
             view_epoch=self._view_epoch,
+            within_s=IDLE_SYNC_FACTOR * self.sync_s,  # _back_off never waits longer
         )
 
     async def sync_once(self) -> SlotReply | None:

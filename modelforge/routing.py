@@ -56,9 +56,12 @@ SILENT_S = 10.0
 # The route query a client sends for the warm node alone (one pool: no pool to choose) waits
 # this long at most; unanswered, the request starts on the control queue as before.
 NODE_QUERY_TIMEOUT_S = 1.0
-# A node holding lent slots syncs about every second (MODELFORGE_DELEGATION_SYNC_S); slots not
-# vouched for this long (a worker gone quiet) do not make its node the preferred one.
+# A node holding lent slots says in each sync the longest it may wait before the next (its idle
+# back-off's ceiling, 4 s at MODELFORGE_DELEGATION_SYNC_S's default of 1 s); slots not vouched
+# for within that and SYNC_LATE_S more (a worker gone quiet) do not make its node the preferred
+# one. LENT_SEEN_S: the window for a node that does not say (a release before it did).
 LENT_SEEN_S = 5.0
+SYNC_LATE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool =
 
 def _open_lent_slots(state: PoolState, now: float) -> dict[str, int]:
     """Resident key -> slots lent to its node that are open and free (held by the node, not by a
-    request), of nodes that vouched for them within LENT_SEEN_S."""
+    request), of nodes that vouched for them within the time they said (LENT_SEEN_S if unsaid)."""
     counts: dict[str, int] = {}
     for lease_id, slot in state.slots.items():
         lease = state.leases.get(lease_id)
@@ -200,10 +203,14 @@ def _open_lent_slots(state: PoolState, now: float) -> dict[str, int]:
             lease is not None
             and slot.open
             and lease.workflow_id == holder_id(slot.node)
-            and now - state.lease_seen.get(lease_id, -math.inf) <= LENT_SEEN_S
+            and now - state.lease_seen.get(lease_id, -math.inf) <= _vouch_window(slot.within_s)
         ):
             counts[lease.resident_key] = counts.get(lease.resident_key, 0) + 1
     return counts
+
+
+def _vouch_window(within_s: float) -> float:
+    return within_s + SYNC_LATE_S if within_s > 0 else LENT_SEEN_S
 
 
 def _node_key(node: str, lent: int, spare: int) -> tuple[bool, bool, int, str]:

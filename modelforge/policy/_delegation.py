@@ -24,6 +24,7 @@ The scheduler keeps the invariant and the order of classes:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
@@ -92,6 +93,9 @@ class SlotSync:
     runs: list[SlotRun] = field(default_factory=list)
     wanted: list[str] = field(default_factory=list)
     view_epoch: int = -1
+    # The longest it may wait before its next sync (its idle back-off's ceiling): its vouch for
+    # these slots counts this long, and a moment more, when a client asks where to route.
+    within_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,7 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
     for lease_id in given_back:
         events.extend(return_slot(state, lease_id, now, "given back by its node"))
     holder = holder_id(sync.node)
+    within_s = _said_within(state, sync)
     mine: list[Lease] = []
     for lease_id in sync.held:
         slot = state.slots.get(lease_id)
@@ -190,6 +195,7 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         # The node that holds the slot is alive: it vouches for it (stale_lease_s applies).
         state.lease_seen[lease_id] = now
         state.lease_heard[lease_id] = True
+        slot.within_s = within_s
         workflow_id = sync.in_use.get(lease_id, holder)[:300]
         if lease.workflow_id != workflow_id:  # a preemption reaches the request on it
             lease = replace(lease, workflow_id=workflow_id)
@@ -209,6 +215,8 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
     lent: list[Lease] = []
     for capability in list(dict.fromkeys(sync.wanted))[:MAX_WANTED]:
         granted = _lend(state, sync.node, sync.boot, capability, now, spare, memo)
+        for lease in granted:
+            state.slots[lease.lease_id].within_s = within_s
         lent.extend(granted)
         events.extend(_slot_event("slot_lent", lease, "") for lease in granted)
     keys = {lease.resident_key for lease in [*mine, *lent]}
@@ -222,6 +230,15 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         view_epoch=state.view_epoch,
     )
     return reply, events
+
+
+def _said_within(state: PoolState, sync: SlotSync) -> float:
+    """The node's `within_s`, as a number the routing may use: 0 (not said) unless positive
+    and finite, and never past the reply's `valid_s` (the slots are not valid longer)."""
+    said = sync.within_s
+    if not isinstance(said, int | float) or not math.isfinite(said) or said <= 0:
+        return 0.0
+    return float(min(said, state.config.stale_lease_s / 2))
 
 
 def _lend(

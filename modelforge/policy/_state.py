@@ -172,6 +172,9 @@ class DelegatedSlot:
     boot: str
     open: bool = True
     closed_reason: str = ""
+    # The longest its node said it may wait before its next sync (SlotSync.within_s; 0: a node
+    # of a release that does not say): how long a vouch counts when routing to it.
+    within_s: float = 0.0
 
 
 @dataclass

@@ -417,6 +417,26 @@ def test_a_node_with_nothing_new_to_say_syncs_less_often_and_at_the_usual_pace_o
     assert short.interval == 1.0, "valid_s 3: at most 1 s between syncs, not 2"
 
 
+def test_each_sync_says_how_long_the_node_may_stay_silent_and_it_never_waits_longer() -> None:
+    """The routing counts a node's lent slots for as long as its last sync said it may stay
+    silent (modelforge/routing.py): at MODELFORGE_DELEGATION_SYNC_S = 2, an idle node waits up
+    to 8 s, longer than the 5 s a node that does not say is given."""
+    slots, scheduler, _ = lent_node()  # valid_s 30 s: a third of it is past 8 s
+    slots.sync_s = 2.0
+    waits = []
+    for served in (False, False, False, True, False, False, False, False):
+        if served:
+            lease = slots.claim(claim("a"))
+            assert lease is not None and slots.started(lease.lease_id, "a")
+            slots.finish(lease.lease_id, "a", "ok", 0.1)
+        asyncio.run(slots.sync_once())
+        said = scheduler.syncs[-1].within_s
+        assert said == 8.0
+        assert slots.due_in() <= said and slots.interval <= said
+        waits.append(slots.interval)
+    assert max(waits) == 8.0, waits  # it does wait that long, idle
+
+
 def test_an_idle_node_holding_slots_syncs_a_few_times_where_it_synced_every_interval() -> None:
     async def idle(run_s: float) -> tuple[int, float]:
         slots, scheduler = node(pool(4), Clock())

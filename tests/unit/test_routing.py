@@ -14,6 +14,7 @@ from temporalio.converter import DataConverter
 from modelforge.domain import Priority, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import (
+    PolicyConfig,
     PoolState,
     PoolStatus,
     ResidentPhase,
@@ -25,6 +26,7 @@ from modelforge.policy import (
 )
 from modelforge.routing import (
     LENT_SEEN_S,
+    SYNC_LATE_S,
     PoolRouter,
     RouteInfo,
     RouteQuery,
@@ -160,6 +162,44 @@ def test_the_warm_node_is_one_with_a_ready_instance_preferring_lent_slots_then_f
     assert route_info(s, RouteQuery("w@1", "t"), NOW).node == "n1"
     later = NOW + s.config.freshness_s + 1
     assert route_info(s, RouteQuery("w@1", "t"), later).node == ""
+
+
+@pytest.mark.parametrize(
+    ("within_s", "quiet_s", "preferred"),
+    [
+        # MODELFORGE_DELEGATION_SYNC_S = 2: an idle node may wait 8 s between syncs, and its slots
+        # stay its own: it is still the node to start a warm request on 8.5 s after it vouched.
+        (8.0, 8.5, True),
+        (8.0, 8.0 + SYNC_LATE_S + 0.5, False),  # later than it said, and a moment more: gone quiet
+        # The default pace (1 s, up to 4 s idle): as before, about 5 s.
+        (4.0, 4.5, True),
+        (4.0, 6.0, False),
+        # A node of a release that does not say: LENT_SEEN_S.
+        (0.0, LENT_SEEN_S - 0.5, True),
+        (0.0, LENT_SEEN_S + 0.5, False),
+        # Nonsense said (not finite, negative): read as not said. Past the slots' validity: capped.
+        (float("nan"), LENT_SEEN_S + 0.5, False),
+        (-3.0, LENT_SEEN_S - 0.5, True),
+        (1e9, 29.0, True),
+        (1e9, 30.0 + SYNC_LATE_S + 0.5, False),  # stale_lease_s / 2 = 30 s: the slots' validity
+    ],
+)
+def test_a_nodes_lent_slots_count_for_routing_as_long_as_it_said_it_may_stay_silent(
+    within_s: float, quiet_s: float, preferred: bool
+) -> None:
+    # Cards reported on for longer than the test looks (freshness_s): only the slots' vouch ages.
+    config = PolicyConfig(freshness_s=3600.0, stale_lease_s=60.0)
+    s = state([gpu("n1/0"), gpu("n2/0")], [deployment("w@1", gib=2, concurrency=4)], config=config)
+    for card in ("n1/0", "n2/0"):
+        observe(s, card)
+    resident(s, "w@1", "n1/0", 2)
+    resident(s, "w@1", "n2/0", 2, leases=1)  # warm, one slot in use: the other choice
+    reply, _ = sync_slots(s, SlotSync(node="n1", boot="b1", wanted=["w@1"], within_s=within_s), NOW)
+    assert reply.lent
+    # Its next sync vouches for the slots, saying the same.
+    sync_slots(s, SlotSync(node="n1", boot="b1", held=[x.lease_id for x in reply.lent], within_s=within_s), NOW + 1)
+    later = NOW + 1 + quiet_s
+    assert (route_info(s, RouteQuery("w@1", "t"), later).node == "n1") is preferred
 
 
 def test_route_answers_with_and_without_the_node_stay_readable() -> None:
