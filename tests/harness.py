@@ -149,6 +149,10 @@ def _node_worker(
     return worker
 
 
+# How long a node worker's shutdown may take in a stack's teardown (its activities are cancelled
+# at once: graceful_shutdown_timeout is 0) before the teardown names what holds it and fails.
+WORKER_SHUTDOWN_S = 30.0
+
 # Each node worker's model-server runtime, stopped with the stack as `modelforge worker node` does.
 _SERVERS: dict[Worker, list[SubprocessHttpRuntime]] = {}
 
@@ -236,10 +240,57 @@ async def _shutdown_all(stack: Stack) -> None:
         task.cancel()
     await asyncio.gather(*stack.sync_tasks.values(), return_exceptions=True)
     # Bounded: a test that fails mid-way must not hang its teardown on a still-running invoke.
-    for worker in stack.node_workers.values():
+    # A worker that does not stop is named with what holds it, after the rest is stopped.
+    stuck: list[str] = []
+    for node, worker in stack.node_workers.items():
         if worker.is_running and not worker.is_shutdown:
-            await asyncio.wait_for(worker.shutdown(), timeout=30)
-    await asyncio.wait_for(asyncio.gather(*stack.node_tasks, return_exceptions=True), timeout=30)
+            try:
+                await asyncio.wait_for(asyncio.shield(worker.shutdown()), timeout=WORKER_SHUTDOWN_S)
+            except TimeoutError:
+                stuck.append(
+                    f"node {node}'s worker did not shut down in {WORKER_SHUTDOWN_S:g} s: {_still_running(worker)}"
+                )
+    timeout = 5 if stuck else 30
+    _, pending = await asyncio.wait(stack.node_tasks, timeout=timeout) if stack.node_tasks else (set(), set())
+    for task in pending:
+        task.cancel()
     for worker in stack.node_workers.values():
         for servers in _SERVERS.pop(worker, []):
             await asyncio.wait_for(servers.close(), timeout=30)
+    if stuck:
+        raise RuntimeError("; ".join(stuck))
+
+
+def _still_running(worker: Worker) -> str:
+    """What holds a worker's shutdown, for the failure's message: its activities still running
+    (with where each waits) and the workflow runs it still has. Reads the SDK's private state:
+    a diagnostic only, never a decision."""
+    parts: list[str] = []
+    activities = getattr(getattr(worker, "_activity_worker", None), "_running_activities", {}) or {}
+    for running in activities.values():
+        info = getattr(running, "info", None)
+        name = f"{info.activity_type} of {info.workflow_id}" if info is not None else "an activity"
+        task = getattr(running, "task", None)
+        where = f" at {_awaiting(task)}" if task is not None and not task.done() else ""
+        parts.append(f"{name}{where}")
+    workflows = getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", {}) or {}
+    parts += [f"workflow run {run_id}" for run_id in workflows]
+    # The SDK's poll loops still waiting (of every worker in this process: the control worker's too).
+    for task in asyncio.all_tasks():
+        name = getattr(task.get_coro(), "__qualname__", "")
+        if name.split(".")[0] in ("_ActivityWorker", "_WorkflowWorker", "_NexusWorker") and not task.done():
+            parts.append(f"{name} waiting at {_awaiting(task)}")
+    return "; ".join(parts) or "nothing in the SDK's Python side: its core, then"
+
+
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: its coroutine chain, outermost first, as `function:line` (the
+    innermost frames tell what it waits on)."""
+    names: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(names) < 12:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            names.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(names) or repr(task)
