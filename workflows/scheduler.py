@@ -97,6 +97,12 @@ PATCH_DEADLINE_SERVICE = "deadline-service"
 # an update's acceptance or completion can be ordered differently on replay (a nondeterminism
 # error; docs/SCALING.md). Runs recorded before this marker still ask each where they did.
 PATCH_ONE_MARKER = "scheduler-patches-through-v11"
+# The one marker of runs from histories v13 on: everything PATCH_ONE_MARKER holds, and requests
+# waiting at the scheduler for a model lent to a node close one free slot each, not every slot of
+# it (policy.sync_slots `per_waiter`). Asked first, in place of PATCH_ONE_MARKER (a run has one
+# of the two): a release that does not know it asks PATCH_ONE_MARKER in a run it starts, and a
+# replay here of that run finds that marker and follows the older rule.
+PATCH_THROUGH_V13 = "scheduler-patches-through-v13"
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -177,7 +183,8 @@ class PoolSchedulerWorkflow:
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
         self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
         self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
-        self._through_v11 = False  # PATCH_ONE_MARKER, set first in `run`
+        self._through_v11 = False  # PATCH_ONE_MARKER (or PATCH_THROUGH_V13), set first in `run`
+        self._through_v13 = False  # PATCH_THROUGH_V13: slots closed per waiting request
         # From the run's input (decided first in `run`): a run keeps the rules it started with.
         self._lazy_writes = False
         self._urgent_events = 0  # buffered events that are urgent (lazy writes)
@@ -400,10 +407,12 @@ class PoolSchedulerWorkflow:
     def delegation_sync(self, sync: DelegationSync) -> DelegationReply:
         """A node's sync about the slots it was lent for warm requests (policy/_delegation.py):
         the requests it served, the slots it still holds, the capabilities it wants slots for.
-        The reply lists the slots it may keep. No patch needed: a history without this update
-        runs exactly as before."""
+        The reply lists the slots it may keep. A history without this update runs exactly as
+        before; how many slots a waiting request closes is the run's (PATCH_THROUGH_V13)."""
         now = self._now()
-        reply, events = policy.sync_slots(self._state, sync.sync, now, spare=DELEGATION_SPARE_SLOTS)
+        reply, events = policy.sync_slots(
+            self._state, sync.sync, now, spare=DELEGATION_SPARE_SLOTS, per_waiter=self._through_v13
+        )
         self._record_all(events, now)
         if any(event.kind == "slot_returned" for event in events) or sync.sync.runs:
             self._wake = True  # a slot given back may serve what waits
@@ -760,7 +769,8 @@ class PoolSchedulerWorkflow:
 
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
-        self._through_v11 = workflow.patched(PATCH_ONE_MARKER)
+        self._through_v13 = workflow.patched(PATCH_THROUGH_V13)
+        self._through_v11 = self._through_v13 or workflow.patched(PATCH_ONE_MARKER)
         # The input's rules hold only in a run that has the one marker: a worker of a release
         # before `SchedulerInput.rules` ignores the field (an unknown key), so a run it started
         # from an input that names rules follows none of them, and its replay here must not.

@@ -15,7 +15,10 @@ The scheduler keeps the invariant and the order of classes:
   request waiting at the scheduler may want it, its card or its model's memory (one for the same
   model, or one not yet placed that may land on the card), the card is under GPU_PRESSURE, stale
   or unhealthy, the resident is leaving or draining, or the slot is preempted
-  (`closing_reason`); so such a request is overtaken on a node for at most one sync interval;
+  (`closing_reason`); so such a request is overtaken on a node for at most one sync interval.
+  In scheduler runs from histories v13 on (`per_waiter`), requests waiting for the same model
+  close one free slot each, not every slot (`_closed_for_waiters`): they are served as soon,
+  and the node keeps admitting on the rest instead of giving back and being lent all of them;
 - a slot goes back to the pool only when the node says it no longer holds it (a sync without it),
   or when the node has been silent for stale_lease_s (the node stops using its slots after half
   of that, `SlotReply.valid_s`), so no slot is ever used by two requests at once;
@@ -117,15 +120,23 @@ class SlotReply:
 
 
 def closing_reason(
-    state: PoolState, resident: ResidentState | None, lease_id: str, now: float, memo: dict[str, str] | None = None
+    state: PoolState,
+    resident: ResidentState | None,
+    lease_id: str,
+    now: float,
+    memo: dict[str, str] | None = None,
+    *,
+    waiting_counts: bool = True,
 ) -> str:
     """Why a slot of `resident` takes no new request (""): the one rule of what a delegated slot
-    may still be used for. `memo`: what waits for each resident, found once per sync."""
+    may still be used for. `memo`: what waits for each resident, found once per sync.
+    `waiting_counts=False`: every reason but a request waiting at the scheduler (which
+    `_closed_for_waiters` may apply to some of the slots only)."""
     if lease_id in state.preempting:
         return f"preempted: {state.preempting[lease_id]}"
     if resident is None or resident.phase != ResidentPhase.READY:
         return "its model is no longer ready" if resident is None else f"its model is {resident.phase.value}"
-    waiting = _waiting_here(state, resident, memo)
+    waiting = _waiting_here(state, resident, memo) if waiting_counts else ""
     if waiting:
         # It may need this slot, this card or this model's memory (a lent slot keeps the model
         # from being evicted): the scheduler takes the slots back and decides in class order.
@@ -171,9 +182,14 @@ def _waiting_here(state: PoolState, resident: ResidentState, memo: dict[str, str
     return found
 
 
-def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) -> tuple[SlotReply, list[PolicyEvent]]:
+def sync_slots(
+    state: PoolState, sync: SlotSync, now: float, *, spare: int = 1, per_waiter: bool = False
+) -> tuple[SlotReply, list[PolicyEvent]]:
     """One node's sync (module docstring). `spare`: slots of each resident kept back for the
-    scheduler's own admissions (requests that did not reach this node's worker)."""
+    scheduler's own admissions (requests that did not reach this node's worker). `per_waiter`:
+    requests waiting at the scheduler for the same model close one free slot each, not every
+    slot of the resident (`_closed_for_waiters`; a scheduler run's rule, off in runs recorded
+    before it)."""
     events = record_runs(state, sync.node, sync.runs[:MAX_RUNS], now)
     held = set(sync.held)
     # Not held any more, or lent to another life of this node's worker (gone with it).
@@ -182,7 +198,11 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         for lease_id, slot in state.slots.items()
         if slot.node == sync.node and (lease_id not in held or slot.boot != sync.boot)
     ]
+    returned: dict[str, int] = {}  # resident key -> slots given back now (room for what waits)
     for lease_id in given_back:
+        if lease_id in state.leases:
+            key = state.leases[lease_id].resident_key
+            returned[key] = returned.get(key, 0) + 1
         events.extend(return_slot(state, lease_id, now, "given back by its node"))
     holder = holder_id(sync.node)
     within_s = _said_within(state, sync)
@@ -203,10 +223,19 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         mine.append(lease)
     closing: dict[str, str] = {}
     memo: dict[str, str] = {}
+    only = _closed_for_waiters(state, mine, sync, returned) if per_waiter else {}
     for lease in mine:
         slot = state.slots[lease.lease_id]
         if slot.open:
-            reason = closing_reason(state, state.residents.get(lease.resident_key), lease.lease_id, now, memo)
+            resident = state.residents.get(lease.resident_key)
+            if lease.resident_key in only:
+                # Requests for this same model wait: as many free slots close as they are; the
+                # node keeps using the others (any other reason still closes the slot).
+                reason = closing_reason(state, resident, lease.lease_id, now, memo, waiting_counts=False)
+                if not reason and lease.lease_id in only[lease.resident_key]:
+                    reason = f"{_waiting_here(state, resident, memo)} waits at the scheduler" if resident else ""
+            else:
+                reason = closing_reason(state, resident, lease.lease_id, now, memo)
             if reason:
                 slot.open, slot.closed_reason = False, reason
                 events.append(_slot_event("slot_closed", lease, reason))
@@ -230,6 +259,62 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         view_epoch=state.view_epoch,
     )
     return reply, events
+
+
+def _waiters(state: PoolState, resident: ResidentState) -> tuple[int, bool]:
+    """Requests waiting at the scheduler that may want `resident`: how many are for its own
+    deployment, and whether any is for another model that may land on its card (and so may
+    need its memory: then every slot closes, the model may have to go)."""
+    same, other = 0, False
+    card = state.catalog.accelerator(resident.accelerator)
+    for queued in state.queue:
+        if queued.assigned_to and queued.assigned_to != resident.key:
+            continue
+        deployment = state.catalog.deployment_for(queued.capability)
+        if deployment is None:
+            continue
+        if deployment.deployment_id == resident.deployment:
+            same += 1
+        elif card is not None and not static_reason(card, deployment, is_production(state.catalog, queued.priority)):
+            other = True
+    return same, other
+
+
+def _closed_for_waiters(
+    state: PoolState, mine: list[Lease], sync: SlotSync, returned: dict[str, int]
+) -> dict[str, set[str]]:
+    """Resident key -> the slots to close for the requests waiting for that same model, where
+    closing only some is enough: one slot per waiting request, counting the closed slots not in
+    use (the node gives them back at once) and the slots it gave back in this sync (room the
+    scheduler grants next), chosen among the free ones, so a waiting request is
+    served after this sync, as when every slot closed (a closed slot the node took meanwhile
+    does not count at the next sync: one more free slot closes). A resident absent
+    here closes all its slots as before: no request waits for it, one for another model may
+    need its card, or fewer slots are free than requests wait (the first slot to end then goes
+    back, as before). Taking back every slot for one waiting request made a burst churn: a few
+    requests missing the node closed all of its slots, the node gave them back and was lent
+    them again at its next sync, hundreds of slot events a second."""
+    by_resident: dict[str, list[Lease]] = {}
+    for lease in mine:
+        by_resident.setdefault(lease.resident_key, []).append(lease)
+    chosen: dict[str, set[str]] = {}
+    for key, leases in by_resident.items():
+        resident = state.residents.get(key)
+        if resident is None:
+            continue
+        same, other = _waiters(state, resident)
+        if other or same == 0:
+            continue
+        closed = sum(
+            1 for lease in leases if not state.slots[lease.lease_id].open and lease.lease_id not in sync.in_use
+        )
+        free = [
+            lease.lease_id for lease in leases if state.slots[lease.lease_id].open and lease.lease_id not in sync.in_use
+        ]
+        need = max(0, same - closed - returned.get(key, 0))
+        if len(free) >= need:
+            chosen[key] = set(free[:need])
+    return chosen
 
 
 def _said_within(state: PoolState, sync: SlotSync) -> float:

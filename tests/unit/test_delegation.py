@@ -4,8 +4,9 @@ back slots (modelforge/policy/_delegation.py) and the node's side of them
 
 The properties the design promises: never more requests in flight on a resident than its
 concurrency (the node's slots and the scheduler's own leases together); a request waiting at
-the scheduler closes every slot at the next sync; no slot is used by two requests, also after a
-node worker restarts."""
+the scheduler closes every slot at the next sync (from histories v13 on, requests waiting for
+the same model close one free slot each); no slot is used by two requests, also after a node
+worker restarts."""
 
 from __future__ import annotations
 
@@ -146,6 +147,82 @@ def test_a_request_waiting_at_the_scheduler_closes_every_slot_at_the_next_sync()
     assert s.residents[KEY].active_leases == 0 and not s.slots
 
 
+def sync(s: PoolState, held: list[str], in_use: dict[str, str], at: float) -> tuple[dict[str, str], list[str]]:
+    """A sync by the rule of runs from histories v13 on (`per_waiter`): what closes, what is kept."""
+    reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", held=held, in_use=in_use), at, per_waiter=True)
+    return reply.closing, reply.kept
+
+
+def test_requests_waiting_for_the_same_model_close_one_free_slot_each_and_the_node_keeps_the_rest() -> None:
+    s = pool(concurrency=8)
+    lent = asking(s)
+    assert len(lent) == 7
+    in_use = {lease_id: f"wf-{lease_id}" for lease_id in lent[:3]}
+    for n in range(3):  # the spare slot serves the first; two wait
+        enqueue(s, ask(f"w{n}", CAP), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.queue) == 2
+    closing, kept = sync(s, lent, in_use, NOW + 1)
+    assert len(closing) == 2 and not set(closing) & set(in_use), "two free slots, none in use"
+    assert all("waits at the scheduler" in why for why in closing.values())
+    # The node gives those two back at once; the scheduler grants them to the two waiting.
+    held = [lease_id for lease_id in lent if lease_id not in closing]
+    sync(s, held, in_use, NOW + 1.1)
+    apply_decisions(s, decide(s, NOW + 1.1), NOW + 1.1, {})
+    assert not s.queue
+    # The node still holds five open slots (three in use), and no closing is left.
+    closing, kept = sync(s, held, in_use, NOW + 2)
+    assert closing == {} and sorted(kept) == sorted(held)
+    # By the older rule (runs recorded before v13), one waiting request closed all seven.
+    old = pool(concurrency=8)
+    lent = asking(old)
+    for n in range(2):
+        enqueue(old, ask(f"w{n}", CAP), Priority.INTERACTIVE, NOW)
+    apply_decisions(old, decide(old, NOW), NOW, {})
+    reply, _ = sync_slots(old, SlotSync(node="n", boot="b1", held=lent), NOW + 1)
+    assert set(reply.closing) == set(lent)
+
+
+def test_every_slot_still_closes_for_another_model_or_when_too_few_are_free() -> None:
+    # Another model that may land on the card may need the memory: every slot closes.
+    s = state(
+        [gpu("n/0")],
+        [deployment(CAP, gib=2, concurrency=8), deployment("here@1", gib=2)],
+        tenants=[tenant("t", max_priority=Priority.PRODUCTION, default_priority=Priority.INTERACTIVE)],
+    )
+    observe(s, "n/0", managed_gib=2, loaded=[KEY])
+    resident(s, CAP, "n/0", 2)
+    lent = asking(s)
+    enqueue(s, ask("may-land", "here@1"), Priority.BACKGROUND, NOW)
+    closing, _ = sync(s, lent, {}, NOW + 1)
+    assert set(closing) == set(lent)
+    # More requests wait for the model than slots are free: every slot closes, as before (the
+    # first one to end goes back).
+    s = pool(concurrency=4)
+    lent = asking(s)
+    in_use = {lease_id: f"wf-{lease_id}" for lease_id in lent[:2]}
+    for n in range(3):
+        enqueue(s, ask(f"w{n}", CAP), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.queue) == 2  # and one slot free
+    closing, _ = sync(s, lent, in_use, NOW + 1)
+    assert set(closing) == set(lent)
+
+
+def test_a_closed_slot_the_node_took_meanwhile_does_not_count_and_another_free_one_closes() -> None:
+    s = pool(concurrency=8)
+    lent = asking(s)
+    enqueue(s, ask("w0", CAP), Priority.INTERACTIVE, NOW)
+    enqueue(s, ask("w1", CAP), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.queue) == 1
+    closing, _ = sync(s, lent, {}, NOW + 1)
+    [first] = closing
+    # The node had claimed that slot before the reply came: it is in use at the next sync.
+    closing, _ = sync(s, lent, {first: "wf-long"}, NOW + 2)
+    assert first in closing and len(closing) == 2, "the request waits behind no long one"
+
+
 def test_a_restarted_node_worker_holds_nothing_of_its_previous_life() -> None:
     s = pool()
     old = asking(s, boot="old")
@@ -209,15 +286,16 @@ class Scheduler:
     s: PoolState
     clock: Clock
     syncs: list[SlotSync] = field(default_factory=list)
+    per_waiter: bool = False  # the rule of scheduler runs from histories v13 on
 
     async def __call__(self, sync: SlotSync) -> object:
         self.syncs.append(sync)
-        reply, _ = sync_slots(self.s, sync, NOW + self.clock.now)
+        reply, _ = sync_slots(self.s, sync, NOW + self.clock.now, per_waiter=self.per_waiter)
         return reply
 
 
-def node(s: PoolState, clock: Clock) -> tuple[NodeSlots, Scheduler]:
-    scheduler = Scheduler(s, clock)
+def node(s: PoolState, clock: Clock, per_waiter: bool = False) -> tuple[NodeSlots, Scheduler]:
+    scheduler = Scheduler(s, clock, per_waiter=per_waiter)
     return NodeSlots(None, "n", "default", clock=clock, send=scheduler), scheduler  # type: ignore[arg-type]
 
 
@@ -475,12 +553,13 @@ class Delegation(RuleBasedStateMachine):
     concurrency, and no slot serves two requests at once."""
 
     CONCURRENCY = 4
+    PER_WAITER = False
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
         self.s = pool(self.CONCURRENCY)
-        self.node, self.scheduler = node(self.s, self.clock)
+        self.node, self.scheduler = node(self.s, self.clock, self.PER_WAITER)
         self.old_nodes: list[NodeSlots] = []
         self.running: dict[str, str] = {}  # request -> slot, on the node
         self.n = 0
@@ -529,7 +608,7 @@ class Delegation(RuleBasedStateMachine):
         # The old life's requests died with it; the new one holds nothing.
         self.old_nodes.append(self.node)
         self.running.clear()
-        self.node, self.scheduler = node(self.s, self.clock)
+        self.node, self.scheduler = node(self.s, self.clock, self.PER_WAITER)
 
     @invariant()
     def never_more_in_flight_than_the_concurrency(self) -> None:
@@ -549,6 +628,18 @@ class Delegation(RuleBasedStateMachine):
 
 TestDelegation = Delegation.TestCase
 TestDelegation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class DelegationPerWaiter(Delegation):
+    """The same, with the rule of scheduler runs from histories v13 on: a request waiting for
+    the model closes one free slot, not all of them."""
+
+    CONCURRENCY = 6
+    PER_WAITER = True
+
+
+TestDelegationPerWaiter = DelegationPerWaiter.TestCase
+TestDelegationPerWaiter.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def test_a_busy_node_reporting_only_served_requests_syncs_every_other_interval() -> None:
