@@ -2,7 +2,12 @@
 workflow: the same workflow with one ingredient added at a time, interleaved in rounds on one
 Temporal dev server, in one process (p50 ms and the ratio to bare).
 
-    flock /tmp/modelforge-bench.lock .venv/bin/python bench/path_ingredients.py [ROUNDS]
+    flock /tmp/modelforge-bench.lock .venv/bin/python bench/path_ingredients.py [ROUNDS] [--burst N]
+
+With `--burst N`: bursts of N concurrent workflows of each kind instead, interleaved, three
+rounds: completed per second and the CPU each workflow cost this process (the workflow and the
+client, with the SDK's core threads) and the Temporal dev server, from /proc. On a machine whose
+cores are all busy in a burst, the throughput ratio follows the CPU per workflow.
 
 - la: a local activity before the activity (the delegated request's `claim_slot`);
 - hb: the activity heartbeats once as it starts (the invoke's "started" heartbeat);
@@ -13,7 +18,9 @@ Temporal dev server, in one process (p50 ms and the ratio to bare).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -69,7 +76,61 @@ class W:
         return r
 
 
-async def main(n: int) -> None:
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _dev_server_pid() -> int:
+    """The dev server this process started (its child, `temporal server start-dev`)."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == me and b"start-dev" in command:
+            return int(entry.name)
+    raise SystemExit("the Temporal dev server this benchmark started was not found in /proc")
+
+
+async def bursts(client: Any, n: int, modes: tuple[str, ...]) -> None:
+    server = _dev_server_pid()
+    totals = {m: [0.0, 0.0, 0.0] for m in modes}  # this process s, server s, wall s
+    rounds = 3
+    for _ in range(rounds):
+        for m in modes:
+            mine, theirs, started = time.process_time(), _cpu_s(server), time.perf_counter()
+            await asyncio.gather(
+                *(
+                    client.execute_workflow(W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients")
+                    for _ in range(n)
+                )
+            )
+            totals[m][2] += time.perf_counter() - started
+            totals[m][0] += time.process_time() - mine
+            totals[m][1] += _cpu_s(server) - theirs
+    k = n * rounds
+    base_rate = k / totals["bare"][2]
+    base_cpu = (totals["bare"][0] + totals["bare"][1]) / k
+    print(f"bursts of {n}, {rounds} rounds each (CPU ms per workflow: this process + the dev server)")
+    for m in modes:
+        mine, theirs, wall = totals[m]
+        rate, per = k / wall, (mine + theirs) / k
+        print(
+            f"{m:18s} {rate:6.1f}/s {rate / base_rate:5.2f}x   CPU {mine / k * 1000:5.1f} + {theirs / k * 1000:5.1f}"
+            f" = {per * 1000:5.1f} ms  {per / base_cpu:5.2f}x"
+        )
+
+
+async def main(n: int, burst: int = 0, modes: tuple[str, ...] = MODES) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), dev_server_log_level="error"
     )
@@ -77,12 +138,14 @@ async def main(n: int) -> None:
         await register_search_attributes(env.client)
         client = env.client
         async with Worker(client, task_queue="bench-ingredients", workflows=[W], activities=[echo, echo_hb, claim]):
-            modes = MODES
             for m in modes:  # warm-up
                 for _ in range(5):
                     await client.execute_workflow(
                         W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients"
                     )
+            if burst:
+                await bursts(client, burst, modes)
+                return
             times: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(n):
                 for m in modes:
@@ -100,4 +163,12 @@ async def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 60))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rounds", type=int, nargs="?", default=60)
+    parser.add_argument("--burst", type=int, default=0, help="bursts of this many workflows instead")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, each a '+' of ingredients")
+    args = parser.parse_args()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if "bare" not in modes:
+        modes = ("bare", *modes)
+    asyncio.run(main(args.rounds, args.burst, modes))
