@@ -13,7 +13,8 @@ workflow that runs one activity on the same server, in the same process, measure
   * started on the control queue, as the CLI does (no route known).
 - Throughput: a burst of concurrent requests to a resident deployment with enough concurrency,
   completed per second, against the same number of bare workflows (target at least 0.8x bare
-  for the delegated path).
+  for the delegated path), and the CPU each request of the bursts cost this process and the dev
+  server (bench/_proc.py): on a machine whose cores a burst keeps busy, the ratio follows it.
 - Scheduler history events per request, for the delegated and the admitted paths (target at
   most 1 for the delegated one, amortized).
 - With `--paced RATE`: delegated requests one at a time at RATE a second for `--paced-s`
@@ -47,6 +48,7 @@ from temporalio.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._proc import CpuMeter
 from modelforge.client import ModelForgeClient
 from modelforge.dev import temporal_binary
 from modelforge.payloads import with_payload_store
@@ -181,6 +183,7 @@ async def run(
 
             # Throughput: bursts of concurrent requests, bare first, then ModelForge, twice.
             rates: dict[str, list[float]] = {"bare": [], "delegated": [], "admitted": []}
+            cpu = {name: CpuMeter() for name in rates}  # the bursts themselves, both rounds
             burst_history: dict[str, list[int]] = {"delegated": [], "admitted": []}
             shares: list[float] = []  # of each delegated burst, the requests that ran on a lent slot
             calls = {
@@ -195,9 +198,11 @@ async def run(
                         # them back after 10 s, and the bursts before took longer than that).
                         await _until_delegated(requests)
                     before = await _history_length(stack)
+                    cpu[name].start()
                     started = time.perf_counter()
                     outcomes = await asyncio.gather(*(call() for _ in range(burst)))
                     rates[name].append(burst / (time.perf_counter() - started))
+                    cpu[name].stop()
                     if name == "delegated":
                         shares.append(sum(1 for ran in outcomes if ran) / burst)
                     if name != "bare":
@@ -214,6 +219,16 @@ async def run(
                 )
                 target = f" (target >= 0.8; {min(shares):.0%} on lent slots)" if name == "delegated" else ""
                 print(f"  {name:<10} {rate:6.1f}/s  {rate / bare_rate:5.2f}x{target}{events}", flush=True)
+            # On a machine whose cores a burst keeps busy, the ratio follows the CPU per request.
+            print("burst CPU per request (ms: this process, with the SDK's core threads + the dev server):", flush=True)
+            bare_cpu = (cpu["bare"].mine + cpu["bare"].theirs) / (2 * burst)
+            for name, meter in cpu.items():
+                mine, theirs = meter.mine / (2 * burst), meter.theirs / (2 * burst)
+                print(
+                    f"  {name:<10} {mine * 1000:5.1f} + {theirs * 1000:5.1f} = {(mine + theirs) * 1000:5.1f}"
+                    f"  {(mine + theirs) / bare_cpu:5.2f}x",
+                    flush=True,
+                )
             if paced > 0:
                 await _until_delegated(requests)
                 before, syncs = await _history_length(stack), _syncs(stack)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from temporalio.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._proc import CpuMeter
 from modelforge import temporal as sa
 from modelforge.dev import temporal_binary
 from modelforge.temporal import register_search_attributes
@@ -76,54 +76,29 @@ class W:
         return r
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User and system CPU seconds of a process, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _dev_server_pid() -> int:
-    """The dev server this process started (its child, `temporal server start-dev`)."""
-    me = os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes()
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == me and b"start-dev" in command:
-            return int(entry.name)
-    raise SystemExit("the Temporal dev server this benchmark started was not found in /proc")
-
-
 async def bursts(client: Any, n: int, modes: tuple[str, ...]) -> None:
-    server = _dev_server_pid()
-    totals = {m: [0.0, 0.0, 0.0] for m in modes}  # this process s, server s, wall s
+    meters = {m: CpuMeter() for m in modes}
+    walls = dict.fromkeys(modes, 0.0)
     rounds = 3
     for _ in range(rounds):
         for m in modes:
-            mine, theirs, started = time.process_time(), _cpu_s(server), time.perf_counter()
+            meters[m].start()
+            started = time.perf_counter()
             await asyncio.gather(
                 *(
                     client.execute_workflow(W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients")
                     for _ in range(n)
                 )
             )
-            totals[m][2] += time.perf_counter() - started
-            totals[m][0] += time.process_time() - mine
-            totals[m][1] += _cpu_s(server) - theirs
+            walls[m] += time.perf_counter() - started
+            meters[m].stop()
     k = n * rounds
-    base_rate = k / totals["bare"][2]
-    base_cpu = (totals["bare"][0] + totals["bare"][1]) / k
+    base_rate = k / walls["bare"]
+    base_cpu = (meters["bare"].mine + meters["bare"].theirs) / k
     print(f"bursts of {n}, {rounds} rounds each (CPU ms per workflow: this process + the dev server)")
     for m in modes:
-        mine, theirs, wall = totals[m]
-        rate, per = k / wall, (mine + theirs) / k
+        mine, theirs = meters[m].mine, meters[m].theirs
+        rate, per = k / walls[m], (mine + theirs) / k
         print(
             f"{m:18s} {rate:6.1f}/s {rate / base_rate:5.2f}x   CPU {mine / k * 1000:5.1f} + {theirs / k * 1000:5.1f}"
             f" = {per * 1000:5.1f} ms  {per / base_cpu:5.2f}x"
