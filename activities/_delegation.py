@@ -323,7 +323,7 @@ class NodeSlots:
             runs=list(self._runs),
             wanted=list(self._wanted),
             view_epoch=self._view_epoch,
-            within_s=IDLE_SYNC_FACTOR * self.sync_s,  # _back_off never waits longer
+            within_s=self._longest_interval,
         )
 
     async def sync_once(self) -> SlotReply | None:
@@ -373,8 +373,13 @@ class NodeSlots:
         elif routine:
             self.interval = self._routine_interval
         else:
-            ceiling = min(IDLE_SYNC_FACTOR * self.sync_s, self._valid_ceiling)
-            self.interval = min(max(self.sync_s, ceiling), max(self.sync_s, self.interval * 2))
+            self.interval = min(self._longest_interval, max(self.sync_s, self.interval * 2))
+
+    @property
+    def _longest_interval(self) -> float:
+        """The longest `_back_off` may wait before the next sync (the idle ceiling), as each
+        sync says it (`SlotSync.within_s`)."""
+        return max(self.sync_s, min(IDLE_SYNC_FACTOR * self.sync_s, self._valid_ceiling))
 
     @property
     def _routine_interval(self) -> float:

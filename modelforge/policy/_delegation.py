@@ -313,7 +313,9 @@ def _closed_for_waiters(
         ]
         need = max(0, same - closed - returned.get(key, 0))
         if len(free) >= need:
-            chosen[key] = set(free[:need])
+            # The last free ones: the node claims the first free slot it holds, so these are the
+            # least likely to be taken before this reply arrives.
+            chosen[key] = set(free[len(free) - need :])
     return chosen
 
 

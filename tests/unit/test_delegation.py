@@ -513,6 +513,10 @@ def test_each_sync_says_how_long_the_node_may_stay_silent_and_it_never_waits_lon
         assert slots.due_in() <= said and slots.interval <= said
         waits.append(slots.interval)
     assert max(waits) == 8.0, waits  # it does wait that long, idle
+    # At 5 s the idle ceiling is a third of the slots' validity (30 s): 10 s, not 4 x 5.
+    slots.sync_s = 5.0
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].within_s == 10.0
 
 
 def test_an_idle_node_holding_slots_syncs_a_few_times_where_it_synced_every_interval() -> None:
