@@ -28,7 +28,7 @@ from modelforge.temporal import connect, register_search_attributes
 from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import SCHEDULER_TASK_TIMEOUT, scheduler_id
-from workflows.scheduler import SCHEDULER_RULES
+from workflows.scheduler import SCHEDULER_PATCHES, SCHEDULER_RULES
 
 log = get_logger("modelforge.worker.control")
 # How often a control worker serving the catalog's pools looks for pools the catalog added.
@@ -216,7 +216,7 @@ def build_control_worker(
         ReplayGuard(
             client,
             [scheduler_id(pool) for pool in pools],
-            replayer_check([PoolSchedulerWorkflow], workflow_runner(), client.data_converter),
+            replayer_check([PoolSchedulerWorkflow], workflow_runner(), client.data_converter, SCHEDULER_PATCHES),
             interval_s=replay_check_s,
         )
         if replay_check_s > 0

@@ -32,6 +32,7 @@ What it does, per guarded workflow (each pool's scheduler):
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -57,15 +58,33 @@ _BAD_EVENT = re.compile(r"HistoryEvent\(id: (\d+)")
 ReplayCheck = Callable[[WorkflowHistory], Awaitable[Exception | None]]
 
 
-def replayer_check(workflows: Sequence[type], runner: WorkflowRunner, converter: DataConverter) -> ReplayCheck:
+def replayer_check(
+    workflows: Sequence[type],
+    runner: WorkflowRunner,
+    converter: DataConverter,
+    known_patches: frozenset[str] | None = None,
+) -> ReplayCheck:
     """Replays a history with this worker's workflow code and data converter (stored payloads
-    are read back as the worker reads them); the nondeterminism error, if any."""
+    are read back as the worker reads them); the nondeterminism error, if any.
+    `known_patches`: the patch ids this worker's code knows. A history that fails and holds a
+    patch marker outside them was written by a newer release (a rolling upgrade: a run started
+    by a newer worker, `scheduler-patches-through-vN` asked first), which this code was never
+    meant to replay: inconclusive, not a fault to rebase or reset."""
 
     async def check(history: WorkflowHistory) -> Exception | None:
         replayer = Replayer(workflows=list(workflows), workflow_runner=runner, data_converter=converter)
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
         failure = result.replay_failure
         if failure is None:
+            return None
+        newer = sorted(patch_ids(history) - known_patches) if known_patches is not None else []
+        if newer:
+            log.warning(
+                "replay_check_newer_release",
+                workflow_id=history.workflow_id,
+                unknown_patches=newer[:5],
+                error=_short(failure),
+            )
             return None
         if isinstance(failure, NondeterminismError):
             return failure
@@ -74,6 +93,26 @@ def replayer_check(workflows: Sequence[type], runner: WorkflowRunner, converter:
         return None
 
     return check
+
+
+def patch_ids(history: WorkflowHistory) -> set[str]:
+    """The ids of the patch markers in a history (`workflow.patched`: core's `core_patch`
+    marker, its `patch-data` a JSON object with the id)."""
+    ids: set[str] = set()
+    for event in history.events:
+        if event.event_type != EventType.EVENT_TYPE_MARKER_RECORDED:
+            continue
+        marker = event.marker_recorded_event_attributes
+        if marker.marker_name != "core_patch" or "patch-data" not in marker.details:
+            continue
+        for payload in marker.details["patch-data"].payloads:
+            try:
+                patch = json.loads(payload.data)
+            except ValueError:
+                continue
+            if isinstance(patch, dict) and isinstance(patch.get("id"), str):
+                ids.add(patch["id"])
+    return ids
 
 
 def reset_point(history: WorkflowHistory, failure: Exception) -> int | None:

@@ -103,6 +103,9 @@ PATCH_ONE_MARKER = "scheduler-patches-through-v11"
 # of the two): a release that does not know it asks PATCH_ONE_MARKER in a run it starts, and a
 # replay here of that run finds that marker and follows the older rule.
 PATCH_THROUGH_V13 = "scheduler-patches-through-v13"
+# Every patch id a scheduler run of this release may record: the replay guard leaves alone a run
+# whose history has another (a newer release wrote it; workers/replay_guard.py).
+SCHEDULER_PATCHES = frozenset(value for name, value in dict(globals()).items() if name.startswith("PATCH_"))
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 

@@ -53,6 +53,59 @@ async def test_the_unreplayable_history_is_flagged_and_a_good_one_is_not() -> No
     assert await check(good) is None
 
 
+def _as_newer_release(text: str, old_id: str, new_id: str) -> str:
+    """A recorded history as a newer release would have written it: its one-marker's id
+    replaced by one this code does not know."""
+    import base64
+    import json
+
+    history = json.loads(text)
+    for event in history["events"]:
+        marker = event.get("markerRecordedEventAttributes")
+        if marker is None or marker.get("markerName") != "core_patch":
+            continue
+        for payload in marker["details"]["patch-data"]["payloads"]:
+            data = json.loads(base64.b64decode(payload["data"]))
+            if data["id"] == old_id:
+                data["id"] = new_id
+                payload["data"] = base64.b64encode(json.dumps(data).encode()).decode()
+    return json.dumps(history)
+
+
+async def test_a_run_written_by_a_newer_release_is_left_alone_not_rebased() -> None:
+    """In a rolling upgrade a worker of the older release may check a run a newer one started:
+    its first marker is one this code does not know, and its replay fails here as it must. The
+    guard leaves it alone (the newer workers run it) instead of rebasing or resetting it."""
+    from temporalio.converter import DataConverter
+
+    from workflows.scheduler import PATCH_THROUGH_V13, SCHEDULER_PATCHES
+
+    newer_text = _as_newer_release(
+        (ROOT / "tests" / "histories" / "v13" / "scheduler.json").read_text(),
+        PATCH_THROUGH_V13,
+        "scheduler-patches-through-v99",
+    )
+    newer = WorkflowHistory.from_json("scheduler:default", newer_text)
+    strict = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default)
+    assert isinstance(await strict(newer), NondeterminismError), "this code cannot replay it"
+    guarded = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default, SCHEDULER_PATCHES)
+    assert await guarded(newer) is None
+    # A fault in a run of this release is still one.
+    bad = WorkflowHistory.from_json("scheduler:default", EVIDENCE.read_text())
+    assert isinstance(await guarded(bad), NondeterminismError)
+
+
+def test_every_patch_a_recorded_scheduler_history_holds_is_one_this_release_knows() -> None:
+    from workers.replay_guard import patch_ids
+    from workflows.scheduler import SCHEDULER_PATCHES
+
+    seen: set[str] = set()
+    for path in sorted((ROOT / "tests" / "histories").glob("v*/scheduler*.json")):
+        seen |= patch_ids(WorkflowHistory.from_json("scheduler:default", path.read_text()))
+    assert "scheduler-patches-through-v13" in seen
+    assert seen <= SCHEDULER_PATCHES, seen - SCHEDULER_PATCHES
+
+
 async def test_a_live_scheduler_with_an_unreplayable_history_moves_to_a_clean_run(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
