@@ -251,14 +251,21 @@ async def _shutdown_all(stack: Stack) -> None:
                     f"node {node}'s worker did not shut down in {WORKER_SHUTDOWN_S:g} s: {_still_running(worker)}"
                 )
     timeout = 5 if stuck else 30
-    _, pending = await asyncio.wait(stack.node_tasks, timeout=timeout) if stack.node_tasks else (set(), set())
+    done, pending = await asyncio.wait(stack.node_tasks, timeout=timeout) if stack.node_tasks else (set(), set())
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: a worker that failed has failed its test already
+    if pending and not stuck:
+        stuck.append(f"{len(pending)} node worker task(s) still running {timeout} s after their workers shut down")
     for task in pending:
         task.cancel()
-    for worker in stack.node_workers.values():
-        for servers in _SERVERS.pop(worker, []):
-            await asyncio.wait_for(servers.close(), timeout=30)
-    if stuck:
-        raise RuntimeError("; ".join(stuck))
+    try:
+        for worker in stack.node_workers.values():
+            for servers in _SERVERS.pop(worker, []):
+                await asyncio.wait_for(servers.close(), timeout=30)
+    finally:
+        if stuck:
+            raise RuntimeError("; ".join(stuck))
 
 
 def _still_running(worker: Worker) -> str:
