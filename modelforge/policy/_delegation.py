@@ -28,6 +28,7 @@ The scheduler keeps the invariant and the order of classes:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
@@ -39,6 +40,7 @@ from modelforge.policy._state import (
     DelegatedSlot,
     Lease,
     PoolState,
+    QueuedRequest,
     ResidentPhase,
     ResidentState,
     note_service,
@@ -164,19 +166,8 @@ def _waiting_here(state: PoolState, resident: ResidentState, memo: dict[str, str
     the slots."""
     if memo is not None and resident.key in memo:
         return memo[resident.key]
-    found = ""
-    card = state.catalog.accelerator(resident.accelerator)
-    for queued in state.queue:
-        if queued.assigned_to and queued.assigned_to != resident.key:
-            continue
-        deployment = state.catalog.deployment_for(queued.capability)
-        if deployment is None:
-            continue
-        if deployment.deployment_id == resident.deployment or (
-            card is not None and not static_reason(card, deployment, is_production(state.catalog, queued.priority))
-        ):
-            found = f"{queued.capability} ({queued.priority})"
-            break
+    first = next(_wanting(state, resident), None)
+    found = f"{first[0].capability} ({first[0].priority})" if first is not None else ""
     if memo is not None:
         memo[resident.key] = found
     return found
@@ -261,11 +252,11 @@ def sync_slots(
     return reply, events
 
 
-def _waiters(state: PoolState, resident: ResidentState) -> tuple[int, bool]:
-    """Requests waiting at the scheduler that may want `resident`: how many are for its own
-    deployment, and whether any is for another model that may land on its card (and so may
-    need its memory: then every slot closes, the model may have to go)."""
-    same, other = 0, False
+def _wanting(state: PoolState, resident: ResidentState) -> Iterator[tuple[QueuedRequest, bool]]:
+    """The requests waiting at the scheduler that may want `resident`, in queue order, each with
+    whether it is for the resident's own deployment (else it is for another model that may land
+    on its card, and so may need its memory). The one home of that rule, for `_waiting_here`
+    and `_waiters`."""
     card = state.catalog.accelerator(resident.accelerator)
     for queued in state.queue:
         if queued.assigned_to and queued.assigned_to != resident.key:
@@ -274,8 +265,19 @@ def _waiters(state: PoolState, resident: ResidentState) -> tuple[int, bool]:
         if deployment is None:
             continue
         if deployment.deployment_id == resident.deployment:
-            same += 1
+            yield queued, True
         elif card is not None and not static_reason(card, deployment, is_production(state.catalog, queued.priority)):
+            yield queued, False
+
+
+def _waiters(state: PoolState, resident: ResidentState) -> tuple[int, bool]:
+    """How many requests wait for `resident`'s own deployment, and whether any waits for another
+    model that may need its card's memory (then every slot closes: the model may have to go)."""
+    same, other = 0, False
+    for _, own in _wanting(state, resident):
+        if own:
+            same += 1
+        else:
             other = True
     return same, other
 
