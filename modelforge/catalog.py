@@ -152,6 +152,10 @@ class DeploymentSpec(_Strict):
     env_from_secrets: dict[Annotated[str, Field(max_length=200)], Annotated[str, Field(max_length=100)]] = Field(
         default_factory=dict, max_length=100
     )
+    # The model's context window in tokens (0: not said); clients see it, num_ctx is checked against it.
+    context_length: Annotated[int, Field(ge=0, le=100_000_000)] = 0
+    # Ollama's capability names beyond completion/embedding that the model has.
+    features: list[Literal["tools", "vision", "thinking", "insert"]] = Field(default_factory=list, max_length=4)
 
 
 QueueName = Annotated[str, Field(min_length=1, max_length=60, pattern=r"^[a-z0-9][a-z0-9_-]*$")]

@@ -247,6 +247,12 @@ class Deployment:
     # subprocess_http: environment variable -> the name of a node secret (never its value), read
     # on the node from MODELFORGE_SECRET_<NAME> or $MODELFORGE_SECRETS_DIR/<name> at its start.
     env_from_secrets: dict[str, str] = field(default_factory=dict)
+    # The model's context window in tokens (0: not said): the gateway shows it to clients (Ollama's
+    # /api/show and /api/ps) and refuses a num_ctx past it.
+    context_length: int = 0
+    # What the model can do beyond text or vectors, as Ollama names it ("tools", "vision",
+    # "thinking", "insert"): shown by /api/show, so applications offer those features.
+    features: list[str] = field(default_factory=list)
 
     @property
     def deployment_id(self) -> str:

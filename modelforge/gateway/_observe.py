@@ -13,17 +13,20 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.identifiers import REQUEST_ID
 from modelforge.logging import get_logger
 from modelforge.metrics import GatewayMetrics
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # Routes polled by machines: logged at debug, not counted.
-_QUIET = ("/healthz", "/metrics", "/internal/streams/{stream_id}")
+_QUIET = ("/healthz", "/health", "/metrics", "/internal/streams/{stream_id}")
+# A client's X-Request-Id is echoed only when it is a request id (modelforge/identifiers.py).
 
 
 def log_level_from_env() -> int:
@@ -45,6 +48,24 @@ def _label(value: Any, limit: int = 200) -> str:
     return "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in text[:limit])
 
 
+def _answer_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """Headers every answer carries: `x-request-id` (the request's id: the one the client gave,
+    the one the gateway chose, or a fresh one for an answer that never reached a request), and
+    what the gateway applied of a client's hints (`x-modelforge-keep-alive`)."""
+    state: dict[str, Any] = scope.setdefault("state", {})
+    request_id = state.get("request_id")
+    if not request_id:
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        state["request_id"] = request_id
+    headers = [(b"x-request-id", _label(request_id).encode())]
+    for name in ("keep_alive", "priority_applied"):
+        note = state.get(name)
+        if note:
+            headers.append((f"x-modelforge-{name.replace('_', '-')}".encode(), _label(note, 500).encode()))
+    return headers
+
+
 class AccessLog:
     """ASGI middleware: the access log line and the metrics of every HTTP request."""
 
@@ -63,6 +84,7 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                message["headers"] = [*message.get("headers", []), *_answer_headers(scope)]
             await send(message)
 
         try:
@@ -92,6 +114,9 @@ class AccessLog:
             fields["path"] = _label(scope.get("path"))
         if state.get("model"):
             fields["model"] = _label(state["model"])
+        for hint in ("keep_alive", "priority_applied"):
+            if state.get(hint):
+                fields[hint] = _label(state[hint], 500)
         tokens = state.get("tokens")
         if tokens:
             fields.update(tokens)

@@ -10,15 +10,16 @@ check; a model name maps to a deployment as there (its `capability`, `name` or a
 `{"error": "..."}`, with the ModelForge failure class in `failure_class`.
 
 What is served and what is refused (never dropped silently), field by field, is in README.md's
-"Ollama API" section; in short:
+"Ollama API" section; the translation rules live in `_ollama_translate.py`. In short:
 - `stream` (Ollama's default is true) on chat and generate streams NDJSON lines as the model
-  generates them, then the final one (`done: true`); `stream: false` answers one JSON object
-  (other routes answer one final NDJSON line when streamed).
-- `keep_alive` is parsed as Ollama parses it and accepted where today's residency already does
-  what it asks (`_keep_alive_problem`); anything else is 400, naming it.
-- `options.temperature`, `top_p`, `stop` and `num_predict` (as `max_tokens`) reach the runtime;
-  any other option, `tools`, `format`, images, `think`, `suffix`, `template`, `raw`, `context`
-  and `logprobs` are refused with 400 when set.
+  generates them (thinking and tool calls included), then the final one (`done: true`);
+  `stream: false` answers one JSON object (other routes answer one final NDJSON line).
+- Fields Ollama does not define are ignored, as Ollama ignores them; null is absent.
+- `keep_alive` is a hint: honoured up to what the catalog keeps, said in the answer's
+  `X-ModelForge-Keep-Alive` header, never a reason to fail; only an operator's key unloads.
+- Options, `tools`, `format`, `think`, images and `logprobs` reach an OpenAI-compatible server
+  under its names; a runtime that cannot honour one that changes the answer refuses it by name,
+  and so do `suffix`, `raw`, `template` and `context`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
 from modelforge.gateway._errors import RETRY_AFTER_S
+from modelforge.gateway._ollama_translate import (
+    KeepAlive,
+    TranslationError,
+    chat_messages,
+    keep_alive_decision,
+    ollama_logprobs,
+    ollama_message,
+    ollama_tool_calls,
+    read_options,
+    reasoning_of,
+    response_format,
+    thinking,
+)
+from modelforge.gateway._ollama_translate import Options as _Options
+from modelforge.gateway._params import takes_parameters
 from modelforge.gateway._streams import Stream, StreamHub, next_record
 from modelforge.gateway._streams import outcome as outcome_of
 from modelforge.identifiers import shown
@@ -58,17 +74,11 @@ OLLAMA_API_VERSION = "0.33.0"
 
 NDJSON = "application/x-ndjson"
 
-# Ollama's own default when a request names no keep_alive (the residency policy decides here).
-DEFAULT_KEEP_ALIVE_S = 300.0
-
 # Go's time.ParseDuration, as Ollama parses a keep_alive string: a signed sequence of decimal
 # numbers, each with a unit ("300ms", "-1.5h", "2h45m"); "0" alone needs none.
 _UNITS_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"([+-]?)((?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+)")
 _DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-
-# Ollama option -> the runtime input key it becomes (modelforge/runtimes/_http_api.py passes these).
-_PASSED_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "num_predict": "max_tokens"}
 
 # The zero time, as Ollama's Go prints an unset one: the catalog records no modification time.
 _ZERO_TIME = "0001-01-01T00:00:00Z"
@@ -96,52 +106,6 @@ def parse_keep_alive(value: object) -> float | None:
     if not math.isfinite(value):
         raise ValueError("is not a finite number")
     return math.inf if value < 0 else float(value)
-
-
-def _idle_limit_s(deployment: Deployment) -> float:
-    """How long ModelForge keeps this deployment loaded after its last request today."""
-    if deployment.residency == Residency.ALWAYS_WARM:
-        return math.inf
-    if deployment.residency == Residency.KEEP_WARM:
-        return deployment.ttl_s
-    return 0.0  # load_on_demand and none: unloaded once its last lease ends and nobody waits
-
-
-def _keep_alive_problem(deployment: Deployment, seconds: float | None) -> str | None:
-    """Why this keep_alive cannot be honoured for this deployment, or None. Honoured: what the
-    residency policy does (the catalog's `residency` and `ttl_s`), never past it; `0` unloads a
-    keep_warm model when the call is done (unless another request holds it: it then stays by its
-    TTL); a positive keep_alive up to the idle limit is met (the model stays loaded at least that
-    long unless evicted to make room, as under Ollama). Pinning (negative) is an operator's
-    decision (`modelforge pin`), not a tenant's: refused unless the catalog keeps it loaded."""
-    if seconds is None:
-        return None
-    limit = _idle_limit_s(deployment)
-    residency = deployment.residency.value
-    today = (
-        "it stays loaded until evicted to make room (residency always_warm)"
-        if limit == math.inf
-        else f"it stays loaded {limit:g} s after its last request (residency keep_warm)"
-        if limit > 0
-        else f"it is unloaded when its last request ends (residency {residency})"
-    )
-    name = deployment.deployment_id
-    if seconds == 0 and limit == math.inf:
-        return (
-            f"keep_alive: 0 (unload when done) cannot unload {name}: the catalog keeps it loaded; {today}. "
-            "Leave keep_alive out."
-        )
-    if seconds == math.inf and limit != math.inf:
-        return (
-            f"keep_alive: a negative value (keep loaded) is not supported yet: ModelForge cannot pin {name} "
-            f"on request; {today}. Leave keep_alive out."
-        )
-    if 0 < seconds < math.inf and seconds > limit:
-        return (
-            f"keep_alive: {seconds:g} s is past the catalog's idle limit for {name}: {today}. "
-            f"Ask for at most {limit:g} s or leave keep_alive out."
-        )
-    return None
 
 
 def _now() -> str:
@@ -190,11 +154,15 @@ def _modelforge(deployment: Deployment) -> dict[str, Any]:
 
 
 class _Body(BaseModel):
-    # A field Ollama does not define is refused by name, not ignored: nothing is dropped silently.
-    model_config = ConfigDict(extra="forbid")
+    # Ollama ignores fields it does not define, and so does this API (logged at debug): Open
+    # WebUI's title generation puts `num_predict` at the root of /api/chat, newer clients send
+    # fields of later Ollama releases. Null is absent everywhere.
+    model_config = ConfigDict(extra="allow")
 
 
 _Model = Annotated[str, Field(min_length=1, max_length=200)]
+# keep_alive as the client sent it: read by parse_keep_alive (a bool is not coerced to 1 s).
+_KeepAlive = Annotated[Any, Field(default=None)]
 
 
 class _Message(_Body):
@@ -204,22 +172,23 @@ class _Message(_Body):
     thinking: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
+    tool_call_id: str | None = None
 
 
 class _Generation(_Body):
     model: _Model
     stream: bool | None = None
-    keep_alive: float | str | None = None
+    keep_alive: _KeepAlive = None
     options: dict[str, Any] | None = None
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class _Chat(_Generation):
     messages: Annotated[list[_Message], Field(max_length=1000)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
 
 
 class _Generate(_Generation):
@@ -237,10 +206,10 @@ class _Generate(_Generation):
 
 class _Embed(_Body):
     model: _Model
-    input: str | list[str] = ""
+    input: str | list[str] | None = None
     truncate: bool | None = None
     options: dict[str, Any] | None = None
-    keep_alive: float | str | None = None
+    keep_alive: _KeepAlive = None
     dimensions: Annotated[int, Field(gt=0)] | None = None
 
 
@@ -248,7 +217,7 @@ class _Embeddings(_Body):
     model: _Model
     prompt: str | None = None
     options: dict[str, Any] | None = None
-    keep_alive: float | str | None = None
+    keep_alive: _KeepAlive = None
 
 
 class _Pull(_Body):
@@ -262,6 +231,13 @@ class _Show(_Body):
     model: str | None = None
     name: str | None = None  # the older spelling of `model`
     verbose: bool | None = None
+
+
+def _ignored(call: BaseModel, where: str = "") -> None:
+    """Fields this API does not define, ignored as Ollama ignores them: logged at debug."""
+    extra = sorted(call.model_extra or {})
+    if extra:
+        _log.debug("ollama request: ignored field(s) %s%s", where, ", ".join(_app._escaped(n, 40) for n in extra[:20]))
 
 
 def _invalid(message: str) -> _app.GatewayError:
@@ -279,45 +255,22 @@ def _refuse_set(fields: dict[str, object]) -> None:
             raise _not_supported(name, f"{name} {shown(str(value)[:40])}")
 
 
-def _takes_options(deployment: Deployment) -> bool:
-    """Whether the runtime hands sampling options to its model server: only an OpenAI-compatible
-    chat server (the registry's `speaks`: api openai_chat) reads them."""
+def _rich(deployment: Deployment) -> bool:
+    """Whether the runtime hands the request to an OpenAI-compatible chat server (the registry's
+    `speaks`: api openai_chat): it then takes sampling options, tools, formats, images."""
     return speaks(deployment).api == "openai_chat"
 
 
-def _sampling(options: dict[str, Any] | None, deployment: Deployment) -> dict[str, Any]:
-    """The options the runtime receives (as its input keys); any other option is refused by
-    name, and so is any option for a runtime that would not pass it on."""
-    passed: dict[str, Any] = {}
-    for name, value in (options or {}).items():
-        if name not in _PASSED_OPTIONS:
-            raise _invalid(
-                f"options.{_app._escaped(name, 60)} is not supported by ModelForge yet (it passes "
-                f"{', '.join(sorted(_PASSED_OPTIONS))}); leave it out"
-            )
-        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if name == "stop":
-            stops = [value] if isinstance(value, str) else value
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-                raise _invalid("options.stop: give up to 16 non-empty strings")
-            if stops:
-                passed["stop"] = stops
-        elif name == "num_predict":
-            if not number or int(value) != value or value == 0 or value < -1:
-                raise _invalid("options.num_predict: a positive whole number, or -1 for no limit")
-            if value > 0:
-                passed["max_tokens"] = int(value)
-        elif not number or value < 0 or (name == "top_p" and value > 1):
-            raise _invalid(f"options.{name}: a number {'from 0 to 1' if name == 'top_p' else '0 or more'}")
-        else:
-            passed[_PASSED_OPTIONS[name]] = value
-    if passed and not _takes_options(deployment):
-        given = ", ".join(f"options.{name}" for name in sorted(options or {}) if name in _PASSED_OPTIONS)
-        raise _invalid(
-            f"{given}: {deployment.capability} (runtime {deployment.runtime}) takes no sampling options; leave "
-            "them out, or serve the model from an OpenAI-compatible server (subprocess_http, api openai_chat)"
-        )
-    return passed
+def _takes_sampling(deployment: Deployment) -> bool:
+    """Whether sampling options reach the model: the same rule as the OpenAI routes' parameters."""
+    return takes_parameters(deployment, "openai_chat")
+
+
+def _translated(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except TranslationError as error:
+        raise _invalid(str(error)) from None
 
 
 def _counts(output: dict[str, Any], prompt: list[str], answer: str | None) -> dict[str, int]:
@@ -397,6 +350,39 @@ RequestIdOf = Callable[[Request], str]
 OpenStream = Callable[..., Awaitable[tuple[Stream, "asyncio.Task[Result]", dict[str, Any] | None]]]
 
 
+def tagged(name: str) -> str:
+    """A catalog name as Ollama lists it: `name:tag`, `:latest` when the name has no tag."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def _names(deployment: Deployment) -> list[str]:
+    return list(dict.fromkeys([deployment.capability, *deployment.openai_models]))
+
+
+def _template(deployment: Deployment) -> str:
+    # A Go template as Ollama's /api/show gives it. The model server applies the model's own chat
+    # template; this one says what ModelForge sends: system and prompt, no `.Suffix` (so
+    # applications such as Continue do not send fill-in-the-middle requests it would refuse).
+    if "completion" not in _kinds(deployment):
+        return ""
+    return "{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}"
+
+
+def _parameters_text(deployment: Deployment) -> str:
+    # Ollama's `parameters`: one "name value" per line; what the catalog fixes for every caller.
+    lines = [f"num_ctx {deployment.context_length}"] if deployment.context_length else []
+    return "\n".join(lines)
+
+
+def _capabilities(deployment: Deployment) -> list[str]:
+    """Ollama's capability names: what the runtime answers, and the catalog's `features` (tools,
+    vision, thinking, insert) where the runtime passes them through (an OpenAI-compatible server)."""
+    kinds = _kinds(deployment)
+    if "completion" in kinds and _rich(deployment):
+        kinds += [f for f in deployment.features if f != "insert"]
+    return kinds
+
+
 def ollama_router(
     catalog: _app._Catalog,
     requester: _app.Requester,
@@ -405,26 +391,39 @@ def ollama_router(
     request_id_of: RequestIdOf,
     open_stream: OpenStream | None = None,
     hub: StreamHub | None = None,
+    is_operator: Callable[[Request], bool] = lambda request: False,
 ) -> APIRouter:
     """The `/api/*` routes on `create_app`'s catalog cache, requester and helpers; included into
-    its authenticated router, so the API key is checked first, as on every other route."""
+    its authenticated router, so the API key is checked first, as on every other route.
+    `is_operator`: whether the caller's key is an operator's (it may unload through keep_alive)."""
     router = APIRouter(route_class=_OllamaRoute)
 
     async def deployment_of(model: str) -> Deployment:
-        _app._check("capability", model)
+        """A model name as Ollama applications send it: a catalog name, with or without `:latest`,
+        or without the tag of the one catalog name that has it (`qwen` for `qwen:7b`)."""
+        _app._check("capability", model.removesuffix(":latest"))
         known = await catalog.get()
-        names = [model, model.removesuffix(":latest")] if model.endswith(":latest") else [model]
-        for name in names:
+        wanted = [model, model.removesuffix(":latest")] if model.endswith(":latest") else [model]
+        for name in wanted:
             for deployment in known.deployments:
-                if name in (deployment.capability, deployment.name, *deployment.openai_models):
+                if name in _names(deployment) or name == deployment.name:
                     return deployment
+        base = model.removesuffix(":latest")
+        if ":" not in base:
+            untagged = {d.deployment_id: d for d in known.deployments for n in _names(d) if n.split(":")[0] == base}
+            if len(untagged) == 1:
+                return next(iter(untagged.values()))
         raise _app.GatewayError(
             FailureClass.CAPABILITY_UNAVAILABLE,
             f"model {shown(model)} not found: no ModelForge deployment serves it (GET /api/tags lists the models)",
             status=404,
         )
 
-    async def resolve(model: str, keep_alive: object, kind: str) -> Deployment:
+    async def resolve(
+        request: Request, model: str, keep_alive: object, kind: str
+    ) -> tuple[Deployment, KeepAlive | None]:
+        """The deployment a call names, and what its keep_alive does for this caller (said in the
+        answer's X-ModelForge-Keep-Alive header and the access log)."""
         try:
             seconds = parse_keep_alive(keep_alive)
         except ValueError as error:
@@ -433,18 +432,26 @@ def ollama_router(
         if kind not in _kinds(deployment):
             verb = {"completion": "chat or generate", "embedding": "embeddings"}[kind]
             raise _invalid(f"{shown(model)} does not support {verb} (it is {'/'.join(_kinds(deployment))})")
-        problem = _keep_alive_problem(deployment, seconds)
-        if problem is not None:
-            raise _invalid(problem)
-        return deployment
+        decision = keep_alive_decision(deployment, seconds, operator=is_operator(request))
+        if decision is not None:
+            request.state.keep_alive = decision.header()
+        return deployment, decision
 
-    async def unload_if_asked(keep_alive: object, deployment: Deployment) -> None:
-        """keep_alive 0 on a model the catalog keeps warm: unloaded now that the call is done,
-        unless another request holds it (then it stays by its TTL)."""
-        if _idle_limit_s(deployment) <= 0 or parse_keep_alive(keep_alive) != 0:
-            return
-        with contextlib.suppress(ModelForgeError):
-            await requester.residency("unload", deployment.deployment_id, actor="ollama keep_alive 0")
+    async def unload_if_asked(request: Request, decision: KeepAlive | None, deployment: Deployment) -> bool:
+        """An operator's keep_alive 0: the model drains (no new lease) and unloads when its last
+        lease ends, recorded with who asked. Whether it was done; why not is in the header."""
+        if decision is None or not decision.unload:
+            return False
+        try:
+            reply = await requester.residency(
+                "unload", deployment.deployment_id, drain=True, actor=f"ollama keep_alive 0 by {request.state.tenant}"
+            )
+        except ModelForgeError as error:
+            request.state.keep_alive = f"{decision.header()}; not unloaded: {error.message}"
+            return False
+        if not reply.ok:
+            request.state.keep_alive = f"{decision.header()}; not unloaded: {reply.message}"
+        return reply.ok
 
     async def invoke(request: Request, deployment: Deployment, payload: dict[str, Any]) -> Result:
         result: Result = await run(
@@ -462,20 +469,22 @@ def ollama_router(
             "eval_duration": _ns(spent.get("invoke_s")),
         }
 
-    def loaded(model: str, key: str, began: float, unload: bool) -> dict[str, Any]:
+    def loaded(model: str, key: str, began: float, unloaded: bool) -> dict[str, Any]:
         # Ollama's answer to a call with nothing to do (no messages, no prompt): it loads the
-        # model, or with keep_alive 0 unloads it. ModelForge loads on the first real request.
+        # model, or with keep_alive 0 unloads it. ModelForge loads on the first real request;
+        # "unload" is said only when an unload was really asked of the scheduler.
         return {
             "model": model,
             "created_at": _now(),
             key: {"role": "assistant", "content": ""} if key == "message" else "",
             "done": True,
-            "done_reason": "unload" if unload else "load",
+            "done_reason": "unload" if unloaded else "load",
             **timings(None, began),
         }
 
     def text_of(result: Result, deployment: Deployment) -> str:
-        text = (result.output or {}).get("text")
+        output = result.output or {}
+        text = output.get("text")
         if not isinstance(text, str):
             raise _app.GatewayError(
                 FailureClass.INVALID_OUTPUT, f"{deployment.capability} returned no 'text'", request_id=result.request_id
@@ -501,18 +510,27 @@ def ollama_router(
         key: str,
         prompt: list[str],
         began: float,
-        keep_alive: object = None,
+        decision: KeepAlive | None,
     ) -> Response:
         """Ollama's NDJSON stream: a line per piece as the model generates it (`done: false`),
-        then the final line with the counts and durations (`done: true`). A failure after the
-        first piece ends the stream with Ollama's `{"error": ...}` line."""
+        its thinking and tool calls included, then the final line with the counts and durations
+        (`done: true`). A failure after the first piece ends the stream with Ollama's
+        `{"error": ...}` line."""
         assert open_stream is not None and hub is not None
         request_id = request_id_of(request)
         tenant = request.state.tenant
         stream, task, first = await open_stream(request, deployment.capability, payload, request_id, tenant)
 
-        def piece(text: str) -> dict[str, Any]:
-            content: Any = {"role": "assistant", "content": text} if key == "message" else text
+        def piece(text: str, thought: str | None = None, calls: Any = None) -> dict[str, Any]:
+            content: Any = text
+            if key == "message":
+                content = {"role": "assistant", "content": text}
+                if thought:
+                    content["thinking"] = thought
+                if calls:
+                    content["tool_calls"] = ollama_tool_calls(calls)
+            elif thought:
+                return {"model": model, "created_at": _now(), key: text, "thinking": thought, "done": False}
             return {"model": model, "created_at": _now(), key: content, "done": False}
 
         async def lines() -> AsyncIterator[str]:
@@ -520,13 +538,13 @@ def ollama_router(
             try:
                 record = first
                 while record is not None:
-                    delta = record.get("delta")
-                    if isinstance(delta, str):
+                    delta, thought, calls = stream_delta(record)
+                    if delta or thought or calls:
                         if not text:
                             request.state.first_token_at = time.perf_counter()
                         text.append(delta)
-                        yield json.dumps(piece(delta), separators=(",", ":")) + "\n"
-                    elif "finish_reason" in record:
+                        yield json.dumps(piece(delta, thought, calls), separators=(",", ":")) + "\n"
+                    if "finish_reason" in record:
                         whole = "".join(text)
                         last = piece("")
                         last.update(
@@ -551,36 +569,67 @@ def ollama_router(
                 yield json.dumps({"error": message, "failure_class": failure, "request_id": request_id}) + "\n"
             finally:
                 hub.close(stream)
-                if keep_alive is not None and parse_keep_alive(keep_alive) == 0:
+                if decision is not None and decision.unload:
                     # The lease goes back when the invoke ends, a moment after the last piece.
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(asyncio.shield(task), timeout=30)
-                    await unload_if_asked(keep_alive, deployment)
+                    await unload_if_asked(request, decision, deployment)
 
         return StreamingResponse(lines(), media_type=NDJSON)
+
+    def chat_payload(call: _Chat, deployment: Deployment, options: _Options) -> dict[str, Any]:
+        """The runtime's input for an Ollama chat: OpenAI's shape, with tools, format, think and
+        logprobs as parameters for an OpenAI-compatible server; refused by name for a runtime that
+        would lose them."""
+        rich = _rich(deployment)
+        raw = [m.model_dump(exclude_none=True) for m in call.messages or []]
+        messages = _translated(lambda: chat_messages(raw, rich=rich))
+        extras: dict[str, Any] = {}
+        if call.tools:
+            extras["tools"] = call.tools
+        extras.update(_translated(lambda: generation_parameters(call)))
+        if extras and not rich:
+            first = next(iter(extras))
+            shown_name = {"response_format": "format", "chat_template_kwargs": "think", "reasoning_effort": "think"}
+            raise _invalid(
+                f"{shown_name.get(first, first)}: {deployment.capability} (runtime {deployment.runtime}) cannot honour "
+                "it; serve the model from an OpenAI-compatible server (subprocess_http, api openai_chat)"
+            )
+        parameters = {**options.sampling, **extras}
+        payload: dict[str, Any] = {"messages": messages}
+        if parameters:
+            payload["parameters"] = parameters
+        return payload
+
+    def generation_parameters(call: _Generation) -> dict[str, Any]:
+        extras: dict[str, Any] = {}
+        shaped = response_format(call.format)
+        if shaped is not None:
+            extras["response_format"] = shaped
+        extras.update(thinking(call.think))
+        if call.logprobs:
+            extras["logprobs"] = True
+            if call.top_logprobs:
+                extras["top_logprobs"] = call.top_logprobs
+        return extras
+
+    def final_message(output: dict[str, Any]) -> dict[str, Any]:
+        return ollama_message(output)
 
     @router.post("/api/chat")
     async def chat(request: Request) -> Response:
         began = time.monotonic()
         call: _Chat = await body_of(request, _Chat)
-        _refuse_unsupported_generation(call)
-        _refuse_set({"tools": call.tools})
-        messages = []
-        for n, message in enumerate(call.messages or []):
-            _refuse_set(
-                {
-                    f"messages[{n}].images": message.images,
-                    f"messages[{n}].tool_calls": message.tool_calls,
-                    f"messages[{n}].tool_name": message.tool_name,
-                    f"messages[{n}].thinking": message.thinking,
-                }
-            )
-            messages.append({"role": message.role, "content": message.content or ""})
-        deployment = await resolve(call.model, call.keep_alive, "completion")
-        payload: dict[str, Any] = {"messages": messages, **_sampling(call.options, deployment)}
-        if not messages:  # Ollama's load (or, with keep_alive 0, unload) of a model
-            await unload_if_asked(call.keep_alive, deployment)
-            return _answer(loaded(call.model, "message", began, parse_keep_alive(call.keep_alive) == 0), call.stream)
+        _ignored(call, "/api/chat: ")
+        deployment, decision = await resolve(request, call.model, call.keep_alive, "completion")
+        options = _translated(
+            lambda: read_options(call.options, deployment, takes_sampling=_takes_sampling(deployment))
+        )
+        if not call.messages:  # Ollama's load (or, with keep_alive 0, unload) of a model
+            unloaded = await unload_if_asked(request, decision, deployment)
+            return _answer(loaded(call.model, "message", began, unloaded), call.stream)
+        payload = chat_payload(call, deployment, options)
+        prompt = [m.content or "" for m in call.messages]
         if call.stream is not False and open_stream is not None:
             return await streamed(
                 request,
@@ -588,36 +637,38 @@ def ollama_router(
                 payload,
                 model=call.model,
                 key="message",
-                prompt=[m["content"] for m in messages],
+                prompt=prompt,
                 began=began,
-                keep_alive=call.keep_alive,
+                decision=decision,
             )
         result = await invoke(request, deployment, payload)
         text = text_of(result, deployment)
-        await unload_if_asked(call.keep_alive, deployment)
-        return _answer(
-            {
-                "model": call.model,
-                "created_at": _now(),
-                "message": {"role": "assistant", "content": text},
-                "done": True,
-                "done_reason": str((result.output or {}).get("finish_reason") or "stop"),
-                **timings(result, began),
-                **_counts(result.output or {}, [m["content"] for m in messages], text),
-                "request_id": result.request_id,
-            },
-            call.stream,
-        )
+        output = result.output or {}
+        await unload_if_asked(request, decision, deployment)
+        body: dict[str, Any] = {
+            "model": call.model,
+            "created_at": _now(),
+            "message": final_message(output),
+            "done": True,
+            "done_reason": str(output.get("finish_reason") or "stop"),
+            **timings(result, began),
+            **_counts(output, prompt, text),
+            "request_id": result.request_id,
+        }
+        logprobs = ollama_logprobs(output) if call.logprobs else None
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        return _answer(body, call.stream)
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
         began = time.monotonic()
         call: _Generate = await body_of(request, _Generate)
-        _refuse_unsupported_generation(call)
+        _ignored(call, "/api/generate: ")
+        # Each of these changes the answer and has no chat equivalent: refused by name.
         _refuse_set(
             {
                 "suffix": call.suffix,
-                "images": call.images,
                 "template": call.template,
                 "context": call.context,
                 "raw": call.raw,
@@ -626,55 +677,80 @@ def ollama_router(
                 "steps": call.steps,
             }
         )
-        deployment = await resolve(call.model, call.keep_alive, "completion")
-        sampling = _sampling(call.options, deployment)
+        deployment, decision = await resolve(request, call.model, call.keep_alive, "completion")
+        options = _translated(
+            lambda: read_options(call.options, deployment, takes_sampling=_takes_sampling(deployment))
+        )
         if not call.prompt:  # Ollama's load (or, with keep_alive 0, unload) of a model
-            await unload_if_asked(call.keep_alive, deployment)
-            return _answer(loaded(call.model, "response", began, parse_keep_alive(call.keep_alive) == 0), call.stream)
+            unloaded = await unload_if_asked(request, decision, deployment)
+            return _answer(loaded(call.model, "response", began, unloaded), call.stream)
         # A one-turn chat: ModelForge's text runtimes speak chat (the model server applies the
         # model's own template, as Ollama does for a prompt that is not `raw`).
-        messages = [{"role": "system", "content": call.system}] if call.system else []
-        messages.append({"role": "user", "content": call.prompt})
+        turns: list[dict[str, Any]] = [{"role": "system", "content": call.system}] if call.system else []
+        turns.append({"role": "user", "content": call.prompt, **({"images": call.images} if call.images else {})})
+        as_chat = _Chat.model_validate(
+            {
+                "model": call.model,
+                "messages": turns,
+                "format": call.format,
+                "think": call.think,
+                "logprobs": call.logprobs,
+                "top_logprobs": call.top_logprobs,
+            }
+        )
+        payload = chat_payload(as_chat, deployment, options)
+        prompt = [str(m["content"]) for m in turns]
         if call.stream is not False and open_stream is not None:
             return await streamed(
                 request,
                 deployment,
-                {"messages": messages, **sampling},
+                payload,
                 model=call.model,
                 key="response",
-                prompt=[m["content"] for m in messages],
+                prompt=prompt,
                 began=began,
-                keep_alive=call.keep_alive,
+                decision=decision,
             )
-        result = await invoke(request, deployment, {"messages": messages, **sampling})
+        result = await invoke(request, deployment, payload)
         text = text_of(result, deployment)
-        await unload_if_asked(call.keep_alive, deployment)
-        return _answer(
-            {
-                "model": call.model,
-                "created_at": _now(),
-                "response": text,
-                "done": True,
-                "done_reason": str((result.output or {}).get("finish_reason") or "stop"),
-                **timings(result, began),
-                **_counts(result.output or {}, [m["content"] for m in messages], text),
-                "request_id": result.request_id,
-            },
-            call.stream,
-        )
+        output = result.output or {}
+        await unload_if_asked(request, decision, deployment)
+        body: dict[str, Any] = {
+            "model": call.model,
+            "created_at": _now(),
+            "response": text,
+            "done": True,
+            "done_reason": str(output.get("finish_reason") or "stop"),
+            **timings(result, began),
+            **_counts(output, prompt, text),
+            "request_id": result.request_id,
+        }
+        thought = final_message(output).get("thinking")
+        if thought:
+            body["thinking"] = thought
+        logprobs = ollama_logprobs(output) if call.logprobs else None
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        return _answer(body, call.stream)
+
+    def embedding_options(options: dict[str, Any] | None, deployment: Deployment) -> None:
+        # LangChain's OllamaEmbeddings sends 13 options, null unless set. Runner options and
+        # num_ctx are accepted; a sampling option means nothing to an embedding and is ignored.
+        _translated(lambda: read_options(options, deployment, takes_sampling=True))
 
     @router.post("/api/embed")
     async def embed(request: Request) -> Response:
         began = time.monotonic()
         call: _Embed = await body_of(request, _Embed)
+        _ignored(call, "/api/embed: ")
         if call.truncate is False:
             raise _not_supported("truncate", "truncate false (an error past the context length)")
-        if call.options:
-            raise _not_supported("options", f"options ({', '.join(sorted(call.options)[:5])}) on embeddings")
-        texts = ([call.input] if call.input else []) if isinstance(call.input, str) else list(call.input)
+        given = call.input or ""
+        texts = ([given] if given else []) if isinstance(given, str) else list(given)
         if any(not t for t in texts):
             raise _invalid("input: give one or more non-empty strings")
-        deployment = await resolve(call.model, call.keep_alive, "embedding")
+        deployment, _ = await resolve(request, call.model, call.keep_alive, "embedding")
+        embedding_options(call.options, deployment)
         if not texts:  # Ollama loads the model and answers no vectors
             return JSONResponse({"model": call.model, "embeddings": [], **timings(None, began)})
         result = await invoke(request, deployment, {"texts": texts})
@@ -696,9 +772,9 @@ def ollama_router(
     @router.post("/api/embeddings")
     async def embeddings(request: Request) -> Response:
         call: _Embeddings = await body_of(request, _Embeddings)
-        if call.options:
-            raise _not_supported("options", f"options ({', '.join(sorted(call.options)[:5])}) on embeddings")
-        deployment = await resolve(call.model, call.keep_alive, "embedding")
+        _ignored(call, "/api/embeddings: ")
+        deployment, _ = await resolve(request, call.model, call.keep_alive, "embedding")
+        embedding_options(call.options, deployment)
         if not call.prompt:  # Ollama answers an empty prompt with an empty vector
             return JSONResponse({"embedding": []})
         result = await invoke(request, deployment, {"texts": [call.prompt]})
@@ -710,23 +786,23 @@ def ollama_router(
         known = await catalog.get()
         models = []
         for deployment in known.deployments:
-            for name in [deployment.capability, *deployment.openai_models]:
+            for name in _names(deployment):
                 models.append(
                     {
-                        "name": name,
-                        "model": name,
+                        "name": tagged(name),
+                        "model": tagged(name),
                         "modified_at": _ZERO_TIME,
                         "size": deployment.resident_bytes,
                         "digest": deployment.artifact_sha256,
                         "details": _details(deployment),
-                        "capabilities": _kinds(deployment),
+                        "capabilities": _capabilities(deployment),
                         "modelforge": _modelforge(deployment),
                     }
                 )
         return JSONResponse({"models": models})
 
     @router.get("/api/ps")
-    async def ps() -> Response:
+    async def ps(request: Request) -> Response:
         try:
             pool = await requester.status()
         except ModelForgeError as error:
@@ -746,14 +822,14 @@ def ollama_router(
                 expires = _rfc3339(pool.now)
             models.append(
                 {
-                    "name": resident.capability,
-                    "model": resident.capability,
+                    "name": tagged(resident.capability),
+                    "model": tagged(resident.capability),
                     "size": resident.bytes,
                     "digest": deployment.artifact_sha256 if deployment else "",
                     "details": _details(deployment) if deployment else {},
                     "expires_at": expires,
                     "size_vram": resident.bytes if kinds.get(resident.accelerator, "gpu") != "cpu" else 0,
-                    "context_length": 0,
+                    "context_length": deployment.context_length if deployment else 0,
                     "modelforge": {
                         **(_modelforge(deployment) if deployment else {}),
                         "accelerator": resident.accelerator,
@@ -771,22 +847,26 @@ def ollama_router(
         if not model:
             raise _invalid("model: required")
         deployment = await deployment_of(model)
+        info: dict[str, Any] = {
+            "general.architecture": deployment.runtime,
+            "modelforge.capability": deployment.capability,
+            "modelforge.deployment": deployment.deployment_id,
+            "modelforge.residency": deployment.residency.value,
+            "modelforge.ttl_s": deployment.ttl_s,
+            "modelforge.envelope_bytes": deployment.envelope_bytes,
+            "modelforge.concurrency": deployment.concurrency,
+        }
+        if deployment.context_length:
+            # Where Ollama clients read it: `<architecture>.context_length` (Continue, Open WebUI).
+            info[f"{deployment.runtime}.context_length"] = deployment.context_length
         return JSONResponse(
             {
                 "modelfile": "",
-                "parameters": "",
-                "template": "",
+                "parameters": _parameters_text(deployment),
+                "template": _template(deployment),
                 "details": _details(deployment),
-                "model_info": {
-                    "general.architecture": deployment.runtime,
-                    "modelforge.capability": deployment.capability,
-                    "modelforge.deployment": deployment.deployment_id,
-                    "modelforge.residency": deployment.residency.value,
-                    "modelforge.ttl_s": deployment.ttl_s,
-                    "modelforge.envelope_bytes": deployment.envelope_bytes,
-                    "modelforge.concurrency": deployment.concurrency,
-                },
-                "capabilities": _kinds(deployment),
+                "model_info": info,
+                "capabilities": _capabilities(deployment),
                 "modified_at": _ZERO_TIME,
             }
         )
@@ -795,6 +875,11 @@ def ollama_router(
     async def heartbeat() -> Response:
         # What Ollama answers here; its CLI and some applications check it before anything else.
         return PlainTextResponse("Ollama is running")
+
+    @router.api_route("/api/status", methods=["GET", "HEAD"], include_in_schema=False)
+    async def api_status() -> Response:
+        # Ollama's cloud-status route, which newer clients probe: this server is local.
+        return JSONResponse({"cloud": {"disabled": True, "source": "modelforge"}})
 
     @router.post("/api/pull")
     async def pull(request: Request) -> Response:
@@ -837,10 +922,18 @@ def ollama_router(
     return router
 
 
-def _refuse_unsupported_generation(call: _Generation) -> None:
-    _refuse_set({"format": call.format, "think": call.think, "logprobs": call.logprobs})
-    if call.top_logprobs:
-        raise _not_supported("top_logprobs", "top_logprobs")
+def stream_delta(record: dict[str, Any]) -> tuple[str, str | None, Any]:
+    """A streamed record's text, thinking and tool calls (the first choice's: Ollama streams one)."""
+    delta = record.get("delta")
+    shaped: dict[str, Any] = delta if isinstance(delta, dict) else {}
+    choices = record.get("choices")
+    if isinstance(choices, list):  # OpenAI's chunk shape: the first choice's delta
+        first = [c for c in choices if isinstance(c, dict) and c.get("index", 0) in (0, None)]
+        if not first:
+            return "", None, None
+        shaped = first[0].get("delta") if isinstance(first[0].get("delta"), dict) else {}
+    text: str = delta if isinstance(delta, str) else str(shaped.get("content") or "")
+    return text, reasoning_of(shaped), shaped.get("tool_calls") or None
 
 
 def _shortened(vector: list[float], dimensions: int) -> list[float]:

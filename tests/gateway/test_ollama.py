@@ -40,6 +40,8 @@ runtime = "subprocess_http"
 command = [{json.dumps(sys.executable)}, "-m", "modelforge.runtimes.toy_server", "--port", "{{port}}"]
 runtime_config = {{ api = "openai_chat", ready_timeout_s = "30" }}
 openai_models = ["toy-chat"]
+context_length = 32768
+features = ["tools", "thinking"]
 """
 
 
@@ -98,14 +100,17 @@ async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, c
     assert "".join(p.message.content or "" for p in parts) == whole.message.content
     assert parts[-1].done_reason == "stop" and parts[-1].prompt_eval_count == whole.prompt_eval_count
 
-    # Sampling options reach a model server that reads them; a runtime that would lose them refuses them.
-    options = {"temperature": 0.2, "top_p": 0.9, "num_predict": 64, "stop": ["\n\n"]}
-    toy = await client.chat(model="toy-chat", messages=[{"role": "user", "content": "hi toy"}], options=options)
-    assert (toy.message.content or "").startswith("[toy server]") and "hi toy" in (toy.message.content or "")
-    refused = await _refused(
-        client.chat(model="small-chat", messages=[{"role": "user", "content": "x"}], options=options), 400
+    # Sampling options reach a model server that reads them; runner options and num_ctx within the
+    # model's context are accepted; null options are absent (LlamaIndex sends temperature: null).
+    options = {"temperature": 0.2, "top_p": 0.9, "num_predict": 64, "stop": ["\n\n"], "num_thread": 8}
+    toy = await client.chat(
+        model="toy-chat", messages=[{"role": "user", "content": "hi toy"}], options={**options, "top_k": None}
     )
-    assert "options.temperature" in str(refused.error) and "takes no sampling options" in str(refused.error)
+    assert (toy.message.content or "").startswith("[toy server]") and "hi toy" in (toy.message.content or "")
+    too_long = await _refused(
+        client.chat(model="toy-chat", messages=[{"role": "user", "content": "x"}], options={"num_ctx": 65536}), 400
+    )
+    assert "options.num_ctx" in str(too_long.error) and "32768" in str(too_long.error)
 
     generated = await client.generate(model="chat.small@1", prompt="why is the sky blue?", system="short answers")
     assert generated.done and "why is the sky blue?" in (generated.response or "")
@@ -136,19 +141,29 @@ async def test_embed_embeddings_tags_ps_show_and_version(gateway: _Served, clien
     # Same text, same deployment, same vector, whichever route and name.
     assert list(older.embedding) == pytest.approx(list(embedded.embeddings[0]))
 
+    # Listed as Ollama lists models, name:tag (Open WebUI looks a model up by it), each usable so.
     listed = {m.model: m for m in (await client.list()).models}
-    assert {"small-chat", "chat.small@1", "all-MiniLM-L6-v2", "rag.embedding@1", "ondemand-chat"} <= set(listed)
-    assert listed["small-chat"].size == 4 * 1024**3 and listed["small-chat"].details is not None
+    assert {"small-chat:latest", "chat.small@1:latest", "all-MiniLM-L6-v2:latest", "ondemand-chat:latest"} <= set(
+        listed
+    )
+    assert listed["small-chat:latest"].size == 4 * 1024**3 and listed["small-chat:latest"].details is not None
+    for name in listed:
+        assert (await client.show(name)).details is not None
 
     # What is loaded now: the embedding model just used, on the simulated card, with an expiry.
     running = {m.model: m for m in (await client.ps()).models}
-    embedding = running["rag.embedding@1"]
+    embedding = running["rag.embedding@1:latest"]
     assert embedding.size == embedding.size_vram == 1216348160 and embedding.expires_at is not None
 
     shown = await client.show("small-chat")
     assert shown.details is not None and shown.details.family == "chat.small@1"
     assert shown.modelinfo is not None and shown.modelinfo["modelforge.residency"] == "keep_warm"
     assert shown.capabilities is not None and "completion" in shown.capabilities
+    assert shown.template and ".Suffix" not in shown.template  # no fill-in-the-middle asked of it
+    toy = await client.show("toy-chat:latest")
+    assert toy.capabilities is not None and {"completion", "tools", "thinking"} <= set(toy.capabilities)
+    assert toy.modelinfo is not None and toy.modelinfo["subprocess_http.context_length"] == 32768
+    assert toy.parameters == "num_ctx 32768"
 
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         version = (await http.get("/api/version")).json()
@@ -174,29 +189,23 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, clien
 
     bad = await _refused(client.generate(model="small-chat", prompt="x", keep_alive="five minutes"), 400)
     assert "keep_alive" in str(bad.error)
-    # Values today's residency cannot honour are refused by name, never dropped.
-    cases: list[tuple[float | str, str]] = [
-        (-1, "keep loaded"),
-        ("2h", "idle limit"),
-        ("-5m", "keep loaded"),
-    ]
-    for keep_alive, fragment in cases:
-        refused = await _refused(
-            client.chat(model="small-chat", messages=[{"role": "user", "content": "x"}], keep_alive=keep_alive), 400
-        )
-        assert "keep_alive" in str(refused.error) and fragment in str(refused.error), refused.error
-    refused = await _refused(client.generate(model="small-chat", prompt="x", options={"seed": 7}), 400)
-    assert "options.seed" in str(refused.error)
+    # A parameter that would change the answer and this runtime cannot honour: refused by name.
     refused = await _refused(client.generate(model="small-chat", prompt="x", format="json"), 400)
     assert "format" in str(refused.error)
+    refused = await _refused(client.generate(model="toy-chat", prompt="x", suffix="return x"), 400)
+    assert "suffix" in str(refused.error)
+    refused = await _refused(client.chat(model="toy-chat", messages=[{"role": "wizard", "content": "x"}]), 400)
+    assert "wizard" in str(refused.error) and "role" in str(refused.error)
 
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         answer = await http.post("/api/chat", json={"model": "always-on", "messages": [], "keep_alive": 0})
         assert answer.status_code == 404 and answer.json()["failure_class"] == "CAPABILITY_UNAVAILABLE"
         answer = await http.post("/api/embeddings", json={"model": "nope", "prompt": "x"})
         assert (answer.status_code, answer.json()["failure_class"]) == (404, "CAPABILITY_UNAVAILABLE")
+        # Fields Ollama does not define are ignored, as Ollama ignores them.
         answer = await http.post("/api/embed", json={"model": "rag.embedding@1", "input": "x", "surprise": 1})
-        assert answer.status_code == 400 and "surprise" in answer.json()["error"]
+        assert answer.status_code == 200 and len(answer.json()["embeddings"]) == 1, answer.text
+        assert answer.headers["x-request-id"] == answer.json()["request_id"]
         # A full queue is 429 with Retry-After, in Ollama's shape.
         slow = {"capability": "slow.job@1", "input": {"simulate_invoke_s": 4}}
         running = asyncio.create_task(http.post("/v1/requests", json=slow))
@@ -212,59 +221,98 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, clien
         assert int(full.headers["retry-after"]) > 0
         assert (await running).status_code == 200
         assert waiting is not None and (await waiting).status_code == 200
-    # Nothing refused reached a workflow: only the slow jobs hold leases in the ledger.
-    granted = await gateway.stack.events("lease_granted", at_least=2)
-    assert {e["deployment"] for e in granted} == {"slow.job@1"}
+    # Nothing refused reached a workflow: only the embedding and the slow jobs hold leases.
+    granted = await gateway.stack.events("lease_granted", at_least=3)
+    assert {e["deployment"] for e in granted} == {"slow.job@1", "rag.embedding@1"}
 
 
-async def test_keep_alive_zero_unloads_a_load_on_demand_model(gateway: _Served, client: ollama.AsyncClient) -> None:
+async def test_keep_alive_is_a_hint_said_in_the_answer(gateway: _Served, client: ollama.AsyncClient) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
+        # Continue's keep_alive 1800 on a model kept 300 s: served, capped, and the answer says so.
+        chat = {"model": "small-chat", "messages": [{"role": "user", "content": "x"}], "stream": False}
+        answer = await http.post("/api/chat", json={**chat, "keep_alive": 1800, "options": {"num_ctx": 8192}})
+        assert answer.status_code == 200, answer.text
+        assert "asked=1800s; applied=300s; capped" in answer.headers["x-modelforge-keep-alive"]
+        # Pinning (negative) is an operator's action: served, not pinned.
+        answer = await http.post("/api/chat", json={**chat, "keep_alive": "-1m"})
+        assert answer.status_code == 200 and "modelforge pin" in answer.headers["x-modelforge-keep-alive"]
+        # A positive keep_alive on a model that goes when its request ends: served, said.
+        answer = await http.post("/api/chat", json={**chat, "model": "ondemand-chat", "keep_alive": "1m"})
+        assert answer.status_code == 200 and "applied=0s" in answer.headers["x-modelforge-keep-alive"]
+        # keep_alive true is not a duration (Ollama refuses it too): never read as 1 s.
+        answer = await http.post("/api/chat", json={**chat, "keep_alive": True})
+        assert answer.status_code == 400 and "keep_alive" in answer.json()["error"]
+    # keep_alive 0 on a load_on_demand model: it goes when its last request ends, as always.
     answer = await client.chat(
         model="ondemand-chat", messages=[{"role": "user", "content": "once"}], keep_alive=0, stream=False
     )
     assert "once" in (answer.message.content or "")
-    # A positive keep_alive is past this model's idle limit (it goes when its request ends).
-    refused = await _refused(
-        client.chat(model="ondemand-chat", messages=[{"role": "user", "content": "x"}], keep_alive="1m"), 400
-    )
-    assert "idle limit" in str(refused.error)
     for _ in range(100):
-        if "chat.ondemand@1" not in {m.model for m in (await client.ps()).models}:
+        if "chat.ondemand@1:latest" not in {m.model for m in (await client.ps()).models}:
             break
         await asyncio.sleep(0.1)
     else:
-        pytest.fail("chat.ondemand@1 still loaded 10 s after its keep_alive 0 request")
-    unloads = await gateway.stack.events("unload", at_least=1)
-    assert [e["deployment"] for e in unloads] == ["chat.ondemand@1"]
+        pytest.fail("chat.ondemand@1 still loaded 10 s after its request ended")
 
 
-async def test_keep_alive_zero_unloads_a_keep_warm_model_when_done(
-    gateway: _Served, client: ollama.AsyncClient
+async def _loaded(client: ollama.AsyncClient) -> set[str]:
+    return {m.model or "" for m in (await client.ps()).models}
+
+
+async def test_no_tenant_unloads_what_the_catalog_keeps_warm(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
-    # chat.small@1 is keep_warm (it would stay ttl_s): keep_alive 0 unloads it once the call is done.
-    answer = await client.chat(model="small-chat", messages=[{"role": "user", "content": "bye"}], keep_alive=0)
-    assert "bye" in (answer.message.content or "")
-    for _ in range(100):
-        if "chat.small@1" not in {m.model for m in (await client.ps()).models}:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("chat.small@1 still loaded 10 s after its keep_alive 0 request")
-    asked = await gateway.stack.events("unload_requested", at_least=1)
-    assert any(e["deployment"] == "chat.small@1" and "ollama keep_alive 0" in e["message"] for e in asked), asked
-    # Streamed too: loaded again for the call, unloaded after it.
-    parts = [
-        p
-        async for p in await client.chat(
-            model="small-chat", messages=[{"role": "user", "content": "hi"}], keep_alive=0, stream=True
-        )
-    ]
-    assert parts[-1].done
-    for _ in range(100):
-        if "chat.small@1" not in {m.model for m in (await client.ps()).models}:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("chat.small@1 still loaded 10 s after its streamed keep_alive 0 request")
+    """The attack of the integrity round: a background tenant's Ollama unload idiom (an empty chat
+    or prompt with keep_alive 0) kept production's embedding model cold. Now it releases only the
+    caller's own hold; an operator's key unloads (drained, recorded with who asked)."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[api_keys]\n"{TEAM_KEY}" = "default"\n"sk-ops-0123456789abcdef" = "rag"\n')
+    config = GatewayConfig(api_keys=load_api_keys(keys_file), operator_tenants=frozenset({"rag"}))
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        async for served in _serve(stack, config):
+            tenant = ollama.AsyncClient(
+                host=served.base_url, timeout=60, headers={"Authorization": f"Bearer {TEAM_KEY}"}
+            )
+            ops = ollama.AsyncClient(
+                host=served.base_url, timeout=60, headers={"Authorization": "Bearer sk-ops-0123456789abcdef"}
+            )
+            try:
+                await tenant.embed(model="rag.embedding@1", input="warm it")
+                await tenant.chat(model="small-chat", messages=[{"role": "user", "content": "warm"}], stream=False)
+                assert {"rag.embedding@1:latest", "chat.small@1:latest"} <= await _loaded(tenant)
+                async with httpx.AsyncClient(
+                    base_url=served.base_url, timeout=60, headers={"Authorization": f"Bearer {TEAM_KEY}"}
+                ) as http:
+                    for route, body, load_call in [
+                        ("/api/chat", {"model": "small-chat", "messages": [], "keep_alive": 0}, True),
+                        ("/api/generate", {"model": "small-chat", "prompt": "", "keep_alive": 0}, True),
+                        ("/api/generate", {"model": "small-chat", "prompt": "bye", "keep_alive": 0}, False),
+                        ("/api/embed", {"model": "rag.embedding@1", "input": "x", "keep_alive": 0}, False),
+                    ]:
+                        answer = await http.post(route, json={**body, "stream": False})
+                        assert answer.status_code == 200, answer.text
+                        assert "not unloaded" in answer.headers["x-modelforge-keep-alive"], answer.headers
+                        if load_call:  # nothing unloaded: the answer does not say "unload"
+                            assert answer.json()["done_reason"] == "load"
+                await asyncio.sleep(2.0)
+                assert {"rag.embedding@1:latest", "chat.small@1:latest"} <= await _loaded(tenant)
+                # The operator's unload idiom unloads, once the model's leases end.
+                done = await ops.chat(model="small-chat", messages=[], keep_alive=0)
+                assert done.done_reason == "unload"
+                for _ in range(100):
+                    if "chat.small@1:latest" not in await _loaded(ops):
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("chat.small@1 still loaded 10 s after an operator's keep_alive 0")
+                assert "rag.embedding@1:latest" in await _loaded(ops)
+            finally:
+                for opened in (tenant, ops):
+                    await opened.close()  # type: ignore[no-untyped-call]
+            asked = await stack.events("unload_requested", at_least=1)
+            assert [e["deployment"] for e in asked] == ["chat.small@1"]
+            assert "ollama keep_alive 0 by rag" in asked[0]["message"]
+            assert not [e for e in await stack.events("unload", at_least=0) if e["deployment"] == "rag.embedding@1"]
 
 
 async def test_api_keys_guard_the_ollama_routes(
