@@ -558,12 +558,27 @@ async def retention_s(client: Client, configured_days: float | None) -> float:
 
 
 async def sweep_forever(client: Client, configured_days: float | None, interval_s: float = 3600.0) -> None:
-    """The control worker's retention sweep of the payload store, once an hour."""
+    """The control worker's retention sweep of the payload store, once an hour. A failed sweep
+    (Temporal away: the retention is the namespace's) is logged and tried again after the
+    back-off (modelforge/retrying.py), not an hour later."""
+    from modelforge.logging import get_logger
+    from modelforge.retrying import DEFAULT_BACKOFF, describe
+
     store = payload_store(client)
     if store is None:
         return
+    failures = 0
     while True:
-        with contextlib.suppress(Exception):
+        try:
             keep_s = await retention_s(client, configured_days)
             await asyncio.to_thread(sweep, store.root, keep_s)
+            failures = 0
+        except Exception as error:
+            failures += 1
+            delay = DEFAULT_BACKOFF.delay_s(failures)
+            get_logger("modelforge.payloads").warning(
+                "payload_sweep_failed", attempt=failures, retry_in_s=delay, error=describe(error)
+            )
+            await asyncio.sleep(min(delay, interval_s))
+            continue
         await asyncio.sleep(interval_s)

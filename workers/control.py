@@ -22,9 +22,11 @@ from modelforge.messages import SchedulerInput
 from modelforge.metrics import Metrics
 from modelforge.payloads import sweep_forever
 from modelforge.policy import PoolStatus
+from modelforge.retrying import DEFAULT_BACKOFF, describe, retrying, supervised
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
+from workers.lifetime import run_workers, until_sigterm
 from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import SCHEDULER_TASK_TIMEOUT, scheduler_id
@@ -77,12 +79,18 @@ class NodeQueueAdopter:
         return sorted(self._workers)
 
     async def run(self) -> None:
+        failures = 0
         try:
             while True:
                 try:
                     await self.check()
+                    failures = 0
                 except Exception as error:  # the next round tries again; the process keeps serving
-                    log.warning("adopter_check_failed", error=f"{type(error).__name__}: {error}")
+                    failures += 1
+                    delay = max(self._interval_s, DEFAULT_BACKOFF.delay_s(failures))
+                    log.warning("adopter_check_failed", attempt=failures, retry_in_s=delay, error=describe(error))
+                    await asyncio.sleep(delay)
+                    continue
                 await asyncio.sleep(self._interval_s)
         finally:
             await self.close()
@@ -160,21 +168,38 @@ class ControlWorker:
         if self.guard is not None:
             self.guard.watch(scheduler_id(pool))
 
-    async def __aenter__(self) -> ControlWorker:
-        for worker in self.workers:
-            await worker.__aenter__()
+    def _start_side_tasks(self) -> None:
+        # Each restarted (after the back-off) should it ever raise: neither ends the worker.
         if self.adopter is not None:
-            self._tasks.append(asyncio.create_task(self.adopter.run()))
+            self._tasks.append(asyncio.create_task(supervised(self.adopter.run, "node_queue_adopter", logger=log)))
         if self.guard is not None:
-            self._tasks.append(asyncio.create_task(self.guard.run()))
-        return self
+            self._tasks.append(asyncio.create_task(supervised(self.guard.run, "replay_guard", logger=log)))
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def _stop_side_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+
+    async def run(self) -> None:
+        """Serve until cancelled (the process's way: `run` below). Raises when one of the
+        Temporal workers stops on its own (a fatal poll or namespace-check error), after
+        shutting the other down: the caller starts a fresh ControlWorker."""
+        self._start_side_tasks()
+        try:
+            await run_workers(self.workers)
+        finally:
+            await self._stop_side_tasks()
+
+    async def __aenter__(self) -> ControlWorker:
+        for worker in self.workers:
+            await worker.__aenter__()
+        self._start_side_tasks()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stop_side_tasks()
         for worker in reversed(self.workers):
             await worker.__aexit__(None, None, None)
 
@@ -264,62 +289,91 @@ async def catalog_pools(store: Store) -> list[str]:
     return sorted({accelerator.pool for accelerator in catalog.accelerators}) or [DEFAULT_POOL]
 
 
+async def serve_pool(client: Client, metrics: Metrics, pool: str) -> None:
+    """The pool's scheduler started (retried with back-off while Temporal does not answer: a
+    restart, a loaded host), then its status polled into the metrics, for as long as this runs."""
+    handle = await retrying(lambda: ensure_scheduler(client, pool), "ensure_scheduler", logger=log, pool=pool)
+    await metrics.poll(pool, _status_query(handle))
+
+
 async def run(settings: Settings, pools: Sequence[str] = (), catalog_check_s: float = CATALOG_POOLS_S) -> None:
     """Serve each of `pools` (none given: every pool the stored catalog names, looked up again
     every `catalog_check_s`, so a pool `catalog apply` adds is served): start its scheduler,
-    guard its history, adopt its silent nodes' queues and export its metrics."""
-    client = await connect(settings, worker=True, role="control")
+    guard its history, adopt its silent nodes' queues and export its metrics.
+
+    No failure of Temporal or Postgres ends it (modelforge/retrying.py): the first connections
+    are retried, and each loop (the Temporal workers, each pool's scheduler and poll, the
+    catalog's pools, the payload sweep) is restarted after a back-off of 1 s doubling to 30 s,
+    each failure logged. SIGTERM stops it (exit status 0)."""
+    await until_sigterm(_run(settings, pools, catalog_check_s), log, "control_worker_stopped")
+
+
+async def _run(settings: Settings, pools: Sequence[str], catalog_check_s: float) -> None:
     url = settings.resolved_database_url()
     if url is None:
         raise SystemExit(
             "modelforge worker control: MODELFORGE_DATABASE_URL is not set and no `modelforge dev` "
             f"database was found under {settings.run_dir}"
         )
-    store = await Store.open(url)
-    # Stored payloads (modelforge/payloads.py) kept for the workflows' retention, swept hourly.
-    sweeper = asyncio.create_task(sweep_forever(client, settings.payload_retention_days))
+    client = await retrying(lambda: connect(settings, worker=True, role="control"), "temporal_connect", logger=log)
+    store = await retrying(lambda: Store.open(url), "postgres_open", logger=log)
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await store.migrate()
+        # Stored payloads (modelforge/payloads.py) kept for the workflows' retention, swept hourly.
+        tasks.append(
+            asyncio.create_task(
+                supervised(lambda: sweep_forever(client, settings.payload_retention_days), "payload_sweep", logger=log)
+            )
+        )
+        await retrying(store.migrate, "postgres_migrate", logger=log)
         with contextlib.suppress(Exception):
             await register_search_attributes(client)
-        served = sorted(set(pools)) or await catalog_pools(store)
+        served = sorted(set(pools)) or await retrying(lambda: catalog_pools(store), "catalog_pools", logger=log)
         metrics = Metrics()
-        worker = build_control_worker(
-            client,
-            store,
-            snapshot_retention_s=settings.snapshot_retention_days * 86400.0,
-            metrics=metrics,
-            pools=served,
-            replay_check_s=settings.replay_check_s,
-        )
+        port = serve_metrics(metrics, settings)
         polls: dict[str, asyncio.Task[None]] = {}
-        async with worker:
-            try:
-                for pool in served:
-                    # Every pool's status into the same registry, each series labelled with its pool.
-                    polls[pool] = asyncio.create_task(
-                        metrics.poll(pool, _status_query(await ensure_scheduler(client, pool)))
-                    )
-                port = serve_metrics(metrics, settings)
-                log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=served, metrics_port=port)
-                if pools:
-                    await asyncio.gather(*polls.values())
-                while True:  # following the catalog: a pool it names later is served from then on
-                    await asyncio.sleep(catalog_check_s)
-                    try:
-                        named = await catalog_pools(store)
-                        for pool in named:
-                            if pool not in polls:
-                                handle = await ensure_scheduler(client, pool)
-                                worker.serve_pool(pool)
-                                polls[pool] = asyncio.create_task(metrics.poll(pool, _status_query(handle)))
-                                log.info("pool_served", pool=pool)
-                    except Exception as error:  # Postgres or Temporal away: the next look tries again
-                        log.warning("catalog_pools_failed", error=f"{type(error).__name__}: {error}")
-            finally:
-                for task in polls.values():
-                    task.cancel()
-                await asyncio.gather(*polls.values(), return_exceptions=True)
+        current: list[ControlWorker] = []  # the Temporal workers running now (a fresh one per restart)
+
+        def serve(pool: str) -> None:
+            # Every pool's status into the same registry, each series labelled with its pool.
+            polls[pool] = asyncio.create_task(
+                supervised(lambda: serve_pool(client, metrics, pool), "pool_scheduler", logger=log, pool=pool)
+            )
+            for worker in current:
+                worker.serve_pool(pool)
+
+        async def temporal_workers() -> None:
+            worker = build_control_worker(
+                client,
+                store,
+                snapshot_retention_s=settings.snapshot_retention_days * 86400.0,
+                metrics=metrics,
+                pools=sorted(polls),
+                replay_check_s=settings.replay_check_s,
+            )
+            current[:] = [worker]
+            log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=sorted(polls), metrics_port=port)
+            await worker.run()
+
+        async def follow_catalog() -> None:  # a pool the catalog names later is served from then on
+            while True:
+                await asyncio.sleep(catalog_check_s)
+                for pool in await catalog_pools(store):
+                    if pool not in polls:
+                        serve(pool)
+                        log.info("pool_served", pool=pool)
+
+        for pool in served:
+            serve(pool)
+        tasks.append(asyncio.create_task(supervised(temporal_workers, "temporal_workers", logger=log)))
+        if not pools:
+            tasks.append(asyncio.create_task(supervised(follow_catalog, "catalog_pools", logger=log)))
+        try:
+            await asyncio.Event().wait()  # until cancelled: every loop above restarts itself
+        finally:
+            tasks.extend(polls.values())
     finally:
-        sweeper.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()

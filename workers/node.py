@@ -27,9 +27,11 @@ from modelforge.gpu import (
 )
 from modelforge.logging import get_logger
 from modelforge.messages import TelemetryInput, device_index
+from modelforge.retrying import retrying, supervised
 from modelforge.runtimes import Runtime, build_runtimes
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
+from workers.lifetime import run_workers, until_sigterm
 from workflows import CapabilityRequestWorkflow, TelemetryWorkflow
 from workflows._common import telemetry_id
 
@@ -81,7 +83,23 @@ def build_node_worker(
 ) -> Worker:
     """`slots`: the node's delegated slots (warm-path delegation); their sync loop is the
     caller's to run (`NodeSlots.run`). None: every request is admitted by the scheduler."""
-    node_activities = NodeActivities(
+    activities = node_activities(client, node, backend, runtimes, artifact_roots, labels, checkpoint_root, slots)
+    return node_temporal_worker(client, node, activities, slots)
+
+
+def node_activities(
+    client: Client,
+    node: str,
+    backend: GpuBackend,
+    runtimes: dict[str, Runtime],
+    artifact_roots: list[Path] | None = None,
+    labels: dict[str, str] | None = None,
+    checkpoint_root: Path | None = None,
+    slots: NodeSlots | PoolSlots | None = None,
+) -> NodeActivities:
+    """The node's activities and what they know (the models loaded here): one per process, kept
+    across restarts of its Temporal worker (`node_temporal_worker`)."""
+    activities = NodeActivities(
         node,
         backend,
         runtimes,
@@ -95,7 +113,15 @@ def build_node_worker(
     if slots is not None:
         # A slot is claimed only on a model this worker has loaded: a restarted worker (its
         # model servers reaped) is lent slots before its next sample tells the scheduler so.
-        slots.serve_only(node_activities.serves)
+        slots.serve_only(activities.serves)
+    return activities
+
+
+def node_temporal_worker(
+    client: Client, node: str, node_activities: NodeActivities, slots: NodeSlots | PoolSlots | None = None
+) -> Worker:
+    """A Temporal worker on the node's queue serving `node_activities` (a fresh one after a
+    fatal error: a Worker runs once)."""
     return Worker(
         client,
         task_queue=node_task_queue(node),
@@ -174,41 +200,72 @@ async def run(
     cpu_device_bytes: int | None = None,
     labels: dict[str, str] | None = None,
 ) -> None:
-    """`pool`: the pool of this node's cards, or each of the pools they are in."""
+    """`pool`: the pool of this node's cards, or each of the pools they are in.
+
+    No failure of Temporal ends it (modelforge/retrying.py): the connection and the telemetry
+    workflow's start are retried, and the Temporal worker and the delegation sync are restarted
+    after a back-off of 1 s doubling to 30 s, each failure logged. SIGTERM stops it (exit status
+    0) after stopping every model server and job it started."""
+    await until_sigterm(_run(settings, node, simulate_from, pool, cpu_device_bytes, labels), log, "node_worker_stopped")
+
+
+async def _run(
+    settings: Settings,
+    node: str,
+    simulate_from: Path | None,
+    pool: str | Sequence[str],
+    cpu_device_bytes: int | None,
+    labels: dict[str, str] | None,
+) -> None:
     pools = [pool] if isinstance(pool, str) else list(pool) or [DEFAULT_POOL]
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
-    client = await connect(settings, worker=True, role="node")
-    slots = (
-        PoolSlots([NodeSlots(client, node, name, sync_s=settings.delegation_sync_s) for name in pools])
-        if settings.delegation_sync_s
-        else None
-    )
-    worker = build_node_worker(
-        client,
-        node,
-        backend,
-        runtimes,
-        settings.resolved_artifact_roots(),
-        labels,
-        settings.resolved_checkpoint_dir(),
-        slots,
-    )
-    syncing = asyncio.create_task(slots.run()) if slots is not None else None
+    tasks: list[asyncio.Task[None]] = []
     try:
-        async with worker:
-            await ensure_telemetry(client, node, pools)
-            log.info(
-                "node_worker_started",
-                node=node,
-                backend=backend.label,
-                cpu_device_bytes=backend.host.budget_bytes if backend.host else None,
-                runtimes=sorted(runtimes),
-                labels=labels or {},
+        client = await retrying(
+            lambda: connect(settings, worker=True, role="node"), "temporal_connect", logger=log, node=node
+        )
+        slots = (
+            PoolSlots([NodeSlots(client, node, name, sync_s=settings.delegation_sync_s) for name in pools])
+            if settings.delegation_sync_s
+            else None
+        )
+        activities = node_activities(
+            client,
+            node,
+            backend,
+            runtimes,
+            settings.resolved_artifact_roots(),
+            labels,
+            settings.resolved_checkpoint_dir(),
+            slots,
+        )
+        # Each pool's delegation sync a loop of its own, restarted alone should it ever raise.
+        for name, pool_slots in (slots.by_pool if slots is not None else {}).items():
+            tasks.append(
+                asyncio.create_task(supervised(pool_slots.run, "delegation_sync", logger=log, node=node, pool=name))
             )
-            await asyncio.Event().wait()
+        tasks.append(
+            asyncio.create_task(
+                retrying(lambda: ensure_telemetry(client, node, pools), "ensure_telemetry", logger=log, node=node)
+            )
+        )
+        log.info(
+            "node_worker_started",
+            node=node,
+            backend=backend.label,
+            cpu_device_bytes=backend.host.budget_bytes if backend.host else None,
+            runtimes=sorted(runtimes),
+            labels=labels or {},
+        )
+
+        async def serve() -> None:
+            await run_workers([node_temporal_worker(client, node, activities, slots)])
+
+        await supervised(serve, "temporal_worker", logger=log, node=node)
     finally:
-        if syncing is not None:
-            syncing.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for runtime in runtimes.values():
             close = getattr(runtime, "close", None)  # no model server or job outlives its node worker
             if close is not None and inspect.isawaitable(closing := close()):

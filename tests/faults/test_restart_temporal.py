@@ -4,17 +4,22 @@ server persisting to a file, every request ends once it is back."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge.catalog import load_catalog_file
+from modelforge.store import Store
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
 from tests.harness import running_stack
 
@@ -84,3 +89,59 @@ async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp
     finally:
         if second is not None:
             await second.shutdown()
+
+
+async def test_a_control_worker_started_while_temporal_is_away_serves_once_it_is_back(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A control worker process whose Temporal does not answer yet (a restart, a loaded host)
+    waits for it, logging each failed try, and starts the pool's scheduler once it is there:
+    before, it exited after 15 s and nothing started it again."""
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(load_catalog_file(CATALOG)[0])
+    finally:
+        await store.close()
+    port = _free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    environ.update(
+        MODELFORGE_TEMPORAL_ADDRESS=f"127.0.0.1:{port}",
+        MODELFORGE_DATABASE_URL=database_url,
+        MODELFORGE_METRICS_PORT=str(_free_port()),
+        MODELFORGE_HOME=str(tmp_path),
+    )
+    log_path = tmp_path / "control.log"
+    with log_path.open("wb") as log:
+        control = subprocess.Popen(
+            [sys.executable, "-m", "modelforge", "worker", "control"], env=environ, stdout=log, stderr=subprocess.STDOUT
+        )
+    server: WorkflowEnvironment | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while '"what": "temporal_connect"' not in log_path.read_text():
+            assert control.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            await asyncio.sleep(0.2)
+        server = await _server(port, tmp_path / "temporal.db")
+        await register_search_attributes(server.client)
+        deadline = time.monotonic() + 90
+        while True:
+            assert control.poll() is None, log_path.read_text()
+            try:
+                described = await server.client.get_workflow_handle("scheduler:default").describe()
+                if described.status == WorkflowExecutionStatus.RUNNING:
+                    break
+            except RPCError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            await asyncio.sleep(0.5)
+    finally:
+        control.terminate()
+        try:
+            control.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            control.kill()
+            control.wait()
+        if server is not None:
+            await server.shutdown()
+    assert control.returncode == 0, log_path.read_text()  # SIGTERM: a clean stop
