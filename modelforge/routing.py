@@ -37,6 +37,7 @@ from modelforge.policy import PoolState, PoolStatus, ResidentPhase
 from modelforge.policy._budget import budget_from_sums
 from modelforge.policy._delegation import holder_id
 from modelforge.policy._pass import static_filter
+from modelforge.policy._state import holder_of
 from modelforge.settings import DEFAULT_POOL
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ def _open_lent_slots(state: PoolState, now: float) -> dict[str, int]:
             and slot.open
             and lease.workflow_id == holder_id(slot.node)
             and now - state.lease_seen.get(lease_id, -math.inf) <= _vouch_window(slot.within_s)
+            and holder_of(state, lease) is not None  # a slot of a resident's earlier life serves none
         ):
             counts[lease.resident_key] = counts.get(lease.resident_key, 0) + 1
     return counts

@@ -323,7 +323,9 @@ class PoolSchedulerWorkflow:
             # the slot (closed if it was preempted). Only a crashed model changes anything here.
             if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
                 self._record_all(policy.close_slot(self._state, signal.lease_id, signal.message), now)
-                events = policy.resident_crashed(self._state, lease.resident_key, lease.granted_at, signal.message)
+                events = policy.resident_crashed(
+                    self._state, lease.resident_key, lease.granted_at, signal.message, lease.incarnation
+                )
                 for event in events:
                     if event.workflow_id:
                         self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
@@ -348,7 +350,9 @@ class PoolSchedulerWorkflow:
             )
         self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome, signal.message), now)
         if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
-            events = policy.resident_crashed(self._state, lease.resident_key, lease.granted_at, signal.message)
+            events = policy.resident_crashed(
+                self._state, lease.resident_key, lease.granted_at, signal.message, lease.incarnation
+            )
             for event in events:
                 if event.workflow_id:
                     self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))

@@ -8,7 +8,7 @@ workflow and the simulator both run on their state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modelforge.domain import (
     DEFAULT_QUEUE,
@@ -37,6 +37,7 @@ from modelforge.policy._state import (
     ResidentPhase,
     ResidentState,
     TenantUsage,
+    holder_of,
     measured,
     note_service,
 )
@@ -240,6 +241,7 @@ def apply_decisions(
     for load in decisions.loads:
         deployment = state.catalog.deployment(load.deployment)
         assert deployment is not None
+        state.incarnations += 1
         state.residents[load.resident_key] = ResidentState(
             key=load.resident_key,
             deployment=load.deployment,
@@ -252,6 +254,7 @@ def apply_decisions(
             ttl_s=deployment.ttl_s,
             workflow_id=workflow_ids.get(load.resident_key, ""),
             requested_at=now,
+            incarnation=state.incarnations,
         )
         for request_id in load.for_requests:
             if request_id in by_id:
@@ -276,6 +279,9 @@ def apply_decisions(
         state.lease_counter += 1
         if lease.resident_key:  # a gang job's lease is the whole job: no resident
             resident = state.residents[lease.resident_key]
+            if lease.incarnation != resident.incarnation:  # decided on this resident: its life
+                lease = replace(lease, incarnation=resident.incarnation)
+                state.leases[lease.lease_id] = lease
             resident.active_leases += 1
             resident.last_used = now
             resident.last_priority = lease.priority
@@ -395,6 +401,41 @@ def charge_usage(state: PoolState, priority: str, tenant: str, seconds: float, n
     usage.updated_at = now
 
 
+def end_on_resident(state: PoolState, lease: Lease, now: float) -> list[PolicyEvent]:
+    """A lease (or a lent slot) ended: one slot fewer in use on the resident it was granted on,
+    if that incarnation still holds its key. A lease that outlived its resident (lost, then
+    loaded again under the same key) changes no count, the new resident's least of all: it is
+    recorded as `stale_lease_ended`, and its own end (ledger row, slot event) goes on as usual."""
+    if not lease.resident_key:
+        return []
+    resident = holder_of(state, lease)
+    if resident is not None:
+        resident.active_leases = max(0, resident.active_leases - 1)
+        resident.last_used = now
+        return []
+    current = state.residents.get(lease.resident_key)
+    now_held = f"incarnation {current.incarnation} holds it now" if current is not None else "it is not resident now"
+    return [
+        PolicyEvent(
+            kind="stale_lease_ended",
+            request_id=lease.request_id,
+            lease_id=lease.lease_id,
+            accelerator=lease.accelerator,
+            deployment=lease.deployment,
+            workflow_id=lease.workflow_id,
+            message=(
+                f"granted on incarnation {lease.incarnation} of {lease.resident_key}, which is gone ({now_held}):"
+                " no resident's count changes"
+            ),
+            payload={
+                "resident": lease.resident_key,
+                "incarnation": lease.incarnation,
+                "current_incarnation": current.incarnation if current is not None else None,
+            },
+        )
+    ]
+
+
 def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
     index = current_lease_index(state)
     lease = state.leases.pop(lease_id, None)
@@ -410,12 +451,10 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
         note_outcome(state, lease.capability, outcome, message, now)
         if outcome == "ok":
             note_service(state, lease.deployment, now - lease.granted_at)
-    resident = state.residents.get(lease.resident_key)
-    if resident is not None:
-        resident.active_leases = max(0, resident.active_leases - 1)
-        resident.last_used = now
+    events = end_on_resident(state, lease, now)
     if lent:
         return [
+            *events,
             PolicyEvent(
                 kind="slot_returned",
                 lease_id=lease_id,
@@ -424,10 +463,11 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
                 workflow_id=lease.workflow_id,
                 message=outcome,
                 payload={"node": lease.node, "resident": lease.resident_key},
-            )
+            ),
         ]
     charge_usage(state, lease.priority, lease.tenant, now - lease.granted_at, now)
     return [
+        *events,
         PolicyEvent(
             kind="lease_released",
             request_id=lease.request_id,
@@ -448,7 +488,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
                 "accelerators": ",".join(lease.accelerators),
                 "granted_at": lease.granted_at,
             },
-        )
+        ),
     ]
 
 
@@ -542,17 +582,22 @@ def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
     return events
 
 
-def resident_crashed(state: PoolState, key: str, granted_at: float, message: str) -> list[PolicyEvent]:
+def resident_crashed(
+    state: PoolState, key: str, granted_at: float, message: str, incarnation: int | None = None
+) -> list[PolicyEvent]:
     """An invoke found the runtime gone (crashed, or its node worker restarted): the model is no
     longer resident, whatever the last sample said, so no further lease may be granted on it.
-    A report about a lease older than the resident's current load is about a previous life of
-    the same key and changes nothing."""
+    A report about a lease of another incarnation (`incarnation`, the lease's), or older than
+    the resident's current load, is about a previous life of the same key and changes nothing."""
     resident = state.residents.get(key)
     if resident is None or resident.phase != ResidentPhase.READY:
+        return []
+    if incarnation is not None and incarnation != resident.incarnation:
         return []
     if resident.loaded_at is not None and resident.loaded_at > granted_at:
         return []
     del state.residents[key]
+    state.draining.pop(key, None)  # the drain was of this life: a reload under the key is not draining
     return [
         PolicyEvent(
             kind="resident_lost",

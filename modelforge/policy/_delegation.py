@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
-from modelforge.policy._admission import charge_usage, note_outcome
+from modelforge.policy._admission import charge_usage, end_on_resident, note_outcome
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._order import is_production
 from modelforge.policy._pass import static_reason
@@ -43,6 +43,7 @@ from modelforge.policy._state import (
     QueuedRequest,
     ResidentPhase,
     ResidentState,
+    holder_of,
     note_service,
 )
 
@@ -191,9 +192,9 @@ def sync_slots(
     ]
     returned: dict[str, int] = {}  # resident key -> slots given back now (room for what waits)
     for lease_id in given_back:
-        if lease_id in state.leases:
-            key = state.leases[lease_id].resident_key
-            returned[key] = returned.get(key, 0) + 1
+        given = state.leases.get(lease_id)
+        if given is not None and holder_of(state, given) is not None:  # room on its own resident only
+            returned[given.resident_key] = returned.get(given.resident_key, 0) + 1
         events.extend(return_slot(state, lease_id, now, "given back by its node"))
     holder = holder_id(sync.node)
     within_s = _said_within(state, sync)
@@ -218,8 +219,9 @@ def sync_slots(
     for lease in mine:
         slot = state.slots[lease.lease_id]
         if slot.open:
-            resident = state.residents.get(lease.resident_key)
-            if lease.resident_key in only:
+            # None for a slot of a resident's earlier life (lost, loaded again): it closes.
+            resident = holder_of(state, lease)
+            if resident is not None and lease.resident_key in only:
                 # Requests for this same model wait: as many free slots close as they are; the
                 # node keeps using the others (any other reason still closes the slot).
                 reason = closing_reason(state, resident, lease.lease_id, now, memo, waiting_counts=False)
@@ -298,7 +300,8 @@ def _closed_for_waiters(
     them again at its next sync, hundreds of slot events a second."""
     by_resident: dict[str, list[Lease]] = {}
     for lease in mine:
-        by_resident.setdefault(lease.resident_key, []).append(lease)
+        if holder_of(state, lease) is not None:  # a slot of an earlier life closes anyway
+            by_resident.setdefault(lease.resident_key, []).append(lease)
     chosen: dict[str, set[str]] = {}
     for key, leases in by_resident.items():
         resident = state.residents.get(key)
@@ -361,6 +364,7 @@ def _lend(
                 priority=SLOT_CLASS,
                 tenant="",
                 heartbeat_s=state.config.stale_lease_s / 3,
+                incarnation=resident.incarnation,
             )
             state.leases[lease.lease_id] = lease
             state.lease_seen[lease.lease_id] = now
@@ -382,11 +386,7 @@ def return_slot(state: PoolState, lease_id: str, now: float, why: str) -> list[P
     state.preempting.pop(lease_id, None)
     if lease is None:
         return []
-    resident = state.residents.get(lease.resident_key)
-    if resident is not None:
-        resident.active_leases = max(0, resident.active_leases - 1)
-        resident.last_used = now
-    return [_slot_event("slot_returned", lease, why)]
+    return [*end_on_resident(state, lease, now), _slot_event("slot_returned", lease, why)]
 
 
 def close_slot(state: PoolState, lease_id: str, reason: str) -> list[PolicyEvent]:
@@ -406,7 +406,7 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
     events: list[PolicyEvent] = []
     for run in runs:
         slot = state.leases.get(run.lease_id)
-        resident = state.residents.get(slot.resident_key) if slot is not None else None
+        resident = holder_of(state, slot) if slot is not None else None
         note_outcome(state, run.capability, run.outcome, run.message, now)
         if run.outcome == "ok" and slot is not None:
             note_service(state, slot.deployment, run.invoke_s)

@@ -23,7 +23,7 @@ from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
 from modelforge.policy._rules import Attempt, Landing, deadline_refusal, may_land, take_reservation
-from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, operation_seconds
+from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, holder_of, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
 
@@ -147,7 +147,7 @@ def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
         if lease.ends_by is None and lease.lease_id not in state.preempting and not (leased and leased.preemptible):
             continue
         freed = lease.bytes
-        holder = state.residents.get(lease.resident_key)
+        holder = holder_of(state, lease)
         if holder is not None and holder.residency == Residency.NONE:
             freed += holder.bytes
         for accelerator in lease.accelerators if lease.gang else (lease.accelerator,):

@@ -149,6 +149,7 @@ def _reconcile_residents(state: PoolState, observation: Observation) -> list[Pol
         if key in observation.loaded or resident.active_leases > 0:
             continue
         del state.residents[key]
+        state.draining.pop(key, None)
         events.append(
             PolicyEvent(
                 kind="resident_lost",

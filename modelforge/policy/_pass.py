@@ -465,6 +465,7 @@ def new_lease(
     nbytes: int,
     now: float,
     counter: int,
+    incarnation: int = 0,
 ) -> Lease:
     return Lease(
         lease_id=f"{queued.request_id}.{counter + 1}",
@@ -483,6 +484,7 @@ def new_lease(
         gang=accelerators[1:],
         nodes=nodes_of(pass_, accelerators) if len(accelerators) > 1 else [],
         ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
+        incarnation=incarnation,
     )
 
 
@@ -499,6 +501,15 @@ def grant_on(
     pass_.slots[resident.key] = pass_.slots.get(resident.key, 0) - 1
     pass_.in_use[resident.key] = True
     lease = new_lease(
-        pass_, queued, deployment, [resident.accelerator], resident.node, resident.key, extra, now, counter
+        pass_,
+        queued,
+        deployment,
+        [resident.accelerator],
+        resident.node,
+        resident.key,
+        extra,
+        now,
+        counter,
+        resident.incarnation,
     )
     return Grant(queued.request_id, queued.workflow_id, lease)

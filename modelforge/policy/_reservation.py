@@ -52,6 +52,8 @@ def release_timeline(
             continue
         freed = lease.bytes
         holder = residents.get(lease.resident_key)
+        if holder is not None and holder.incarnation != lease.incarnation:
+            holder = None  # it outlived its resident: its end unloads nothing
         if holder is not None and holder.residency == Residency.NONE and holder.active_leases <= 1:
             freed += holder.bytes
         timeline.append((max(now, lease.ends_by), freed))

@@ -9,7 +9,15 @@ from modelforge.domain import Deployment, Residency
 from modelforge.policy._decisions import Preempt, Sleep, Unload, Wait
 from modelforge.policy._order import is_production, may_preempt
 from modelforge.policy._pass import DecisionPass
-from modelforge.policy._state import Lease, PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
+from modelforge.policy._state import (
+    Lease,
+    PoolState,
+    QueuedRequest,
+    ResidentPhase,
+    ResidentState,
+    holder_of,
+    operation_seconds,
+)
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,7 @@ def preemptible_for(pass_: DecisionPass, queued: QueuedRequest, accelerator: str
         if lease.lease_id not in state.preempting and not may_preempt(state.catalog, queued.priority, lease.priority):
             continue
         freed = lease.bytes
-        holder = state.residents.get(lease.resident_key)
+        holder = holder_of(state, lease)
         if holder is not None and holder.residency == Residency.NONE and holder.active_leases <= 1:
             freed += holder.bytes
         found.append((lease, freed))
@@ -71,7 +79,7 @@ def preemption_plan(
             chosen.append(lease)
             fresh += 0 if already else 1
             free += lease.bytes
-            holder = state.residents.get(lease.resident_key)
+            holder = holder_of(state, lease)
             if holder is not None:
                 left = remaining.get(holder.key, holder.active_leases) - 1
                 remaining[holder.key] = left
@@ -110,7 +118,11 @@ def slot_preemption(pass_: DecisionPass, queued: QueuedRequest, full: list[Resid
     catalog = state.catalog
     for resident in full:
         for lease in pass_.preemptible.get(resident.accelerator, []):
-            if lease.resident_key != resident.key or lease.lease_id in pass_.preempting:
+            if (
+                lease.resident_key != resident.key
+                or lease.incarnation != resident.incarnation  # a slot of an earlier life frees none here
+                or lease.lease_id in pass_.preempting
+            ):
                 continue
             already = lease.lease_id in state.preempting
             if not already and not may_preempt(catalog, queued.priority, lease.priority):

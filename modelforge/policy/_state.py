@@ -105,6 +105,10 @@ class ResidentState:
     last_priority: str | None = None
     # While asleep: the bytes it held awake, which a wake takes back.
     awake_bytes: int | None = None
+    # Which life of `key` this is (PoolState.incarnations at its load): a resident lost and
+    # loaded again under the same key is another incarnation, and the leases of the lost one
+    # never count on it (`holder_of`). 0: a resident of a state from before incarnations.
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,25 @@ class Lease:
     # When the holder's max_duration ends its work at the latest (None: unknown): what a waiting
     # gang's reservation counts on, and what backfill is measured against.
     ends_by: float | None = None
+    # The incarnation of `resident_key` it was granted (or lent) on: a lease belongs to that one
+    # life of the resident; ending it touches no later resident under the same key.
+    incarnation: int = 0
 
     @property
     def accelerators(self) -> list[str]:
         return [self.accelerator, *self.gang] if self.gang else [self.accelerator]
+
+
+def holder_of(state: PoolState, lease: Lease) -> ResidentState | None:
+    """The resident `lease` holds a slot of: the one under its key, if it is still the
+    incarnation the lease was granted on. None for a gang's lease (no resident), and for a lease
+    that outlived its resident (lost, unloaded, loaded again): its end must not change the
+    counts of whatever holds the key now. The one home of "which resident does a lease count
+    on", for every transition that changes a count and every reading of one."""
+    resident = state.residents.get(lease.resident_key) if lease.resident_key else None
+    if resident is None or resident.incarnation != lease.incarnation:
+        return None
+    return resident
 
 
 @dataclass
@@ -287,6 +306,8 @@ class PoolState:
     usage: dict[str, TenantUsage] = field(default_factory=dict)
     lease_counter: int = 0
     load_counter: int = 0
+    # Residents loaded so far: each load is the next incarnation (ResidentState.incarnation).
+    incarnations: int = 0
     # Production deployments under a raised CAPABILITY_CAPACITY alert, in the order raised.
     capacity_short: list[str] = field(default_factory=list)
     # deployment id -> its operations' latest measured seconds (cost-aware making room).

@@ -6,11 +6,13 @@ before the request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+import workflows.request as request_workflow
 from modelforge.catalog import example_catalog_path
+from modelforge.domain import resident_key
 from tests.harness import Stack, running_stack
 from workflows.request import INVOKE_HEARTBEAT
 
@@ -27,15 +31,25 @@ pytestmark = pytest.mark.workflow
 NODE = "gpu-node"
 
 
-def _node_process(env: WorkflowEnvironment, home: Path) -> subprocess.Popen[bytes]:
+def _node_process(
+    env: WorkflowEnvironment,
+    home: Path,
+    node: str = NODE,
+    catalog: Path | None = None,
+    invoke_log: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """`invoke_log`: where the simulated card records each invoke that really ran on it (its
+    lease, key, start and end: MODELFORGE_SIMULATED_INVOKE_LOG)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     environ.update(
         MODELFORGE_TEMPORAL_ADDRESS=env.client.service_client.config.target_host,
         MODELFORGE_GPU_BACKEND="simulated",
         MODELFORGE_HOME=str(home),
     )
-    argv = [sys.executable, "-m", "modelforge", "worker", "node", "--node", NODE]
-    argv += ["--simulate-from", str(example_catalog_path())]
+    if invoke_log is not None:
+        environ["MODELFORGE_SIMULATED_INVOKE_LOG"] = str(invoke_log)
+    argv = [sys.executable, "-m", "modelforge", "worker", "node", "--node", node]
+    argv += ["--simulate-from", str(catalog or example_catalog_path())]
     with (home / "node.log").open("ab") as log:  # the child keeps its own descriptor
         return subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)
 
@@ -101,3 +115,110 @@ async def _fresh(stack: Stack) -> bool:
 
 async def _holding(stack: Stack) -> bool:
     return (await stack.status()).active_leases == 1
+
+
+INCARNATION = Path(__file__).resolve().parents[1] / "catalogs" / "incarnation.toml"
+INCARNATION_NODE = "incarnation-node"
+INCARNATION_CAP = "incarnation.slot@1"
+# The heartbeat timeout of an invoke, in this test: the invokes that died with the killed node
+# worker end (TIMEOUT) this long after their last heartbeat, while the resident loaded again on
+# the restarted worker is busy. (60 s in production; a module constant the request workflow
+# reads when it starts an invoke, and request workflows run in this process.)
+SHORT_HEARTBEAT = timedelta(seconds=12)
+
+
+def most_at_once(invoke_log: Path, key: str) -> int:
+    """The most invokes of `key` that really ran at one instant on the simulated card, by its
+    own record (health checks, under no lease, left out; an end before a start at a tie)."""
+    points: list[tuple[float, int]] = []
+    for line in invoke_log.read_text(encoding="utf-8").splitlines() if invoke_log.exists() else []:
+        ran = json.loads(line)
+        if ran["key"] == key and ran["lease_id"]:
+            points += [(float(ran["start"]), 1), (float(ran["end"]), -1)]
+    running = most = 0
+    for _, step in sorted(points):
+        running += step
+        most = max(most, running)
+    return most
+
+
+async def test_leases_of_a_resident_lost_with_its_node_worker_never_count_on_its_reload(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31, finding 2: two leases in flight on a concurrency-4 resident whose leases carry
+    bytes; its node worker is killed and restarted; a burst finds the model gone (RUNTIME_CRASH:
+    the resident is dropped) and is served on the model loaded again under the same key; the two
+    old leases end (their invokes' heartbeats time out) while the new resident is full. Their
+    releases must not free slots of the new resident: the card never runs more than 4 invokes at
+    once (6 before leases were fenced by incarnation), and every ledger row is closed."""
+    monkeypatch.setattr(request_workflow, "INVOKE_HEARTBEAT", SHORT_HEARTBEAT)
+    invoke_log = tmp_path / "invokes.jsonl"
+    key = resident_key(INCARNATION_CAP, f"{INCARNATION_NODE}/0")
+    async with running_stack(
+        dev_server_env.client, database_url, catalog_path=INCARNATION, telemetry_interval_s=1.0
+    ) as stack:
+        await stack.node_workers[INCARNATION_NODE].shutdown()
+        node = _node_process(dev_server_env, tmp_path, INCARNATION_NODE, INCARNATION, invoke_log)
+        try:
+
+            async def fresh() -> bool:
+                status = await stack.status()
+                return any(a.id == f"{INCARNATION_NODE}/0" and a.fresh for a in status.accelerators)
+
+            assert await _wait(fresh, 30), "the node process never sampled"
+            old = [
+                await stack.start_request(INCARNATION_CAP, tenant="chaos", input={"simulate_invoke_s": 120})
+                for _ in range(2)
+            ]
+
+            async def two_held() -> bool:
+                return (await stack.status()).active_leases == 2
+
+            assert await _wait(two_held, 20), "the first two requests never got their leases"
+            await asyncio.sleep(1.5)  # their invokes run, and heartbeat, on the node
+            node.send_signal(signal.SIGKILL)
+            node.wait(timeout=10)
+            killed_at = time.monotonic()
+            node = _node_process(dev_server_env, tmp_path, INCARNATION_NODE, INCARNATION, invoke_log)
+            # The restarted worker samples (it holds no model: the resident still has two leases,
+            # so the scheduler keeps it until an invoke finds it gone).
+            assert await _wait(lambda: _sampled_since(stack, killed_at), 20), "the restarted node never sampled"
+            burst = [
+                await stack.start_request(INCARNATION_CAP, tenant="chaos", input={"simulate_invoke_s": 16})
+                for _ in range(6)
+            ]
+            results = await asyncio.wait_for(
+                asyncio.gather(*(h.result() for h in [*old, *burst]), return_exceptions=True), timeout=90
+            )
+            old_outcomes = [_failure_type(r) for r in results[:2]]
+            assert all(t in ("TIMEOUT", "RUNTIME_CRASH") for t in old_outcomes), results[:2]
+            assert all(not isinstance(r, BaseException) for r in results[2:]), results[2:]
+
+            # The card's own record: the reload filled up, and never ran more than its concurrency.
+            assert most_at_once(invoke_log, key) == 4, invoke_log.read_text(encoding="utf-8")
+            # The old leases ended while the new resident held the key, recorded as stale.
+            stale = await stack.events("stale_lease_ended", at_least=2, within_s=15)
+            assert len(stale) >= 2 and any(e["payload"].get("current_incarnation") for e in stale), stale
+
+            async def ledger_closed() -> bool:
+                rows = [r for r in await stack.store.ledger() if r["capability"] == INCARNATION_CAP]
+                return len(rows) >= 10 and all(r["ended_at"] is not None for r in rows)
+
+            assert await _wait(ledger_closed, 15), [(r["lease_id"], r["ended_at"]) for r in await stack.store.ledger()]
+        finally:
+            node.kill()
+            node.wait(timeout=10)
+
+
+async def _sampled_since(stack: Stack, moment: float) -> bool:
+    """A sample of the node's card reached the scheduler after `moment` (time.monotonic())."""
+    status = await stack.status()
+    card = next((a for a in status.accelerators if a.id == f"{INCARNATION_NODE}/0"), None)
+    age = card.observation_age_s if card is not None else None
+    return card is not None and card.fresh and age is not None and age < time.monotonic() - moment
+
+
+def _failure_type(result: object) -> str:
+    if isinstance(result, WorkflowFailureError) and isinstance(result.cause, ApplicationError):
+        return str(result.cause.type)
+    return repr(result)
