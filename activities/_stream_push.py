@@ -9,11 +9,15 @@ still owns the lease: it holds it for the whole invoke, and the node pushes only
 activity runs.
 
 The wire: `POST {target.url}/{stream_id}` with NDJSON bodies, one object a line:
-`{"delta": "..."}` for text, then `{"finish_reason": ..., "usage": {...}}` at the end; a POST
-carries what was generated while the previous one travelled. When the gateway's client has gone
-away it answers 410, and the generation is cancelled at the model server (its HTTP stream is
-closed): no GPU time is spent for nobody. The key (MODELFORGE_STREAM_KEY, by reference like every
-secret) signs the stream id, so nothing secret is in the workflow's history.
+`{"delta": "..."}` for plain text of the first choice; `{"choices": [{"index", "delta",
+"logprobs"?, "finish_reason"?}], "delta"?: "..."}` for anything more, the model server's choices
+whole (reasoning, tool calls, logprobs, `n` choices; for readers of the first choice only,
+`delta` holds its text and `choice_delta` its delta merged); then `{"finish_reason": ...,
+"usage": {...}}` at the end; a POST carries what was generated while the previous one
+travelled. When the gateway's client has gone away it answers 410, and the generation is
+cancelled at the model server (its HTTP stream is closed): no GPU time is spent for nobody. The
+key (MODELFORGE_STREAM_KEY, by reference like every secret) signs the stream id, so nothing
+secret is in the workflow's history.
 """
 
 from __future__ import annotations
@@ -29,18 +33,27 @@ import httpx
 
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import StreamTarget
-from modelforge.streaming import SIGNATURE_HEADER, signature, stream_key
+from modelforge.streaming import (
+    SIGNATURE_HEADER,
+    ChoiceAssembler,
+    first_choice_delta,
+    message_delta,
+    signature,
+    stream_key,
+)
 
 
 async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
     """Push the chunks to the gateway as they come; returns the whole answer in the runtime's
-    output shape (`text`, `finish_reason`, `usage`), with `client_gone` when the client left.
+    output shape (`text`, `finish_reason`, `usage`, and `choices` put back together when the
+    stream held more than the first choice's text), with `client_gone` when the client left.
 
     Each POST carries what the model generated while the previous one was on its way (one
     chunk when the model is slower than the network, several when it is faster), so reading the
     model never waits on the gateway; the answer to each (410: the client left) stops the
     generation within one chunk. The chunk iterator is closed on every exit."""
     text: list[str] = []
+    assembled = ChoiceAssembler()
     final: dict[str, Any] = {"finish_reason": "stop", "usage": None}
     outbox: list[dict[str, Any]] = []
     wake = asyncio.Event()
@@ -84,12 +97,28 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
             if sender.done():
                 break
             delta = chunk.get("delta")
-            if isinstance(delta, str):
+            choices = chunk.get("choices")
+            if isinstance(choices, list):
+                for choice in choices:
+                    if isinstance(choice, dict):
+                        assembled.add(choice)
+                if isinstance(delta, str):
+                    text.append(delta)
+                record: dict[str, Any] = {"choices": choices}
+                if isinstance(delta, str) and delta:
+                    record["delta"] = delta
+                first = first_choice_delta(choices)
+                if first is not None:
+                    record["choice_delta"] = first
+                outbox.append(record)
+                wake.set()
+            elif isinstance(delta, str):
                 text.append(delta)
+                assembled.text(delta)
                 outbox.append({"delta": delta})
                 wake.set()
             else:
-                final.update({k: v for k, v in chunk.items() if k in ("finish_reason", "usage") and v is not None})
+                final.update({k: v for k, v in chunk.items() if k in _FINAL and v is not None})
         if not sender.done():
             outbox.append(dict(final))
             finished = True
@@ -101,7 +130,18 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
         await _close(chunks)
-    return _output(text, final, client_gone=bool(gone), detail=gone[0] if gone else "")
+    output = _output(text, final, client_gone=bool(gone), detail=gone[0] if gone else "")
+    if assembled.rich:
+        output["choices"] = assembled.choices(str(final.get("finish_reason") or "stop"))
+        output["finish_reason"] = assembled.finish_of(0) or output["finish_reason"]
+        if gone:
+            for choice in output["choices"]:
+                choice["finish_reason"] = "client_gone"
+    return output
+
+
+# What the end record may carry (the simulated runtime says which parameters it took).
+_FINAL = ("finish_reason", "usage", "parameters_applied")
 
 
 # One HTTP client per event loop for every stream of this node: making an httpx client loads the
@@ -136,6 +176,8 @@ def _output(text: list[str], final: dict[str, Any], client_gone: bool, detail: s
     }
     if final.get("usage"):
         output["usage"] = final["usage"]
+    if final.get("parameters_applied"):
+        output["parameters_applied"] = final["parameters_applied"]
     if client_gone:
         output["finish_reason"] = "client_gone"
         output["client_gone"] = True
@@ -145,8 +187,30 @@ def _output(text: list[str], final: dict[str, Any], client_gone: bool, detail: s
 
 
 async def single_chunk(output: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """A runtime without a streaming call: its whole answer as one chunk (honest: one delta)."""
+    """A runtime without a streaming call: its whole answer as one chunk (honest: one delta),
+    every choice whole (tool calls, reasoning, logprobs) where it answered `choices`."""
     text = output.get("text")
-    if isinstance(text, str):
+    choices = output.get("choices")
+    if isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices):
+        record: dict[str, Any] = {"choices": [_as_delta(n, c) for n, c in enumerate(choices)]}
+        if isinstance(text, str) and text:
+            record["delta"] = text
+        yield record
+    elif isinstance(text, str):
         yield {"delta": text}
-    yield {"finish_reason": output.get("finish_reason", "stop"), "usage": output.get("usage")}
+    end = {k: output.get(k) for k in _FINAL}
+    end["finish_reason"] = output.get("finish_reason", "stop")
+    yield end
+
+
+def _as_delta(n: int, choice: dict[str, Any]) -> dict[str, Any]:
+    message = choice.get("message")
+    shaped: dict[str, Any] = {
+        "index": choice.get("index", n),
+        "delta": message_delta(message) if isinstance(message, dict) else {},
+    }
+    if choice.get("logprobs") is not None:
+        shaped["logprobs"] = choice["logprobs"]
+    if choice.get("finish_reason"):
+        shaped["finish_reason"] = choice["finish_reason"]
+    return shaped

@@ -57,7 +57,10 @@ from modelforge.gateway._params import (
     EmbeddingsCall,
     parameters,
     refused,
+    role_problem,
+    runtime_taken,
     takes_parameters,
+    token_ids,
     usage,
 )
 from modelforge.gateway._streams import Stream, StreamHub, chat_events, next_record, stream_router
@@ -567,9 +570,11 @@ def create_app(
     def refuse_parameters(names: list[str], deployment: Deployment) -> GatewayError:
         api = deployment.runtime_config.get("api", "")
         runtime = deployment.runtime + (f" with api {api!r}" if api else "")
+        taken = sorted(runtime_taken(deployment))
+        takes = f"takes only {', '.join(taken)}" if taken else "takes no request parameters"
         return _invalid(
             f"{', '.join(_escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime {runtime}) "
-            "takes no request parameters; leave them out, or serve the model from an OpenAI-compatible "
+            f"{takes}; leave them out, or serve the model from an OpenAI-compatible "
             "server (subprocess_http)",
             code="unsupported_parameter",
             param=_escaped(names[0], 60),
@@ -599,7 +604,7 @@ def create_app(
             )
         given = call.input.get("parameters")
         if given and not any(takes_parameters(deployment, api) for api in ("openai_chat", "openai_embeddings")):
-            names = refused(given) if isinstance(given, dict) else ["parameters"]
+            names = refused(given, runtime_taken(deployment)) if isinstance(given, dict) else ["parameters"]
             if names:  # a runtime that takes none would drop them
                 raise refuse_parameters([f"input.parameters.{n}" for n in names], deployment)
         result = await run(
@@ -753,13 +758,22 @@ def create_app(
         tenant: str = request.state.tenant
         call: EmbeddingsCall = await body_of(request, EmbeddingsCall)
         request.state.model = call.model
-        texts = [call.input] if isinstance(call.input, str) else list(call.input)
+        ids = token_ids(call.input)
+        texts: list[Any] = ids if ids is not None else [call.input] if isinstance(call.input, str) else list(call.input)
         if not texts or any(not t for t in texts):
-            raise _invalid("input: give one or more non-empty strings", param="input")
+            raise _invalid("input: give one or more non-empty strings or token id arrays", param="input")
         deployment = await deployment_for_model(call.model)
         request.state.capability = deployment.capability
         given = parameters(call, EMBEDDINGS_OWN)
-        payload: dict[str, Any] = {"texts": texts}
+        payload: dict[str, Any] = {"token_ids": ids} if ids is not None else {"texts": texts}
+        if ids is not None and not takes_parameters(deployment, "openai_embeddings"):
+            raise _invalid(
+                f"input: token ids; {deployment.capability} (runtime {deployment.runtime}) embeds text only: send "
+                "strings (LangChain's OpenAIEmbeddings sends token ids unless check_embedding_ctx_length=False), "
+                "or serve the model from an OpenAI-compatible server (subprocess_http, api openai_embeddings)",
+                code="invalid_value",
+                param="input",
+            )
         if takes_parameters(deployment, "openai_embeddings"):
             if given:
                 payload["parameters"] = given
@@ -775,7 +789,12 @@ def create_app(
                 f"{deployment.capability} returned no 'embeddings' list of {len(texts)} vectors",
                 request_id=request_id,
             )
-        counts = usage(output, texts, None)
+        if ids is not None:  # the ids are the tokens: counted, not estimated, if the server did not
+            counts = usage(output, [], None)
+            if counts["estimated"]:
+                counts = {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids)), "estimated": False}
+        else:
+            counts = usage(output, texts, None)
         tokens_seen(request, counts)
         encoded: list[Any] = vectors
         if call.encoding_format == "base64":
@@ -888,6 +907,9 @@ def create_app(
         tenant: str = request.state.tenant
         call: ChatCall = await body_of(request, ChatCall)
         request.state.model = call.model
+        problem = role_problem(call.messages)
+        if problem is not None:
+            raise _invalid(problem[1], code="invalid_value", param=problem[0])
         include_usage = False
         if call.stream_options is not None:
             if not call.stream:
@@ -904,10 +926,14 @@ def create_app(
             if given:
                 payload["parameters"] = given
         else:
-            if refused(given):
-                raise refuse_parameters(refused(given), deployment)
+            taken = runtime_taken(deployment)
+            if refused(given, taken):
+                raise refuse_parameters(refused(given, taken), deployment)
             messages = plain_messages(call)
             payload = {"messages": messages}
+            sampling = {name: value for name, value in given.items() if name in taken}
+            if sampling:  # the simulated runtime's: it takes them and says so
+                payload["parameters"] = sampling
         request_id = request_id_of(request)
         if call.stream:
             prompt_texts = [_text(m.get("content")) for m in messages]
@@ -940,7 +966,7 @@ def create_app(
         completions = [_text((c.get("message") or {}).get("content")) for c in choices]
         counts = usage(output, [_text(m.get("content")) for m in messages], completions)
         tokens_seen(request, counts)
-        return {
+        body = {
             "id": f"chatcmpl-{result.request_id}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -949,6 +975,9 @@ def create_app(
             # The server's token counts, or estimated ("estimated": true): never words as tokens.
             "usage": counts,
         }
+        if output.get("parameters_applied"):  # a simulated model says what it was given
+            body["parameters_applied"] = output["parameters_applied"]
+        return body
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -980,8 +1009,13 @@ def create_app(
         if takes_parameters(deployment, "openai_chat"):
             if given:
                 payload["parameters"] = given
-        elif refused(given):
-            raise refuse_parameters(refused(given), deployment)
+        else:
+            taken = runtime_taken(deployment)
+            if refused(given, taken):
+                raise refuse_parameters(refused(given, taken), deployment)
+            sampling = {name: value for name, value in given.items() if name in taken}
+            if sampling:  # the simulated runtime's: it takes them and says so
+                payload["parameters"] = sampling
         request_id = request_id_of(request)
         if call.stream:
             return await streamed(
@@ -1010,7 +1044,9 @@ def create_app(
             texts, finishes = [text], [str(output.get("finish_reason", "stop"))]
         counts = usage(output, [prompt], texts)
         tokens_seen(request, counts)
+        applied = {"parameters_applied": output["parameters_applied"]} if output.get("parameters_applied") else {}
         return {
+            **applied,
             "id": f"cmpl-{result.request_id}",
             "object": "text_completion",
             "created": int(time.time()),
@@ -1023,7 +1059,12 @@ def create_app(
         }
 
     # Ollama's /api/*
-    api.include_router(ollama_router(catalog, requester, body_of, run, request_id_of, open_stream, hub))
+    def is_operator(request: Request) -> bool:
+        return bool(keys) and request.state.tenant in config.operator_tenants
+
+    api.include_router(
+        ollama_router(catalog, requester, body_of, run, request_id_of, open_stream, hub, is_operator=is_operator)
+    )
     app.include_router(api)
     # Nodes push streamed answers here: not a client route (no API key; signed or loopback only).
     app.include_router(stream_router(hub))

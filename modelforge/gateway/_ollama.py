@@ -261,9 +261,10 @@ def _rich(deployment: Deployment) -> bool:
     return speaks(deployment).api == "openai_chat"
 
 
-def _takes_sampling(deployment: Deployment) -> bool:
-    """Whether sampling options reach the model: the same rule as the OpenAI routes' parameters."""
-    return takes_parameters(deployment, "openai_chat")
+def _sampling_taken(deployment: Deployment) -> frozenset[str] | None:
+    """The sampling parameters the runtime honours: all for an OpenAI-compatible server (None),
+    else those its registry entry says it takes itself (the simulated runtime's)."""
+    return None if takes_parameters(deployment, "openai_chat") else speaks(deployment).parameters
 
 
 def _translated(call: Callable[[], Any]) -> Any:
@@ -622,9 +623,7 @@ def ollama_router(
         call: _Chat = await body_of(request, _Chat)
         _ignored(call, "/api/chat: ")
         deployment, decision = await resolve(request, call.model, call.keep_alive, "completion")
-        options = _translated(
-            lambda: read_options(call.options, deployment, takes_sampling=_takes_sampling(deployment))
-        )
+        options = _translated(lambda: read_options(call.options, deployment, taken=_sampling_taken(deployment)))
         if not call.messages:  # Ollama's load (or, with keep_alive 0, unload) of a model
             unloaded = await unload_if_asked(request, decision, deployment)
             return _answer(loaded(call.model, "message", began, unloaded), call.stream)
@@ -678,9 +677,7 @@ def ollama_router(
             }
         )
         deployment, decision = await resolve(request, call.model, call.keep_alive, "completion")
-        options = _translated(
-            lambda: read_options(call.options, deployment, takes_sampling=_takes_sampling(deployment))
-        )
+        options = _translated(lambda: read_options(call.options, deployment, taken=_sampling_taken(deployment)))
         if not call.prompt:  # Ollama's load (or, with keep_alive 0, unload) of a model
             unloaded = await unload_if_asked(request, decision, deployment)
             return _answer(loaded(call.model, "response", began, unloaded), call.stream)
@@ -736,7 +733,7 @@ def ollama_router(
     def embedding_options(options: dict[str, Any] | None, deployment: Deployment) -> None:
         # LangChain's OllamaEmbeddings sends 13 options, null unless set. Runner options and
         # num_ctx are accepted; a sampling option means nothing to an embedding and is ignored.
-        _translated(lambda: read_options(options, deployment, takes_sampling=True))
+        _translated(lambda: read_options(options, deployment))
 
     @router.post("/api/embed")
     async def embed(request: Request) -> Response:
@@ -931,7 +928,8 @@ def stream_delta(record: dict[str, Any]) -> tuple[str, str | None, Any]:
         first = [c for c in choices if isinstance(c, dict) and c.get("index", 0) in (0, None)]
         if not first:
             return "", None, None
-        shaped = first[0].get("delta") if isinstance(first[0].get("delta"), dict) else {}
+        found = first[0].get("delta")
+        shaped = found if isinstance(found, dict) else {}
     text: str = delta if isinstance(delta, str) else str(shaped.get("content") or "")
     return text, reasoning_of(shaped), shaped.get("tool_calls") or None
 

@@ -91,9 +91,12 @@ class Options:
     num_ctx: int | None = None
 
 
-def read_options(options: dict[str, Any] | None, deployment: Deployment, *, takes_sampling: bool) -> Options:
+def read_options(
+    options: dict[str, Any] | None, deployment: Deployment, *, taken: frozenset[str] | None = None
+) -> Options:
     """Ollama's `options` for this deployment (see the module's rules); TranslationError names
-    the first one that cannot be served."""
+    the first one that cannot be served. `taken`: the sampling parameters (by the server's names)
+    the runtime honours; None: all (an OpenAI-compatible server)."""
     sampling: dict[str, Any] = {}
     accepted: list[str] = []
     num_ctx: int | None = None
@@ -141,10 +144,11 @@ def read_options(options: dict[str, Any] | None, deployment: Deployment, *, take
             )
         else:
             accepted.append(name)  # an option Ollama may add later: ignored, as Ollama ignores unknown ones
-    if sampling and not takes_sampling:
-        given = ", ".join(sorted(sampling))
+    lost = sorted(set(sampling) - taken) if taken is not None else []
+    if lost:
+        takes = f"takes only {', '.join(sorted(taken or ()))}" if taken else "takes no sampling options"
         raise TranslationError(
-            f"options ({given}): {deployment.capability} (runtime {deployment.runtime}) takes no sampling options, "
+            f"options ({', '.join(lost)}): {deployment.capability} (runtime {deployment.runtime}) {takes}, "
             "so the answer would not be what they ask; leave them out, or serve the model from an "
             "OpenAI-compatible server (subprocess_http, api openai_chat)"
         )

@@ -5,10 +5,18 @@ A parameter is never dropped silently. A deployment served by an OpenAI-compatib
 (`subprocess_http` with `api = "openai_chat"` or `"openai_embeddings"`: vLLM, llama.cpp's server,
 text-embeddings-inference's OpenAI route) receives every parameter as given, in the request
 input's `parameters` object, unknown ones included (vLLM's `top_k`, `min_p`...): the server
-takes it or refuses it (400). Any other runtime (`simulated`, `sentence_transformers`, TEI's
-`/embed`) takes none: a parameter given with an effect is refused with REQUEST_INVALID (400,
+takes it or refuses it (400). The simulated runtime takes a chat server's sampling parameters
+(its `Speaks.parameters`: temperature, top_p, max_tokens, max_completion_tokens, stop, seed,
+the penalties, n, user) and says in its answer which it got (`parameters_applied`). Any other
+runtime (`sentence_transformers`, TEI's `/embed`), and the simulated one for any other
+parameter, takes none: a parameter given with an effect is refused with REQUEST_INVALID (400,
 `unsupported_parameter`) naming it. Values that change nothing (`n: 1`, `logprobs: false`, a
 penalty of 0, `response_format: {"type": "text"}`, no tools, null) are accepted everywhere.
+
+A chat message's role is one OpenAI's chat takes (ROLES): any other is refused, named, before
+it reaches a model server. An embeddings `input` may be token ids (`[1, 2, 3]` or
+`[[1, 2], [3]]`, LangChain's OpenAIEmbeddings' default): they reach a server that takes them
+(`openai_embeddings`); any other runtime embeds text only and refuses them, saying what to send.
 
 `usage` holds the model server's token counts where it reported them (`estimated: false`), else
 the gateway's estimate (`estimated: true`): about four characters a token, OpenAI's rule of
@@ -22,7 +30,22 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelforge.domain import Deployment
+from modelforge.identifiers import shown
 from modelforge.runtimes import speaks
+
+# The roles OpenAI's chat takes ("function": its older tool results).
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+
+
+def role_problem(messages: list[ChatMessage]) -> tuple[str, str] | None:
+    """(param, message) for the first message whose role is not one of ROLES, else None."""
+    for n, message in enumerate(messages):
+        if message.role not in ROLES:
+            return (
+                f"messages.{n}.role",
+                f"messages.{n}.role: {shown(message.role)} is not a chat role (one of {', '.join(ROLES)})",
+            )
+    return None
 
 
 class ChatMessage(BaseModel):
@@ -60,11 +83,15 @@ class ChatCall(BaseModel):
     response_format: dict[str, Any] | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+
+
 class EmbeddingsCall(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Field(min_length=1, max_length=200)]
-    input: str | list[str]
+    # Text, or token ids (one input's, or several): OpenAI's four forms.
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(gt=0)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
@@ -130,9 +157,24 @@ def takes_parameters(deployment: Deployment, api: str) -> bool:
     return speaks(deployment).api == api
 
 
-def refused(given: dict[str, Any]) -> list[str]:
-    """The parameters a runtime that takes none would lose, in the order given."""
-    return [name for name, value in given.items() if not _no_effect(name, value, given)]
+def refused(given: dict[str, Any], taken: frozenset[str] = frozenset()) -> list[str]:
+    """The parameters a runtime that takes only `taken` (its `Speaks.parameters`; none by
+    default) would lose, in the order given."""
+    return [name for name, value in given.items() if name not in taken and not _no_effect(name, value, given)]
+
+
+def runtime_taken(deployment: Deployment) -> frozenset[str]:
+    """The parameters a runtime with no wire API takes itself (the simulated one's sampling)."""
+    return speaks(deployment).parameters
+
+
+def token_ids(value: Any) -> list[list[int]] | None:
+    """An embeddings `input` of token ids as a list of inputs (None: it is text)."""
+    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        return [list(row) for row in value]
+    return None
 
 
 def estimate_tokens(text: str) -> int:

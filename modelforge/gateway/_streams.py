@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from modelforge.streaming import SIGNATURE_HEADER, signature, stream_key
+from modelforge.streaming import SIGNATURE_HEADER, message_delta, signature, stream_key
 
 # Bytes of one push (a batch of chunks): generous for text, bounded.
 MAX_PUSH_BYTES = 4 * 1024 * 1024
@@ -164,6 +164,10 @@ def outcome(task: asyncio.Task[Any]) -> tuple[str | None, str, Any]:
     return (str(failure) if failure else "INTERNAL_ERROR"), str(getattr(error, "message", error))[:2000], None
 
 
+def _index(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 async def chat_events(
     *,
     hub: StreamHub,
@@ -180,57 +184,124 @@ async def chat_events(
     text_completion: bool = False,
 ) -> AsyncIterator[str]:
     """OpenAI's `chat.completion.chunk` events for one stream (`text_completion` ones for
-    /v1/completions), then `[DONE]`. A failure after the stream began (preemption, a crash) ends
-    it with an error event carrying its class. The stream is closed however this ends: a client
-    gone away makes the node's next push 410."""
+    /v1/completions), then `[DONE]`. Every choice the model server streamed passes through
+    whole: its index, its delta (content, reasoning_content/reasoning, tool_calls, refusal and
+    any field of the server's own), logprobs and its finish reason. A failure after the stream
+    began (preemption, a crash) ends it with an error event carrying its class. The stream is
+    closed however this ends: a client gone away makes the node's next push 410."""
     kind = "text_completion" if text_completion else "chat.completion.chunk"
     base = {"id": completion_id, "object": kind, "created": created, "model": model}
+    texts: dict[int, list[str]] = {}  # each choice's content, for usage estimates
+    seen: set[int] = {0}
+    finished: set[int] = set()
+    began = False
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        if text_completion:
-            piece = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
-            return sse({**base, "choices": [piece]})
-        return sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    def shaped(index: int, delta: dict[str, Any], finish: Any = None, logprobs: Any = None) -> dict[str, Any] | None:
+        nonlocal began
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            texts.setdefault(index, []).append(content)
+        if not began and any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
+            began = True
+            state.first_token_at = time.perf_counter()
+        seen.add(index)
+        if finish:
+            finished.add(index)
+        if text_completion:  # legacy completions stream text only
+            if not (isinstance(content, str) and content) and not finish:
+                return None
+            text = content if isinstance(content, str) else ""
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish or None}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish or None
+        return choice
 
-    text: list[str] = []
+    def event(choices: list[dict[str, Any] | None], **extra: Any) -> str | None:
+        kept = [c for c in choices if c is not None]
+        return sse({**base, "choices": kept, **extra}) if kept else None
+
+    def passed(record: dict[str, Any]) -> str | None:
+        """One pushed record as an event: a model server's choices whole, or plain text."""
+        choices = record.get("choices")
+        if isinstance(choices, list):
+            return event(
+                [
+                    shaped(
+                        _index(c.get("index")),
+                        dict(c["delta"]) if isinstance(c.get("delta"), dict) else {},
+                        c.get("finish_reason"),
+                        c.get("logprobs"),
+                    )
+                    for c in choices
+                    if isinstance(c, dict)
+                ]
+            )
+        delta = record.get("delta")
+        return event([shaped(0, {"content": delta})]) if isinstance(delta, str) and delta else None
+
+    def ending(finish: str, output: dict[str, Any]) -> list[str]:
+        """The finish of every choice that has not had one, the usage chunk if asked, [DONE]."""
+        whole = "".join(piece for index in sorted(texts) for piece in texts[index])
+        usage = counts(output, whole)
+        state.tokens = {
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "completion_tokens": usage.get("completion_tokens", 0),
+            "tokens_estimated": usage.get("estimated", True),
+        }
+        extra = {"parameters_applied": output["parameters_applied"]} if output.get("parameters_applied") else {}
+        events = []
+        last = event([shaped(index, {}, finish) for index in sorted(seen - finished)], **extra)
+        if last is not None:
+            events.append(last)
+        if include_usage:
+            events.append(sse({**base, "choices": [], "usage": usage}))
+        events.append(sse("[DONE]"))
+        return events
+
     try:
         if not text_completion:
-            yield chunk({"role": "assistant", "content": ""})
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield sse({**base, "choices": [role]})
         record = first
         while record is not None:
-            delta = record.get("delta")
-            if isinstance(delta, str):
-                if not text:
-                    state.first_token_at = time.perf_counter()
-                text.append(delta)
-                yield chunk({"content": delta})
-            elif "finish_reason" in record:
-                usage = counts({"usage": record.get("usage")}, "".join(text))
-                state.tokens = {
-                    "prompt_tokens": usage.get("prompt_tokens", 0),
-                    "completion_tokens": usage.get("completion_tokens", 0),
-                    "tokens_estimated": usage.get("estimated", True),
-                }
-                yield chunk({}, str(record.get("finish_reason") or "stop"))
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage})
-                yield sse("[DONE]")
+            if "finish_reason" in record and "choices" not in record and not isinstance(record.get("delta"), str):
+                for line in ending(str(record.get("finish_reason") or "stop"), record):
+                    yield line
                 return
+            passing = passed(record)
+            if passing is not None:
+                yield passing
             record = await next_record(stream, task)
         failure, message, result = outcome(task)
         if failure is None:
-            # Answered whole (a runtime that does not stream and a node that predates streaming):
-            # what was not streamed yet goes out as one piece.
+            # Answered whole (a node that predates streaming): what was not streamed yet goes
+            # out as one piece, every choice whole where the answer holds choices.
             output = getattr(result, "output", None) or {}
             answered = output.get("text")
             whole = answered if isinstance(answered, str) else ""
-            rest = whole[len("".join(text)) :] if whole.startswith("".join(text)) else ""
-            if rest:
-                yield chunk({"content": rest})
-            yield chunk({}, str(output.get("finish_reason", "stop")))
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": counts(output, whole)})
-            yield sse("[DONE]")
+            so_far = "".join(texts.get(0, []))
+            choices = output.get("choices")
+            if not texts and isinstance(choices, list) and all(isinstance(c, dict) for c in choices):
+                rest_line = event(
+                    [
+                        shaped(
+                            _index(c.get("index", n)),
+                            message_delta(c["message"]) if isinstance(c.get("message"), dict) else {},
+                            c.get("finish_reason"),
+                            c.get("logprobs"),
+                        )
+                        for n, c in enumerate(choices)
+                    ]
+                )
+            else:
+                rest = whole[len(so_far) :] if whole.startswith(so_far) else ""
+                rest_line = event([shaped(0, {"content": rest})]) if rest else None
+            if rest_line is not None:
+                yield rest_line
+            for line in ending(str(output.get("finish_reason", "stop")), output):
+                yield line
             return
         state.failure_class = failure
         yield sse(error_event(failure, message, request_id))

@@ -9,7 +9,15 @@ reported token counts.
 
 Request parameters (`temperature`, `tools`, `dimensions`... and any other field the server takes)
 travel in the input's `parameters` object and reach an OpenAI-compatible server as they are; a
-dialect that takes none (`tei_embed`) refuses them, naming them: a parameter is never dropped."""
+dialect that takes none (`tei_embed`) refuses them, naming them: a parameter is never dropped.
+An embeddings input may be token ids (`token_ids`, a list of lists of ints, as OpenAI's `input`
+takes them): `openai_embeddings` sends them as they are, `tei_embed` refuses them.
+
+A streamed chat answer (`stream_record`) becomes the records the node pushes to the gateway
+(activities/_stream_push.py): `{"delta": text}` for plain text of the first choice, and for
+anything more (reasoning, tool calls, logprobs, a second choice, a choice's own finish) the
+server's choices whole, `{"choices": [{"index", "delta", "logprobs"?, "finish_reason"?}],
+"delta": <the first choice's text, if any>}`."""
 
 from __future__ import annotations
 
@@ -49,8 +57,29 @@ def texts_of(payload: dict[str, Any]) -> list[str]:
     return texts
 
 
-# Fields of the server's request body that ModelForge itself fills (or, for streaming, does not
-# serve yet): a parameter of that name is refused rather than overriding them.
+def token_ids_of(payload: dict[str, Any]) -> list[list[int]] | None:
+    """The input's `token_ids` (None without): a non-empty list of non-empty lists of token ids."""
+    ids = payload.get("token_ids")
+    if ids is None:
+        return None
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(
+            isinstance(row, list)
+            and row
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in row)
+            for row in ids
+        )
+    ):
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, "'token_ids' must be a non-empty list of non-empty lists of token ids"
+        )
+    return ids
+
+
+# Fields of the server's request body that ModelForge itself fills (streaming: the gateway's
+# `stream: true` asks for it): a parameter of that name is refused rather than overriding them.
 _OWN_FIELDS = {
     "openai_embeddings": ("model", "input"),
     "openai_chat": ("model", "messages", "stream", "stream_options"),
@@ -75,18 +104,25 @@ def _passed(api: str, parameters: dict[str, Any]) -> dict[str, Any]:
         raise ModelForgeError(
             FailureClass.REQUEST_INVALID,
             f"parameters: {', '.join(taken)} cannot be given as parameters"
-            + (" (streaming is not served yet)" if any(n.startswith("stream") for n in taken) else ""),
+            + (" (ask the gateway with stream: true)" if any(n.startswith("stream") for n in taken) else ""),
         )
     return parameters
 
 
 def build_call(api: str, served_model: str, payload: dict[str, Any]) -> HttpCall:
     parameters = parameters_of(payload)
+    ids = token_ids_of(payload) if api != "openai_chat" else None
     if api == "openai_embeddings":
-        texts = texts_of(payload)
-        body = {"model": served_model, "input": texts, **_passed(api, parameters)}
-        return HttpCall("/v1/embeddings", body, len(texts))
+        inputs: list[Any] = ids if ids is not None else texts_of(payload)
+        body = {"model": served_model, "input": inputs, **_passed(api, parameters)}
+        return HttpCall("/v1/embeddings", body, len(inputs))
     if api == "tei_embed":
+        if ids is not None:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                "token_ids: text-embeddings-inference's /embed (api 'tei_embed') is sent text here; send "
+                "strings, or serve the model with api 'openai_embeddings' to pass token ids",
+            )
         texts = texts_of(payload)
         if parameters:
             raise ModelForgeError(
@@ -149,8 +185,7 @@ def _choice(index: int, choice: Any) -> dict[str, Any]:
     message = dict(choice["message"])
     content = message.get("content")
     calls = message.get("tool_calls")
-    if content is None and not (isinstance(calls, list) and calls):
-        raise _invalid(f"chat answer's choices[{index}].message has neither content nor tool_calls")
+    # No content is an answer too (tool calls only, or a reasoning model cut short in its thinking).
     if content is not None and not isinstance(content, str):
         raise _invalid(f"chat answer's choices[{index}].message.content is not a string")
     if calls is not None and not isinstance(calls, list):
@@ -164,6 +199,64 @@ def _choice(index: int, choice: Any) -> dict[str, Any]:
     if choice.get("logprobs") is not None:
         shaped["logprobs"] = choice["logprobs"]
     return shaped
+
+
+def _index(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def stream_record(chunk: Any, finishes: dict[int, str]) -> dict[str, Any] | None:
+    """One streamed chunk of an OpenAI-compatible server as the record the node pushes (module
+    docstring), or None when it carries nothing to pass on (the role, a usage chunk). A plain
+    chunk's finish reason is kept in `finishes` (choice index -> reason) for the end record; a
+    choice that holds more is passed whole, its finish reason with it."""
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list):
+        return None
+    text: list[str] = []  # the first choice's text, in order
+    whole: list[dict[str, Any]] = []
+    plain: list[str] = []  # plain text of the first choice not yet placed in `whole`
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        index = _index(choice.get("index"))
+        raw = choice.get("delta")
+        delta = {k: v for k, v in raw.items() if v is not None} if isinstance(raw, dict) else {}
+        logprobs = choice.get("logprobs")
+        finish = choice.get("finish_reason")
+        if finish:
+            finishes[index] = str(finish)
+        if index == 0:  # the gateway says the first choice's role itself
+            delta.pop("role", None)
+        if delta.get("content") == "":
+            delta.pop("content")
+        content = delta.get("content")
+        if index == 0 and isinstance(content, str):
+            text.append(content)
+        if index == 0 and set(delta) <= {"content"} and logprobs is None:
+            if isinstance(content, str):
+                plain.append(content)
+            continue
+        if not delta and logprobs is None and not finish:
+            continue
+        if plain:
+            whole.append({"index": 0, "delta": {"content": "".join(plain)}})
+            plain = []
+        shaped: dict[str, Any] = {"index": index, "delta": delta}
+        if logprobs is not None:
+            shaped["logprobs"] = logprobs
+        if finish:
+            shaped["finish_reason"] = str(finish)
+        whole.append(shaped)
+    said = "".join(text)
+    if not whole:
+        return {"delta": said} if said else None
+    if plain:
+        whole.append({"index": 0, "delta": {"content": "".join(plain)}})
+    record: dict[str, Any] = {"choices": whole}
+    if said:
+        record["delta"] = said  # for who reads text only: the Ollama routes, an older gateway
+    return record
 
 
 def parse_response(api: str, answer: Any, expected: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from modelforge.gpu import NodeDevices
 from modelforge.logging import get_logger
 from modelforge.runtimes._protocol import Runtime
 from modelforge.runtimes._sentence_transformers import SentenceTransformersConfig, SentenceTransformersRuntime
-from modelforge.runtimes._simulated import SimulatedRuntime
+from modelforge.runtimes._simulated import SIMULATED_PARAMETERS, SimulatedRuntime, generates_text
 from modelforge.runtimes._subprocess_http import SubprocessHttpConfig, SubprocessHttpRuntime
 from modelforge.runtimes._subprocess_job import SubprocessJobConfig, SubprocessJobRuntime
 
@@ -42,6 +42,9 @@ class Speaks:
     # What it answers: "text" (completions, chat) and/or "vectors" (embeddings).
     answers: frozenset[str]
     job: bool = False  # a batch job run to its end (POST /v1/jobs), not a model server
+    # Where `api` is None: the chat and completion parameters the runtime takes itself (the
+    # simulated one takes a real server's sampling parameters); any other is refused, named.
+    parameters: frozenset[str] = frozenset()
 
 
 # What the gateway assumes of a runtime no entry names (a catalog refuses one; a hand-built
@@ -92,12 +95,19 @@ def _http_speaks(deployment: Deployment) -> Speaks:
     return Speaks(api, frozenset({"text"} if api == "openai_chat" else {"vectors"}))
 
 
+def _simulated_speaks(deployment: Deployment) -> Speaks:
+    # Answers both; a text model takes sampling parameters as a real server does (and says which
+    # it got), an embedding model none (as a real embeddings server refuses `temperature`).
+    taken = SIMULATED_PARAMETERS if generates_text(deployment) else frozenset()
+    return Speaks(None, frozenset({"text", "vectors"}), parameters=taken)
+
+
 _SPECS = (
     RuntimeSpec(
         "simulated",
         lambda ctx: SimulatedRuntime(ctx.devices),
         simulated_only=True,
-        speaks=lambda deployment: Speaks(None, frozenset({"text", "vectors"})),  # answers both
+        speaks=_simulated_speaks,
     ),
     RuntimeSpec(
         "subprocess_http",

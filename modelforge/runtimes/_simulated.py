@@ -4,7 +4,14 @@ a chat or completion deployment answers with text (`prompt` or `messages`), any 
 8-dimension stand-in for an embedding (`text`, or `texts` for several).
 
 Request inputs can steer it: `simulate_invoke_s` holds the lease that long, `simulate_fault`
-raises the named failure class, so tests and demos break things on purpose."""
+raises the named failure class, so tests and demos break things on purpose.
+
+It stands in for a real chat server, so it takes what one takes for sampling (the input's
+`parameters`: SIMULATED_PARAMETERS) and says in its answer what it was given
+(`parameters_applied`, as given). `max_tokens`/`max_completion_tokens` (its tokens are words),
+`stop` and `n` shape its answer; `temperature`, `top_p`, `seed`, the penalties and `user` are
+taken and reported, and its answer stays deterministic (as a real server's at temperature 0).
+Any other parameter is REQUEST_INVALID, named."""
 
 from __future__ import annotations
 
@@ -80,6 +87,79 @@ def generates_text(deployment: Deployment) -> bool:
         for name in names
         for part in name.split("@", 1)[0].replace("_", ".").replace("-", ".").split(".")
     )
+
+
+# The request parameters it takes (a chat server's sampling ones), with the range each may hold.
+_NUMBERS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    # vLLM's and llama.cpp's extra sampling parameters (Ollama's top_k, min_p, repeat_penalty...).
+    "top_k": (-1.0, 1e6),
+    "min_p": (0.0, 1.0),
+    "typical_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 10.0),
+}
+_COUNTS = {"max_tokens": 1, "max_completion_tokens": 1, "n": 1}
+MAX_CHOICES = 128
+SIMULATED_PARAMETERS = frozenset({*_NUMBERS, *_COUNTS, "stop", "seed", "user"})
+
+
+def _bad(name: str, why: str) -> ModelForgeError:
+    return ModelForgeError(FailureClass.REQUEST_INVALID, f"parameters.{name}: {why}")
+
+
+def _parameters(payload: dict[str, Any]) -> dict[str, Any]:
+    """The input's `parameters` ({} without), checked: REQUEST_INVALID naming one it does not
+    take or a value out of range (what a real server would refuse)."""
+    given = payload.get("parameters")
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "'parameters' must be an object of name: value")
+    unknown = sorted(str(name) for name in given if name not in SIMULATED_PARAMETERS)
+    if unknown:
+        raise _bad(
+            unknown[0][:60],
+            f"the simulated runtime does not take it (it takes {', '.join(sorted(SIMULATED_PARAMETERS))})",
+        )
+    for name, value in given.items():
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if name in _NUMBERS:
+            low, high = _NUMBERS[name]
+            if not number or not low <= value <= high:
+                raise _bad(name, f"must be a number from {low:g} to {high:g}")
+        elif name in _COUNTS:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _bad(name, "must be a whole number of at least 1")
+            if name == "n" and value > MAX_CHOICES:
+                raise _bad(name, f"must be at most {MAX_CHOICES}")
+        elif name == "seed" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise _bad(name, "must be a whole number")
+        elif name == "user" and not isinstance(value, str):
+            raise _bad(name, "must be a string")
+        elif name == "stop" and not (
+            isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+        ):
+            raise _bad(name, "must be a string or a list of strings")
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _shaped(text: str, parameters: dict[str, Any]) -> tuple[str, str]:
+    """(text, finish_reason) of an answer under `stop` (cut before the first stop string) and
+    `max_completion_tokens`/`max_tokens` (at most that many words: "length")."""
+    stops = parameters.get("stop")
+    found = [text.index(s) for s in ([stops] if isinstance(stops, str) else stops or []) if s and s in text]
+    if found:
+        text = text[: min(found)]
+    limit = parameters.get("max_completion_tokens", parameters.get("max_tokens"))
+    words = re.findall(r"\S+\s*", text)
+    if isinstance(limit, int) and len(words) > limit:
+        return "".join(words[:limit]).rstrip(), "length"
+    return text, "stop"
 
 
 def _said(payload: dict[str, Any]) -> str | None:
@@ -165,26 +245,41 @@ class SimulatedRuntime:
         deployment = self._deployments.get(model.resident_key)
         if deployment is None or not generates_text(deployment):
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{model.deployment} answers with vectors, not text")
+        parameters = _parameters(payload)
         said = _said(payload)
-        text = f"[simulated {model.deployment}] you said: {(said or '')[:200]}"
-        pieces = re.findall(r"\S+\s*", text) or [text]
-        gap = float(_hold_seconds(payload)) / len(pieces)
+        text, finish = _shaped(f"[simulated {model.deployment}] you said: {(said or '')[:200]}", parameters)
+        choices = int(parameters.get("n", 1))
+        pieces = re.findall(r"\S+\s*", text)
+        gap = float(_hold_seconds(payload)) / max(1, len(pieces))
         lease_id = str(payload.get("modelforge_lease_id", ""))
         began = time.time()
         try:
             for n, piece in enumerate(pieces):
                 await asyncio.sleep(gap)
                 heartbeat(f"streaming: {n + 1}/{len(pieces)} pieces")
-                yield {"delta": piece}
+                if choices == 1:
+                    yield {"delta": piece}
+                else:  # every choice's piece, by index (and choice 0's text for who reads only it)
+                    each = [{"index": i, "delta": {"content": piece}} for i in range(choices)]
+                    yield {"choices": each, "delta": piece}
         finally:
             self._log_invoke(model, lease_id, began)
         fault = _fault(payload)
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
-        yield {"finish_reason": "stop"}
+        end: dict[str, Any] = {"finish_reason": finish}
+        if parameters:
+            end["parameters_applied"] = parameters
+        yield end
 
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
         hold = _hold_seconds(payload)
+        parameters = _parameters(payload)
+        if "token_ids" in payload:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"token_ids: {model.deployment} (runtime simulated) embeds text only; send 'texts'",
+            )
         # A resumed run starts where its checkpoint left off (the node has checked the location).
         resumed_from = payload.get("modelforge_resume_from")
         done = _checkpointed_seconds(resumed_from) if isinstance(resumed_from, str) else 0.0
@@ -206,18 +301,29 @@ class SimulatedRuntime:
         if fault is not None:
             raise ModelForgeError(fault, f"simulated {fault.value} (requested by simulate_fault)")
         deployment = self._deployments.get(model.resident_key)
+        if parameters and deployment is not None and not generates_text(deployment):
+            raise _bad(sorted(parameters)[0][:60], f"{model.deployment} answers with vectors and takes no parameters")
         said = _said(payload)
         output: dict[str, Any] = {"simulated": True, "deployment": model.deployment}
         if deployment is not None and generates_text(deployment):
             # A chat or completion model answers with text, never a vector.
-            output["text"] = f"[simulated {model.deployment}] you said: {(said or '')[:200]}"
-            output["finish_reason"] = "stop"
+            text, finish = _shaped(f"[simulated {model.deployment}] you said: {(said or '')[:200]}", parameters)
+            output["text"] = text
+            output["finish_reason"] = finish
+            choices = int(parameters.get("n", 1))
+            if choices > 1:
+                output["choices"] = [
+                    {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                    for i in range(choices)
+                ]
         else:
             text = str(payload.get("text", payload.get("prompt", "")))
             output["embedding"] = _vector(model.deployment, text)
             if said is not None and isinstance(payload.get("messages"), list):
                 output["text"] = f"[simulated {model.deployment}] you said: {said[:200]}"
                 output["finish_reason"] = "stop"
+        if parameters:
+            output["parameters_applied"] = parameters
         if isinstance(resumed_from, str):
             output["resumed_from"] = resumed_from
         texts = payload.get("texts")

@@ -38,6 +38,7 @@ from modelforge.runtimes._http_api import (
     build_call,
     check_embeddings,
     parse_response,
+    stream_record,
     usage_of,
 )
 from modelforge.runtimes._process import alive, process_tree, rss_bytes
@@ -364,22 +365,19 @@ class SubprocessHttpRuntime:
         self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat
     ) -> AsyncIterator[dict[str, Any]]:
         """A chat answer as the server generates it (OpenAI's `stream: true`): `{"delta": text}`
-        chunks, then `{"finish_reason", "usage"}`. Closing this iterator closes the server's
-        stream, which is how vLLM and llama.cpp's server learn to stop generating."""
+        records for plain text, the server's choices whole for anything more (reasoning, tool
+        calls, logprobs, `n` choices: `stream_record`), then `{"finish_reason", "usage"}`.
+        Closing this iterator closes the server's stream, which is how vLLM and llama.cpp's
+        server learn to stop generating."""
         server = self._server(model)
         api = server.config.api
         if api != "openai_chat":
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{model.deployment} (api {api}) does not stream text")
         call = build_call(api, server.config.served_model, payload)
         body = dict(call.body)
-        if body.get("n", 1) != 1 or body.get("tools"):
-            named = "n" if body.get("n", 1) != 1 else "tools"
-            raise ModelForgeError(
-                FailureClass.REQUEST_INVALID, f"parameters: {named} cannot be streamed yet; ask with stream=false"
-            )
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        finish: str | None = None
+        finishes: dict[int, str] = {}
         usage: dict[str, int] | None = None
         try:
             async with server.client.stream(
@@ -402,13 +400,10 @@ class SubprocessHttpRuntime:
                             FailureClass.INVALID_OUTPUT, f"server streamed non-JSON: {data[:120]!r}"
                         ) from None
                     usage = usage_of(chunk, chat=True) or usage
-                    for choice in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
-                        delta = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
-                        if isinstance(delta, str) and delta:
-                            heartbeat("streaming")
-                            yield {"delta": delta}
-                        if isinstance(choice, dict) and choice.get("finish_reason"):
-                            finish = str(choice["finish_reason"])
+                    record = stream_record(chunk, finishes)
+                    if record is not None:
+                        heartbeat("streaming")
+                        yield record
         except httpx.TimeoutException:
             raise ModelForgeError(
                 FailureClass.TIMEOUT,
@@ -423,7 +418,7 @@ class SubprocessHttpRuntime:
                     + self._log_tail(server.log_path),
                 ) from None
             raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"{call.path}: {type(error).__name__}: {error}") from None
-        yield {"finish_reason": finish or "stop", "usage": usage}
+        yield {"finish_reason": finishes.get(0) or "stop", "usage": usage}
 
     async def health_check(self, model: LoadedModel) -> None:
         server = self._server(model)

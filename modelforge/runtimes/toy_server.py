@@ -5,10 +5,18 @@ words (a paraphrase shares words, so it lands closer than an unrelated sentence)
 answers say they are from the toy server. `--fault` breaks it on purpose, as real servers break.
 
 It takes OpenAI's request parameters as a real server does, so a test can see them act: `n`
-choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `tools` with a
-`tool_choice` naming a function (or "required"), `response_format` json_object/json_schema,
-`logprobs`, and `dimensions` for embeddings; it reports `usage` in its own tokens. `stream: true`
-answers as OpenAI's server-sent chunks (with `stream_options.include_usage`, a usage chunk), and
+choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `tools` (a call when
+`tool_choice` names a function or is "required", or, with "auto" or none given, when the last
+user message names one of the tools' functions: each named one is called, the first only with
+`parallel_tool_calls: false`; arguments `{"said": <the message>}`), `response_format`
+json_object/json_schema, `logprobs` (each token at logprob 0, `top_logprobs` alternatives of it),
+and `dimensions` for embeddings, whose `input` may be token ids (`[[1, 2], [3]]`, as OpenAI's);
+it reports `usage` in its own tokens. It reasons first as a reasoning model does
+(`reasoning_content`, or the field `--reasoning-field` names) when started with `--reasoning`,
+when the served model's name has "reason" in it, or when a request gives `reasoning_effort`
+(not "none"). `stream: true` answers as OpenAI's server-sent chunks: reasoning, content (with
+logprobs), tool calls (name first, then the arguments in pieces) and each choice's finish, the
+`n` choices interleaved (with `stream_options.include_usage`, a usage chunk), and
 `GET /streams` tells which streams' clients went away before the end; `--answer-tokens N` makes
 every chat answer N tokens long (its usual words, then counting words), for long streams.
 `GET /received` answers the last request bodies it received (path and body), so a test can
@@ -16,7 +24,7 @@ check that parameters reached it.
 
     python -m modelforge.runtimes.toy_server --port 8081 [--fault never-ready|exit-at-start|
         crash-on-invoke|garbage|nan|hang] [--hold-mib 64] [--ready-after 0.5] [--ignore-term] [--orphan-worker]
-        [--token-delay-ms 20] [--answer-tokens 512]
+        [--token-delay-ms 20] [--answer-tokens 512] [--reasoning] [--reasoning-field reasoning]
 """
 
 from __future__ import annotations
@@ -71,9 +79,51 @@ def _to_length(text: str, count: int) -> str:
     return " ".join([text, *words]) if text else " ".join(words)
 
 
-def chat_answer(body: dict[str, Any], answer_tokens: int = 0) -> dict[str, Any]:
+def _called(body: dict[str, Any], said: str, last_role: Any) -> list[str]:
+    """The functions a chat answer calls (module docstring), in the tools' order."""
+    tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+    names = [str((t.get("function") or {}).get("name") or "tool") for t in tools]
+    choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return []
+    if isinstance(choice, dict):
+        return [str((choice.get("function") or {}).get("name") or names[0])]
+    if choice == "required":
+        mentioned = [n for n in names if re.search(rf"\b{re.escape(n)}\b", said)]
+        return mentioned[:1] or names[:1] if body.get("parallel_tool_calls") is False else mentioned or names[:1]
+    if last_role != "user":  # a tool's result came back: answer with text
+        return []
+    mentioned = [n for n in names if re.search(rf"\b{re.escape(n)}\b", said)]
+    return mentioned[:1] if body.get("parallel_tool_calls") is False else mentioned
+
+
+def reasons(body: dict[str, Any], always: bool = False) -> bool:
+    """Whether the answer to `body` reasons first (module docstring)."""
+    effort = body.get("reasoning_effort")
+    return always or "reason" in str(body.get("model", "")).lower() or (effort is not None and effort != "none")
+
+
+def _logprobs(text: str, top: Any) -> dict[str, Any]:
+    alternatives = top if isinstance(top, int) and top > 0 else 0
+    return {
+        "content": [
+            {
+                "token": t,
+                "logprob": 0.0,
+                "bytes": list(t.encode()),
+                "top_logprobs": [{"token": t, "logprob": 0.0, "bytes": list(t.encode())}] * min(1, alternatives),
+            }
+            for t in _TOKEN.findall(text)
+        ]
+    }
+
+
+def chat_answer(
+    body: dict[str, Any], answer_tokens: int = 0, reasoning: bool = False, reasoning_field: str = "reasoning_content"
+) -> dict[str, Any]:
     """An OpenAI chat completion for `body`, honouring the parameters listed in the docstring;
-    `answer_tokens` above 0: the answer's content is that many tokens long."""
+    `answer_tokens` above 0: the answer's content is that many tokens long; `reasoning`: it
+    reasons first (in `reasoning_field`) whatever the request."""
     messages = body.get("messages") or [{}]
     last = messages[-1] if isinstance(messages[-1], dict) else {}
     said = _text_of(last.get("content"))[:200]
@@ -93,35 +143,30 @@ def chat_answer(body: dict[str, Any], answer_tokens: int = 0) -> dict[str, Any]:
     if isinstance(limit, int) and tokens(content) > limit:
         content, finish = _cut(content, limit), "length"
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
-    choice = body.get("tool_choice")
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if tools and (named or choice == "required"):
-        name = named or tools[0].get("function", {}).get("name", "tool")
+    called = _called(body, said, last.get("role"))
+    if called:
         message = {
             "role": "assistant",
             "content": None,
             "tool_calls": [
                 {
-                    "id": "call_toy_0",
+                    "id": f"call_toy_{n}",
                     "type": "function",
                     "function": {"name": name, "arguments": json.dumps({"said": said})},
                 }
+                for n, name in enumerate(called)
             ],
         }
         finish = "tool_calls"
+    if reasons(body, reasoning):
+        message[reasoning_field] = f"The user said {said!r}. I answer as the toy server does."
     asked = body.get("n")
     count = asked if isinstance(asked, int) and asked > 0 else 1
     choices = []
     for index in range(count):
         entry: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish}
         if body.get("logprobs") and message.get("content"):
-            entry["logprobs"] = {
-                "content": [
-                    {"token": t, "logprob": 0.0, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t in _TOKEN.findall(message["content"])
-                ]
-            }
+            entry["logprobs"] = _logprobs(message["content"], body.get("top_logprobs"))
         choices.append(entry)
     prompt = sum(tokens(_text_of(m.get("content"))) for m in messages if isinstance(m, dict))
     completion = count * tokens(message.get("content") or json.dumps(message.get("tool_calls")))
@@ -227,10 +272,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/v1/embeddings":
             texts = body.get("input")
+            if isinstance(texts, list) and texts and all(isinstance(t, int) for t in texts):
+                texts = [texts]  # one input's token ids
             texts = [texts] if isinstance(texts, str) else texts
             if not isinstance(texts, list) or not texts:
-                self._answer(400, {"error": "input must be a string or a list of strings"})
+                self._answer(400, {"error": "input must be a string, a list of strings or token id lists"})
                 return
+            # Token ids are embedded as words of their own ("t42"), as consistently as text.
+            texts = [" ".join(f"t{i}" for i in t) if isinstance(t, list) else t for t in texts]
             vectors = [embed(str(t)) for t in texts]
             dimensions = body.get("dimensions")
             if isinstance(dimensions, int) and 0 < dimensions < DIMENSIONS:  # a matryoshka model's cut
@@ -259,20 +308,21 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(asked, int) or not 1 <= asked <= MAX_CHOICES:  # as a real server refuses
                 self._answer(400, {"error": {"message": f"n must be from 1 to {MAX_CHOICES}", "param": "n"}})
                 return
+            answer = chat_answer(body, self.server.answer_tokens, self.server.reasoning, self.server.reasoning_field)
             if body.get("stream"):
-                self._stream(body, chat_answer(body, self.server.answer_tokens))
+                self._stream(body, answer)
             else:
-                self._answer(200, chat_answer(body, self.server.answer_tokens))
+                self._answer(200, answer)
         else:
             self._answer(404, {"error": "not found"})
 
     def _stream(self, body: dict[str, Any], answer: dict[str, Any]) -> None:
-        """The answer as OpenAI's server-sent chunks, a token (word and its space) at a time,
-        `--token-delay-ms` apart. A client that goes away stops it: the stream is recorded as
-        aborted (GET /streams), with how many pieces went out."""
-        content = answer["choices"][0]["message"].get("content") or ""
-        pieces = re.findall(r"\S+\s*", content) or [content]
-        record = {"pieces": len(pieces), "sent": 0, "aborted": False, "done": False}
+        """The answer as OpenAI's server-sent chunks (`stream_chunks`), `--token-delay-ms` apart.
+        A client that goes away stops it: the stream is recorded as aborted (GET /streams), with
+        how many pieces went out."""
+        chunks = stream_chunks(answer, self.server.reasoning_field, bool(body.get("logprobs")))
+        pieces = sum(1 for _, piece in chunks if piece)
+        record = {"pieces": pieces, "sent": 0, "aborted": False, "done": False}
         self.server.streams.append(record)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -292,18 +342,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         try:
-            send(
-                {
-                    **base,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                }
-            )
-            for piece in pieces:
-                time.sleep(self.server.token_delay_s)
-                send({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
-                record["sent"] += 1
-            finish = answer["choices"][0]["finish_reason"]
-            send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+            for choice, piece in chunks:
+                if piece:
+                    time.sleep(self.server.token_delay_s)
+                send({**base, "choices": [choice]})
+                record["sent"] += 1 if piece else 0
             options = body.get("stream_options")
             if isinstance(options, dict) and options.get("include_usage"):
                 send({**base, "choices": [], "usage": answer["usage"]})
@@ -311,6 +354,49 @@ class _Handler(BaseHTTPRequestHandler):
             record["done"] = True
         except (BrokenPipeError, ConnectionResetError):
             record["aborted"] = True
+
+
+def _pieces(text: str) -> list[str]:
+    return re.findall(r"\S+\s*", text)
+
+
+def stream_chunks(answer: dict[str, Any], reasoning_field: str, logprobs: bool) -> list[tuple[dict[str, Any], bool]]:
+    """A whole chat answer as the streamed choices a server sends, each with whether it is a
+    generated piece (a token's worth: reasoning, content, a tool call's part): per choice its
+    role, reasoning, content (with its logprobs), tool calls (id and name, then the arguments in
+    pieces) and finish; several choices interleaved, as vLLM sends them."""
+    per_choice: list[list[tuple[dict[str, Any], bool]]] = []
+    for whole in answer["choices"]:
+        index, message = whole["index"], whole["message"]
+        out: list[tuple[dict[str, Any], bool]] = [
+            ({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}, False)
+        ]
+        for piece in _pieces(message.get(reasoning_field) or ""):
+            out.append(({"index": index, "delta": {reasoning_field: piece}, "finish_reason": None}, True))
+        for piece in _pieces(message.get("content") or ""):
+            choice: dict[str, Any] = {"index": index, "delta": {"content": piece}, "finish_reason": None}
+            if logprobs:
+                choice["logprobs"] = _logprobs(piece, 0)
+            out.append((choice, True))
+        for n, call in enumerate(message.get("tool_calls") or []):
+            head = {
+                "index": n,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }
+            out.append(({"index": index, "delta": {"tool_calls": [head]}, "finish_reason": None}, True))
+            arguments = call["function"]["arguments"]
+            third = max(1, len(arguments) // 3)
+            for at in range(0, len(arguments), third):
+                part = {"index": n, "function": {"arguments": arguments[at : at + third]}}
+                out.append(({"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None}, True))
+        out.append(({"index": index, "delta": {}, "finish_reason": whole["finish_reason"]}, False))
+        per_choice.append(out)
+    interleaved: list[tuple[dict[str, Any], bool]] = []
+    for at in range(max(len(c) for c in per_choice)):
+        interleaved.extend(c[at] for c in per_choice if at < len(c))
+    return interleaved
 
 
 class _ToyServer(ThreadingHTTPServer):
@@ -326,6 +412,8 @@ class _ToyServer(ThreadingHTTPServer):
     streams: list[dict[str, Any]] = []
     token_delay_s: float = 0.0
     answer_tokens: int = 0
+    reasoning: bool = False
+    reasoning_field: str = "reasoning_content"
 
 
 def _touched(mib: int) -> bytearray:
@@ -349,6 +437,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--answer-tokens", type=int, default=0, help="every chat answer this many tokens long (0: as it comes)"
     )
+    parser.add_argument("--reasoning", action="store_true", help="reason first, as a reasoning model (every answer)")
+    parser.add_argument(
+        "--reasoning-field",
+        choices=("reasoning_content", "reasoning"),
+        default="reasoning_content",
+        help="the message field its reasoning goes in (vLLM's and DeepSeek's reasoning_content, or reasoning)",
+    )
     parser.add_argument(
         "--orphan-worker",
         action="store_true",
@@ -368,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     server.streams = []
     server.token_delay_s = options.token_delay_ms / 1000.0
     server.answer_tokens = max(0, options.answer_tokens)
+    server.reasoning = options.reasoning
+    server.reasoning_field = options.reasoning_field
     if options.orphan_worker:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         server.children.append(worker.pid)

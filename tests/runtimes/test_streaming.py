@@ -39,10 +39,65 @@ async def test_a_streamed_chat_answer_comes_in_pieces_equal_to_the_whole(tmp_pat
         assert len(deltas) > 3
         assert "".join(deltas) == whole["text"]
         assert chunks[-1] == {"finish_reason": "stop", "usage": whole["usage"]}
-        with pytest.raises(ModelForgeError) as refused:
-            _ = [c async for c in runtime.invoke_stream(model, {**HELLO, "parameters": {"n": 2}}, quiet)]
-        assert refused.value.failure == FailureClass.REQUEST_INVALID and "n" in refused.value.message
+        # Several choices stream too: each by its index, the first's text also as plain `delta`.
+        several = [c async for c in runtime.invoke_stream(model, {**HELLO, "parameters": {"n": 2}}, quiet)]
+        second = [
+            choice["delta"].get("content") or ""
+            for c in several
+            for choice in c.get("choices", [])
+            if choice["index"] == 1
+        ]
+        assert "".join(second) == whole["text"]
+        assert "".join(c.get("delta") or "" for c in several[:-1]) == whole["text"]
+        with pytest.raises(ModelForgeError) as refused:  # what is the gateway's own is not a parameter
+            _ = [c async for c in runtime.invoke_stream(model, {**HELLO, "parameters": {"stream": False}}, quiet)]
+        assert refused.value.failure == FailureClass.REQUEST_INVALID and "stream" in refused.value.message
     finally:
+        await runtime.unload(model)
+
+
+async def test_tool_calls_reasoning_logprobs_and_choices_stream_whole_and_add_up_to_the_answer(
+    tmp_path: Path,
+) -> None:
+    """What a server streams beyond text (a reasoning model's thinking, tool calls in pieces,
+    logprobs, a second choice) reaches the gateway whole, and the node's result puts it back
+    together as the server's own non-streamed answer."""
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy("--token-delay-ms", "1", "--reasoning", api="openai_chat"))
+    received: list[dict[str, Any]] = []
+    server, task, port = await _serve(_gateway_stand_in(received, None))
+    tools = [{"type": "function", "function": {"name": name}} for name in ("lookup", "weather")]
+    asks = {
+        "tools": {
+            "messages": [{"role": "user", "content": "lookup and weather for Paris"}],
+            "parameters": {"tools": tools},
+        },
+        "text": {**HELLO, "parameters": {"n": 2, "logprobs": True}},
+    }
+    try:
+        for n, (kind, ask) in enumerate(asks.items()):
+            target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id=f"s{n}")
+            del received[:]
+            output = await stream_push.push(target, runtime.invoke_stream(model, ask, quiet))
+            whole = await runtime.invoke(model, ask, quiet)
+            assert output["choices"] == whole["choices"], kind
+            assert output["finish_reason"] == whole["finish_reason"] == ("tool_calls" if kind == "tools" else "stop")
+            pushed = [c for r in received for c in r.get("choices", [])]
+            reasoning = [c for c in pushed if c["delta"].get("reasoning_content")]
+            assert len(reasoning) > 3 and {c["index"] for c in reasoning} == ({0} if kind == "tools" else {0, 1})
+            # Readers of the first choice only (the Ollama routes) find its delta merged.
+            assert any("reasoning_content" in (r.get("choice_delta") or {}) for r in received)
+            if kind == "tools":
+                calls = [t for c in pushed for t in c["delta"].get("tool_calls", [])]
+                assert [t["function"]["name"] for t in calls if "id" in t] == ["lookup", "weather"]
+                assert len(calls) > 4  # the names, then the arguments in pieces
+            else:
+                assert all(c.get("logprobs") for c in pushed if c["delta"].get("content"))
+                assert {c["index"] for c in pushed if c.get("finish_reason")} == {1}  # the first's ends the stream
+                assert received[-1]["finish_reason"] == "stop"
+    finally:
+        server.should_exit = True
+        await task
         await runtime.unload(model)
 
 

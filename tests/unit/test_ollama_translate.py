@@ -71,7 +71,7 @@ CONTINUE = {"temperature": 0.5, "top_p": 0.9, "top_k": 40, "num_predict": 4096, 
 def test_options_the_apps_send_are_read(
     options: dict[str, object], sampling: dict[str, object], accepted: tuple[str, ...]
 ) -> None:
-    read = read_options(options, CHAT, takes_sampling=True)
+    read = read_options(options, CHAT, taken=None)
     assert read.sampling == sampling
     assert read.accepted == accepted
 
@@ -89,15 +89,17 @@ def test_options_the_apps_send_are_read(
 )
 def test_options_that_cannot_be_served_are_refused_by_name(options: dict[str, object], fragment: str) -> None:
     with pytest.raises(TranslationError, match=fragment):
-        read_options(options, CHAT, takes_sampling=True)
+        read_options(options, CHAT, taken=None)
 
 
 def test_a_runtime_without_sampling_refuses_sampling_but_takes_runner_options() -> None:
     with pytest.raises(TranslationError, match=r"options \(temperature\).*takes no sampling options"):
-        read_options({"temperature": 0.2, "num_thread": 4}, CHAT, takes_sampling=False)
-    assert read_options({"num_thread": 4, "num_ctx": 2048}, CHAT, takes_sampling=False).sampling == {}
+        read_options({"temperature": 0.2, "num_thread": 4}, CHAT, taken=frozenset())
+    with pytest.raises(TranslationError, match=r"options \(repetition_penalty\).*takes only max_tokens, temperature"):
+        read_options({"temperature": 0.2, "repeat_penalty": 1.1}, CHAT, taken=frozenset({"temperature", "max_tokens"}))
+    assert read_options({"num_thread": 4, "num_ctx": 2048}, CHAT, taken=frozenset()).sampling == {}
     # A context length the catalog does not state is not checked (the server's own applies).
-    assert read_options({"num_ctx": 10**6}, replace(CHAT, context_length=0), takes_sampling=False).num_ctx == 10**6
+    assert read_options({"num_ctx": 10**6}, replace(CHAT, context_length=0), taken=frozenset()).num_ctx == 10**6
 
 
 def test_format_and_think_become_openai_parameters() -> None:
