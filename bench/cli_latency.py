@@ -1,7 +1,9 @@
 """The wall time of a short CLI command, side by side on one stack: `temporal workflow describe` of
 the scheduler (the Temporal CLI, Go, the yardstick), `modelforge status --json` and a warm
 `modelforge request rag.embedding@1 --json`, each by the fast path (Temporal's HTTP API,
-modelforge/_fastcli.py) and by the SDK path (MODELFORGE_TEMPORAL_HTTP_ADDRESS=off). Rounds
+modelforge/_fastcli.py) and by the SDK path (MODELFORGE_TEMPORAL_HTTP_ADDRESS=off), and
+`status --json` again from a shell with the workers' settings exported (the fast path leaves
+them aside). Rounds
 alternate the commands so load drifts alike; medians and minimums, each fast path's ratio to
 `describe`, and PASS/MISS against the 2x target.
 
@@ -99,6 +101,17 @@ def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     return took, done.stdout
 
 
+# Settings an operator exports for the workers (modelforge/settings.py); the CLI does not read them.
+WORKER_SETTINGS = {
+    "MODELFORGE_METRICS_PORT": "9464",
+    "MODELFORGE_METRICS_HOST": "0.0.0.0",
+    "MODELFORGE_DELEGATION_SYNC_S": "2",
+    "MODELFORGE_SNAPSHOT_RETENTION_DAYS": "14",
+    "MODELFORGE_LOG_LEVEL": "info",
+    "MODELFORGE_GATEWAY_OPERATORS": "ops",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -129,6 +142,8 @@ def main() -> None:
             env["MODELFORGE_TEMPORAL_ADDRESS"] = options.address
     address = env.get("MODELFORGE_TEMPORAL_ADDRESS", "localhost:7233")
     sdk_env = env | {"MODELFORGE_TEMPORAL_HTTP_ADDRESS": "off"}
+    # A shell an operator also starts the workers from: their settings exported.
+    worker_env = env | WORKER_SETTINGS
     temporal = shutil.which("temporal", path=str(BIN)) or "temporal"
     commands = {
         "temporal workflow describe": (
@@ -137,6 +152,7 @@ def main() -> None:
         ),
         "status --json (fast)": ([*_modelforge(), "status", "--json"], env),
         "request --json (fast)": ([*_modelforge(), *REQUEST], env),
+        "status --json (worker env)": ([*_modelforge(), "status", "--json"], worker_env),
         "status --json (SDK)": ([*_modelforge(), "status", "--json"], sdk_env),
         "request --json (SDK)": ([*_modelforge(), *REQUEST], sdk_env),
     }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import _socket
 import binascii
 import json
+import math
 import os
 import re
 import sys
@@ -43,6 +44,7 @@ from modelforge.names import (
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 HTTP_ADDRESS_FILE = "temporal_http_address"  # modelforge/dev.py writes it
@@ -61,8 +63,8 @@ _MAX_ANSWER_BYTES = 64 * 1024 * 1024  # an HTTP answer this path reads whole
 _RESERVED_INPUT_PREFIX = "modelforge_"  # modelforge/messages.py
 _SCHEDULER_PREFIX = "scheduler:"
 _RUNNING_SCHEDULERS = "WorkflowType='PoolSchedulerWorkflow' AND ExecutionStatus='Running'"
-# Settings this path reads; any other MODELFORGE_* variable set sends the command the SDK way
-# (Settings validates every one, and this path cannot tell which would be refused).
+# Settings this path reads; a setting that changes how the CLI connects and this path does not
+# implement (TLS, an API key, a secret's *_FILE) sends the command the SDK way.
 _READ = {
     "MODELFORGE_TEMPORAL_ADDRESS",
     "MODELFORGE_TEMPORAL_NAMESPACE",
@@ -75,6 +77,58 @@ _READ = {
     "MODELFORGE_PAYLOAD_THRESHOLD_BYTES",
     "MODELFORGE_MAX_PAYLOAD_BYTES",
 }
+# Settings only workers read (modelforge/settings.py): ignored here, as the SDK way ignores them,
+# once they pass the check Settings would make of them (a value Settings refuses goes the SDK
+# way, which names the variable). An operator exports these for the workers in the same shell.
+_WORKER_ONLY: dict[str, Callable[[str], bool]] = {
+    "MODELFORGE_METRICS_PORT": lambda v: v.strip().isascii() and v.strip().isdigit() and int(v) <= 65535,
+    "MODELFORGE_METRICS_HOST": lambda v: True,
+    "MODELFORGE_TEMPORAL_METRICS_ADDRESS": lambda v: True,
+    "MODELFORGE_SNAPSHOT_RETENTION_DAYS": lambda v: _positive(v),
+    "MODELFORGE_PAYLOAD_RETENTION_DAYS": lambda v: _positive(v),
+    "MODELFORGE_ARTIFACT_ROOTS": lambda v: True,
+    "MODELFORGE_CHECKPOINT_DIR": lambda v: True,
+    "MODELFORGE_ARTIFACT_STORE": lambda v: True,
+    "MODELFORGE_REPLAY_CHECK_S": lambda v: _number(v) is not None,
+    "MODELFORGE_DELEGATION_SYNC_S": lambda v: _number(v) is not None,
+}
+# Variables outside Settings that the CLI never reads (the gateway's, a node's, a job's, the
+# log level: `modelforge` commands log nothing at info): ignored by both ways.
+_NOT_SETTINGS = (
+    "MODELFORGE_GATEWAY_",
+    "MODELFORGE_STREAM_KEY",
+    "MODELFORGE_LOG_LEVEL",
+    "MODELFORGE_NODE_ADDRESS",
+    "MODELFORGE_RACK_ID",
+    "MODELFORGE_NETWORK_BANDWIDTH_GBPS",
+    "MODELFORGE_SIMULATED_INVOKE_LOG",
+    "MODELFORGE_SECRET_",
+    "MODELFORGE_SECRETS_DIR",
+)
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _positive(text: str) -> bool:
+    value = _number(text)
+    return value is not None and value > 0
+
+
+def _ignored(name: str, value: str) -> bool:
+    """Whether a MODELFORGE_* variable this path does not read may be left aside: a worker-only
+    setting that Settings would take, or a variable the CLI never reads."""
+    check = _WORKER_ONLY.get(name)
+    if check is not None:
+        return check(value)
+    return name.startswith(_NOT_SETTINGS) and not name.endswith("_FILE")
+
+
 _SAFE_ID = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:@-")
 
 # The dataclasses the SDK path decodes into, field by field: "str", "int", "float", "bool",
@@ -112,6 +166,8 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "ttl_s": "float",
         "expires_at": ("opt", "float"),
         "workflow_id": "str",
+        "lent_slots": "int",
+        "tenant_leases": ("dict", "int"),
     },
     "CapabilityStatus": {
         "capability": "str",
@@ -130,6 +186,9 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "active_leases": "int",
         "capabilities": ("list", "CapabilityStatus"),
         "classes": ("list", "str"),
+        "lent_slots": "int",
+        "tenant_leases": ("dict", "int"),
+        "tenant_queue_depth": ("dict", ("dict", "int")),
     },
     "Lease": {
         "lease_id": "str",
@@ -148,6 +207,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "gang": ("list", "str"),
         "nodes": ("list", "str"),
         "ends_by": ("opt", "float"),
+        "incarnation": "int",
     },
     "RequestResult": {
         "request_id": "str",
@@ -245,7 +305,9 @@ class Environment:
         def get(name: str) -> str | None:
             return environ.get(name) or None  # empty counts as unset, as in Settings
 
-        unread = sorted(k for k, v in environ.items() if k.startswith("MODELFORGE_") and v and k not in _READ)
+        unread = sorted(
+            k for k, v in environ.items() if k.startswith("MODELFORGE_") and v and k not in _READ and not _ignored(k, v)
+        )
         if unread:
             raise Fallback(f"settings this path does not read: {unread}")
         if get("MODELFORGE_GPU_BACKEND") not in (None, "auto", "nvml", "simulated"):
@@ -452,7 +514,21 @@ def _merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
         "active_leases": sum(s["active_leases"] for s in statuses),
         "capabilities": [c for s in statuses for c in s["capabilities"]],
         "classes": classes,
+        "lent_slots": sum(s["lent_slots"] for s in statuses),
+        "tenant_leases": _summed([s["tenant_leases"] for s in statuses]),
+        "tenant_queue_depth": {
+            tenant: _summed([s["tenant_queue_depth"].get(tenant, {}) for s in statuses])
+            for tenant in dict.fromkeys(t for s in statuses for t in s["tenant_queue_depth"])
+        },
     }
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for name, count in one.items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 def status_json(api: Http, pool: str | None) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def most_at_once(invoke_log: Path, key: str) -> int:
 async def test_leases_of_a_resident_lost_with_its_node_worker_never_count_on_its_reload(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 31, finding 2: two leases in flight on a concurrency-4 resident whose leases carry
+    """Two leases in flight on a concurrency-4 resident whose leases carry
     bytes; its node worker is killed and restarted; a burst finds the model gone (RUNTIME_CRASH:
     the resident is dropped) and is served on the model loaded again under the same key; the two
     old leases end (their invokes' heartbeats time out) while the new resident is full. Their

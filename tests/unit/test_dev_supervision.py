@@ -1,4 +1,4 @@
-"""`modelforge dev` looks after its workers (issue 31, finding 13): a worker that dies is
+"""`modelforge dev` looks after its workers: a worker that dies is
 restarted, after a back-off, and given up on after repeated quick deaths; a stop leaves nothing
 a worker started running (a node worker's model servers run in sessions of their own); and on a
 loaded host the start waits while the workers it waits for are progressing, naming the slow one,

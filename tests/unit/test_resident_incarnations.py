@@ -1,4 +1,4 @@
-"""Leases belong to one incarnation of a resident (issue 31, finding 2), without Temporal.
+"""Leases belong to one incarnation of a resident, without Temporal.
 
 A resident lost with leases in flight (its node worker killed and restarted, its runtime
 crashed) and loaded again under the same key (deployment + accelerator) is another resident: a

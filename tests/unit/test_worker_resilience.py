@@ -1,4 +1,4 @@
-"""The worker processes ride out Temporal and Postgres failures (issue 31, finding 3): a chaos
+"""The worker processes ride out Temporal and Postgres failures: a chaos
 round lost 2,089 of 2,105 requests when the control worker exited on an `RPCError: Timeout
 expired` from `ensure_scheduler` right after a Temporal restart. Here every outside call of the
 control and node workers' loops is a recorder that fails a few times first (RPCError,
