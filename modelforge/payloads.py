@@ -66,6 +66,9 @@ from temporalio.converter import JSONPlainPayloadConverter as _JSONPlain
 from temporalio.exceptions import ApplicationError
 
 from modelforge.messages import MAX_INPUT_BYTES
+from modelforge.policy._admission import MAX_DURATION_S
+
+MAX_QUEUE_WAIT_S = 7 * 24 * 3600.0  # deadline_s and lease_timeout_s: at most 7 days (client, policy)
 
 DRIVER_NAME = "modelforge-payloads"
 # Payloads of workflows other than the request workflow (the schedulers, residencies,
@@ -92,6 +95,17 @@ class PayloadMissing(ApplicationError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, type="CAPABILITY_UNAVAILABLE", non_retryable=True)
+
+
+class PayloadCorrupt(PayloadMissing):
+    """A stored payload whose bytes no longer hash to its name (changed on disk): set aside, so
+    the next store of the same content writes it again. Its message names no path."""
+
+
+def _log() -> Any:
+    from modelforge.logging import get_logger  # lazily: the converter is imported by everything
+
+    return get_logger("modelforge.payloads")
 
 
 class _MissingConverter(EncodingPayloadConverter):
@@ -138,17 +152,53 @@ class FilesystemPayloadStore(StorageDriver):
     def _store_one(self, payload: Payload) -> StorageDriverClaim:
         data = payload.SerializeToString(deterministic=True)
         sha = hashlib.sha256(data).hexdigest()
-        path = self.path_for(sha)
-        try:
-            if path.stat().st_size == len(data):
-                os.utime(path)  # already there (a retry, a replay): keep it for the retention
-            else:
-                self._write(path, data)
-        except FileNotFoundError:
-            self._write(path, data)
+        self.keep(self.path_for(sha), data)
         encoding = payload.metadata.get("encoding", b"").decode(errors="replace")
         return StorageDriverClaim(
             claim_data={"sha256": sha, "size": str(len(data)), "encoding": encoding, "store": "MODELFORGE_PAYLOAD_DIR"}
+        )
+
+    def keep(self, path: Path, data: bytes) -> None:
+        """`data` stored at `path` (its sha256's): a file already there is kept (its time
+        refreshed for the retention: a retry, a replay) only when it holds exactly `data`, else
+        written again. Comparing sizes alone kept a file damaged in place (same size) for good:
+        every later store of the same content only refreshed its time, so the sweep never took
+        it and every read of it failed."""
+        try:
+            if path.stat().st_size == len(data) and path.read_bytes() == data:
+                os.utime(path)
+                return
+        except FileNotFoundError:  # not there yet, or swept between the two calls
+            pass
+        self._write(path, data)
+
+    def read(self, sha256: str) -> bytes | None:
+        """The bytes stored under `sha256`, checked against it; None when there is no such file.
+        A file whose bytes no longer hash to its name is moved aside (`.corrupt-<sha256>-<ns>`,
+        kept for the retention sweep for an operator to look at) and PayloadCorrupt raised, so
+        the next store of the same content writes it anew. Messages name the digest, never the
+        directory (they reach clients); the path goes to this process's log."""
+        path = self.path_for(sha256)
+        try:
+            with path.open("rb") as handle:
+                data = handle.read()
+                identity = os.fstat(handle.fileno())
+        except FileNotFoundError:
+            _log().warning("payload_not_found", sha256=sha256, path=str(path))
+            return None
+        if hashlib.sha256(data).hexdigest() == sha256:
+            return data
+        aside = path.with_name(f".corrupt-{sha256}-{time.time_ns()}")
+        with contextlib.suppress(OSError):
+            now = os.stat(path)
+            # Only the file that was read: a writer may have renamed a good copy into place since.
+            if (now.st_dev, now.st_ino) == (identity.st_dev, identity.st_ino):
+                os.replace(path, aside)
+                os.utime(aside)  # kept a whole retention period from now, not from its last write
+        _log().error("payload_corrupt", sha256=sha256, path=str(path), moved_to=str(aside), size=len(data))
+        raise PayloadCorrupt(
+            f"stored payload {sha256} does not match its sha256 (changed on disk): it was set aside, and storing "
+            "the same content again writes it anew"
         )
 
     def _write(self, path: Path, data: bytes) -> None:
@@ -171,17 +221,16 @@ class FilesystemPayloadStore(StorageDriver):
 
     def _retrieve_one(self, claim: StorageDriverClaim) -> Payload:
         sha = str(claim.claim_data.get("sha256", ""))
-        path = self.path_for(sha)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            data = self.read(sha)
+        except PayloadCorrupt as error:
+            return _missing(error.message)
+        if data is None:
             return _missing(
-                f"stored payload {sha} ({claim.claim_data.get('size', '?')} bytes) is not in {self.root}: every "
-                "client and worker must see the same MODELFORGE_PAYLOAD_DIR (a shared filesystem on a cluster), "
-                "and it is kept for the namespace's retention"
+                f"stored payload {sha} ({claim.claim_data.get('size', '?')} bytes) is not in this process's payload "
+                "store: every client and worker must see the same MODELFORGE_PAYLOAD_DIR (a shared filesystem on a "
+                "cluster), and it is kept for the retention (docs/RUNTIMES.md, Large payloads)"
             )
-        if hashlib.sha256(data).hexdigest() != sha:
-            return _missing(f"stored payload {path} does not match its sha256 {sha}")
         return Payload.FromString(data)
 
 
@@ -451,14 +500,7 @@ def read_float32_container(data: bytes) -> dict[str, Any]:
 def _put(store: FilesystemPayloadStore, data: bytes) -> str:
     """Store `data` under its sha256 (blocking); the digest."""
     sha = hashlib.sha256(data).hexdigest()
-    path = store.path_for(sha)
-    try:
-        if path.stat().st_size == len(data):
-            os.utime(path)
-        else:
-            store._write(path, data)
-    except FileNotFoundError:
-        store._write(path, data)
+    store.keep(store.path_for(sha), data)
     return sha
 
 
@@ -488,21 +530,18 @@ def get_output(store: FilesystemPayloadStore | None, output: dict[str, Any]) -> 
             f"the answer ({ref.get('size', '?')} bytes) is in the payload store, and this client has none: "
             "set MODELFORGE_PAYLOAD_DIR to the workers' shared directory"
         )
-    path = store.path_for(sha)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    data = store.read(sha)  # PayloadCorrupt (set aside) when changed on disk
+    if data is None:
         raise PayloadMissing(
-            f"the answer {sha} is not in {store.root}: every client and worker must see the same MODELFORGE_PAYLOAD_DIR"
-        ) from None
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise PayloadMissing(f"stored answer {path} does not match its sha256 {sha}")
+            f"the answer {sha} is not in this process's payload store: every client and worker must see the same "
+            "MODELFORGE_PAYLOAD_DIR"
+        )
     kind = ref.get("format")
     if kind == FLOAT32_FORMAT:
         try:
             return read_float32_container(data)
         except (ValueError, KeyError, TypeError) as error:
-            raise PayloadMissing(f"stored answer {path} is not a readable float32 answer: {error}") from None
+            raise PayloadMissing(f"stored answer {sha} is not a readable float32 answer: {error}") from None
     if kind is not None:
         raise PayloadMissing(f"stored answer {sha} is in format {str(kind)[:40]!r}, which this client cannot read")
     answer: dict[str, Any] = json.loads(data)
@@ -538,23 +577,41 @@ def sweep(root: Path, older_than_s: float, now: float | None = None) -> int:
             continue
         for path in directory.iterdir():
             with contextlib.suppress(FileNotFoundError):
-                if path.stat().st_mtime < cutoff and (_SHA256.fullmatch(path.name) or path.name.startswith(".tmp-")):
+                if path.stat().st_mtime < cutoff and (
+                    _SHA256.fullmatch(path.name) or path.name.startswith((".tmp-", ".corrupt-"))
+                ):
                     path.unlink()
                     removed += 1
     return removed
 
 
+# The longest a request workflow runs while it may still read its stored input back (a replay
+# after a worker restart reads the workflow's input from the store; nothing re-stores it while
+# the workflow runs): the longest wait for admission (deadline_s and lease_timeout_s are at most
+# 7 days) plus the longest lease the scheduler grants (policy.MAX_DURATION_S, 30 days; the client
+# and the gateway ask for at most 7). A retention of the namespace's plus one day lost a long
+# job's input on its first replay after a day.
+LONGEST_REQUEST_S = MAX_QUEUE_WAIT_S + MAX_DURATION_S
+RETENTION_MARGIN_S = 86400.0
+
+
+def retention_floor_s() -> float:
+    """The shortest retention the sweep uses, whatever is configured: a running request's input
+    must outlive the request."""
+    return LONGEST_REQUEST_S + RETENTION_MARGIN_S
+
+
 async def retention_s(client: Client, configured_days: float | None) -> float:
     """How long a stored payload is kept: MODELFORGE_PAYLOAD_RETENTION_DAYS, else the
-    namespace's workflow retention plus a day (a request workflow runs well under a day, and its
-    history, which holds the references, is kept for the retention after it closes)."""
+    namespace's workflow retention (a closed workflow's history, which holds the references, is
+    kept that long) plus the longest request and a day; never less than `retention_floor_s`."""
     if configured_days is not None:
-        return configured_days * 86400.0
+        return max(configured_days * 86400.0, retention_floor_s())
     from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 
     described = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=client.namespace))
     ttl = described.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds()
-    return (ttl if ttl > 0 else 30 * 86400.0) + 86400.0
+    return (ttl if ttl > 0 else 30 * 86400.0) + retention_floor_s()
 
 
 async def sweep_forever(client: Client, configured_days: float | None, interval_s: float = 3600.0) -> None:

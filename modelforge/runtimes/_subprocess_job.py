@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
@@ -59,6 +59,12 @@ OOM_TEXT = re.compile(
     rb"|CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|hipErrorOutOfMemory"
 )
 _KNOWN_CONFIG = {"cwd", "input_args", "preempt_signal", "preempt_grace_s", "stop_grace_s"}
+# Every job starts under this shim, a child subreaper that keeps the job's whole process tree
+# (a grandchild that double-forks and calls setsid() included) and kills it when the job ends.
+JOB_SHIM = Path(__file__).resolve().with_name("_job_shim.py")
+# Each attempt's processes carry this variable with a random value: the node finds by it what
+# escaped the shim's tree (the shim killed, a node worker restarted), and only what is its own.
+JOB_TAG = "MODELFORGE_JOB_TAG"
 _fake_pids = itertools.count(60_000)
 
 
@@ -154,9 +160,37 @@ def _oom_kills() -> int | None:
     return None
 
 
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only its owner reads (0700), and so is each folder made for it: a
+    job's input, log, checkpoints and outputs are a tenant's, as its stored payloads are (0600).
+    One that exists already (made before, or by an earlier attempt) is closed too."""
+    missing: list[Path] = []
+    folder = path
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            made.mkdir(mode=0o700)
+    path.chmod(0o700)
+    return path
+
+
+def _private_file(path: Path, flags: int) -> int:
+    """A descriptor on `path`, created 0600 when new."""
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)
+
+
+def _append(path: Path) -> BinaryIO:
+    """`path` opened to append bytes, created 0600."""
+    return os.fdopen(_private_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+
+
 def _write_json(path: Path, data: object) -> None:
     aside = path.with_name(path.name + ".tmp")
-    aside.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    with os.fdopen(_private_file(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, indent=1))
+    os.chmod(aside, 0o600)  # one left by an earlier version may be wider
     aside.replace(path)
 
 
@@ -196,6 +230,7 @@ class _Job:
     config: SubprocessJobConfig
     attempt: dict[str, Any]
     tails: list[_Tail]
+    tag: str = ""  # its processes' JOB_TAG value
     progress: float | None = None
     message: str = ""
     checkpoint: str = ""  # the latest complete checkpoint the job announced (its real path)
@@ -400,7 +435,11 @@ class SubprocessJobRuntime:
         lease_id = job_key
         request_id = str(payload.get("modelforge_request_id", "")) or lease_id
         run = (str(payload.get("modelforge_run_id", "")) or "run") + part
-        extra = await asyncio.to_thread(resolve_artifact_args, self._store, self._arguments(config, payload))
+        arguments = self._arguments(config, payload)
+        extra = await asyncio.to_thread(resolve_artifact_args, self._store, arguments)
+        # The store paths its artifact:sha256: arguments became, checked: what a job that
+        # confines its path arguments (the examples) may read beside its own directories.
+        artifact_inputs = [real for given, real in zip(arguments, extra, strict=True) if ARTIFACT_ARG.match(given)]
         wanted = payload.get("gpu_count")  # `modelforge job submit --gpu-count N`
         if wanted is not None and wanted != deployment.gpu_count:
             raise ModelForgeError(
@@ -443,6 +482,8 @@ class SubprocessJobRuntime:
         environment.update(
             CUDA_VISIBLE_DEVICES=cards,
             MODELFORGE_JOB_ID=request_id,
+            MODELFORGE_JOB_DIR=str(directory),
+            MODELFORGE_ARTIFACT_INPUTS=json.dumps(artifact_inputs),
             MODELFORGE_CHECKPOINT_DIR=str(checkpoint_dir),
             MODELFORGE_OUTPUT_DIR=str(output_dir),
             MODELFORGE_PROGRESS_FILE=str(directory / "progress.jsonl"),
@@ -452,24 +493,37 @@ class SubprocessJobRuntime:
         )
         if resume:
             environment["MODELFORGE_RESUME_FROM"] = resume
+        tag = os.urandom(16).hex()
+        environment[JOB_TAG] = tag
         cwd = Path(config.cwd).resolve() if config.cwd else directory
         log_path = directory / "job.log"
         oom_before = _oom_kills()
-        with log_path.open("ab") as log_file:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=environment,
-                    cwd=cwd,
-                    start_new_session=True,
-                )
-            except OSError as error:
-                raise ModelForgeError(
-                    FailureClass.MODEL_LOAD_FAILED, f"cannot start job {argv[0]!r}: {error.strerror or error}"
-                ) from None
+        started_fd, told_fd = os.pipe()  # the shim writes why the job's exec failed; EOF: it started
+        shim = [sys.executable, "-I", "-S", str(JOB_SHIM), str(told_fd)]
+        try:
+            with _append(log_path) as log_file:
+                try:
+                    process = await asyncio.create_subprocess_exec(
+                        *shim,
+                        *argv,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=asyncio.subprocess.STDOUT,
+                        env=environment,
+                        cwd=cwd,
+                        start_new_session=True,
+                        pass_fds=(told_fd,),
+                        umask=0o077,  # what the job writes (checkpoints, outputs) is its owner's only
+                    )
+                except OSError as error:
+                    raise ModelForgeError(
+                        FailureClass.MODEL_LOAD_FAILED, f"cannot start job {argv[0]!r}: {error.strerror or error}"
+                    ) from None
+        except BaseException:
+            os.close(started_fd)
+            raise
+        finally:
+            os.close(told_fd)
         running = _Job(
             key=key,
             lease_id=lease_id,
@@ -482,12 +536,13 @@ class SubprocessJobRuntime:
             config=config,
             attempt=job["attempt"],
             tails=[job["log_tail"], job["progress_tail"]],
+            tag=tag,
         )
         running.attempt["pid"] = process.pid
         self._jobs[lease_id] = running
         pid_file = self._root / "running" / f"{job_directory_name(lease_id)}.pid"
-        pid_file.parent.mkdir(parents=True, exist_ok=True)
-        pid_file.write_text(json.dumps({"pid": process.pid, "argv": argv}), encoding="utf-8")
+        private_dir(pid_file.parent)
+        _write_json(pid_file, {"pid": process.pid, "argv": shim + argv, "tag": tag})
         self._save_attempt(running, "running")
         started = time.monotonic()
         deadline = (
@@ -496,6 +551,13 @@ class SubprocessJobRuntime:
             else None
         )
         try:
+            # Known (and stopped by _stop) before this await: a cancel now leaves nothing running.
+            failed = await asyncio.to_thread(_read_to_end, started_fd)  # EOF once the job's exec is done
+            if failed:
+                why = f"cannot start job {argv[0]!r}: {failed.decode(errors='replace')}"
+                await process.wait()
+                self._save_attempt(running, f"failed: {FailureClass.MODEL_LOAD_FAILED.value}", detail=why)
+                raise ModelForgeError(FailureClass.MODEL_LOAD_FAILED, why)
             return await self._watch(running, heartbeat, deadline, oom_before)
         finally:
             await self._stop(running)
@@ -512,8 +574,10 @@ class SubprocessJobRuntime:
         lease_id: str,
         resume: str,
     ) -> dict[str, Any]:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self._root)
+        private_dir(directory)
+        private_dir(output_dir)
+        private_dir(checkpoint_dir)
         _write_json(directory / "input.json", user_input)
         status = self._status(directory)
         attempts = status.setdefault("attempts", [])
@@ -535,7 +599,7 @@ class SubprocessJobRuntime:
         attempts.append(attempt)
         _write_json(directory / "status.json", status)
         log_path = directory / "job.log"
-        with log_path.open("ab") as log_file:
+        with _append(log_path) as log_file:
             log_file.write(
                 f"[modelforge] attempt {attempt['attempt']} on {self._node} (lease {lease_id}): {restart}\n".encode()
             )
@@ -575,7 +639,7 @@ class SubprocessJobRuntime:
         status["message"] = job.message
         with contextlib.suppress(OSError):
             if outcome != "running":  # the log first: a reader that sees the state has every line
-                with job.log_path.open("ab") as log_file:
+                with _append(job.log_path) as log_file:
                     for note in job.notes:  # what it reported that was not taken
                         log_file.write(f"[modelforge] {note}\n".encode())
                     job.notes.clear()
@@ -704,23 +768,30 @@ class SubprocessJobRuntime:
             os.killpg(process.pid, sig)
         if await _exited(process, grace_s):
             return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        await self._kill_processes(job)
         await process.wait()
         return True
 
+    async def _kill_processes(self, job: _Job) -> None:
+        """SIGKILL to every process of the job: the shim's tree (detached ones included: the
+        shim is their subreaper), whatever carries the job's tag, then the shim's group."""
+        leader = job.process.pid if job.process.returncode is None else None  # a pid, not reused
+        with contextlib.suppress(asyncio.CancelledError):  # also when its invoke is cancelled
+            await asyncio.shield(asyncio.to_thread(kill_job_processes, leader, job.tag))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(job.process.pid, signal.SIGKILL)
+
     async def _stop(self, job: _Job) -> None:
-        """Nothing of a job outlives its invoke: its session is killed (also when cancelled)."""
+        """Nothing of a job outlives its invoke: its whole process tree is killed (also when
+        cancelled), a grandchild in a session of its own included."""
         if job.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(job.process.pid, signal.SIGKILL)
+            await self._kill_processes(job)
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(job.process.wait())
             if job.attempt.get("outcome") == "running":
                 self._save_attempt(job, "stopped", detail="its invoke was cancelled")
-        # Processes it forked into its session may outlive it by a moment.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(job.process.pid, signal.SIGKILL)
+        # The shim killed what the job left when it ended; anything that escaped it still has the tag.
+        await self._kill_processes(job)
         if job.attempt.get("outcome") == "running":
             self._save_attempt(job, "stopped", exit_code=job.process.returncode)
 
@@ -859,7 +930,7 @@ class SubprocessJobRuntime:
         path = Path(place)
         if rank == 0:
             port = _free_port(address)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
             _write_json(path, {"address": address, "port": port})
             return address, port
         for waited in range(1200):  # up to 120 s for rank 0 to start
@@ -897,24 +968,81 @@ class SubprocessJobRuntime:
 
     def reap_orphans(self) -> list[int]:
         """Kill jobs a previous run of this node worker started and never stopped (it was
-        killed), found by their pid files and checked against the command they ran."""
+        killed), found by their pid files: the job's shim, checked against the command it ran,
+        with its whole tree, and every process carrying the attempt's tag (a detached grandchild
+        whose shim is gone too)."""
         reaped: list[int] = []
         running_dir = self._root / "running"
         if not running_dir.is_dir():
             return reaped
         for pid_file in sorted(running_dir.glob("*.pid")):
+            tag = ""
             try:
                 record = json.loads(pid_file.read_text(encoding="utf-8"))
+                tag = str(record.get("tag") or "")
                 pid, argv = int(record["pid"]), [str(a) for a in record["argv"]]
                 running = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[:-1]
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 running, pid, argv = [], 0, []
-            if pid and [a.decode(errors="replace") for a in running] == argv and alive(pid):
+            leader = pid if pid and [a.decode(errors="replace") for a in running] == argv and alive(pid) else None
+            reaped.extend(kill_job_processes(leader, tag))
+            if leader is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                reaped.append(pid)
+                    os.killpg(leader, signal.SIGKILL)
+                reaped.insert(0, leader)
             pid_file.unlink(missing_ok=True)
         return reaped
+
+
+def _read_to_end(fd: int) -> bytes:
+    """What is written to `fd` until its writers close it; `fd` is closed here, by its reader
+    (an invoke cancelled meanwhile does not close it under the reading thread)."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def tagged_processes(tag: str) -> set[int]:
+    """The live processes whose environment (as they were started) holds JOB_TAG=`tag`: a
+    128-bit random value per attempt, so a match is the job's and never another's."""
+    if not tag:
+        return set()
+    wanted = f"{JOB_TAG}={tag}".encode()
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if wanted in environ.split(b"\0"):
+            found.add(int(entry.name))
+    return found
+
+
+def kill_job_processes(leader: int | None, tag: str, within_s: float = 5.0) -> list[int]:
+    """SIGKILL every live process of a job but its shim (`leader`, None when it is gone): the
+    shim's descendants and every process with the job's tag, again until none is left (one may
+    fork while it is being killed); the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + within_s
+    while True:
+        found = tagged_processes(tag)
+        if leader is not None and alive(leader):
+            found |= process_tree(leader)
+        victims = sorted(pid for pid in found - {leader, os.getpid()} if alive(pid))
+        if not victims or time.monotonic() > deadline:
+            return killed
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed.extend(pid for pid in victims if pid not in killed)
+        time.sleep(0.01)
 
 
 def _free_port(address: str) -> int:

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from modelforge import cli
 from modelforge.domain import GiB
 from modelforge.failures import FailureClass
+from modelforge.runtimes import _subprocess_job as job_module
 from modelforge.runtimes import job_log_dirs
 from tests.runtimes.test_subprocess_job import CPU_KEY, MERGE, MERGE_ARGS, ROOT, Node, job, node, python
 
@@ -357,15 +358,25 @@ async def test_merge_then_evaluate_scores_on_the_shipped_dataset_by_default(node
     again = (await node.invoke("ds-eval-2", {"args": ["--model", merged["output_artifact"]]}))["result"]
     assert again == score  # deterministic: the same model and dataset score the same
 
-    # Another dataset by argument; a broken one is the request's arguments being wrong.
-    own = tmp_path / "mine.jsonl"
+    # Another dataset by argument, as an artifact (a host path is refused:
+    # tests/runtimes/test_job_confinement.py); a broken one is the request's arguments being wrong.
+    own = tmp_path / "mine" / "mine.jsonl"
+    own.parent.mkdir()
     own.write_text(json.dumps({"anchor": "a cat sat", "positive": "the cat sat", "negative": "stock prices"}) + "\n")
-    mine = await node.invoke("ds-own", {"args": ["--model", merged["output_artifact"], "--dataset", str(own)]})
-    assert (mine["result"]["dataset"], mine["result"]["triples"]) == ("mine.jsonl", 1)
+    mine = await node.invoke("ds-own", {"args": ["--model", merged["output_artifact"], "--dataset", stored(node, own)]})
+    assert mine["result"]["triples"] == 1
     own.write_text('{"anchor": "only"}\n')
     with pytest.raises(ApplicationError, match="refused its arguments") as refused:
-        await node.invoke("ds-bad", {"args": ["--model", merged["output_artifact"], "--dataset", str(own)]})
+        await node.invoke("ds-bad", {"args": ["--model", merged["output_artifact"], "--dataset", stored(node, own)]})
     assert refused.value.type == FailureClass.REQUEST_INVALID.value
+
+
+def stored(node: Node, path: Path) -> str:
+    """`path`'s file kept in the node's artifact store as a job's output is: its artifact reference."""
+    outputs = job_module._list_outputs(path.parent)
+    job_module.register_outputs(node.runtime.store, path.parent, outputs, "test", "n")
+    [entry] = [entry for entry in outputs if entry["path"] == path.name]
+    return str(entry["artifact"])
 
 
 async def test_a_jobs_answer_carries_the_end_of_its_log_from_a_lines_start(node: Node) -> None:

@@ -120,6 +120,11 @@ async def test_the_store_is_content_addressed_and_checked(tmp_path: Path) -> Non
     assert missing.value.type == "CAPABILITY_UNAVAILABLE" and missing.value.non_retryable
     with pytest.raises(PayloadStoreError, match="not a payload reference"):
         await store.retrieve(StorageDriverRetrieveContext(), [StorageDriverClaim({"sha256": "../../etc/passwd"})])
+    # The changed file was set aside: storing the same payload again writes it anew.
+    assert await store.store(StorageDriverStoreContext(), [payload]) == first
+    assert await store.retrieve(StorageDriverRetrieveContext(), first) == [payload]
+    for aside in store.path_for(claim["sha256"]).parent.glob(".corrupt-*"):
+        aside.unlink()
     # Retention: what was not stored (or stored again) within the period is removed.
     path = store.path_for(claim["sha256"])
     os.utime(path, (time.time() - 7200, time.time() - 7200))
