@@ -193,12 +193,6 @@ class SchedulerInput:
     # What the previous run had decided but not yet delivered or written when it continued as
     # new: carried so that nothing is dropped and continue-as-new never waits on Postgres.
     carried: CarriedOutbox | None = None
-    # Which of the scheduler's rules this run follows (workflows/scheduler.py SCHEDULER_RULES and
-    # the RULES_* levels): every run `ensure_scheduler` starts, and every run continued as new,
-    # gets the newest; 0 is a run started before the field. A field of the input, not a patch: a
-    # run keeps the rules it started with, and asks no patch marker for them (a marker asked
-    # next to an update failed to replay: docs/ARCHITECTURE.md, patches).
-    rules: int = 0
 
 
 @dataclass(frozen=True)

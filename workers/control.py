@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
@@ -30,7 +29,7 @@ from workers.lifetime import run_workers, until_sigterm
 from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import SCHEDULER_TASK_TIMEOUT, scheduler_id
-from workflows.scheduler import SCHEDULER_PATCHES, SCHEDULER_RULES
+from workflows.scheduler import SCHEDULER_PATCHES
 
 log = get_logger("modelforge.worker.control")
 # How often a control worker serving the catalog's pools looks for pools the catalog added.
@@ -254,12 +253,10 @@ def build_control_worker(
 async def ensure_scheduler(
     client: Client, pool: str = DEFAULT_POOL, start: SchedulerInput | None = None
 ) -> WorkflowHandle[PoolSchedulerWorkflow, None]:
-    """Start the pool's scheduler unless it already runs (the singleton keeps its state). A new
-    run follows the newest rules (SchedulerInput.rules)."""
-    start = replace(start or SchedulerInput(pool=pool), rules=SCHEDULER_RULES)
+    """Start the pool's scheduler unless it already runs (the singleton keeps its state)."""
     return await client.start_workflow(
         PoolSchedulerWorkflow.run,
-        start,
+        start or SchedulerInput(pool=pool),
         id=scheduler_id(pool),
         task_queue=SCHEDULER_TASK_QUEUE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

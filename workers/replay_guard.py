@@ -68,8 +68,8 @@ def replayer_check(
     are read back as the worker reads them); the nondeterminism error, if any.
     `known_patches`: the patch ids this worker's code knows. A history that fails and holds a
     patch marker outside them was written by a newer release (a rolling upgrade: a run started
-    by a newer worker, `scheduler-patches-through-vN` asked first), which this code was never
-    meant to replay: inconclusive, not a fault to rebase or reset."""
+    by a newer worker, with a patch written for that release; docs/RELEASING.md), which this
+    code was never meant to replay: inconclusive, not a fault to rebase or reset."""
 
     async def check(history: WorkflowHistory) -> Exception | None:
         replayer = Replayer(workflows=list(workflows), workflow_runner=runner, data_converter=converter)

@@ -58,36 +58,6 @@ from workflows.records import RecordEventsWorkflow
 INVOKE_HEARTBEAT = timedelta(seconds=60)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
 MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
-# Requests started before lease heartbeats (histories v2) replay without them.
-PATCH_LEASE_HEARTBEATS = "lease-heartbeats"
-# ...and before the node released a successful invoke's lease itself.
-PATCH_NODE_RELEASES = "node-releases"
-# ...and before admissions the scheduler never saw were recorded as events (histories v3).
-PATCH_RECORD_ADMIT_FAILURES = "record-admit-failures"
-# ...and before preempted work was checkpointed and resumed from its checkpoint (histories v4).
-PATCH_CHECKPOINT_ON_PREEMPT = "checkpoint-on-preempt"
-# ...and before a preempted gang job was checkpointed on every node and resumed (histories v6).
-PATCH_GANG_CHECKPOINTS = "gang-checkpoints"
-# ...and before an invoke the node never started (its task lost in flight) was retried (histories v7).
-PATCH_RETRY_UNSTARTED = "retry-unstarted-invokes"
-# ...and before lease fencing: a grant that reached the holder late is confirmed with the
-# scheduler before use, and an admission that failed is withdrawn (it may still be granted).
-PATCH_LEASE_FENCING = "lease-fencing"
-# ...and before a client's `modelforge_*` input keys were refused at the start (the node's own).
-PATCH_RESERVED_INPUT = "reserved-input-keys"
-# ...and before a request asked again (after a preemption, a crash, a refused late grant) kept
-# its deadline: it was restarted from the new admission, so a preempted request could run late.
-PATCH_DEADLINE_FROM_START = "deadline-from-start"
-# ...and before a class could run late past its deadline: the requester stopped waiting at its
-# deadline; now it waits for the scheduler's word until its lease timeout.
-PATCH_SCHEDULER_DEADLINES = "scheduler-deadlines"
-# ...and before a warm request on its node's worker could run on a slot lent to that node.
-PATCH_DELEGATED_SLOTS = "delegated-slots"
-# ...and before one marker stood for all of the above (histories v10): a run that has it holds
-# every request patch above without recording a marker of each (each marker also costs an upsert
-# of TemporalChangeVersion: ten history events of every warm request). Evaluated first in `run`;
-# runs recorded before it take the old branches, each behind its own patch, as before.
-PATCH_ONE_MARKER = "request-patches-through-v9"
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
 # refuses an admission that reaches it after ADMIT_BUDGET - ADMIT_MARGIN. It outlasts one timed-out
 # scheduler task: when the control worker running one dies, the scheduler stands still until the
@@ -106,12 +76,6 @@ class CapabilityRequestWorkflow:
         self._phase = "admitting"
         self._lease: Lease | None = None
         self._preempt: PreemptSignal | None = None
-        self._through_v9 = False  # PATCH_ONE_MARKER, set first in `run`
-
-    def _patched(self, patch_id: str) -> bool:
-        """`workflow.patched` for a request patch up to histories v9: True without a marker in a
-        run that has PATCH_ONE_MARKER (a new run holds every one of them)."""
-        return self._through_v9 or workflow.patched(patch_id)
 
     @workflow.signal
     def lease_decision(self, decision: LeaseDecision) -> None:
@@ -129,20 +93,17 @@ class CapabilityRequestWorkflow:
 
     @workflow.run
     async def run(self, request: RequestInput) -> RequestResult:
-        self._through_v9 = workflow.patched(PATCH_ONE_MARKER)
         started = workflow.now()
-        if self._patched(PATCH_RESERVED_INPUT):
-            # The last entrance: a client that skipped its own checks (or an old one) cannot choose
-            # a node operation or a checkpoint through its input.
-            problem = client_input_problem(request.input)
-            if problem is not None:
-                self._end(FailureClass.REQUEST_INVALID.value)
-                raise failure(FailureClass.REQUEST_INVALID, problem)
+        # The last entrance: a client that skipped its own checks (or an old one) cannot choose
+        # a node operation or a checkpoint through its input.
+        problem = client_input_problem(request.input)
+        if problem is not None:
+            self._end(FailureClass.REQUEST_INVALID.value)
+            raise failure(FailureClass.REQUEST_INVALID, problem)
         timings: dict[str, float] = {}
         crashes = preemptions = 0
         resume_from = ""  # the checkpoint the next run starts from, once one was taken
         gang_resume: dict[int, str] = {}  # a gang job's: each rank's checkpoint, all or none
-        fencing = self._patched(PATCH_LEASE_FENCING)
         refused = 0  # grants found reclaimed on arrival (bounded like crashes)
         while True:
             self._decision = None
@@ -156,7 +117,7 @@ class CapabilityRequestWorkflow:
                 lease = await self._acquire(
                     request, preempted=preemptions > 0, submitted_at=started.timestamp(), acquisition=acquisition
                 )
-                if fencing and not await self._still_held(request, lease, acquisition):
+                if not await self._still_held(request, lease, acquisition):
                     refused += 1
                     if refused > MAX_PREEMPTIONS:
                         self._end(FailureClass.LEASE_CONFLICT.value)
@@ -170,36 +131,28 @@ class CapabilityRequestWorkflow:
             self._phase = "invoking"
             outcome, message = "ok", ""
             result: InvokeResult | None = None
-            heartbeats = self._patched(PATCH_LEASE_HEARTBEATS)
-            node_releases = self._patched(PATCH_NODE_RELEASES)
-            payload = request.input
-            if resume_from and not fencing:  # older runs handed the checkpoint over in the payload
-                payload = {**request.input, RESUME_KEY: resume_from}
             invoke: asyncio.Future[InvokeResult | None]
             if lease.gang:
-                invoke = asyncio.ensure_future(self._run_gang(request, lease, payload, gang_resume))
+                invoke = asyncio.ensure_future(self._run_gang(request, lease, request.input, gang_resume))
             else:
-                invoke = self._invoke_resident(
-                    request, lease, payload, node_releases, heartbeats, resume_from if fencing else "", slot is not None
-                )
-            if heartbeats:
-                if slot is not None:
-                    # Its node vouches for a lent slot (its syncs, and the invoke's own heartbeats
-                    # from the node): no heartbeat timer here.
-                    await workflow.wait_condition(partial(self._ended_or_preempted, invoke))
-                else:
-                    await self._heartbeat_until_done(request, lease, invoke)
-                if self._preempt is not None and not invoke.done():
-                    # The grace time: finishing now is better than being requeued.
-                    self._phase = "preempting"
-                    try:
-                        await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
-                    except TimeoutError:
-                        if self._patched(PATCH_CHECKPOINT_ON_PREEMPT) and not lease.gang:
-                            resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
-                        elif lease.gang and self._patched(PATCH_GANG_CHECKPOINTS):
-                            gang_resume = await self._checkpoint_gang(request, lease, preemptions) or gang_resume
-                        invoke.cancel()
+                invoke = self._invoke_resident(request, lease, resume_from, slot is not None)
+            if slot is not None:
+                # Its node vouches for a lent slot (its syncs, and the invoke's own heartbeats
+                # from the node): no heartbeat timer here.
+                await workflow.wait_condition(partial(self._ended_or_preempted, invoke))
+            else:
+                await self._heartbeat_until_done(request, lease, invoke)
+            if self._preempt is not None and not invoke.done():
+                # The grace time: finishing now is better than being requeued.
+                self._phase = "preempting"
+                try:
+                    await workflow.wait_condition(invoke.done, timeout=self._preempt.grace_s)
+                except TimeoutError:
+                    if lease.gang:
+                        gang_resume = await self._checkpoint_gang(request, lease, preemptions) or gang_resume
+                    else:
+                        resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
+                    invoke.cancel()
             lost = False
             try:
                 result = await invoke
@@ -207,7 +160,7 @@ class CapabilityRequestWorkflow:
                 outcome, message = classify(error)
                 # The node heartbeats as an invoke starts: none at all means it never ran there,
                 # so running it on a fresh lease cannot run it twice.
-                if never_started(error) and not lease.gang and self._patched(PATCH_RETRY_UNSTARTED):
+                if never_started(error) and not lease.gang:
                     lost = True
                     message = "the node never started the invoke (its task was lost in flight)"
             preempted = result is None and self._preempt is not None
@@ -271,25 +224,18 @@ class CapabilityRequestWorkflow:
         )
 
     def _invoke_resident(
-        self,
-        request: RequestInput,
-        lease: Lease,
-        payload: dict[str, Any],
-        node_releases: bool,
-        heartbeats: bool,
-        resume_from: str = "",
-        delegated: bool = False,
+        self, request: RequestInput, lease: Lease, resume_from: str, delegated: bool
     ) -> asyncio.Future[InvokeResult | None]:
         return workflow.start_activity(
             "invoke",
             InvokeInput(
                 key=lease.resident_key,
                 lease_id=lease.lease_id,
-                payload=payload,
-                release_to=scheduler_id(request.pool) if node_releases or delegated else "",
+                payload=request.input,
+                release_to=scheduler_id(request.pool),
                 delegated=delegated,
                 request_id=request.request_id,
-                heartbeat_s=lease.heartbeat_s if heartbeats else 0.0,
+                heartbeat_s=lease.heartbeat_s,
                 # Set here only, never from the client's input (its modelforge_* keys are refused).
                 operation=request.operation,
                 resume_from=resume_from,
@@ -301,11 +247,7 @@ class CapabilityRequestWorkflow:
             heartbeat_timeout=INVOKE_HEARTBEAT,
             retry_policy=RetryPolicy(maximum_attempts=1),
             # A preempted invoke is over only when the node says so: until then its memory is in use.
-            cancellation_type=(
-                ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
-                if heartbeats
-                else ActivityCancellationType.TRY_CANCEL
-            ),
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             summary=f"invoke {lease.deployment} on {lease.accelerator}",
         )
 
@@ -443,8 +385,6 @@ class CapabilityRequestWorkflow:
         """A warm request on its node's worker asks that node for a slot the scheduler lent it
         (a local activity, no round trip: activities/_delegation.py). None (no free slot, or
         anything going wrong): the scheduler admits it as always."""
-        if not self._patched(PATCH_DELEGATED_SLOTS):
-            return None
         try:
             slot: Lease | None = await workflow.execute_local_activity(
                 "claim_slot",
@@ -504,9 +444,8 @@ class CapabilityRequestWorkflow:
             workflow.logger.info("withdrawal of %s not delivered: %s", request.request_id, error)
 
     async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
-        fencing = self._patched(PATCH_LEASE_FENCING)
         deadline_s = request.deadline_s
-        if deadline_s is not None and acquisition > 0 and self._patched(PATCH_DEADLINE_FROM_START):
+        if deadline_s is not None and acquisition > 0:
             # The deadline is the caller's, from its request: asked again, only the time left.
             left = submitted_at + deadline_s - workflow.now().timestamp()
             if left <= 0:
@@ -527,7 +466,7 @@ class CapabilityRequestWorkflow:
             preempted=preempted,
             submitted_at=submitted_at if preempted else None,
             max_duration_s=request.max_duration_s,
-            admit_by=(workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S if fencing else None),
+            admit_by=workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S,
         )
         try:
             reply = await workflow.execute_local_activity(
@@ -549,12 +488,9 @@ class CapabilityRequestWorkflow:
         except (ActivityError, ApplicationError) as error:
             # A failed local activity arrives as its ApplicationError itself (SDK 1.35), not
             # wrapped in an ActivityError as a regular activity's failure is.
-            if not self._patched(PATCH_RECORD_ADMIT_FAILURES) and isinstance(error, ApplicationError):
-                raise  # as requests recorded before histories v3 did: no outcome attribute, no event
             cls, message = classify(error)
             self._end(cls)
-            if fencing:
-                await self._withdraw(request, f"{cls}: the admission call failed: {message}")
+            await self._withdraw(request, f"{cls}: the admission call failed: {message}")
             await self._record_unseen_failure(request, cls, message, acquisition)
             raise failure(cls, message) from None
         if reply.status == "granted" and reply.lease is not None:
@@ -564,12 +500,9 @@ class CapabilityRequestWorkflow:
             self._end(reply.failure or FailureClass.CAPABILITY_UNAVAILABLE.value)
             raise failure(reply.failure or FailureClass.CAPABILITY_UNAVAILABLE, reply.message)
         self._phase = "queued"
-        lease_timeout = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
-        limit, cls = lease_timeout, FailureClass.LEASE_TIMEOUT
-        if deadline_s is not None and deadline_s < lease_timeout and not self._patched(PATCH_SCHEDULER_DEADLINES):
-            # Before classes could run late: the requester gave up at its deadline itself. Now
-            # the scheduler refuses at the deadline (or, for a run_late class, runs it late).
-            limit, cls = deadline_s, FailureClass.DEADLINE_CANNOT_BE_MET
+        # Not the deadline: the scheduler refuses at the deadline (or, for a run_late class, runs
+        # it late); the requester waits for its word until the lease timeout.
+        limit, cls = request.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S, FailureClass.LEASE_TIMEOUT
         try:
             # The scheduler answers at its own timeout; this is the requester's promise to itself.
             await workflow.wait_condition(lambda: self._decision is not None, timeout=limit + 5.0)

@@ -8,7 +8,6 @@ and no handler is running."""
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import replace
 from datetime import timedelta
 
@@ -56,56 +55,13 @@ with workflow.unsafe.imports_passed_through():
 from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
-# One residency workflow id per load (histories v2); older histories used one id per key.
-PATCH_RESIDENCY_GENERATIONS = "residency-generations"
-# Continue-as-new at max_history_events as well as when suggested (histories v3).
-PATCH_HISTORY_BOUND = "history-bound"
-# Capacity snapshots into Postgres and CAPABILITY_CAPACITY alerts (histories v3).
-PATCH_SNAPSHOTS = "telemetry-snapshots"
-PATCH_CAPACITY_ALERTS = "capacity-alerts"
-# Admission refusals (REQUEST_INVALID, QUEUE_FULL, ...) recorded as events (histories v3).
-PATCH_RECORD_REFUSALS = "record-refusals"
-# A fresh scheduler starts fair share from the lease ledger, not from zero (histories v4).
-PATCH_USAGE_FROM_LEDGER = "usage-from-ledger"
-# ...and before leases on a node silent past node_silent_s were preempted (histories v4).
-PATCH_SILENT_NODES = "preempt-silent-nodes"
-# ...and before the loop kept one wake-up timer and one event write in flight (histories v4): a timer
-# started and cancelled, and an event write, per loop iteration cost ~10 history events per request.
-PATCH_QUIET_LOOP = "quiet-loop"
-# ...and before a ready resident on a stale card stopped taking new leases (histories v6).
-PATCH_NO_STALE_JOINS = "no-stale-joins"
-# ...and before continue-as-new carried undelivered decisions and unwritten events in its input
-# instead of waiting for every event write to land (a Postgres outage froze admission there).
-PATCH_CARRY_OUTBOX = "carry-outbox"
-# ...and before lease fencing: a lease never heard from is held for unheard_lease_s, a grant
-# whose lease is gone is not delivered, and holders confirm late grants (`confirm_lease`).
-PATCH_LEASE_FENCING = "lease-fencing"
-# ...and before residents of deployments removed from the catalog were unloaded.
-PATCH_UNLOAD_REMOVED = "unload-removed-deployments"
-# ...and before a heartbeat for a reclaimed lease stopped the invoke still running under it.
-PATCH_STOP_RECLAIMED = "stop-reclaimed-invokes"
-# ...and before a CPU device took only deployments whose placement list names it (the policy
-# let a deployment without a list fall back onto the host's CPU device).
-PATCH_NO_CPU_FALLBACK = "no-cpu-fallback"
-# ...and before deadlines counted measured service time and lower classes used the memory a
-# production request waiting only for a slot does not need (PolicyConfig.deadline_service,
-# pack_lower_classes).
-PATCH_DEADLINE_SERVICE = "deadline-service"
-# One marker for every scheduler patch above, asked first in each run: a new run holds them all
-# without asking any again. The others are asked where a path is first reached, mid-run, and a
-# patch marker (with the SDK's TemporalChangeVersion upsert) asked in the same workflow task as
-# an update's acceptance or completion can be ordered differently on replay (a nondeterminism
-# error; docs/SCALING.md). Runs recorded before this marker still ask each where they did.
-PATCH_ONE_MARKER = "scheduler-patches-through-v11"
-# The one marker of runs from histories v13 on: everything PATCH_ONE_MARKER holds, and requests
-# waiting at the scheduler for a model lent to a node close one free slot each, not every slot of
-# it (policy.sync_slots `per_waiter`). Asked first, in place of PATCH_ONE_MARKER (a run has one
-# of the two): a release that does not know it asks PATCH_ONE_MARKER in a run it starts, and a
-# replay here of that run finds that marker and follows the older rule.
-PATCH_THROUGH_V13 = "scheduler-patches-through-v13"
-# Every patch id a scheduler run of this release may record: the replay guard leaves alone a run
-# whose history has another (a newer release wrote it; workers/replay_guard.py).
-SCHEDULER_PATCHES = frozenset(value for name, value in dict(globals()).items() if name.startswith("PATCH_"))
+# Patches (`workflow.patched`) are written only for a change to code a released version runs, at
+# release time (docs/RELEASING.md); name them PATCH_*. Every patch id a scheduler run of this
+# release may record: the replay guard leaves alone a run whose history has another (a newer
+# release wrote it; workers/replay_guard.py). None yet: 0.1.0 is the baseline.
+SCHEDULER_PATCHES: frozenset[str] = frozenset(
+    value for name, value in dict(globals()).items() if name.startswith("PATCH_")
+)
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
 
@@ -113,21 +69,18 @@ RECLAIMED_REMEMBERED = 1000
 UNHEARD_LEASE_FACTOR = 5.0
 
 EVENT_BATCH = 200
-# With the quiet loop, events are written at most this often (a backlog of a batch goes at once):
+# One event write in flight at a time, at most this often (a backlog of a batch goes at once):
 # the event log trails by up to this much, and a busy pool writes one batch a second, not one
 # per request.
 EVENT_WRITE_INTERVAL_S = 1.0
-# The scheduler's rules by SchedulerInput.rules, for changes that would change the commands of a
-# run recorded before them (the patches above are for runs recorded before this field):
-# RULES_LAZY_WRITES: routine event records wait until the oldest has waited EVENT_WRITE_WAIT_S
-# (a full batch, or an urgent record, goes at the next EVENT_WRITE_INTERVAL_S), and no wake-up
-# timer is armed for events while a write is in flight (its completion wakes the loop: a write
-# retried through a Postgres outage no longer wakes the scheduler twice a second).
-RULES_LAZY_WRITES = 1
-SCHEDULER_RULES = RULES_LAZY_WRITES  # what new runs get
+# Lazy writes: routine event records wait until the oldest has waited EVENT_WRITE_WAIT_S (a full
+# batch, or an urgent record, goes at the next EVENT_WRITE_INTERVAL_S), and no wake-up timer is
+# armed for events while a write is in flight (its completion wakes the loop: a write retried
+# through a Postgres outage does not wake the scheduler twice a second).
 EVENT_WRITE_WAIT_S = 5.0
 # Urgent: what an operator acts on, written within about a second. Any event with an alert or a
-# failure class, and these kinds. (Part of the commands: a change needs a new input rule.)
+# failure class, and these kinds. (Part of the commands: a change to a released version's needs
+# a patch; docs/RELEASING.md.)
 URGENT_EVENT_KINDS = frozenset(
     {
         "preemption_requested",
@@ -174,7 +127,6 @@ class PoolSchedulerWorkflow:
         self._preempts_out: list[tuple[str, PreemptSignal]] = []
         self._events: list[EventRecord] = []
         self._event_writes: list[asyncio.Future[object]] = []
-        self._quiet = False  # PATCH_QUIET_LOOP, decided once per run
         self._timer: asyncio.Task[None] | None = None
         self._timer_at = 0.0
         self._timer_fired = False
@@ -184,12 +136,6 @@ class PoolSchedulerWorkflow:
         self._next_snapshot_at: float | None = None
         # Event batches whose write has not been confirmed, by write: carried at continue-as-new.
         self._unconfirmed: list[tuple[asyncio.Future[object], list[EventRecord]]] = []
-        self._fencing = False  # PATCH_LEASE_FENCING, decided once per run
-        self._deadline_service = True  # PATCH_DEADLINE_SERVICE, decided once per run
-        self._through_v11 = False  # PATCH_ONE_MARKER (or PATCH_THROUGH_V13), set first in `run`
-        self._through_v13 = False  # PATCH_THROUGH_V13: slots closed per waiting request
-        # From the run's input (decided first in `run`): a run keeps the rules it started with.
-        self._lazy_writes = False
         self._urgent_events = 0  # buffered events that are urgent (lazy writes)
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
@@ -204,17 +150,7 @@ class PoolSchedulerWorkflow:
             self._urgent_events = sum(1 for event in self._events if _urgent(event))
             self._wake = True
 
-    def _patched(self, patch_id: str) -> bool:
-        """`workflow.patched` for a scheduler patch up to histories v11: True without a marker in
-        a run that has PATCH_ONE_MARKER (a new run holds every one of them)."""
-        return self._through_v11 or workflow.patched(patch_id)
-
     # --- messages ---------------------------------------------------------------------------
-
-    @workflow.update
-    def admit(self, request: policy.AdmissionRequest) -> AdmitReply:
-        [reply] = self._admit_all([request])
-        return reply
 
     @workflow.update
     def admit_batch(self, batch: AdmitBatch) -> AdmitBatchReply:
@@ -261,19 +197,18 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(
                     status="rejected", failure=rejected.failure.value, message=rejected.message
                 )
-                if self._patched(PATCH_RECORD_REFUSALS):
-                    # Bad input and full queues are in the event log too, never only in a reply.
-                    self._record(
-                        policy.PolicyEvent(
-                            kind="request_refused",
-                            failure=rejected.failure,
-                            request_id=request.request_id,
-                            workflow_id=request.workflow_id,
-                            message=rejected.message,
-                            payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
-                        ),
-                        now,
-                    )
+                # Bad input and full queues are in the event log too, never only in a reply.
+                self._record(
+                    policy.PolicyEvent(
+                        kind="request_refused",
+                        failure=rejected.failure,
+                        request_id=request.request_id,
+                        workflow_id=request.workflow_id,
+                        message=rejected.message,
+                        payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
+                    ),
+                    now,
+                )
                 continue
             policy.enqueue(self._state, request, priority, now)
             admitted[request.request_id] = (position, priority)
@@ -297,22 +232,6 @@ class PoolSchedulerWorkflow:
             for position, priority_value in admitted.values():
                 replies.setdefault(position, AdmitReply(status="queued", priority=priority_value))
         return [replies[position] for position in range(len(requests))]
-
-    @admit.validator
-    def _validate_admit(self, request: policy.AdmissionRequest) -> None:
-        # A refusal here writes no history: bad input and full queues cost the pool nothing.
-        if self._catalog_stale:
-            raise ApplicationError(
-                "the scheduler is still loading its catalog",
-                type=FailureClass.SCHEDULER_STATE_STALE.value,
-                non_retryable=False,
-            )
-        if policy.existing_admission(self._state, request) is not None:
-            return  # a retried call: the handler answers with what it already has
-        try:
-            policy.validate_request(self._state, request, gangs=True)
-        except policy.AdmissionRejected as rejected:
-            raise ApplicationError(rejected.message, type=rejected.failure.value, non_retryable=True) from None
 
     @workflow.signal
     def release(self, signal: ReleaseSignal) -> None:
@@ -363,7 +282,7 @@ class PoolSchedulerWorkflow:
     def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
         # A live holder pushes its lease's stale deadline out.
         held = policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
-        if held or heartbeat.lease_id not in self._reclaimed or not self._patched(PATCH_STOP_RECLAIMED):
+        if held or heartbeat.lease_id not in self._reclaimed:
             return
         # The lease was reclaimed while neither its holder nor its node could be heard (a node
         # cut off from Temporal longer than stale_lease_s); its room may be granted again by now,
@@ -414,12 +333,9 @@ class PoolSchedulerWorkflow:
     def delegation_sync(self, sync: DelegationSync) -> DelegationReply:
         """A node's sync about the slots it was lent for warm requests (policy/_delegation.py):
         the requests it served, the slots it still holds, the capabilities it wants slots for.
-        The reply lists the slots it may keep. A history without this update runs exactly as
-        before; how many slots a waiting request closes is the run's (PATCH_THROUGH_V13)."""
+        The reply lists the slots it may keep."""
         now = self._now()
-        reply, events = policy.sync_slots(
-            self._state, sync.sync, now, spare=DELEGATION_SPARE_SLOTS, per_waiter=self._through_v13
-        )
+        reply, events = policy.sync_slots(self._state, sync.sync, now, spare=DELEGATION_SPARE_SLOTS)
         self._record_all(events, now)
         if any(event.kind == "slot_returned" for event in events) or sync.sync.runs:
             self._wake = True  # a slot given back may serve what waits
@@ -459,10 +375,13 @@ class PoolSchedulerWorkflow:
             self._commands_out.append((workflow_id, ResidentCommand("unload", reason=f"{call.action} of {key}")))
         self._wake = True
         done = {"pin": "pinned", "unpin": "unpinned", "unload": "unloading"}[call.action]
-        draining = [key for key in outcome.residents if key in self._state.draining]
+        draining = [key for key in outcome.residents if key in self._state.draining and key not in outcome.reclaiming]
         message = f"{done}: {', '.join(outcome.residents)}"
         if draining:
             message += f" (draining: {', '.join(draining)} unload when their leases end)"
+        if outcome.reclaiming:
+            # Idle but for slots lent to a node: unloaded once the node gives them back (its next sync).
+            message += f" (taking back free lent slots of {', '.join(outcome.reclaiming)} first)"
         return ResidencyControlReply(True, message, residents=outcome.residents)
 
     @residency_control.validator
@@ -624,8 +543,7 @@ class PoolSchedulerWorkflow:
                 if acc.node == sample.node
             ]
         events = policy.apply_observations(self._state, observations, now)
-        if self._patched(PATCH_CAPACITY_ALERTS):
-            events.extend(policy.capacity_alerts(self._state, now))
+        events.extend(policy.capacity_alerts(self._state, now))
         for event in events:
             if event.kind == "resident_lost" and event.workflow_id:
                 self._commands_out.append((event.workflow_id, ResidentCommand("lost", reason=event.message)))
@@ -776,21 +694,13 @@ class PoolSchedulerWorkflow:
 
     @workflow.run
     async def run(self, start: SchedulerInput) -> None:
-        self._through_v13 = workflow.patched(PATCH_THROUGH_V13)
-        self._through_v11 = self._through_v13 or workflow.patched(PATCH_ONE_MARKER)
-        # The input's rules hold only in a run that has the one marker: a worker of a release
-        # before `SchedulerInput.rules` ignores the field (an unknown key), so a run it started
-        # from an input that names rules follows none of them, and its replay here must not.
-        self._lazy_writes = self._through_v11 and start.rules >= RULES_LAZY_WRITES
-        self._quiet = self._patched(PATCH_QUIET_LOOP)
-        self._fencing = self._patched(PATCH_LEASE_FENCING)
-        # Decided here, before any handler can run the policy: a patch first asked inside an
-        # update handler records its marker where a replay does not expect it.
-        self._deadline_service = self._patched(PATCH_DEADLINE_SERVICE)
-        if self._fencing and self._state.config.unheard_lease_s is None:
+        # A patch of this workflow is asked here, first, before any handler can run the policy
+        # (docs/RELEASING.md): one first asked inside an update handler records its marker where
+        # a replay does not expect it.
+        # Lease fencing: a lease never heard from is held for UNHEARD_LEASE_FACTOR x stale_lease_s.
+        if self._state.config.unheard_lease_s is None:
             config = self._state.config
             self._state.config = replace(config, unheard_lease_s=UNHEARD_LEASE_FACTOR * config.stale_lease_s)
-        carry = self._patched(PATCH_CARRY_OUTBOX)
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
@@ -800,29 +710,18 @@ class PoolSchedulerWorkflow:
             self._snapshot()
             await self._flush()
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
-                if carry:
-                    # Nothing waits on Postgres here: what is not yet delivered or written goes
-                    # to the next run in its input, and is sent or written (again) from there.
-                    workflow.continue_as_new(
-                        replace(start, state=self._state, carried=self._outbox(), rules=SCHEDULER_RULES),
-                        task_timeout=SCHEDULER_TASK_TIMEOUT,
-                    )
-                await self._drain_event_writes()
+                # Nothing waits on Postgres here: what is not yet delivered or written goes to
+                # the next run in its input, and is sent or written (again) from there.
                 workflow.continue_as_new(
-                    replace(start, state=self._state, rules=SCHEDULER_RULES),
+                    replace(start, state=self._state, carried=self._outbox()),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                 )
-            if self._quiet:
-                self._arm_timer(self._next_wake())
-                await workflow.wait_condition(
-                    lambda: self._wake or self._catalog_stale or self._timer_fired or self._events_writable()
-                )
-                self._timer_fired = False
-            else:
-                try:
-                    await workflow.wait_condition(lambda: self._wake or self._catalog_stale, timeout=self._next_wake())
-                except TimeoutError:
-                    pass
+            # One wake-up timer in flight, not one started and cancelled per loop iteration.
+            self._arm_timer(self._next_wake())
+            await workflow.wait_condition(
+                lambda: self._wake or self._catalog_stale or self._timer_fired or self._events_writable()
+            )
+            self._timer_fired = False
             self._wake = False
 
     def _outbox(self) -> CarriedOutbox:
@@ -865,10 +764,10 @@ class PoolSchedulerWorkflow:
         return self._events_in_flight is not None and not self._events_in_flight.done()
 
     def _events_due_at(self) -> float:
-        """When the buffered events may go: EVENT_WRITE_INTERVAL_S after the last write; with
-        lazy writes, not before the oldest has waited EVENT_WRITE_WAIT_S unless one is urgent."""
+        """When the buffered events may go: EVENT_WRITE_INTERVAL_S after the last write, and not
+        before the oldest has waited EVENT_WRITE_WAIT_S unless one is urgent (lazy writes)."""
         due = self._events_written_at + EVENT_WRITE_INTERVAL_S
-        if self._lazy_writes and self._events and not self._urgent_events:
+        if self._events and not self._urgent_events:
             due = max(due, self._events[0].at + EVENT_WRITE_WAIT_S)
         return due
 
@@ -876,7 +775,7 @@ class PoolSchedulerWorkflow:
         info = workflow.info()
         if info.is_continue_as_new_suggested() or self._rebase is not None:
             return True
-        return self._patched(PATCH_HISTORY_BOUND) and info.get_current_history_length() >= start.max_history_events
+        return info.get_current_history_length() >= start.max_history_events
 
     async def _reload_catalog(self) -> None:
         catalog = await workflow.execute_activity(
@@ -890,7 +789,7 @@ class PoolSchedulerWorkflow:
         self._state.catalog = catalog
         self._state.view_epoch += 1  # nodes lent slots check requests by the new one
         # Admission waits for the usage too: the first decisions already see past consumption.
-        if self._usage_unseeded and self._patched(PATCH_USAGE_FROM_LEDGER):
+        if self._usage_unseeded:
             self._usage_unseeded = False
             now = self._now()
             usage = await workflow.execute_activity(
@@ -936,35 +835,19 @@ class PoolSchedulerWorkflow:
         stale_at = policy.stale_leases_due(self._state)
         if stale_at is not None:
             due.append(stale_at)
-        if self._fencing:  # a lease held unheard for longer must not delay the silent-node rule
-            silent_at = policy.silent_nodes_due(self._state)
-            if silent_at is not None:
-                due.append(silent_at)
+        # A lease held unheard for longer must not delay the silent-node rule.
+        silent_at = policy.silent_nodes_due(self._state)
+        if silent_at is not None:
+            due.append(silent_at)
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
-        if self._quiet and self._events and not (self._lazy_writes and self._event_write_in_flight()):
+        if self._events and not self._event_write_in_flight():
             due.append(self._events_due_at())
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
         self._record_all(policy.reclaim_stale_leases(self._state, now), now)
-        config = self._state.config
-        if not self._patched(PATCH_SILENT_NODES):
-            # A scheduler run recorded before the rule replays without it.
-            self._state.config = replace(config, node_silent_s=math.inf)
-        if not self._patched(PATCH_NO_STALE_JOINS):
-            self._state.config = replace(self._state.config, join_stale_residents=True)
-        if self._patched(PATCH_UNLOAD_REMOVED):
-            self._state.config = replace(self._state.config, unload_removed_deployments=True)
-        if not self._patched(PATCH_NO_CPU_FALLBACK):
-            # Recorded before the rule: a deployment without a placement list could land on a CPU device.
-            self._state.config = replace(self._state.config, cpu_fallback=True)
-        if not self._deadline_service:
-            self._state.config = replace(self._state.config, deadline_service=False, pack_lower_classes=False)
-        try:
-            decisions = policy.decide(self._state, now)
-        finally:
-            self._state.config = config
+        decisions = policy.decide(self._state, now)
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})
             return
@@ -1001,13 +884,8 @@ class PoolSchedulerWorkflow:
         """The residency workflow id of each new load (resident key -> id)."""
         ids: dict[str, str] = {}
         for load in loads:
-            if self._patched(PATCH_RESIDENCY_GENERATIONS):
-                self._state.load_counter += 1
-                ids[load.resident_key] = resident_workflow_id(
-                    load.deployment, load.accelerator, self._state.load_counter
-                )
-            else:  # a scheduler started before generations keeps its ids while it replays
-                ids[load.resident_key] = f"resident:{load.deployment}:{load.accelerator}"
+            self._state.load_counter += 1
+            ids[load.resident_key] = resident_workflow_id(load.deployment, load.accelerator, self._state.load_counter)
         return ids
 
     def _send_loads(self, loads: list[policy.StartLoad]) -> None:
@@ -1077,7 +955,7 @@ class PoolSchedulerWorkflow:
 
     async def _tell_requester(self, workflow_id: str, decision: LeaseDecision) -> object:
         lease = decision.lease
-        if self._fencing and lease is not None and lease.lease_id not in self._state.leases:
+        if lease is not None and lease.lease_id not in self._state.leases:
             # Reclaimed or cancelled before it went out: a grant is never delivered for a lease
             # that is no longer held (its holder would use memory promised to someone else).
             self._record(
@@ -1137,7 +1015,7 @@ class PoolSchedulerWorkflow:
     def _snapshot(self) -> None:
         """Once per interval, what `status` shows per accelerator goes to the capacity history;
         written like events, off the admission path and retried until it lands."""
-        if self._snapshot_interval_s <= 0 or not self._patched(PATCH_SNAPSHOTS):
+        if self._snapshot_interval_s <= 0:
             return
         now = self._now()
         if self._next_snapshot_at is not None and now < self._next_snapshot_at:
@@ -1157,19 +1035,14 @@ class PoolSchedulerWorkflow:
             )
         )
 
-    def _start_event_write(self, now_or_never: bool = False) -> None:
-        """`now_or_never`: before continue-as-new, every pending event goes now."""
+    def _start_event_write(self) -> None:
         self._event_writes = [w for w in self._event_writes if not w.done()]
-        if self._quiet and not now_or_never:
-            # One write in flight, at most one a second; a full batch (a burst, or a backlog
-            # through a database outage) is never held.
-            if not self._events_writable():
-                return
-            self._events_written_at = self._now()
-            self._events_in_flight = self._write_next_batch()
+        # One write in flight, at most one a second; a full batch (a burst, or a backlog through
+        # a database outage) is never held.
+        if not self._events_writable():
             return
-        while self._events:
-            self._write_next_batch()
+        self._events_written_at = self._now()
+        self._events_in_flight = self._write_next_batch()
 
     def _write_next_batch(self) -> asyncio.Future[object]:
         """Not awaited: the event log never sits on the admission path. Retried until it lands."""
@@ -1188,13 +1061,6 @@ class PoolSchedulerWorkflow:
         self._unconfirmed.append((write, batch))
         return write
 
-    async def _drain_event_writes(self) -> None:
-        while self._events:
-            self._start_event_write(now_or_never=True)
-        if self._event_writes:
-            await asyncio.gather(*self._event_writes)
-        self._event_writes = []
-
     # --- events -----------------------------------------------------------------------------
 
     def _record(self, event: policy.PolicyEvent, now: float) -> None:
@@ -1203,7 +1069,7 @@ class PoolSchedulerWorkflow:
             if len(self._reclaimed) > RECLAIMED_REMEMBERED:
                 del self._reclaimed[next(iter(self._reclaimed))]
         urgent = _urgent_kind(event.kind, event.failure is not None, event.alert is not None)
-        if self._lazy_writes and (not self._events or (urgent and not self._urgent_events)):
+        if not self._events or (urgent and not self._urgent_events):
             # The first buffered record, or the first urgent one: the write is due sooner than
             # the loop's timer was armed for (if at all), so the loop sets it again. An update or
             # a signal that records without waking the loop would otherwise leave the write to

@@ -67,7 +67,14 @@ from modelforge.policy._state import (
     TenantUsage,
 )
 from modelforge.policy._topology import shape_problems as shape_problems
-from modelforge.policy._views import AcceleratorStatus, CapabilityStatus, PoolStatus, ResidentStatus, pool_status
+from modelforge.policy._views import (
+    AcceleratorStatus,
+    CapabilityStatus,
+    PoolStatus,
+    ResidentStatus,
+    pool_status,
+    tenant_view,
+)
 
 __all__ = [
     "ADVERTISED_LABELS",
@@ -146,6 +153,7 @@ __all__ = [
     "silent_nodes_due",
     "stale_leases_due",
     "sync_slots",
+    "tenant_view",
     "validate_request",
     "with_advertised_labels",
 ]

@@ -144,7 +144,7 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
     writes no history.
 
     `gangs` (on): admit multi-GPU batch jobs (`gpu_count > 1`, residency none); off refuses
-    them, for a caller that cannot run them (the request workflows have run them since histories v5)."""
+    them, for a caller that cannot run them (the request workflows run them)."""
     if not request.request_id or not request.capability:
         raise AdmissionRejected(FailureClass.REQUEST_INVALID, "request_id and capability are required")
     # The last entrance checks what every entrance checks (a client that skipped them, or an old

@@ -26,7 +26,7 @@ def production_headroom(state: PoolState, deployment: Deployment, now: float) ->
     leases = list(state.leases.values())
     best: tuple[int, str] | None = None
     for accelerator in state.catalog.accelerators:
-        if accelerator.pool != state.pool or static_reason(accelerator, deployment, True, state.config.cpu_fallback):
+        if accelerator.pool != state.pool or static_reason(accelerator, deployment, True):
             continue
         runtime = state.accelerators.get(accelerator.id)
         if runtime is None or not runtime.healthy:

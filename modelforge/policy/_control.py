@@ -8,7 +8,10 @@ either acts or refuses with a class and a reason; it never half-acts. The rules:
   says so);
 - unload: an idle resident is unloaded now; one with active leases is EVICTION_NOT_ALLOWED,
   unless `drain`: it then takes no new lease (it counts as unloading) and is unloaded when its
-  last lease ends (`drained`).
+  last lease ends (`drained`). Slots lent to a node that serve nobody are not active leases: a
+  resident holding only those is idle, and its unload takes them back (they close at the node's
+  next sync, which gives them back at once) and unloads it then, as a drain does; a lent slot is
+  never taken back before its node gives it up (the node may have just started a request on it).
 - load on a named accelerator (`load_on`): loaded there now, or refused with its class and the
   numbers (REQUEST_INVALID: not a card of the pool, or one the deployment's placement rules
   exclude; CAPABILITY_UNAVAILABLE: too little room; RESIDENCY_CONFLICT: a stale, unhealthy or
@@ -23,8 +26,9 @@ from modelforge.domain import Deployment, Residency, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import PolicyEvent, StartLoad, resident_event
+from modelforge.policy._delegation import serves_nobody
 from modelforge.policy._pass import static_reason
-from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase, ResidentState
+from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase, ResidentState, holder_of
 
 ACTIONS = ("load", "unload", "pin", "unpin")
 
@@ -39,6 +43,18 @@ class ControlOutcome:
     events: list[PolicyEvent] = field(default_factory=list)
     unload: dict[str, str] = field(default_factory=dict)
     residents: list[str] = field(default_factory=list)
+    # Residents unloaded once their free lent slots are back (key -> how many slots).
+    reclaiming: dict[str, int] = field(default_factory=dict)
+
+
+def free_lent_slots(state: PoolState) -> dict[str, int]:
+    """Resident key -> slots lent to a node that serve nobody (`serves_nobody`)."""
+    lent: dict[str, int] = {}
+    for lease in state.leases.values():
+        resident = holder_of(state, lease) if serves_nobody(state, lease) else None
+        if resident is not None:
+            lent[resident.key] = lent.get(resident.key, 0) + 1
+    return lent
 
 
 def _named(state: PoolState, deployment: str, accelerator: str) -> list[ResidentState]:
@@ -95,9 +111,11 @@ def control_residents(
         return outcome
     if action != "unload":
         return ControlOutcome(FailureClass.REQUEST_INVALID, f"unknown action {action!r}: one of {', '.join(ACTIONS)}")
-    busy = [r for r in residents if r.active_leases > 0]
+    lent = free_lent_slots(state)
+    serving = {r.key: max(0, r.active_leases - lent.get(r.key, 0)) for r in residents}
+    busy = [r for r in residents if serving[r.key] > 0]
     if busy and not drain:
-        leases = sum(r.active_leases for r in busy)
+        leases = sum(serving[r.key] for r in busy)
         return ControlOutcome(
             FailureClass.EVICTION_NOT_ALLOWED,
             f"{deployment}{where} holds {leases} active lease(s): unload with drain to let them finish first",
@@ -111,7 +129,20 @@ def control_residents(
     for resident in residents:
         resident.phase = ResidentPhase.UNLOADING
         resident.requested_at = now
-        if resident.active_leases > 0:
+        if resident.active_leases > 0 and serving[resident.key] == 0:
+            # Only free lent slots: they close at their node's next sync (the resident is
+            # unloading), come back, and it is unloaded then (`drained`).
+            state.draining[resident.key] = now
+            outcome.reclaiming[resident.key] = resident.active_leases
+            outcome.events.append(
+                resident_event(
+                    resident,
+                    "resident_draining",
+                    f"unload asked by {actor}: its {resident.active_leases} free lent slot(s) taken back; "
+                    "unloaded once its node gives them back",
+                )
+            )
+        elif resident.active_leases > 0:
             state.draining[resident.key] = now
             outcome.events.append(
                 resident_event(
@@ -146,7 +177,7 @@ def load_on(
     accelerator = state.catalog.accelerator(accelerator_id)
     if accelerator is None or accelerator.pool != state.pool:
         return LoadRefusal(FailureClass.REQUEST_INVALID, f"no accelerator {accelerator_id!r} in pool {state.pool!r}")
-    excluded = static_reason(accelerator, deployment, False, state.config.cpu_fallback)
+    excluded = static_reason(accelerator, deployment, False)
     if excluded:
         return LoadRefusal(FailureClass.REQUEST_INVALID, f"{deployment.deployment_id} may not load on {excluded}")
     key = resident_key(deployment.deployment_id, accelerator.id)

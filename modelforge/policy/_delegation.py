@@ -16,9 +16,9 @@ The scheduler keeps the invariant and the order of classes:
   model, or one not yet placed that may land on the card), the card is under GPU_PRESSURE, stale
   or unhealthy, the resident is leaving or draining, or the slot is preempted
   (`closing_reason`); so such a request is overtaken on a node for at most one sync interval.
-  In scheduler runs from histories v13 on (`per_waiter`), requests waiting for the same model
-  close one free slot each, not every slot (`_closed_for_waiters`): they are served as soon,
-  and the node keeps admitting on the rest instead of giving back and being lent all of them;
+  Requests waiting for the same model close one free slot each, not every slot
+  (`_closed_for_waiters`): they are served as soon, and the node keeps admitting on the rest
+  instead of giving back and being lent all of them;
 - a slot goes back to the pool only when the node says it no longer holds it (a sync without it),
   or when the node has been silent for stale_lease_s (the node stops using its slots after half
   of that, `SlotReply.valid_s`), so no slot is ever used by two requests at once;
@@ -68,6 +68,14 @@ def is_delegation_holder(workflow_id: str) -> bool:
 
 def is_slot(lease_id: str) -> bool:
     return lease_id.startswith(SLOT_PREFIX)
+
+
+def serves_nobody(state: PoolState, lease: Lease) -> bool:
+    """A slot lent to a node that is free by its node's last sync (held by `delegation:<node>`,
+    not by a request's workflow): it keeps its resident's count (so nothing is evicted or lent
+    twice under the node's feet) but is no active lease: `status`, `ps` and an unload do not
+    count it (an unload takes it back, `control_residents`)."""
+    return lease.lease_id in state.slots and is_delegation_holder(lease.workflow_id)
 
 
 @dataclass(frozen=True)
@@ -174,14 +182,11 @@ def _waiting_here(state: PoolState, resident: ResidentState, memo: dict[str, str
     return found
 
 
-def sync_slots(
-    state: PoolState, sync: SlotSync, now: float, *, spare: int = 1, per_waiter: bool = False
-) -> tuple[SlotReply, list[PolicyEvent]]:
+def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) -> tuple[SlotReply, list[PolicyEvent]]:
     """One node's sync (module docstring). `spare`: slots of each resident kept back for the
-    scheduler's own admissions (requests that did not reach this node's worker). `per_waiter`:
-    requests waiting at the scheduler for the same model close one free slot each, not every
-    slot of the resident (`_closed_for_waiters`; a scheduler run's rule, off in runs recorded
-    before it)."""
+    scheduler's own admissions (requests that did not reach this node's worker). Requests
+    waiting at the scheduler for the same model close one free slot each, not every slot of the
+    resident (`_closed_for_waiters`)."""
     events = record_runs(state, sync.node, sync.runs[:MAX_RUNS], now)
     held = set(sync.held)
     # Not held any more, or lent to another life of this node's worker (gone with it).
@@ -215,7 +220,7 @@ def sync_slots(
         mine.append(lease)
     closing: dict[str, str] = {}
     memo: dict[str, str] = {}
-    only = _closed_for_waiters(state, mine, sync, returned) if per_waiter else {}
+    only = _closed_for_waiters(state, mine, sync, returned)
     for lease in mine:
         slot = state.slots[lease.lease_id]
         if slot.open:

@@ -96,7 +96,7 @@ def _grouped(
     state = pass_.state
     static_passed, _, _ = static_filter(state, deployment, production)
     nvlink = deployment.nvlink_required
-    key: tuple[object, ...] = (state.pool, deployment.deployment_id, production, state.config.cpu_fallback, nvlink)
+    key: tuple[object, ...] = (state.pool, deployment.deployment_id, production, nvlink)
     cache: dict[tuple[object, ...], tuple[dict[str, list[str]], dict[str, Accelerator]]]
     if passed is static_passed:
         cache = state.catalog.__dict__.setdefault("_policy_gang_groups", {})

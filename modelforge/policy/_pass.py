@@ -219,12 +219,10 @@ def request_ends_by(queued: QueuedRequest, start: float) -> float:
 BECOMING_READY = (ResidentPhase.LOADING, ResidentPhase.WAKING, ResidentPhase.READY)
 
 
-def static_reason(
-    accelerator: Accelerator, deployment: Deployment, production: bool, cpu_fallback: bool = False
-) -> str:
+def static_reason(accelerator: Accelerator, deployment: Deployment, production: bool) -> str:
     if deployment.accelerators and accelerator.id not in deployment.accelerators:
         return f"{accelerator.id}: not in the deployment's placement list"
-    if accelerator.kind == "cpu" and not deployment.accelerators and not cpu_fallback:
+    if accelerator.kind == "cpu" and not deployment.accelerators:
         # The host CPU is for the deployments placed there, never a fallback for the others.
         return f"{accelerator.id}: a CPU device, only for deployments whose placement list names it"
     if deployment.gpu_memory_min and accelerator.total_bytes < deployment.gpu_memory_min:
@@ -250,9 +248,7 @@ def filter_accelerators(state: PoolState, deployment: Deployment, priority: str,
     for accelerator in state.catalog.accelerators:
         if accelerator.pool != state.pool:
             continue
-        reason = static_reason(
-            accelerator, deployment, is_production(state.catalog, priority), state.config.cpu_fallback
-        )
+        reason = static_reason(accelerator, deployment, is_production(state.catalog, priority))
         if reason:
             results.append(FilterResult(accelerator.id, False, reason, True))
             continue
@@ -412,12 +408,12 @@ def unload_cost(state: PoolState, deployment: Deployment | None) -> float:
 def static_filter(
     state: PoolState, deployment: Deployment, production: bool
 ) -> tuple[list[str], list[FilterResult], dict[str, bool]]:
-    """The filter results that depend on the catalog alone (and the one setting that changes
-    them): passed, refused with reasons, passed as a lookup. Kept with the catalog (immutable by
-    contract) so a pass over thousands of accelerators computes them once per catalog."""
-    cache: dict[tuple[str, str, bool, bool], tuple[list[str], list[FilterResult], dict[str, bool]]]
+    """The filter results that depend on the catalog alone: passed, refused with reasons, passed
+    as a lookup. Kept with the catalog (immutable by contract) so a pass over thousands of
+    accelerators computes them once per catalog."""
+    cache: dict[tuple[str, str, bool], tuple[list[str], list[FilterResult], dict[str, bool]]]
     cache = state.catalog.__dict__.setdefault("_policy_static_filter", {})
-    key = (state.pool, deployment.deployment_id, production, state.config.cpu_fallback)
+    key = (state.pool, deployment.deployment_id, production)
     cached = cache.get(key)
     if cached is None:
         passed: list[str] = []
@@ -425,7 +421,7 @@ def static_filter(
         for accelerator in state.catalog.accelerators:
             if accelerator.pool != state.pool:
                 continue
-            reason = static_reason(accelerator, deployment, production, state.config.cpu_fallback)
+            reason = static_reason(accelerator, deployment, production)
             if reason:
                 refused.append(FilterResult(accelerator.id, False, reason, True))
             else:

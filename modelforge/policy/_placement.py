@@ -115,8 +115,7 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
 
     _leave_unhealthy(pass_, decisions)
     _preempt_on_silent_nodes(pass_, decisions, now)
-    if state.config.unload_removed_deployments:
-        _unload_removed(pass_, decisions)
+    _unload_removed(pass_, decisions)
     _unload_unused(pass_, decisions)
     return decisions
 
@@ -246,7 +245,7 @@ def _visit(
         deployment = deployments[capability]
     else:
         deployment = deployments[capability] = pass_.state.catalog.deployment_for(capability)
-    if deployment is not None and queued.deadline_at is not None and pass_.state.config.deadline_service:
+    if deployment is not None and queued.deadline_at is not None:
         margin = _margin(pass_, deployment)
         if queued.deadline_at - margin <= now or deployment.residency == Residency.NONE:
             hopeless = hopeless_refusal(
@@ -351,7 +350,7 @@ class _Skip:
         if settled[0] is not None or not lane.uniformly_waiting(settled[1], now):
             return never
         deployment = self.deployment(lane.capability)
-        if not pass_.state.config.deadline_service or deployment is None:
+        if deployment is None:
             return [math.inf]
         margin = _margin(pass_, deployment)
         job = deployment.residency == Residency.NONE
@@ -714,7 +713,7 @@ def _join(attempt: Attempt) -> _Joined:
 
 def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Grant | Assign | Wake | None:
     pass_, reasons, accelerator = attempt.pass_, joined.reasons, resident.accelerator
-    if not pass_.budgets[accelerator].fresh and not pass_.state.config.join_stale_residents:
+    if not pass_.budgets[accelerator].fresh:
         # Its node has not reported within freshness_s: it may be gone, and work sent there
         # would wait on a worker nobody can see.
         if not reasons.again(STALE):
@@ -1018,14 +1017,13 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
     """Phase 5, nothing fits now: refused at once when no release of ModelForge's own work could
     ever help; else it waits, and later requests may not take new bytes where it waits. Where
     it only waits for a slot of its own resident (no second copy goes there, and joining wants
-    no more bytes than are free), it waits for no memory: lower work may use what is free there
-    (`pack_lower_classes`)."""
+    no more bytes than are free), it waits for no memory: lower work may use what is free there."""
     pass_, queued = attempt.pass_, attempt.queued
     never = _never_fits(pass_, passed, loads.need)
     if never is not None:
         return Reject(queued.request_id, queued.workflow_id, never[0], never[1])
     budgets = pass_.budgets
-    slot_only = joined.holding if pass_.state.config.pack_lower_classes else {}
+    slot_only = joined.holding
     starved = _reserve_starved(attempt, loads, joined) if starving(pass_.state.catalog, queued, attempt.now) else ""
     for accelerator in loads.open:
         if accelerator in slot_only and accelerator not in joined.short:

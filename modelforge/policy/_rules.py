@@ -206,10 +206,7 @@ def service_of(pass_: DecisionPass, deployment_id: str) -> tuple[float, float]:
 def service_estimate(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment) -> float:
     """How long `queued` will hold its lease: a batch job's max_duration (it says how long it
     may run; none is measured for its kind of work), else the configured high percentile of its
-    deployment's measured lease times, at most its max_duration; 0 while nothing is known (and
-    with `deadline_service` off)."""
-    if not pass_.state.config.deadline_service:
-        return 0.0
+    deployment's measured lease times, at most its max_duration; 0 while nothing is known."""
     if deployment.residency == Residency.NONE and queued.max_duration_s is not None:
         return queued.max_duration_s
     high = service_of(pass_, deployment.deployment_id)[1]
@@ -222,7 +219,7 @@ def hopeless_refusal(
     """A waiting request that could not finish by its deadline even if it started now (loading
     its model first where none of it is resident) leaves the queue at once: the capacity goes to
     work that can."""
-    if queued.deadline_at is None or not pass_.state.config.deadline_service:
+    if queued.deadline_at is None:
         return None
     service = service_estimate(pass_, queued, deployment)
     load = 0.0 if pass_.residents_of.get(deployment.deployment_id) else load_s
@@ -257,7 +254,7 @@ def predicted_refusal(pass_: DecisionPass, queued: QueuedRequest, deployment: De
     need at the mean service time), the requests of it this pass granted or left waiting before
     it, each at the mean, spread over the slots of its residents; its own service at the high
     percentile (`service_estimate`)."""
-    if queued.deadline_at is None or queued.waiting_reason or not pass_.state.config.deadline_service:
+    if queued.deadline_at is None or queued.waiting_reason:
         return None
     deployment_id = deployment.deployment_id
     mean = service_of(pass_, deployment_id)[0]

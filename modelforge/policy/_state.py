@@ -31,8 +31,8 @@ class PolicyConfig:
     # A lease whose holder has never been heard from since the grant (no heartbeat, no
     # confirmation) is reclaimed only after this long: a holder whose worker was down when the
     # grant went out (a killed worker, a Temporal restart) cannot have heard of it yet, and
-    # silence then proves nothing. None: the same as stale_lease_s (schedulers recorded before
-    # lease fencing replay with it).
+    # silence then proves nothing. None: the same as stale_lease_s (the scheduler workflow sets
+    # 5 x stale_lease_s in its place; the simulator's holders hear of their grants at once).
     unheard_lease_s: float | None = None
     # Preemption of strictly lower, preemptible work: never before it ran this long, and its
     # holder gets this long to checkpoint and release.
@@ -46,29 +46,12 @@ class PolicyConfig:
     # only if it ends in time (off: nothing is reserved, each freed card may go to later work and
     # the gang waits until room happens to appear, so a stream of small jobs can starve it).
     gang_reservations: bool = True
-    # Off: no new lease joins a ready resident on a card whose node has not reported within
-    # freshness_s (it may be gone). On only for schedulers recorded before the no-stale-joins
-    # patch (histories before v6), which replay with it.
-    join_stale_residents: bool = False
-    # On: a resident whose deployment or accelerator left the catalog is unloaded once idle (the
-    # scheduler turns it on; off for schedulers recorded before the rule, which replay without
-    # it, and for the simulator, whose catalog never changes).
-    unload_removed_deployments: bool = False
-    # On: a CPU device (`kind = "cpu"`) takes work whose placement list is empty, like any card.
-    # Off: only deployments whose placement list names it land there, never others as a
-    # fallback. On only for schedulers recorded before the rule, which replay with it.
-    cpu_fallback: bool = False
     fair_share_half_life_s: float = 3600.0
-    # Deadline-aware admission (on): a request's service time is estimated (`service_estimate`:
-    # this percentile of its deployment's measured lease times, a batch job's max_duration) and
-    # its deadline checks count it on top of any load; work that cannot meet its deadline is
-    # refused as soon as that is known. Off: load time only, for schedulers recorded before.
-    deadline_service: bool = True
+    # Deadline-aware admission: a request's service time is estimated (`service_estimate`: this
+    # percentile of its deployment's measured lease times, a batch job's max_duration) and its
+    # deadline checks count it on top of any load; work that cannot meet its deadline is refused
+    # as soon as that is known.
     service_percentile: float = 0.95
-    # Lower classes get what higher ones leave (on): a request that waits only for a free slot
-    # of its resident (no second copy may go on that card, and joining needs no more bytes than
-    # are free) keeps no memory there from lower work. Off: for schedulers recorded before.
-    pack_lower_classes: bool = True
 
 
 class ResidentPhase(StrEnum):

@@ -1,11 +1,17 @@
-"""Read-only views of the scheduler state for `status` and `ps`."""
+"""Read-only views of the scheduler state for `status` and `ps`, and what one tenant sees of
+them (`tenant_view`).
+
+An active lease is one that serves a request (or a gang job, or the scheduler's own load): a
+slot lent to a node for warm requests that is free by the node's last sync serves nobody and is
+counted apart (`lent_slots`), never as an active lease."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modelforge.policy._budget import compute_budget
-from modelforge.policy._state import AcceleratorRuntime, PoolState
+from modelforge.policy._delegation import serves_nobody
+from modelforge.policy._state import AcceleratorRuntime, PoolState, holder_of
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,17 @@ class ResidentStatus:
     bytes: int
     state: str
     residency: str
+    # Leases serving a request on it now (a delegated slot counts while a request is on it).
     active_leases: int
     last_used: float
     ttl_s: float
     expires_at: float | None
     workflow_id: str
+    # Slots lent to a node and free by its last sync: they serve nobody (not active leases).
+    lent_slots: int = 0
+    # The active leases by tenant ("": a request on a delegated slot, whose tenant the scheduler
+    # learns when the node reports the request).
+    tenant_leases: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,11 @@ class PoolStatus:
     capabilities: list[CapabilityStatus] = field(default_factory=list)
     # The pool's classes, highest priority first (`queue_depth` may come back sorted by name).
     classes: list[str] = field(default_factory=list)
+    # Free lent slots (not in `active_leases`), the active leases by tenant, and the queue by
+    # tenant and class: what `tenant_view` keeps of each tenant's own.
+    lent_slots: int = 0
+    tenant_leases: dict[str, int] = field(default_factory=dict)
+    tenant_queue_depth: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def pool_status(state: PoolState, now: float) -> PoolStatus:
@@ -100,27 +117,48 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
                 observed_at=runtime.observation.observed_at if runtime.observation else None,
             )
         )
-    residents = [
-        ResidentStatus(
-            deployment=r.deployment,
-            capability=r.capability,
-            accelerator=r.accelerator,
-            bytes=r.bytes,
-            state=r.phase.value,
-            residency=r.residency.value,
-            active_leases=r.active_leases,
-            last_used=r.last_used,
-            ttl_s=r.ttl_s,
-            expires_at=(r.last_used + r.ttl_s)
-            if r.residency.value == "keep_warm" and r.phase.value == "ready" and r.active_leases == 0
-            else None,
-            workflow_id=r.workflow_id,
+    serving: dict[str, dict[str, int]] = {}  # resident key -> tenant -> active leases
+    lent: dict[str, int] = {}  # resident key -> free lent slots
+    tenant_leases: dict[str, int] = {}
+    for lease in state.leases.values():
+        resident = holder_of(state, lease)
+        if serves_nobody(state, lease):
+            if resident is not None:
+                lent[resident.key] = lent.get(resident.key, 0) + 1
+            continue
+        tenant_leases[lease.tenant] = tenant_leases.get(lease.tenant, 0) + 1
+        if resident is not None:
+            by_tenant = serving.setdefault(resident.key, {})
+            by_tenant[lease.tenant] = by_tenant.get(lease.tenant, 0) + 1
+    residents = []
+    for r in state.residents.values():
+        # Its count less the free lent slots (a lease of an earlier life counts on no resident).
+        active = max(0, r.active_leases - lent.get(r.key, 0))
+        residents.append(
+            ResidentStatus(
+                deployment=r.deployment,
+                capability=r.capability,
+                accelerator=r.accelerator,
+                bytes=r.bytes,
+                state=r.phase.value,
+                residency=r.residency.value,
+                active_leases=active,
+                last_used=r.last_used,
+                ttl_s=r.ttl_s,
+                expires_at=(r.last_used + r.ttl_s)
+                if r.residency.value == "keep_warm" and r.phase.value == "ready" and active == 0
+                else None,
+                workflow_id=r.workflow_id,
+                lent_slots=lent.get(r.key, 0),
+                tenant_leases=serving.get(r.key, {}),
+            )
         )
-        for r in state.residents.values()
-    ]
     depth = dict.fromkeys(state.catalog.classes, 0)
+    tenant_depth: dict[str, dict[str, int]] = {}
     for queued in state.queue:
         depth[queued.priority] = depth.get(queued.priority, 0) + 1
+        mine = tenant_depth.setdefault(queued.tenant, {})
+        mine[queued.priority] = mine.get(queued.priority, 0) + 1
     return PoolStatus(
         pool=state.pool,
         now=now,
@@ -128,7 +166,10 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
         residents=residents,
         queue_depth=depth,
         classes=list(state.catalog.classes),
-        active_leases=len(state.leases),
+        active_leases=sum(tenant_leases.values()),
+        lent_slots=sum(1 for lease in state.leases.values() if serves_nobody(state, lease)),
+        tenant_leases=tenant_leases,
+        tenant_queue_depth=tenant_depth,
         capabilities=[
             CapabilityStatus(
                 capability=capability,
@@ -140,4 +181,35 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
             )
             for capability, health in state.capability_health.items()
         ],
+    )
+
+
+def tenant_view(status: PoolStatus, tenant: str) -> PoolStatus:
+    """What one tenant's API key is shown of a pool (the gateway's `/v1/status` and `/api/ps`
+    when keys are configured; an operator's key sees `status` whole). Every resident is listed:
+    any tenant may use any deployment of the catalog (`/v1/models` and `/api/tags` list them all)
+    and needs to know whether its model is loaded, where and until when. Of the traffic it sees
+    only its own: its active leases (on each resident and in the pool) and its queued requests by
+    class; no other tenant's counts, no lent slots, and no failure message (another tenant's
+    request may have caused it: the class and counts stay). The cards' memory figures stay, as
+    the sums admission answers refer to, never split by tenant."""
+    own = status.tenant_leases.get(tenant, 0)
+    queued = status.tenant_queue_depth.get(tenant, {})
+    return replace(
+        status,
+        residents=[
+            replace(
+                r,
+                active_leases=r.tenant_leases.get(tenant, 0),
+                lent_slots=0,
+                tenant_leases={tenant: r.tenant_leases[tenant]} if r.tenant_leases.get(tenant) else {},
+            )
+            for r in status.residents
+        ],
+        queue_depth={name: queued.get(name, 0) for name in status.queue_depth},
+        active_leases=own,
+        lent_slots=0,
+        tenant_leases={tenant: own} if own else {},
+        tenant_queue_depth={tenant: dict(queued)} if queued else {},
+        capabilities=[replace(c, last_message="") for c in status.capabilities],
     )

@@ -50,8 +50,7 @@ CHILD_EVENTS = 3
 CONTINUE_AS_NEW_EVENTS = 1 + WORKFLOW_TASK_EVENTS + 1
 
 # --- the scheduler's cadence, from the code -------------------------------------------------------
-# workflows/scheduler.py, lazy event writes (SchedulerInput.rules, RULES_LAZY_WRITES, which every new
-# run gets; a test checks the constants agree): events go to
+# workflows/scheduler.py, lazy event writes (a test checks the constants agree): events go to
 # Postgres in one `record_events` activity, one in flight, at most once every
 # EVENT_WRITE_INTERVAL_S; a routine event waits until the oldest has waited EVENT_WRITE_WAIT_S or a
 # batch of EVENT_BATCH is full; an urgent one (an alert, a failure class, URGENT_EVENT_KINDS: here

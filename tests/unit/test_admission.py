@@ -83,7 +83,8 @@ def test_stale_observations_grant_no_new_memory() -> None:
 
 
 def test_idle_keep_warm_resident_is_evicted_to_make_room_but_never_always_warm_or_busy() -> None:
-    s = state([gpu("n/0", total=10)], [deployment("big@1", gib=5)])
+    residents = [deployment(name, gib=2) for name in ("pinned", "busy", "idle")]  # in the catalog: none leaves it
+    s = state([gpu("n/0", total=10)], [deployment("big@1", gib=5), *residents])
     observe(s, "n/0", managed_gib=7)
     resident(s, "pinned", "n/0", 2, residency=Residency.ALWAYS_WARM)
     resident(s, "busy", "n/0", 2, leases=1)

@@ -11,7 +11,7 @@ import pytest
 from modelforge.catalog import example_catalog_path, load_catalog_file
 from modelforge.domain import Priority, Residency
 from modelforge.failures import FailureClass
-from modelforge.policy import PolicyConfig, PoolState, decide, enqueue, filter_accelerators, validate_request
+from modelforge.policy import PoolState, decide, enqueue, filter_accelerators, validate_request
 from tests.builders import NOW, ask, deployment, gpu, observe, state
 
 CARD = gpu("g/0", total=24)
@@ -117,15 +117,3 @@ def test_the_example_catalogs_embedding_never_falls_back_to_the_host_cpu(reporti
     [load] = decide(s, NOW).loads
     assert load.deployment == "rag.embedding@1"
     assert load.accelerator == ("gpu-node/0" if reporting == ("gpu-node",) else "desktop/0")
-
-
-def test_schedulers_recorded_before_the_rule_replay_with_the_fallback() -> None:
-    """`cpu_fallback` keeps the old placement for histories recorded before the rule (the
-    scheduler workflow sets it behind a patch), so their replay decides what they decided."""
-    s = state([CARD, CPU], [deployment("emb@1", gib=1)], config=PolicyConfig(cpu_fallback=True))
-    for accelerator in (CARD, CPU):
-        observe(s, accelerator.id)
-    request = ask("r1", "emb@1", priority=Priority.INTERACTIVE)
-    _, priority = validate_request(s, request)
-    enqueue(s, request, priority, NOW)
-    assert [load.accelerator for load in decide(s, NOW).loads] == ["g/cpu"]

@@ -3,10 +3,10 @@ back slots (modelforge/policy/_delegation.py) and the node's side of them
 (activities/_delegation.py), joined by the pure policy in place of the `delegation_sync` update.
 
 The properties the design promises: never more requests in flight on a resident than its
-concurrency (the node's slots and the scheduler's own leases together); a request waiting at
-the scheduler closes every slot at the next sync (from histories v13 on, requests waiting for
-the same model close one free slot each); no slot is used by two requests, also after a node
-worker restarts."""
+concurrency (the node's slots and the scheduler's own leases together); requests waiting at the
+scheduler for the same model close one free slot each at the next sync (every slot, when one
+waits for another model or more wait than slots are free); no slot is used by two requests,
+also after a node worker restarts."""
 
 from __future__ import annotations
 
@@ -130,10 +130,11 @@ def test_deployments_whose_leases_add_bytes_or_that_unload_after_use_are_never_l
     assert asking(s) == []
 
 
-def test_a_request_waiting_at_the_scheduler_closes_every_slot_at_the_next_sync() -> None:
+def test_more_requests_waiting_at_the_scheduler_than_free_slots_close_every_slot_at_the_next_sync() -> None:
     s = pool()
     lent = asking(s)
-    enqueue(s, ask("waiting", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
+    for n in range(3):  # two of the three slots are free
+        enqueue(s, ask(f"waiting-{n}", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
     reply, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, in_use={lent[0]: "wf-a"}), NOW + 1)
     assert set(reply.closing) == set(lent)
     assert all("waits at the scheduler" in why for why in reply.closing.values())
@@ -148,8 +149,8 @@ def test_a_request_waiting_at_the_scheduler_closes_every_slot_at_the_next_sync()
 
 
 def sync(s: PoolState, held: list[str], in_use: dict[str, str], at: float) -> tuple[dict[str, str], list[str]]:
-    """A sync by the rule of runs from histories v13 on (`per_waiter`): what closes, what is kept."""
-    reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", held=held, in_use=in_use), at, per_waiter=True)
+    """A sync: what closes, what is kept."""
+    reply, _ = sync_slots(s, SlotSync(node="n", boot="b1", held=held, in_use=in_use), at)
     return reply.closing, reply.kept
 
 
@@ -173,14 +174,6 @@ def test_requests_waiting_for_the_same_model_close_one_free_slot_each_and_the_no
     # The node still holds five open slots (three in use), and no closing is left.
     closing, kept = sync(s, held, in_use, NOW + 2)
     assert closing == {} and sorted(kept) == sorted(held)
-    # By the older rule (runs recorded before v13), one waiting request closed all seven.
-    old = pool(concurrency=8)
-    lent = asking(old)
-    for n in range(2):
-        enqueue(old, ask(f"w{n}", CAP), Priority.INTERACTIVE, NOW)
-    apply_decisions(old, decide(old, NOW), NOW, {})
-    reply, _ = sync_slots(old, SlotSync(node="n", boot="b1", held=lent), NOW + 1)
-    assert set(reply.closing) == set(lent)
 
 
 def test_every_slot_still_closes_for_another_model_or_when_too_few_are_free() -> None:
@@ -286,16 +279,15 @@ class Scheduler:
     s: PoolState
     clock: Clock
     syncs: list[SlotSync] = field(default_factory=list)
-    per_waiter: bool = False  # the rule of scheduler runs from histories v13 on
 
     async def __call__(self, sync: SlotSync) -> object:
         self.syncs.append(sync)
-        reply, _ = sync_slots(self.s, sync, NOW + self.clock.now, per_waiter=self.per_waiter)
+        reply, _ = sync_slots(self.s, sync, NOW + self.clock.now)
         return reply
 
 
-def node(s: PoolState, clock: Clock, per_waiter: bool = False) -> tuple[NodeSlots, Scheduler]:
-    scheduler = Scheduler(s, clock, per_waiter=per_waiter)
+def node(s: PoolState, clock: Clock) -> tuple[NodeSlots, Scheduler]:
+    scheduler = Scheduler(s, clock)
     return NodeSlots(None, "n", "default", clock=clock, send=scheduler), scheduler  # type: ignore[arg-type]
 
 
@@ -403,7 +395,8 @@ def test_a_node_gives_closed_slots_back_by_a_sync_at_once_not_a_period_later() -
     slots, scheduler, clock = lent_node(concurrency=3)
     busy = slots.claim(claim("busy"))
     assert busy is not None and slots.started(busy.lease_id, "busy")
-    enqueue(scheduler.s, ask("waiting", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
+    for n in range(2):  # more wait than slots are free: every slot closes
+        enqueue(scheduler.s, ask(f"waiting-{n}", CAP, priority=Priority.PRODUCTION), Priority.PRODUCTION, NOW)
     slots._wake.clear()
     asyncio.run(slots.sync_once())  # the reply closes both: the idle one goes back at once
     assert slots._wake.is_set(), "an idle slot closed: the node syncs again without waiting"
@@ -557,13 +550,12 @@ class Delegation(RuleBasedStateMachine):
     concurrency, and no slot serves two requests at once."""
 
     CONCURRENCY = 4
-    PER_WAITER = False
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
         self.s = pool(self.CONCURRENCY)
-        self.node, self.scheduler = node(self.s, self.clock, self.PER_WAITER)
+        self.node, self.scheduler = node(self.s, self.clock)
         self.old_nodes: list[NodeSlots] = []
         self.running: dict[str, str] = {}  # request -> slot, on the node
         self.n = 0
@@ -612,7 +604,7 @@ class Delegation(RuleBasedStateMachine):
         # The old life's requests died with it; the new one holds nothing.
         self.old_nodes.append(self.node)
         self.running.clear()
-        self.node, self.scheduler = node(self.s, self.clock, self.PER_WAITER)
+        self.node, self.scheduler = node(self.s, self.clock)
 
     @invariant()
     def never_more_in_flight_than_the_concurrency(self) -> None:
@@ -634,16 +626,15 @@ TestDelegation = Delegation.TestCase
 TestDelegation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-class DelegationPerWaiter(Delegation):
-    """The same, with the rule of scheduler runs from histories v13 on: a request waiting for
-    the model closes one free slot, not all of them."""
+class DelegationWider(Delegation):
+    """The same with six slots: more requests waiting for the model close only as many free
+    slots as they are, and the node keeps admitting on the rest."""
 
     CONCURRENCY = 6
-    PER_WAITER = True
 
 
-TestDelegationPerWaiter = DelegationPerWaiter.TestCase
-TestDelegationPerWaiter.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestDelegationWider = DelegationWider.TestCase
+TestDelegationWider.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def test_a_busy_node_reporting_only_served_requests_syncs_every_other_interval() -> None:

@@ -7,8 +7,6 @@ And: a resident whose deployment left the catalog is unloaded once idle, always_
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from modelforge.domain import Priority, Residency
@@ -79,8 +77,7 @@ def test_without_fencing_the_old_rule_holds_for_replay() -> None:
 
 @pytest.mark.parametrize("residency", [Residency.ALWAYS_WARM, Residency.KEEP_WARM, Residency.LOAD_ON_DEMAND])
 def test_a_resident_whose_deployment_left_the_catalog_is_unloaded_once_idle(residency: Residency) -> None:
-    config = PolicyConfig(unload_removed_deployments=True)
-    s = state([gpu("n/0")], [deployment("kept@1")], config=config)
+    s = state([gpu("n/0")], [deployment("kept@1")])
     observe(s, "n/0", managed_gib=4)
     resident(s, "gone", "n/0", 2, residency=residency, leases=1)
     resident(s, "kept@1", "n/0", 2, residency=residency)
@@ -94,14 +91,6 @@ def test_a_resident_whose_deployment_left_the_catalog_is_unloaded_once_idle(resi
     # Its neighbour still in the catalog is not touched by the rule (load_on_demand goes when
     # idle anyway, for its own reason).
     assert all(u.reason != "removed from the catalog" for u in unloads if u.resident_key == "kept@1@n/0")
-
-
-def test_without_the_rule_a_removed_always_warm_resident_stays_for_replay() -> None:
-    s = state([gpu("n/0")], [deployment("kept@1")])
-    observe(s, "n/0", managed_gib=2)
-    resident(s, "gone", "n/0", 2, residency=Residency.ALWAYS_WARM)
-    assert dataclasses.replace(s.config).unload_removed_deployments is False
-    assert decide(s, NOW).unloads == []
 
 
 def test_a_scheduler_that_wakes_when_its_timer_says_is_not_away() -> None:

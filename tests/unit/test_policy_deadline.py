@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from modelforge.domain import DEFAULT_QUEUE, Catalog, Priority, PriorityLevel, Queue, Residency
 from modelforge.failures import FailureClass
-from modelforge.policy import PolicyConfig, apply_decisions, decide, enqueue, release_lease, validate_request
+from modelforge.policy import apply_decisions, decide, enqueue, release_lease, validate_request
 from modelforge.policy._state import SERVICE_SAMPLES, note_service, service_figures
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
@@ -85,13 +85,6 @@ def test_a_request_that_would_start_too_late_behind_the_work_ahead_is_refused_at
     assert decisions.waits and not decisions.rejects
 
 
-def test_without_deadline_service_the_old_rules_hold() -> None:
-    s = state([gpu("n/0")], [deployment("llm@1", load_s=20.0)], config=PolicyConfig(deadline_service=False))
-    observe(s, "n/0")
-    served(s, "llm@1", 10.0)
-    assert admit(s, ask("r1", "llm@1", deadline_s=25.0)).loads
-
-
 def test_a_class_that_runs_late_is_never_refused_for_its_deadline() -> None:
     queues = [
         Queue(
@@ -134,23 +127,6 @@ def test_a_request_waiting_only_for_a_slot_keeps_no_memory_from_lower_work() -> 
     assert admit(s, ask("p2", "llm@1", priority=Priority.PRODUCTION)).waits  # at concurrency 1
     decisions = admit(s, ask("bg", "eval@1", priority=Priority.BACKGROUND))
     assert [load.deployment for load in decisions.loads] == ["eval@1"]
-    # Before the rule, the production request's slot wait kept the card from lower work.
-    s = state(
-        [gpu("n/0")],
-        [
-            deployment("llm@1", gib=4, concurrency=1, residency=Residency.KEEP_WARM),
-            deployment("eval@1", gib=6, residency=Residency.NONE, production_eligible=False, measured_on=[]),
-        ],
-        [tenant()],
-        config=PolicyConfig(pack_lower_classes=False),
-    )
-    observe(s, "n/0", managed_gib=4)
-    resident(s, "llm@1", "n/0", 4)
-    assert admit(s, ask("p1", "llm@1", priority=Priority.PRODUCTION)).grants
-    assert admit(s, ask("p2", "llm@1", priority=Priority.PRODUCTION)).waits
-    blocked = admit(s, ask("bg", "eval@1", priority=Priority.BACKGROUND))
-    [waits] = [w.reason for w in blocked.waits if w.request_id == "bg"]
-    assert not blocked.loads and "a higher request waits for memory" in waits
 
 
 def test_the_catalog_declares_a_level_that_runs_late() -> None:

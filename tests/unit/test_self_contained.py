@@ -2,7 +2,7 @@
 the repository cannot open (a tracker issue or finding by number, a work session, an outside
 design document or its sections, the product owner's original documents and their milestones).
 Say the thing itself instead, or point at the repo's own docs (docs/ARCHITECTURE.md, the README)
-or at the history version a change arrived with (tests/histories/vN).
+or at the release a change arrived with (CHANGELOG.md, tests/histories/<version>).
 
 Recorded histories (tests/histories/) and data files (data/) are copies of outside material and
 are not read; neither are binary files or this file (it names the patterns)."""

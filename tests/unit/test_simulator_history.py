@@ -74,7 +74,7 @@ def test_events_per_second_grow_with_the_rate_and_per_request_fall() -> None:
 def test_the_model_stays_near_the_dev_server_measurements() -> None:
     """docs/SCALING.md: 9.77 events per request at 4/s and 8.11 at 8/s, counted from the
     scheduler's history on the dev server (160 and 240 warm requests) with lazy event writes
-    (SchedulerInput.rules; the model of one write a second read 11.7 and 9.9 here, 20% over)."""
+    (the model of one write a second read 11.7 and 9.9 here, 20% over)."""
     for rate, measured in ((4.0, 9.77), (8.0, 8.11)):
         per_request = _busy(_figures(rate), "without_delegation") / rate
         assert measured * 0.85 <= per_request <= measured * 1.15, (rate, per_request)

@@ -1,6 +1,11 @@
-"""Record the histories that tests/workflow/test_replay.py replays.
+"""Record the histories of a release, which tests/workflow/test_replay.py replays.
 
-    .venv/bin/python -m tests.workflow.record_histories v10
+    flock /tmp/mf-test.lock .venv/bin/python -m tests.workflow.record_histories [--replace] [VERSION]
+
+VERSION defaults to the version in pyproject.toml; the set goes to tests/histories/<VERSION>/
+(written into a scratch folder first and moved there once complete; --replace swaps out a set
+already there, for re-recording before the release is tagged: a tagged release's set is never
+rewritten). Every workflow type writes at least one history. docs/RELEASING.md says when.
 
 Runs the keep-warm story (cold request, warm request, a warm request started on the node's queue,
 keep-warm eviction, an unknown capability), a
@@ -9,16 +14,17 @@ request whose runtime crashes (retried once on a fresh load) and a request that 
 across lease heartbeats, on the time-skipping server with real Postgres, and writes one history
 per workflow type into tests/histories/<version>/; then, each on a server of its own, a model put
 to sleep for another and woken again (scheduler and residency histories) and a two-node gang job
-(its request history), then one preempted, checkpointed on both nodes and resumed (v6 on), and a
-warm request admitted on its node from a delegated slot, with the scheduler's syncs (v9 on).
-Record a new version after each change to the workflows (guarded with `workflow.patched`); never
-rewrite an old one: they prove old runs replay."""
+(its request history), then one preempted, checkpointed on both nodes and resumed, and a warm
+request admitted on its node from a delegated slot, with the scheduler's syncs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sys
+import tempfile
+import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,9 +38,31 @@ from modelforge.temporal import register_search_attributes
 from tests.harness import Stack, running_stack
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-async def main(version: str) -> None:
+def project_version() -> str:
+    version: str = tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+    return version
+
+
+def record(version: str, replace: bool = False) -> Path:
+    """Record the set into a scratch folder, then move it to tests/histories/<version>/."""
+    target = HISTORIES / version
+    if target.exists() and not replace:
+        raise SystemExit(f"{target} exists: a release's histories are not rewritten (--replace before its tag)")
+    scratch = Path(tempfile.mkdtemp(prefix=f"modelforge-histories-{version}-"))
+    try:
+        asyncio.run(main(scratch))
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+async def main(folder: Path) -> None:
     import pgserver  # type: ignore[import-untyped]
 
     server = pgserver.get_server(str(Path("/tmp") / "modelforge-record-pg"), cleanup_mode="stop")
@@ -48,7 +76,7 @@ async def main(version: str) -> None:
             await cold.result()
             warm = await stack.start_request("rag.embedding@1", tenant="rag", request_id="warm")
             await warm.result()
-            # v6 on: a request started on the node's queue, its invoke dispatched eagerly there.
+            # A request started on the node's queue, its invoke dispatched eagerly there.
             routed = await stack.start_request(
                 "rag.embedding@1", tenant="rag", request_id="routed", task_queue=node_task_queue("gpu-node")
             )
@@ -87,34 +115,33 @@ async def main(version: str) -> None:
                 "residency": env.client.get_workflow_handle(resident_id),
                 "telemetry": env.client.get_workflow_handle("telemetry:gpu-node"),
             }
-            (HISTORIES / version).mkdir(parents=True, exist_ok=False)
-            await _write(version, handles)
+            await _write(folder, handles)
     finally:
         await env.shutdown()
         server.cleanup()
-    await record_sleep(version)
+    await record_sleep(folder)
 
 
-async def _write(version: str, handles: dict[str, WorkflowHandle[Any, Any]]) -> None:
+async def _write(folder: Path, handles: dict[str, WorkflowHandle[Any, Any]]) -> None:
     for name, handle in handles.items():
         history = await handle.fetch_history()
-        (HISTORIES / version / f"{name}.json").write_text(history.to_json())
+        (folder / f"{name}.json").write_text(history.to_json())
         print(f"{name}: {len(history.events)} events")
 
 
-async def record_sleep(version: str) -> None:
+async def record_sleep(folder: Path) -> None:
     """On a server and database of their own (other catalogs, other schedulers): a model put to
-    sleep for another and woken for its next request (v5 on), and a two-node gang job (v5 on)."""
+    sleep for another and woken for its next request, a two-node gang job, and delegation."""
     root = Path(__file__).resolve().parents[1] / "catalogs"
-    await _record_catalog(version, root / "sleep.toml", _sleep_story)
+    await _record_catalog(folder, root / "sleep.toml", _sleep_story)
     await _record_catalog(
-        version, root / "gang.toml", _gang_story, PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
+        folder, root / "gang.toml", _gang_story, PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
     )
-    await _record_catalog(version, root / "routing.toml", _delegation_story, delegation_sync_s=0.3)
+    await _record_catalog(folder, root / "routing.toml", _delegation_story, delegation_sync_s=0.3)
 
 
 async def _delegation_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
-    """v9 on: a warm request admitted on its node from a slot the scheduler lent the node, and the
+    """A warm request admitted on its node from a slot the scheduler lent the node, and the
     scheduler's `delegation_sync` updates (lent, reported, given back)."""
     await (await stack.start_request("route.embed@1", tenant="app", request_id="load")).result()
     state = await stack.scheduler.query("state", result_type=PoolState)
@@ -145,7 +172,7 @@ async def _sleep_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, Work
 async def _gang_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, WorkflowHandle[Any, Any]]:
     gang = await stack.start_request("train.wide@1", tenant="lab", request_id="gang", input={"simulate_invoke_s": 2})
     await gang.result()
-    # v6 on: a gang preempted by a higher class, checkpointed on both nodes, resumed.
+    # A gang preempted by a higher class, checkpointed on both nodes, resumed.
     preempted = await stack.start_request(
         "train.wide@1", tenant="lab", request_id="gang-preempted", input={"simulate_invoke_s": 4}
     )
@@ -158,7 +185,7 @@ async def _gang_story(env: WorkflowEnvironment, stack: Stack) -> dict[str, Workf
 
 
 async def _record_catalog(
-    version: str,
+    folder: Path,
     catalog: Path,
     story: Callable[[WorkflowEnvironment, Stack], Awaitable[dict[str, WorkflowHandle[Any, Any]]]],
     config: PolicyConfig | None = None,
@@ -174,13 +201,16 @@ async def _record_catalog(
         async with running_stack(
             env.client, server.get_uri(), catalog_path=catalog, config=config, delegation_sync_s=delegation_sync_s
         ) as stack:
-            await _write(version, await story(env, stack))
+            await _write(folder, await story(env, stack))
     finally:
         await env.shutdown()
         server.cleanup()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m tests.workflow.record_histories <version>")
-    asyncio.run(main(sys.argv[1]))
+    args = sys.argv[1:]
+    replace = "--replace" in args
+    rest = [arg for arg in args if arg != "--replace"]
+    if len(rest) > 1 or any(arg.startswith("-") for arg in rest):
+        raise SystemExit("usage: python -m tests.workflow.record_histories [--replace] [version]")
+    print(f"recorded {record(rest[0] if rest else project_version(), replace)}")

@@ -1,9 +1,9 @@
-"""The scheduler writes its event log lazily (SchedulerInput.rules, RULES_LAZY_WRITES, which every
-run `ensure_scheduler` starts gets): a routine record (a grant, a release) waits until the oldest has
-waited EVENT_WRITE_WAIT_S, so a pool with traffic pays one `record_events` activity every 5 s
-instead of every second; an urgent one (a refusal, a preemption, anything with a failure class or
-an alert) goes within about a second and takes the routine ones along. What an operator reads
-in `modelforge events` trails by up to about 5 s, and never by that for what they act on."""
+"""The scheduler writes its event log lazily (workflows/scheduler.py): a routine record (a grant,
+a release) waits until the oldest has waited EVENT_WRITE_WAIT_S, so a pool with traffic pays one
+`record_events` activity every 5 s instead of every second; an urgent one (a refusal, a
+preemption, anything with a failure class or an alert) goes within about a second and takes the
+routine ones along. What an operator reads in `modelforge events` trails by up to about 5 s, and
+never by that for what they act on."""
 
 from __future__ import annotations
 

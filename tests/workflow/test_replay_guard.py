@@ -1,9 +1,10 @@
 """The replay guard (workers/replay_guard.py): a scheduler history that no worker can replay is
 found and moved out of before it wedges the pool, and a run already wedged is reset.
 
-- The history the chaos bench caught (a Temporal restart mid-task; bench/evidence/) is flagged
-  by the real replayer with the worker's own code, and its reset point is the end of the task
-  before the bad commands; a good recorded history is not flagged.
+- A recorded scheduler history of this release with two commands of one task in the other order
+  (the fault the chaos bench caught after a Temporal restart mid-task: bench/evidence/) is
+  flagged by the real replayer with the worker's own code, and its reset point is the end of the
+  task before the bad commands; the history as recorded is not flagged.
 - A live scheduler told its history is unreplayable continues as new from its cached state:
   the lease it holds, the request waiting behind it and the event log all survive, and the pool
   goes on serving.
@@ -14,12 +15,15 @@ found and moved out of before it wedges the pool, and a run already wedged is re
 from __future__ import annotations
 
 import asyncio
+import json
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio import workflow
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -35,63 +39,77 @@ pytestmark = pytest.mark.workflow
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE = ROOT / "bench" / "evidence" / "scheduler_update_order_nde.json"
-GOOD = ROOT / "tests" / "histories" / "v7" / "scheduler.json"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+GOOD = ROOT / "tests" / "histories" / VERSION / "scheduler.json"
 FENCING = ROOT / "tests" / "catalogs" / "fencing.toml"
+REORDERED = {"EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", "EVENT_TYPE_TIMER_STARTED"}
+
+
+def _commands_reordered(text: str) -> tuple[str, int]:
+    """A recorded history with the first activity and timer a task started next to each other
+    in the other order (their event ids, and the later events naming them, follow), as a worker
+    answering from a stale cached run writes them; and the id of the first of the two."""
+    history = json.loads(text)
+    events = history["events"]
+    for i in range(len(events) - 1):
+        first, second = events[i], events[i + 1]
+        if {first["eventType"], second["eventType"]} != REORDERED:
+            continue
+        moved = {str(first["eventId"]): str(second["eventId"]), str(second["eventId"]): str(first["eventId"])}
+        first["eventId"], second["eventId"] = second["eventId"], first["eventId"]
+        events[i], events[i + 1] = second, first
+        for event in events[i + 2 :]:
+            kind = event["eventType"]
+            for attributes in event.values():
+                if not isinstance(attributes, dict):
+                    continue
+                if "ACTIVITY" in kind and str(attributes.get("scheduledEventId")) in moved:
+                    attributes["scheduledEventId"] = moved[str(attributes["scheduledEventId"])]
+                if "TIMER" in kind and str(attributes.get("startedEventId")) in moved:
+                    attributes["startedEventId"] = moved[str(attributes["startedEventId"])]
+        return json.dumps(history), int(second["eventId"])
+    raise AssertionError("no task started an activity and a timer next to each other")
 
 
 async def test_the_unreplayable_history_is_flagged_and_a_good_one_is_not() -> None:
     from temporalio.converter import DataConverter
 
     check = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default)
-    bad = WorkflowHistory.from_json("scheduler:default", EVIDENCE.read_text())
+    text, bad_event = _commands_reordered(GOOD.read_text())
+    bad = WorkflowHistory.from_json("scheduler:default", text)
     failure = await check(bad)
     assert isinstance(failure, NondeterminismError)
-    # The bad commands start at event 40, written by the task that completed at event 39: the
-    # run restarts just before that task's commands, with its inputs applied again.
-    assert reset_point(bad, failure) == 39
+    assert f"HistoryEvent(id: {bad_event}," in str(failure)
+    # The bad commands start at `bad_event`, written by the task that completed just before it:
+    # the run restarts just before that task's commands, with its inputs applied again.
+    completed = [
+        event.event_id
+        for event in bad.events
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and event.event_id < bad_event
+    ]
+    assert reset_point(bad, failure) == completed[-1]
     good = WorkflowHistory.from_json("scheduler:default", GOOD.read_text())
     assert await check(good) is None
 
 
-def _as_newer_release(text: str, old_id: str, new_id: str) -> str:
-    """A recorded history as a newer release would have written it: its one-marker's id
-    replaced by one this code does not know."""
-    import base64
-    import json
-
-    history = json.loads(text)
-    for event in history["events"]:
-        marker = event.get("markerRecordedEventAttributes")
-        if marker is None or marker.get("markerName") != "core_patch":
-            continue
-        for payload in marker["details"]["patch-data"]["payloads"]:
-            data = json.loads(base64.b64decode(payload["data"]))
-            if data["id"] == old_id:
-                data["id"] = new_id
-                payload["data"] = base64.b64encode(json.dumps(data).encode()).decode()
-    return json.dumps(history)
-
-
 async def test_a_run_written_by_a_newer_release_is_left_alone_not_rebased() -> None:
     """In a rolling upgrade a worker of the older release may check a run a newer one started:
-    its first marker is one this code does not know, and its replay fails here as it must. The
-    guard leaves it alone (the newer workers run it) instead of rebasing or resetting it."""
+    it holds patch markers this code does not know (here the chaos bench's evidence, written by
+    a scheduler with patches this release does not have), and its replay fails here as it must.
+    The guard leaves it alone (the newer workers run it) instead of rebasing or resetting it."""
     from temporalio.converter import DataConverter
 
-    from workflows.scheduler import PATCH_THROUGH_V13, SCHEDULER_PATCHES
+    from workers.replay_guard import patch_ids
+    from workflows.scheduler import SCHEDULER_PATCHES
 
-    newer_text = _as_newer_release(
-        (ROOT / "tests" / "histories" / "v13" / "scheduler.json").read_text(),
-        PATCH_THROUGH_V13,
-        "scheduler-patches-through-v99",
-    )
-    newer = WorkflowHistory.from_json("scheduler:default", newer_text)
+    newer = WorkflowHistory.from_json("scheduler:default", EVIDENCE.read_text())
+    assert patch_ids(newer) - SCHEDULER_PATCHES
     strict = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default)
     assert isinstance(await strict(newer), NondeterminismError), "this code cannot replay it"
     guarded = replayer_check([PoolSchedulerWorkflow], workflow_runner(), DataConverter.default, SCHEDULER_PATCHES)
     assert await guarded(newer) is None
     # A fault in a run of this release is still one.
-    bad = WorkflowHistory.from_json("scheduler:default", EVIDENCE.read_text())
+    bad = WorkflowHistory.from_json("scheduler:default", _commands_reordered(GOOD.read_text())[0])
     assert isinstance(await guarded(bad), NondeterminismError)
 
 
@@ -100,9 +118,8 @@ def test_every_patch_a_recorded_scheduler_history_holds_is_one_this_release_know
     from workflows.scheduler import SCHEDULER_PATCHES
 
     seen: set[str] = set()
-    for path in sorted((ROOT / "tests" / "histories").glob("v*/scheduler*.json")):
+    for path in sorted((ROOT / "tests" / "histories").glob("*/scheduler*.json")):
         seen |= patch_ids(WorkflowHistory.from_json("scheduler:default", path.read_text()))
-    assert "scheduler-patches-through-v13" in seen
     assert seen <= SCHEDULER_PATCHES, seen - SCHEDULER_PATCHES
 
 
