@@ -55,8 +55,11 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
     text: list[str] = []
     assembled = ChoiceAssembler()
     final: dict[str, Any] = {"finish_reason": "stop", "usage": None}
-    outbox: list[dict[str, Any]] = []
+    # NDJSON lines not sent yet, and their bytes (JSON is ASCII here: characters are bytes).
+    outbox: list[str] = []
+    outbox_bytes = 0
     wake = asyncio.Event()
+    taken = asyncio.Event()  # the sender took the outbox: there is room again
     finished = False
     gone: list[str] = []  # why, once the gateway said its client left (or cannot be reached)
 
@@ -67,20 +70,22 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
     url = f"{target.url.rstrip('/')}/{target.stream_id}"
 
     async def send(http: httpx.AsyncClient) -> None:
+        nonlocal outbox_bytes
         while True:
             await wake.wait()
             wake.clear()
             while outbox:
-                batch = outbox[:]
+                body = "".join(outbox)
                 del outbox[:]
-                body = "".join(json.dumps(record) + "\n" for record in batch)
+                outbox_bytes = 0
+                taken.set()
                 try:
                     response = await http.post(url, content=body, headers=headers)
                 except (httpx.HTTPError, OSError) as error:  # the gateway is gone, and its client with it
                     gone.append(f"{type(error).__name__}: {error}")
                     return
-                if response.status_code == 410:
-                    gone.append("the client went away")
+                if response.status_code == 410:  # the client left, or read too slowly (the gateway says)
+                    gone.append(_said(response) or "the client went away")
                     return
                 if response.status_code >= 400:
                     raise ModelForgeError(
@@ -89,6 +94,25 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
                     )
             if finished:
                 return
+
+    def put(record: dict[str, Any]) -> None:
+        nonlocal outbox_bytes
+        line = json.dumps(record) + "\n"
+        outbox.append(line)
+        outbox_bytes += len(line)
+        wake.set()
+
+    async def room() -> None:
+        """Read the model no further ahead of the gateway than OUTBOX_BYTES: while the gateway
+        delays its answer to a push (its client reads slowly), the model server's stream waits
+        in TCP rather than here."""
+        while outbox_bytes >= OUTBOX_BYTES and not sender.done():
+            taken.clear()
+            waiting = asyncio.ensure_future(taken.wait())
+            try:
+                await asyncio.wait({waiting, sender}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
 
     http = _http()
     sender = asyncio.create_task(send(http))
@@ -110,19 +134,18 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
                 first = first_choice_delta(choices)
                 if first is not None:
                     record["choice_delta"] = first
-                outbox.append(record)
-                wake.set()
+                put(record)
+                await room()
             elif isinstance(delta, str):
                 text.append(delta)
                 assembled.text(delta)
-                outbox.append({"delta": delta})
-                wake.set()
+                put({"delta": delta})
+                await room()
             else:
                 final.update({k: v for k, v in chunk.items() if k in _FINAL and v is not None})
         if not sender.done():
-            outbox.append(dict(final))
+            put(dict(final))
             finished = True
-            wake.set()
         await sender
     finally:
         if not sender.done():
@@ -142,6 +165,18 @@ async def push(target: StreamTarget, chunks: AsyncIterator[dict[str, Any]]) -> d
 
 # What the end record may carry (the simulated runtime says which parameters it took).
 _FINAL = ("finish_reason", "usage", "parameters_applied")
+# Bytes generated but not yet pushed that the node holds, at most (and one record more): also
+# what one push carries at most, well under the gateway's 4 MiB a push and its stream buffer.
+OUTBOX_BYTES = 64 * 1024
+
+
+def _said(response: httpx.Response) -> str:
+    """The gateway's reason in a refusal's body (`error`), if it gave one."""
+    try:
+        said = response.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return said[:300] if isinstance(said, str) else ""
 
 
 # One HTTP client per event loop for every stream of this node: making an httpx client loads the

@@ -23,13 +23,17 @@ where the model server speaks HTTP, for the direct call too.
 - A small warm non-streaming request through the gateway (a chat of at most 8 tokens on the toy
   server; one text on MiniLM) against the runtime's `invoke` on the same loaded model plus a bare
   workflow running one activity on the same dev server (p50 of each, added). Target: at most 1.3x.
+- The apps' client libraries (LangChain's `ChatOpenAI` and `ChatOllama`, LiteLLM's `openai/` and
+  `ollama_chat/` models) making the same small chat through the gateway as the plain `openai` and
+  `ollama` packages, interleaved: p50 of each against its plain package's. Target: at most 1.05x.
 - Event history per request, in serialized bytes as the server stores it, for inputs of 1 KB,
   1 MB and 20 MB (the simulated embedding model), and for the requests above. Target: at most
   16 KiB each.
 
 Calls are interleaved (gateway, then direct) so the drift of a shared machine hits both alike.
 `--embeddings-only` warms MiniLM alone and measures the 2,048-input case alone (with its history
-bytes), in about a minute.
+bytes), in about a minute; `--clients-only` warms the toy server alone and measures the client
+libraries alone.
 """
 
 from __future__ import annotations
@@ -453,6 +457,74 @@ async def bench_small(stack: Stack, client: Client, gateway: openai.AsyncOpenAI,
     }
 
 
+async def bench_clients(base_url: str, n: int) -> None:
+    """The same small chat on the toy server through each app's client library and through the
+    plain package it wraps, interleaved; the ratio is the library's own cost per call."""
+    import ollama
+    from langchain_ollama import ChatOllama
+    from langchain_openai import ChatOpenAI
+
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no price map from the internet
+    import litellm
+
+    print(f"client libraries, the same small chat, {n} of each, interleaved")
+    said = [{"role": "user", "content": "hello"}]
+    plain_openai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain_ollama = ollama.AsyncClient(host=base_url, timeout=60)
+    lc_openai = ChatOpenAI(
+        model="toy-chat", base_url=f"{base_url}/v1", api_key="unused", max_retries=0, max_completion_tokens=SHORT_TOKENS
+    )
+    lc_ollama = ChatOllama(model="toy-chat", base_url=base_url, num_predict=SHORT_TOKENS)
+
+    async def openai_plain() -> None:
+        await plain_openai.chat.completions.create(model="toy-chat", messages=HELLO, max_completion_tokens=SHORT_TOKENS)
+
+    async def ollama_plain() -> None:
+        await plain_ollama.chat(model="toy-chat", messages=said, options={"num_predict": SHORT_TOKENS})
+
+    async def litellm_openai() -> None:
+        await litellm.acompletion(
+            model="openai/toy-chat", messages=said, api_base=f"{base_url}/v1", api_key="unused", max_tokens=SHORT_TOKENS
+        )
+
+    async def litellm_ollama() -> None:
+        await litellm.acompletion(
+            model="ollama_chat/toy-chat", messages=said, api_base=base_url, max_tokens=SHORT_TOKENS
+        )
+
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "openai": openai_plain,
+        "LangChain ChatOpenAI": lambda: lc_openai.ainvoke("hello"),
+        "LiteLLM openai/": litellm_openai,
+        "ollama": ollama_plain,
+        "LangChain ChatOllama": lambda: lc_ollama.ainvoke("hello"),
+        "LiteLLM ollama_chat/": litellm_ollama,
+    }
+    for call in calls.values():  # warm every path (imports, connection pools)
+        for _ in range(3):
+            await call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(n):
+        for name, call in calls.items():
+            times[name].append(await timed(call))
+    for library, plain in (
+        ("LangChain ChatOpenAI", "openai"),
+        ("LiteLLM openai/", "openai"),
+        ("LangChain ChatOllama", "ollama"),
+        ("LiteLLM ollama_chat/", "ollama"),
+    ):
+        via, base = p50(times[library]), p50(times[plain])
+        record(
+            f"small chat p50, {library}",
+            ms(via),
+            f"{plain} {ms(base)}",
+            f"{via / base:.3f}x",
+            "<= 1.05x",
+            via / base <= 1.05,
+        )
+    await plain_openai.close()
+
+
 async def bench_histories(stack: Stack, gateway: openai.AsyncOpenAI, seen: dict[str, int]) -> None:
     sizes = dict(seen)
     for label, n in (("1 KB input", 1_000), ("1 MB input", 1_000_000), ("20 MB input", 20_000_000)):
@@ -506,6 +578,11 @@ async def run(args: argparse.Namespace, database_url: str) -> None:
 async def measure(args: argparse.Namespace, stack: Stack, client: Client, base_url: str) -> None:
     quick = args.quick
     gateway = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    if args.clients_only:
+        await gateway.chat.completions.create(model="toy-chat", messages=HELLO, max_tokens=SHORT_TOKENS)
+        await bench_clients(base_url, n=10 if quick else 40)
+        await gateway.close()
+        return
     if args.embeddings_only:
         await gateway.embeddings.create(model="all-MiniLM-L6-v2", input=["warm up"])
         size = await bench_embeddings(stack, gateway, rounds=1 if quick else 2)
@@ -528,6 +605,7 @@ async def measure(args: argparse.Namespace, stack: Stack, client: Client, base_u
     await client.get_workflow_handle(f"request:{TOY_CHAT}:{stream_id}").result()
     histories[f"stream of {ANSWER_TOKENS} tokens"] = await _history_bytes(stack.client, TOY_CHAT, stream_id)
     histories.update(await bench_small(stack, client, gateway, n=10 if quick else 40))
+    await bench_clients(base_url, n=10 if quick else 40)
     size = await bench_embeddings(stack, gateway, rounds=1 if quick else 2)
     histories["2,048 inputs on MiniLM (a 2,048 x 384 answer)"] = size
     await bench_histories(stack, gateway, histories)
@@ -549,6 +627,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--embeddings-only", action="store_true", help="only the 2,048-input embeddings case (MiniLM alone warmed)"
+    )
+    parser.add_argument(
+        "--clients-only", action="store_true", help="only the client libraries' case (the toy server alone warmed)"
     )
     args = parser.parse_args()
     # The workers' and the gateway's info lines (a line per request) would bury the figures.

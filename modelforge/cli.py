@@ -338,7 +338,8 @@ def render_status(pool: Any, console: Console) -> None:
     console.print(table)
     order = [c for c in pool.classes if c in pool.queue_depth] + sorted(set(pool.queue_depth) - set(pool.classes))
     queue = ", ".join(f"{name} {pool.queue_depth[name]}" for name in order)
-    console.print(escape(f"queue: {queue or 'empty'}; active leases: {pool.active_leases}"), highlight=False)
+    lent = f"; free slots lent to nodes: {pool.lent_slots}" if pool.lent_slots else ""
+    console.print(escape(f"queue: {queue or 'empty'}; active leases: {pool.active_leases}{lent}"), highlight=False)
     for node in never_reported(pool.accelerators):
         console.print(
             f"[yellow]never reported[/yellow]: node {escape(node)} has sent no telemetry (no node worker runs "
@@ -373,7 +374,7 @@ def render_ps(rows: list[dict[str, Any]], console: Console) -> None:
             short_bytes(row["bytes"]),
             row["state"],
             row["residency"],
-            str(row["active_leases"]),
+            str(row["active_leases"]) + (f" +{row['lent_slots']} lent" if row.get("lent_slots") else ""),
             ttl,
         )
     console.print(table)
@@ -1071,9 +1072,10 @@ def gateway(
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"{keys_path}: nests too deeply to read"))
 
     async def go() -> None:
-        client = await ModelForgeClient.connect(settings, pool)
         store = await Store.open(url)
         try:
+            # Routing reads the catalog when a pool's scheduler is slow to answer (routing.py).
+            client = await ModelForgeClient.connect(settings, pool, catalog=store.load_catalog)
             app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
             server = gateway_server(app, host, port)  # header-read deadline, keep-alive and header limits
             err.print(

@@ -19,7 +19,7 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -42,6 +42,7 @@ from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutErro
 from temporalio.service import RPCError, RPCStatusCode
 
 from modelforge import temporal as sa
+from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import (
@@ -172,16 +173,18 @@ class ModelForgeClient:
         *,
         reattach_s: float = DEFAULT_REATTACH_S,
         pools: Sequence[str] | None = None,
+        catalog: Callable[[], Awaitable[Catalog]] | None = None,
     ) -> None:
         """`pool`: the pool whose scheduler admits every request; None (the default) routes each
         capability to a pool that serves it (modelforge/routing.py), among `pools` (else
         MODELFORGE_POOLS, else the running schedulers). `reattach_s`: how long a request keeps
         retrying through a Temporal outage before it gives up with CAPABILITY_UNAVAILABLE
-        (asking again with its request_id then attaches)."""
+        (asking again with its request_id then attaches). `catalog`: where routing reads the
+        catalog when no scheduler's answer places a capability (one slow or still reloading)."""
         self.temporal = client
         self.pool = pool
         self.reattach_s = reattach_s
-        self.router = PoolRouter(client, pools_from_env() if pools is None else pools)
+        self.router = PoolRouter(client, pools_from_env() if pools is None else pools, catalog=catalog)
         # (pool, capability) -> the task queue of the node that served its last request. A request
         # started there runs its workflow on that node's worker, which hands itself the invoke
         # (eager dispatch) when the lease lands on that node; anywhere else it runs as from the
@@ -200,8 +203,11 @@ class ModelForgeClient:
         *,
         reattach_s: float = DEFAULT_REATTACH_S,
         pools: Sequence[str] | None = None,
+        catalog: Callable[[], Awaitable[Catalog]] | None = None,
     ) -> ModelForgeClient:
-        return cls(await sa.connect(settings or Settings.from_env()), pool, reattach_s=reattach_s, pools=pools)
+        return cls(
+            await sa.connect(settings or Settings.from_env()), pool, reattach_s=reattach_s, pools=pools, catalog=catalog
+        )
 
     async def request(
         self,

@@ -6,16 +6,19 @@ so they count what the event log holds (at least once: a batch retried after a w
 land is counted again).
 
 `GatewayMetrics` are the HTTP gateway's own (`/metrics` on the gateway, behind its API key):
-requests, their duration and their tokens, by capability, tenant, class and status."""
+requests, their duration and their tokens, by capability, tenant, class and status. With API
+keys a tenant's key reads only its own series (`TenantSeries`); an operator's, all of them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
@@ -219,3 +222,21 @@ class GatewayMetrics:
             self.tokens.labels(capability, tenant, priority, "prompt", flag).inc(prompt_tokens)
         if completion_tokens:
             self.tokens.labels(capability, tenant, priority, "completion", flag).inc(completion_tokens)
+
+
+class TenantSeries(Collector):
+    """The samples of `registry` labelled `tenant=<tenant>`, and nothing else: what one tenant's
+    API key reads on the gateway's `/metrics` (no other tenant's traffic, no series without a
+    tenant label). Collected at each scrape from the live registry."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            samples = [sample for sample in family.samples if sample.labels.get("tenant") == self.tenant]
+            if samples:
+                mine = Metric(family.name, family.documentation, family.type, family.unit)
+                mine.samples = samples
+                yield mine

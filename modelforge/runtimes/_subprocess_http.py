@@ -34,9 +34,11 @@ from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
 from modelforge.runtimes._http_api import (
     API_NAMES,
     HEALTH_MESSAGES,
+    HEALTH_RERANK,
     HEALTH_TEXTS,
     build_call,
     check_embeddings,
+    check_rerank,
     parse_response,
     stream_record,
     usage_of,
@@ -427,6 +429,9 @@ class SubprocessHttpRuntime:
                 output = await self._call(server, {"messages": HEALTH_MESSAGES, "max_tokens": 8}, lambda _: None)
                 if not output["text"].strip():
                     raise ModelForgeError(FailureClass.HEALTHCHECK_FAILED, "the server answered an empty reply")
+            elif server.config.api == "rerank":
+                output = await self._call(server, dict(HEALTH_RERANK), lambda _: None)
+                check_rerank(output["results"])
             else:
                 output = await self._call(server, {"texts": HEALTH_TEXTS}, lambda _: None)
                 check_embeddings(output["embeddings"], server.config.dimensions)

@@ -1,6 +1,7 @@
-"""ModelForge's own small model server: the OpenAI embeddings and chat routes, TEI's /embed and a
-/health probe, on the standard library alone. It is what the subprocess_http runtime is tested
-against, and a way to try that runtime without a real model. Its vectors are hashed bags of
+"""ModelForge's own small model server: the OpenAI embeddings and chat routes, TEI's /embed, the
+Cohere/Jina-style /v1/rerank (vLLM's) and a /health probe, on the standard library alone. It is
+what the subprocess_http runtime is tested against, and a way to try that runtime without a real
+model. Its vectors are hashed bags of
 words (a paraphrase shares words, so it lands closer than an unrelated sentence); its chat
 answers say they are from the toy server. `--fault` breaks it on purpose, as real servers break.
 
@@ -19,6 +20,9 @@ logprobs), tool calls (name first, then the arguments in pieces) and each choice
 `n` choices interleaved (with `stream_options.include_usage`, a usage chunk), and
 `GET /streams` tells which streams' clients went away before the end; `--answer-tokens N` makes
 every chat answer N tokens long (its usual words, then counting words), for long streams.
+`/v1/rerank` scores each document by the share of the query's words it holds (`lexical_score`,
+deterministic), answers vLLM's shape (`results` of `index`, `relevance_score` and `document`,
+highest first, cut to `top_n`; `usage.total_tokens`).
 `GET /received` answers the last request bodies it received (path and body), so a test can
 check that parameters reached it.
 
@@ -189,6 +193,37 @@ def embed(text: str) -> list[float]:
     return [round(x / norm, 6) for x in vector]
 
 
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def lexical_score(query: str, document: str) -> float:
+    """The share of the query's distinct words the document holds, 0..1, rounded to 6 places."""
+    asked = set(_words(query))
+    return round(len(asked & set(_words(document))) / len(asked), 6) if asked else 0.0
+
+
+def rerank_answer(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """vLLM's /v1/rerank answer to `body` (status, JSON), or 400 as it refuses a bad request."""
+    query, documents, top_n = body.get("query"), body.get("documents"), body.get("top_n")
+    if not isinstance(query, str) or not isinstance(documents, list) or not documents:
+        return 400, {"error": {"message": "query (a string) and documents (a non-empty list) are required"}}
+    texts = [d.get("text") if isinstance(d, dict) else d for d in documents]
+    if not all(isinstance(t, str) for t in texts):
+        return 400, {"error": {"message": "each document is a string or {text}"}}
+    scores = [lexical_score(query, str(t)) for t in texts]
+    order = sorted(range(len(texts)), key=lambda n: (-scores[n], n))
+    if isinstance(top_n, int) and top_n > 0:
+        order = order[:top_n]
+    used = tokens(query) * len(texts) + sum(tokens(str(t)) for t in texts)
+    return 200, {
+        "id": "rerank-toy",
+        "model": body.get("model", "toy"),
+        "usage": {"total_tokens": used},
+        "results": [{"index": n, "document": {"text": texts[n]}, "relevance_score": scores[n]} for n in order],
+    }
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _ToyServer
 
@@ -296,6 +331,9 @@ class _Handler(BaseHTTPRequestHandler):
                     "usage": {"prompt_tokens": used, "total_tokens": used},
                 },
             )
+        elif self.path == "/v1/rerank":
+            status, answer = rerank_answer(body if isinstance(body, dict) else {})
+            self._answer(status, answer)
         elif self.path == "/embed":
             texts = body.get("inputs")
             texts = [texts] if isinstance(texts, str) else texts

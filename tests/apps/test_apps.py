@@ -124,12 +124,14 @@ async def test_continue_startup_chat_and_autocomplete(gateway: _Served) -> None:
         assert "def add" in "".join(str(line.get("response", "")) for line in _ndjson(generated.text))
 
 
-async def test_langchain_ollama_chat_stream_and_embeddings(gateway: _Served) -> None:
+async def test_langchain_ollama_chat_stream_tools_structured_output_and_embeddings(gateway: _Served) -> None:
     done = await _run([sys.executable, str(ROOT / "tests" / "apps" / "langchain_client.py"), gateway.base_url])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert "hello from langchain" in seen["invoke"]
     assert seen["stream_pieces"] > 1 and "stream from langchain" in seen["stream"]
+    assert seen["tool_calls"] == ["lookup"] and seen["streamed_tool_calls"] == ["lookup"]
+    assert seen["structured"] == {"toy": True, "said": "give me json"}
     assert seen["documents"] == [8, 8] and seen["query"] == 8
 
 

@@ -28,6 +28,7 @@ from modelforge.logging import configure
 from modelforge.policy import Lease, PoolStatus
 
 KEY = "sk-team-0123456789abcdef"
+OBSERVER_KEY = "sk-prom-0123456789abcdef"
 LIMIT = 2 * 1024 * 1024  # MODELFORGE_MAX_PAYLOAD_BYTES in the test that sets it
 
 
@@ -340,7 +341,9 @@ async def test_every_request_is_logged_and_counted_without_keys_or_bodies(
     saved = structlog.get_config()
     configure(logging.INFO)
     try:
-        async with _gateway(GatewayConfig(api_keys={KEY: "rag"})) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+        # `prom`: an observer (Prometheus's key) reads every tenant's series; `rag`'s key its own.
+        config = GatewayConfig(api_keys={KEY: "rag", OBSERVER_KEY: "prom"}, observer_tenants=frozenset({"prom"}))
+        async with _gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
             team = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "logged-1"}
             secret_text = "the text of a private document"
             ok = await http.post(
@@ -354,7 +357,8 @@ async def test_every_request_is_logged_and_counted_without_keys_or_bodies(
             missing = await http.post("/v1/embeddings", json={"model": "gpt-17", "input": "x"}, headers=team)
             assert missing.status_code == 404
             assert (await http.get("/metrics")).status_code == 401  # behind the key like every route
-            scraped = await http.get("/metrics", headers=team)
+            own = await http.get("/metrics", headers=team)
+            scraped = await http.get("/metrics", headers={"Authorization": f"Bearer {OBSERVER_KEY}"})
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finally:
         structlog.configure(**saved)
@@ -367,6 +371,10 @@ async def test_every_request_is_logged_and_counted_without_keys_or_bodies(
     assert requests[frozenset({**anonymous, "status": "401", "failure_class": "REQUEST_INVALID"}.items())] == 1
     unresolved = {**anonymous, "tenant": "rag", "status": "404", "failure_class": "CAPABILITY_UNAVAILABLE"}
     assert requests[frozenset(unresolved.items())] == 1
+    # A tenant's key reads its own series only: not the anonymous refusal's.
+    mine = _samples(own.text, "modelforge_gateway_requests_total")
+    assert mine and all(dict(key)["tenant"] == "rag" for key in mine), mine
+    assert mine[frozenset({**labels, "status": "200", "failure_class": ""}.items())] == 1
     seconds = _samples(scraped.text, "modelforge_gateway_request_seconds_count")
     assert seconds[frozenset({**labels, "status": "200"}.items())] == 1
     tokens = _samples(scraped.text, "modelforge_gateway_tokens_total")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,89 @@ async def test_the_node_pushes_the_stream_and_stops_when_the_gateway_hangs_up(
         server.should_exit = True
         await task
         await runtime.unload(model)
+
+
+async def test_the_node_reads_the_model_no_further_ahead_than_its_bound_while_the_gateway_waits() -> None:
+    """While the gateway delays its answer to a push (its client reads
+    slowly), the node read the model on into an unbounded outbox. Now it holds at most
+    OUTBOX_BYTES unsent (and one record): the model's stream waits, and resumes when answered."""
+    pulled = [0]
+    record_bytes = len(json.dumps({"delta": "x" * 100})) + 1
+
+    async def fast_model() -> AsyncIterator[dict[str, Any]]:
+        for n in range(20_000):  # 2.3 MB of records, as fast as they can be read
+            pulled[0] += 1
+            yield {"delta": "x" * 100}
+            if n % 50 == 0:
+                await asyncio.sleep(0)  # as a socket read would, now and then
+        yield {"finish_reason": "stop"}
+
+    received: list[dict[str, Any]] = []
+    held = asyncio.Event()
+    release = asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/internal/streams/{stream_id}")
+    async def receive(stream_id: str, request: Request) -> JSONResponse:
+        body = await request.body()
+        if not held.is_set():  # the first push waits for the client, as a full stream's does
+            held.set()
+            await release.wait()
+        received.extend(json.loads(line) for line in body.splitlines())
+        return JSONResponse({"chunks": len(received)})
+
+    server, task, port = await _serve(app)
+    target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id="s1")
+    pushing = asyncio.create_task(stream_push.push(target, fast_model()))
+    try:
+        await held.wait()
+        await asyncio.sleep(0.5)
+        unsent = (pulled[0] - len(received)) * record_bytes
+        # One push in flight and one bound's worth waiting (each a record past the bound at most).
+        bound = 2 * (stream_push.OUTBOX_BYTES + record_bytes) + record_bytes
+        assert unsent <= bound, f"{unsent} bytes read from the model and not pushed"
+        release.set()
+        output = await asyncio.wait_for(pushing, timeout=60)
+        assert output["text"] == "x" * 100 * 20_000 and not output.get("client_gone")
+        assert "".join(r.get("delta", "") for r in received) == output["text"]
+        assert received[-1]["finish_reason"] == "stop"
+    finally:
+        release.set()  # a held push would keep the server from stopping
+        pushing.cancel()
+        server.should_exit = True
+        await task
+
+
+async def test_a_node_waiting_for_room_stops_the_model_when_the_gateway_ends_the_stream() -> None:
+    closed = asyncio.Event()
+
+    async def fast_model() -> AsyncIterator[dict[str, Any]]:
+        try:
+            for n in range(1_000_000):
+                yield {"delta": "x" * 100}
+                if n % 50 == 0:
+                    await asyncio.sleep(0)
+        finally:
+            closed.set()  # the model server's stream closed: its generation cancelled
+
+    app = FastAPI()
+    pushes = [0]
+
+    @app.post("/internal/streams/{stream_id}")
+    async def receive(stream_id: str, request: Request) -> JSONResponse:
+        pushes[0] += 1
+        if pushes[0] == 1:
+            return JSONResponse({"chunks": 1})
+        await asyncio.sleep(0.3)  # the stall, then: the client reads too slowly
+        return JSONResponse({"error": "the client read the stream too slowly"}, status_code=410)
+
+    server, task, port = await _serve(app)
+    try:
+        target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id="s1")
+        output = await asyncio.wait_for(stream_push.push(target, fast_model()), timeout=30)
+        assert len(output["text"]) <= 3 * stream_push.OUTBOX_BYTES  # read no further than its bound
+        assert output["client_gone"] and output["finish_reason"] == "client_gone"
+        assert "too slowly" in output["detail"] and closed.is_set()  # the gateway's reason, told
+    finally:
+        server.should_exit = True
+        await task

@@ -11,7 +11,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.converter import DataConverter
 
-from modelforge.domain import Priority, Residency
+from modelforge.domain import Catalog, Priority, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import (
     PolicyConfig,
@@ -331,10 +331,101 @@ async def test_one_pool_is_never_asked_and_a_silent_pool_is_asked_last() -> None
     assert fake.queries == ["pool-b"]  # pool-a was silent: not waited for while pool-b serves
     fake.answers["pool-b"] = RouteInfo(pool="pool-b")
     fake.queries.clear()
+    # Asked at last, and it still does not answer: a router without a catalog cannot tell that
+    # pool-a serves z@1, so the refusal names the pool that did not answer (with a catalog, the
+    # catalog decides: below).
     with pytest.raises(ModelForgeError) as raised:
         await router.choose("z@1")
-    assert fake.queries == ["pool-b", "pool-a"]  # asked at last, and it still does not answer
+    assert fake.queries == ["pool-b", "pool-a"]
     assert "pool pool-a did not answer" in raised.value.message
+
+
+class SlowHandle(FakeHandle):
+    """A scheduler whose worker is busy or whose Temporal restarts: the route query is answered
+    after `delay` seconds, so past the router's rpc_timeout it ends as the SDK ends it."""
+
+    async def query(self, name: str, query: RouteQuery, **kwargs: Any) -> RouteInfo:
+        from temporalio.service import RPCError, RPCStatusCode
+
+        delay = cast(SlowTemporal, self.fake).delays.get(self.pool, 0.0)
+        if delay > kwargs["rpc_timeout"].total_seconds():
+            self.fake.queries.append(self.pool)
+            await asyncio.sleep(kwargs["rpc_timeout"].total_seconds())
+            raise RPCError("Timeout expired", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+        await asyncio.sleep(delay)
+        return await super().query(name, query, **kwargs)
+
+
+class SlowTemporal(FakeTemporal):
+    def __init__(self, answers: dict[str, RouteInfo | Exception], delays: dict[str, float]) -> None:
+        super().__init__(answers)
+        self.delays = delays
+
+    def get_workflow_handle(self, workflow_id: str) -> FakeHandle:
+        return SlowHandle(self, workflow_id.removeprefix("scheduler:"))
+
+
+def three_pools_catalog() -> Catalog:
+    """x@1 may be placed on pool-c's card only; y@1 nowhere a pool has (no card of its list)."""
+    return Catalog(
+        accelerators=[gpu("a/0", pool="pool-a"), gpu("b/0", pool="pool-b"), gpu("c/0", pool="pool-c")],
+        deployments=[deployment("x@1", accelerators=["c/0"]), deployment("y@1", accelerators=["gone/0"])],
+    )
+
+
+async def test_a_slow_scheduler_of_the_pool_that_serves_it_is_not_read_as_no_pool() -> None:
+    """A scheduler slow to answer (a catalog apply, a Temporal restart) made
+    the router refuse at once with 'no pool serves capability' although its pool serves it. The
+    request now goes to the pool the catalog places it in, and waits in its admission."""
+    reads = [0]
+
+    async def catalog() -> Catalog:
+        reads[0] += 1
+        return three_pools_catalog()
+
+    # pool-c serves x@1 but its scheduler does not answer in time; pool-a does not answer either
+    # (and would win by name); pool-b answers that it does not know x@1.
+    fake = SlowTemporal(
+        {"pool-a": RouteInfo(pool="pool-a"), "pool-b": RouteInfo(pool="pool-b"), "pool-c": info("pool-c")},
+        delays={"pool-a": 5.0, "pool-c": 5.0},
+    )
+    router = PoolRouter(cast(Client, fake), query_timeout_s=0.05, route_ttl_s=0, catalog=catalog)
+    assert await router.choose("x@1", "t") == "pool-c"
+    assert sorted(fake.queries) == ["pool-a", "pool-b", "pool-c"]
+    # Again while both are silent (asked last): still pool-c, the catalog read once meanwhile.
+    assert await router.choose("x@1", "t") == "pool-c" and reads[0] == 1
+    # A capability the catalog places in no pool is still refused, named: that is the truth.
+    for nothing in ("y@1", "nothing@1"):
+        with pytest.raises(ModelForgeError) as raised:
+            await router.choose(nothing, "t")
+        assert raised.value.failure == FailureClass.CAPABILITY_UNAVAILABLE
+        assert f"no pool serves capability '{nothing}'" in raised.value.message
+    # The scheduler answers again: its answer routes, as before.
+    fake.delays.clear()
+    router._silent_until.clear()
+    fake.answers["pool-a"] = info("pool-a", warm=1, free_slots=1)
+    assert await router.choose("x@1", "t") == "pool-a"
+
+
+async def test_schedulers_still_on_the_old_catalog_do_not_refuse_what_the_catalog_serves() -> None:
+    """Just after `catalog apply` added x@1, every scheduler answers from its old catalog until it
+    has reloaded: the catalog's pool takes the request (its admission retries while stale)."""
+
+    async def catalog() -> Catalog:
+        return three_pools_catalog()
+
+    fake = FakeTemporal({pool: RouteInfo(pool=pool) for pool in ("pool-a", "pool-b", "pool-c")})
+    assert await PoolRouter(cast(Client, fake), catalog=catalog).choose("x@1", "t") == "pool-c"
+    # Without a catalog to read, every scheduler's word is all there is: no pool serves it.
+    with pytest.raises(ModelForgeError):
+        await PoolRouter(cast(Client, fake)).choose("x@1", "t")
+
+    async def unreadable() -> Catalog:
+        raise OSError("the store is down")
+
+    # A catalog that cannot be read decides nothing: the schedulers' answers stand.
+    with pytest.raises(ModelForgeError):
+        await PoolRouter(cast(Client, fake), catalog=unreadable).choose("x@1", "t")
 
 
 async def test_the_warm_node_of_one_pool_is_asked_once_a_second_and_never_waited_on_twice() -> None:

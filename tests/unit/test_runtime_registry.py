@@ -114,12 +114,17 @@ def test_every_registered_runtime_says_what_it_speaks(name: str) -> None:
     said = speaks(deployment)
     assert isinstance(said, Speaks)
     assert said.api is None or said.api in API_NAMES
-    assert said.answers and said.answers <= {"text", "vectors"}
+    assert said.answers and said.answers <= {"text", "vectors", "scores"}
     assert said.job == RUNTIMES[name].job
 
 
 def test_what_an_http_server_speaks_follows_its_api() -> None:
-    for api, answers in (("openai_chat", {"text"}), ("openai_embeddings", {"vectors"}), ("tei_embed", {"vectors"})):
+    for api, answers in (
+        ("openai_chat", {"text"}),
+        ("openai_embeddings", {"vectors"}),
+        ("tei_embed", {"vectors"}),
+        ("rerank", {"scores"}),
+    ):
         config = {**VALID["subprocess_http"], "runtime_config": {"api": api}}
         [deployment] = parse_catalog(_catalog("subprocess_http", **config))[0].deployments
         assert speaks(deployment) == Speaks(api, frozenset(answers))
