@@ -606,6 +606,14 @@ async def retention_s(client: Client, configured_days: float | None) -> float:
     namespace's workflow retention (a closed workflow's history, which holds the references, is
     kept that long) plus the longest request and a day; never less than `retention_floor_s`."""
     if configured_days is not None:
+        if configured_days * 86400.0 < retention_floor_s():
+            # Said, not silent: a shorter retention could delete a running request's input.
+            _log().warning(
+                "payload_retention_raised",
+                configured_days=configured_days,
+                applied_days=retention_floor_s() / 86400.0,
+                why="a stored input must outlive the longest request (waiting plus its lease)",
+            )
         return max(configured_days * 86400.0, retention_floor_s())
     from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 

@@ -458,6 +458,15 @@ def ollama_router(
             request.state.keep_alive = f"{decision.header()}; not unloaded: {reply.message}"
         return reply.ok
 
+    async def unload_after(
+        task: asyncio.Task[Any], request: Request, decision: KeepAlive, deployment: Deployment
+    ) -> bool:
+        """An operator's keep_alive 0 on a streamed call: the lease goes back when the invoke
+        ends, a moment after the last piece; then the unload is asked."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(task), timeout=30)
+        return await unload_if_asked(request, decision, deployment)
+
     async def invoke(request: Request, deployment: Deployment, payload: dict[str, Any]) -> Result:
         result: Result = await run(
             request, deployment.capability, payload, request_id_of(request), tenant=request.state.tenant
@@ -540,6 +549,7 @@ def ollama_router(
 
         async def lines() -> AsyncIterator[str]:
             text: list[str] = []
+            unload_tried = False
             # OpenAI streams a tool call in pieces (its name, then its arguments a few characters
             # at a time); Ollama sends each call whole, its arguments an object: the pieces are
             # put together and sent in one line when the answer ends.
@@ -569,6 +579,12 @@ def ollama_router(
                             **_counts({"usage": record.get("usage")}, prompt, whole),
                             request_id=request_id,
                         )
+                        if decision is not None and decision.unload:
+                            # The headers went out with the first piece: whether the unload was
+                            # done, and why not, is said in the final line.
+                            unload_tried = True
+                            await unload_after(task, request, decision, deployment)
+                            last["modelforge_keep_alive"] = request.state.keep_alive
                         yield json.dumps(last, separators=(",", ":")) + "\n"
                         return
                     record = await next_record(stream, task)
@@ -584,11 +600,8 @@ def ollama_router(
                 yield json.dumps({"error": message, "failure_class": failure, "request_id": request_id}) + "\n"
             finally:
                 hub.close(stream)
-                if decision is not None and decision.unload:
-                    # The lease goes back when the invoke ends, a moment after the last piece.
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(task), timeout=30)
-                    await unload_if_asked(request, decision, deployment)
+                if decision is not None and decision.unload and not unload_tried:
+                    await unload_after(task, request, decision, deployment)
 
         return StreamingResponse(lines(), media_type=NDJSON)
 

@@ -306,11 +306,29 @@ async def test_no_tenant_unloads_what_the_catalog_keeps_warm(
                 else:
                     pytest.fail("chat.small@1 still loaded 10 s after an operator's keep_alive 0")
                 assert "rag.embedding@1:latest" in await _loaded(ops)
+                # Streamed, the headers leave with the first piece: the final line says what
+                # came of the operator's unload.
+                async with httpx.AsyncClient(
+                    base_url=served.base_url,
+                    timeout=60,
+                    headers={"Authorization": "Bearer sk-ops-0123456789abcdef"},
+                ) as http:
+                    body = {"model": "small-chat", "messages": [{"role": "user", "content": "bye"}], "keep_alive": 0}
+                    streamed = await http.post("/api/chat", json={**body, "stream": True})
+                    final = json.loads(streamed.text.strip().splitlines()[-1])
+                    assert final["done"] is True and "modelforge_keep_alive" in final, final
+                    assert "not unloaded" not in final["modelforge_keep_alive"], final
+                for _ in range(100):
+                    if "chat.small@1:latest" not in await _loaded(ops):
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("chat.small@1 still loaded 10 s after an operator's streamed keep_alive 0")
             finally:
                 for opened in (tenant, ops):
                     await opened.close()  # type: ignore[no-untyped-call]
             asked = await stack.events("unload_requested", at_least=1)
-            assert [e["deployment"] for e in asked] == ["chat.small@1"]
+            assert {e["deployment"] for e in asked} == {"chat.small@1"}
             assert "ollama keep_alive 0 by rag" in asked[0]["message"]
             assert not [e for e in await stack.events("unload", at_least=0) if e["deployment"] == "rag.embedding@1"]
 
