@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from modelforge.failures import FailureClass
 from modelforge.gateway import _app
 from modelforge.gateway._chat_path import Answer, ChatPath, Piece, text_of
-from modelforge.gateway._errors import RETRY_AFTER_S, http_status
+from modelforge.gateway._errors import http_status, retry_after_s
 from modelforge.gateway._params import ChatCall, estimate_tokens
 from modelforge.identifiers import shown
 
@@ -106,11 +106,8 @@ def _error_response(error: _app.GatewayError) -> JSONResponse:
         "request_id": error.request_id or None,
     }
     headers = dict(error.headers)
-    try:
-        retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
-    except ValueError:
-        retry_after = None
-    if retry_after is not None and status in (429, 503):
+    retry_after = retry_after_s(error.failure, status)
+    if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
     if status == 409:
         headers["x-should-retry"] = "false"  # the request id stays taken: the SDK's retries cannot help

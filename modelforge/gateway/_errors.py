@@ -75,3 +75,13 @@ def openai_error(status: int) -> tuple[str, str | None]:
     if status in _OPENAI:
         return _OPENAI[status]
     return ("invalid_request_error", None) if status < 500 else ("server_error", None)
+
+
+def retry_after_s(failure: str, status: int) -> int | None:
+    """The Retry-After (seconds) an answer of `status` for `failure` carries: where waiting helps
+    (429 and 503 of a class with a known wait), else None. The Ollama and Anthropic shapes use it."""
+    try:
+        wait = RETRY_AFTER_S.get(FailureClass(failure))
+    except ValueError:
+        return None
+    return wait if wait is not None and status in (429, 503) else None

@@ -45,7 +45,7 @@ from modelforge.client import Result
 from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
-from modelforge.gateway._errors import RETRY_AFTER_S
+from modelforge.gateway._errors import retry_after_s
 from modelforge.gateway._ollama_translate import (
     KeepAlive,
     TranslationError,
@@ -307,11 +307,8 @@ def _error_response(error: _app.GatewayError) -> JSONResponse:
         "request_id": error.request_id or None,
     }
     headers = dict(error.headers)
-    try:
-        retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
-    except ValueError:
-        retry_after = None
-    if retry_after is not None and status in (429, 503):
+    retry_after = retry_after_s(error.failure, status)
+    if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
     return JSONResponse(body, status_code=status, headers=headers)
 
