@@ -131,6 +131,7 @@ def _unsupported(param: str, why: str) -> _app.GatewayError:
 @dataclass
 class _Stored:
     messages: list[dict[str, Any]]  # the conversation so far as chat messages, instructions aside
+    response: dict[str, Any]  # the response object as it was answered, for GET /v1/responses/{id}
     size: int
 
 
@@ -153,20 +154,34 @@ class ResponseStore:
         self._size = 0
 
     def get(self, tenant: str, response_id: str) -> list[dict[str, Any]] | None:
-        stored = self._all.get((tenant, response_id))
+        stored = self._touch(tenant, response_id)
         if stored is None:
             return None
-        self._all.move_to_end((tenant, response_id))
-        self._by_tenant[tenant].move_to_end(response_id)
         copy: list[dict[str, Any]] = json.loads(json.dumps(stored.messages))  # the caller extends it
         return copy
 
-    def put(self, tenant: str, response_id: str, messages: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(messages))
+    def response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        stored = self._touch(tenant, response_id)
+        return None if stored is None else stored.response
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        found = (tenant, response_id) in self._all
+        self._drop(tenant, response_id)
+        return found
+
+    def _touch(self, tenant: str, response_id: str) -> _Stored | None:
+        stored = self._all.get((tenant, response_id))
+        if stored is not None:
+            self._all.move_to_end((tenant, response_id))
+            self._by_tenant[tenant].move_to_end(response_id)
+        return stored
+
+    def put(self, tenant: str, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        size = len(json.dumps(messages)) + len(json.dumps(response))
         if size > min(self.tenant_bytes, self.total_bytes):
             return  # never kept: a follow-up is told the id is not known
         self._drop(tenant, response_id)
-        self._all[(tenant, response_id)] = _Stored(messages, size)
+        self._all[(tenant, response_id)] = _Stored(messages, response, size)
         self._by_tenant.setdefault(tenant, OrderedDict())[response_id] = None
         self._tenant_size[tenant] = self._tenant_size.get(tenant, 0) + size
         self._size += size
@@ -461,10 +476,42 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
         }
 
     def keep(
-        tenant: str, call: _ResponsesCall, response_id: str, history: list[dict[str, Any]], answer: Answer
-    ) -> None:
+        tenant: str,
+        call: _ResponsesCall,
+        body: dict[str, Any],
+        history: list[dict[str, Any]],
+        answer: Answer,
+        response: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Keeps the conversation for `previous_response_id` and the response for GET, unless
+        `store: false`; `response` is the streamed one (its items' ids as the client saw them)."""
+        response = response or finished(body, answer, _output_items(answer))
         if call.store is not False:
-            kept.put(tenant, response_id, [*history, _assistant_turn(answer)])
+            kept.put(tenant, body["id"], [*history, _assistant_turn(answer)], response)
+        return response
+
+    def not_kept(response_id: str) -> _app.GatewayError:
+        # The same answer whether the id was never made, evicted or another tenant's.
+        return _invalid(
+            f"no response {shown(response_id[:80])} is kept for this key (unknown, not stored, or evicted: "
+            f"this gateway keeps the latest {kept.entries} per tenant in memory)",
+            "response_id",
+            status=404,
+            code="response_not_found",
+        )
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Any:
+        found = kept.response(request.state.tenant, response_id)
+        if found is None:
+            raise not_kept(response_id)
+        return found
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> Any:
+        if not kept.delete(request.state.tenant, response_id):
+            raise not_kept(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Any:
@@ -503,12 +550,12 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
         created = time.time()
         body = skeleton(call, response_id, created)
         if not call.stream:
-            answer = await path.answer(request, chat)
-            keep(tenant, call, response_id, history, answer)
-            return finished(body, answer, _output_items(answer))
+            return keep(tenant, call, body, history, await path.answer(request, chat))
         streamed = await path.streamed(request, chat)
         return StreamingResponse(
-            _events(streamed.pieces(), body, lambda answer: keep(tenant, call, response_id, history, answer), finished),
+            _events(
+                streamed.pieces(), body, lambda answer, done: keep(tenant, call, body, history, answer, done), finished
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -517,10 +564,11 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
 
 
 Finished = Callable[[dict[str, Any], Answer, list[dict[str, Any]]], dict[str, Any]]
+Keep = Callable[[Answer, dict[str, Any]], Any]
 
 
 async def _events(
-    pieces: AsyncGenerator[Piece, None], body: dict[str, Any], keep: Callable[[Answer], None], finished: Finished
+    pieces: AsyncGenerator[Piece, None], body: dict[str, Any], keep: Keep, finished: Finished
 ) -> AsyncIterator[str]:
     """`_response_events`, closing `pieces` however it ends: a client that goes away closes it
     at once, which tells the node to stop generating."""
@@ -532,7 +580,7 @@ async def _events(
 
 
 async def _response_events(
-    pieces: AsyncIterator[Piece], body: dict[str, Any], keep: Callable[[Answer], None], finished: Finished
+    pieces: AsyncIterator[Piece], body: dict[str, Any], keep: Keep, finished: Finished
 ) -> AsyncIterator[str]:
     """The Responses event sequence for a streamed answer: each output item added, its content
     streamed, then done, in the order the model produced them; response.completed (or
@@ -673,8 +721,8 @@ async def _response_events(
                     yield line
             for line in close():
                 yield line
-            keep(piece.answer)
             done = finished(body, piece.answer, output)
+            keep(piece.answer, done)
             kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
             yield event(kind, response=done)
         elif piece.kind == "failed":

@@ -128,6 +128,20 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served)
             after = await stream.get_final_response()
         assert after.output_text == "[toy server] ready. You said: rainy"
 
+        # A kept response is read back as it was answered (a streamed one with the item ids the
+        # stream carried), and deleted: then it is gone, for GET and for previous_response_id.
+        again = await client.responses.retrieve(first.id)
+        assert again.output_text == first.output_text and again.output[0].id == first.output[0].id
+        assert (await client.responses.retrieve(final.id)).output[0].id == item.id
+        unstored = await client.responses.create(model="toy-chat", input="forget me", store=False)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(unstored.id)
+        await client.responses.delete(first.id)
+        for gone in (client.responses.retrieve(first.id), client.responses.delete(first.id)):
+            with pytest.raises(openai.NotFoundError) as missing:
+                await gone
+            assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
+
         # A reasoning model's thinking is a reasoning item before the message.
         thought = await client.responses.create(model="toy-reasoner", input="hello there")
         assert [i.type for i in thought.output] == ["reasoning", "message"]
@@ -150,6 +164,10 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served)
 
     # Another tenant cannot continue this one's conversation: not found, as an unknown id is.
     async with _client(gateway, OTHER_KEY) as other:
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.retrieve(called.id)
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.delete(called.id)
         for asked in (called.id, "resp_0123456789abcdef"):
             with pytest.raises(openai.NotFoundError) as missing:
                 await other.responses.create(model="toy-chat", previous_response_id=asked, input="more", stream=True)
@@ -161,11 +179,11 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served)
 def test_response_store_is_per_tenant_and_bounded() -> None:
     store = ResponseStore(entries=2, tenant_bytes=10_000, total_bytes=15_000)
     turn = [{"role": "user", "content": "hi"}]
-    store.put("a", "r1", turn)
-    store.put("a", "r2", turn)
+    store.put("a", "r1", turn, {})
+    store.put("a", "r2", turn, {})
     assert store.get("b", "r1") is None  # another tenant's id is not found
     assert store.get("a", "r1") == turn  # and r1 is now the most recently used of a's
-    store.put("a", "r3", turn)
+    store.put("a", "r3", turn, {})
     assert (store.get("a", "r1"), store.get("a", "r2"), store.get("a", "r3")) == (turn, None, turn)
     # What a caller does with its copy changes nothing kept.
     copy = store.get("a", "r1")
@@ -174,13 +192,13 @@ def test_response_store_is_per_tenant_and_bounded() -> None:
     assert store.get("a", "r1") == turn
     # Bytes: past a tenant's share its oldest go; past the total, the least recently used of all.
     big = [{"role": "user", "content": "x" * 6_000}]
-    store.put("b", "big1", big)
-    store.put("b", "big2", big)
+    store.put("b", "big1", big, {})
+    store.put("b", "big2", big, {})
     assert store.get("b", "big1") is None and store.get("b", "big2") == big
-    store.put("c", "big3", big)
-    store.put("c", "big4", big)  # c's own share drops big3 first
+    store.put("c", "big3", big, {})
+    store.put("c", "big4", big, {})  # c's own share drops big3 first
     assert store.get("c", "big3") is None and store.get("c", "big4") == big
-    store.put("d", "big5", big)  # over the total now: the least recently used of all go (a's, then b's)
+    store.put("d", "big5", big, {})  # over the total now: the least recently used of all go (a's, then b's)
     assert store.get("a", "r1") is None and store.get("b", "big2") is None and store.get("d", "big5") == big
-    store.put("e", "huge", [{"role": "user", "content": "x" * 30_000}])  # larger than any share: never kept
+    store.put("e", "huge", [{"role": "user", "content": "x" * 30_000}], {})  # larger than any share: never kept
     assert store.get("e", "huge") is None and len(store) == 2
