@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from modelforge.cli import (
+from modelforge.cli_common import (
     Group,
     JsonOption,
     _check_identifiers,
@@ -589,7 +589,7 @@ def jobs(
 ) -> None:
     """List the jobs this host's node workers ran, with their state, progress and attempts
     (--cluster: the jobs running on every node, read through Temporal)."""
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
 
     if cluster:
         _cluster_jobs(max(0, limit), as_json)
@@ -620,7 +620,7 @@ def jobs(
 
 
 def _cluster_jobs(limit: int, as_json: bool) -> None:
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
 
     settings = _settings()
 
@@ -672,7 +672,7 @@ def artifacts(
     directory), size, the outputs and requests behind each."""
     if ctx.invoked_subcommand is not None:
         return
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
     from modelforge.runtimes._subprocess_job import artifact_rows
 
     rows = artifact_rows(_artifact_store())[: max(0, limit)]
