@@ -25,10 +25,10 @@ import struct
 import time
 import tomllib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -42,11 +42,21 @@ from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from modelforge.client import MAX_DURATION_S, MAX_GPU_COUNT, MIN_DURATION_S, Result, job_input
-from modelforge.domain import Catalog, Deployment
+from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._anthropic import anthropic_router
 from modelforge.gateway._chat_path import ChatPath
-from modelforge.gateway._errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_S, http_status, openai_error
+from modelforge.gateway._context import (
+    INTERNAL_ERROR,
+    CatalogSource,
+    GatewayError,
+    Requester,
+    _Catalog,
+    _check,
+    _error_response,
+    _escaped,
+    _invalid,
+)
 from modelforge.gateway._hints import conflict as hint_conflict
 from modelforge.gateway._hints import end_user, hinted
 from modelforge.gateway._observe import AccessLog
@@ -79,7 +89,7 @@ from modelforge.gateway._streams import (
     stream_stall_s_from_env,
 )
 from modelforge.identifiers import identifier_problem, shown
-from modelforge.messages import ResidencyControlReply, StreamTarget
+from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
 from modelforge.payloads import Float32Vectors, input_limit
 from modelforge.policy import PoolStatus, tenant_view
@@ -90,9 +100,6 @@ from modelforge.settings import Settings
 _PRIORITY = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
 # Deeper JSON than this is refused (what the store keeps is cut at 64 levels anyway).
 MAX_JSON_DEPTH = 64
-# What an unexpected failure inside the gateway answers: a class, no details (they are logged).
-INTERNAL_ERROR = "INTERNAL_ERROR"
-
 # The key check as a FastAPI security dependency (so the OpenAPI document declares it). Module
 # level: FastAPI resolves a dependency's annotations in its module's namespace.
 _BEARER = HTTPBearer(
@@ -101,31 +108,6 @@ _BEARER = HTTPBearer(
     "required on every route but /healthz when keys are configured.",
 )
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
-
-
-class Requester(Protocol):
-    async def request(
-        self,
-        capability: str,
-        input: dict[str, Any] | None = None,
-        *,
-        priority: str | None = None,
-        tenant: str = "default",
-        deadline_s: float | None = None,
-        lease_timeout_s: float | None = None,
-        request_id: str | None = None,
-        stream: StreamTarget | None = None,
-        max_duration_s: float | None = None,
-    ) -> Result: ...
-
-    async def status(self) -> PoolStatus: ...
-
-    async def residency(
-        self, action: str, deployment: str, *, accelerator: str = "", drain: bool = False, actor: str = ""
-    ) -> ResidencyControlReply: ...
-
-
-CatalogSource = Callable[[], Awaitable[Catalog]]
 
 
 @dataclass(frozen=True)
@@ -228,116 +210,6 @@ class ResidencyCall(_Strict):
     drain: bool = False
 
 
-class GatewayError(Exception):
-    def __init__(
-        self,
-        failure: FailureClass | str,
-        message: str,
-        *,
-        status: int | None = None,
-        request_id: str = "",
-        headers: dict[str, str] | None = None,
-        code: str | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.failure = failure.value if isinstance(failure, FailureClass) else failure
-        self.message = message
-        self.status = status if status is not None else http_status(self.failure)
-        self.request_id = request_id
-        self.headers = headers or {}
-        self.code = code
-        self.param = param
-
-
-def _invalid(
-    message: str, status: int | None = None, *, code: str | None = None, param: str | None = None
-) -> GatewayError:
-    return GatewayError(FailureClass.REQUEST_INVALID, message, status=status, code=code, param=param)
-
-
-def _model_not_found(model: str, request_id: str = "") -> GatewayError:
-    return GatewayError(
-        FailureClass.CAPABILITY_UNAVAILABLE,
-        f"no capability serves model {shown(model)}",
-        status=404,
-        code="model_not_found",
-        param="model",
-        request_id=request_id,
-    )
-
-
-def _printable(text: str, limit: int = 2000) -> str:
-    # Whatever a message quotes (a key from the body, a runtime's error): valid UTF-8, bounded.
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _escaped(text: str, limit: int) -> str:
-    # Printable ASCII, unquoted (a field name in a message): anything else as \x escapes.
-    return "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in text[:limit])
-
-
-def _error_response(error: GatewayError) -> JSONResponse:
-    # OpenAI's error shape, so its SDK raises the matching exception (BadRequestError,
-    # NotFoundError...) with our message; the failure class in a field of its own.
-    kind, default_code = openai_error(error.status)
-    body = {
-        "error": {
-            "message": _printable(error.message),
-            "type": kind,
-            "param": error.param,
-            "code": error.code or default_code,
-            "modelforge_class": error.failure,
-        },
-        "failure_class": error.failure,
-        "request_id": error.request_id or None,
-    }
-    headers = dict(error.headers)
-    try:
-        retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
-    except ValueError:
-        retry_after = None
-    if error.status == 429 and retry_after is None:
-        retry_after = DEFAULT_RETRY_AFTER_S
-    if retry_after is not None and error.status in (429, 503):
-        headers["Retry-After"] = str(retry_after)
-    if error.status == 409:
-        headers["x-should-retry"] = "false"  # the id stays taken: the SDK's retries cannot help
-    return JSONResponse(body, status_code=error.status, headers=headers)
-
-
-class _Catalog:
-    """The catalog as of at most `ttl_s` ago; the last good one when the store cannot answer."""
-
-    def __init__(self, source: CatalogSource, ttl_s: float) -> None:
-        self._source = source
-        self._ttl_s = ttl_s
-        self._catalog: Catalog | None = None
-        self._loaded_at = 0.0
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> Catalog:
-        async with self._lock:
-            if self._catalog is None or time.monotonic() - self._loaded_at > self._ttl_s:
-                try:
-                    self._catalog = await self._source()
-                    self._loaded_at = time.monotonic()
-                except Exception as error:
-                    if self._catalog is None:
-                        raise GatewayError(
-                            FailureClass.CAPABILITY_UNAVAILABLE, f"the catalog cannot be read: {type(error).__name__}"
-                        ) from None
-            return self._catalog
-
-    async def deployment_for_model(self, model: str) -> Deployment:
-        catalog = await self.get()
-        for deployment in catalog.deployments:
-            if model == deployment.capability or model == deployment.name or model in deployment.openai_models:
-                return deployment
-        raise _model_not_found(model)
-
-
 def _body_limit(config: GatewayConfig, requester: Requester) -> int:
     if config.max_body_bytes is not None:
         return config.max_body_bytes
@@ -371,13 +243,6 @@ def _json_depth(value: Any) -> int:
                 return depth
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
-
-
-def _check(kind: str, value: str) -> str:
-    problem = identifier_problem(kind, value)
-    if problem is not None:
-        raise _invalid(problem)
-    return value
 
 
 def create_app(
