@@ -496,7 +496,7 @@ def _pool_status(api: Http, pool: str) -> dict[str, Any]:
 
 
 def _merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
-    """routing.merge_statuses, as dataclasses.asdict shows it."""
+    """policy.merge_statuses, as dataclasses.asdict shows it."""
     if len(statuses) == 1:
         return dict(statuses[0])
     depth: dict[str, int] = {}

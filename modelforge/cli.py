@@ -191,8 +191,7 @@ def _pool_statuses(pool: str | None) -> dict[str, Any]:
 @app.command()
 def status(as_json: JsonOption = False, pool: PoolOption = None) -> None:
     """Per pool and accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
-    from modelforge.policy import PoolStatus
-    from modelforge.routing import merge_statuses
+    from modelforge.policy import PoolStatus, merge_statuses
 
     statuses = _pool_statuses(pool)
     answered = [s for s in statuses.values() if isinstance(s, PoolStatus)]

@@ -57,8 +57,8 @@ from modelforge.messages import (
 )
 from modelforge.names import request_workflow_id, scheduler_id
 from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_store
-from modelforge.policy import Lease, PoolStatus, ResidentStatus
-from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
+from modelforge.policy import Lease, PoolStatus, ResidentStatus, merge_statuses
+from modelforge.routing import PoolRouter, pools_from_env
 from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings, node_task_queue
 
 # Whole-string matches (fullmatch): `$` would also match before a trailing newline.
@@ -659,7 +659,7 @@ class ModelForgeClient:
         raise refusals[0]
 
     async def status(self) -> PoolStatus:
-        """The bound pool's status; unbound, every pool's as one (`routing.merge_statuses`):
+        """The bound pool's status; unbound, every pool's as one (`policy.merge_statuses`):
         CAPABILITY_UNAVAILABLE only when no pool's scheduler answers."""
         if self.pool is not None:
             return await self._pool_status(self.pool)

@@ -49,7 +49,7 @@ with workflow.unsafe.imports_passed_through():
         UsageQuery,
         device_index,
     )
-    from modelforge.routing import RouteInfo, RouteQuery, route_info
+    from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
 from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
