@@ -29,7 +29,6 @@ import binascii
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -621,17 +620,17 @@ class RequestArgs:
         if not head.isascii() or not head.isdigit() or (tail and not (tail.isascii() and tail.isdigit())):
             raise Fallback("seconds this path does not read")
         value = float(text)
-        if not 0 < value <= 7 * 24 * 3600:
+        from modelforge.identifiers import MAX_WAIT_S
+
+        if not 0 < value <= MAX_WAIT_S:
             raise Fallback("seconds out of range")
         return value
 
 
-# client._CLASS: a level, or queue.level.
-CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
-
-
 def _is_class(text: str) -> bool:
-    return CLASS.fullmatch(text) is not None
+    from modelforge.identifiers import PRIORITY_CLASS
+
+    return PRIORITY_CLASS.fullmatch(text) is not None
 
 
 class HandOver(Exception):

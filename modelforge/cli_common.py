@@ -180,7 +180,7 @@ def _database_url(settings: Settings) -> str:
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 # The longest window a history command looks back over: a century (what Postgres's interval
 # arithmetic holds comfortably; a longer one means "everything" and gets the same rows).
-MAX_DURATION_S = 36500 * 86400.0
+MAX_LOOKBACK_S = 36500 * 86400.0
 # `events --limit`: at most this many rows at once.
 MAX_EVENTS_LIMIT = 100_000
 
@@ -194,10 +194,10 @@ def parse_duration(text: str) -> float:
         seconds = float(number) * (unit or 1.0)
     except ValueError:
         seconds = -1.0
-    if not 0 < seconds <= MAX_DURATION_S:
+    if not 0 < seconds <= MAX_LOOKBACK_S:
         raise ModelForgeError(
             FailureClass.REQUEST_INVALID,
-            f"a duration is a positive number with s, m, h or d (e.g. 1h), at most {MAX_DURATION_S / 86400:.0f}d, "
+            f"a duration is a positive number with s, m, h or d (e.g. 1h), at most {MAX_LOOKBACK_S / 86400:.0f}d, "
             f"not {text!r}",
         )
     return seconds

@@ -65,10 +65,8 @@ from temporalio.converter import (
 from temporalio.converter import JSONPlainPayloadConverter as _JSONPlain
 from temporalio.exceptions import ApplicationError
 
+from modelforge.identifiers import MAX_DURATION_S, MAX_WAIT_S
 from modelforge.messages import MAX_INPUT_BYTES
-from modelforge.policy._admission import MAX_DURATION_S
-
-MAX_QUEUE_WAIT_S = 7 * 24 * 3600.0  # deadline_s and lease_timeout_s: at most 7 days (client, policy)
 
 DRIVER_NAME = "modelforge-payloads"
 # Payloads of workflows other than the request workflow (the schedulers, residencies,
@@ -588,10 +586,10 @@ def sweep(root: Path, older_than_s: float, now: float | None = None) -> int:
 # The longest a request workflow runs while it may still read its stored input back (a replay
 # after a worker restart reads the workflow's input from the store; nothing re-stores it while
 # the workflow runs): the longest wait for admission (deadline_s and lease_timeout_s are at most
-# 7 days) plus the longest lease the scheduler grants (policy.MAX_DURATION_S, 30 days; the client
-# and the gateway ask for at most 7). A retention of the namespace's plus one day lost a long
-# job's input on its first replay after a day.
-LONGEST_REQUEST_S = MAX_QUEUE_WAIT_S + MAX_DURATION_S
+# 7 days) plus the longest lease (identifiers.MAX_DURATION_S, 7 days, the one limit of the client,
+# the gateway and the scheduler). A retention of the namespace's plus one day lost a long job's
+# input on its first replay after a day.
+LONGEST_REQUEST_S = MAX_WAIT_S + MAX_DURATION_S
 RETENTION_MARGIN_S = 86400.0
 
 

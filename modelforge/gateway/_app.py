@@ -20,7 +20,6 @@ import dataclasses
 import hmac
 import json
 import os
-import re
 import struct
 import time
 import tomllib
@@ -41,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from modelforge.client import MAX_DURATION_S, MAX_GPU_COUNT, MIN_DURATION_S, Result, job_input
+from modelforge.client import MAX_GPU_COUNT, Result, job_input
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._anthropic import anthropic_router
@@ -88,7 +87,7 @@ from modelforge.gateway._streams import (
     stream_router,
     stream_stall_s_from_env,
 )
-from modelforge.identifiers import identifier_problem, shown
+from modelforge.identifiers import MAX_DURATION_S, MIN_DURATION_S, PRIORITY_CLASS, identifier_problem, shown
 from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
 from modelforge.payloads import Float32Vectors, input_limit
@@ -96,8 +95,6 @@ from modelforge.policy import PoolStatus, tenant_view
 from modelforge.runtimes import runtime_names, speaks
 from modelforge.settings import Settings
 
-# A class: a level, or `queue.level` (the client's rule, matched whole: no trailing newline).
-_PRIORITY = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
 # Deeper JSON than this is refused (what the store keeps is cut at 64 levels anyway).
 MAX_JSON_DEPTH = 64
 # The key check as a FastAPI security dependency (so the OpenAPI document declares it). Module
@@ -390,7 +387,7 @@ def create_app(
         if given is not None and header is not None and given != header:
             raise _invalid("priority in the body and X-ModelForge-Priority differ")
         chosen = given if given is not None else header
-        if chosen is not None and not _PRIORITY.fullmatch(chosen):
+        if chosen is not None and not PRIORITY_CLASS.fullmatch(chosen):
             raise _invalid(
                 f"priority {shown(chosen)} is not a class name (a level such as 'interactive', or 'queue.level')"
             )
