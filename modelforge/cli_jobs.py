@@ -32,6 +32,7 @@ from modelforge.cli_common import (
     render_output,
 )
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.names import REQUEST_WORKFLOW_TYPE, is_request_workflow_id
 
 # A job attempt that ended one of these ways is the request's last word (a preempted or stopped
 # one comes back as the next attempt, in the same log).
@@ -107,17 +108,15 @@ def follow_log(
 # layer 3"), and a finished job's answer carries the end of its log (`log_tail`), or its failure
 # quotes it.
 
-REQUEST_WORKFLOW_TYPE = "CapabilityRequestWorkflow"
 SCAN_LIMIT = 2000  # request workflows looked through for an id, newest first
 
 
 async def find_request_workflow(temporal: Any, request_id: str, scan: int = SCAN_LIMIT) -> str | None:
     """The id of the request workflow for `request_id` (`request:<capability>:<request id>`),
     among the newest `scan` request workflows, or None."""
-    suffix = f":{request_id}"
     seen = 0
     async for execution in temporal.list_workflows(f"WorkflowType = '{REQUEST_WORKFLOW_TYPE}'"):
-        if execution.id.startswith("request:") and execution.id.endswith(suffix):
+        if is_request_workflow_id(execution.id, request_id):
             return str(execution.id)
         seen += 1
         if seen >= scan:

@@ -62,7 +62,7 @@ from modelforge.messages import (
     StreamTarget,
     client_input_problem,
 )
-from modelforge.names import request_workflow_id, scheduler_id
+from modelforge.names import REQUEST_WORKFLOW_TYPE, request_workflow_id, scheduler_id
 from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_store
 from modelforge.policy import Lease, PoolStatus, ResidentStatus, merge_statuses
 from modelforge.routing import PoolRouter, pools_from_env
@@ -523,7 +523,7 @@ class ModelForgeClient:
     ) -> WorkflowHandle[Any, RequestResult]:
         try:
             return await self.temporal.start_workflow(
-                "CapabilityRequestWorkflow",
+                REQUEST_WORKFLOW_TYPE,
                 request,
                 id=workflow_id,
                 task_queue=task_queue,

@@ -67,14 +67,13 @@ from temporalio.exceptions import ApplicationError
 
 from modelforge.identifiers import MAX_DURATION_S, MAX_WAIT_S
 from modelforge.messages import MAX_INPUT_BYTES
+from modelforge.names import REQUEST_WORKFLOW_TYPE, is_request_workflow_id
 
 DRIVER_NAME = "modelforge-payloads"
 # Payloads of workflows other than the request workflow (the schedulers, residencies,
 # telemetry) leave the history only from this size: theirs stay inline as they always were.
 # The SDK's own default threshold; well under the server's 2 MB limit.
 LARGE_PAYLOAD_BYTES = 256 * 1024
-REQUEST_WORKFLOW = "CapabilityRequestWorkflow"
-REQUEST_WORKFLOW_ID_PREFIX = "request:"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -244,7 +243,7 @@ class _Selector:
             return self.store
         target = context.target
         on_request_path = isinstance(target, StorageDriverWorkflowInfo) and (
-            target.type == REQUEST_WORKFLOW or (target.id or "").startswith(REQUEST_WORKFLOW_ID_PREFIX)
+            target.type == REQUEST_WORKFLOW_TYPE or is_request_workflow_id(target.id or "")
         )
         return self.store if on_request_path and size >= self.threshold else None
 

@@ -40,6 +40,7 @@ from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.identifiers import shown
 from modelforge.logging import get_logger
+from modelforge.names import RUNNING_SCHEDULERS, pool_of_scheduler, scheduler_id
 from modelforge.policy import RouteInfo, RouteQuery, catalog_pools, choose_pool
 from modelforge.settings import DEFAULT_POOL
 
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
 
 log = get_logger("modelforge.routing")
 
-SCHEDULER_PREFIX = "scheduler:"
-# The running pool schedulers, from Temporal visibility.
-RUNNING_SCHEDULERS = "WorkflowType='PoolSchedulerWorkflow' AND ExecutionStatus='Running'"
 POOLS_TTL_S = 30.0
 ROUTE_TTL_S = 1.0
 # A pool whose scheduler does not answer the route query within this long is left out this time.
@@ -157,8 +155,9 @@ class PoolRouter:
             async for execution in self.client.list_workflows(
                 RUNNING_SCHEDULERS, rpc_timeout=timedelta(seconds=self.query_timeout_s)
             ):
-                if execution.id.startswith(SCHEDULER_PREFIX):
-                    found.append(execution.id.removeprefix(SCHEDULER_PREFIX))
+                pool = pool_of_scheduler(execution.id)
+                if pool is not None:
+                    found.append(pool)
         except RPCError as error:  # no visibility (the time-skipping test server): the default pool
             log.debug("pool_discovery_failed", error=f"{error.status.name}: {error.message}")
         return _names(found)
@@ -314,7 +313,7 @@ class PoolRouter:
 
         timeout = timedelta(seconds=self.query_timeout_s if timeout_s is None else timeout_s)
         try:
-            info: RouteInfo = await self.client.get_workflow_handle(f"{SCHEDULER_PREFIX}{pool}").query(
+            info: RouteInfo = await self.client.get_workflow_handle(scheduler_id(pool)).query(
                 "route", query, result_type=RouteInfo, rpc_timeout=timeout
             )
         except (RPCError, WorkflowQueryFailedError) as error:

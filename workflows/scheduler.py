@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         UsageQuery,
         device_index,
     )
+    from modelforge.names import SCHEDULER_WORKFLOW_TYPE
     from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
@@ -112,7 +113,7 @@ MAX_ADMIT_BATCH = 500
 DELEGATION_SPARE_SLOTS = 1
 
 
-@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
+@workflow.defn(name=SCHEDULER_WORKFLOW_TYPE, sandboxed=False)
 class PoolSchedulerWorkflow:
     @workflow.init
     def __init__(self, start: SchedulerInput) -> None:
