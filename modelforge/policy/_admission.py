@@ -767,7 +767,7 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
         return now + 3600.0
     if resident.active_leases > 0:
         return now + resident.ttl_s
-    expires = resident.last_used + resident.ttl_s
+    expires = resident.idle_expires_at
     if expires > now:
         return expires
     resident.phase = ResidentPhase.UNLOADING
