@@ -35,12 +35,12 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from modelforge.client import MAX_GPU_COUNT, Result, job_input
+from modelforge.client import Result
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._anthropic import anthropic_router
@@ -58,6 +58,7 @@ from modelforge.gateway._context import (
 )
 from modelforge.gateway._hints import conflict as hint_conflict
 from modelforge.gateway._hints import end_user, hinted
+from modelforge.gateway._jobs import jobs_router
 from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
 from modelforge.gateway._params import (
@@ -87,12 +88,11 @@ from modelforge.gateway._streams import (
     stream_router,
     stream_stall_s_from_env,
 )
-from modelforge.identifiers import MAX_DURATION_S, MIN_DURATION_S, PRIORITY_CLASS, identifier_problem, shown
+from modelforge.identifiers import PRIORITY_CLASS, identifier_problem, shown
 from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
 from modelforge.payloads import Float32Vectors, input_limit
 from modelforge.policy import PoolStatus, tenant_view
-from modelforge.runtimes import runtime_names, speaks
 from modelforge.settings import Settings
 
 # Deeper JSON than this is refused (what the store keeps is cut at 64 levels anyway).
@@ -185,18 +185,6 @@ class CapabilityCall(_Strict):
     tenant: str | None = None
     deadline_s: Annotated[float, Field(gt=0)] | None = None
     lease_timeout_s: Annotated[float, Field(gt=0)] | None = None
-    request_id: str | None = None
-
-
-class JobCall(_Strict):
-    """POST /v1/jobs: a job (runtime subprocess_job) whose deployment's command gets `args`."""
-
-    capability: Annotated[str, Field(min_length=1, max_length=200)]
-    args: Annotated[list[str], Field(max_length=200)] = Field(default_factory=list)
-    max_duration_s: Annotated[float, Field(ge=MIN_DURATION_S, le=MAX_DURATION_S)]
-    gpu_count: Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)] | None = None
-    nvlink: StrictBool = False
-    priority: str | None = None
     request_id: str | None = None
 
 
@@ -546,71 +534,7 @@ def create_app(
             }
         )
 
-    @api.post("/v1/jobs")
-    async def jobs_(request: Request) -> JSONResponse:
-        """A job (runtime subprocess_job) run to its end under a lease of `max_duration_s`: its
-        Result (the job's output, timings, request id), or the typed error. `ModelForgeClient.
-        submit_job` over HTTP; a deployment of any other runtime is refused (400, named)."""
-        tenant: str = request.state.tenant
-        call: JobCall = await body_of(request, JobCall)
-        capability = _check("capability", call.capability)
-        request_id = request_id_of(request, call.request_id)
-        priority = priority_of(request, call.priority)
-        deployment = (await catalog.get()).deployment_for(capability)
-        if deployment is None:
-            raise GatewayError(
-                FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no deployment serves {shown(capability)}",
-                status=404,
-                request_id=request_id,
-                code="model_not_found",
-                param="capability",
-            )
-        if not speaks(deployment).job:
-            jobs = " or ".join(runtime_names(lambda spec: spec.job))
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID,
-                f"{shown(capability)} runs on runtime {shown(deployment.runtime)}, not {jobs}: "
-                "it is not a job (POST /v1/requests serves it)",
-                status=400,
-                request_id=request_id,
-                code="invalid_value",
-                param="capability",
-            )
-        if call.nvlink and not deployment.nvlink_required:  # what the node would refuse, before any workflow
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID,
-                f"nvlink: the job asks for cards joined by NVLink, but {deployment.deployment_id} does not require an "
-                "NVLink group (its catalog entry has no nvlink_required = true), so its placement does not "
-                "promise one; submit without nvlink or use a deployment that requires NVLink",
-                status=400,
-                request_id=request_id,
-                code="invalid_value",
-                param="nvlink",
-            )
-        try:
-            payload = job_input(call.args, call.gpu_count, call.nvlink)
-        except ModelForgeError as error:
-            raise GatewayError(error.failure, error.message, request_id=request_id) from None
-        result = await run(
-            request,
-            capability,
-            payload,
-            request_id,
-            tenant=tenant,
-            priority=priority,
-            max_duration_s=call.max_duration_s,
-        )
-        return JSONResponse(
-            {
-                "request_id": result.request_id,
-                "capability": result.capability,
-                "output": result.output,
-                "lease": dataclasses.asdict(result.lease) if result.lease else None,
-                "timings": result.timings,
-                "workflow_id": result.workflow_id,
-            }
-        )
+    api.include_router(jobs_router(catalog, body_of, request_id_of, priority_of, run))
 
     @api.post("/v1/residency")
     async def residency(request: Request) -> dict[str, Any]:
