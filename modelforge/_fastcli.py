@@ -29,7 +29,6 @@ import binascii
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -37,7 +36,10 @@ from modelforge.names import (
     CONTROL_TASK_QUEUE,
     DEFAULT_POOL,
     NODE_TASK_QUEUE_PREFIX,
+    REQUEST_WORKFLOW_TYPE,
+    RUNNING_SCHEDULERS,
     node_task_queue,
+    pool_of_scheduler,
     request_workflow_id,
     scheduler_id,
 )
@@ -61,8 +63,6 @@ _OUTPUT_REF = "modelforge_output_ref"  # modelforge/payloads.py OUTPUT_REF
 _LARGE_PAYLOAD_BYTES = 256 * 1024  # modelforge/payloads.py LARGE_PAYLOAD_BYTES
 _MAX_ANSWER_BYTES = 64 * 1024 * 1024  # an HTTP answer this path reads whole
 _RESERVED_INPUT_PREFIX = "modelforge_"  # modelforge/messages.py
-_SCHEDULER_PREFIX = "scheduler:"
-_RUNNING_SCHEDULERS = "WorkflowType='PoolSchedulerWorkflow' AND ExecutionStatus='Running'"
 # Settings this path reads; a setting that changes how the CLI connects and this path does not
 # implement (TLS, an API key, a secret's *_FILE) sends the command the SDK way.
 _READ = {
@@ -473,15 +473,11 @@ def _pools(api: Http, pool: str | None) -> list[str]:
         return [pool]
     if api.env.pools:
         return api.env.pools
-    listed = api.call("GET", "/workflows", query=_RUNNING_SCHEDULERS)
+    listed = api.call("GET", "/workflows", query=RUNNING_SCHEDULERS)
     if listed.get("nextPageToken"):
         raise Fallback("more schedulers than one page")
-    found = {
-        e["execution"]["workflowId"].removeprefix(_SCHEDULER_PREFIX)
-        for e in listed.get("executions") or []
-        if e["execution"]["workflowId"].startswith(_SCHEDULER_PREFIX)
-    }
-    return sorted({name.strip() for name in found if name.strip()}) or [DEFAULT_POOL]
+    found = {pool_of_scheduler(e["execution"]["workflowId"]) for e in listed.get("executions") or []}
+    return sorted({name.strip() for name in found if name and name.strip()}) or [DEFAULT_POOL]
 
 
 def _pool_status(api: Http, pool: str) -> dict[str, Any]:
@@ -496,7 +492,7 @@ def _pool_status(api: Http, pool: str) -> dict[str, Any]:
 
 
 def _merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
-    """routing.merge_statuses, as dataclasses.asdict shows it."""
+    """policy.merge_statuses, as dataclasses.asdict shows it."""
     if len(statuses) == 1:
         return dict(statuses[0])
     depth: dict[str, int] = {}
@@ -621,17 +617,17 @@ class RequestArgs:
         if not head.isascii() or not head.isdigit() or (tail and not (tail.isascii() and tail.isdigit())):
             raise Fallback("seconds this path does not read")
         value = float(text)
-        if not 0 < value <= 7 * 24 * 3600:
+        from modelforge.identifiers import MAX_WAIT_S
+
+        if not 0 < value <= MAX_WAIT_S:
             raise Fallback("seconds out of range")
         return value
 
 
-# client._CLASS: a level, or queue.level.
-CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
-
-
 def _is_class(text: str) -> bool:
-    return CLASS.fullmatch(text) is not None
+    from modelforge.identifiers import PRIORITY_CLASS
+
+    return PRIORITY_CLASS.fullmatch(text) is not None
 
 
 class HandOver(Exception):
@@ -803,7 +799,7 @@ def request_json(api: Http, args: RequestArgs, route: tuple[str, str] | None = N
         attributes["ModelForgePriority"] = args.priority
     start = {
         "workflowId": workflow_id,
-        "workflowType": {"name": "CapabilityRequestWorkflow"},
+        "workflowType": {"name": REQUEST_WORKFLOW_TYPE},
         "taskQueue": {"name": task_queue},
         "input": {"payloads": [payload]},
         "identity": f"{os.getpid()}@{_socket.gethostname()}",

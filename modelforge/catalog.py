@@ -280,7 +280,11 @@ def _runtime_problems(dep: DeploymentSpec) -> list[str]:
     from modelforge.runtimes import RUNTIMES, runtime_names
     from modelforge.runtimes._secrets import secret_problems
 
-    secrets = secret_problems(dep.runtime, dep.runtime_config, dep.env_from_secrets)
+    secrets = secret_problems(dep.runtime_config, dep.env_from_secrets)
+    spec = RUNTIMES.get(dep.runtime)
+    if dep.env_from_secrets and (spec is None or not spec.env_from_secrets):
+        giving = " and ".join(runtime_names(lambda other: other.env_from_secrets))
+        secrets.append(f"env_from_secrets: only {giving} gives a server an environment, not {dep.runtime}")
     if secrets:
         return secrets  # never a secret's value: names and the reference syntax only
     spec = RUNTIMES[dep.runtime]

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from modelforge.cli import (
+from modelforge.cli_common import (
     Group,
     JsonOption,
     _check_identifiers,
@@ -32,6 +32,7 @@ from modelforge.cli import (
     render_output,
 )
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.names import REQUEST_WORKFLOW_TYPE, is_request_workflow_id
 
 # A job attempt that ended one of these ways is the request's last word (a preempted or stopped
 # one comes back as the next attempt, in the same log).
@@ -107,17 +108,15 @@ def follow_log(
 # layer 3"), and a finished job's answer carries the end of its log (`log_tail`), or its failure
 # quotes it.
 
-REQUEST_WORKFLOW_TYPE = "CapabilityRequestWorkflow"
 SCAN_LIMIT = 2000  # request workflows looked through for an id, newest first
 
 
 async def find_request_workflow(temporal: Any, request_id: str, scan: int = SCAN_LIMIT) -> str | None:
     """The id of the request workflow for `request_id` (`request:<capability>:<request id>`),
     among the newest `scan` request workflows, or None."""
-    suffix = f":{request_id}"
     seen = 0
     async for execution in temporal.list_workflows(f"WorkflowType = '{REQUEST_WORKFLOW_TYPE}'"):
-        if execution.id.startswith("request:") and execution.id.endswith(suffix):
+        if is_request_workflow_id(execution.id, request_id):
             return str(execution.id)
         seen += 1
         if seen >= scan:
@@ -589,7 +588,7 @@ def jobs(
 ) -> None:
     """List the jobs this host's node workers ran, with their state, progress and attempts
     (--cluster: the jobs running on every node, read through Temporal)."""
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
 
     if cluster:
         _cluster_jobs(max(0, limit), as_json)
@@ -620,7 +619,7 @@ def jobs(
 
 
 def _cluster_jobs(limit: int, as_json: bool) -> None:
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
 
     settings = _settings()
 
@@ -672,7 +671,7 @@ def artifacts(
     directory), size, the outputs and requests behind each."""
     if ctx.invoked_subcommand is not None:
         return
-    from modelforge.cli import _compact_table, _table_console
+    from modelforge.cli_common import _compact_table, _table_console
     from modelforge.runtimes._subprocess_job import artifact_rows
 
     rows = artifact_rows(_artifact_store())[: max(0, limit)]

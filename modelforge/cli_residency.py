@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from modelforge.cli import JsonOption, _fail, _json, _run, _settings, app, out
+from modelforge.cli_common import JsonOption, _fail, _json, _run, _settings, app, out
 from modelforge.failures import FailureClass, ModelForgeError
 
 Deployment = Annotated[str, typer.Argument(help="A deployment id or a capability (e.g. chat.small@1).")]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,15 @@ from temporalio.service import RPCError, RPCStatusCode
 from modelforge import temporal as sa
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.identifiers import identifier_problem, shown
+from modelforge.identifiers import (
+    CLASS_PART,
+    MAX_DURATION_S,
+    MAX_WAIT_S,
+    MIN_DURATION_S,
+    PRIORITY_CLASS,
+    identifier_problem,
+    shown,
+)
 from modelforge.messages import (
     MAX_INPUT_BYTES,
     OPERATIONS,
@@ -55,24 +62,17 @@ from modelforge.messages import (
     StreamTarget,
     client_input_problem,
 )
-from modelforge.names import request_workflow_id, scheduler_id
+from modelforge.names import REQUEST_WORKFLOW_TYPE, request_workflow_id, scheduler_id
 from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_store
-from modelforge.policy import Lease, PoolStatus, ResidentStatus
-from modelforge.routing import PoolRouter, merge_statuses, pools_from_env
+from modelforge.policy import Lease, PoolStatus, ResidentStatus, merge_statuses
+from modelforge.routing import PoolRouter, pools_from_env
 from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings, node_task_queue
 
-# Whole-string matches (fullmatch): `$` would also match before a trailing newline.
-_CLASS_PART = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}")
-# A level, or queue.level (the scheduler checks it against the catalog's queues).
-_CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
 # Deeper input is refused before it is encoded (json.dumps would recurse, and the store cuts
 # what it keeps at 64 levels anyway).
 MAX_INPUT_DEPTH = 64
 # How long a request rides out a Temporal outage (its start, or the wait for its result).
 DEFAULT_REATTACH_S = 300.0
-# The longest and shortest lease a request may ask for (`max_duration_s`; a job's run time).
-MIN_DURATION_S = 1.0
-MAX_DURATION_S = 7 * 24 * 3600.0
 # Cards a job may ask for (`submit_job(gpu_count=...)`); the node checks the deployment has them.
 MAX_GPU_COUNT = 1024
 # What a server restart or a dropped connection looks like; anything else is an answer.
@@ -258,12 +258,12 @@ class ModelForgeClient:
             if text is not None and not isinstance(text, str):
                 return _invalid(request_id, capability, f"{name} must be a string, not {type(text).__name__}")
         if queue is not None:
-            if not _CLASS_PART.fullmatch(queue):
+            if not CLASS_PART.fullmatch(queue):
                 return _invalid(request_id, capability, f"queue {shown(queue)} is not a queue name")
             if priority is None or "." in priority:
                 return _invalid(request_id, capability, "a queue needs a level: --queue merge --priority critical")
             priority = f"{queue}.{priority}"
-        if priority is not None and not _CLASS.fullmatch(priority):
+        if priority is not None and not PRIORITY_CLASS.fullmatch(priority):
             return _invalid(
                 request_id,
                 capability,
@@ -272,7 +272,7 @@ class ModelForgeClient:
         for name, value in (("deadline_s", deadline_s), ("lease_timeout_s", lease_timeout_s)):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value <= 7 * 24 * 3600):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value <= MAX_WAIT_S):
                 return _invalid(request_id, capability, f"{name} must be between 0 and 604800 seconds")
         if max_duration_s is not None and (
             isinstance(max_duration_s, bool)
@@ -523,7 +523,7 @@ class ModelForgeClient:
     ) -> WorkflowHandle[Any, RequestResult]:
         try:
             return await self.temporal.start_workflow(
-                "CapabilityRequestWorkflow",
+                REQUEST_WORKFLOW_TYPE,
                 request,
                 id=workflow_id,
                 task_queue=task_queue,
@@ -659,7 +659,7 @@ class ModelForgeClient:
         raise refusals[0]
 
     async def status(self) -> PoolStatus:
-        """The bound pool's status; unbound, every pool's as one (`routing.merge_statuses`):
+        """The bound pool's status; unbound, every pool's as one (`policy.merge_statuses`):
         CAPABILITY_UNAVAILABLE only when no pool's scheduler answers."""
         if self.pool is not None:
             return await self._pool_status(self.pool)

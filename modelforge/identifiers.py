@@ -33,6 +33,20 @@ TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 CAPABILITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?")
 
+# A priority class: a level, or `queue.level` (matched whole, as every pattern here: `$` would
+# also match before a trailing newline). The scheduler checks it against the catalog's queues.
+CLASS_PART = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}")
+PRIORITY_CLASS = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
+
+# The numeric bounds of a request, one set for every entrance (client, CLI, gateway) and the
+# scheduler's own admission check. The longest wait for admission (deadline_s, lease_timeout_s):
+MAX_WAIT_S = 7 * 24 * 3600.0
+# The shortest and longest lease a request may ask for (max_duration_s; a job's run time). One
+# maximum: the stored payloads' retention floor (payloads.LONGEST_REQUEST_S) is the longest wait
+# plus this, so a longer lease anywhere would outlive its own input.
+MIN_DURATION_S = 1.0
+MAX_DURATION_S = 7 * 24 * 3600.0
+
 _RULES: dict[str, tuple[re.Pattern[str], int, str]] = {
     "tenant": (TENANT, MAX_TENANT_LENGTH, "1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit"),
     "request_id": (REQUEST_ID, MAX_REQUEST_ID_LENGTH, "1-128 of A-Z a-z 0-9 . _ : -, starting with a letter or digit"),

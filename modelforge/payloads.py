@@ -65,18 +65,15 @@ from temporalio.converter import (
 from temporalio.converter import JSONPlainPayloadConverter as _JSONPlain
 from temporalio.exceptions import ApplicationError
 
+from modelforge.identifiers import MAX_DURATION_S, MAX_WAIT_S
 from modelforge.messages import MAX_INPUT_BYTES
-from modelforge.policy._admission import MAX_DURATION_S
-
-MAX_QUEUE_WAIT_S = 7 * 24 * 3600.0  # deadline_s and lease_timeout_s: at most 7 days (client, policy)
+from modelforge.names import REQUEST_WORKFLOW_TYPE, is_request_workflow_id
 
 DRIVER_NAME = "modelforge-payloads"
 # Payloads of workflows other than the request workflow (the schedulers, residencies,
 # telemetry) leave the history only from this size: theirs stay inline as they always were.
 # The SDK's own default threshold; well under the server's 2 MB limit.
 LARGE_PAYLOAD_BYTES = 256 * 1024
-REQUEST_WORKFLOW = "CapabilityRequestWorkflow"
-REQUEST_WORKFLOW_ID_PREFIX = "request:"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -246,7 +243,7 @@ class _Selector:
             return self.store
         target = context.target
         on_request_path = isinstance(target, StorageDriverWorkflowInfo) and (
-            target.type == REQUEST_WORKFLOW or (target.id or "").startswith(REQUEST_WORKFLOW_ID_PREFIX)
+            target.type == REQUEST_WORKFLOW_TYPE or is_request_workflow_id(target.id or "")
         )
         return self.store if on_request_path and size >= self.threshold else None
 
@@ -588,10 +585,10 @@ def sweep(root: Path, older_than_s: float, now: float | None = None) -> int:
 # The longest a request workflow runs while it may still read its stored input back (a replay
 # after a worker restart reads the workflow's input from the store; nothing re-stores it while
 # the workflow runs): the longest wait for admission (deadline_s and lease_timeout_s are at most
-# 7 days) plus the longest lease the scheduler grants (policy.MAX_DURATION_S, 30 days; the client
-# and the gateway ask for at most 7). A retention of the namespace's plus one day lost a long
-# job's input on its first replay after a day.
-LONGEST_REQUEST_S = MAX_QUEUE_WAIT_S + MAX_DURATION_S
+# 7 days) plus the longest lease (identifiers.MAX_DURATION_S, 7 days, the one limit of the client,
+# the gateway and the scheduler). A retention of the namespace's plus one day lost a long job's
+# input on its first replay after a day.
+LONGEST_REQUEST_S = MAX_WAIT_S + MAX_DURATION_S
 RETENTION_MARGIN_S = 86400.0
 
 

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
+import subprocess
 import sys
 import threading
 import uuid
@@ -16,6 +18,51 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.temporal import register_search_attributes
 
 BIN = Path(sys.executable).parent
+
+# The test tiers. A test that uses one of these fixtures (directly or through another fixture)
+# starts a server process (Postgres, a Temporal server) and is marked `server`. A test under one
+# of these directories starts processes by design (the dev stack, killed workers, model servers,
+# a browser), and so does one in a module that calls for a process itself (`subprocess.`,
+# `asyncio.create_subprocess_*`, `sys.executable`, `Popen`): those are marked `subprocess`.
+# `./scripts/test --fast` runs the rest, with the guard below: there, an unmarked test that starts
+# a process fails, naming the marker to add, so the fast tier stays what it says. (A loopback
+# listener in a thread, a fake Temporal HTTP API or the gateway under uvicorn, costs
+# milliseconds and stays in the fast tier.)
+SERVER_FIXTURES = frozenset({"postgres_server_url", "database_url", "time_skipping_env", "dev_server_env"})
+SUBPROCESS_DIRECTORIES = frozenset({"e2e", "faults", "browser", "apps", "runtimes"})
+SUBPROCESS_CALLS = re.compile(r"\bsubprocess\.|create_subprocess_|sys\.executable|\bPopen\b")
+TIER_MARKERS = ("server", "subprocess")
+FAST_TIER = "MODELFORGE_TEST_TIER"  # "fast": set by ./scripts/test --fast
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spawns: dict[Path, bool] = {}
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+        parts = item.path.relative_to(TESTS).parts if item.path.is_relative_to(TESTS) else ()
+        if item.path not in spawns:
+            spawns[item.path] = bool(SUBPROCESS_CALLS.search(item.path.read_text(encoding="utf-8")))
+        if (parts and parts[0] in SUBPROCESS_DIRECTORIES) or spawns[item.path]:
+            item.add_marker(pytest.mark.subprocess)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the fast tier, an unmarked test that starts a process fails with the marker to add,
+    instead of slowing the tier silently (a model server a runtime starts, a CLI run as a process)."""
+    if os.environ.get(FAST_TIER) != "fast" or any(request.node.get_closest_marker(n) for n in TIER_MARKERS):
+        return
+    nodeid = request.node.nodeid
+
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            f"{nodeid} starts a process but is not marked: add @pytest.mark.subprocess "
+            "(./scripts/test --fast runs only tests that start no server and no process)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", no_process)
 
 
 def _binary(name: str) -> str:

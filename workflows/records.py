@@ -11,12 +11,13 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from modelforge.events import EventRecord
+    from modelforge.names import RECORD_EVENTS_WORKFLOW_TYPE
     from modelforge.settings import CONTROL_TASK_QUEUE
 
 from workflows._common import STORE_RETRY
 
 
-@workflow.defn(name="RecordEventsWorkflow")
+@workflow.defn(name=RECORD_EVENTS_WORKFLOW_TYPE)
 class RecordEventsWorkflow:
     @workflow.run
     async def run(self, events: list[EventRecord]) -> int:

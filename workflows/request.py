@@ -40,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         SlotClaim,
         client_input_problem,
     )
+    from modelforge.names import REQUEST_WORKFLOW_TYPE
     from modelforge.policy import AdmissionRequest, Lease
     from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 
@@ -68,7 +69,7 @@ ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
-@workflow.defn(name="CapabilityRequestWorkflow", sandboxed=False)
+@workflow.defn(name=REQUEST_WORKFLOW_TYPE, sandboxed=False)
 class CapabilityRequestWorkflow:
     @workflow.init
     def __init__(self, request: RequestInput) -> None:

@@ -30,12 +30,13 @@ with workflow.unsafe.imports_passed_through():
         RuntimeOpResult,
         UnloadReport,
     )
+    from modelforge.names import RESIDENCY_WORKFLOW_TYPE
     from modelforge.settings import node_task_queue
 
 from workflows._common import RUNTIME_RETRY, classify, scheduler_id
 
 
-@workflow.defn(name="ResidencyWorkflow")
+@workflow.defn(name=RESIDENCY_WORKFLOW_TYPE)
 class ResidencyWorkflow:
     @workflow.init
     def __init__(self, start: ResidencyInput) -> None:

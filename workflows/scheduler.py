@@ -49,7 +49,8 @@ with workflow.unsafe.imports_passed_through():
         UsageQuery,
         device_index,
     )
-    from modelforge.routing import RouteInfo, RouteQuery, route_info
+    from modelforge.names import SCHEDULER_WORKFLOW_TYPE
+    from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
 from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
@@ -112,7 +113,7 @@ MAX_ADMIT_BATCH = 500
 DELEGATION_SPARE_SLOTS = 1
 
 
-@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
+@workflow.defn(name=SCHEDULER_WORKFLOW_TYPE, sandboxed=False)
 class PoolSchedulerWorkflow:
     @workflow.init
     def __init__(self, start: SchedulerInput) -> None:

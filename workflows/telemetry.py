@@ -14,12 +14,13 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from modelforge.failures import FailureClass
     from modelforge.messages import NodeSample, TelemetryInput
+    from modelforge.names import TELEMETRY_WORKFLOW_TYPE
     from modelforge.settings import node_task_queue
 
 from workflows._common import scheduler_id
 
 
-@workflow.defn(name="TelemetryWorkflow")
+@workflow.defn(name=TELEMETRY_WORKFLOW_TYPE)
 class TelemetryWorkflow:
     @workflow.run
     async def run(self, start: TelemetryInput) -> None:

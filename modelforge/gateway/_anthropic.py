@@ -25,16 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from modelforge.failures import FailureClass
-from modelforge.gateway import _app
+from modelforge.gateway import _context
 from modelforge.gateway._chat_path import Answer, ChatPath, Piece, text_of
 from modelforge.gateway._errors import http_status, retry_after_s
 from modelforge.gateway._params import ChatCall, estimate_tokens
@@ -91,7 +90,7 @@ def _error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def _error_response(error: _app.GatewayError) -> JSONResponse:
+def _error_response(error: _context.GatewayError) -> JSONResponse:
     """Anthropic's error shape (the `anthropic` package raises the matching exception with the
     message), the ModelForge class in `error.modelforge_class` and `failure_class`."""
     status = 400 if error.status == 422 else error.status
@@ -99,7 +98,7 @@ def _error_response(error: _app.GatewayError) -> JSONResponse:
         "type": "error",
         "error": {
             "type": _error_type(status),
-            "message": _app._printable(error.message),
+            "message": _context._printable(error.message),
             "modelforge_class": error.failure,
         },
         "failure_class": error.failure,
@@ -112,28 +111,6 @@ def _error_response(error: _app.GatewayError) -> JSONResponse:
     if status == 409:
         headers["x-should-retry"] = "false"  # the request id stays taken: the SDK's retries cannot help
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-class _AnthropicRoute(APIRoute):
-    """Every failure of these routes, the key check included, answers in Anthropic's shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except _app.GatewayError as error:
-                request.state.failure_class = error.failure  # for the gateway's access log
-                return _error_response(error)
-            except Exception:
-                _log.exception("anthropic route %s failed", request.url.path)
-                request.state.failure_class = _app.INTERNAL_ERROR
-                return _error_response(
-                    _app.GatewayError(_app.INTERNAL_ERROR, "the gateway failed; see its log", status=500)
-                )
-
-        return route
 
 
 class _Conversation(BaseModel):
@@ -160,11 +137,11 @@ class _MessagesCall(_Conversation):
     speed: str | None = None
 
 
-def _invalid(message: str) -> _app.GatewayError:
-    return _app.GatewayError(FailureClass.REQUEST_INVALID, message, status=400)
+def _invalid(message: str) -> _context.GatewayError:
+    return _context.GatewayError(FailureClass.REQUEST_INVALID, message, status=400)
 
 
-def _unsupported(where: str, why: str) -> _app.GatewayError:
+def _unsupported(where: str, why: str) -> _context.GatewayError:
     return _invalid(f"{where}: {why}")
 
 
@@ -311,7 +288,9 @@ def _output_config(config: dict[str, Any] | None) -> dict[str, Any]:
             schema = {"name": "output", "schema": value.get("schema") or {}, "strict": True}
             given["response_format"] = {"type": "json_schema", "json_schema": schema}
         else:
-            raise _unsupported(f"output_config.{_app._escaped(name, 40)}", "effort and a json_schema format are served")
+            raise _unsupported(
+                f"output_config.{_context._escaped(name, 40)}", "effort and a json_schema format are served"
+            )
     return given
 
 
@@ -358,7 +337,7 @@ def _input(arguments: str, request_id: str) -> dict[str, Any]:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise _app.GatewayError(
+        raise _context.GatewayError(
             FailureClass.INVALID_OUTPUT,
             f"the model called a tool with arguments that are not a JSON object: {arguments[:200]!r}",
             request_id=request_id,
@@ -397,7 +376,7 @@ def _blocks(answer: Answer) -> list[dict[str, Any]]:
 def anthropic_router(path: ChatPath) -> APIRouter:
     """`/v1/messages` and `/v1/messages/count_tokens` on `create_app`'s chat path; included into its
     authenticated router, so the API key is checked first, as on every other route."""
-    router = APIRouter(route_class=_AnthropicRoute)
+    router = APIRouter(route_class=_context.error_route(_error_response, _log, "anthropic"))
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Any:

@@ -20,15 +20,14 @@ import dataclasses
 import hmac
 import json
 import os
-import re
 import struct
 import time
 import tomllib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -36,19 +35,30 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from modelforge.client import MAX_DURATION_S, MAX_GPU_COUNT, MIN_DURATION_S, Result, job_input
-from modelforge.domain import Catalog, Deployment
+from modelforge.client import Result
+from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway._anthropic import anthropic_router
 from modelforge.gateway._chat_path import ChatPath
-from modelforge.gateway._errors import DEFAULT_RETRY_AFTER_S, RETRY_AFTER_S, http_status, openai_error
+from modelforge.gateway._context import (
+    INTERNAL_ERROR,
+    CatalogSource,
+    GatewayError,
+    Requester,
+    _Catalog,
+    _check,
+    _error_response,
+    _escaped,
+    _invalid,
+)
 from modelforge.gateway._hints import conflict as hint_conflict
 from modelforge.gateway._hints import end_user, hinted
+from modelforge.gateway._jobs import jobs_router
 from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
 from modelforge.gateway._params import (
@@ -78,21 +88,15 @@ from modelforge.gateway._streams import (
     stream_router,
     stream_stall_s_from_env,
 )
-from modelforge.identifiers import identifier_problem, shown
-from modelforge.messages import ResidencyControlReply, StreamTarget
+from modelforge.identifiers import PRIORITY_CLASS, identifier_problem, shown
+from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
 from modelforge.payloads import Float32Vectors, input_limit
 from modelforge.policy import PoolStatus, tenant_view
-from modelforge.runtimes import runtime_names, speaks
 from modelforge.settings import Settings
 
-# A class: a level, or `queue.level` (the client's rule, matched whole: no trailing newline).
-_PRIORITY = re.compile(r"[a-z0-9][a-z0-9_-]{0,59}(\.[a-z0-9][a-z0-9_-]{0,59})?")
 # Deeper JSON than this is refused (what the store keeps is cut at 64 levels anyway).
 MAX_JSON_DEPTH = 64
-# What an unexpected failure inside the gateway answers: a class, no details (they are logged).
-INTERNAL_ERROR = "INTERNAL_ERROR"
-
 # The key check as a FastAPI security dependency (so the OpenAPI document declares it). Module
 # level: FastAPI resolves a dependency's annotations in its module's namespace.
 _BEARER = HTTPBearer(
@@ -101,31 +105,6 @@ _BEARER = HTTPBearer(
     "required on every route but /healthz when keys are configured.",
 )
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
-
-
-class Requester(Protocol):
-    async def request(
-        self,
-        capability: str,
-        input: dict[str, Any] | None = None,
-        *,
-        priority: str | None = None,
-        tenant: str = "default",
-        deadline_s: float | None = None,
-        lease_timeout_s: float | None = None,
-        request_id: str | None = None,
-        stream: StreamTarget | None = None,
-        max_duration_s: float | None = None,
-    ) -> Result: ...
-
-    async def status(self) -> PoolStatus: ...
-
-    async def residency(
-        self, action: str, deployment: str, *, accelerator: str = "", drain: bool = False, actor: str = ""
-    ) -> ResidencyControlReply: ...
-
-
-CatalogSource = Callable[[], Awaitable[Catalog]]
 
 
 @dataclass(frozen=True)
@@ -209,133 +188,11 @@ class CapabilityCall(_Strict):
     request_id: str | None = None
 
 
-class JobCall(_Strict):
-    """POST /v1/jobs: a job (runtime subprocess_job) whose deployment's command gets `args`."""
-
-    capability: Annotated[str, Field(min_length=1, max_length=200)]
-    args: Annotated[list[str], Field(max_length=200)] = Field(default_factory=list)
-    max_duration_s: Annotated[float, Field(ge=MIN_DURATION_S, le=MAX_DURATION_S)]
-    gpu_count: Annotated[int, Field(ge=1, le=MAX_GPU_COUNT)] | None = None
-    nvlink: StrictBool = False
-    priority: str | None = None
-    request_id: str | None = None
-
-
 class ResidencyCall(_Strict):
     action: Literal["load", "unload", "pin", "unpin"]
     deployment: Annotated[str, Field(min_length=1, max_length=200)]
     accelerator: Annotated[str, Field(max_length=200)] = ""
     drain: bool = False
-
-
-class GatewayError(Exception):
-    def __init__(
-        self,
-        failure: FailureClass | str,
-        message: str,
-        *,
-        status: int | None = None,
-        request_id: str = "",
-        headers: dict[str, str] | None = None,
-        code: str | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.failure = failure.value if isinstance(failure, FailureClass) else failure
-        self.message = message
-        self.status = status if status is not None else http_status(self.failure)
-        self.request_id = request_id
-        self.headers = headers or {}
-        self.code = code
-        self.param = param
-
-
-def _invalid(
-    message: str, status: int | None = None, *, code: str | None = None, param: str | None = None
-) -> GatewayError:
-    return GatewayError(FailureClass.REQUEST_INVALID, message, status=status, code=code, param=param)
-
-
-def _model_not_found(model: str, request_id: str = "") -> GatewayError:
-    return GatewayError(
-        FailureClass.CAPABILITY_UNAVAILABLE,
-        f"no capability serves model {shown(model)}",
-        status=404,
-        code="model_not_found",
-        param="model",
-        request_id=request_id,
-    )
-
-
-def _printable(text: str, limit: int = 2000) -> str:
-    # Whatever a message quotes (a key from the body, a runtime's error): valid UTF-8, bounded.
-    cut = text[:limit] + ("..." if len(text) > limit else "")
-    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _escaped(text: str, limit: int) -> str:
-    # Printable ASCII, unquoted (a field name in a message): anything else as \x escapes.
-    return "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in text[:limit])
-
-
-def _error_response(error: GatewayError) -> JSONResponse:
-    # OpenAI's error shape, so its SDK raises the matching exception (BadRequestError,
-    # NotFoundError...) with our message; the failure class in a field of its own.
-    kind, default_code = openai_error(error.status)
-    body = {
-        "error": {
-            "message": _printable(error.message),
-            "type": kind,
-            "param": error.param,
-            "code": error.code or default_code,
-            "modelforge_class": error.failure,
-        },
-        "failure_class": error.failure,
-        "request_id": error.request_id or None,
-    }
-    headers = dict(error.headers)
-    try:
-        retry_after = RETRY_AFTER_S.get(FailureClass(error.failure))
-    except ValueError:
-        retry_after = None
-    if error.status == 429 and retry_after is None:
-        retry_after = DEFAULT_RETRY_AFTER_S
-    if retry_after is not None and error.status in (429, 503):
-        headers["Retry-After"] = str(retry_after)
-    if error.status == 409:
-        headers["x-should-retry"] = "false"  # the id stays taken: the SDK's retries cannot help
-    return JSONResponse(body, status_code=error.status, headers=headers)
-
-
-class _Catalog:
-    """The catalog as of at most `ttl_s` ago; the last good one when the store cannot answer."""
-
-    def __init__(self, source: CatalogSource, ttl_s: float) -> None:
-        self._source = source
-        self._ttl_s = ttl_s
-        self._catalog: Catalog | None = None
-        self._loaded_at = 0.0
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> Catalog:
-        async with self._lock:
-            if self._catalog is None or time.monotonic() - self._loaded_at > self._ttl_s:
-                try:
-                    self._catalog = await self._source()
-                    self._loaded_at = time.monotonic()
-                except Exception as error:
-                    if self._catalog is None:
-                        raise GatewayError(
-                            FailureClass.CAPABILITY_UNAVAILABLE, f"the catalog cannot be read: {type(error).__name__}"
-                        ) from None
-            return self._catalog
-
-    async def deployment_for_model(self, model: str) -> Deployment:
-        catalog = await self.get()
-        for deployment in catalog.deployments:
-            if model == deployment.capability or model == deployment.name or model in deployment.openai_models:
-                return deployment
-        raise _model_not_found(model)
 
 
 def _body_limit(config: GatewayConfig, requester: Requester) -> int:
@@ -371,13 +228,6 @@ def _json_depth(value: Any) -> int:
                 return depth
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
-
-
-def _check(kind: str, value: str) -> str:
-    problem = identifier_problem(kind, value)
-    if problem is not None:
-        raise _invalid(problem)
-    return value
 
 
 def create_app(
@@ -525,7 +375,7 @@ def create_app(
         if given is not None and header is not None and given != header:
             raise _invalid("priority in the body and X-ModelForge-Priority differ")
         chosen = given if given is not None else header
-        if chosen is not None and not _PRIORITY.fullmatch(chosen):
+        if chosen is not None and not PRIORITY_CLASS.fullmatch(chosen):
             raise _invalid(
                 f"priority {shown(chosen)} is not a class name (a level such as 'interactive', or 'queue.level')"
             )
@@ -684,71 +534,7 @@ def create_app(
             }
         )
 
-    @api.post("/v1/jobs")
-    async def jobs_(request: Request) -> JSONResponse:
-        """A job (runtime subprocess_job) run to its end under a lease of `max_duration_s`: its
-        Result (the job's output, timings, request id), or the typed error. `ModelForgeClient.
-        submit_job` over HTTP; a deployment of any other runtime is refused (400, named)."""
-        tenant: str = request.state.tenant
-        call: JobCall = await body_of(request, JobCall)
-        capability = _check("capability", call.capability)
-        request_id = request_id_of(request, call.request_id)
-        priority = priority_of(request, call.priority)
-        deployment = (await catalog.get()).deployment_for(capability)
-        if deployment is None:
-            raise GatewayError(
-                FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no deployment serves {shown(capability)}",
-                status=404,
-                request_id=request_id,
-                code="model_not_found",
-                param="capability",
-            )
-        if not speaks(deployment).job:
-            jobs = " or ".join(runtime_names(lambda spec: spec.job))
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID,
-                f"{shown(capability)} runs on runtime {shown(deployment.runtime)}, not {jobs}: "
-                "it is not a job (POST /v1/requests serves it)",
-                status=400,
-                request_id=request_id,
-                code="invalid_value",
-                param="capability",
-            )
-        if call.nvlink and not deployment.nvlink_required:  # what the node would refuse, before any workflow
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID,
-                f"nvlink: the job asks for cards joined by NVLink, but {deployment.deployment_id} does not require an "
-                "NVLink group (its catalog entry has no nvlink_required = true), so its placement does not "
-                "promise one; submit without nvlink or use a deployment that requires NVLink",
-                status=400,
-                request_id=request_id,
-                code="invalid_value",
-                param="nvlink",
-            )
-        try:
-            payload = job_input(call.args, call.gpu_count, call.nvlink)
-        except ModelForgeError as error:
-            raise GatewayError(error.failure, error.message, request_id=request_id) from None
-        result = await run(
-            request,
-            capability,
-            payload,
-            request_id,
-            tenant=tenant,
-            priority=priority,
-            max_duration_s=call.max_duration_s,
-        )
-        return JSONResponse(
-            {
-                "request_id": result.request_id,
-                "capability": result.capability,
-                "output": result.output,
-                "lease": dataclasses.asdict(result.lease) if result.lease else None,
-                "timings": result.timings,
-                "workflow_id": result.workflow_id,
-            }
-        )
+    api.include_router(jobs_router(catalog, body_of, request_id_of, priority_of, run))
 
     @api.post("/v1/residency")
     async def residency(request: Request) -> dict[str, Any]:

@@ -31,20 +31,19 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 import modelforge
 from modelforge.client import Result
 from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.gateway import _app
+from modelforge.gateway import _context
 from modelforge.gateway._errors import retry_after_s
 from modelforge.gateway._ollama_translate import (
     KeepAlive,
@@ -239,14 +238,16 @@ def _ignored(call: BaseModel, where: str = "") -> None:
     """Fields this API does not define, ignored as Ollama ignores them: logged at debug."""
     extra = sorted(call.model_extra or {})
     if extra:
-        _log.debug("ollama request: ignored field(s) %s%s", where, ", ".join(_app._escaped(n, 40) for n in extra[:20]))
+        _log.debug(
+            "ollama request: ignored field(s) %s%s", where, ", ".join(_context._escaped(n, 40) for n in extra[:20])
+        )
 
 
-def _invalid(message: str) -> _app.GatewayError:
-    return _app.GatewayError(FailureClass.REQUEST_INVALID, message, status=400)
+def _invalid(message: str) -> _context.GatewayError:
+    return _context.GatewayError(FailureClass.REQUEST_INVALID, message, status=400)
 
 
-def _not_supported(field: str, what: str) -> _app.GatewayError:
+def _not_supported(field: str, what: str) -> _context.GatewayError:
     return _invalid(f"{field}: {what} is not supported by ModelForge yet; leave it out")
 
 
@@ -297,12 +298,12 @@ def _counts(output: dict[str, Any], prompt: list[str], answer: str | None) -> di
     return counts
 
 
-def _error_response(error: _app.GatewayError) -> JSONResponse:
+def _error_response(error: _context.GatewayError) -> JSONResponse:
     """Ollama's error shape, `{"error": message}`, the ModelForge class beside it. An invalid
     request is 400 as Ollama answers it (the shared helpers may say 422)."""
     status = 400 if error.status == 422 else error.status
     body = {
-        "error": _app._printable(error.message),
+        "error": _context._printable(error.message),
         "failure_class": error.failure,
         "request_id": error.request_id or None,
     }
@@ -311,27 +312,6 @@ def _error_response(error: _app.GatewayError) -> JSONResponse:
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-class _OllamaRoute(APIRoute):
-    """Every failure of an Ollama route, the key check included, answers in Ollama's shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except _app.GatewayError as error:
-                request.state.failure_class = error.failure  # for the gateway's access log
-                return _error_response(error)
-            except Exception:
-                _log.exception("ollama route %s failed", request.url.path)
-                return _error_response(
-                    _app.GatewayError(_app.INTERNAL_ERROR, "the gateway failed; see its log", status=500)
-                )
-
-        return route
 
 
 def _answer(body: dict[str, Any], stream: bool | None) -> Response:
@@ -384,8 +364,8 @@ def _capabilities(deployment: Deployment) -> list[str]:
 
 
 def ollama_router(
-    catalog: _app._Catalog,
-    requester: _app.Requester,
+    catalog: _context._Catalog,
+    requester: _context.Requester,
     body_of: BodyOf,
     run: Run,
     request_id_of: RequestIdOf,
@@ -398,12 +378,12 @@ def ollama_router(
     its authenticated router, so the API key is checked first, as on every other route.
     `is_operator`: whether the caller's key is an operator's (it may unload through keep_alive).
     `status_view`: the pool's status as the caller may see it (`/api/ps`: a tenant's own leases)."""
-    router = APIRouter(route_class=_OllamaRoute)
+    router = APIRouter(route_class=_context.error_route(_error_response, _log, "ollama"))
 
     async def deployment_of(model: str) -> Deployment:
         """A model name as Ollama applications send it: a catalog name, with or without `:latest`,
         or without the tag of the one catalog name that has it (`qwen` for `qwen:7b`)."""
-        _app._check("capability", model.removesuffix(":latest"))
+        _context._check("capability", model.removesuffix(":latest"))
         known = await catalog.get()
         wanted = [model, model.removesuffix(":latest")] if model.endswith(":latest") else [model]
         for name in wanted:
@@ -415,7 +395,7 @@ def ollama_router(
             untagged = {d.deployment_id: d for d in known.deployments for n in _names(d) if n.split(":")[0] == base}
             if len(untagged) == 1:
                 return next(iter(untagged.values()))
-        raise _app.GatewayError(
+        raise _context.GatewayError(
             FailureClass.CAPABILITY_UNAVAILABLE,
             f"model {shown(model)} not found: no ModelForge deployment serves it (GET /api/tags lists the models)",
             status=404,
@@ -497,7 +477,7 @@ def ollama_router(
         output = result.output or {}
         text = output.get("text")
         if not isinstance(text, str):
-            raise _app.GatewayError(
+            raise _context.GatewayError(
                 FailureClass.INVALID_OUTPUT, f"{deployment.capability} returned no 'text'", request_id=result.request_id
             )
         return text
@@ -505,7 +485,7 @@ def ollama_router(
     def vectors_of(result: Result, deployment: Deployment, count: int) -> list[list[float]]:
         vectors = (result.output or {}).get("embeddings")
         if not isinstance(vectors, list) or len(vectors) != count:
-            raise _app.GatewayError(
+            raise _context.GatewayError(
                 FailureClass.INVALID_OUTPUT,
                 f"{deployment.capability} returned no 'embeddings' list of {count} vectors",
                 request_id=result.request_id,
@@ -827,7 +807,7 @@ def ollama_router(
         try:
             pool = status_view(request, await requester.status())
         except ModelForgeError as error:
-            raise _app.GatewayError(error.failure, error.message) from None
+            raise _context.GatewayError(error.failure, error.message) from None
         known = await catalog.get()
         kinds = {accelerator.id: accelerator.kind for accelerator in pool.accelerators}
         models = []
@@ -912,8 +892,8 @@ def ollama_router(
             raise _invalid("model: required")
         try:
             await deployment_of(model)
-        except _app.GatewayError as error:
-            raise _app.GatewayError(
+        except _context.GatewayError as error:
+            raise _context.GatewayError(
                 error.failure,
                 f"{error.message}; ModelForge pulls nothing: its models are the catalog's (modelforge catalog apply)",
                 status=error.status,

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from modelforge.client import Result
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass
-from modelforge.gateway import _app
+from modelforge.gateway import _context
 from modelforge.gateway._params import ServiceTier, VllmPriority, parameters, refused, takes_parameters, usage
 from modelforge.identifiers import shown
 from modelforge.runtimes import speaks
@@ -59,11 +59,11 @@ RequestIdOf = Callable[[Request], str]
 HintPriority = Callable[[Request, Any], Awaitable[None]]
 
 
-def not_a_reranker(model: str, deployment: Deployment) -> _app.GatewayError:
+def not_a_reranker(model: str, deployment: Deployment) -> _context.GatewayError:
     what = " and ".join(sorted(speaks(deployment).answers)) or "nothing"
     api = deployment.runtime_config.get("api", "")
     runtime = deployment.runtime + (f" with api {api!r}" if api else "")
-    return _app._invalid(
+    return _context._invalid(
         f"model {shown(model)} ({deployment.capability}, runtime {runtime}) cannot rerank: it answers {what}. A "
         "reranker is a deployment with runtime subprocess_http and runtime_config api = 'rerank' (a server's "
         "/v1/rerank: vLLM, llama.cpp, TEI) or sentence_transformers with task = 'rerank' (a cross-encoder)",
@@ -86,7 +86,7 @@ def _results(output: dict[str, Any], count: int, capability: str, request_id: st
             or isinstance(score, bool)
             or not isinstance(score, int | float)
         ):
-            raise _app.GatewayError(
+            raise _context.GatewayError(
                 FailureClass.INVALID_OUTPUT,
                 f"{capability} returned no 'results' list of document indexes and scores",
                 request_id=request_id,
@@ -115,7 +115,7 @@ def rerank_router(
         for n, document in enumerate(call.documents):
             text = document if isinstance(document, str) else document.get("text")
             if not isinstance(text, str):
-                raise _app._invalid(
+                raise _context._invalid(
                     f"documents.{n}: a document is a string or an object with 'text' (a string)",
                     code="invalid_value",
                     param=f"documents.{n}",
@@ -130,12 +130,12 @@ def rerank_router(
                 payload["parameters"] = given
         elif refused(given):
             names = refused(given)
-            raise _app._invalid(
-                f"{', '.join(_app._escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime "
+            raise _context._invalid(
+                f"{', '.join(_context._escaped(n, 60) for n in names[:10])}: {deployment.capability} (runtime "
                 f"{deployment.runtime}) takes model, query, documents, top_n and return_documents only; leave them "
                 f"out, or serve the model from a reranking server (subprocess_http with api 'rerank')",
                 code="unsupported_parameter",
-                param=_app._escaped(names[0], 60),
+                param=_context._escaped(names[0], 60),
             )
         request_id = request_id_of(request)
         result = await run(request, deployment.capability, payload, request_id, tenant=tenant)

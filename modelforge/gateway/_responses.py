@@ -35,7 +35,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from modelforge.failures import FailureClass
-from modelforge.gateway import _app
+from modelforge.gateway import _context
 from modelforge.gateway._chat_path import Answer, ChatPath, Piece
 from modelforge.gateway._errors import http_status
 from modelforge.gateway._params import ChatCall
@@ -120,11 +120,11 @@ class _ResponsesCall(BaseModel):
     service_tier: str | None = None
 
 
-def _invalid(message: str, param: str, *, status: int = 400, code: str = "invalid_value") -> _app.GatewayError:
-    return _app.GatewayError(FailureClass.REQUEST_INVALID, message, status=status, code=code, param=param)
+def _invalid(message: str, param: str, *, status: int = 400, code: str = "invalid_value") -> _context.GatewayError:
+    return _context.GatewayError(FailureClass.REQUEST_INVALID, message, status=status, code=code, param=param)
 
 
-def _unsupported(param: str, why: str) -> _app.GatewayError:
+def _unsupported(param: str, why: str) -> _context.GatewayError:
     return _invalid(f"{param}: {why}", param, code="unsupported_parameter")
 
 

@@ -53,6 +53,17 @@ from modelforge.policy._delegation import (
 from modelforge.policy._observe import ADVERTISED_LABELS, apply_observations, relabel, with_advertised_labels
 from modelforge.policy._order import fair_share_scores, is_production, queue_order
 from modelforge.policy._placement import FilterResult, decide, filter_accelerators, silent_nodes_due
+from modelforge.policy._route import (
+    LENT_SEEN_S,
+    SYNC_LATE_S,
+    RouteInfo,
+    RouteQuery,
+    catalog_pools,
+    choose_pool,
+    merge_statuses,
+    route_info,
+    route_key,
+)
 from modelforge.policy._state import (
     AcceleratorRuntime,
     CapabilityHealth,
@@ -78,8 +89,10 @@ from modelforge.policy._views import (
 
 __all__ = [
     "ADVERTISED_LABELS",
+    "LENT_SEEN_S",
     "RESIDENCY_ACTIONS",
     "SLOT_CLASS",
+    "SYNC_LATE_S",
     "AcceleratorRuntime",
     "AcceleratorStatus",
     "AdmissionRejected",
@@ -107,6 +120,8 @@ __all__ = [
     "ResidentPhase",
     "ResidentState",
     "ResidentStatus",
+    "RouteInfo",
+    "RouteQuery",
     "Sleep",
     "SlotReply",
     "SlotRun",
@@ -120,6 +135,8 @@ __all__ = [
     "apply_observations",
     "cancel_request",
     "capacity_alerts",
+    "catalog_pools",
+    "choose_pool",
     "close_slot",
     "compute_budget",
     "control_residents",
@@ -137,6 +154,7 @@ __all__ = [
     "keep_warm_check",
     "lease_heartbeat",
     "load_on",
+    "merge_statuses",
     "pool_status",
     "production_headroom",
     "queue_order",
@@ -150,6 +168,8 @@ __all__ = [
     "resident_unloaded",
     "resident_woke",
     "resolve_priority",
+    "route_info",
+    "route_key",
     "silent_nodes_due",
     "stale_leases_due",
     "sync_slots",

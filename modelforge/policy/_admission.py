@@ -19,7 +19,7 @@ from modelforge.domain import (
     level_ref,
 )
 from modelforge.failures import FailureClass, parse_failure
-from modelforge.identifiers import identifier_problem
+from modelforge.identifiers import MAX_DURATION_S, MAX_WAIT_S, identifier_problem
 from modelforge.policy._decisions import (
     Decisions,
     PolicyEvent,
@@ -41,9 +41,6 @@ from modelforge.policy._state import (
     measured,
     note_service,
 )
-
-# A month: batch jobs of the Alibaba trace run for days.
-MAX_DURATION_S = 30 * 24 * 3600.0
 
 
 class AdmissionRejected(Exception):
@@ -158,9 +155,9 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
         if problem is not None:
             raise AdmissionRejected(FailureClass.REQUEST_INVALID, problem)
     for name, value in (("deadline_s", request.deadline_s), ("lease_timeout_s", request.lease_timeout_s)):
-        if value is not None and not (0 < value <= 7 * 24 * 3600):
+        if value is not None and not (0 < value <= MAX_WAIT_S):
             raise AdmissionRejected(
-                FailureClass.REQUEST_INVALID, f"{name} must be between 0 and 604800 seconds, got {value!r}"
+                FailureClass.REQUEST_INVALID, f"{name} must be between 0 and {MAX_WAIT_S:.0f} seconds, got {value!r}"
             )
     if request.max_duration_s is not None and not (0 < request.max_duration_s <= MAX_DURATION_S):
         raise AdmissionRejected(
@@ -770,7 +767,7 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
         return now + 3600.0
     if resident.active_leases > 0:
         return now + resident.ttl_s
-    expires = resident.last_used + resident.ttl_s
+    expires = resident.idle_expires_at
     if expires > now:
         return expires
     resident.phase = ResidentPhase.UNLOADING

@@ -93,6 +93,13 @@ class ResidentState:
     # never count on it (`holder_of`). 0: a resident of a state from before incarnations.
     incarnation: int = 0
 
+    @property
+    def idle_expires_at(self) -> float:
+        """When its keep-warm TTL runs out if nothing uses it again: the one definition, used by
+        the TTL timer (`keep_warm_check`) and every view of it (`pool_status`, `ps`, Ollama's
+        `/api/ps`, through `ResidentStatus.expires_at`)."""
+        return self.last_used + self.ttl_s
+
 
 @dataclass(frozen=True)
 class Lease:

@@ -145,7 +145,7 @@ def pool_status(state: PoolState, now: float) -> PoolStatus:
                 active_leases=active,
                 last_used=r.last_used,
                 ttl_s=r.ttl_s,
-                expires_at=(r.last_used + r.ttl_s)
+                expires_at=r.idle_expires_at
                 if r.residency.value == "keep_warm" and r.phase.value == "ready" and active == 0
                 else None,
                 workflow_id=r.workflow_id,

@@ -115,7 +115,7 @@ class SubprocessHttpConfig:
         for name in ("ready_path", "sleep_path", "wake_path", "checkpoint_path"):
             if not config.get(name, "/").startswith("/"):
                 raise ModelForgeError(FailureClass.REQUEST_INVALID, f"runtime_config.{name} must start with '/'")
-        secrets = secret_problems("subprocess_http", config, deployment.env_from_secrets)
+        secrets = secret_problems(config, deployment.env_from_secrets)
         if secrets:
             raise ModelForgeError(FailureClass.REQUEST_INVALID, secrets[0])
         if bool(config.get("sleep_path")) != bool(config.get("wake_path")):

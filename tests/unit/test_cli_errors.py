@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge.cli import parse_duration
+from modelforge.cli_common import parse_duration
 from modelforge.failures import ModelForgeError
 
 
@@ -82,7 +82,7 @@ def test_bad_durations(text: str) -> None:
 
 
 def test_long_vectors_are_summarised_on_the_terminal_and_kept_whole_in_json() -> None:
-    from modelforge.cli import shown_output
+    from modelforge.cli_common import shown_output
 
     output = {"embeddings": [[0.5] * 384, [0.25] * 384], "dimensions": 384, "text": "hi", "short": [1, 2, 3]}
     assert shown_output(output) == {

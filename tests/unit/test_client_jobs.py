@@ -11,9 +11,12 @@ import pytest
 from temporalio.client import Client
 
 from modelforge.cli_jobs import JobClient
-from modelforge.client import MAX_DURATION_S, ModelForgeClient, Result
+from modelforge.client import ModelForgeClient, Result
+from modelforge.identifiers import MAX_DURATION_S
 from modelforge.messages import RequestInput
 from modelforge.names import CONTROL_TASK_QUEUE
+from modelforge.policy import AdmissionRejected, validate_request
+from tests.builders import ask, deployment, gpu, state
 
 
 class _Sent(Exception):
@@ -124,3 +127,16 @@ async def test_the_command_lines_job_client_passes_nvlink_to_submit_job() -> Non
     with pytest.raises(_Sent) as sent:
         await jobs.submit_job("merge.gang@1", [], max_duration_s=60, gpu_count=2, nvlink=True, tenant="lab")
     assert sent.value.request.input == {"gpu_count": 2, "nvlink": True} and sent.value.request.tenant == "lab"
+
+
+@pytest.mark.parametrize(("duration", "admitted"), [(MAX_DURATION_S, True), (MAX_DURATION_S + 1, False)])
+def test_the_scheduler_admits_the_same_longest_lease_as_the_client(duration: float, admitted: bool) -> None:
+    """One maximum (identifiers.MAX_DURATION_S): a request that skipped the client's check (one
+    started on Temporal directly) meets the same limit at admission, so the stored payloads'
+    retention floor (payloads.LONGEST_REQUEST_S) covers every lease the scheduler grants."""
+    pool = state([gpu("g0")], [deployment("merge.job@1")])
+    if admitted:
+        validate_request(pool, ask("r1", "merge.job@1", max_duration_s=duration))
+    else:
+        with pytest.raises(AdmissionRejected, match="max_duration_s must be between 0 and 604800 seconds"):
+            validate_request(pool, ask("r1", "merge.job@1", max_duration_s=duration))

@@ -18,7 +18,7 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceResponse
 from temporalio.client import Client
 from temporalio.converter import StorageDriverRetrieveContext, StorageDriverStoreContext
 
-from modelforge.client import MAX_DURATION_S as CLIENT_MAX_DURATION_S
+from modelforge.identifiers import MAX_DURATION_S, MAX_WAIT_S
 from modelforge.payloads import (
     OUTPUT_REF,
     FilesystemPayloadStore,
@@ -30,7 +30,6 @@ from modelforge.payloads import (
     retention_s,
     sweep,
 )
-from modelforge.policy._admission import MAX_DURATION_S as POLICY_MAX_DURATION_S
 
 DAY = 86400.0
 
@@ -106,8 +105,9 @@ async def test_retention_outlasts_the_longest_lease_so_a_long_jobs_input_survive
     tmp_path: Path, configured_days: float | None
 ) -> None:
     keep_s = await retention_s(_namespace_with_retention(1.0), configured_days)
-    # Both limits a lease may have (the client's 7 days, the scheduler's 30) plus a margin.
-    assert keep_s > max(CLIENT_MAX_DURATION_S, POLICY_MAX_DURATION_S) + DAY / 2
+    # The longest wait for admission and the longest lease (one limit for every entrance and the
+    # scheduler) plus a margin.
+    assert keep_s > MAX_WAIT_S + MAX_DURATION_S + DAY / 2
     # A job's input stored at its start, its lease of the scheduler's longest, then a replay:
     # the hourly sweeps in between never removed it.
     store = FilesystemPayloadStore(tmp_path / "payloads")
@@ -115,9 +115,9 @@ async def test_retention_outlasts_the_longest_lease_so_a_long_jobs_input_survive
     started = time.time()
     path = store.path_for(ref[OUTPUT_REF]["sha256"])
     os.utime(path, (started, started))
-    assert sweep(store.root, keep_s, now=started + POLICY_MAX_DURATION_S) == 0 and path.exists()
+    assert sweep(store.root, keep_s, now=started + MAX_DURATION_S) == 0 and path.exists()
 
 
 async def test_a_longer_configured_retention_is_kept(tmp_path: Path) -> None:
     assert await retention_s(_namespace_with_retention(1.0), 400.0) == 400 * DAY
-    assert await retention_s(_namespace_with_retention(90.0), None) > 90 * DAY + POLICY_MAX_DURATION_S
+    assert await retention_s(_namespace_with_retention(90.0), None) > 90 * DAY + MAX_DURATION_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +195,7 @@ def test_with_a_starvation_bound_the_fast_pass_still_agrees_with_the_reference(
     assert run(operations, starvation_bound_s=1.0) == run(operations, starvation_bound_s=1.0)
 
 
+@pytest.mark.slow  # about a minute on the 2-core machine: the full suite runs it, --fast does not
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     weight_a=st.integers(1, 4),

@@ -1,5 +1,6 @@
-"""Routing a capability to a pool (modelforge/routing.py): the choice as a table, each pool's
-answer from its scheduler state, the client-side cache, and a gang never spanning pools."""
+"""Routing a capability to a pool (the route view in modelforge/policy/_route.py, the asking in
+modelforge/routing.py): the choice as a table, each pool's answer from its scheduler state, the
+client-side cache, and a gang never spanning pools."""
 
 from __future__ import annotations
 
@@ -14,26 +15,24 @@ from temporalio.converter import DataConverter
 from modelforge.domain import Catalog, Priority, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import (
+    LENT_SEEN_S,
+    SYNC_LATE_S,
     PolicyConfig,
     PoolState,
     PoolStatus,
     ResidentPhase,
+    RouteInfo,
+    RouteQuery,
     SlotSync,
+    choose_pool,
     decide,
     enqueue,
+    merge_statuses,
+    route_info,
     sync_slots,
     validate_request,
 )
-from modelforge.routing import (
-    LENT_SEEN_S,
-    SYNC_LATE_S,
-    PoolRouter,
-    RouteInfo,
-    RouteQuery,
-    choose_pool,
-    merge_statuses,
-    route_info,
-)
+from modelforge.routing import PoolRouter
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state
 
 

@@ -137,6 +137,7 @@ def test_the_azure_trace_end_to_end_meets_the_targets(tmp_path: Path) -> None:
     assert fifo.invariant_violations > 0
 
 
+@pytest.mark.slow  # three simulations of 6,203 pods, about 45 s: the full suite runs it, --fast does not
 def test_the_alibaba_trace_end_to_end(tmp_path: Path) -> None:
     # All 6,203 GPU pods on 8 of the trace's nodes (30 GPUs): the full 1,213-node cluster is
     # idle at this pod list's peak (66 GPU-equivalents), so a smaller cluster of the same mix,
