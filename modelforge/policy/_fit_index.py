@@ -41,18 +41,7 @@ class FitIndex:
     UNHEALTHY cards. Updated at the start of a fast pass, never during one: a pass's own
     promises are in `DecisionPass.committed`."""
 
-    __slots__ = (
-        "catalog",
-        "leased_sum",
-        "observed",
-        "order",
-        "pressure",
-        "resident_sum",
-        "schedulable",
-        "unhealthy",
-        "version",
-        "volatile",
-    )
+    __slots__ = ("catalog", "leased_sum", "observed", "order", "resident_sum", "schedulable", "unhealthy", "volatile")
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -60,10 +49,6 @@ class FitIndex:
         self.order: list[tuple[int, str]] = []
         self.volatile: dict[str, bool] = {}
         self.unhealthy: dict[str, bool] = {}
-        self.pressure: dict[str, bool] = {}  # cards under GPU_PRESSURE
-        # Counts the changes of any card's schedulable bytes, health, pressure or volatility:
-        # unchanged, every card is as the last pass saw it (`_quiet`).
-        self.version = 0
         # Cards an observation landed on since the last pass.
         self.observed: dict[str, bool] = {}
         # The groupings' sums this index was last brought up to date with (by identity).
@@ -77,7 +62,6 @@ class FitIndex:
         order = self.order
         if old is not None:
             del order[bisect_left(order, (old, accelerator))]
-        self.version += 1
         self.schedulable[accelerator] = schedulable
         insort(order, (schedulable, accelerator))
 
@@ -128,12 +112,11 @@ def fit_index(
             if card in position:
                 index.set(card, schedulable(card))
     index.resident_sum, index.leased_sum = resident_sum, leased_sum
-    volatile, unhealthy, pressure = index.volatile, index.unhealthy, index.pressure
+    volatile, unhealthy = index.volatile, index.unhealthy
     for card in changed:
         runtime = runtimes.get(card)
         if runtime is None:
             continue
-        was = (card in volatile, card in unhealthy, card in pressure)
         if len(runtime.external_history) >= 2 and card in position:
             volatile[card] = True
         else:
@@ -142,12 +125,6 @@ def fit_index(
             unhealthy.pop(card, None)
         else:
             unhealthy[card] = True
-        if runtime.pressure:
-            pressure[card] = True
-        else:
-            pressure.pop(card, None)
-        if (card in volatile, card in unhealthy, card in pressure) != was:
-            index.version += 1
     return index
 
 

@@ -186,10 +186,6 @@ class DecisionPass:
     ahead: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] | None = None
-    # The requests whose placement in this pass changed what later ones see (by id): those that
-    # blocked cards, waited on a load, or settled their capability (`_quiet`; a pass deciding
-    # more than waits is not kept across passes).
-    placed: dict[str, bool] = field(default_factory=dict)
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)

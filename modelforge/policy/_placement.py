@@ -55,7 +55,6 @@ from modelforge.policy._pass import (
     start_pass,
 )
 from modelforge.policy._queue_index import Lane, queue_index
-from modelforge.policy._quiet import SettledAt, fair_share_order, remember, reuse, walk_key
 from modelforge.policy._reservation import Reservation, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemption_plan, room_decisions, slot_preemption
 from modelforge.policy._rules import (
@@ -97,10 +96,6 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     placed on its own, no outcome reused, every gang looking at every card (the property tests
     compare the two)."""
     pass_ = start_pass(state, now, indexed=reuse_settled)
-    if reuse_settled:
-        reused = reuse(pass_, now)
-        if reused is not None:
-            return reused
     decisions = Decisions()
     counter = state.lease_counter
     # Per capability: its deployment and the outcome an unplaced request of it settled on in this
@@ -108,10 +103,8 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     deployments: dict[str, Deployment | None] = {}
     settled_production: Settled = {}
     settled_other: Settled = {}
-    settled_at: SettledAt = {}
-    order: dict[str, int] = {}
     if reuse_settled:
-        counter, order = _decide_queue(pass_, decisions, settled_production, settled_other, settled_at, now, counter)
+        counter = _decide_queue(pass_, decisions, settled_production, settled_other, now, counter)
     for bucket in [] if reuse_settled else ordered_buckets(state, now):
         # A bucket holds one class, so one settled table serves all of it.
         settled_by = settled_production if is_production(state.catalog, bucket[0].priority) else settled_other
@@ -124,8 +117,6 @@ def decide_each(state: PoolState, now: float, reuse_settled: bool) -> Decisions:
     _preempt_on_silent_nodes(pass_, decisions, now)
     _unload_removed(pass_, decisions)
     _unload_unused(pass_, decisions)
-    if reuse_settled:
-        remember(pass_, decisions, settled_at, order, now)
     return decisions
 
 
@@ -202,22 +193,18 @@ def _decide_queue(
     decisions: Decisions,
     settled_production: Settled,
     settled_other: Settled,
-    settled_at: SettledAt,
     now: float,
     counter: int,
-) -> tuple[int, dict[str, int]]:
+) -> int:
     """The queue in order (class, fair-share score, submission time, request id), walked through
     its index: lanes of one class, tenant and capability, merged by submission time where several
     share a (class, score). Once a capability has settled on waiting in this pass, a lane of it
     whose every request already carries that reason (none expired, none waiting on a load) is
     passed over whole: it would decide nothing. Everything else is decided request by request,
-    exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare.
-    Returns the lease counter after it and the tenants' fair-share order; `settled_at` gets
-    where each capability settled on waiting (`_quiet`)."""
+    exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare."""
     state = pass_.state
     catalog = state.catalog
     scores = fair_share_scores(state, now)
-    order = fair_share_order(scores)
     production = production_ranks(catalog)
     groups: dict[tuple[int, float], list[Lane]] = {}
     for lane in queue_index(state).lanes.values():
@@ -233,20 +220,9 @@ def _decide_queue(
         settled_by = settled_production if key[0] in production else settled_other
         skip = _Skip(pass_, settled_by, deployments, now)
         walk = _single(lanes[0], skip) if len(lanes) == 1 else _merged(lanes, skip)
-        production_table = key[0] in production
         for queued in walk:
-            settling = queued.capability not in settled_by
             counter = _visit(pass_, decisions, queued, settled_by, deployments, now, counter, reuse_settled=True)
-            if settling:
-                settled = settled_by.get(queued.capability)
-                if settled is not None and settled[0] is None:
-                    settled_at[(production_table, queued.capability)] = (
-                        walk_key(state, queued, order),
-                        settled[1],
-                    )
-                    # Leaving, it would let the next of its kind settle where things may differ.
-                    pass_.placed[queued.request_id] = True
-    return counter, order
+    return counter
 
 
 def _visit(
@@ -553,10 +529,7 @@ def _decide_one(
     counter: int,
 ) -> int:
     """Place one request and record the outcome; returns the lease counter after it."""
-    blocked = len(pass_.blocked)
     outcome = _place(pass_, queued, deployment, now, counter)
-    if len(pass_.blocked) != blocked or queued.assigned_to:
-        pass_.placed[queued.request_id] = True
     decision = outcome.decision
     if outcome.reusable:
         if isinstance(decision, Reject):

@@ -84,13 +84,6 @@ class QueueIndex:
         self.per_capability: dict[str, int] = {}
         # Requests waiting on a load, in the order they were assigned.
         self.assigned: dict[str, QueuedRequest] = {}
-        self.deadlines = 0  # requests with a deadline
-        # For a pool where everything waits (`_quiet`): the requests added and the ids of those
-        # that left since the last pass took them in, and how many were assigned to a load
-        # since the index was built.
-        self.arrivals: list[QueuedRequest] = []
-        self.departed: list[str] = []
-        self.assignments = 0
         for queued in queue:
             self._add(queued)
 
@@ -104,13 +97,11 @@ class QueueIndex:
         self.per_capability[queued.capability] = self.per_capability.get(queued.capability, 0) + 1
         if queued.assigned_to:
             self.assigned[queued.request_id] = queued
-        self.deadlines += queued.deadline_at is not None
         self.length += 1
 
     def added(self, queued: QueuedRequest) -> None:
         """`queued` was just inserted into the indexed queue."""
         self._add(queued)
-        self.arrivals.append(queued)
 
     def removed(self, gone: dict[str, bool], queue: list[QueuedRequest]) -> None:
         """The requests in `gone` left; `queue` is the queue without them."""
@@ -126,8 +117,6 @@ class QueueIndex:
             else:
                 del self.per_capability[queued.capability]
             self.assigned.pop(request_id, None)
-            self.deadlines -= queued.deadline_at is not None
-            self.departed.append(request_id)
             self.length -= 1
         for key in touched:
             lane = self.lanes[key]
@@ -137,7 +126,6 @@ class QueueIndex:
         self.queue = queue
 
     def assign(self, queued: QueuedRequest, resident_key: str) -> None:
-        self.assignments += 1
         if not queued.assigned_to and resident_key:
             self.lanes[(queued.priority, queued.tenant, queued.capability)].assigned += 1
             self.assigned[queued.request_id] = queued

@@ -1,8 +1,9 @@
 """The hard shapes for the fast pass: a full pool (every card holding a resident at its
 concurrency with real leases, an unmanaged process filling the rest, nothing fits, everything
 waits) and many gangs waiting at once. Over random arrivals, releases, unmanaged processes
-growing and shrinking, health failures and passing time, the fast pass (with what it keeps
-across passes) must decide exactly what the reference pass decides, which places every request
+growing and shrinking, health failures and passing time, the fast pass (the groupings and fit
+index it keeps across passes, gang waits that settle their deployment, gangs meeting blocked
+cards first) must decide exactly what the reference pass decides, which places every request
 on its own and looks at every card for every gang."""
 
 from __future__ import annotations
