@@ -6,12 +6,14 @@
 2. A full pool: 64 GPUs, every card holding a resident at its concurrency with real
    leases granted by the policy itself, the cards' memory reported as ModelForge's own, nothing
    new fits anywhere, 1,000 requests waiting. CPU per pass (decide and apply) after a telemetry
-   update of one node, and after one new request. Target 1 ms.
+   update of one node, and after one new request. Target 1 ms. Then the same with an unmanaged
+   process filling what ModelForge leaves of every card (smaller leases, 33 GiB unmanaged).
 3. A cluster: 6,000 GPUs (750 nodes of 8, one NVLink group each, 32 nodes a rack),
    2,000 active leases on 2,000 full cards spread over every node, 50 waiting 8-GPU NVLink gangs
    (no node has 8 free cards), 10,000 queued requests for models at their concurrency and
    pinned to their cards. CPU per pass, after one new request and after a telemetry update.
-   Target 50 ms.
+   Target 50 ms. Then the same with an unmanaged process filling every card (1 GiB beside a
+   lease, 79 GiB on a card without one).
 4. Admission with 2,000 leases: a full pool of 500 GPUs (2,000 leases), 1,000
    waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
    `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
