@@ -6,12 +6,14 @@
 2. A full pool: 64 GPUs, every card holding a resident at its concurrency with real
    leases granted by the policy itself, the cards' memory reported as ModelForge's own, nothing
    new fits anywhere, 1,000 requests waiting. CPU per pass (decide and apply) after a telemetry
-   update of one node, and after one new request. Target 1 ms.
+   update of one node, and after one new request. Target 1 ms. Then the same with an unmanaged
+   process filling what ModelForge leaves of every card (smaller leases, 33 GiB unmanaged).
 3. A cluster: 6,000 GPUs (750 nodes of 8, one NVLink group each, 32 nodes a rack),
    2,000 active leases on 2,000 full cards spread over every node, 50 waiting 8-GPU NVLink gangs
    (no node has 8 free cards), 10,000 queued requests for models at their concurrency and
    pinned to their cards. CPU per pass, after one new request and after a telemetry update.
-   Target 50 ms.
+   Target 50 ms. Then the same with an unmanaged process filling every card (1 GiB beside a
+   lease, 79 GiB on a card without one).
 4. Admission with 2,000 leases: a full pool of 500 GPUs (2,000 leases), 1,000
    waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
    `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
@@ -141,8 +143,11 @@ def measure(gpus: int, queued: int, repeats: int) -> tuple[float, float]:
 # --- parts 2 to 4: a full pool and a cluster, with real leases ---------------------------------
 
 
-def _observations(state: PoolState, accelerators: list[Accelerator], now: float) -> list[Observation]:
-    """What NVML would show: ModelForge's own residents and leases as one managed process."""
+def _observations(
+    state: PoolState, accelerators: list[Accelerator], now: float, unmanaged: dict[str, int] | None = None
+) -> list[Observation]:
+    """What NVML would show: ModelForge's own residents and leases as one managed process, and
+    an unmanaged process where `unmanaged` gives a card its bytes."""
     held: dict[str, int] = {}
     loaded: dict[str, list[str]] = {}
     for resident in state.residents.values():
@@ -151,15 +156,20 @@ def _observations(state: PoolState, accelerators: list[Accelerator], now: float)
     for lease in state.leases.values():
         for accelerator_id in lease.accelerators:
             held[accelerator_id] = held.get(accelerator_id, 0) + lease.bytes
+    unmanaged = unmanaged or {}
     samples = []
     for accelerator in accelerators:
         used = held.get(accelerator.id, 0)
+        processes = [ProcessUsage(pid=2, used_bytes=used, name="modelforge", managed=True)] if used else []
+        other = unmanaged.get(accelerator.id, 0)
+        if other:
+            processes.append(ProcessUsage(pid=3, used_bytes=other, name="unmanaged", managed=False))
         samples.append(
             Observation(
                 accelerator.id,
                 accelerator.total_bytes,
-                used,
-                processes=[ProcessUsage(pid=2, used_bytes=used, name="modelforge", managed=True)] if used else [],
+                used + other,
+                processes=processes,
                 loaded=loaded.get(accelerator.id, []),
                 received_at=now,
                 observed_at=now,
@@ -168,8 +178,8 @@ def _observations(state: PoolState, accelerators: list[Accelerator], now: float)
     return samples
 
 
-def _observe_all(state: PoolState, now: float) -> None:
-    apply_observations(state, _observations(state, state.catalog.accelerators, now), now)
+def _observe_all(state: PoolState, now: float, unmanaged: dict[str, int] | None = None) -> None:
+    apply_observations(state, _observations(state, state.catalog.accelerators, now, unmanaged), now)
 
 
 def _ready_resident(state: PoolState, deployment: Deployment, accelerator: Accelerator, now: float) -> None:
@@ -222,9 +232,11 @@ def _nothing_fits(state: PoolState, decisions: Decisions, waiting: int) -> None:
         )
 
 
-def full_pool(gpus: int, waiting: int) -> PoolState:
+def full_pool(gpus: int, waiting: int, unmanaged: dict[str, int] | None = None) -> PoolState:
     """Every card: a resident of 14 GiB with 4 leases of 16 GiB each = 78 of 80 GiB (1 GiB
-    reserve): nothing new fits, nothing idle to evict, nothing preemptible."""
+    reserve): nothing new fits, nothing idle to evict, nothing preemptible. With `unmanaged`
+    (filled in here, per card): leases of 8 GiB (46 GiB of ModelForge's) and an unmanaged
+    process holding the other 33 GiB, as on a card shared with other users."""
     accelerators = [
         Accelerator(
             id=f"n{g // 8}/{g % 8}",
@@ -239,7 +251,7 @@ def full_pool(gpus: int, waiting: int) -> PoolState:
     deployments = [
         Deployment(
             capability=f"cap{d}@1",
-            envelope_bytes=30 * GiB,
+            envelope_bytes=(22 if unmanaged is not None else 30) * GiB,
             idle_bytes=14 * GiB,
             measured_on=["H100"],
             queue_limit=1_000_000,
@@ -248,24 +260,28 @@ def full_pool(gpus: int, waiting: int) -> PoolState:
         )
         for d in range(max(4, gpus // 4))
     ]
+    if unmanaged is not None:
+        unmanaged.update((a.id, 33 * GiB) for a in accelerators)
     tenants = [Tenant(name=f"t{t}", weight=1.0 + t % 3, max_priority=Priority.PRODUCTION) for t in range(8)]
     state = PoolState(pool="default", catalog=Catalog(accelerators, deployments, tenants))
     for g, accelerator in enumerate(accelerators):
         _ready_resident(state, deployments[g % len(deployments)], accelerator, NOW)
-    _observe_all(state, NOW)
+    _observe_all(state, NOW, unmanaged)
     _grant_every_slot(state, [deployments[g % len(deployments)].capability for g in range(gpus) for _ in range(4)], NOW)
-    _observe_all(state, NOW)
+    _observe_all(state, NOW, unmanaged)
     for n in range(waiting):
         enqueue(state, _request(n, deployments[n % len(deployments)].capability), PRIORITIES[n % 4], NOW)
     _nothing_fits(state, _pass(state, NOW), waiting)
     return state
 
 
-def cluster(nodes: int, leases: int, gangs: int, queued: int) -> PoolState:
+def cluster(nodes: int, leases: int, gangs: int, queued: int, unmanaged: dict[str, int] | None = None) -> PoolState:
     """Cards of 80 GiB, 8 a node. `leases` cards hold a model (30 GiB) serving one lease (48 GiB
     more, its concurrency), card j on node j % nodes, so every node has at least two full cards
     and no node has 8 free ones for a gang. Models are pinned to their cards (20 each), so the
-    queued requests wait for a slot; the gangs (8 GPUs, NVLink, 40 GiB each) wait for a node."""
+    queued requests wait for a slot; the gangs (8 GPUs, NVLink, 40 GiB each) wait for a node.
+    With `unmanaged` (filled in here, per card): an unmanaged process fills the rest of every
+    card, 1 GiB beside a lease and 79 GiB on a card without one, so nothing fits anywhere."""
     accelerators = [
         Accelerator(
             id=f"n{n}/{i}",
@@ -309,11 +325,14 @@ def cluster(nodes: int, leases: int, gangs: int, queued: int) -> PoolState:
     ]
     tenants = [Tenant(name=f"t{t}", weight=1.0 + t % 3, max_priority=Priority.PRODUCTION) for t in range(8)]
     state = PoolState(pool="default", catalog=Catalog(accelerators, [*served, *trainers], tenants))
+    if unmanaged is not None:
+        served_on = dict.fromkeys(homes, True)
+        unmanaged.update((a.id, (1 if a.id in served_on else 79) * GiB) for a in accelerators)
     for j, home in enumerate(homes):
         _ready_resident(state, served[j % models], by_id[home], NOW)
-    _observe_all(state, NOW)
+    _observe_all(state, NOW, unmanaged)
     _grant_every_slot(state, [served[j % models].capability for j in range(leases)], NOW)
-    _observe_all(state, NOW)
+    _observe_all(state, NOW, unmanaged)
     for n in range(gangs):
         enqueue(state, _request(n, trainers[n % len(trainers)].capability), PRIORITIES[1 + n % 3], NOW)
     for n in range(gangs, gangs + queued):
@@ -329,7 +348,7 @@ class Costs:
     sort_ms: float
 
 
-def event_costs(state: PoolState, repeats: int) -> Costs:
+def event_costs(state: PoolState, repeats: int, unmanaged: dict[str, int] | None = None) -> Costs:
     """Median CPU per pass (decide + apply) right after each kind of event, the event itself
     untimed: one node's telemetry sample (its cards, unchanged), or one new request (withdrawn
     again afterwards, untimed, so the queue keeps its length). Time moves on a millisecond per
@@ -364,7 +383,7 @@ def event_costs(state: PoolState, repeats: int) -> Costs:
     for k in range(repeats):
         cards = node_cards[k % len(node_cards)]
         timed(
-            lambda at, cards=cards: apply_observations(state, _observations(state, cards, at), at),
+            lambda at, cards=cards: apply_observations(state, _observations(state, cards, at, unmanaged), at),
             telemetry,
         )
         rid = 50_000_000 + k
@@ -456,6 +475,9 @@ def main() -> None:
         f"   (built in {time.perf_counter() - started:.1f} s: {len(state.leases)} leases, {len(state.queue)} waiting)"
     )
     rows += report("full pool 64 GPUs x 1,000 waiting", event_costs(state, 41), 1.0)
+    unmanaged: dict[str, int] = {}
+    state = full_pool(64, 1_000, unmanaged)
+    rows += report("full pool 64 GPUs x 1,000 waiting, unmanaged process", event_costs(state, 41, unmanaged), 1.0)
     print("\n3. a cluster: 6,000 GPUs, 2,000 leases, 50 waiting gangs, 10,000 queued")
     started = time.perf_counter()
     state = cluster(750, 2_000, 50, 10_000)
@@ -463,6 +485,13 @@ def main() -> None:
         f"   (built in {time.perf_counter() - started:.1f} s: {len(state.leases)} leases, {len(state.queue)} waiting)"
     )
     rows += report("cluster 6,000 GPUs, 2,000 leases, 50 gangs, 10,000 queued", event_costs(state, 7), 50.0)
+    unmanaged = {}
+    state = cluster(750, 2_000, 50, 10_000, unmanaged)
+    rows += report(
+        "cluster 6,000 GPUs, 2,000 leases, 50 gangs, 10,000 queued, unmanaged process",
+        event_costs(state, 7, unmanaged),
+        50.0,
+    )
     print("\n4. admission with 2,000 leases: a full pool of 500 GPUs, 1,000 waiting")
     started = time.perf_counter()
     state = full_pool(500, 1_000)

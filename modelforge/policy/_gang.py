@@ -58,6 +58,12 @@ def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep]
     refusal = _never_fits(attempt, gang) or deadline_refusal(attempt, "starting")
     if refusal is not None:
         return refusal
+    pass_ = attempt.pass_
+    if pass_.indexed and len(pass_.pool_accelerators) - len(pass_.blocked) < gang.count:
+        # Higher requests of this pass wait for memory on all but fewer cards than the gang
+        # needs: no phase finds room, room to make or cards to reserve on the rest, and none
+        # of that depended on this gang's own times (its wait stands for its deployment).
+        return _wait(attempt, gang, reserve=False)
     picked = _choose(attempt, gang, evicting=False)
     if picked is not None:
         return _grant_gang(attempt, gang, picked)
@@ -127,7 +133,8 @@ def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
     `place_gang` counts on a card (free bytes, idle residents unloaded, work preempted or ending
     by its max_duration, unloads under way, lease bytes promised to loads): a card below the
     gang's bytes by that bound can be passed over unseen. Generous where unsure (a larger bound
-    only prunes less): committed bytes, external bytes and the dynamic reserve are left out."""
+    only prunes less): committed bytes, external bytes and the dynamic reserve are left out
+    (`_live` counts external bytes where the fit index has them)."""
     memo = pass_.gang_memo
     cached = memo.get(("shortfall",))
     if cached is not None:
@@ -171,9 +178,27 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     shortfall = _ceiling_shortfall(pass_)
     need = gang.need
     live: dict[str, bool] = {}
-    for accelerator, acc in gang.topology.items():
-        if acc.total_bytes - acc.reserve_bytes - shortfall.get(accelerator, 0) >= need:
-            live[accelerator] = True
+    fit = pass_.fit
+    if fit is None:
+        for accelerator, acc in gang.topology.items():
+            if acc.total_bytes - acc.reserve_bytes - shortfall.get(accelerator, 0) >= need:
+                live[accelerator] = True
+    else:
+        # Tighter where the fit index holds the card's schedulable bytes for this pass (total -
+        # external - resident - leased - reserve) and its reserve does not move with time (it is
+        # then the card's own): what the gang could count on there is those bytes plus what
+        # `_ceiling_shortfall` lets go, so a card an unmanaged process fills is passed over too.
+        schedulable, volatile = fit.schedulable, fit.volatile
+        resident_sum, leased_sum = pass_.resident_sum, pass_.leased_sum
+        for accelerator, acc in gang.topology.items():
+            taken = shortfall.get(accelerator, 0)
+            if accelerator in volatile or accelerator not in schedulable:
+                bound = acc.total_bytes - acc.reserve_bytes - taken
+            else:
+                freeable = resident_sum.get(accelerator, 0) + leased_sum.get(accelerator, 0) - taken
+                bound = schedulable[accelerator] + freeable
+            if bound >= need:
+                live[accelerator] = True
     groups: dict[str, list[str]] = {}
     if gang.nvlink:
         for group, members in gang.groups.items():
@@ -314,11 +339,13 @@ def _make_room(attempt: Attempt, gang: _Gang) -> list[Unload | Sleep] | Preempti
     return None
 
 
-def _wait(attempt: Attempt, gang: _Gang) -> Wait:
-    """Phase 5: it waits, and reserves the cards where it can start soonest if it can."""
+def _wait(attempt: Attempt, gang: _Gang, reserve: bool = True) -> Wait:
+    """Phase 5: it waits, and reserves the cards where it can start soonest if it can (and
+    `reserve`: False when no card could be reserved)."""
     where = "in one NVLink group" if gang.nvlink else f"for {gang.shape.describe()}"
     waiting = f"gang of {gang.count} x {gang.need} B: not enough room {where} yet"
-    reserved = _reserve_for_gang(attempt, gang) if attempt.pass_.state.config.gang_reservations else ""
+    reserving = reserve and attempt.pass_.state.config.gang_reservations
+    reserved = _reserve_for_gang(attempt, gang) if reserving else ""
     return Wait(attempt.queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
 
 
@@ -377,15 +404,19 @@ def _reserve_for_gang(attempt: Attempt, gang: _Gang) -> str:
     has known end times and it would start before it expires (its lease timeout or deadline);
     returns what was reserved, or "" (nothing can be promised)."""
     pass_, queued, now = attempt.pass_, attempt.queued, attempt.now
-    # Whether a reservation is made depends on this request's own lease timeout and deadline.
-    attempt.reusable = False
     timelines, ready_at = _release_timelines(attempt, gang)
     # Only the groups `_live` kept hold cards with a time (the others could not be chosen).
     chosen = choose_reserved(
         ready_at, gang.count, gang.shape, gang.topology, _live(pass_, gang)[1] if gang.nvlink else None
     )
     if chosen is None:
+        # Nothing this gang's own times decide: no card gets its bytes back at a known time.
+        # A pass only takes capacity (cards blocked, reserved, bytes promised), so every later
+        # gang of its deployment and kind of class finds no reservation either: its wait stands
+        # for them (`Outcome.reusable`), as it does with reservations off.
         return ""
+    # Whether a reservation is made depends on this request's own lease timeout and deadline.
+    attempt.reusable = False
     starts_at, accelerators = chosen
     if starts_at + attempt.load_s >= queued.expires_at:
         return ""

@@ -1,0 +1,229 @@
+"""The hard shapes for the fast pass: a full pool (every card holding a resident at its
+concurrency with real leases, an unmanaged process filling the rest, nothing fits, everything
+waits) and many gangs waiting at once. Over random arrivals, releases, unmanaged processes
+growing and shrinking, health failures and passing time, the fast pass (the groupings and fit
+index it keeps across passes, gang waits that settle their deployment, gangs meeting blocked
+cards first) must decide exactly what the reference pass decides, which places every request
+on its own and looks at every card for every gang."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelforge.domain import GiB, Priority, Residency
+from modelforge.policy import (
+    AdmissionRejected,
+    Decisions,
+    PolicyConfig,
+    PoolState,
+    ResidentPhase,
+    apply_decisions,
+    decide,
+    enqueue,
+    release_lease,
+    resident_ready,
+    resident_unloaded,
+    validate_request,
+)
+from modelforge.policy._placement import decide_each
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+# Three NVLink groups of four cards (two nodes, two racks).
+CARDS = [f"{group}/{i}" for group in ("a", "b", "c") for i in range(4)]
+SERVED = ["svc@1", "chat@1"]
+GANGS = ["nv2@1", "nv4@1", "nv2be@1", "spread@1"]
+SINGLE = [*SERVED, "job@1"]
+
+
+def build(gang_reservations: bool) -> PoolState:
+    accelerators = [
+        gpu(
+            card,
+            total=16 if card.startswith("c") else 24,
+            nvlink_group=card.split("/")[0],
+            rack="r1" if card.startswith("c") else "r0",
+        )
+        for card in CARDS
+    ]
+    gang = {"residency": Residency.NONE, "idle_bytes": 0, "queue_limit": 200}
+    return state(
+        accelerators,
+        [
+            deployment("svc@1", gib=6, idle_bytes=2 * GiB, concurrency=2, queue_limit=200),
+            deployment("chat@1", gib=5, idle_bytes=3 * GiB, concurrency=2, queue_limit=200),
+            deployment("job@1", gib=4, residency=Residency.LOAD_ON_DEMAND, queue_limit=200, preemptible=True),
+            deployment("nv2@1", gib=5, gpu_count=2, nvlink_required=True, **gang),
+            deployment("nv4@1", gib=8, gpu_count=4, nvlink_required=True, **gang),
+            deployment("nv2be@1", gib=3, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
+            deployment("spread@1", gib=4, gpu_count=3, anti_affinity="node", preemptible=True, **gang),
+        ],
+        tenants=[tenant("t", weight=2.0), tenant("u")],
+        config=PolicyConfig(preempt_min_runtime_s=0.0, gang_reservations=gang_reservations),
+    )
+
+
+def managed_gib(s: PoolState, card: str) -> float:
+    held = sum(r.bytes for r in s.residents.values() if r.accelerator == card and r.phase != ResidentPhase.LOADING)
+    return (held + sum(lease.bytes for lease in s.leases.values() if card in lease.accelerators)) / GiB
+
+
+def sample(s: PoolState, card: str, unmanaged_gib: float, at: float, healthy: bool = True) -> None:
+    """One NVML sample of `card`: ModelForge's residents and leases, and the unmanaged process."""
+    loaded = [r.key for r in s.residents.values() if r.accelerator == card and r.phase != ResidentPhase.LOADING]
+    observe(
+        s, card, external_gib=unmanaged_gib, managed_gib=managed_gib(s, card), at=at, healthy=healthy, loaded=loaded
+    )
+
+
+def fill(s: PoolState, max_duration_s: float | None) -> dict[str, float]:
+    """Every card: a ready resident at its concurrency, its leases granted by the policy itself;
+    an unmanaged process fills the rest (all but the 1 GiB reserve). Returns the unmanaged GiB."""
+    for n, card in enumerate(CARDS):
+        capability = SERVED[n % 2]
+        resident(s, capability, card, 2 if capability == "svc@1" else 3, residency=Residency.KEEP_WARM)
+        sample(s, card, 0.0, NOW)
+    for n in range(len(CARDS)):
+        for k in range(2):
+            request = ask(f"fill{n}.{k}", SERVED[n % 2], tenant_name="tu"[k], max_duration_s=max_duration_s)
+            _, priority = validate_request(s, request, gangs=True)
+            enqueue(s, request, priority, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.leases) == 2 * len(CARDS) and not s.queue
+    unmanaged = {}
+    for card in CARDS:
+        total = 16 if card.startswith("c") else 24
+        unmanaged[card] = total - 1 - managed_gib(s, card)
+        sample(s, card, unmanaged[card], NOW)
+    return unmanaged
+
+
+def assert_fast_is_reference(fast: Decisions, reference: Decisions) -> None:
+    assert (
+        fast.grants,
+        fast.rejects,
+        fast.loads,
+        fast.assigns,
+        fast.unloads,
+        fast.sleeps,
+        fast.wakes,
+        fast.preemptions,
+    ) == (
+        reference.grants,
+        reference.rejects,
+        reference.loads,
+        reference.assigns,
+        reference.unloads,
+        reference.sleeps,
+        reference.wakes,
+        reference.preemptions,
+    )
+    # A gang's wait names the cards it reserved: the same in both passes.
+    reference_waits = {w.request_id: w.reason for w in reference.waits}
+    for wait in fast.waits:
+        if "gang of" in wait.reason:
+            assert reference_waits.get(wait.request_id) == wait.reason
+
+
+operation = st.one_of(
+    # Single-card requests and gangs arriving between two passes.
+    st.tuples(
+        st.just("request"),
+        st.integers(0, len(SINGLE) + len(GANGS) - 1),
+        st.sampled_from(list(Priority)[:4]),
+        st.integers(1, 4),
+        st.sampled_from([None, 30.0, 300.0]),
+    ),
+    # Many gangs at once, of every shape and the lower classes.
+    st.tuples(st.just("gangs"), st.integers(4, 16), st.sampled_from([None, 60.0, 600.0])),
+    st.tuples(st.just("unmanaged"), st.integers(0, len(CARDS) - 1), st.integers(-12, 4)),
+    st.tuples(st.just("release"), st.integers(0, 100)),
+    st.tuples(st.just("loaded"), st.integers(0, 50)),
+    st.tuples(st.just("unloaded"), st.integers(0, 50)),
+    st.tuples(st.just("unhealthy"), st.integers(0, len(CARDS) - 1)),
+    st.tuples(st.just("tick"), st.integers(0, len(CARDS) - 1)),
+    st.tuples(st.just("wait"), st.integers(1, 400)),
+)
+
+
+def run(operations: list[tuple[object, ...]], gang_reservations: bool, max_duration_s: float | None) -> None:
+    s = build(gang_reservations)
+    unmanaged = fill(s, max_duration_s)
+    now = NOW
+    for n, op in enumerate(operations):
+        kind = op[0]
+        arrivals = []
+        if kind == "request":
+            every = [*SINGLE, *GANGS]
+            for k in range(int(op[3])):  # type: ignore[call-overload]
+                capability = every[(int(op[1]) + k * 3) % len(every)]  # type: ignore[call-overload]
+                arrivals.append(ask(f"r{n}.{k}", capability, "tu"[k % 2], priority=op[2], max_duration_s=op[4]))
+        elif kind == "gangs":
+            for k in range(int(op[1])):  # type: ignore[call-overload]
+                priority = list(Priority)[1 + k % 3]
+                arrivals.append(ask(f"g{n}.{k}", GANGS[k % len(GANGS)], "tu"[k % 2], priority, max_duration_s=op[2]))
+        elif kind == "unmanaged":
+            card = CARDS[int(op[1])]  # type: ignore[call-overload]
+            unmanaged[card] = max(0.0, unmanaged[card] + float(op[2]))  # type: ignore[arg-type]
+        elif kind == "release" and s.leases:
+            release_lease(s, list(s.leases)[int(op[1]) % len(s.leases)], now, "ok")  # type: ignore[call-overload]
+        elif kind == "loaded":
+            loading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.LOADING]
+            if loading:
+                resident_ready(s, loading[int(op[1]) % len(loading)], 0, now)  # type: ignore[call-overload]
+        elif kind == "unloaded":
+            unloading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.UNLOADING]
+            if unloading:
+                resident_unloaded(s, unloading[int(op[1]) % len(unloading)], True, "")  # type: ignore[call-overload]
+        elif kind == "unhealthy":
+            sick = CARDS[int(op[1])]  # type: ignore[call-overload]
+            sample(s, sick, unmanaged[sick], now, healthy=False)
+        elif kind == "wait":
+            now += float(op[1])  # type: ignore[arg-type]
+        for request in arrivals:
+            try:
+                _, priority = validate_request(s, request, gangs=True)
+                enqueue(s, request, priority, now)
+            except AdmissionRejected:
+                pass
+        # Telemetry: every card after a change of ModelForge's own or of the unmanaged process;
+        # one card (unchanged) on a tick.
+        cards = [CARDS[int(op[1])]] if kind == "tick" else CARDS  # type: ignore[call-overload]
+        for card in cards:
+            if s.accelerators[card].healthy:
+                sample(s, card, unmanaged[card], now)
+        fast = decide(s, now)
+        assert_fast_is_reference(fast, decide_each(s, now, reuse_settled=False))
+        apply_decisions(s, fast, now, {})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(operation, min_size=1, max_size=30),
+    st.booleans(),
+    st.sampled_from([None, 120.0]),
+)
+def test_a_full_pool_with_many_gangs_waiting_decides_what_the_reference_decides(
+    operations: list[tuple[object, ...]], gang_reservations: bool, max_duration_s: float | None
+) -> None:
+    run(operations, gang_reservations, max_duration_s)
+
+
+def test_in_a_full_pool_a_new_request_waits_and_so_do_the_gangs() -> None:
+    """The shape itself: with every card full, a new request and a burst of gangs all wait
+    (nothing granted, loaded, preempted or refused), in the fast pass as in the reference."""
+    s = build(gang_reservations=True)
+    unmanaged = fill(s, None)
+    for k in range(12):
+        request = ask(f"g{k}", GANGS[k % 2], "tu"[k % 2], Priority.INTERACTIVE)
+        _, priority = validate_request(s, request, gangs=True)
+        enqueue(s, request, priority, NOW)
+    request = ask("new", "svc@1", "t", Priority.PRODUCTION)
+    _, priority = validate_request(s, request, gangs=True)
+    enqueue(s, request, priority, NOW)
+    for card in CARDS:
+        sample(s, card, unmanaged[card], NOW + 1)
+    fast = decide(s, NOW + 1)
+    assert_fast_is_reference(fast, decide_each(s, NOW + 1, reuse_settled=False))
+    assert not (fast.grants or fast.loads or fast.preemptions or fast.rejects)
+    assert {w.request_id for w in fast.waits} == {"new", *(f"g{k}" for k in range(12))}
