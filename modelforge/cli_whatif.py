@@ -56,7 +56,8 @@ def what_if(
     if plot is not None:
         from modelforge.simulate import write_plot
 
-        write_plot([r.result for r in runs], plot, f"record of pool {record.pool}, last {window} (simulated cards)")
+        replays = [r.result for r in runs if r.result is not None]
+        write_plot(replays, plot, f"record of pool {record.pool}, last {window} (simulated cards)")
     if as_json:
         _json(comparison_json(record, runs))
         return

@@ -47,6 +47,9 @@ class RecordScenario:
     # Real name -> shown name, when anonymised (`tenant-1`, ...).
     tenant_alias: dict[str, str] = field(default_factory=dict)
     config: SimulationConfig = field(default_factory=SimulationConfig)
+    # What really happened in the window, the replay's figures where the record has them
+    # (`recorded_figures`): the column beside the replays.
+    recorded: dict[str, Any] = field(default_factory=dict)
 
     def scenario(self, catalog: Catalog | None = None) -> tuple[Scenario, dict[str, int]]:
         """The scenario under `catalog` (default: the one in force), and the lines it cannot
@@ -72,17 +75,10 @@ class RecordScenario:
         """`scenario.toml` and `requests.jsonl` in `out_dir`: a scenario `modelforge simulate`
         reads, anonymised if this record is (tenants renamed, request ids numbered)."""
         from modelforge.store._store import catalog_document
-        from modelforge.traces._common import write_scenario
 
         document = catalog_document(self.catalog)
-        tenants = []
-        for tenant in document["tenants"]:
-            tenants.append({**tenant, "name": self.shown_tenant(tenant["name"])})
-        document["tenants"] = tenants
-        scenario: dict[str, object] = {
-            key: [_toml_ready(item) for item in value] for key, value in document.items() if value
-        }
-        scenario["external"] = [
+        document["tenants"] = [{**t, "name": self.shown_tenant(t["name"])} for t in document["tenants"]]
+        document["external"] = [
             {
                 "accelerator": e.accelerator,
                 "bytes": e.bytes,
@@ -92,32 +88,47 @@ class RecordScenario:
             }
             for e in self.external
         ]
-        if not scenario["external"]:
-            del scenario["external"]
-        lines = [{**line, "tenant": self.shown_tenant(line["tenant"])} for line in self.lines]
-        header = "\n".join(
-            [
-                f"modelforge simulate --from-record: pool {self.pool}, {len(lines)} requests,"
-                f" window of {self.until_s - self.since_s:.0f} s",
-                *self.notes,
-            ]
-        )
-        return write_scenario(out_dir, scenario, lines, header)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        requests_path = out_dir / "requests.jsonl"
+        with requests_path.open("w", encoding="utf-8") as handle:
+            for line in self.lines:
+                shown = {**line, "tenant": self.shown_tenant(line["tenant"])}
+                handle.write(json.dumps(shown, separators=(",", ":")) + "\n")
+        text = [
+            f"# modelforge simulate --from-record: pool {self.pool}, {len(self.lines)} requests,"
+            f" a window of {self.until_s - self.since_s:.0f} s",
+            *(f"# {note}" for note in self.notes),
+            "",
+            f"[requests]\npath = {json.dumps(requests_path.name)}",
+            "",
+        ]
+        for table, rows in document.items():
+            for row in rows:
+                text.append(f"[[{table}]]")
+                text.extend(f"{key} = {_toml(value)}" for key, value in row.items() if value is not None)
+                text.append("")
+        path = out_dir / "scenario.toml"
+        path.write_text("\n".join(text), encoding="utf-8")
+        return path
 
 
-def _toml_ready(item: dict[str, Any]) -> dict[str, Any]:
-    """A catalog row the scenario writer takes: no None (TOML has none: the default), enums
-    as their values, no empty lists of tables."""
-    ready: dict[str, Any] = {}
-    for key, value in item.items():
-        if value is None:
-            continue
-        if hasattr(value, "value") and not isinstance(value, int | float | str):
-            value = value.value
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            continue  # nested tables (a queue's levels) are kept by the store, not this writer
-        ready[key] = value
-    return ready
+def _toml(value: Any) -> str:
+    """One TOML value: scalars, arrays and inline tables (a queue's levels), enums by value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if hasattr(value, "value") and not isinstance(value, int | float | str):
+        value = value.value
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RecordError(f"cannot write {value} to TOML")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items() if v is not None) + "}"
+    raise RecordError(f"cannot write {type(value).__name__} to TOML")
 
 
 def _refusal(catalog: Catalog, line: dict[str, Any]) -> str | None:
@@ -279,6 +290,12 @@ def build_record_scenario(
             }
         line["arrived"] = min(line["arrived"], arrived)
         line["service_s"] += ran_s
+        line["first_granted"] = min(line.get("first_granted", math.inf), float(granted))
+        ended_at = lease.get("ended_at")
+        if ended_at is not None and ended_at >= line.get("ended", -math.inf):
+            line["ended"], line["outcome"] = float(ended_at), lease.get("outcome") or ""
+        if lease.get("outcome") == "preempted":
+            line["preemptions"] = line.get("preemptions", 0) + 1
         if lease.get("outcome") == "ok":
             service_by_capability.setdefault(lease["capability"], []).append(ran_s)
     median_service = {c: statistics.median(v) for c, v in service_by_capability.items()}
@@ -323,6 +340,13 @@ def build_record_scenario(
         )
 
     ordered = sorted(ran.items(), key=lambda item: (item[1]["arrived"], item[0]))
+    accelerators = {a.id for a in catalog.accelerators}
+    recorded = recorded_figures(
+        [line for _, line in ordered],
+        [e for e in events if e["kind"] == "resident_ready" and e.get("accelerator") in accelerators],
+        [row for row in rows.get("snapshots", []) if row["accelerator"] in accelerators],
+        catalog,
+    )
     alias: dict[str, str] = {}
     if anonymise:
         for _, line in ordered:
@@ -360,9 +384,7 @@ def build_record_scenario(
         notes=notes,
         left_out=left_out,
         tenant_alias=alias,
-        # A request waits in production at most its lease timeout: the longest recorded wait
-        # decides nothing here; the scheduler's own default does.
-        config=SimulationConfig(),
+        recorded={**recorded, "by_tenant": {alias.get(k, k): v for k, v in recorded["by_tenant"].items()}},
     )
     refused_at_once: dict[str, int] = {}
     for line in lines:
@@ -376,6 +398,64 @@ def build_record_scenario(
             + ", ".join(f"{k} {v}" for k, v in sorted(refused_at_once.items()))
         )
     return record
+
+
+def recorded_figures(
+    lines: list[dict[str, Any]], loads: list[dict[str, Any]], snapshots: list[dict[str, Any]], catalog: Catalog
+) -> dict[str, Any]:
+    """The figures of a replay (`modelforge.simulate._whatif`) as the record has them: waits
+    (arrival to first lease; never, for a request that never ran), goodput, loads finished and
+    their measured seconds, preemptions, how requests that did not end ok ended, and the
+    snapshots whose headroom was under the reserve. VRAM-hours and invariant checks are the
+    replay's alone (None)."""
+    from modelforge.simulate._whatif import group_figures
+
+    groups: dict[str, dict[str, tuple[list[float], int, int, int]]] = {"by_class": {}, "by_tenant": {}}
+    refusals: dict[str, int] = {}
+    met_all = 0
+    for line in lines:
+        served = "first_granted" in line
+        outcome = line.get("outcome", "") if served else (line.get("refused_as") or "UNRECORDED")
+        deadline = line.get("deadline_s")
+        met = served and outcome == "ok" and (deadline is None or line["ended"] <= line["arrived"] + deadline)
+        met_all += 1 if met else 0
+        if outcome != "ok":
+            refusals[outcome or "UNFINISHED"] = refusals.get(outcome or "UNFINISHED", 0) + 1
+        tenant = catalog.tenant(line["tenant"])
+        klass = line.get("priority") or (tenant.default_priority if tenant is not None else "default")
+        for group, key in (("by_class", klass), ("by_tenant", line["tenant"])):
+            waits, never, offered, good = groups[group].get(key, ([], 0, 0, 0))
+            if served:
+                waits.append(max(0.0, line["first_granted"] - line["arrived"]))
+            else:
+                never += 1
+            groups[group][key] = (waits, never, offered + 1, good + (1 if met else 0))
+    short = 0
+    below: dict[str, bool] = {}
+    for row in sorted(snapshots, key=lambda r: r["at"]):
+        free = row["total_bytes"] - row["external_bytes"] - row.get("resident_bytes", 0) - row.get("leased_bytes", 0)
+        if free < row["reserve_bytes"]:
+            short += 0 if below.get(row["accelerator"]) else 1
+            below[row["accelerator"]] = True
+        else:
+            below.pop(row["accelerator"], None)
+    return {
+        "requests": len(lines),
+        "goodput": round(met_all / len(lines), 6) if lines else 0.0,
+        "by_class": {k: group_figures(*v) for k, v in groups["by_class"].items()},
+        "by_tenant": {k: group_figures(*v) for k, v in sorted(groups["by_tenant"].items())},
+        "cold_starts": len(loads),
+        "load_s": round(sum(float((e.get("payload") or {}).get("load_s") or 0.0) for e in loads), 3),
+        "evictions": None,
+        "preemptions": sum(line.get("preemptions", 0) for line in lines),
+        "refusals": dict(sorted(refusals.items())),
+        "vram_gib_hours_in_use": None,
+        "vram_gib_hours_idle_resident": None,
+        "external_headroom_below_reserve": short if snapshots else None,
+        "oom_events": None,
+        "invariant_violations": None,
+        "replay_wall_s": None,
+    }
 
 
 async def record_from_store(

@@ -53,7 +53,7 @@ class _Replay(Simulation):
         super()._carry_out(actions, now)
 
 
-def _group_figures(waits: list[float], never: int, offered: int, met: int) -> dict[str, Any]:
+def group_figures(waits: list[float], never: int, offered: int, met: int) -> dict[str, Any]:
     waits = sorted(waits)
     figures: dict[str, Any] = {"requests": offered, "served": len(waits), "never_served": never}
     for name, fraction in PERCENTILES:
@@ -68,7 +68,8 @@ class Replayed:
     """One catalog's replay: the engine's result and the what-if figures."""
 
     label: str
-    result: SimulationResult
+    # None for the record's own figures (what really happened), shown beside the replays.
+    result: SimulationResult | None
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,8 +102,8 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
     figures: dict[str, Any] = {
         "requests": offered,
         "goodput": round(met_all / offered, 6) if offered else 0.0,
-        "by_class": {k: _group_figures(*v) for k, v in per_class.items()},
-        "by_tenant": {k: _group_figures(*v) for k, v in sorted(per_tenant.items())},
+        "by_class": {k: group_figures(*v) for k, v in per_class.items()},
+        "by_tenant": {k: group_figures(*v) for k, v in sorted(per_tenant.items())},
         "cold_starts": result.loads,
         "load_s": round(sim.load_seconds, 3),
         "evictions": result.evictions,
@@ -119,9 +120,10 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
 
 
 def compare(record: RecordScenario, proposed: Catalog | None) -> list[Replayed]:
-    """The record under the catalog as it was and, when given, under `proposed` (its cards in
-    the record's pool, the record's measured load times for deployments it shares)."""
-    runs = [replay(record, record.catalog, "as it was")]
+    """What the record says happened, the record replayed under the catalog as it was and, when
+    given, under `proposed` (its cards in the record's pool, the record's measured load times for
+    deployments it shares)."""
+    runs = [Replayed("recorded", None, record.recorded), replay(record, record.catalog, "as it was")]
     if proposed is not None:
         runs.append(replay(record, proposed_for(record, proposed), "proposed"))
     return runs
@@ -146,9 +148,9 @@ def proposed_for(record: RecordScenario, proposed: Catalog) -> Catalog:
     return with_measured_load_times(replace(proposed, accelerators=accelerators), measured)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, missing: str = "-") -> str:
     if value is None:
-        return "never"
+        return missing
     if isinstance(value, float):
         return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
     if isinstance(value, dict):
@@ -170,7 +172,7 @@ def comparison_table(runs: list[Replayed]) -> list[tuple[str, list[str]]]:
                 cells = []
                 for run in runs:
                     row = run.figures[group].get(name)
-                    cells.append("-" if row is None else _cell(row[metric]))
+                    cells.append("-" if row is None else _cell(row[metric], "never"))
                 rows.append((f"{title} {name} {metric}", cells))
     for key in (
         "cold_starts",
@@ -195,5 +197,6 @@ def comparison_json(record: RecordScenario, runs: list[Replayed]) -> dict[str, A
         "window_s": round(record.until_s - record.since_s, 3),
         "requests_recorded": len(record.lines) + sum(record.left_out.values()),
         "notes": record.notes,
-        "replays": {r.label: {**r.figures, "series": r.result.series} for r in runs},
+        "recorded": next((r.figures for r in runs if r.result is None), {}),
+        "replays": {r.label: {**r.figures, "series": r.result.series} for r in runs if r.result is not None},
     }

@@ -203,7 +203,8 @@ class Store:
             events = await cur.fetchall()
             await cur.execute(
                 "SELECT accelerator, pool, extract(epoch FROM at)::float8 AS at, total_bytes, external_bytes,"
-                " reserve_bytes FROM telemetry_snapshots WHERE at >= %(since)s AND at < %(until)s"
+                " resident_bytes, leased_bytes, reserve_bytes FROM telemetry_snapshots"
+                " WHERE at >= %(since)s AND at < %(until)s"
                 " AND (%(pool)s::text IS NULL OR pool = %(pool)s) ORDER BY accelerator, at",
                 window,
             )
