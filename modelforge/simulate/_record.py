@@ -365,6 +365,12 @@ def build_record_scenario(
         for key in ("priority", "deadline_s", "max_duration_s"):
             if line.get(key) is not None:
                 out[key] = line[key]
+        # The record keeps the class a request got, not whether it asked for one: a request in
+        # its tenant's default class replays without one, so a catalog that gives the tenant
+        # another default (a new class for a team) moves it there.
+        tenant = catalog.tenant(line["tenant"])
+        if tenant is not None and out.get("priority") == tenant.default_priority:
+            del out["priority"]
         lines.append(out)
     snapshots = rows.get("snapshots", [])
     external = _external(snapshots, {a.id for a in catalog.accelerators}, since_s, until_s)
