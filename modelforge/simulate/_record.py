@@ -368,8 +368,8 @@ def build_record_scenario(
         # The record keeps the class a request got, not whether it asked for one: a request in
         # its tenant's default class replays without one, so a catalog that gives the tenant
         # another default (a new class for a team) moves it there.
-        tenant = catalog.tenant(line["tenant"])
-        if tenant is not None and out.get("priority") == tenant.default_priority:
+        owner = catalog.tenant(line["tenant"])
+        if owner is not None and out.get("priority") == owner.default_priority:
             del out["priority"]
         lines.append(out)
     snapshots = rows.get("snapshots", [])
