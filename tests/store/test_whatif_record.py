@@ -243,9 +243,12 @@ async def test_cli_what_if_prints_both_and_applies_nothing(database_url: str, tm
         assert (await store.load_catalog()).deployments[0].ttl_s == 60.0  # nothing applied
     finally:
         await store.close()
-    table = _cli("simulate", "--from-record", "1h", "--catalog", str(proposed), url=database_url)
+    picture = tmp_path / "both.png"
+    args = ("simulate", "--from-record", "1h", "--catalog", str(proposed), "--plot", str(picture))
+    table = _cli(*args, url=database_url)
     assert table.returncode == 0, table.stderr
     assert "cold_starts" in table.stdout and "simulated cards" in table.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both replays' series, drawn
 
     # Bad input: one line naming REQUEST_INVALID, never a traceback.
     broken = tmp_path / "broken.toml"
