@@ -228,7 +228,7 @@ def main() -> int:
     scenario_s = time.perf_counter() - started
     runs = compare(replay, longer_ttl(as_was, args.ttl))
     total = time.perf_counter() - started
-    print(f"\n| metric | as it was (TTL 600 s) | proposed (TTL {args.ttl:g} s) |\n|---|---:|---:|")
+    print(f"\n| metric | recorded | as it was (TTL 600 s) | proposed (TTL {args.ttl:g} s) |\n|---|---:|---:|---:|")
     for label, cells in comparison_table(runs):
         print(f"| {label} | {' | '.join(cells)} |")
     print(

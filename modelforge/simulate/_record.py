@@ -304,7 +304,11 @@ def build_record_scenario(
     left_out: dict[str, int] = {}
     for request_id, ended in never.items():
         if request_id in ran:
-            continue  # refused once, then granted on a retry: it ran
+            # It ran: refused once and granted on a retry, or preempted and then timed out in
+            # the queue (how it ended, then, is this event's failure).
+            if ran[request_id].get("outcome") == "preempted" and ended.get("at", 0) >= ran[request_id]["ended"]:
+                ran[request_id]["outcome"] = ended.get("failure") or "preempted"
+            continue
         capability = ended.get("capability")
         if not capability:
             unknown_ask += 1
