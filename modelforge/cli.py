@@ -550,8 +550,21 @@ def envelopes(
 
 
 @catalog_app.command("apply")
-def catalog_apply(file: Annotated[Path, typer.Argument(help="Catalog TOML to validate and apply.")]) -> None:
+def catalog_apply(
+    file: Annotated[Path, typer.Argument(help="Catalog TOML to validate and apply.")],
+    what_if: Annotated[
+        str | None,
+        typer.Option(help="Apply nothing: replay this last window (7d) under the catalog as it was and FILE."),
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="--what-if: the pool whose record replays.")] = None,
+    as_json: JsonOption = False,
+    plot: Annotated[Path | None, typer.Option(help="--what-if: draw both replays into a .png, .svg or .pdf.")] = None,
+) -> None:
     """Validate FILE and apply it atomically; the running scheduler reloads it."""
+    if what_if is not None:  # modelforge/cli_whatif.py
+        from modelforge.cli_whatif import what_if as replay_record
+
+        return replay_record(what_if, pool=pool, catalog_file=file, as_json=as_json, plot=plot)
     from modelforge.catalog import load_catalog_file
     from modelforge.store import Store
 
@@ -760,8 +773,9 @@ def gateway(
 @app.command()
 def simulate(
     scenario: Annotated[
-        Path, typer.Argument(help="Scenario TOML: a catalog plus the requests to replay (docs/SIMULATOR.md).")
-    ],
+        Path | None,
+        typer.Argument(help="Scenario TOML: a catalog plus the requests to replay (docs/SIMULATOR.md)."),
+    ] = None,
     policy: Annotated[
         str, typer.Option(help="modelforge (the production policy), fifo or ollama; 'all' runs the three side by side.")
     ] = "modelforge",
@@ -772,13 +786,37 @@ def simulate(
         Path | None,
         typer.Option(help="Also draw the policies side by side into a .png, .svg or .pdf (the plot extra)."),
     ] = None,
+    from_record: Annotated[
+        str | None, typer.Option(help="Replay the store's record of this last window (7d, 12h) instead of SCENARIO.")
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="--from-record: the pool whose record replays.")] = None,
+    anonymise: Annotated[bool, typer.Option(help="--from-record: rename tenants, number request ids.")] = False,
+    catalog: Annotated[
+        Path | None, typer.Option(help="--from-record: also replay under this proposed catalog, side by side.")
+    ] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="--from-record: also write the scenario here.")] = None,
 ) -> None:
     """Replay SCENARIO in virtual time through the production policy or a baseline.
 
     Waits count every request (one never served waits forever, shown as `never`), goodput is
     deadlines met per offered request, and utilization is measured over the scenario's own span,
     the same for every policy. A replay that runs longer than a second draws a progress bar on
-    stderr when stderr is a terminal, never with --json."""
+    stderr when stderr is a terminal, never with --json. --from-record replays what the store
+    recorded (modelforge/cli_whatif.py)."""
+    if from_record is not None or scenario is None:
+        if from_record is None or scenario is not None:
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, "give either SCENARIO or --from-record WINDOW"))
+        from modelforge.cli_whatif import what_if
+
+        return what_if(
+            from_record,
+            pool=pool,
+            catalog_file=catalog,
+            anonymise=anonymise,
+            out_dir=out_dir,
+            as_json=as_json,
+            plot=plot,
+        )
     from modelforge.simulate import POLICIES, ReplayProgress, comparison_rows, load_scenario, plotting_available
     from modelforge.simulate import simulate as run_simulation
 

@@ -222,6 +222,19 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: flo
     return queued
 
 
+def asked_for(queued: QueuedRequest) -> dict[str, str | int | float | bool | None]:
+    """What a request asked for, in the events that end its wait (granted or refused), so the
+    record alone can replay it (`modelforge simulate --from-record`)."""
+    return {
+        "capability": queued.capability,
+        "tenant": queued.tenant,
+        "priority": queued.priority,
+        "submitted_at": queued.submitted_at,
+        "deadline_s": None if queued.deadline_at is None else round(queued.deadline_at - queued.submitted_at, 3),
+        "max_duration_s": queued.max_duration_s,
+    }
+
+
 # --- transitions ----------------------------------------------------------------------------
 
 
@@ -300,6 +313,7 @@ def apply_decisions(
                     "pool": state.pool,
                     "accelerators": ",".join(lease.accelerators),
                     "waited_s": round(now - queued.submitted_at, 3) if queued else None,
+                    **(asked_for(queued) if queued else {}),
                 },
             )
         )
@@ -312,6 +326,9 @@ def apply_decisions(
                 request_id=reject.request_id,
                 workflow_id=reject.workflow_id,
                 message=reject.message,
+                payload={"pool": state.pool, **asked_for(by_id[reject.request_id])}
+                if reject.request_id in by_id
+                else {},
             )
         )
     for unload in decisions.unloads:
@@ -657,6 +674,7 @@ def resident_failed(
         failures = state.warm_backoff.get(resident.deployment, [0.0, 0.0])[0] + 1
         state.warm_backoff[resident.deployment] = [failures, now + min(600.0, 10.0 * 2 ** (failures - 1))]
     rejects = [Reject(q.request_id, q.workflow_id, failure, message) for q in state.queue if q.assigned_to == key]
+    asked = {q.request_id: asked_for(q) for q in state.queue if q.assigned_to == key}
     if rejects:
         _drop(state, {r.request_id: True for r in rejects})
     events = [
@@ -676,6 +694,7 @@ def resident_failed(
             request_id=r.request_id,
             workflow_id=r.workflow_id,
             message=r.message,
+            payload={"pool": state.pool, **asked[r.request_id]},
         )
         for r in rejects
     )

@@ -12,6 +12,7 @@ from modelforge.simulate._modelforge import ModelForgeScheduler
 from modelforge.simulate._plot import plotting_available, write_plot
 from modelforge.simulate._progress import ReplayProgress
 from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, SimScheduler, Start
+from modelforge.simulate._record import RecordError, RecordScenario, build_record_scenario, record_from_store
 from modelforge.simulate._report import comparison_rows
 from modelforge.simulate._scenario import (
     ExternalUsage,
@@ -22,6 +23,7 @@ from modelforge.simulate._scenario import (
     load_scenario,
     parse_request_lines,
 )
+from modelforge.simulate._whatif import Replayed, compare, comparison_json, comparison_table
 
 POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
     "modelforge": ModelForgeScheduler,
@@ -55,8 +57,11 @@ __all__ = [
     "ModelForgeScheduler",
     "OllamaScheduler",
     "Progress",
+    "RecordError",
+    "RecordScenario",
     "Refuse",
     "ReplayProgress",
+    "Replayed",
     "Scenario",
     "ScenarioError",
     "SimRequest",
@@ -64,11 +69,16 @@ __all__ = [
     "SimulationConfig",
     "SimulationResult",
     "Start",
+    "build_record_scenario",
     "common_span",
+    "compare",
+    "comparison_json",
     "comparison_rows",
+    "comparison_table",
     "load_scenario",
     "parse_request_lines",
     "plotting_available",
+    "record_from_store",
     "simulate",
     "write_plot",
 ]

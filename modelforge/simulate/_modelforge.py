@@ -13,6 +13,7 @@ from modelforge.policy import (
     AdmissionRejected,
     AdmissionRequest,
     PolicyConfig,
+    PolicyEvent,
     PoolState,
     QueuedRequest,
     ResidentPhase,
@@ -64,6 +65,13 @@ class ModelForgeScheduler:
         # reaches its minimum runtime and may be preempted, lease id).
         self.expiries: list[tuple[float, str]] = []
         self.preemptible_at: list[tuple[float, str]] = []
+        # When set, every event the policy emits, with its moment, as the scheduler workflow
+        # would record it (`modelforge.simulate._recorder`: a record made in virtual time).
+        self.events: list[tuple[float, PolicyEvent]] | None = None
+
+    def _note(self, now: float, events: list[PolicyEvent]) -> None:
+        if self.events is not None:
+            self.events.extend((now, event) for event in events)
 
     def submit(self, request: SimRequest, now: float) -> Refuse | None:
         admission = AdmissionRequest(
@@ -79,6 +87,19 @@ class ModelForgeScheduler:
         try:
             _, priority = validate_request(self.state, admission, gangs=True)
         except AdmissionRejected as rejected:
+            self._note(
+                now,
+                [
+                    PolicyEvent(
+                        kind="request_refused",
+                        failure=rejected.failure,
+                        request_id=request.request_id,
+                        workflow_id=request.request_id,
+                        message=rejected.message,
+                        payload={"capability": request.capability, "tenant": request.tenant},
+                    )
+                ],
+            )
             return Refuse(request.index, rejected.failure, rejected.message)
         self.index_of[request.request_id] = request.index
         self.submitted_at[request.request_id] = now
@@ -113,7 +134,7 @@ class ModelForgeScheduler:
             else:
                 heapq.heappush(self.ttl_timers, (check_at, key))
         decisions = decide(state, now)
-        apply_decisions(state, decisions, now, {})
+        self._note(now, apply_decisions(state, decisions, now, {}))
         for load in decisions.loads:
             actions.loads.append(Load(load.resident_key, load.deployment, load.accelerator, load.bytes))
         min_runtime = state.config.preempt_min_runtime_s
@@ -155,7 +176,7 @@ class ModelForgeScheduler:
         resident = self.state.residents.get(key)
         if resident is None:
             return
-        resident_ready(self.state, key, resident.bytes, now)
+        self._note(now, resident_ready(self.state, key, resident.bytes, now))
         if resident.residency == Residency.KEEP_WARM:
             heapq.heappush(self.ttl_timers, (now + resident.ttl_s, key))
 
@@ -170,11 +191,27 @@ class ModelForgeScheduler:
         resident_woke(self.state, key, resident.bytes if resident is not None else 0, now)
 
     def finished(self, lease_id: str, now: float, outcome: str) -> None:
-        release_lease(self.state, lease_id, now, outcome)
+        lease = self.state.leases.get(lease_id)
+        if self.events is not None and lease is not None:
+            # What the request workflow's release signal tells the scheduler, recorded as it does.
+            self._note(
+                now,
+                [
+                    PolicyEvent(
+                        kind="invoke" if outcome == "ok" else "invoke_failed",
+                        request_id=lease.request_id,
+                        lease_id=lease_id,
+                        accelerator=lease.accelerator,
+                        deployment=lease.deployment,
+                        payload={"invoke_s": round(now - lease.granted_at, 4), "retrying": False},
+                    )
+                ],
+            )
+        self._note(now, release_lease(self.state, lease_id, now, outcome))
 
     def checkpointed(self, lease_id: str, request: SimRequest, now: float) -> None:
         lease = self.state.leases.get(lease_id)
-        release_lease(self.state, lease_id, now, "preempted")
+        self._note(now, release_lease(self.state, lease_id, now, "preempted"))
         if lease is None:
             return
         self.index_of[request.request_id] = request.index

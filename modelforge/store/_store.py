@@ -130,6 +130,8 @@ class Store:
             await conn.execute(
                 "DELETE FROM catalog_queues WHERE NOT (name = ANY(%s))", ([q.name for q in catalog.queues],)
             )
+            # The catalog history: what a replay of these days runs under (simulate --from-record).
+            await conn.execute("INSERT INTO catalog_history (spec) VALUES (%s)", (Jsonb(catalog_document(catalog)),))
         return {
             "accelerators": len(catalog.accelerators),
             "deployments": len(catalog.deployments),
@@ -158,6 +160,56 @@ class Store:
             }
         )
         return with_measured_envelopes(catalog, [(str(d), str(m), int(i), int(p)) for d, m, i, p in measured])
+
+    async def catalog_history(self, *, until_s: float) -> list[tuple[float, Catalog]]:
+        """Every catalog applied up to `until_s` (epoch seconds), oldest first, with when it was
+        applied; the measured envelopes folded in as `load_catalog` does."""
+        async with self._pool.connection() as conn:
+            rows = await (
+                await conn.execute(
+                    "SELECT extract(epoch FROM applied_at)::float8, spec FROM catalog_history"
+                    " WHERE applied_at <= %s ORDER BY applied_at, id",
+                    (_timestamp(until_s),),
+                )
+            ).fetchall()
+            measured = await (
+                await conn.execute("SELECT deployment, accelerator_model, idle_bytes, peak_bytes FROM envelopes")
+            ).fetchall()
+        envelopes = [(str(d), str(m), int(i), int(p)) for d, m, i, p in measured]
+        return [(float(at), with_measured_envelopes(parse_catalog(spec)[0], envelopes)) for at, spec in rows]
+
+    async def record_rows(self, *, since_s: float, until_s: float, pool: str | None) -> dict[str, list[dict[str, Any]]]:
+        """What happened between two moments (epoch seconds), as a replay needs it: the lease
+        ledger's rows granted (or ended) in the window, the events that say when requests
+        arrived, what they ran and why some never ran, the loads' measured times, and the
+        per-minute capacity snapshots. Times are epoch seconds."""
+        window = {"since": _timestamp(since_s), "until": _timestamp(until_s), "pool": pool}
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT lease_id, request_id, pool, tenant, capability, deployment, priority, accelerators, bytes,"
+                " extract(epoch FROM granted_at)::float8 AS granted_at, extract(epoch FROM ended_at)::float8"
+                " AS ended_at, outcome, held_s FROM lease_ledger"
+                " WHERE coalesce(granted_at, ended_at) >= %(since)s AND coalesce(granted_at, ended_at) < %(until)s"
+                " AND (%(pool)s::text IS NULL OR pool = %(pool)s) ORDER BY coalesce(granted_at, ended_at), lease_id",
+                window,
+            )
+            ledger = await cur.fetchall()
+            await cur.execute(
+                "SELECT kind, failure_class, request_id, lease_id, accelerator, deployment, message, payload,"
+                " extract(epoch FROM at)::float8 AS at FROM events"
+                " WHERE at >= %(since)s AND at < %(until)s AND kind = ANY(%(kinds)s) ORDER BY at, seq",
+                {**window, "kinds": list(RECORD_EVENT_KINDS)},
+            )
+            events = await cur.fetchall()
+            await cur.execute(
+                "SELECT accelerator, pool, extract(epoch FROM at)::float8 AS at, total_bytes, external_bytes,"
+                " resident_bytes, leased_bytes, reserve_bytes FROM telemetry_snapshots"
+                " WHERE at >= %(since)s AND at < %(until)s"
+                " AND (%(pool)s::text IS NULL OR pool = %(pool)s) ORDER BY accelerator, at",
+                window,
+            )
+            snapshots = await cur.fetchall()
+        return {"ledger": ledger, "events": events, "snapshots": snapshots}
 
     async def record_envelope(self, envelope: dict[str, Any]) -> None:
         """Store one measured envelope (replacing the last one for its deployment and model)."""
@@ -471,6 +523,28 @@ class Store:
         for row in rows:
             row["at"] = row["at"].isoformat()
         return rows
+
+
+# The events a replay of the record reads (modelforge/simulate/_record.py).
+RECORD_EVENT_KINDS = (
+    "lease_granted",
+    "invoke",
+    "invoke_failed",
+    "request_refused",
+    "request_rejected",
+    "admission_failed",
+    "resident_ready",
+)
+
+
+def catalog_document(catalog: Catalog) -> dict[str, Any]:
+    """A catalog as `parse_catalog` reads it back (the rows `load_catalog` reads, in one)."""
+    return {
+        "accelerators": [dataclasses.asdict(a) for a in catalog.accelerators],
+        "deployments": [dataclasses.asdict(d) for d in catalog.deployments],
+        "tenants": [dataclasses.asdict(t) for t in catalog.tenants],
+        "queues": [dataclasses.asdict(q) for q in catalog.queues],
+    }
 
 
 def with_measured_envelopes(catalog: Catalog, measured: list[tuple[str, str, int, int]]) -> Catalog:

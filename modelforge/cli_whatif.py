@@ -1,0 +1,80 @@
+"""What-if on the record, on the command line: `modelforge simulate --from-record 7d [--pool P]
+[--anonymise] [--catalog NEW.toml] [--out DIR]` and `modelforge catalog apply NEW.toml --what-if
+7d` (which applies nothing). The recorded requests replay through the production policy under
+the catalog that was in force and under the proposed one; modelforge/cli.py hands these options
+here."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from modelforge.failures import FailureClass, ModelForgeError
+
+
+def what_if(
+    window: str,
+    *,
+    pool: str | None,
+    catalog_file: Path | None,
+    anonymise: bool = False,
+    out_dir: Path | None = None,
+    as_json: bool = False,
+    plot: Path | None = None,
+) -> None:
+    from modelforge.catalog import load_catalog_file
+    from modelforge.cli import _database_url, _fail, _json, _run, _settings, err, out, parse_duration
+    from modelforge.simulate import compare, comparison_json, comparison_table, plotting_available, record_from_store
+
+    try:
+        window_s = parse_duration(window)
+        if pool is not None and not 0 < len(pool) <= 200:
+            raise ModelForgeError(FailureClass.REQUEST_INVALID, "--pool must be 1-200 characters")
+        proposed = load_catalog_file(catalog_file)[0] if catalog_file is not None else None
+    except ModelForgeError as error:
+        _fail(error)
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--plot {plot}: the file must end .png, .svg or .pdf"))
+        if not plotting_available():
+            _fail(
+                ModelForgeError(FailureClass.REQUEST_INVALID, "--plot needs matplotlib: pip install 'modelforge[plot]'")
+            )
+    url = _database_url(_settings())
+    until_s = time.time()  # the CLI's clock: the window ends now
+    record = _run(lambda: record_from_store(url, window_s=window_s, until_s=until_s, pool=pool, anonymise=anonymise))
+    if out_dir is not None:
+        written = record.write(out_dir)
+        err.print(escape(f"wrote {written}"), highlight=False, soft_wrap=True)
+    try:
+        runs = compare(record, proposed)
+    except ModelForgeError as error:
+        _fail(error)
+    if plot is not None:
+        from modelforge.simulate import write_plot
+
+        replays = [r.result for r in runs if r.result is not None]
+        write_plot(replays, plot, f"record of pool {record.pool}, last {window} (simulated cards)")
+    if as_json:
+        _json(comparison_json(record, runs))
+        return
+    title = (
+        f"pool {record.pool}, last {window}: {len(record.lines)} recorded requests replayed"
+        " through the production policy (simulated cards)"
+    )
+    table = Table(title=title)
+    table.add_column("metric", no_wrap=True)
+    for run in runs:
+        table.add_column(run.label, justify="right")
+    for label, cells in comparison_table(runs):
+        table.add_row(escape(label), *(escape(c) for c in cells))
+    out.print(table)
+    for note in record.notes:
+        out.print(escape(f"note: {note}"), highlight=False, soft_wrap=True)
+    if catalog_file is not None and runs[-1].figures["invariant_violations"]:
+        err.print("[red]warning[/red]: the proposed catalog's replay broke the memory invariant", highlight=False)
+    if plot is not None:
+        out.print(escape(f"wrote {plot}"), highlight=False, soft_wrap=True)

@@ -1,0 +1,265 @@
+"""What-if on the record, against a real Postgres: the production policy makes the record (its
+events, written by the store, the ledger following from them; a capacity snapshot a minute),
+`modelforge simulate --from-record` reads it back as a scenario, and the comparison replays it
+under the catalog as it was and under a proposed one. Cards are simulated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modelforge.catalog import parse_catalog
+from modelforge.domain import Catalog
+from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.messages import SnapshotBatch
+from modelforge.policy import AcceleratorStatus
+from modelforge.simulate import (
+    RecordError,
+    build_record_scenario,
+    compare,
+    comparison_json,
+    load_scenario,
+    record_from_store,
+)
+from modelforge.simulate._recorder import MadeRecord, make_record, record_rows
+from modelforge.simulate._scenario import ExternalUsage, Scenario, parse_request_lines
+from modelforge.store import Store
+
+GIB = 1 << 30
+
+
+def _catalog(ttl_s: float, *, pool: str = "default") -> Catalog:
+    return parse_catalog(
+        {
+            "accelerators": [
+                {
+                    "id": "box/0",
+                    "node": "box",
+                    "pool": pool,
+                    "model": "sim 24GB",
+                    "total_bytes": 24 * GIB,
+                    "reserve_bytes": GIB,
+                    "production_eligible": True,
+                    "simulated": True,
+                }
+            ],
+            "deployments": [
+                {
+                    "capability": "chat@1",
+                    "envelope_bytes": 4 * GIB,
+                    "residency": "keep_warm",
+                    "ttl_s": ttl_s,
+                    "load_s": 10.0,
+                    "concurrency": 1,
+                    "measured_on": ["sim 24GB"],
+                }
+            ],
+            "tenants": [
+                {"name": "alice-private", "default_priority": "interactive"},
+                {"name": "bob-private", "default_priority": "interactive"},
+            ],
+        }
+    )[0]
+
+
+def _production_day(catalog: Catalog) -> Scenario:
+    """Ten calls two minutes apart (1 s each), alternating tenants, on a card a media server
+    uses 2 GiB of for its first ten minutes; then, two minutes after the last, one call with a
+    5 s deadline that a cold 10 s load cannot meet (refused under a 60 s TTL,
+    DEADLINE_CANNOT_BE_MET)."""
+    lines = [
+        json.dumps(
+            {
+                "id": f"call-{i}",
+                "t": 120.0 * i,
+                "capability": "chat@1",
+                "tenant": "alice-private" if i % 2 else "bob-private",
+                "service_s": 1.0,
+            }
+        )
+        for i in range(10)
+    ]
+    lines.append(
+        json.dumps(
+            {
+                "id": "urgent",
+                "t": 1200.0,
+                "capability": "chat@1",
+                "tenant": "alice-private",
+                "service_s": 1.0,
+                "deadline_s": 5.0,
+            }
+        )
+    )
+    requests, with_variants = parse_request_lines(lines, catalog)
+    return Scenario(with_variants, requests, [ExternalUsage("box/0", 2 * GIB, 0.0, 600.0, "plex")])
+
+
+async def _write(store: Store, record: MadeRecord) -> None:
+    await store.record_events(record.events)
+    for at, card, pool, node, total, external, reserve in record.snapshots:
+        status = AcceleratorStatus(
+            id=card, node=node, kind="gpu", model="sim 24GB", production_eligible=True, simulated=True,
+            total_bytes=total, observed_used_bytes=external, external_bytes=external, resident_bytes=0,
+            leased_bytes=0, reserve_bytes=reserve, schedulable_bytes=total - external - reserve, pressure=False,
+            healthy=True, fresh=True, observation_age_s=0.0, observed_at=at,
+        )  # fmt: skip
+        await store.record_snapshots(SnapshotBatch(pool=pool, at=at, accelerators=[status]), retention_s=30 * 86400)
+
+
+async def test_the_record_replays_as_it_happened_and_a_longer_ttl_saves_the_loads(database_url: str) -> None:
+    as_was = _catalog(60.0)
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(_catalog(30.0))  # an older catalog: the later one is in force
+        await store.apply_catalog(as_was)
+        start = time.time() + 5.0  # the record's first minute, after both catalogs were applied
+        record = make_record(_production_day(as_was), start)
+        await _write(store, record)
+        ledger = await store.ledger()
+    finally:
+        await store.close()
+    assert len(ledger) == 10 and all(row["outcome"] == "ok" for row in ledger)
+
+    replay = await record_from_store(database_url, window_s=3600.0, until_s=start + 3600.0 - 1.0)
+    # The builder read the production policy's record: each request once, at its arrival, with
+    # its class, tenant and measured service time; the refused one with what it asked for.
+    assert [line["t"] for line in replay.lines] == [pytest.approx(1.0 + 120.0 * i, abs=0.01) for i in range(10)] + [
+        pytest.approx(1201.0, abs=0.01)
+    ]
+    assert {line["tenant"] for line in replay.lines} == {"alice-private", "bob-private"}
+    # In their tenants' default class: replayed without one, so the replayed catalog's default decides.
+    assert all("priority" not in line and line["service_s"] == 1.0 for line in replay.lines)
+    urgent = replay.lines[-1]
+    assert urgent["id"] == "urgent" and urgent["deadline_s"] == 5.0
+    assert replay.catalog.deployments[0].ttl_s == 60.0  # the catalog in force, not the older one
+    assert [(e.bytes, e.end_s - e.start_s) for e in replay.external] == [(2 * GIB, 600.0)]
+
+    recorded, as_it_was, proposed = compare(replay, _catalog(300.0))
+    before, after = as_it_was.figures, proposed.figures
+    # What happened, from the record alone, beside its replay under the same catalog.
+    assert recorded.figures["cold_starts"] == 10 and recorded.figures["load_s"] == pytest.approx(100.0)
+    assert recorded.figures["by_class"]["interactive"] == before["by_class"]["interactive"]
+    assert recorded.figures["refusals"] == {"DEADLINE_CANNOT_BE_MET": 1}
+    # Under the catalog in force the replay reproduces the record: ten cold loads of 10 s,
+    # every call waits its load, and the urgent call is refused again.
+    assert before["cold_starts"] == 10 and before["load_s"] == 100.0
+    assert before["by_class"]["interactive"]["wait_p50_s"] == 10.0
+    assert before["refusals"] == {"DEADLINE_CANNOT_BE_MET": 1}
+    # A 300 s TTL keeps the model between calls two minutes apart: one load, the other calls
+    # start at once, the urgent call (the model still warm) is served; paid in idle VRAM-hours.
+    assert after["cold_starts"] == 1 and after["load_s"] == 10.0
+    assert after["by_class"]["interactive"]["wait_p50_s"] == 0.0
+    assert after["by_class"]["interactive"]["wait_p95_s"] == 10.0  # the first call's load
+    assert after["refusals"] == {} and after["goodput"] == 1.0
+    assert after["vram_gib_hours_idle_resident"] > before["vram_gib_hours_idle_resident"]
+    assert before["invariant_violations"] == after["invariant_violations"] == 0
+    shown = comparison_json(replay, [recorded, as_it_was, proposed])
+    assert set(shown["replays"]) == {"as it was", "proposed"} and shown["recorded"]["cold_starts"] == 10
+
+
+async def test_anonymised_scenario_hides_tenants_and_request_ids(database_url: str, tmp_path: Path) -> None:
+    as_was = _catalog(60.0)
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(as_was)
+        start = time.time() + 5.0
+        await _write(store, make_record(_production_day(as_was), start))
+    finally:
+        await store.close()
+    replay = await record_from_store(database_url, window_s=3600.0, until_s=start + 3599.0, anonymise=True)
+    written = replay.write(tmp_path / "shared")
+    text = written.read_text() + (tmp_path / "shared" / "requests.jsonl").read_text()
+    for secret in ("alice-private", "bob-private", "call-", "urgent"):
+        assert secret not in text
+    # The shared scenario is one `modelforge simulate` reads, with the same requests.
+    loaded = load_scenario(written)
+    assert len(loaded.requests) == 11
+    assert {r.tenant for r in loaded.requests} == {"tenant-1", "tenant-2"}
+    figures = compare(replay, None)[1].figures
+    assert set(figures["by_tenant"]) == {"tenant-1", "tenant-2"}
+
+
+async def test_a_store_without_history_or_with_an_unknown_pool_says_so(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+    finally:
+        await store.close()
+    now = time.time()
+    with pytest.raises(ModelForgeError) as empty:
+        await record_from_store(database_url, window_s=3600.0, until_s=now)
+    assert empty.value.failure == FailureClass.REQUEST_INVALID and "no catalog" in empty.value.message
+    rows = record_rows(make_record(_production_day(_catalog(60.0)), now))
+    with pytest.raises(RecordError) as unknown:
+        build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now + 3600, pool="gpu-farm")
+    assert unknown.value.failure == FailureClass.REQUEST_INVALID and "unknown pool 'gpu-farm'" in unknown.value.message
+    with pytest.raises(RecordError):
+        build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now - 1)
+
+
+def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env["MODELFORGE_DATABASE_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "modelforge", *args], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+
+
+async def test_cli_what_if_prints_both_and_applies_nothing(database_url: str, tmp_path: Path) -> None:
+    as_was = _catalog(60.0)
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        await store.apply_catalog(as_was)
+        await _write(store, make_record(_production_day(as_was), time.time() - 3000.0))
+    finally:
+        await store.close()
+    proposed = tmp_path / "longer-ttl.toml"
+    proposed.write_text(
+        '[[accelerators]]\nid = "box/0"\nnode = "box"\nmodel = "sim 24GB"\ntotal_bytes = 25769803776\n'
+        "reserve_bytes = 1073741824\nproduction_eligible = true\nsimulated = true\n\n"
+        '[[deployments]]\ncapability = "chat@1"\nenvelope_bytes = 4294967296\nresidency = "keep_warm"\n'
+        'ttl_s = 300\nload_s = 10.0\nmeasured_on = ["sim 24GB"]\n\n'
+        '[[tenants]]\nname = "alice-private"\ndefault_priority = "interactive"\n\n'
+        '[[tenants]]\nname = "bob-private"\ndefault_priority = "interactive"\n'
+    )
+    done = _cli("catalog", "apply", str(proposed), "--what-if", "1h", "--json", url=database_url)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    replays = shown["replays"]
+    assert shown["recorded"]["cold_starts"] == replays["as it was"]["cold_starts"] == 10
+    assert replays["proposed"]["cold_starts"] == 1
+    store = await Store.open(database_url)
+    try:
+        assert (await store.load_catalog()).deployments[0].ttl_s == 60.0  # nothing applied
+    finally:
+        await store.close()
+    picture = tmp_path / "both.png"
+    args = ("simulate", "--from-record", "1h", "--catalog", str(proposed), "--plot", str(picture))
+    table = _cli(*args, url=database_url)
+    assert table.returncode == 0, table.stderr
+    assert "cold_starts" in table.stdout and "simulated cards" in table.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both replays' series, drawn
+
+    # Bad input: one line naming REQUEST_INVALID, never a traceback.
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[[deployments]]\ncapability = "chat@1"\n')
+    for args, fragment in (
+        (["simulate", "--from-record", "7 weeks"], "a duration is a positive number"),
+        (["simulate", "--from-record", "1h", "--pool", "gpu-farm"], "unknown pool 'gpu-farm'"),
+        (["catalog", "apply", str(broken), "--what-if", "1h"], "invalid catalog"),
+        (["simulate"], "give either SCENARIO or --from-record WINDOW"),
+    ):
+        refused = _cli(*args, url=database_url)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error REQUEST_INVALID") and fragment in lines[0], lines
