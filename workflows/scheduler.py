@@ -731,7 +731,7 @@ class PoolSchedulerWorkflow:
                 # Nothing waits on Postgres here: what is not yet delivered or written goes to
                 # the next run in its input, and is sent or written (again) from there.
                 workflow.continue_as_new(
-                    replace(start, state=self._state, carried=self._outbox(), ledger_audit_at=self._audit_at),
+                    replace(start, state=self._state, carried=self._outbox(), ledger_audit_at=self._next_audit_at()),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                 )
             # One wake-up timer in flight, not one started and cancelled per loop iteration.
@@ -1065,6 +1065,14 @@ class PoolSchedulerWorkflow:
             retry_policy=STORE_RETRY,
             summary="open rows of the lease ledger",
         )
+
+    def _next_audit_at(self) -> float | None:
+        """When the next run audits: at once if an audit was asked for or is in flight (its
+        answer is lost with this run; a reset run continues as new at once when the guard's
+        `rebase` is among the signals applied again), else when this run would have."""
+        if self._audit_asked or self._audit is not None:
+            return self._now()
+        return self._audit_at
 
     def _reclaim_forgotten(self, now: float) -> None:
         """A ledger row open for a lease this run does not hold, nor has released: a grant this
