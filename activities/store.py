@@ -7,7 +7,7 @@ from temporalio import activity
 from modelforge.domain import Catalog
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
-from modelforge.messages import SnapshotBatch, UsageQuery
+from modelforge.messages import OpenLease, SnapshotBatch, UsageQuery
 from modelforge.metrics import Metrics
 from modelforge.store import Store
 
@@ -48,6 +48,10 @@ class StoreActivities:
     @activity.defn(name="usage_from_ledger")
     async def usage_from_ledger(self, query: UsageQuery) -> dict[str, float]:
         return await self._store.decayed_usage(pool=query.pool, half_life_s=query.half_life_s, as_of=query.as_of)
+
+    @activity.defn(name="open_leases")
+    async def open_leases(self, pool: str) -> list[OpenLease]:
+        return await self._store.open_leases(pool)
 
     @activity.defn(name="record_snapshots")
     async def record_snapshots(self, batch: SnapshotBatch) -> int:

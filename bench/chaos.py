@@ -4,6 +4,7 @@ Temporal server stopped and restarted, Postgres stopped and started. The schedul
 new every few dozen events (--history-limit), so faults land around continue-as-new too.
 
     .venv/bin/python bench/chaos.py [--minutes 10] [--rate 3] [--seed 1] [--fault-every 12]
+                                    [--lease-timeout 120]
 
 Every part is real and started here, each in a process of its own: the Temporal dev server
 (persisting to a file, so it can be restarted), an embedded Postgres (pgserver), `modelforge worker
@@ -14,7 +15,10 @@ invariant checker reads the lease ledger, the event log and the capacity snapsho
   the simulated card than that (the node's own record of when each invoke ran);
 - at no instant more leased bytes on the card than it can hold next to a resident model;
 - no snapshot where resident + leased + external bytes exceed the card;
-- every request ended with a typed outcome (success or a failure class), none lost;
+- every request ended with a typed outcome (success or a failure class), none lost: once the
+  arrivals stop, the round waits for the longest a request may legitimately take (its lease
+  timeout, an admission's budget and an invoke: `settle_window_s`), and a request still
+  running after that is lost, named with its phase;
 - no ledger row left open, and every lease granted and released has its events.
 
 It prints the faults injected, the continue-as-new count, the outcomes and every violation, and
@@ -60,12 +64,24 @@ from modelforge.temporal import WORKER_RETRY, register_search_attributes
 from workers.control import ensure_scheduler
 from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import request_workflow_id, scheduler_id
+from workflows.request import ADMIT_BUDGET
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOG = ROOT / "tests" / "catalogs" / "chaos.toml"
 CAPABILITIES = ("chaos.slot@1", "chaos.big@1")
 FAULTS = ("kill_control", "kill_node", "restart_temporal", "stop_postgres")
 FAILURE_CLASSES = {f.value for f in FailureClass}
+# The longest simulated invoke a request asks for (uniform from 0.2 s).
+LONGEST_INVOKE_S = 3.0
+
+
+def settle_window_s(lease_timeout_s: float) -> float:
+    """How long after the last arrival a request may legitimately still run: its admission call
+    (up to ADMIT_BUDGET through a stalled scheduler), a wait in the queue up to its lease timeout
+    (and the requester's own 5 s past it), then its invoke, with a minute of margin for the
+    faults that keep hitting until the last arrival (a restart in progress, a node coming
+    back). A request running longer than this waited past every bound it was given."""
+    return ADMIT_BUDGET.total_seconds() + lease_timeout_s + 5.0 + LONGEST_INVOKE_S + 60.0
 
 
 def _free_port() -> int:
@@ -226,15 +242,15 @@ async def _retrying(call: Callable[[], Awaitable[Any]], until: float) -> Any:
             await asyncio.sleep(1.0)
 
 
-async def _one_request(client: Client, n: int, rng: random.Random, give_up_at: float) -> str:
+async def _one_request(client: Client, n: int, rng: random.Random, give_up_at: float, lease_timeout_s: float) -> str:
     capability = CAPABILITIES[n % 3 == 2]  # two slot requests for each big one
     request_id = f"chaos-{n}"
     request = RequestInput(
         request_id=request_id,
         capability=capability,
-        input={"simulate_invoke_s": round(rng.uniform(0.2, 3.0), 2)},
+        input={"simulate_invoke_s": round(rng.uniform(0.2, LONGEST_INVOKE_S), 2)},
         tenant="chaos",
-        lease_timeout_s=600.0,
+        lease_timeout_s=lease_timeout_s,
     )
 
     async def start() -> WorkflowHandle[Any, Any]:
@@ -260,6 +276,19 @@ async def _one_request(client: Client, n: int, rng: random.Random, give_up_at: f
     except RPCError as error:
         return f"LOST:{error}"
     return "ok"
+
+
+async def _never_ended(client: Client, n: int) -> str:
+    """What a request still running at the give-up was doing: its phase and age."""
+    capability = CAPABILITIES[n % 3 == 2]
+    handle = client.get_workflow_handle(request_workflow_id(capability, f"chaos-{n}"))
+    try:
+        described = await handle.describe(rpc_timeout=_seconds(5))
+        phase = await handle.query(CapabilityRequestWorkflow.phase, rpc_timeout=_seconds(5))
+    except Exception as error:
+        return f"LOST:never ended (chaos-{n}: {type(error).__name__})"
+    age = time.time() - described.start_time.timestamp()
+    return f"LOST:never ended (chaos-{n}: {described.status.name if described.status else '?'}, {phase}, {age:.0f} s)"
 
 
 async def _count_runs(client: Client, stop: asyncio.Event, runs: set[str]) -> None:
@@ -416,7 +445,7 @@ async def run_chaos(
     fault_every_s: float,
     history_limit: int = 200,
     stale_lease_s: float = 6.0,
-    settle_s: float = 240.0,
+    lease_timeout_s: float = 120.0,
     workdir: Path | None = None,
 ) -> ChaosReport:
     rng = random.Random(seed)  # arrivals and inputs
@@ -431,7 +460,7 @@ async def run_chaos(
             await parts.start()
             assert parts.client is not None
             stop_at = started + seconds
-            give_up_at = stop_at + settle_s
+            give_up_at = stop_at + settle_window_s(lease_timeout_s)
             runs: set[str] = set()
             stop = asyncio.Event()
             counter = asyncio.create_task(_count_runs(parts.client, stop, runs))
@@ -439,7 +468,7 @@ async def run_chaos(
             requests: list[asyncio.Task[str]] = []
             n = 0
             while time.monotonic() < stop_at:
-                request = _one_request(parts.client, n, random.Random(rng.random()), give_up_at)
+                request = _one_request(parts.client, n, random.Random(rng.random()), give_up_at, lease_timeout_s)
                 requests.append(asyncio.create_task(request))
                 n += 1
                 await asyncio.sleep(rng.expovariate(rate))
@@ -449,8 +478,9 @@ async def run_chaos(
             for task in pending:
                 task.cancel()
             report.requests = len(requests)
-            for task in requests:
-                outcome = task.result() if task in done and not task.cancelled() else "LOST:never ended"
+            for n, task in enumerate(requests):
+                ended = task in done and not task.cancelled()
+                outcome = task.result() if ended else await _never_ended(parts.client, n)
                 report.outcomes[outcome.split(":")[0] if outcome.startswith(("LOST", "UNTYPED")) else outcome] += 1
                 if outcome.startswith(("LOST", "UNTYPED")):
                     report.violations.append(f"a request ended without a typed outcome: {outcome[:200]}")
@@ -480,10 +510,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fault-every", type=float, default=12.0, help="mean seconds between faults")
     parser.add_argument("--history-limit", type=int, default=200, help="the scheduler's continue-as-new bound")
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=120.0,
+        help="each request's lease timeout (s); the round waits for it (and more) after the last arrival",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and data here")
     args = parser.parse_args()
     report = asyncio.run(
-        run_chaos(args.minutes * 60, args.rate, args.seed, args.fault_every, args.history_limit, workdir=args.workdir)
+        run_chaos(
+            args.minutes * 60,
+            args.rate,
+            args.seed,
+            args.fault_every,
+            args.history_limit,
+            lease_timeout_s=args.lease_timeout,
+            workdir=args.workdir,
+        )
     )
     print("\n".join(report.lines()))
     raise SystemExit(1 if report.violations else 0)

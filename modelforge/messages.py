@@ -193,6 +193,11 @@ class SchedulerInput:
     # What the previous run had decided but not yet delivered or written when it continued as
     # new: carried so that nothing is dropped and continue-as-new never waits on Postgres.
     carried: CarriedOutbox | None = None
+    # How often the scheduler compares the lease ledger's open rows with the leases it holds
+    # (a lease it no longer knows, as after a reset of its run, is reclaimed and its row closed),
+    # and when the next comparison is due (carried across continue-as-new; None: one interval on).
+    ledger_audit_interval_s: float = 60.0
+    ledger_audit_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,22 @@ class AddressedCommand:
 class AddressedPreempt:
     workflow_id: str
     preempt: PreemptSignal
+
+
+@dataclass(frozen=True)
+class OpenLease:
+    """A lease-ledger row with no end: what the ledger says a pool's scheduler granted and has
+    not yet released (the `open_leases` activity's answer)."""
+
+    lease_id: str
+    request_id: str = ""
+    tenant: str = ""
+    capability: str = ""
+    deployment: str = ""
+    priority: str = ""
+    accelerators: list[str] = field(default_factory=list)
+    bytes: int = 0
+    granted_at: float = 0.0
 
 
 @dataclass(frozen=True)

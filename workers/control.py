@@ -228,6 +228,7 @@ def build_control_worker(
             records.record_events,
             records.record_snapshots,
             records.usage_from_ledger,
+            records.open_leases,
         ],
         activity_executor=ThreadPoolExecutor(4),
     )

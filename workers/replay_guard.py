@@ -24,9 +24,13 @@ What it does, per guarded workflow (each pool's scheduler):
 4. One that does not and whose run did not move within `rebase_wait_s` (no worker has it cached:
    it is wedged): the guard resets the run to the end of the workflow task before the one that
    wrote the bad commands, reapplying every signal and update received after it. Decisions the
-   lost run made after that point are gone: its grants' holders are unknown to the reset run.
-   That is why step 3 runs first and why checks follow every outage. Both steps are logged with
-   the workflow id, the run id and the event id.
+   lost run made after that point are gone: its grants' holders are unknown to the reset run,
+   while their ledger rows are open and the holders may be using them. So the guard asks the
+   run to audit its lease ledger (`audit_ledger`, sent before the reset so that the reset run
+   receives it with the rest, and again after): a lease the ledger shows open and the run does
+   not hold is reclaimed, its row closed and its holder stopped (workflows/scheduler.py). That is
+   why step 3 runs first and why checks follow every outage. Both steps are logged with the
+   workflow id, the run id and the event id.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHistory
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, WorkflowRunner
 from temporalio.workflow import NondeterminismError
@@ -150,7 +155,10 @@ class ReplayGuard:
         health_interval_s: float = 2.0,
         after_outage_s: Sequence[float] = (3.0, 10.0, 30.0),
         rebase_wait_s: float = 15.0,
+        audit_signal: str = "audit_ledger",
     ) -> None:
+        """`audit_signal`: the signal a reset run is sent to find the grants it forgot ("" for a
+        guarded workflow that has none)."""
         self._client = client
         self._workflow_ids = list(workflow_ids)
         self._check = check
@@ -158,6 +166,7 @@ class ReplayGuard:
         self._health_interval_s = health_interval_s
         self._after_outage_s = list(after_outage_s)
         self._rebase_wait_s = rebase_wait_s
+        self._audit_signal = audit_signal
         self.outcomes: list[GuardOutcome] = []  # the last round's, for tests and logs
 
     def watch(self, workflow_id: str) -> None:
@@ -225,6 +234,14 @@ class ReplayGuard:
                 hint=f"temporal workflow reset --workflow-id {workflow_id} --run-id {run_id} --type LastWorkflowTask",
             )
             return GuardOutcome(workflow_id, "needs_operator", run_id, detail)
+        await self.reset(workflow_id, run_id, point, detail)
+        return GuardOutcome(workflow_id, "reset", run_id, f"reset to event {point}: {detail}")
+
+    async def reset(self, workflow_id: str, run_id: str, point: int, detail: str) -> None:
+        """Reset the run to the end of the workflow task `point`, every signal and update it
+        received after that applied again; the scheduler's ledger audit asked for before (so
+        that the reset run receives the ask with the rest) and after."""
+        await self._ask_audit(self._client.get_workflow_handle(workflow_id, run_id=run_id), workflow_id)
         await self._client.workflow_service.reset_workflow_execution(
             ResetWorkflowExecutionRequest(
                 namespace=self._client.namespace,
@@ -237,7 +254,16 @@ class ReplayGuard:
             )
         )
         log.error("workflow_reset", workflow_id=workflow_id, run_id=run_id, reset_to_event=point)
-        return GuardOutcome(workflow_id, "reset", run_id, f"reset to event {point}: {detail}")
+        await self._ask_audit(self._client.get_workflow_handle(workflow_id), workflow_id)
+
+    async def _ask_audit(self, handle: WorkflowHandle[Any, Any], workflow_id: str) -> None:
+        """Best effort: the scheduler audits its ledger every minute anyway."""
+        if not self._audit_signal:
+            return
+        try:
+            await handle.signal(self._audit_signal)
+        except Exception as error:
+            log.warning("ledger_audit_signal_failed", workflow_id=workflow_id, error=_short(error))
 
     async def _moved_on(self, workflow_id: str, run_id: str) -> bool:
         loop = asyncio.get_running_loop()

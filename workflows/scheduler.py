@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         LeaseDecision,
         LeaseHeartbeat,
         NodeSample,
+        OpenLease,
         PreemptSignal,
         RebaseSignal,
         ReleaseSignal,
@@ -53,7 +54,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
+from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, request_workflow_id, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
 # Patches (`workflow.patched`) are written only for a change to code a released version runs, at
@@ -141,6 +142,13 @@ class PoolSchedulerWorkflow:
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
+        # The ledger audit (`_audit_ledger`): when the next is due, the one in flight, and the
+        # leases whose release the ledger may not show yet although this run knows it.
+        self._audit_interval_s = start.ledger_audit_interval_s
+        self._audit_at = start.ledger_audit_at
+        self._audit: asyncio.Future[list[OpenLease]] | None = None
+        self._audit_asked = False
+        self._released_unwritten: set[str] = set()
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -518,6 +526,14 @@ class PoolSchedulerWorkflow:
         self._wake = True
 
     @workflow.signal
+    def audit_ledger(self) -> None:
+        """Compare the lease ledger with the leases held now, not at the next interval: sent by
+        the replay guard with a reset of this run (a reset run forgets what the lost part of its
+        history granted, while those grants' ledger rows are open and their holders may run)."""
+        self._audit_asked = True
+        self._wake = True
+
+    @workflow.signal
     def rebase(self, signal: RebaseSignal) -> None:
         """No patch needed: a history without this signal runs exactly as before."""
         if self._rebase is None:
@@ -705,22 +721,30 @@ class PoolSchedulerWorkflow:
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
+            self._reclaim_forgotten(self._now())
             self._run_policy(self._now())
             self._own_grants(self._now())
             self._unload_drained(self._now())
             self._snapshot()
+            self._audit_ledger()
             await self._flush()
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 # Nothing waits on Postgres here: what is not yet delivered or written goes to
                 # the next run in its input, and is sent or written (again) from there.
                 workflow.continue_as_new(
-                    replace(start, state=self._state, carried=self._outbox()),
+                    replace(start, state=self._state, carried=self._outbox(), ledger_audit_at=self._next_audit_at()),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                 )
             # One wake-up timer in flight, not one started and cancelled per loop iteration.
             self._arm_timer(self._next_wake())
             await workflow.wait_condition(
-                lambda: self._wake or self._catalog_stale or self._timer_fired or self._events_writable()
+                lambda: (
+                    self._wake
+                    or self._catalog_stale
+                    or self._timer_fired
+                    or self._events_writable()
+                    or (self._audit is not None and self._audit.done())
+                )
             )
             self._timer_fired = False
             self._wake = False
@@ -842,6 +866,8 @@ class PoolSchedulerWorkflow:
             due.append(silent_at)
         if self._next_snapshot_at is not None:
             due.append(self._next_snapshot_at)
+        if self._audit_at is not None and self._audit is None:
+            due.append(self._audit_at)
         if self._events and not self._event_write_in_flight():
             due.append(self._events_due_at())
         return max(0.5, min(due) - now)
@@ -1013,6 +1039,109 @@ class PoolSchedulerWorkflow:
             )
         return None
 
+    def _audit_ledger(self) -> None:
+        """Every ledger_audit_interval_s (and at once when asked), read the pool's open ledger
+        rows, off the admission path; `_reclaim_forgotten` compares them with the leases held
+        when the answer comes."""
+        if self._catalog_stale or self._audit is not None or self._audit_interval_s <= 0:
+            return
+        now = self._now()
+        if self._audit_at is None:
+            self._audit_at = now + self._audit_interval_s
+        if now < self._audit_at and not self._audit_asked:
+            return
+        self._audit_asked = False
+        self._audit_at = now + self._audit_interval_s
+        # Releases this run decided whose write has not landed yet: their rows are still open.
+        pending = [event for write, batch in self._unconfirmed if not _succeeded(write) for event in batch]
+        self._released_unwritten = {e.lease_id for e in [*pending, *self._events] if e.kind == "lease_released"}
+        self._audit = workflow.start_activity(
+            "open_leases",
+            self._state.pool,
+            result_type=list[OpenLease],
+            task_queue=CONTROL_TASK_QUEUE,
+            start_to_close_timeout=timedelta(seconds=30),
+            # Bounded: the next audit asks again; an outage must not keep this one in flight.
+            schedule_to_close_timeout=timedelta(seconds=max(30.0, self._audit_interval_s)),
+            retry_policy=STORE_RETRY,
+            summary="open rows of the lease ledger",
+        )
+
+    def _next_audit_at(self) -> float | None:
+        """When the next run audits: at once if an audit was asked for or is in flight (its
+        answer is lost with this run; a reset run continues as new at once when the guard's
+        `rebase` is among the signals applied again), else when this run would have."""
+        if self._audit_asked or self._audit is not None:
+            return self._now()
+        return self._audit_at
+
+    def _reclaim_forgotten(self, now: float) -> None:
+        """A ledger row open for a lease this run does not hold, nor has released: a grant this
+        run forgot (its history was reset past the grant, by the replay guard or an operator),
+        whose holder was told and may be using it. The lease is reclaimed: its row is closed
+        (lease_released), its holder preempted with no grace (an invoke still running stops,
+        and a heartbeat for it stops it too, as for any reclaimed lease), and a late grant it
+        asks about is refused (`confirm_lease`). Its holder asks again if it still wants one."""
+        audit = self._audit
+        if audit is None or not audit.done():
+            return
+        self._audit = None
+        released, self._released_unwritten = self._released_unwritten, set()
+        if audit.cancelled() or audit.exception() is not None:
+            return  # the next audit asks again
+        for row in audit.result():
+            if row.lease_id in self._state.leases or row.lease_id in released:
+                continue
+            holder = request_workflow_id(row.capability, row.request_id) if row.request_id else ""
+            reason = "the scheduler no longer held it (its run was reset past the grant)"
+            accelerator = row.accelerators[0] if row.accelerators else ""
+            self._record(
+                policy.PolicyEvent(
+                    kind="lease_reclaimed",
+                    request_id=row.request_id,
+                    lease_id=row.lease_id,
+                    accelerator=accelerator,
+                    deployment=row.deployment,
+                    workflow_id=holder,
+                    message=reason,
+                    payload={"bytes": row.bytes, "forgotten": True},
+                ),
+                now,
+            )
+            held_s = max(0.0, now - row.granted_at) if row.granted_at else 0.0
+            self._record(
+                policy.PolicyEvent(
+                    kind="lease_released",
+                    request_id=row.request_id,
+                    lease_id=row.lease_id,
+                    accelerator=accelerator,
+                    deployment=row.deployment,
+                    workflow_id=holder,
+                    message=f"reclaimed: {reason}",
+                    payload={
+                        "held_s": round(held_s, 3),
+                        "bytes": row.bytes,
+                        "outcome": f"reclaimed: {reason}",
+                        "tenant": row.tenant,
+                        "capability": row.capability,
+                        "priority": row.priority,
+                        "pool": self._state.pool,
+                        "accelerators": ",".join(row.accelerators),
+                        "granted_at": row.granted_at or None,
+                        "forgotten": True,
+                    },
+                ),
+                now,
+            )
+            if holder:
+                self._preempts_out.append(
+                    (
+                        holder,
+                        PreemptSignal(lease_id=row.lease_id, reason=f"its lease was reclaimed: {reason}", grace_s=0.0),
+                    )
+                )
+            self._wake = True
+
     def _snapshot(self) -> None:
         """Once per interval, what `status` shows per accelerator goes to the capacity history;
         written like events, off the admission path and retried until it lands."""
@@ -1069,6 +1198,9 @@ class PoolSchedulerWorkflow:
             self._reclaimed[event.lease_id] = event.workflow_id
             if len(self._reclaimed) > RECLAIMED_REMEMBERED:
                 del self._reclaimed[next(iter(self._reclaimed))]
+        if event.kind == "lease_released" and self._audit is not None:
+            # Released while the audit reads the ledger: its row may show open there.
+            self._released_unwritten.add(event.lease_id)
         urgent = _urgent_kind(event.kind, event.failure is not None, event.alert is not None)
         if not self._events or (urgent and not self._urgent_events):
             # The first buffered record, or the first urgent one: the write is due sooner than

@@ -19,7 +19,7 @@ from modelforge.domain import Catalog, fair_share_entity
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.identifiers import storable, storable_text
-from modelforge.messages import SnapshotBatch
+from modelforge.messages import OpenLease, SnapshotBatch
 
 _MIGRATION_LOCK = 0x6D666F7267  # "mforg": one migrator at a time
 # The longest look-back a history query takes (a century; Postgres intervals are finite).
@@ -350,7 +350,10 @@ class Store:
                     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                     " ON CONFLICT (lease_id) DO UPDATE SET ended_at = EXCLUDED.ended_at,"
                     " outcome = EXCLUDED.outcome, held_s = EXCLUDED.held_s, gpu_seconds = EXCLUDED.gpu_seconds,"
-                    " updated_at = now()",
+                    # A lease ends once: a second end (a release reapplied after a reset of the
+                    # scheduler's run, a forgotten lease closed as its holder's end landed) keeps
+                    # the first.
+                    " updated_at = now() WHERE lease_ledger.ended_at IS NULL",
                     end_rows,
                 )
 
@@ -477,6 +480,31 @@ class Store:
                 entity = fair_share_entity(str(class_id), str(tenant))
                 usage[entity] = usage.get(entity, 0.0) + float(total)
         return usage
+
+    async def open_leases(self, pool: str, *, limit: int = 10_000) -> list[OpenLease]:
+        """The pool's ledger rows that were granted and have no end yet, oldest first."""
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT lease_id, request_id, tenant, capability, deployment, priority, accelerators, bytes,"
+                " granted_at FROM lease_ledger WHERE pool = %(pool)s AND ended_at IS NULL"
+                " ORDER BY granted_at NULLS LAST, lease_id LIMIT %(limit)s",
+                {"pool": pool, "limit": max(0, limit)},
+            )
+            rows = await cur.fetchall()
+        return [
+            OpenLease(
+                lease_id=str(row["lease_id"]),
+                request_id=str(row["request_id"] or ""),
+                tenant=str(row["tenant"] or ""),
+                capability=str(row["capability"] or ""),
+                deployment=str(row["deployment"] or ""),
+                priority=str(row["priority"] or ""),
+                accelerators=[str(a) for a in row["accelerators"] or []],
+                bytes=int(row["bytes"] or 0),
+                granted_at=row["granted_at"].timestamp() if row["granted_at"] is not None else 0.0,
+            )
+            for row in rows
+        ]
 
     async def ledger(self, *, lease_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

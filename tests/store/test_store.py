@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -150,6 +151,31 @@ async def test_lease_ledger_is_whole_whichever_event_lands_first(database_url: s
         assert [row["capability"] for row in by_capability] == ["chat.llm@1"]
         with pytest.raises(ModelForgeError, match="tenant or capability"):
             await store.usage(by="priority; DROP TABLE lease_ledger")
+    finally:
+        await store.close()
+
+
+async def test_open_leases_are_the_pools_rows_without_an_end_and_a_lease_ends_once(database_url: str) -> None:
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        now = time.time()
+        await store.record_events([_granted("o1", now - 30), _granted("o2", now - 20), _granted("o3", now - 10)])
+        await store.record_events([_released("o2", now - 5, 15.0)])
+        other = _granted("o4", now - 8)
+        await store.record_events([replace(other, payload={**other.payload, "pool": "lab"})])
+        opened = await store.open_leases("default")
+        assert [lease.lease_id for lease in opened] == ["o1", "o3"]  # oldest first, o2 ended, o4 elsewhere
+        assert opened[0].request_id == "r-o1" and opened[0].capability == "chat.llm@1"
+        assert opened[0].accelerators == ["node-a/0"] and opened[0].bytes == 2 << 30
+        assert opened[0].granted_at == pytest.approx(now - 30, abs=0.01)
+        assert [lease.lease_id for lease in await store.open_leases("lab")] == ["o4"]
+        # A second end of the same lease (a release reapplied after a reset, a forgotten lease
+        # closed as its holder's own end landed) keeps the first.
+        second = _released("o2", now, 20.0, outcome="reclaimed: no longer held")
+        await store.record_events([replace(second, event_id="x2-o2")])
+        [row] = await store.ledger(lease_id="o2")
+        assert row["outcome"] == "ok" and row["held_s"] == 15.0
     finally:
         await store.close()
 
