@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from modelforge.failures import FailureClass
 from modelforge.gateway import _app
+from modelforge.gateway._admission_check import DryRun
 from modelforge.gateway._chat_path import Answer, ChatPath, Piece, text_of
 from modelforge.gateway._errors import http_status, retry_after_s
 from modelforge.gateway._params import ChatCall, estimate_tokens
@@ -126,6 +127,8 @@ class _AnthropicRoute(APIRoute):
             except _app.GatewayError as error:
                 request.state.failure_class = error.failure  # for the gateway's access log
                 return _error_response(error)
+            except DryRun:
+                raise  # a dry run's answer, not a failure (_admission_check.py)
             except Exception:
                 _log.exception("anthropic route %s failed", request.url.path)
                 request.state.failure_class = _app.INTERNAL_ERROR

@@ -45,6 +45,7 @@ from modelforge.client import Result
 from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
+from modelforge.gateway._admission_check import DryRun
 from modelforge.gateway._errors import retry_after_s
 from modelforge.gateway._ollama_translate import (
     KeepAlive,
@@ -326,6 +327,8 @@ class _OllamaRoute(APIRoute):
             except _app.GatewayError as error:
                 request.state.failure_class = error.failure  # for the gateway's access log
                 return _error_response(error)
+            except DryRun:
+                raise  # a dry run's answer, not a failure (_admission_check.py)
             except Exception:
                 _log.exception("ollama route %s failed", request.url.path)
                 return _error_response(
