@@ -1,29 +1,31 @@
 """Now, later or never, without starting anything: `POST /v1/admission/check`, and the
 `X-ModelForge-Dry-Run: 1` header on any model call.
 
-A check answers `{"answer": "now" | "later" | "never", "pool", "capability", "priority",
-"eta_s", "eta_basis", "failure_class", "reason"}`: `now` when a request asked at once would be
-granted without waiting, `later` when it would wait (`eta_s` when there is an estimate, its basis
-in `eta_basis`), `never` when it would be refused (`failure_class` is the class it would be
-refused with, `reason` says why). A check starts no workflow, holds no capacity and writes no
-history at a scheduler: it reads the pools' answers to queries.
+A check answers the JSON `modelforge.verdicts.AdmissionCheck` defines: `answer` (`now` when a
+request asked at once would be granted without waiting, `later` when it would wait or load,
+`never` when it would be refused), `pool`, `capability`, `priority`, `action`, `failure` (the
+class it would be refused with), `message` (why), `eta` (`seconds`, `basis`, `quality`), and
+`checked_at`. A check starts no workflow, holds no capacity and writes no history at a
+scheduler: it reads the pools' answers to queries (here their `route` answers: free slots, warm
+instances, room, waiting requests; `eta.seconds` only for `now`).
 
 The header: a call (`/v1/chat/completions`, `/api/chat`, `/v1/requests`...) with
 `X-ModelForge-Dry-Run: 1` (or `true`) is read and checked like the real call (a bad body is still
 400), then answered 200 with the check instead of being run (`X-ModelForge-Dry-Run: 1` on the
-answer too). A deadline (the body's `deadline_s` or the client's timeout, `_deadlines.py`) is part
-of the check."""
+answer too). A deadline (the body's `deadline_s` or the client's timeout, `_deadlines.py`) is
+said with it (`deadline_s`)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from modelforge.failures import FailureClass
+from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
 from modelforge.gateway._deadlines import apply_deadline
 from modelforge.identifiers import shown
@@ -67,20 +69,25 @@ class CheckCall(BaseModel):
 
 
 async def check(requester: Any, capability: str, tenant: str, priority: str | None) -> dict[str, Any]:
-    """The check of one request: each pool's `route` answer for it, the best pool's read."""
+    """The check of one request, from each pool's `route` answer for it (the best pool's)."""
     answer: dict[str, Any] = {
         "answer": "never",
         "pool": None,
         "capability": capability,
+        "deployment": None,
         "priority": priority,
-        "eta_s": None,
-        "eta_basis": "none",
-        "failure_class": FailureClass.CAPABILITY_UNAVAILABLE.value,
-        "reason": "",
+        "action": "reject",
+        "accelerator": None,
+        "failure": FailureClass.CAPABILITY_UNAVAILABLE.value,
+        "message": "",
+        "detail": "",
+        "eta": {"seconds": None, "basis": None, "quality": None},
+        "verdict": None,
+        "checked_at": time.time(),
     }
     router = getattr(requester, "router", None)
     if router is None:
-        answer["reason"] = "this gateway has no pools to ask"
+        answer["message"] = "this gateway has no pools to ask"
         return answer
     pools: list[str] = [requester.pool] if getattr(requester, "pool", None) else await router.pools()
     query = RouteQuery(capability=capability, tenant=tenant, priority=priority)
@@ -91,25 +98,30 @@ async def check(requester: Any, capability: str, tenant: str, priority: str | No
         silent = [f"{pool}: {info}" for pool, info in zip(pools, answers, strict=True) if isinstance(info, str)]
         known = [info.pool for info in infos if info.known]
         if known:
-            answer["reason"] = (
+            answer["message"] = (
                 f"pool {known[0]} has cards for {shown(capability)}, but none the class "
                 f"{shown(priority or 'default')} may use (production work needs production-eligible, measured cards)"
             )
         else:
-            answer["reason"] = f"no pool serves {shown(capability)}" + (
+            answer["message"] = f"no pool serves {shown(capability)}" + (
                 f" (not answering: {'; '.join(silent)})" if silent else ""
             )
         return answer
     best = max(serving, key=lambda i: (i.free_slots > 0 and i.queued == 0, i.room, i.warm, -i.queue_depth))
-    answer |= {"pool": best.pool, "failure_class": None}
+    answer |= {"pool": best.pool, "failure": None, "action": "wait"}
     if best.free_slots > 0 and best.queued == 0:
-        answer |= {"answer": "now", "eta_s": 0.0, "eta_basis": "free slot", "reason": f"{best.free_slots} free slot(s)"}
+        answer |= {
+            "answer": "now",
+            "action": "grant",
+            "message": f"{best.free_slots} free slot(s)",
+            "eta": {"seconds": 0.0, "basis": "free_slot", "quality": "route"},
+        }
     elif best.room and best.queued == 0:
-        answer |= {"answer": "later", "reason": "no instance is free: one would be loaded on a card with room"}
+        answer |= {"answer": "later", "action": "load", "message": "no instance is free: one would be loaded"}
     else:
         answer |= {
             "answer": "later",
-            "reason": f"{best.queued} request(s) of it wait ahead ({best.queue_depth} in the pool)"
+            "message": f"{best.queued} request(s) of it wait ahead ({best.queue_depth} in the pool)"
             if best.queued
             else f"every instance is busy ({best.warm} warm, no card with room for another)",
         }
@@ -138,7 +150,10 @@ def admission_router(requester: Any, deployment_for_model: Any, body_of: Any) ->
             )
         request.state.capability = deployment.capability
         options: dict[str, Any] = {"deadline_s": call.deadline_s}
-        apply_deadline(request.state, request.headers, options)
+        try:
+            apply_deadline(request.state, request.headers, options)
+        except ModelForgeError as error:
+            raise _app.GatewayError(error.failure, error.message, param="X-Request-Timeout") from None
         answer = await check(requester, deployment.capability, request.state.tenant, call.priority)
         answer["deadline_s"] = options.get("deadline_s")
         return JSONResponse(answer)

@@ -87,7 +87,6 @@ from modelforge.gateway._verdict_source import VerdictSource
 from modelforge.identifiers import identifier_problem, shown
 from modelforge.messages import ResidencyControlReply, StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
-from modelforge.names import request_workflow_id
 from modelforge.payloads import Float32Vectors, input_limit
 from modelforge.policy import PoolStatus, tenant_view
 from modelforge.runtimes import runtime_names, speaks
@@ -938,7 +937,7 @@ def create_app(
         url = config.stream_url or f"http://{server[0]}:{server[1]}/internal/streams"
         stream = hub.open()
         # Until its first piece, the stream tells what the request waits on (`next_record`).
-        stream.verdict = functools.partial(verdicts.of_request, request_id, request_workflow_id(capability, request_id))
+        stream.verdict = functools.partial(verdicts.of_request, request_id, capability)
         target = StreamTarget(url=url, stream_id=stream.stream_id)
         task = asyncio.create_task(run(request, capability, payload, request_id, tenant=tenant, stream=target))
         # Its outcome is read by the events when they need it; never an unretrieved exception.

@@ -173,7 +173,7 @@ def requests_router(
             answer |= {
                 "state": "waiting" if waiting else "running",
                 "phase": phase,
-                "verdict": await verdicts.of_request(request_id, found.handle.id) if waiting else None,
+                "verdict": await verdicts.of_request(request_id, found.capability) if waiting else None,
             }
             return answer
         done = await outcome(found, show_output=found.tenant == tenant)

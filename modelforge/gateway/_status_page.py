@@ -235,9 +235,10 @@ function draw(data) {
         r.residency === "pinned" ? "pinned" : (r.expires_in_s === null ? secs(r.ttl_s) : secs(r.expires_in_s))])));
     section.append(el("h2", {}, "Queue (" + pool.queue.length + " waiting)"));
     section.append(table(["#", "request", "capability", "class", "tenant", "why it waits", "waited", "ETA"],
-      pool.queue.map(v => [v.position.pool, v.request_id, v.capability, v.priority + " #" + v.position.class,
-        v.tenant, v.reason, secs(v.waited_s),
-        v.eta_s === null ? "unknown" : secs(v.eta_s) + " (" + v.eta_basis + ")"])));
+      pool.queue.map((v, n) => [n + 1, v.request_id, v.capability,
+        v.priority + " #" + v.position.in_class + " of " + v.position.class_depth, v.tenant,
+        v.message || v.reason, secs(v.waited_s),
+        v.eta.seconds === null ? "unknown" : secs(v.eta.seconds) + " (" + v.eta.basis + ", " + v.eta.quality + ")"])));
     root.append(section);
   }
   document.getElementById("updated").textContent = "updated " + new Date(data.now * 1000).toLocaleTimeString();

@@ -2,14 +2,14 @@
 verdict lines of OpenAI and Ollama streams and the status page all ask here, so every surface says
 the same thing about the same request.
 
-A verdict is a JSON object: `request_id`, `pool`, `capability`, `priority`, `position` (its place
-among the waiting requests of its class, of its capability and of the whole pool, 1 = next),
-`reason` (what it waits on, the scheduler's own words), `assigned_to` (the resident whose load it
-waits on, or ""), `waited_s`, `expires_in_s` (until its lease timeout or deadline), and `eta_s`
-with `eta_basis` (how the estimate was made; `eta_s` null with basis "none" when there is none).
-
-It is read from the pool schedulers' `state` query (one answer per pool, shared by every caller
-for `SNAPSHOT_TTL_S`), so asking costs no workflow history."""
+A verdict is the JSON object `modelforge.verdicts` defines (its module docstring): `request_id`,
+`pool`, `capability`, `deployment`, `tenant`, `priority`, `waited_s`, `expires_at`, `reason` (a
+typed wait reason) and `message` (the policy's own line), `position` (`in_class` of
+`class_depth`, `in_deployment` of `deployment_depth`, `ahead_in_higher_classes`, `behind_class`)
+and `eta` (`seconds`, `basis`, `quality`). Here it is read from the pool schedulers' `state`
+query (one answer per pool, shared by every caller for `SNAPSHOT_TTL_S`): no workflow history is
+written by asking; the typed reason and the ETA are not computed here (`reason` "pending" or
+"other", `eta.basis` "unknown")."""
 
 from __future__ import annotations
 
@@ -70,15 +70,16 @@ class VerdictSource:
             self._snapshots[pool] = _Snapshot(state, time.monotonic())
             return state
 
-    async def of_request(self, request_id: str, workflow_id: str = "") -> dict[str, Any] | None:
-        """The verdict of one waiting request (by its id, and its workflow id when known), or None
-        when no scheduler holds it in its queue (not waiting: admitted, done, or not yet asked)."""
+    async def of_request(self, request_id: str, capability: str = "") -> dict[str, Any] | None:
+        """The verdict of one waiting request (by its id, and its capability when known: an id
+        names one request per capability), or None when no scheduler holds it in its queue (not
+        waiting: admitted, done, or not yet asked)."""
         for pool in await self.pools():
             state = await self.state(pool)
             if state is None:
                 continue
             for verdict in queue_verdicts(state):
-                if verdict["request_id"] == request_id and (not workflow_id or verdict["workflow_id"] == workflow_id):
+                if verdict["request_id"] == request_id and (not capability or verdict["capability"] == capability):
                     return verdict
         return None
 
@@ -89,43 +90,73 @@ class VerdictSource:
 
 
 def queue_verdicts(state: PoolState, now: float | None = None) -> list[dict[str, Any]]:
-    """The verdict of each request in the pool's queue, in the policy's own queue order."""
+    """The verdict of each request in the pool's queue, in the policy's own queue order: its
+    position, the policy's own wait line (`message`; `reason` "pending" before a decision pass
+    looked at it, else "other": not typed here), and no ETA (`eta.basis` "unknown")."""
     now = time.time() if now is None else now
-    per_class: dict[str, int] = {}
-    per_capability: dict[str, int] = {}
+    ordered = queue_order(state, now)
+    deployments = {q.capability: _deployment_of(state, q.capability) for q in ordered}
+    class_depth: dict[str, int] = {}
+    deployment_depth: dict[str, int] = {}
+    for queued in ordered:
+        class_depth[queued.priority] = class_depth.get(queued.priority, 0) + 1
+        deployment = deployments[queued.capability]
+        deployment_depth[deployment] = deployment_depth.get(deployment, 0) + 1
+    in_class: dict[str, int] = {}
+    in_deployment: dict[str, int] = {}
     verdicts = []
-    for overall, queued in enumerate(queue_order(state, now), start=1):
-        per_class[queued.priority] = per_class.get(queued.priority, 0) + 1
-        per_capability[queued.capability] = per_capability.get(queued.capability, 0) + 1
+    for ahead, queued in enumerate(ordered):
+        deployment = deployments[queued.capability]
+        in_class[queued.priority] = in_class.get(queued.priority, 0) + 1
+        in_deployment[deployment] = in_deployment.get(deployment, 0) + 1
+        higher = [q.priority for q in ordered[:ahead] if q.priority != queued.priority]
+        reason = "other" if queued.waiting_reason else "pending"
         verdicts.append(
             {
                 "request_id": queued.request_id,
-                "workflow_id": queued.workflow_id,
                 "pool": state.pool,
                 "capability": queued.capability,
+                "deployment": deployment,
                 "tenant": queued.tenant,
                 "priority": queued.priority,
-                "position": {
-                    "class": per_class[queued.priority],
-                    "capability": per_capability[queued.capability],
-                    "pool": overall,
-                },
-                "reason": queued.waiting_reason or ("waiting for its load" if queued.assigned_to else "waiting"),
-                "assigned_to": queued.assigned_to,
+                "state": "queued",
+                "submitted_at": queued.submitted_at,
                 "waited_s": round(max(0.0, now - queued.submitted_at), 3),
-                "expires_in_s": round(queued.expires_at - now, 3),
-                "eta_s": None,
-                "eta_basis": "none",
+                "expires_at": queued.expires_at,
+                "reason": reason,
+                "reasons": [reason],
+                "message": queued.waiting_reason,
+                "position": {
+                    "in_class": in_class[queued.priority],
+                    "class_depth": class_depth[queued.priority],
+                    "in_deployment": in_deployment[deployment],
+                    "deployment_depth": deployment_depth[deployment],
+                    "ahead_in_higher_classes": len(higher),
+                    "behind_class": higher[0] if higher else None,
+                },
+                "eta": {"seconds": None, "at": None, "basis": "unknown", "quality": "none", "samples": 0},
+                "load": None,
+                "held_by": [],
+                "computed_at": now,
             }
         )
     return verdicts
 
 
+def _deployment_of(state: PoolState, capability: str) -> str:
+    deployment = state.catalog.deployment_for(capability)
+    return deployment.deployment_id if deployment is not None else capability
+
+
 def verdict_status(verdict: dict[str, Any]) -> str:
-    """A verdict as one line of text (an Ollama progress line's `status`, the status page's)."""
+    """A verdict as one line of text (an Ollama progress line's `status`)."""
     position = verdict.get("position") or {}
-    eta = verdict.get("eta_s")
-    said = f"waiting: #{position.get('class', '?')} in {verdict.get('priority', '?')}, {verdict.get('reason', '')}"
-    if isinstance(eta, int | float):
-        said += f", about {eta:.0f} s ({verdict.get('eta_basis', '')})"
+    eta = verdict.get("eta") or {}
+    said = (
+        f"waiting: #{position.get('in_class', '?')} of {position.get('class_depth', '?')} in "
+        f"{verdict.get('priority', '?')}: {verdict.get('message') or verdict.get('reason', '')}"
+    )
+    seconds = eta.get("seconds")
+    if isinstance(seconds, int | float):
+        said += f"; about {seconds:.0f} s ({eta.get('basis', '')})"
     return said

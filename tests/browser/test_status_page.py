@@ -71,13 +71,13 @@ async def test_an_operator_sees_cards_residents_and_the_queue_with_verdicts(
                 assert card["external"][0]["bytes"] == 6 * 1024**3 and card["resident_bytes"] > 0
                 assert {r["deployment"] for r in pool["residents"]} >= {"rag.embedding@1", "slow.job@1"}
                 [queued] = pool["queue"]
-                assert queued["request_id"] == "behind-1" and queued["reason"], queued
+                assert queued["request_id"] == "behind-1" and queued["position"]["in_class"] == 1, queued
 
                 url = served.base_url.replace("http://", f"http://ops:{OPERATOR_KEY}@") + "/ui"
                 dom = await asyncio.to_thread(_render, url)
                 assert 'data-card="gpu-node/0"' in dom, dom[-2000:]
                 assert "ollama (pid" in dom and "behind-1" in dom and "rag.embedding@1" in dom
-                assert queued["reason"] in dom
+                assert (queued["message"] or queued["reason"]) in dom
                 await asyncio.to_thread(_render, url, screenshot=SCREENSHOT)
                 assert SCREENSHOT.stat().st_size > 10_000
                 for task in (running, waiting):

@@ -106,8 +106,9 @@ async def test_a_request_is_found_by_its_id_waiting_running_and_done_and_only_by
             await asyncio.sleep(0.2)
         assert seen is not None and seen["state"] == "waiting" and seen["capability"] == SLOW, seen
         verdict = seen["verdict"]
-        assert verdict["request_id"] == "look-2" and verdict["position"]["capability"] == 1, verdict
-        assert verdict["reason"] and verdict["priority"] == "interactive" and verdict["waited_s"] >= 0
+        assert verdict["request_id"] == "look-2" and verdict["capability"] == SLOW, verdict
+        assert (verdict["position"]["in_deployment"], verdict["position"]["deployment_depth"]) == (1, 1), verdict
+        assert verdict["priority"] == "interactive" and verdict["waited_s"] >= 0 and verdict["tenant"] == "team"
 
         first = (await http.get("/v1/requests/look-1")).json()
         assert (first["state"], first["phase"], first["verdict"]) == ("running", "invoking", None), first
@@ -171,19 +172,20 @@ async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: 
         assert warm.status_code == 200
         now = (await http.post("/v1/admission/check", json={"model": "all-MiniLM-L6-v2"})).json()
         assert (now["answer"], now["capability"], now["pool"]) == ("now", "rag.embedding@1", "default"), now
+        assert now["eta"]["seconds"] == 0 and now["failure"] is None
         cold = (await http.post("/v1/admission/check", json={"capability": "chat.small@1"})).json()
-        assert cold["answer"] == "later" and "loaded" in cold["reason"], cold
+        assert (cold["answer"], cold["action"]) == ("later", "load"), cold
 
         running = asyncio.create_task(
             http.post("/v1/requests", json={"capability": SLOW, "input": {"simulate_invoke_s": 4}})
         )
         await _until_leased(http)
         busy = (await http.post("/v1/admission/check", json={"capability": SLOW})).json()
-        assert busy["answer"] == "later" and busy["failure_class"] is None, busy
+        assert busy["answer"] == "later" and busy["failure"] is None, busy
 
         never = (await http.post("/v1/admission/check", json={"capability": SLOW, "priority": "production"})).json()
-        assert never["answer"] == "never" and never["failure_class"] == "CAPABILITY_UNAVAILABLE", never
-        assert "production" in never["reason"]
+        assert never["answer"] == "never" and never["failure"] == "CAPABILITY_UNAVAILABLE", never
+        assert "production" in never["message"]
         unknown = await http.post("/v1/admission/check", json={"model": "gpt-17"})
         assert unknown.status_code == 404
 
@@ -221,7 +223,7 @@ async def test_a_waiting_stream_tells_its_verdict_and_the_openai_and_ollama_pack
                 lines.append(line)
         verdicts = [json.loads(line.removeprefix(": verdict ")) for line in lines if line.startswith(": verdict ")]
         assert verdicts, lines[:5]
-        assert verdicts[0]["capability"] == "chat.single@1" and verdicts[0]["position"]["capability"] >= 1
+        assert verdicts[0]["capability"] == "chat.single@1" and verdicts[0]["position"]["in_deployment"] == 1
         assert "data: [DONE]" in lines
         assert (await first).status_code == 200
 
@@ -263,6 +265,6 @@ async def test_a_waiting_stream_tells_its_verdict_and_the_openai_and_ollama_pack
         async with http.stream("POST", "/api/chat", json={"model": "single-chat", "messages": HELLO}) as answer:
             progress = [json.loads(line) async for line in answer.aiter_lines() if line.strip()]
         waiting = [p for p in progress if "modelforge_verdict" in p]
-        assert waiting and waiting[0]["status"].startswith("waiting: #1 in interactive"), progress[:3]
+        assert waiting and waiting[0]["status"].startswith("waiting: #1 of 1 in interactive"), progress[:3]
         assert waiting[0]["message"] == {"role": "assistant", "content": ""} and waiting[0]["done"] is False
         await holding_raw
