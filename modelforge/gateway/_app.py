@@ -310,6 +310,8 @@ def _error_response(error: GatewayError) -> JSONResponse:
         headers["Retry-After"] = str(retry_after)
     if error.status == 409:
         headers["x-should-retry"] = "false"  # the id stays taken: the SDK's retries cannot help
+    if error.failure == FailureClass.DEADLINE_CANNOT_BE_MET:
+        headers["x-should-retry"] = "false"  # asked again with the same deadline, refused again
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 

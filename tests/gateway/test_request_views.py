@@ -152,6 +152,7 @@ async def test_the_clients_own_timeout_is_the_deadline_and_hopeless_work_is_refu
         took = time.monotonic() - began
         assert hopeless.status_code == 504, hopeless.text
         assert hopeless.json()["failure_class"] == "DEADLINE_CANNOT_BE_MET"
+        assert hopeless.headers["x-should-retry"] == "false"  # the SDKs would be refused again
         assert hopeless.headers["x-modelforge-deadline-applied"] == "4.5 (from X-Request-Timeout 5)"
         assert took < 5.0, took
         bad = await http.post("/v1/requests", json=slow, headers={"X-Request-Timeout": "soon"})
