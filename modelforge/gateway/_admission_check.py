@@ -1,24 +1,20 @@
 """Now, later or never, without starting anything: `POST /v1/admission/check`, and the
 `X-ModelForge-Dry-Run: 1` header on any model call.
 
-A check answers the JSON `modelforge.verdicts.AdmissionCheck` defines: `answer` (`now` when a
-request asked at once would be granted without waiting, `later` when it would wait or load,
-`never` when it would be refused), `pool`, `capability`, `priority`, `action`, `failure` (the
-class it would be refused with), `message` (why), `eta` (`seconds`, `basis`, `quality`), and
-`checked_at`. A check starts no workflow, holds no capacity and writes no history at a
-scheduler: it reads the pools' answers to queries (here their `route` answers: free slots, warm
-instances, room, waiting requests; `eta.seconds` only for `now`).
+A check is the scheduler's own dry run (`modelforge.verdicts.admission_check`: the policy's
+decision for the request as if it arrived now, taken on a copy of the pool's state), answered as
+`AdmissionCheck.to_json()`: `answer` `now` (granted at once), `later` (it would wait or load; with
+its verdict and ETA) or `never` (refused: `failure` is the class, `message` why, `detail` the
+memory figures), with the deadline applied (`deadline_s`). A check starts no workflow, holds no
+capacity and writes no history event: it is a query.
 
 The header: a call (`/v1/chat/completions`, `/api/chat`, `/v1/requests`...) with
 `X-ModelForge-Dry-Run: 1` (or `true`) is read and checked like the real call (a bad body is still
 400), then answered 200 with the check instead of being run (`X-ModelForge-Dry-Run: 1` on the
-answer too). A deadline (the body's `deadline_s` or the client's timeout, `_deadlines.py`) is
-said with it (`deadline_s`)."""
+answer too), its class, deadline and lease length those the call would have asked for."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gateway import _app
 from modelforge.gateway._deadlines import apply_deadline
+from modelforge.gateway._verdict_source import VerdictSource
 from modelforge.identifiers import shown
-from modelforge.routing import RouteInfo, RouteQuery
+from modelforge.verdicts import CheckSpec
 
 DRY_RUN_HEADER = "x-modelforge-dry-run"
 _TRUE = frozenset({"1", "true", "yes"})
@@ -68,67 +65,26 @@ class CheckCall(BaseModel):
     deadline_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
 
 
-async def check(requester: Any, capability: str, tenant: str, priority: str | None) -> dict[str, Any]:
-    """The check of one request, from each pool's `route` answer for it (the best pool's)."""
-    answer: dict[str, Any] = {
-        "answer": "never",
-        "pool": None,
-        "capability": capability,
-        "deployment": None,
-        "priority": priority,
-        "action": "reject",
-        "accelerator": None,
-        "failure": FailureClass.CAPABILITY_UNAVAILABLE.value,
-        "message": "",
-        "detail": "",
-        "eta": {"seconds": None, "basis": None, "quality": None},
-        "verdict": None,
-        "checked_at": time.time(),
-    }
-    router = getattr(requester, "router", None)
-    if router is None:
-        answer["message"] = "this gateway has no pools to ask"
-        return answer
-    pools: list[str] = [requester.pool] if getattr(requester, "pool", None) else await router.pools()
-    query = RouteQuery(capability=capability, tenant=tenant, priority=priority)
-    answers = await asyncio.gather(*(router._route(pool, query) for pool in pools))
-    infos = [info for info in answers if isinstance(info, RouteInfo) and info.ready]
-    serving = [info for info in infos if info.serves]
-    if not serving:
-        silent = [f"{pool}: {info}" for pool, info in zip(pools, answers, strict=True) if isinstance(info, str)]
-        known = [info.pool for info in infos if info.known]
-        if known:
-            answer["message"] = (
-                f"pool {known[0]} has cards for {shown(capability)}, but none the class "
-                f"{shown(priority or 'default')} may use (production work needs production-eligible, measured cards)"
-            )
-        else:
-            answer["message"] = f"no pool serves {shown(capability)}" + (
-                f" (not answering: {'; '.join(silent)})" if silent else ""
-            )
-        return answer
-    best = max(serving, key=lambda i: (i.free_slots > 0 and i.queued == 0, i.room, i.warm, -i.queue_depth))
-    answer |= {"pool": best.pool, "failure": None, "action": "wait"}
-    if best.free_slots > 0 and best.queued == 0:
-        answer |= {
-            "answer": "now",
-            "action": "grant",
-            "message": f"{best.free_slots} free slot(s)",
-            "eta": {"seconds": 0.0, "basis": "free_slot", "quality": "route"},
-        }
-    elif best.room and best.queued == 0:
-        answer |= {"answer": "later", "action": "load", "message": "no instance is free: one would be loaded"}
-    else:
-        answer |= {
-            "answer": "later",
-            "message": f"{best.queued} request(s) of it wait ahead ({best.queue_depth} in the pool)"
-            if best.queued
-            else f"every instance is busy ({best.warm} warm, no card with room for another)",
-        }
+async def check(verdicts: VerdictSource, capability: str, tenant: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The check of a request as `options` (a call's: priority, deadline_s, max_duration_s,
+    lease_timeout_s) would ask it; a scheduler that does not answer is the call's error."""
+    spec = CheckSpec(
+        capability=capability,
+        tenant=tenant,
+        priority=options.get("priority"),
+        deadline_s=options.get("deadline_s"),
+        max_duration_s=options.get("max_duration_s"),
+        lease_timeout_s=options.get("lease_timeout_s"),
+    )
+    try:
+        answer = await verdicts.check(spec)
+    except ModelForgeError as error:
+        raise _app.GatewayError(error.failure, error.message) from None
+    answer["deadline_s"] = options.get("deadline_s")
     return answer
 
 
-def admission_router(requester: Any, deployment_for_model: Any, body_of: Any) -> APIRouter:
+def admission_router(verdicts: VerdictSource, deployment_for_model: Any, body_of: Any) -> APIRouter:
     """`deployment_for_model(name)`: the catalog's deployment for a model or capability name;
     `body_of(request, model)`: the body read and validated as every route reads it."""
     router = APIRouter()
@@ -154,9 +110,8 @@ def admission_router(requester: Any, deployment_for_model: Any, body_of: Any) ->
             apply_deadline(request.state, request.headers, options)
         except ModelForgeError as error:
             raise _app.GatewayError(error.failure, error.message, param="X-Request-Timeout") from None
-        answer = await check(requester, deployment.capability, request.state.tenant, call.priority)
-        answer["deadline_s"] = options.get("deadline_s")
-        return JSONResponse(answer)
+        options["priority"] = call.priority
+        return JSONResponse(await check(verdicts, deployment.capability, request.state.tenant, options))
 
     return router
 
@@ -169,9 +124,10 @@ def install_dry_run(app: FastAPI) -> None:
         return JSONResponse(stopped.answer, headers={"X-ModelForge-Dry-Run": "1"})
 
 
-async def dry_run(request: Request, requester: Any, capability: str, tenant: str, options: dict[str, Any]) -> DryRun:
+async def dry_run(
+    request: Request, verdicts: VerdictSource, capability: str, tenant: str, options: dict[str, Any]
+) -> DryRun:
     """The check of a call asked with X-ModelForge-Dry-Run, as the exception that answers it."""
-    answer = await check(requester, capability, tenant, options.get("priority"))
-    answer["deadline_s"] = options.get("deadline_s")
+    answer = await check(verdicts, capability, tenant, options)
     answer["request_id"] = getattr(request.state, "request_id", None)
     return DryRun(answer)

@@ -567,7 +567,7 @@ def create_app(
         except ModelForgeError as error:
             raise _invalid(error.message, param="X-Request-Timeout") from None
         if dry_run_asked(request):  # a check instead of the run (_admission_check.py)
-            raise await dry_run(request, requester, capability, tenant, options)
+            raise await dry_run(request, verdicts, capability, tenant, options)
         # The input as the client measures it (JSON, ASCII escapes): past the limit, 413 here,
         # before any workflow, rather than the client's 400.
         with contextlib.suppress(TypeError, ValueError, RecursionError):
@@ -1174,7 +1174,7 @@ def create_app(
     api.include_router(anthropic_router(chat_path))
     # A request by its id (reattach), with the verdict of a waiting one (_requests_view.py).
     api.include_router(requests_router(requester, catalog, config.sees_everything, verdicts))
-    api.include_router(admission_router(requester, deployment_for_model, body_of))  # now / later / never
+    api.include_router(admission_router(verdicts, deployment_for_model, body_of))  # now / later / never
     install_dry_run(app)
     app.include_router(api)
     # The operator's status page: its own key check, which also takes HTTP Basic (a browser's).

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import ollama
@@ -173,20 +174,27 @@ async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: 
         assert warm.status_code == 200
         now = (await http.post("/v1/admission/check", json={"model": "all-MiniLM-L6-v2"})).json()
         assert (now["answer"], now["capability"], now["pool"]) == ("now", "rag.embedding@1", "default"), now
-        assert now["eta"]["seconds"] == 0 and now["failure"] is None
+        assert (now["action"], now["eta"]["seconds"], now["failure"]) == ("grant", 0, None), now
         cold = (await http.post("/v1/admission/check", json={"capability": "chat.small@1"})).json()
-        assert (cold["answer"], cold["action"]) == ("later", "load"), cold
+        assert (cold["answer"], cold["action"], cold["eta"]["basis"]) == ("later", "load", "load_in_flight"), cold
+        assert cold["eta"]["seconds"] > 0
 
-        running = asyncio.create_task(
-            http.post("/v1/requests", json={"capability": SLOW, "input": {"simulate_invoke_s": 4}})
-        )
+        slow = {"capability": SLOW, "input": {"simulate_invoke_s": 4}}
+        running = asyncio.create_task(http.post("/v1/requests", json=slow))
         await _until_leased(http)
         busy = (await http.post("/v1/admission/check", json={"capability": SLOW})).json()
         assert busy["answer"] == "later" and busy["failure"] is None, busy
-
-        never = (await http.post("/v1/admission/check", json={"capability": SLOW, "priority": "production"})).json()
-        assert never["answer"] == "never" and never["failure"] == "CAPABILITY_UNAVAILABLE", never
-        assert "production" in never["message"]
+        assert busy["verdict"]["position"]["in_deployment"] == 1, busy
+        # Its queue holds one: with one waiting, the next would be refused.
+        behind = asyncio.create_task(http.post("/v1/requests", json=slow))
+        never: dict[str, Any] = {}
+        for _ in range(50):
+            never = (await http.post("/v1/admission/check", json={"capability": SLOW})).json()
+            if never["answer"] == "never":
+                break
+            await asyncio.sleep(0.1)
+        assert (never["answer"], never["failure"]) == ("never", "QUEUE_FULL"), never
+        assert never["message"]
         unknown = await http.post("/v1/admission/check", json={"model": "gpt-17"})
         assert unknown.status_code == 404
 
@@ -205,67 +213,84 @@ async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: 
             headers={"X-ModelForge-Dry-Run": "maybe"},
         )
         assert typo.status_code == 400
-        assert (await running).status_code == 200
+        assert (await running).status_code == 200 and (await behind).status_code == 200
+
+
+async def _hold(gateway: _Served) -> None:
+    """A streamed answer of the one-at-a-time model, read to its end (about 4 s)."""
+    async with (
+        _http(gateway) as http,
+        http.stream(
+            "POST", "/v1/chat/completions", json={"model": "single-chat", "messages": HELLO, "stream": True}
+        ) as answer,
+    ):
+        assert answer.status_code == 200
+        async for _ in answer.aiter_lines():
+            pass
+
+
+async def _behind_a_held_answer(gateway: _Served) -> asyncio.Task[None]:
+    """Once the model is free, an answer that holds it; returns when it holds it."""
+    async with _http(gateway) as http:
+        await _until_free(http)
+        holding = asyncio.create_task(_hold(gateway))
+        await _until_leased(http)
+    return holding
 
 
 async def test_a_waiting_stream_tells_its_verdict_and_the_openai_and_ollama_packages_read_on(
     gateway: _Served,
 ) -> None:
-    async with _http(gateway) as http:
-        # One answer at a time: the first stream holds the model about 4 s.
-        first = asyncio.create_task(http.post("/v1/chat/completions", json={"model": "single-chat", "messages": HELLO}))
-        await _until_leased(http)
+    async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=TEAM_KEY, max_retries=0) as client:
+        whole = await client.chat.completions.create(model="single-chat", messages=HELLO)  # type: ignore[arg-type]
+        expected = whole.choices[0].message.content
+        assert expected
+
+        # Raw: the verdict comment lines come before the answer's pieces.
+        holding = await _behind_a_held_answer(gateway)
         lines: list[str] = []
-        async with http.stream(
-            "POST", "/v1/chat/completions", json={"model": "single-chat", "messages": HELLO, "stream": True}
-        ) as answer:
+        async with (
+            _http(gateway) as http,
+            http.stream(
+                "POST", "/v1/chat/completions", json={"model": "single-chat", "messages": HELLO, "stream": True}
+            ) as answer,
+        ):
             assert answer.status_code == 200
-            async for line in answer.aiter_lines():
-                lines.append(line)
+            lines = [line async for line in answer.aiter_lines()]
+        await holding
         verdicts = [json.loads(line.removeprefix(": verdict ")) for line in lines if line.startswith(": verdict ")]
         assert verdicts, lines[:5]
         assert verdicts[0]["capability"] == "chat.single@1" and verdicts[0]["position"]["in_deployment"] == 1
+        assert verdicts[0]["tenant"] == "team" and verdicts[0]["reason"]
+        first_piece = next(n for n, line in enumerate(lines) if '"content": "' in line and '"content": ""' not in line)
+        assert max(n for n, line in enumerate(lines) if line.startswith(": verdict ")) < first_piece
         assert "data: [DONE]" in lines
-        assert (await first).status_code == 200
 
-    # The real packages: a waiting stream parses as before, the verdicts skipped (openai) or
-    # read as empty pieces with a status (ollama).
-    async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=TEAM_KEY, max_retries=0) as client:
-        whole = await client.chat.completions.create(model="single-chat", messages=HELLO)  # type: ignore[arg-type]
-        async with _http(gateway) as http:
-            await _until_free(http)
-        holding = asyncio.create_task(client.chat.completions.create(model="single-chat", messages=HELLO))  # type: ignore[arg-type]
-        async with _http(gateway) as http:
-            await _until_leased(http)
+        # The openai package: a waiting stream parses as before, the comments skipped.
+        holding = await _behind_a_held_answer(gateway)
         began = time.monotonic()
-        pieces = [
-            c.choices[0].delta.content or ""
-            async for c in await client.chat.completions.create(model="single-chat", messages=HELLO, stream=True)  # type: ignore[arg-type]
-            if c.choices
-        ]
+        stream = await client.chat.completions.create(model="single-chat", messages=HELLO, stream=True)  # type: ignore[arg-type]
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert time.monotonic() - began > 2.5  # it did wait behind the other answer
-        assert "".join(pieces) == whole.choices[0].message.content
+        assert "".join(pieces) == expected
         await holding
 
+    # The ollama package: the progress lines read as empty pieces, the answer whole.
     chat = ollama.AsyncClient(host=gateway.base_url, headers={"Authorization": f"Bearer {TEAM_KEY}"}, timeout=60)
-    async with _http(gateway) as http:
-        await _until_free(http)
-    holding_ollama = asyncio.create_task(chat.chat(model="single-chat", messages=HELLO))
-    async with _http(gateway) as http:
-        await _until_leased(http)
+    holding = await _behind_a_held_answer(gateway)
     parts = [part async for part in await chat.chat(model="single-chat", messages=HELLO, stream=True)]
-    assert "".join(p.message.content or "" for p in parts) == whole.choices[0].message.content
-    assert parts[-1].done
-    await holding_ollama
-    async with _http(gateway) as http:
-        await _until_free(http)
-        holding_raw = asyncio.create_task(
-            http.post("/api/chat", json={"model": "single-chat", "messages": HELLO, "stream": False})
-        )
-        await _until_leased(http)
-        async with http.stream("POST", "/api/chat", json={"model": "single-chat", "messages": HELLO}) as answer:
-            progress = [json.loads(line) async for line in answer.aiter_lines() if line.strip()]
-        waiting = [p for p in progress if "modelforge_verdict" in p]
-        assert waiting and waiting[0]["status"].startswith("waiting: #1 of 1 in interactive"), progress[:3]
-        assert waiting[0]["message"] == {"role": "assistant", "content": ""} and waiting[0]["done"] is False
-        await holding_raw
+    await holding
+    assert "".join(p.message.content or "" for p in parts) == expected
+    assert parts[-1].done and not parts[0].message.content  # the first line was a progress line
+
+    # Raw Ollama: a progress line, as `ollama pull` sends them, with the verdict.
+    holding = await _behind_a_held_answer(gateway)
+    async with (
+        _http(gateway) as http,
+        http.stream("POST", "/api/chat", json={"model": "single-chat", "messages": HELLO}) as answer,
+    ):
+        progress = [json.loads(line) async for line in answer.aiter_lines() if line.strip()]
+    await holding
+    waiting = [p for p in progress if "modelforge_verdict" in p]
+    assert waiting and waiting[0]["status"].startswith("waiting: #1 of 1 in interactive"), progress[:3]
+    assert waiting[0]["message"] == {"role": "assistant", "content": ""} and waiting[0]["done"] is False
