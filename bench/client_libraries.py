@@ -4,7 +4,8 @@ address and reads one JSON object of per-call seconds from its last line.
 
 Why a process of its own: run on the event loop that also serves the gateway and the workers, a
 library call that blocks its loop (LiteLLM's background work, most likely) waits on a server that
-cannot answer until the call returns: the first version of this bench never finished. tests/apps runs LiteLLM in a process of its own for the same reason.
+cannot answer until the call returns: the first version of this bench never finished. tests/apps
+runs LiteLLM in a process of its own for the same reason.
 
     .venv/bin/python bench/client_libraries.py GATEWAY_URL DIRECT_URL ROUNDS MAX_TOKENS
 

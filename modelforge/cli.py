@@ -102,8 +102,24 @@ def request(
         ),
     ] = None,
     as_json: JsonOption = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say now / later (ETA) / never and why; send nothing, hold nothing.")
+    ] = False,
 ) -> None:
     """Submit one capability request and print its result (exit 1 with the failure class)."""
+    if dry_run:
+        from modelforge.cli_queue import dry_run as answer_dry_run
+
+        _check_identifiers(capability=capability, tenant=tenant)
+        answer_dry_run(
+            capability,
+            tenant=tenant,
+            priority=priority,
+            queue=queue,
+            deadline_s=deadline,
+            lease_timeout_s=lease_timeout,
+            as_json=as_json,
+        )
     from modelforge._fastcli import attaching_client
     from modelforge.client import ModelForgeClient, Result
 
@@ -920,6 +936,7 @@ def trace_alibaba(
 
 
 import modelforge.cli_jobs  # noqa: E402  (adds `modelforge job submit|jobs|logs|artifacts`)
+import modelforge.cli_queue  # noqa: E402  (adds `modelforge queue|why`)
 import modelforge.cli_residency  # noqa: E402, F401  (adds `modelforge load|unload|pin|unpin`)
 
 

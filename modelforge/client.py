@@ -67,6 +67,7 @@ from modelforge.payloads import OUTPUT_REF, PayloadMissing, get_output, payload_
 from modelforge.policy import Lease, PoolStatus, ResidentStatus, merge_statuses
 from modelforge.routing import PoolRouter, pools_from_env
 from modelforge.settings import CONTROL_TASK_QUEUE, NODE_TASK_QUEUE_PREFIX, Settings, node_task_queue
+from modelforge.verdicts import request_verdict
 
 # Deeper input is refused before it is encoded (json.dumps would recurse, and the store cuts
 # what it keeps at 64 levels anyway).
@@ -490,7 +491,7 @@ class ModelForgeClient:
                         )
                         if on_progress is not None:
                             watcher = asyncio.create_task(
-                                self._watch(handle, request.capability, request.pool, on_progress)
+                                self._watch(handle, request.capability, request.pool, on_progress, request.request_id)
                             )
                     result: RequestResult = await handle.result()
                     return result
@@ -563,12 +564,17 @@ class ModelForgeClient:
             return handle
 
     async def _watch(
-        self, handle: WorkflowHandle[Any, Any], capability: str, pool: str, report: Callable[[str], None]
+        self,
+        handle: WorkflowHandle[Any, Any],
+        capability: str,
+        pool: str,
+        report: Callable[[str], None],
+        request_id: str = "",
     ) -> None:
         last = ""
         while True:
             try:
-                line = await self._progress(handle, capability, pool)
+                line = await self._progress(handle, capability, pool, request_id)
             except (RPCError, WorkflowQueryFailedError, ModelForgeError):
                 line = ""  # not started yet, or already done: nothing to say this time
             if line and line != last:
@@ -576,17 +582,25 @@ class ModelForgeClient:
                 last = line
             await asyncio.sleep(0.5)
 
-    async def _progress(self, handle: WorkflowHandle[Any, Any], capability: str, pool: str) -> str:
+    async def _progress(
+        self, handle: WorkflowHandle[Any, Any], capability: str, pool: str, request_id: str = ""
+    ) -> str:
         phase = str(await handle.query("phase", result_type=str, rpc_timeout=timedelta(seconds=5)))
         if phase in ("admitting", "queued"):
+            # The scheduler's verdict (modelforge/verdicts.py), the one every surface shows; a
+            # load in flight adds its own progress from the load activity's heartbeats.
+            verdict = await request_verdict(self, request_id, pool=pool) if request_id else None
+            if verdict is not None and verdict.load is None:
+                return f"{phase}: {verdict.line()}"
+            eta = f"; {verdict.eta_text()}" if verdict is not None else ""
             status = await self._pool_status(pool)
             for resident in status.residents:
                 if resident.capability == capability and resident.state == "loading" and resident.workflow_id:
                     detail = await self._heartbeat(
                         self.temporal.get_workflow_handle(resident.workflow_id), "load_model"
                     )
-                    return f"{phase}: {detail or f'loading {resident.deployment}'} on {resident.accelerator}"
-            return f"{phase}: waiting for a lease"
+                    return f"{phase}: {detail or f'loading {resident.deployment}'} on {resident.accelerator}{eta}"
+            return f"{phase}: {verdict.line()}" if verdict is not None else f"{phase}: waiting for a lease"
         if phase in ("invoking", "preempting"):
             detail = await self._heartbeat(handle, "invoke")
             return f"{phase}" + (f": {detail}" if detail else "")

@@ -179,6 +179,15 @@ class ResidencyControlReply:
 
 
 @dataclass(frozen=True)
+class VerdictQuery:
+    """The scheduler's `verdicts` query (modelforge/verdicts.py): every queued request's verdict,
+    or only those of `request_ids`, or only `tenant`'s (both: both must hold)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
 class SchedulerInput:
     pool: str
     state: PoolState | None = None

@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
         SnapshotBatch,
         UnloadReport,
         UsageQuery,
+        VerdictQuery,
         device_index,
     )
     from modelforge.names import SCHEDULER_WORKFLOW_TYPE
@@ -702,6 +703,32 @@ class PoolSchedulerWorkflow:
         return self._state
 
     @workflow.query
+    def verdicts(self, query: VerdictQuery) -> list[policy.Verdict]:
+        """Each queued request's verdict (position, typed reason, ETA), from the state as it is
+        now: always current, computed when asked (policy/_verdicts.py; no history event)."""
+        wanted = set(query.request_ids) if query.request_ids else None
+        found = policy.verdicts(self._state, self._now(), wanted)
+        return [v for v in found if v.tenant == query.tenant] if query.tenant else found
+
+    @workflow.query
+    def admission_check(self, request: policy.AdmissionRequest) -> policy.AdmissionCheck:
+        """The dry run: what the policy would decide for `request` now, on a copy of the state;
+        nothing is enqueued, started or held (a query: no history event)."""
+        if self._catalog_stale:
+            return policy.AdmissionCheck(
+                answer="later",
+                pool=self._state.pool,
+                capability=request.capability,
+                deployment="",
+                priority=request.priority or "",
+                action="wait",
+                checked_at=self._now(),
+                failure=FailureClass.SCHEDULER_STATE_STALE.value,
+                message="the scheduler is still loading its catalog",
+            )
+        return policy.admission_check(self._state, request, self._now())
+
+    @workflow.query
     def route(self, query: RouteQuery) -> RouteInfo:
         """How well this pool can serve a capability now: clients choose a pool by it
         (modelforge/routing.py). Ready once a catalog is loaded (a reload keeps the old one)."""
@@ -877,8 +904,10 @@ class PoolSchedulerWorkflow:
         decisions = policy.decide(self._state, now)
         if decisions.empty():
             policy.apply_decisions(self._state, decisions, now, {})
+            policy.stamp_predictions(self._state, now, decisions)
             return
         self._record_all(policy.apply_decisions(self._state, decisions, now, self._load_ids(decisions.loads)), now)
+        policy.stamp_predictions(self._state, now, decisions)
         for grant in decisions.grants:
             self._decisions_out.append((grant.workflow_id, LeaseDecision(grant.request_id, lease=grant.lease)))
         for preempt in decisions.preemptions:

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import os
@@ -43,6 +44,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from modelforge.client import Result
 from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
+from modelforge.gateway._admission_check import admission_router, dry_run, dry_run_asked, install_dry_run
 from modelforge.gateway._anthropic import anthropic_router
 from modelforge.gateway._chat_path import ChatPath
 from modelforge.gateway._context import (
@@ -56,6 +58,7 @@ from modelforge.gateway._context import (
     _escaped,
     _invalid,
 )
+from modelforge.gateway._deadlines import apply_deadline
 from modelforge.gateway._hints import conflict as hint_conflict
 from modelforge.gateway._hints import end_user, hinted
 from modelforge.gateway._jobs import jobs_router
@@ -77,8 +80,10 @@ from modelforge.gateway._params import (
     token_ids,
     usage,
 )
+from modelforge.gateway._requests_view import requests_router
 from modelforge.gateway._rerank import rerank_router
 from modelforge.gateway._responses import responses_router
+from modelforge.gateway._status_page import status_page_router
 from modelforge.gateway._streams import (
     Stream,
     StreamHub,
@@ -88,6 +93,7 @@ from modelforge.gateway._streams import (
     stream_router,
     stream_stall_s_from_env,
 )
+from modelforge.gateway._verdict_source import VerdictSource
 from modelforge.identifiers import PRIORITY_CLASS, identifier_problem, shown
 from modelforge.messages import StreamTarget
 from modelforge.metrics import GatewayMetrics, TenantSeries
@@ -249,6 +255,7 @@ def create_app(
     app.state.max_body_bytes = body_limit
     hub = StreamHub(config.stream_buffer_bytes, config.stream_stall_s)
     app.state.streams = hub
+    verdicts = app.state.verdicts = VerdictSource(requester)  # what waiting requests wait on
     app.add_middleware(AccessLog, metrics=metrics)  # the access log line and metrics of every request
     keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
 
@@ -403,6 +410,12 @@ def create_app(
             options["priority"] = priority_of(request) or getattr(request.state, "hinted_priority", None)
         state = request.state
         state.capability, state.request_id, state.priority = capability, request_id, options["priority"] or ""
+        try:  # the body's deadline, else the client's own wait from its headers (_deadlines.py)
+            apply_deadline(state, request.headers, options)
+        except ModelForgeError as error:
+            raise _invalid(error.message, param="X-Request-Timeout") from None
+        if dry_run_asked(request):  # a check instead of the run (_admission_check.py)
+            raise await dry_run(request, verdicts, capability, tenant, options)
         # The input as the client measures it (JSON, ASCII escapes): past the limit, 413 here,
         # before any workflow, rather than the client's 400.
         with contextlib.suppress(TypeError, ValueError, RecursionError):
@@ -709,6 +722,8 @@ def create_app(
         server = request.scope.get("server") or ("127.0.0.1", 0)
         url = config.stream_url or f"http://{server[0]}:{server[1]}/internal/streams"
         stream = hub.open()
+        # Until its first piece, the stream tells what the request waits on (`next_record`).
+        stream.verdict = functools.partial(verdicts.of_request, request_id, capability)
         target = StreamTarget(url=url, stream_id=stream.stream_id)
         task = asyncio.create_task(run(request, capability, payload, request_id, tenant=tenant, stream=target))
         # Its outcome is read by the events when they need it; never an unretrieved exception.
@@ -941,7 +956,13 @@ def create_app(
     # Cohere/Jina-style reranking (/v1/rerank, /rerank).
     api.include_router(rerank_router(deployment_for_model, body_of, run, request_id_of, hint_priority))
     api.include_router(anthropic_router(chat_path))
+    # A request by its id (reattach), with the verdict of a waiting one (_requests_view.py).
+    api.include_router(requests_router(requester, catalog, config.sees_everything, verdicts))
+    api.include_router(admission_router(verdicts, deployment_for_model, body_of))  # now / later / never
+    install_dry_run(app)
     app.include_router(api)
+    # The operator's status page: its own key check, which also takes HTTP Basic (a browser's).
+    app.include_router(status_page_router(bool(keys), tenant_of_key, config.sees_everything, verdicts))
     # Nodes push streamed answers here: not a client route (no API key; signed or loopback only).
     app.include_router(stream_router(hub))
     return app

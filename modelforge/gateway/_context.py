@@ -129,6 +129,8 @@ def _error_response(error: GatewayError) -> JSONResponse:
         headers["Retry-After"] = str(retry_after)
     if error.status == 409:
         headers["x-should-retry"] = "false"  # the id stays taken: the SDK's retries cannot help
+    if error.failure == FailureClass.DEADLINE_CANNOT_BE_MET:
+        headers["x-should-retry"] = "false"  # asked again with the same deadline, refused again
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -170,6 +172,16 @@ def _check(kind: str, value: str) -> str:
     return value
 
 
+class DryRun(Exception):
+    """A call answered by its admission check instead of being run (X-ModelForge-Dry-Run; raised
+    where the call would have started its request, answered by _admission_check.py's handler): an
+    answer, not a failure, on every API surface."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__(answer.get("answer", ""))
+        self.answer = answer
+
+
 def error_route(shape: Callable[[GatewayError], Response], log: logging.Logger, surface: str) -> type[APIRoute]:
     """A route class for an API surface whose errors have a shape of their own (Ollama's,
     Anthropic's): every failure of its routes, the key check included, answers in `shape`, the
@@ -186,6 +198,8 @@ def error_route(shape: Callable[[GatewayError], Response], log: logging.Logger, 
                 except GatewayError as error:
                     request.state.failure_class = error.failure
                     return shape(error)
+                except DryRun:
+                    raise  # a dry run's answer, not a failure
                 except Exception:
                     log.exception("%s route %s failed", surface, request.url.path)
                     request.state.failure_class = INTERNAL_ERROR

@@ -60,8 +60,9 @@ from modelforge.gateway._ollama_translate import (
 )
 from modelforge.gateway._ollama_translate import Options as _Options
 from modelforge.gateway._params import takes_parameters
-from modelforge.gateway._streams import Stream, StreamHub, next_record
+from modelforge.gateway._streams import VERDICT, Stream, StreamHub, next_record
 from modelforge.gateway._streams import outcome as outcome_of
+from modelforge.gateway._verdict_source import verdict_status
 from modelforge.identifiers import shown
 from modelforge.policy import PoolStatus
 from modelforge.runtimes import speaks
@@ -534,6 +535,11 @@ def ollama_router(
             try:
                 record = first
                 while record is not None:
+                    if VERDICT in record:  # waiting for its first piece: a progress line, as `ollama pull`'s
+                        waiting = piece("") | {"status": verdict_status(record[VERDICT]), VERDICT: record[VERDICT]}
+                        yield json.dumps(waiting, separators=(",", ":")) + "\n"
+                        record = await next_record(stream, task)
+                        continue
                     delta, thought, calls = stream_delta(record)
                     if calls:
                         calling.add({"index": 0, "delta": {"tool_calls": calls}})

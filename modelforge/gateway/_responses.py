@@ -490,7 +490,7 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
             kept.put(tenant, body["id"], [*history, _assistant_turn(answer)], response)
         return response
 
-    def not_kept(response_id: str) -> _app.GatewayError:
+    def not_kept(response_id: str) -> _context.GatewayError:
         # The same answer whether the id was never made, evicted or another tenant's.
         return _invalid(
             f"no response {shown(response_id[:80])} is kept for this key (unknown, not stored, or evicted: "

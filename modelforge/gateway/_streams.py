@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,9 @@ class Stream:
     failure: tuple[str, str] | None = None
     # Set when lines are taken (or the stream closes): a push waiting for room looks again.
     taken: asyncio.Event = field(default_factory=asyncio.Event)
+    # Until its first piece: what its request waits on (_verdict_source.py), told to the client
+    # every VERDICT_EVERY_S as a `VERDICT` record (`next_record`). None once a piece came.
+    verdict: Callable[[], Awaitable[dict[str, Any] | None]] | None = None
 
     def fits(self, size: int) -> bool:
         # An empty stream takes any push (one larger than the bound would never fit otherwise).
@@ -257,26 +260,58 @@ def _taken(stream: Stream, line: bytes) -> dict[str, Any]:
     return record
 
 
+# A record `next_record` makes itself while a stream's request waits for its first piece: the
+# request's verdict, which each stream format tells in its own way (`verdict_comment`, Ollama's
+# progress line) and never as a piece of the answer.
+VERDICT = "modelforge_verdict"
+# How often a waiting stream's verdict is told (and how long a stream's first piece is waited for
+# before its request is looked for in a queue: a refusal on admission comes sooner, and is still
+# a plain HTTP error).
+VERDICT_EVERY_S = 2.0
+
+
 async def next_record(stream: Stream, request_task: asyncio.Task[Any]) -> dict[str, Any] | None:
     """The next pushed record, or None when the request ended first (its result then tells how:
     a failure before or during the invoke, or an answer that was not streamed) or the gateway
-    ended the stream (its client read too slowly: `outcome` then says so, typed)."""
-    if stream.failure is not None:
-        _ENDED[request_task] = stream.failure
-        return None
-    if not stream.queue.empty():
-        return _taken(stream, stream.queue.get_nowait())
-    getting = asyncio.ensure_future(stream.queue.get())
-    try:
-        done, _ = await asyncio.wait({getting, request_task}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        getting.cancel()
-        raise
-    if getting in done:
-        return _taken(stream, getting.result())
-    getting.cancel()
-    # The request ended: anything pushed just before it did is still the stream's.
-    return _taken(stream, stream.queue.get_nowait()) if not stream.queue.empty() else None
+    ended the stream (its client read too slowly: `outcome` then says so, typed). Before the
+    first piece, a stream with a `verdict` gets `{VERDICT: verdict}` every VERDICT_EVERY_S while
+    its request waits in a queue."""
+    while True:
+        if stream.failure is not None:
+            _ENDED[request_task] = stream.failure
+            return None
+        if not stream.queue.empty():
+            stream.verdict = None
+            return _taken(stream, stream.queue.get_nowait())
+        getting = asyncio.ensure_future(stream.queue.get())
+        try:
+            await asyncio.wait(
+                {getting, request_task},
+                timeout=VERDICT_EVERY_S if stream.verdict is not None else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        except BaseException:
+            getting.cancel()
+            raise
+        if not getting.done():
+            getting.cancel()
+        elif not getting.cancelled():
+            stream.verdict = None
+            return _taken(stream, getting.result())
+        if request_task.done():
+            # The request ended: anything pushed just before it did is still the stream's.
+            return _taken(stream, stream.queue.get_nowait()) if not stream.queue.empty() else None
+        asked = stream.verdict
+        verdict = await asked() if asked is not None else None
+        if verdict is not None and stream.verdict is not None and stream.queue.empty():
+            return {VERDICT: verdict}
+
+
+def verdict_comment(verdict: dict[str, Any]) -> str:
+    """A verdict in a server-sent event stream: a comment line, which every SSE client (the
+    openai and anthropic packages included) skips, so a client that does not know it loses
+    nothing."""
+    return f": verdict {json.dumps(verdict, separators=(',', ':'))}\n\n"
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -418,6 +453,10 @@ async def chat_events(
             yield sse({**base, "choices": [role]})
         record = first
         while record is not None:
+            if VERDICT in record:  # still waiting for its first piece: what it waits on
+                yield verdict_comment(record[VERDICT])
+                record = await next_record(stream, task)
+                continue
             if "finish_reason" in record and "choices" not in record and not isinstance(record.get("delta"), str):
                 for line in ending(str(record.get("finish_reason") or "stop"), record):
                     yield line

@@ -195,6 +195,14 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
     return deployment, priority
 
 
+def _eta_error(queued: QueuedRequest | None, now: float) -> dict[str, str | float]:
+    """A grant's ETA error (predicted minus actual start, seconds) and the reason it was
+    predicted for, when a verdict predicted its start (policy/_verdicts.py)."""
+    if queued is None or queued.eta_at is None:
+        return {}
+    return {"eta_error_s": round(queued.eta_at - now, 3), "eta_reason": queued.eta_reason}
+
+
 def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: float) -> QueuedRequest:
     timeout = request.lease_timeout_s or state.config.default_lease_timeout_s
     submitted = now
@@ -314,6 +322,7 @@ def apply_decisions(
                     "accelerators": ",".join(lease.accelerators),
                     "waited_s": round(now - queued.submitted_at, 3) if queued else None,
                     **(asked_for(queued) if queued else {}),
+                    **_eta_error(queued, now),
                 },
             )
         )

@@ -163,6 +163,10 @@ class QueuedRequest:
     waiting_reason: str = ""
     # The longest its lease will be held (the request's max_duration); None: unknown.
     max_duration_s: float | None = None
+    # The first ETA a verdict gave it once it waited (policy/_verdicts.py `stamp_predictions`)
+    # and that verdict's reason: its grant says how far off it was (the ETA-error figures).
+    eta_at: float | None = None
+    eta_reason: str = ""
 
     @property
     def expires_at(self) -> float:

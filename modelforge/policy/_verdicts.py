@@ -1,0 +1,812 @@
+"""Verdicts: for every waiting request, where it stands, why it waits and when it should start.
+
+Pure, like the rest of the policy (no clock, no environment, no randomness; `now` is an
+argument): the scheduler workflow answers its `verdicts` and `admission_check` queries with these
+functions, the simulator and bench/verdicts.py call the very same ones.
+
+A `Verdict` (one per queued request, in queue order):
+- position: 1-based in its class (`position_in_class` of `class_depth`) and among the requests of
+  its deployment (`position_in_deployment` of `deployment_depth`), both in the policy's queue
+  order; `ahead_in_higher_classes` and `behind_class` (the highest class ordered ahead of it);
+- reason: the policy's own Wait line (`message`, exactly what `status` and a timeout say) read
+  into typed codes (`WaitReason`; `reason` is the first, `reasons` all of them in the policy's
+  order), with what it names: the load in flight and its expected end (`load`), and who holds the
+  memory on the card where it falls short least (`held_by`: external processes, residents,
+  leases with their expected end);
+- ETA: `eta_s` (seconds from `computed_at`; None when nothing measured can say), `eta_at`,
+  `eta_basis` and `eta_quality`:
+    `load_in_flight`     it waits on a load (or wake) already started: that load's expected end
+                         (its deployment's measured load time in this pool, else the catalog's);
+    `queue_service`      a resident of its deployment is there or on its way: the slots
+                         (residents x concurrency) are run forward: each running lease ends at
+                         its grant plus the deployment's mean measured service time, the requests
+                         ordered ahead of it take the freed slots for a mean service time each;
+    `release_then_load`  no resident has a slot for it: when the leases on its eligible cards
+                         have ended (expected ends, as above) leaving room for the model, plus
+                         the load (measured load history, else the catalog's figure);
+    `reservation`        a gang the policy reserved cards for: the reservation's own start
+                         (from the holders' max_duration: an upper bound);
+    `gang_release`       a gang without a reservation: when enough eligible cards are free;
+    `unknown`            nothing to base it on (no service measured, no load to wait for).
+  Quality: `measured` (this pool's measurements; `eta_samples` service samples), `catalog` (the
+  catalog's load figure, nothing measured yet), `bound` (max_duration upper bounds), `none`.
+
+An `AdmissionCheck` is the dry run: the policy's decision for a request as if it arrived now,
+taken on a copy of the state (nothing is enqueued, started or held): `now` (granted at once),
+`later` (it would wait or load; with the probe's verdict and ETA) or `never` (refused: the
+failure class and the policy's message, with `detail` in GiB for memory refusals).
+
+`stamp_predictions` keeps the first ETA of each waiting request on it (`QueuedRequest.eta_at`,
+`eta_reason`), so a grant can say how far off the prediction was (`lease_granted`'s
+`eta_error_s`: predicted minus actual start; the ETA-error metric)."""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from modelforge.domain import Deployment, GiB, Residency
+from modelforge.failures import FailureClass
+from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
+from modelforge.policy._budget import compute_budget
+from modelforge.policy._decisions import Decisions
+from modelforge.policy._order import class_rank, queue_order
+from modelforge.policy._pass import filter_accelerators
+from modelforge.policy._placement import decide
+from modelforge.policy._state import (
+    AcceleratorRuntime,
+    Lease,
+    PoolState,
+    QueuedRequest,
+    ResidentPhase,
+    ResidentState,
+    operation_seconds,
+    service_figures,
+)
+
+
+class WaitReason(StrEnum):
+    """Why a request waits: the policy's Wait lines, typed (`classify`)."""
+
+    PENDING = "pending"  # admitted, no decision pass has looked at it yet
+    LOAD_IN_FLIGHT = "load_in_flight"  # a load (or wake) of its model is under way for it
+    CONCURRENCY_FULL = "concurrency_full"  # its model's residents are at their concurrency
+    MEMORY_HELD = "memory_held"  # not enough schedulable memory where it may land
+    MAKING_ROOM = "making_room"  # idle models are being unloaded / lower work preempted for it
+    BEHIND_HIGHER_CLASS = "behind_higher_class"  # a request ordered ahead waits for that memory
+    GANG_RESERVATION = "gang_reservation"  # the cards are reserved for a waiting gang
+    STARVATION_RESERVATION = "starvation_reservation"  # held for a request past its starvation bound
+    GANG_ROOM = "gang_room"  # a gang: not enough cards free together yet
+    UNHEALTHY = "unhealthy"  # its eligible cards are UNHEALTHY
+    STATE_STALE = "state_stale"  # its cards' telemetry is stale (SCHEDULER_STATE_STALE)
+    GPU_PRESSURE = "gpu_pressure"  # GPU_PRESSURE: only production work may load
+    MODEL_PHASE = "model_phase"  # its model is unloading or going to sleep
+    OTHER = "other"
+
+
+# The policy's Wait lines, in the words its code writes them (_placement, _gang, _room, _rules).
+_PATTERNS: tuple[tuple[WaitReason, re.Pattern[str]], ...] = (
+    (WaitReason.LOAD_IN_FLIGHT, re.compile(r"^waiting for \S+ to (load|wake)")),
+    (WaitReason.MAKING_ROOM, re.compile(r"making room|is being unloaded to make room")),
+    (WaitReason.GANG_ROOM, re.compile(r"^gang of ")),
+    (WaitReason.STARVATION_RESERVATION, re.compile(r"starved:|starvation bound")),
+    (WaitReason.GANG_RESERVATION, re.compile(r"reserved for gang|^reserved .* from ")),
+    (WaitReason.BEHIND_HIGHER_CLASS, re.compile(r"a higher request waits for memory")),
+    (WaitReason.CONCURRENCY_FULL, re.compile(r"at concurrency \d+")),
+    (WaitReason.STATE_STALE, re.compile(r"SCHEDULER_STATE_STALE")),
+    (WaitReason.GPU_PRESSURE, re.compile(r"GPU_PRESSURE")),
+    (WaitReason.UNHEALTHY, re.compile(r"UNHEALTHY")),
+    (WaitReason.MEMORY_HELD, re.compile(r"needs -?\d+ B|waiting for capacity")),
+    (WaitReason.MODEL_PHASE, re.compile(r" is (unloading|sleeping|unreclaimed)\b")),
+)
+_RESERVED_FROM = re.compile(r"reserved \S.* from (-?\d+(?:\.\d+)?) s on")
+_MORE_LIKE = re.compile(r" \(and \d+ more like it\)$")
+
+# How many holders a verdict names (the biggest first), and how many reasons.
+MAX_HOLDERS = 6
+
+
+def classify(text: str) -> list[WaitReason]:
+    """The typed reasons of a Wait line, in the order the policy wrote them (a line joins one
+    part per kind with "; "). An empty line: PENDING."""
+    if not text:
+        return [WaitReason.PENDING]
+    found: list[WaitReason] = []
+    for part in text.split("; "):
+        part = _MORE_LIKE.sub("", part)
+        for reason, pattern in _PATTERNS:
+            if pattern.search(part):
+                if reason not in found:
+                    found.append(reason)
+                break
+        else:
+            if WaitReason.OTHER not in found:
+                found.append(WaitReason.OTHER)
+    return found
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Memory on a card a request waits for, and who holds it: `kind` external (a process
+    ModelForge does not manage), resident (a model, idle or serving), lease (work running),
+    reserve (the card's safety reserve)."""
+
+    accelerator: str
+    kind: str
+    who: str
+    bytes: int
+    ends_at: float | None = None  # a lease's expected end (grant + mean measured service)
+
+
+@dataclass(frozen=True)
+class LoadInFlight:
+    resident_key: str
+    accelerator: str
+    phase: str  # loading, waking
+    started_at: float
+    expected_end_at: float
+    basis: str  # measured, catalog
+
+
+@dataclass(frozen=True)
+class Verdict:
+    request_id: str
+    pool: str
+    capability: str
+    deployment: str
+    tenant: str
+    priority: str
+    submitted_at: float
+    waited_s: float
+    expires_at: float
+    reason: str  # a WaitReason value: the first of `reasons`
+    reasons: list[str]
+    message: str  # the policy's own Wait line
+    position_in_class: int
+    class_depth: int
+    position_in_deployment: int
+    deployment_depth: int
+    ahead_in_higher_classes: int
+    behind_class: str  # the highest class ordered ahead of it ("" when none)
+    eta_s: float | None
+    eta_at: float | None
+    eta_basis: str
+    eta_quality: str
+    eta_samples: int
+    computed_at: float
+    load: LoadInFlight | None = None
+    held_by: list[Holder] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        """The JSON shape every surface returns as is (gateway, `modelforge queue --json`)."""
+        return {
+            "request_id": self.request_id,
+            "pool": self.pool,
+            "capability": self.capability,
+            "deployment": self.deployment,
+            "tenant": self.tenant,
+            "priority": self.priority,
+            "state": "queued",
+            "submitted_at": self.submitted_at,
+            "waited_s": round(self.waited_s, 3),
+            "expires_at": self.expires_at,
+            "reason": self.reason,
+            "reasons": list(self.reasons),
+            "message": self.message,
+            "position": {
+                "in_class": self.position_in_class,
+                "class_depth": self.class_depth,
+                "in_deployment": self.position_in_deployment,
+                "deployment_depth": self.deployment_depth,
+                "ahead_in_higher_classes": self.ahead_in_higher_classes,
+                "behind_class": self.behind_class or None,
+            },
+            "eta": {
+                "seconds": None if self.eta_s is None else round(self.eta_s, 3),
+                "at": self.eta_at,
+                "basis": self.eta_basis,
+                "quality": self.eta_quality,
+                "samples": self.eta_samples,
+            },
+            "load": None
+            if self.load is None
+            else {
+                "resident_key": self.load.resident_key,
+                "accelerator": self.load.accelerator,
+                "phase": self.load.phase,
+                "started_at": self.load.started_at,
+                "expected_end_at": self.load.expected_end_at,
+                "basis": self.load.basis,
+            },
+            "held_by": [
+                {"accelerator": h.accelerator, "kind": h.kind, "who": h.who, "bytes": h.bytes, "ends_at": h.ends_at}
+                for h in self.held_by
+            ],
+            "computed_at": self.computed_at,
+        }
+
+    def eta_text(self) -> str:
+        if self.eta_s is None:
+            return "ETA unknown"
+        return f"ETA {_duration(self.eta_s)} ({self.eta_basis}, {self.eta_quality})"
+
+    def line(self) -> str:
+        """One line for a live display (the CLI's wait line, a stream's progress)."""
+        where = f"#{self.position_in_class} of {self.class_depth} in {self.priority}"
+        if self.behind_class:
+            where += f", behind {self.behind_class}"
+        return f"{self.reason}: {where}; {self.eta_text()}; {self.message or 'not yet decided'}"
+
+
+@dataclass(frozen=True)
+class AdmissionCheck:
+    """The dry run's answer. `answer`: now, later or never."""
+
+    answer: str
+    pool: str
+    capability: str
+    deployment: str
+    priority: str
+    action: str  # grant, join_load, load, wake, preempt, wait, reject
+    checked_at: float
+    accelerator: str = ""
+    failure: str | None = None  # a FailureClass value, for never
+    message: str = ""
+    detail: str = ""
+    eta_s: float | None = None
+    eta_basis: str = ""
+    eta_quality: str = ""
+    verdict: Verdict | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "answer": self.answer,
+            "pool": self.pool,
+            "capability": self.capability,
+            "deployment": self.deployment or None,
+            "priority": self.priority or None,
+            "action": self.action,
+            "accelerator": self.accelerator or None,
+            "failure": self.failure,
+            "message": self.message,
+            "detail": self.detail,
+            "eta": {
+                "seconds": None if self.eta_s is None else round(self.eta_s, 3),
+                "basis": self.eta_basis or None,
+                "quality": self.eta_quality or None,
+            },
+            "verdict": None if self.verdict is None else self.verdict.to_json(),
+            "checked_at": self.checked_at,
+        }
+
+    def line(self) -> str:
+        if self.answer == "now":
+            return f"now: {self.action} on {self.accelerator}" if self.accelerator else f"now: {self.action}"
+        if self.answer == "never":
+            detail = f" ({self.detail})" if self.detail else ""
+            return f"never: {self.failure}: {self.message}{detail}"
+        eta = (
+            "ETA unknown"
+            if self.eta_s is None
+            else f"ETA {_duration(self.eta_s)} ({self.eta_basis}, {self.eta_quality})"
+        )
+        return f"later: {self.action}; {eta}; {self.message}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# --- the ETA model ------------------------------------------------------------------------------
+
+
+class _Model:
+    """What every verdict of one call reads, computed once: service and load figures per
+    deployment, each lease's expected end, per-card budgets, the slot timelines."""
+
+    def __init__(self, state: PoolState, now: float) -> None:
+        self.state = state
+        self.now = now
+        self._service: dict[str, tuple[float, int]] = {}
+        self._load: dict[str, tuple[float, str]] = {}
+        self._slots: dict[str, list[float]] = {}
+        self._room: dict[str, float | None] = {}
+        self._holders: dict[str, list[Holder]] = {}
+        self._eligible: dict[tuple[str, str], list[str]] = {}
+        self.leases_on: dict[str, list[Lease]] = {}
+        for lease in state.leases.values():
+            if lease.lease_id in state.slots:
+                continue  # a lent slot: no work runs on it until a node's request does
+            for accelerator in lease.accelerators:
+                self.leases_on.setdefault(accelerator, []).append(lease)
+        self.residents_on: dict[str, list[ResidentState]] = {}
+        self.residents_of: dict[str, list[ResidentState]] = {}
+        for resident in state.residents.values():
+            self.residents_on.setdefault(resident.accelerator, []).append(resident)
+            self.residents_of.setdefault(resident.deployment, []).append(resident)
+
+    def service(self, deployment_id: str) -> tuple[float, int]:
+        """(mean measured service seconds, samples)."""
+        figure = self._service.get(deployment_id)
+        if figure is None:
+            mean, _ = service_figures(self.state, deployment_id)
+            measured = self.state.measured.get(deployment_id)
+            figure = self._service[deployment_id] = (mean, len(measured.service_s) if measured else 0)
+        return figure
+
+    def load(self, deployment: Deployment, operation: str = "load") -> tuple[float, str]:
+        """(seconds, basis) of a load (or wake) of `deployment`."""
+        key = f"{deployment.deployment_id}/{operation}"
+        figure = self._load.get(key)
+        if figure is None:
+            measured = self.state.measured.get(deployment.deployment_id)
+            seen = measured is not None and getattr(measured, f"{operation}_s") is not None
+            figure = self._load[key] = (
+                operation_seconds(self.state, deployment, operation),
+                "measured" if seen else "catalog",
+            )
+        return figure
+
+    def lease_end(self, lease: Lease) -> float | None:
+        mean, samples = self.service(lease.deployment)
+        if samples:
+            return max(self.now, lease.granted_at + mean)
+        if lease.ends_by is not None:
+            return max(self.now, lease.ends_by)
+        return None
+
+    def eligible(self, deployment: Deployment, priority: str) -> list[str]:
+        key = (deployment.deployment_id, priority)
+        found = self._eligible.get(key)
+        if found is None:
+            results = filter_accelerators(self.state, deployment, priority, self.now)
+            found = self._eligible[key] = [r.accelerator for r in results if r.passed]
+        return found
+
+    def budget(self, accelerator_id: str) -> tuple[int, int, int] | None:
+        """(schedulable bytes now, external bytes, reserve bytes) of a card."""
+        accelerator = self.state.catalog.accelerator(accelerator_id)
+        if accelerator is None:
+            return None
+        runtime = self.state.accelerators.get(accelerator_id, AcceleratorRuntime())
+        budget = compute_budget(
+            accelerator,
+            runtime,
+            self.residents_on.get(accelerator_id, []),
+            self.leases_on.get(accelerator_id, []),
+            self.state.config,
+            self.now,
+        )
+        return budget.schedulable_bytes, budget.external_bytes, budget.reserve_bytes
+
+    def room_at(self, accelerator: str, need: int) -> float | None:
+        """When `need` bytes are schedulable on the card: now, or as its leases end (expected
+        ends), idle evictable residents counted as room (making room unloads them)."""
+        figures = self.budget(accelerator)
+        if figures is None:
+            return None
+        free = figures[0]
+        for resident in self.residents_on.get(accelerator, []):
+            if (
+                resident.phase == ResidentPhase.READY
+                and resident.active_leases == 0
+                and resident.residency != Residency.ALWAYS_WARM
+            ):
+                free += resident.bytes
+        if need <= free:
+            return self.now
+        # Room comes back as work ends: a lease's own bytes at its end, and a resident's when
+        # its last lease ends (it is idle then, and making room may unload it).
+        freed: list[tuple[float, int]] = []
+        last_end: dict[str, float | None] = {}
+        for lease in self.leases_on.get(accelerator, []):
+            end = self.lease_end(lease)
+            if lease.bytes and end is not None:
+                freed.append((end, lease.bytes))
+            if lease.resident_key:
+                before = last_end.get(lease.resident_key, self.now)
+                last_end[lease.resident_key] = None if end is None or before is None else max(before, end)
+        for resident in self.residents_on.get(accelerator, []):
+            end = last_end.get(resident.key)
+            if resident.active_leases and end is not None and resident.residency != Residency.ALWAYS_WARM:
+                freed.append((end, resident.bytes))
+        for end, nbytes in sorted(freed):
+            free += nbytes
+            if need <= free:
+                return end
+        return None
+
+    def earliest_room(self, deployment: Deployment, priority: str) -> float | None:
+        key = f"{deployment.deployment_id}/{priority}"
+        if key not in self._room:
+            need = deployment.resident_bytes + deployment.lease_extra_bytes
+            times = [t for a in self.eligible(deployment, priority) if (t := self.room_at(a, need)) is not None]
+            self._room[key] = min(times) if times else None
+        return self._room[key]
+
+    def gang_room(self, deployment: Deployment, priority: str) -> float | None:
+        need = deployment.resident_bytes + deployment.lease_extra_bytes
+        times = sorted(t for a in self.eligible(deployment, priority) if (t := self.room_at(a, need)) is not None)
+        return times[deployment.gpu_count - 1] if len(times) >= deployment.gpu_count else None
+
+    def slots(self, deployment: Deployment) -> list[float]:
+        """The deployment's slot timeline: a heap of when each slot of its residents is next
+        free (a running lease's expected end; a loading resident's expected readiness)."""
+        found = self._slots.get(deployment.deployment_id)
+        if found is not None:
+            return found
+        heap: list[float] = []
+        for resident in self.residents_of.get(deployment.deployment_id, []):
+            ready = self.ready_at(resident, deployment)
+            if ready is None:
+                continue
+            busy = [
+                lease
+                for lease in self.leases_on.get(resident.accelerator, [])
+                if lease.resident_key == resident.key and lease.incarnation == resident.incarnation
+            ]
+            for lease in busy[: deployment.concurrency]:
+                end = self.lease_end(lease)
+                # A lease with no measured service and no max_duration: its end is unknown.
+                heap.append(max(ready, end if end is not None else math.inf))
+            heap.extend([ready] * max(0, deployment.concurrency - len(busy)))
+        heapq.heapify(heap)
+        self._slots[deployment.deployment_id] = heap
+        return heap
+
+    def ready_at(self, resident: ResidentState, deployment: Deployment) -> float | None:
+        if resident.phase == ResidentPhase.READY:
+            return self.now
+        if resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+            operation = "load" if resident.phase == ResidentPhase.LOADING else "wake"
+            seconds, _ = self.load(deployment, operation)
+            return max(self.now, resident.requested_at + seconds)
+        if resident.phase == ResidentPhase.ASLEEP:
+            return self.now + self.load(deployment, "wake")[0]
+        return None  # unloading, sleeping, unreclaimed: no slot to count on
+
+    def holders(self, deployment: Deployment, priority: str) -> list[Holder]:
+        """Who holds the memory on the eligible card where the model falls short least."""
+        key = f"{deployment.deployment_id}/{priority}"
+        found = self._holders.get(key)
+        if found is not None:
+            return found
+        best: tuple[int, str] | None = None
+        for accelerator in self.eligible(deployment, priority):
+            figures = self.budget(accelerator)
+            if figures is not None and (best is None or (-figures[0], accelerator) < best):
+                best = (-figures[0], accelerator)
+        holders: list[Holder] = []
+        if best is not None:
+            accelerator = best[1]
+            runtime = self.state.accelerators.get(accelerator)
+            observation = runtime.observation if runtime is not None else None
+            figures = self.budget(accelerator)
+            if observation is not None and figures is not None and figures[1] > 0:
+                named = [p for p in observation.processes if not p.managed]
+                who = ", ".join(sorted({p.name or f"pid {p.pid}" for p in named})[:4]) or "unmanaged processes"
+                holders.append(Holder(accelerator, "external", who, figures[1]))
+            for resident in self.residents_on.get(accelerator, []):
+                state = "serving" if resident.active_leases else resident.phase.value
+                holders.append(Holder(accelerator, "resident", f"{resident.deployment} ({state})", resident.bytes))
+            for lease in self.leases_on.get(accelerator, []):
+                if lease.bytes:
+                    who = f"{lease.tenant}/{lease.priority} {lease.request_id}"
+                    holders.append(Holder(accelerator, "lease", who, lease.bytes, self.lease_end(lease)))
+            if figures is not None and figures[2] > 0:
+                holders.append(Holder(accelerator, "reserve", "safety reserve", figures[2]))
+            holders.sort(key=lambda h: (-h.bytes, h.kind, h.who))
+            holders = holders[:MAX_HOLDERS]
+        self._holders[key] = holders
+        return holders
+
+
+_MEMORY_REASONS = frozenset(
+    {WaitReason.MEMORY_HELD, WaitReason.BEHIND_HIGHER_CLASS, WaitReason.MAKING_ROOM, WaitReason.GANG_ROOM}
+)
+
+
+def _eta(
+    model: _Model, queued: QueuedRequest, deployment: Deployment | None, reasons: list[WaitReason]
+) -> tuple[float | None, str, str, int, LoadInFlight | None]:
+    """(start time, basis, quality, samples, load in flight) for one request, in queue order:
+    it takes a slot of its deployment's timeline, so the next one sees what is left."""
+    if deployment is None:
+        return None, "unknown", "none", 0, None
+    now = model.now
+    mean, samples = model.service(deployment.deployment_id)
+    quality = "measured" if samples else "none"
+    if deployment.gpu_count > 1:
+        reserved = _RESERVED_FROM.search(queued.waiting_reason)
+        if reserved is not None:
+            return now + max(0.0, float(reserved.group(1))), "reservation", "bound", samples, None
+        start = model.gang_room(deployment, queued.priority)
+        return start, "gang_release" if start is not None else "unknown", quality if start else "none", samples, None
+    heap = model.slots(deployment)
+    if queued.assigned_to:
+        resident = model.state.residents.get(queued.assigned_to)
+        if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+            operation = "load" if resident.phase == ResidentPhase.LOADING else "wake"
+            seconds, basis = model.load(deployment, operation)
+            end = max(now, resident.requested_at + seconds)
+            load = LoadInFlight(
+                resident.key, resident.accelerator, resident.phase.value, resident.requested_at, end, basis
+            )
+            _take(heap, end, mean)
+            return end, "load_in_flight", basis, samples, load
+    if heap:
+        start = heapq.heappop(heap)
+        heapq.heappush(heap, start + mean)
+        if math.isinf(start):
+            return None, "unknown", "none", samples, None
+        return max(now, start), "queue_service", quality if samples else "bound", samples, None
+    if deployment.residency == Residency.NONE:
+        # A batch job's resident goes with its lease: each waits for room and a load of its own.
+        room = model.earliest_room(deployment, queued.priority)
+        if room is None:
+            return None, "unknown", "none", samples, None
+        seconds, basis = model.load(deployment)
+        return room + seconds, "release_then_load", basis, samples, None
+    room = model.earliest_room(deployment, queued.priority)
+    if room is None:
+        return None, "unknown", "none", samples, None
+    seconds, basis = model.load(deployment)
+    ready = room + seconds
+    # The resident it waits for serves the requests after it too: its slots join the timeline.
+    for _ in range(max(1, deployment.concurrency) - 1):
+        heapq.heappush(heap, ready)
+    heapq.heappush(heap, ready + mean)
+    return ready, "release_then_load", basis, samples, None
+
+
+def _take(heap: list[float], at: float, mean: float) -> None:
+    """A request assigned to a loading resident holds one of its slots from `at` on."""
+    for index, value in enumerate(heap):
+        if abs(value - at) < 1e-9:
+            heap[index] = at + mean
+            heapq.heapify(heap)
+            return
+
+
+def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) -> list[Verdict]:
+    """Every queued request's verdict, in queue order (only those of `request_ids` when given;
+    the others still count ahead of them)."""
+    order = queue_order(state, now)
+    model = _Model(state, now)
+    catalog = state.catalog
+    class_depth: dict[str, int] = {}
+    deployment_of: dict[str, Deployment | None] = {}
+    for queued in order:
+        class_depth[queued.priority] = class_depth.get(queued.priority, 0) + 1
+        if queued.capability not in deployment_of:
+            deployment_of[queued.capability] = catalog.deployment_for(queued.capability)
+    deployment_depth: dict[str, int] = {}
+    for queued in order:
+        deployment = deployment_of[queued.capability]
+        key = deployment.deployment_id if deployment is not None else queued.capability
+        deployment_depth[key] = deployment_depth.get(key, 0) + 1
+    in_class: dict[str, int] = {}
+    in_deployment: dict[str, int] = {}
+    ahead_by_class: dict[str, int] = {}
+    out: list[Verdict] = []
+    for queued in order:
+        deployment = deployment_of[queued.capability]
+        key = deployment.deployment_id if deployment is not None else queued.capability
+        in_class[queued.priority] = in_class.get(queued.priority, 0) + 1
+        in_deployment[key] = in_deployment.get(key, 0) + 1
+        message = queued.waiting_reason
+        on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
+        if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+            # A pass that starts a load (or wake) for it says no Wait: it waits on that.
+            verb = "load" if on_load.phase == ResidentPhase.LOADING else "wake"
+            message = message or f"waiting for {on_load.key} to {verb}"
+        reasons = classify(message)
+        start, basis, quality, samples, load = _eta(model, queued, deployment, reasons)
+        if request_ids is None or queued.request_id in request_ids:
+            rank = class_rank(catalog, queued.priority)
+            higher = [c for c, n in ahead_by_class.items() if n and class_rank(catalog, c) < rank]
+            held = (
+                model.holders(deployment, queued.priority)
+                if deployment is not None and any(r in _MEMORY_REASONS for r in reasons)
+                else []
+            )
+            out.append(
+                Verdict(
+                    request_id=queued.request_id,
+                    pool=state.pool,
+                    capability=queued.capability,
+                    deployment=deployment.deployment_id if deployment is not None else "",
+                    tenant=queued.tenant,
+                    priority=queued.priority,
+                    submitted_at=queued.submitted_at,
+                    waited_s=max(0.0, now - queued.submitted_at),
+                    expires_at=queued.expires_at,
+                    reason=reasons[0].value,
+                    reasons=[r.value for r in reasons],
+                    message=message,
+                    position_in_class=in_class[queued.priority],
+                    class_depth=class_depth[queued.priority],
+                    position_in_deployment=in_deployment[key],
+                    deployment_depth=deployment_depth[key],
+                    ahead_in_higher_classes=sum(ahead_by_class[c] for c in higher),
+                    behind_class=min(higher, key=lambda c: (class_rank(catalog, c), c)) if higher else "",
+                    eta_s=None if start is None else max(0.0, start - now),
+                    eta_at=start,
+                    eta_basis=basis,
+                    eta_quality=quality,
+                    eta_samples=samples,
+                    computed_at=now,
+                    load=load,
+                    held_by=held,
+                )
+            )
+        ahead_by_class[queued.priority] = ahead_by_class.get(queued.priority, 0) + 1
+    return out
+
+
+def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int:
+    """Keep the first ETA of each request a decision pass left waiting (`eta_at`, `eta_reason`):
+    the ones it made wait, and those it started a load or wake for or assigned to one (a
+    request's first wait is always among these, so a pass with none costs nothing). Returns how
+    many were stamped. What the ETA-error figures compare a grant's actual start with."""
+    waiting = {wait.request_id for wait in decisions.waits}
+    waiting.update(assign.request_id for assign in decisions.assigns)
+    for load in decisions.loads:
+        waiting.update(load.for_requests)
+    for wake in decisions.wakes:
+        waiting.update(wake.for_requests)
+    if not waiting:
+        return 0
+    by_id = {q.request_id: q for q in state.queue if q.request_id in waiting and q.eta_reason == ""}
+    if not by_id:
+        return 0
+    for verdict in verdicts(state, now, set(by_id)):
+        queued = by_id[verdict.request_id]
+        queued.eta_at = verdict.eta_at
+        queued.eta_reason = verdict.reason
+    return len(by_id)
+
+
+# --- the dry run --------------------------------------------------------------------------------
+
+_PROBE_PREFIX = "dry-run:"  # the probe request's id and workflow id start so
+
+
+def admission_check(state: PoolState, request: AdmissionRequest, now: float) -> AdmissionCheck:
+    """What the policy would decide for `request` if it arrived now, on a copy of the state:
+    nothing is enqueued, loaded or held, and `state` is not touched."""
+    base = AdmissionCheck(
+        answer="never",
+        pool=state.pool,
+        capability=request.capability,
+        deployment="",
+        priority=request.priority or "",
+        action="reject",
+        checked_at=now,
+    )
+    probe = AdmissionRequest(
+        # Its own id: a probe never meets a queued request's (nor its admission record).
+        request_id=f"{_PROBE_PREFIX}{request.request_id or 'probe'}"[:128],
+        workflow_id=_PROBE_PREFIX,
+        capability=request.capability,
+        tenant=request.tenant,
+        priority=request.priority,
+        deadline_s=request.deadline_s,
+        lease_timeout_s=request.lease_timeout_s,
+        max_duration_s=request.max_duration_s,
+    )
+    try:
+        deployment, priority = validate_request(state, probe, gangs=True)
+    except AdmissionRejected as rejected:
+        return _with(base, failure=rejected.failure.value, message=rejected.message)
+    base = _with(base, deployment=deployment.deployment_id, priority=priority)
+    # The catalog is immutable by contract: shared, not copied (most of a big state's bytes).
+    trial = copy.deepcopy(state, {id(state.catalog): state.catalog})
+    queued = enqueue(trial, probe, priority, now)
+    decisions = decide(trial, now)
+    rid = probe.request_id
+    for grant in decisions.grants:
+        if grant.request_id == rid:
+            return _with(base, answer="now", action="grant", accelerator=grant.lease.accelerator, eta_s=0.0)
+    for reject in decisions.rejects:
+        if reject.request_id == rid:
+            return _with(
+                base,
+                failure=reject.failure.value,
+                message=reject.message,
+                detail=_memory_detail(state, deployment, priority, now, reject.failure),
+            )
+    # It would wait: what the pass would set it waiting on, then its verdict in the new queue.
+    action, accelerator, message = "wait", "", ""
+    for load in decisions.loads:
+        if rid in load.for_requests:
+            action, accelerator = "load", load.accelerator
+            queued.assigned_to = load.resident_key
+    for assign in decisions.assigns:
+        if assign.request_id == rid:
+            action, queued.assigned_to = "join_load", assign.resident_key
+    for wake in decisions.wakes:
+        if rid in wake.for_requests:
+            action, queued.assigned_to = "wake", wake.resident_key
+    for wait in decisions.waits:
+        if wait.request_id == rid:
+            message = queued.waiting_reason = wait.reason
+    if decisions.preemptions and action == "wait" and "preempting" in message:
+        action = "preempt"
+    if action in ("load", "wake") and queued.assigned_to not in trial.residents:
+        # The load was decided, not applied: it starts now and the request waits for its end.
+        seconds, basis = _Model(trial, now).load(deployment, action)
+        return _with(
+            base,
+            answer="later",
+            action=action,
+            accelerator=accelerator,
+            message=message or f"{action} {deployment.deployment_id} on {accelerator}",
+            eta_s=seconds,
+            eta_basis="load_in_flight",
+            eta_quality=basis,
+            verdict=_single(trial, rid, now),
+        )
+    verdict = _single(trial, rid, now)
+    return _with(
+        base,
+        answer="later",
+        action=action,
+        accelerator=accelerator,
+        message=message,
+        eta_s=None if verdict is None else verdict.eta_s,
+        eta_basis="" if verdict is None else verdict.eta_basis,
+        eta_quality="" if verdict is None else verdict.eta_quality,
+        verdict=verdict,
+    )
+
+
+def _single(state: PoolState, request_id: str, now: float) -> Verdict | None:
+    found = verdicts(state, now, {request_id})
+    return found[0] if found else None
+
+
+def _with(check: AdmissionCheck, **changes: object) -> AdmissionCheck:
+    values = {name: getattr(check, name) for name in check.__dataclass_fields__}
+    values.update(changes)
+    return AdmissionCheck(**values)  # type: ignore[arg-type]
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+def _memory_detail(state: PoolState, deployment: Deployment, priority: str, now: float, failure: FailureClass) -> str:
+    """A memory refusal in a person's words: what it needs, what the best eligible card can give
+    and what external processes hold there."""
+    if failure not in (
+        FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
+        FailureClass.EXTERNAL_GPU_PRESSURE,
+        FailureClass.EVICTION_NOT_ALLOWED,
+    ):
+        return ""
+    model = _Model(state, now)
+    need = deployment.resident_bytes + deployment.lease_extra_bytes
+    best: tuple[int, int, str] | None = None
+    for accelerator_id in model.eligible(deployment, priority):
+        accelerator = state.catalog.accelerator(accelerator_id)
+        figures = model.budget(accelerator_id)
+        if accelerator is None or figures is None:
+            continue
+        _, external, reserve = figures
+        could = accelerator.total_bytes - reserve - external
+        if best is None or (could, -external, accelerator_id) > (best[0], -best[1], best[2]):
+            best = (could, external, accelerator_id)
+    if best is None:
+        return f"needs {_gib(need)}; no eligible card"
+    could, external, accelerator_id = best
+    held = f" while external processes hold {_gib(external)}" if external else ""
+    return f"needs {_gib(need)}, the largest eligible card ({accelerator_id}) can give {_gib(max(0, could))}{held}"

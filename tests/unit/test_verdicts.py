@@ -1,0 +1,247 @@
+"""Verdicts of the pure policy: each waiting request's position, typed reason and ETA, and the
+dry run, on small hand-built pools (the policy decides; the verdict reads what it decided)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelforge.domain import GiB, Priority
+from modelforge.failures import FailureClass
+from modelforge.policy import (
+    WaitReason,
+    admission_check,
+    apply_decisions,
+    classify,
+    decide,
+    enqueue,
+    release_lease,
+    resident_ready,
+    stamp_predictions,
+    validate_request,
+    verdicts,
+)
+from modelforge.policy._state import measured, note_service
+from tests.builders import NOW, deployment, gpu, observe, resident, state, tenant
+from tests.builders import ask as ask_for
+
+
+def ask(request_id: str, capability: str = "llm@1", **kw: object):  # type: ignore[no-untyped-def]
+    return ask_for(request_id, capability, **kw)
+
+
+def admit(s, request, now=NOW):  # type: ignore[no-untyped-def]
+    _, priority = validate_request(s, request)
+    enqueue(s, request, priority, now)
+    decisions = decide(s, now)
+    apply_decisions(s, decisions, now, {})
+    stamp_predictions(s, now, decisions)
+    return decisions
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("", [WaitReason.PENDING]),
+        ("waiting for llm@1@n/0 to load", [WaitReason.LOAD_IN_FLIGHT]),
+        ("waiting for llm@1@n/0 to wake", [WaitReason.LOAD_IN_FLIGHT]),
+        ("n/0: llm@1 at concurrency 1 (and 3 more like it)", [WaitReason.CONCURRENCY_FULL]),
+        ("n/0: needs 1073741824 B, 5 B schedulable", [WaitReason.MEMORY_HELD]),
+        ("n/0: lease needs 10 B, 2 B schedulable", [WaitReason.MEMORY_HELD]),
+        ("waiting for capacity", [WaitReason.MEMORY_HELD]),
+        ("making room: unloading emb@1@n/0", [WaitReason.MAKING_ROOM]),
+        ("making room: preempting lower-class work (l1)", [WaitReason.MAKING_ROOM]),
+        ("n/0: a higher request waits for memory here", [WaitReason.BEHIND_HIGHER_CLASS]),
+        (
+            "n/0: reserved for gang g1 starting in 40 s (only work that ends by then may use it)",
+            [WaitReason.GANG_RESERVATION],
+        ),
+        (
+            "n/0: starved: r9 waits past its class's starvation bound (only work of a higher class may take memory)",
+            [WaitReason.STARVATION_RESERVATION],
+        ),
+        (
+            "gang of 2 x 5 B: not enough room for 2 cards yet; reserved n/0, n/1 from 30 s on (backfill: work that "
+            "ends by then)",
+            [WaitReason.GANG_ROOM, WaitReason.GANG_RESERVATION],
+        ),
+        ("n/0: SCHEDULER_STATE_STALE (observation 45 s old)", [WaitReason.STATE_STALE]),
+        ("n/0: GPU_PRESSURE, only production work may load", [WaitReason.GPU_PRESSURE]),
+        ("n/0: UNHEALTHY", [WaitReason.UNHEALTHY]),
+        ("n/0: llm@1 is unloading", [WaitReason.MODEL_PHASE]),
+        (
+            "n/0: llm@1 at concurrency 1; n/1: needs 9 B, 1 B schedulable",
+            [WaitReason.CONCURRENCY_FULL, WaitReason.MEMORY_HELD],
+        ),
+        ("something new the policy says", [WaitReason.OTHER]),
+    ],
+)
+def test_a_wait_line_is_read_into_typed_reasons_in_the_policys_order(line: str, expected: list[WaitReason]) -> None:
+    assert classify(line) == expected
+
+
+def test_a_busy_resident_queue_gets_positions_and_etas_from_measured_service() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for _ in range(8):
+        note_service(s, "llm@1", 10.0)
+    [grant] = admit(s, ask("r0")).grants
+    for n in (1, 2, 3):
+        admit(s, ask(f"r{n}"), NOW + n)
+    found = verdicts(s, NOW + 4)
+    assert [v.request_id for v in found] == ["r1", "r2", "r3"]
+    assert [(v.position_in_class, v.class_depth, v.position_in_deployment) for v in found] == [
+        (1, 3, 1),
+        (2, 3, 2),
+        (3, 3, 3),
+    ]
+    assert {v.reason for v in found} == {WaitReason.CONCURRENCY_FULL.value}
+    # r0 holds the one slot until NOW + 10 (mean service); each after it takes 10 s more.
+    assert [v.eta_s for v in found] == pytest.approx([6.0, 16.0, 26.0])
+    assert {(v.eta_basis, v.eta_quality, v.eta_samples) for v in found} == {("queue_service", "measured", 8)}
+    # The first ETA each got is kept, and its grant says how far off it was.
+    assert s.queue[0].eta_at == pytest.approx(NOW + 10.0)
+    release_lease(s, grant.lease.lease_id, NOW + 12, "ok")
+    decisions = decide(s, NOW + 12)
+    events = apply_decisions(s, decisions, NOW + 12, {})
+    [granted] = [e for e in events if e.kind == "lease_granted"]
+    assert granted.request_id == "r1"
+    assert granted.payload["eta_error_s"] == pytest.approx(-2.0)  # predicted NOW + 10, started NOW + 12
+    assert granted.payload["eta_reason"] == WaitReason.CONCURRENCY_FULL.value
+
+
+def test_a_request_waiting_on_a_load_in_flight_gets_the_loads_expected_end() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, load_s=30.0)])
+    observe(s, "n/0")
+    decisions = admit(s, ask("r1"))
+    [load] = decisions.loads
+    [v] = verdicts(s, NOW + 5)
+    assert v.reason == WaitReason.LOAD_IN_FLIGHT.value
+    assert v.load is not None and v.load.resident_key == load.resident_key
+    assert v.load.expected_end_at == pytest.approx(NOW + 30.0)
+    assert (v.eta_s, v.eta_basis, v.eta_quality) == (pytest.approx(25.0), "load_in_flight", "catalog")
+    # Once the deployment's load time was measured here, that is the basis.
+    measured(s, "llm@1", "load", 12.0)
+    [v] = verdicts(s, NOW + 5)
+    assert (v.eta_s, v.eta_quality) == (pytest.approx(7.0), "measured")
+    resident_ready(s, load.resident_key, 4 * GiB, NOW + 12)
+    assert [g.request_id for g in decide(s, NOW + 12).grants] == ["r1"]
+
+
+def test_memory_held_names_who_holds_it_and_waits_for_their_end_plus_a_load() -> None:
+    s = state(
+        [gpu("n/0", total=24, reserve=1)],
+        [deployment("big@1", gib=16, concurrency=1), deployment("other@1", gib=10, load_s=20.0)],
+    )
+    observe(s, "n/0", external_gib=2, managed_gib=16)
+    resident(s, "big@1", "n/0", 16)
+    for _ in range(4):
+        note_service(s, "big@1", 60.0)
+    admit(s, ask("held", capability="big@1"))  # holds big@1's only slot: the resident cannot be unloaded
+    admit(s, ask("r1", capability="other@1"), NOW + 1)
+    [v] = verdicts(s, NOW + 10)
+    assert v.reason == WaitReason.MEMORY_HELD.value, v.message
+    kinds = {(h.kind, h.who.split(" ")[0]) for h in v.held_by}
+    assert ("resident", "big@1") in kinds and ("external", "ollama") in kinds
+    # big@1's lease ends at NOW + 60 (mean service); then other@1 loads for 20 s.
+    assert (v.eta_basis, v.eta_quality) == ("release_then_load", "catalog")
+    assert v.eta_s == pytest.approx(70.0)
+    assert json.loads(json.dumps(v.to_json()))["held_by"][0]["bytes"] == 16 * GiB
+
+
+def test_a_lower_class_request_says_which_class_it_is_behind() -> None:
+    s = state(
+        [gpu("n/0")],
+        [deployment("llm@1", gib=4, concurrency=1)],
+        [tenant("t", max_priority=Priority.PRODUCTION)],
+    )
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    admit(s, ask("running"))
+    admit(s, ask("low", priority=Priority.BACKGROUND), NOW + 1)
+    admit(s, ask("high", priority=Priority.PRODUCTION), NOW + 2)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 3)}
+    assert [v.request_id for v in verdicts(s, NOW + 3)] == ["high", "low"]
+    assert by_id["low"].behind_class == "production" and by_id["low"].ahead_in_higher_classes == 1
+    assert (by_id["low"].position_in_class, by_id["low"].position_in_deployment) == (1, 2)
+    assert by_id["high"].behind_class == "" and by_id["high"].position_in_deployment == 1
+    # Nothing measured yet: no ETA is claimed.
+    assert by_id["high"].eta_quality == "none"
+
+
+def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    admit(s, ask("running"))  # no service measured, no max_duration: its end is unknown
+    admit(s, ask("r1"), NOW + 1)
+    [v] = verdicts(s, NOW + 2)
+    assert (v.reason, v.eta_s, v.eta_basis, v.eta_quality) == ("concurrency_full", None, "unknown", "none")
+    # A max_duration bounds it: the ETA is that bound, and says so.
+    s2 = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s2, "n/0", managed_gib=4)
+    resident(s2, "llm@1", "n/0", 4)
+    admit(s2, ask("running", max_duration_s=100.0))
+    admit(s2, ask("r1"), NOW + 1)
+    [v] = verdicts(s2, NOW + 2)
+    assert (v.eta_s, v.eta_basis, v.eta_quality) == (pytest.approx(98.0), "queue_service", "bound")
+
+
+# --- the dry run --------------------------------------------------------------------------------
+
+
+def _pool():  # type: ignore[no-untyped-def]
+    s = state(
+        [gpu("n/0", total=24, reserve=1)],
+        [
+            deployment("llm@1", gib=4, concurrency=1, load_s=10.0),
+            deployment("huge@1", gib=30),
+            deployment("wide@1", gib=18),
+        ],
+    )
+    observe(s, "n/0", external_gib=6, managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    return s
+
+
+def test_dry_run_answers_now_later_never_and_holds_nothing() -> None:
+    s = _pool()
+    queue, leases, counter = len(s.queue), dict(s.leases), s.lease_counter
+    now = admission_check(s, ask("a"), NOW)
+    assert (now.answer, now.action, now.accelerator) == ("now", "grant", "n/0")
+    assert (len(s.queue), s.leases, s.lease_counter) == (queue, leases, counter)
+    admit(s, ask("holder"))
+    later = admission_check(s, ask("b"), NOW + 1)
+    assert later.answer == "later" and later.verdict is not None
+    assert later.verdict.reason == WaitReason.CONCURRENCY_FULL.value and later.verdict.position_in_class == 1
+    never = admission_check(s, ask("c", capability="huge@1"), NOW + 1)
+    assert (never.answer, never.failure) == ("never", FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM.value)
+    assert "needs 30.0 GiB, the largest eligible card (n/0) can give 17.0 GiB" in never.detail
+    assert "external processes hold 6.0 GiB" in never.detail
+    external = admission_check(s, ask("d", capability="wide@1"), NOW + 1)
+    assert (external.answer, external.failure) == ("never", FailureClass.EXTERNAL_GPU_PRESSURE.value)
+    invalid = admission_check(s, ask("e", tenant_name="nobody"), NOW + 1)
+    assert (invalid.answer, invalid.failure) == ("never", FailureClass.REQUEST_INVALID.value)
+    assert [q.request_id for q in s.queue] == []  # none of it queued
+    for check in (now, later, never, external, invalid):
+        assert json.loads(json.dumps(check.to_json()))["answer"] == check.answer
+
+
+def test_dry_run_of_a_cold_model_says_later_with_its_load_time() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, load_s=25.0)])
+    observe(s, "n/0")
+    check = admission_check(s, ask("a"), NOW)
+    assert (check.answer, check.action, check.accelerator) == ("later", "load", "n/0")
+    assert (check.eta_s, check.eta_basis, check.eta_quality) == (25.0, "load_in_flight", "catalog")
+    assert s.residents == {} and s.load_counter == 0
+
+
+def test_dry_run_refuses_hopeless_deadlines_as_the_real_decision_does() -> None:
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, load_s=60.0)])
+    observe(s, "n/0")
+    check = admission_check(s, ask("a", deadline_s=5.0), NOW)
+    assert (check.answer, check.failure) == ("never", FailureClass.DEADLINE_CANNOT_BE_MET.value)
+    real = admit(s, ask("a", deadline_s=5.0))
+    assert [r.failure for r in real.rejects] == [FailureClass.DEADLINE_CANNOT_BE_MET]
