@@ -24,6 +24,7 @@ from rich.table import Table
 from modelforge.cli_common import (  # shared by every command module; also cli.app, cli.render_status for callers
     MAX_EVENTS_LIMIT,
     JsonOption,
+    PoolOption,
     _check_identifiers,
     _database_url,
     _fail,
@@ -175,12 +176,6 @@ def request(
     else:
         err.print(f"[red]{result.failure_class}[/red]: {escape(result.message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if result.ok else 1)
-
-
-PoolOption = Annotated[
-    str | None,
-    typer.Option(help="Only this pool (default: every pool, from MODELFORGE_POOLS or the running schedulers)."),
-]
 
 
 def _pool_statuses(pool: str | None) -> dict[str, Any]:

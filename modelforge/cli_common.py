@@ -70,6 +70,10 @@ out = Console()
 err = Console(stderr=True)
 T = TypeVar("T")
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+PoolOption = Annotated[
+    str | None,
+    typer.Option(help="Only this pool (default: every pool, from MODELFORGE_POOLS or the running schedulers)."),
+]
 
 
 def _version() -> str:

@@ -15,7 +15,17 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from modelforge.cli import JsonOption, PoolOption, _compact_table, _fail, _run, _settings, _table_console, app, out
+from modelforge.cli_common import (
+    JsonOption,
+    PoolOption,
+    _compact_table,
+    _fail,
+    _run,
+    _settings,
+    _table_console,
+    app,
+    out,
+)
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import AdmissionCheck, Verdict
 

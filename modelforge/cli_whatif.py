@@ -26,7 +26,7 @@ def what_if(
     plot: Path | None = None,
 ) -> None:
     from modelforge.catalog import load_catalog_file
-    from modelforge.cli import _database_url, _fail, _json, _run, _settings, err, out, parse_duration
+    from modelforge.cli_common import _database_url, _fail, _json, _run, _settings, err, out, parse_duration
     from modelforge.simulate import compare, comparison_json, comparison_table, plotting_available, record_from_store
 
     try:

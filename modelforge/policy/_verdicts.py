@@ -777,7 +777,7 @@ def _single(state: PoolState, request_id: str, now: float) -> Verdict | None:
 def _with(check: AdmissionCheck, **changes: object) -> AdmissionCheck:
     values = {name: getattr(check, name) for name in check.__dataclass_fields__}
     values.update(changes)
-    return AdmissionCheck(**values)  # type: ignore[arg-type]
+    return AdmissionCheck(**values)
 
 
 def _gib(nbytes: int) -> str:
