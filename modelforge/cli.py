@@ -523,9 +523,17 @@ def _pool_statuses(pool: str | None) -> dict[str, Any]:
 
 
 @app.command()
-def status(as_json: JsonOption = False, pool: PoolOption = None) -> None:
+def status(
+    as_json: JsonOption = False,
+    pool: PoolOption = None,
+    builds: Annotated[bool, typer.Option("--builds", help="Which build each worker and scheduler runs.")] = False,
+) -> None:
     """Per pool and accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
     from modelforge.policy import PoolStatus
+
+    if builds:
+        modelforge.cli_upgrade.show_builds(as_json, pool)
+        return
     from modelforge.routing import merge_statuses
 
     statuses = _pool_statuses(pool)
@@ -1217,7 +1225,8 @@ def trace_alibaba(
 
 
 import modelforge.cli_jobs  # noqa: E402  (adds `modelforge job submit|jobs|logs|artifacts`)
-import modelforge.cli_residency  # noqa: E402, F401  (adds `modelforge load|unload|pin|unpin`)
+import modelforge.cli_residency  # noqa: E402  (adds `modelforge load|unload|pin|unpin`)
+import modelforge.cli_upgrade  # noqa: E402  (adds `modelforge upgrade`; `status --builds`)
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.routing import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, resident_workflow_id
+from workflows._common import PINNED, SCHEDULER_TASK_TIMEOUT, STORE_RETRY, UPGRADE_ON_CONTINUE, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
 # Patches (`workflow.patched`) are written only for a change to code a released version runs, at
@@ -112,7 +112,7 @@ MAX_ADMIT_BATCH = 500
 DELEGATION_SPARE_SLOTS = 1
 
 
-@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
+@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False, versioning_behavior=PINNED)
 class PoolSchedulerWorkflow:
     @workflow.init
     def __init__(self, start: SchedulerInput) -> None:
@@ -712,9 +712,12 @@ class PoolSchedulerWorkflow:
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 # Nothing waits on Postgres here: what is not yet delivered or written goes to
                 # the next run in its input, and is sent or written (again) from there.
+                # The next run starts on the deployment's current build (Worker Versioning): a
+                # new release takes the pool over here, with the state and nothing lost.
                 workflow.continue_as_new(
                     replace(start, state=self._state, carried=self._outbox()),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
+                    initial_versioning_behavior=UPGRADE_ON_CONTINUE,
                 )
             # One wake-up timer in flight, not one started and cancelled per loop iteration.
             self._arm_timer(self._next_wake())
