@@ -3,7 +3,7 @@
 Every worker declares a Worker Deployment Version: the deployment `MODELFORGE_WORKER_DEPLOYMENT`
 (`modelforge`) and the build id `MODELFORGE_WORKER_BUILD_ID` (the package's version). The
 control worker's two Temporal workers (the control and scheduler queues) are versioned when
-`MODELFORGE_WORKER_VERSIONING` is on (the default): every workflow type is `PINNED`, so a request,
+`MODELFORGE_WORKER_VERSIONING` is on (the default), with `PINNED` as their default behavior: a request,
 a job, a residency change runs from start to end on the build that started it; the pool
 schedulers and the telemetry workflows are long-lived, and move to the deployment's current
 build when they next continue as new (`initial_versioning_behavior=AUTO_UPGRADE`): at their
@@ -40,7 +40,7 @@ from temporalio.api.workflowservice.v1 import (
     SetWorkerDeploymentCurrentVersionRequest,
 )
 from temporalio.client import Client
-from temporalio.common import WorkerDeploymentVersion
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
 
@@ -54,6 +54,8 @@ log = get_logger("modelforge.versioning")
 
 IDENTITY = "modelforge-upgrade"
 _RELEASE = re.compile(r"\d+(\.\d+)*")
+# Refusals that waiting does not change (any other is retried until REGISTER_WAIT_S).
+_PERMANENT = (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED, RPCStatusCode.UNIMPLEMENTED)
 # How long a new build waits for the server to know its version (its workers' first polls).
 REGISTER_WAIT_S = 30.0
 
@@ -66,12 +68,21 @@ def deployment_version(settings: Settings) -> WorkerDeploymentVersion:
     return WorkerDeploymentVersion(settings.worker_deployment, build_id(settings))
 
 
-def worker_deployment(settings: Settings, *, versioned: bool) -> WorkerDeploymentConfig:
-    """The deployment config of a Temporal worker: versioned (its runs pinned to this build) when
-    `versioned` and MODELFORGE_WORKER_VERSIONING; else it only reports its build."""
+def deployment_config(version: WorkerDeploymentVersion, *, versioned: bool) -> WorkerDeploymentConfig:
+    """A Temporal worker's deployment config: versioned, every run it starts is pinned to this
+    build (the worker's default behavior, as the workflow types declare none: the server refuses
+    a declared behavior from an unversioned worker); else it only reports its build."""
     return WorkerDeploymentConfig(
-        version=deployment_version(settings), use_worker_versioning=versioned and settings.worker_versioning
+        version=version,
+        use_worker_versioning=versioned,
+        default_versioning_behavior=VersioningBehavior.PINNED if versioned else VersioningBehavior.UNSPECIFIED,
     )
+
+
+def worker_deployment(settings: Settings, *, versioned: bool) -> WorkerDeploymentConfig:
+    """The deployment config of a Temporal worker of this process: versioned when `versioned`
+    and MODELFORGE_WORKER_VERSIONING are."""
+    return deployment_config(deployment_version(settings), versioned=versioned and settings.worker_versioning)
 
 
 def newer(build: str, than: str) -> bool:
@@ -114,8 +125,7 @@ async def set_current(client: Client, version: WorkerDeploymentVersion, wait_s: 
             )
             return
         except RPCError as error:
-            retry = error.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
-            if not retry or loop.time() > deadline:
+            if error.status in _PERMANENT or loop.time() > deadline:
                 raise
         await asyncio.sleep(0.5)
 

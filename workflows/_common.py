@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, VersioningBehavior
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
@@ -24,10 +24,10 @@ ALL_FAILURES = [f.value for f in FailureClass]
 # scheduler had its own queue). A run started with it keeps it across continue-as-new, and the
 # scheduler passes it again when it continues as new, so a run started with another moves to it.
 SCHEDULER_TASK_TIMEOUT = timedelta(seconds=30)
-# Worker Versioning (modelforge/versioning.py): on a versioned worker every workflow runs from
-# start to end on the build that started it; the long-lived ones (the pool scheduler, telemetry)
-# start each new run on the deployment's current build when they continue as new.
-PINNED = VersioningBehavior.PINNED
+# Worker Versioning (modelforge/versioning.py): a versioned worker pins every run to the build
+# that started it (its default behavior: a workflow type cannot declare one, which the server
+# refuses from unversioned workers); the long-lived ones (the pool scheduler, telemetry) start
+# each new run on the deployment's current build when they continue as new.
 UPGRADE_ON_CONTINUE = workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE
 NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
 

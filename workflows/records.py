@@ -13,10 +13,10 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.events import EventRecord
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import PINNED, STORE_RETRY
+from workflows._common import STORE_RETRY
 
 
-@workflow.defn(name="RecordEventsWorkflow", versioning_behavior=PINNED)
+@workflow.defn(name="RecordEventsWorkflow")
 class RecordEventsWorkflow:
     @workflow.run
     async def run(self, events: list[EventRecord]) -> int:

@@ -45,7 +45,6 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows._common import (
     ALL_FAILURES,
-    PINNED,
     SCHEDULER_TASK_TIMEOUT,
     STORE_RETRY,
     classify,
@@ -69,7 +68,7 @@ ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
-@workflow.defn(name="CapabilityRequestWorkflow", sandboxed=False, versioning_behavior=PINNED)
+@workflow.defn(name="CapabilityRequestWorkflow", sandboxed=False)
 class CapabilityRequestWorkflow:
     @workflow.init
     def __init__(self, request: RequestInput) -> None:

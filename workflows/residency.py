@@ -32,10 +32,10 @@ with workflow.unsafe.imports_passed_through():
     )
     from modelforge.settings import node_task_queue
 
-from workflows._common import PINNED, RUNTIME_RETRY, classify, scheduler_id
+from workflows._common import RUNTIME_RETRY, classify, scheduler_id
 
 
-@workflow.defn(name="ResidencyWorkflow", versioning_behavior=PINNED)
+@workflow.defn(name="ResidencyWorkflow")
 class ResidencyWorkflow:
     @workflow.init
     def __init__(self, start: ResidencyInput) -> None:

@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.routing import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import PINNED, SCHEDULER_TASK_TIMEOUT, STORE_RETRY, UPGRADE_ON_CONTINUE, resident_workflow_id
+from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, UPGRADE_ON_CONTINUE, resident_workflow_id
 from workflows.residency import ResidencyWorkflow
 
 # Patches (`workflow.patched`) are written only for a change to code a released version runs, at
@@ -112,7 +112,7 @@ MAX_ADMIT_BATCH = 500
 DELEGATION_SPARE_SLOTS = 1
 
 
-@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False, versioning_behavior=PINNED)
+@workflow.defn(name="PoolSchedulerWorkflow", sandboxed=False)
 class PoolSchedulerWorkflow:
     @workflow.init
     def __init__(self, start: SchedulerInput) -> None:

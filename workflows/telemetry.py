@@ -16,10 +16,10 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.messages import NodeSample, RebaseSignal, TelemetryInput
     from modelforge.settings import node_task_queue
 
-from workflows._common import PINNED, UPGRADE_ON_CONTINUE, scheduler_id
+from workflows._common import UPGRADE_ON_CONTINUE, scheduler_id
 
 
-@workflow.defn(name="TelemetryWorkflow", versioning_behavior=PINNED)
+@workflow.defn(name="TelemetryWorkflow")
 class TelemetryWorkflow:
     def __init__(self) -> None:
         self._rebase: str | None = None

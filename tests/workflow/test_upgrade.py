@@ -1,8 +1,8 @@
 """An upgrade, and a rollback, by Worker Versioning with work in flight, on the real Temporal dev
-server: the running build's control worker serves a busy pool and a long invoke (the job), the
-next build's control worker starts beside it and becomes current, the scheduler and telemetry
-move to it at a continue-as-new, the old build's runs finish on the old build, and the old
-worker is retired. Both builds are this commit's code under two build ids (what a release and
+server: the running build's control worker serves a busy pool, a long invoke (the job) and a
+streamed chat answer, the next build's control worker starts beside it and becomes current, the
+scheduler and telemetry move to it at a continue-as-new, the old build's runs finish on the old
+build, and the old worker is retired. Both builds are this commit's code under two build ids (what a release and
 the next one differ in is what Worker Versioning keeps apart: which worker replays which run).
 The node workers are unversioned, as in production (modelforge/versioning.py); their devices
 are simulated."""
@@ -10,23 +10,26 @@ are simulated."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkerDeploymentVersion
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import WorkerDeploymentConfig
 
 import modelforge
-from modelforge.messages import RequestResult
+from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
-from modelforge.versioning import roll, set_current
+from modelforge.versioning import deployment_config, roll, set_current
 from tests.harness import Stack, running_stack
+from tests.runtimes.test_streaming import _serve
 from workers.control import ControlWorker, build_control_worker
 
 pytestmark = pytest.mark.workflow
@@ -35,6 +38,7 @@ RELEASE = WorkerDeploymentVersion("modelforge", modelforge.__version__)
 NEXT = WorkerDeploymentVersion("modelforge", f"{modelforge.__version__}+next")
 EMBEDDING = "rag.embedding@1"  # concurrency 1: one holds the card's slot, the others queue
 JOB = "lab.experiment@1"  # a long invoke on the desktop card stands for the job (simulated runtime)
+CHAT = "chat.small@1"
 
 
 async def _own_client(client: Client) -> Client:
@@ -50,7 +54,7 @@ async def _control_worker(client: Client, store: Store, version: WorkerDeploymen
         store,
         pools=["default"],
         replay_check_s=0,
-        deployment=WorkerDeploymentConfig(version=version, use_worker_versioning=True),
+        deployment=deployment_config(version, versioned=True),
     )
     await worker.__aenter__()
     return worker
@@ -71,19 +75,41 @@ async def _wait_build(client: Client, workflow_ids: Sequence[str], build: str, w
         await asyncio.sleep(0.3)
 
 
-async def _in_flight(stack: Stack) -> tuple[WorkflowHandle[Any, Any], list[WorkflowHandle[Any, Any]]]:
-    """A long invoke holding its lease (the job) and a busy pool (one embedding invoke holding
-    the concurrency-1 slot, four queued behind it)."""
+def _gateway(received: dict[str, list[dict[str, Any]]]) -> FastAPI:
+    """Stands for the gateway's stream endpoint: keeps each stream's pushed chunks."""
+    app = FastAPI()
+
+    @app.post("/internal/streams/{stream_id}")
+    async def receive(stream_id: str, request: Request) -> JSONResponse:
+        for line in (await request.body()).splitlines():
+            received.setdefault(stream_id, []).append(json.loads(line))
+        return JSONResponse({"received": len(received[stream_id])})
+
+    return app
+
+
+async def _in_flight(stack: Stack, streams: str) -> list[WorkflowHandle[Any, Any]]:
+    """A long invoke holding its lease (the job), a streamed chat answer being pushed to
+    `streams`, and a busy pool (one embedding invoke holding the concurrency-1 slot, four queued
+    behind it). The job first."""
     job = await stack.start_request(JOB, tenant="lab", input={"simulate_invoke_s": 10}, lease_timeout_s=120)
+    request_id = f"chat-{time.monotonic_ns()}"
+    chat = await stack.start_request(
+        CHAT,
+        request_id=request_id,
+        input={"messages": [{"role": "user", "content": "one two three four five six"}], "simulate_invoke_s": 6},
+        stream=StreamTarget(url=streams, stream_id=request_id),
+        lease_timeout_s=120,
+    )
     busy = [
         await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 1.5}, lease_timeout_s=120)
         for _ in range(5)
     ]
     deadline = time.monotonic() + 30
-    while not {JOB, EMBEDDING} <= {r.capability for r in (await stack.status()).residents if r.active_leases}:
-        assert time.monotonic() < deadline, "the job and the busy pool did not hold their leases within 30 s"
+    while not {JOB, CHAT, EMBEDDING} <= {r.capability for r in (await stack.status()).residents if r.active_leases}:
+        assert time.monotonic() < deadline, "the job, the chat and the busy pool did not hold leases within 30 s"
         await asyncio.sleep(0.2)
-    return job, busy
+    return [job, chat, *busy]
 
 
 async def _invokes(handle: WorkflowHandle[Any, Any]) -> int:
@@ -110,25 +136,34 @@ async def _move(stack: Stack, to: WorkerDeploymentVersion) -> float:
 
 
 async def _one_build_to_the_next(
-    stack: Stack, old: ControlWorker, old_version: WorkerDeploymentVersion, new: WorkerDeploymentVersion
+    stack: Stack,
+    old: ControlWorker,
+    old_version: WorkerDeploymentVersion,
+    new: WorkerDeploymentVersion,
+    streams: tuple[str, dict[str, list[dict[str, Any]]]],
 ) -> tuple[list[WorkflowHandle[Any, Any]], float]:
     """Work in flight on `old_version`; `new` becomes current and the long-lived workflows move;
     new work runs on `new`, the old work finishes on `old_version`, then `old` is retired."""
-    job, busy = await _in_flight(stack)
+    url, received = streams
+    before = await _in_flight(stack, url)
+    job, chat = before[0], before[1]
     moved_s = await _move(stack, new)
     after = [
         await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.2}, lease_timeout_s=120)
         for _ in range(3)
     ]
     assert not (await job.describe()).close_time, "the job still runs after the scheduler moved"
-    results = await asyncio.gather(*(handle.result() for handle in [job, *busy, *after]))
+    results = await asyncio.gather(*(handle.result() for handle in [*before, *after]))
     # Every request ended, with its answer (a typed failure would have raised here).
-    assert all(isinstance(r, RequestResult) and r.output.get("simulated") for r in results)
+    assert all(isinstance(r, RequestResult) and r.output for r in results)
+    # The chat's answer reached the client as it was generated, every piece once, in order.
+    pieces = received[chat.id.split(":", 2)[-1]]
+    assert len(pieces) >= 3 and "".join(p.get("delta", "") for p in pieces) == results[1].output["text"]
     # Pinned: the old build's runs finished on it, the new ones ran on the new build.
-    assert {await _build_of(stack.client, h.id) for h in [job, *busy]} == {old_version.build_id}
+    assert {await _build_of(stack.client, h.id) for h in before} == {old_version.build_id}
     assert {await _build_of(stack.client, h.id) for h in after} == {new.build_id}
     await old.__aexit__(None, None, None)  # retired: none of its runs is left open
-    return [job, *busy, *after], moved_s
+    return [*before, *after], moved_s
 
 
 async def test_an_upgrade_and_a_rollback_with_work_in_flight(
@@ -141,6 +176,9 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
     release = await _control_worker(client, store, RELEASE)
     await set_current(client, RELEASE)
     workers = [release]
+    received: dict[str, list[dict[str, Any]]] = {}
+    server, serving, port = await _serve(_gateway(received))
+    streams = (f"http://127.0.0.1:{port}/internal/streams", received)
     try:
         async with running_stack(client, database_url, control_in_process=False) as stack:
             assert await _build_of(client, stack.scheduler.id) == RELEASE.build_id
@@ -148,12 +186,12 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
 
             # The upgrade: the next build's control worker beside the release's.
             workers.append(await _control_worker(client, store, NEXT))
-            upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release, RELEASE, NEXT)
+            upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release, RELEASE, NEXT, streams)
             assert (await stack.scheduler.describe()).run_id != first_run
 
             # The rollback: the release's control worker back, made current again.
             workers.append(await _control_worker(client, store, RELEASE))
-            rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, workers[1], NEXT, RELEASE)
+            rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, workers[1], NEXT, RELEASE, streams)
             await _wait_build(client, [stack.scheduler.id], RELEASE.build_id)
 
             requests = upgraded + rolled_back
@@ -179,6 +217,8 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
                 f" whole test {time.monotonic() - began:.1f} s"
             )
     finally:
+        server.should_exit = True
+        await serving
         for worker in workers:
             if any(w.is_running for w in worker.workers):
                 await worker.__aexit__(None, None, None)
