@@ -302,6 +302,7 @@ class NodeActivities:
             if request.operation not in OPERATIONS:
                 why = f"unknown node operation {request.operation[:60]!r}"
                 raise ModelForgeError(FailureClass.REQUEST_INVALID, why)
+            self._check_holder(request.release_to, request.heartbeat_s)
             # The operation and the resume location come from the activity's own fields, set by
             # the request workflow; a client's input never chooses either.
             legacy_resume = request.payload.get(RESUME_KEY)
@@ -332,7 +333,7 @@ class NodeActivities:
             # the event loop; a small one (most) costs no thread hop and no encoding here.
             output = await asyncio.to_thread(put_output, store, output)
         released = request.delegated  # its node reports it in the next sync
-        if request.release_to and self._client is not None and not request.delegated:
+        if self._client is not None and not request.delegated:
             try:
                 await self._client.get_workflow_handle(request.release_to).signal(
                     "release",
@@ -360,6 +361,16 @@ class NodeActivities:
                 context["modelforge_time_left_s"] = max(0.0, ends.timestamp() - time.time())
         return context
 
+    def _check_holder(self, scheduler_id: str, heartbeat_s: float) -> None:
+        """A request workflow's invoke or gang job names the scheduler its lease is released to
+        and heartbeated at, and how often: one that does not is refused, not run unvouched.
+        Outside Temporal (no client: scripts/gpu_check.py) there is no scheduler to name."""
+        if self._client is not None and not (scheduler_id and heartbeat_s > 0):
+            raise ModelForgeError(
+                FailureClass.REQUEST_INVALID,
+                "an invoke or gang job names its lease's scheduler (release_to) and heartbeat (heartbeat_s > 0)",
+            )
+
     @contextlib.asynccontextmanager
     async def _vouching(
         self, lease_id: str, request_id: str, scheduler_id: str, heartbeat_s: float
@@ -367,7 +378,7 @@ class NodeActivities:
         """While the invoke (or this node's part of a gang job) runs, heartbeat its lease to the
         scheduler from here, where the memory is used: its holder's heartbeats stop while the
         holder's worker is away, this node's do not (and when this node dies, so does the work)."""
-        if not (scheduler_id and heartbeat_s > 0 and self._client is not None):
+        if self._client is None:  # run outside Temporal (scripts/gpu_check.py): no scheduler to tell
             yield
             return
         scheduler = self._client.get_workflow_handle(scheduler_id)
@@ -403,6 +414,7 @@ class NodeActivities:
         started = time.monotonic()
         self._jobs[(job.lease_id, job.rank)] = runtime
         try:
+            self._check_holder(job.release_to, job.heartbeat_s)
             payload = _client_payload(job.payload, allowed=(RESUME_KEY,))
             resume = self._check_resume(job.resume_from or job.payload.get(RESUME_KEY), job.request_id)
             payload.update(modelforge_lease_id=job.lease_id, modelforge_rank=job.rank)

@@ -200,9 +200,17 @@ def _pool_statuses(pool: str | None) -> dict[str, Any]:
 
 
 @app.command()
-def status(as_json: JsonOption = False, pool: PoolOption = None) -> None:
+def status(
+    as_json: JsonOption = False,
+    pool: PoolOption = None,
+    builds: Annotated[bool, typer.Option("--builds", help="Which build each worker and scheduler runs.")] = False,
+) -> None:
     """Per pool and accelerator: total, observed, external, resident, leased, reserve, schedulable, pressure, health."""
     from modelforge.policy import PoolStatus, merge_statuses
+
+    if builds:
+        modelforge.cli_upgrade.show_builds(as_json, pool)
+        return
 
     statuses = _pool_statuses(pool)
     answered = [s for s in statuses.values() if isinstance(s, PoolStatus)]
@@ -932,7 +940,8 @@ def trace_alibaba(
 
 import modelforge.cli_jobs  # noqa: E402  (adds `modelforge job submit|jobs|logs|artifacts`)
 import modelforge.cli_queue  # noqa: E402  (adds `modelforge queue|why`)
-import modelforge.cli_residency  # noqa: E402, F401  (adds `modelforge load|unload|pin|unpin`)
+import modelforge.cli_residency  # noqa: E402  (adds `modelforge load|unload|pin|unpin`)
+import modelforge.cli_upgrade  # noqa: E402  (adds `modelforge upgrade`; `status --builds`)
 
 
 def main() -> None:

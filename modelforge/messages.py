@@ -336,17 +336,18 @@ class InvokeInput:
     key: str
     lease_id: str
     payload: dict[str, Any]
-    # Set: on success the node releases the lease itself, one signal to the scheduler that
-    # spares the request workflow a round trip. Failures are always released by the workflow.
+    # On success the node releases the lease itself, one signal to the scheduler that spares
+    # the request workflow a round trip. Failures are always released by the workflow.
     release_to: str = ""  # the scheduler's workflow id
     request_id: str = ""
     # Set by the request workflow only (never from the client's input, whose `modelforge_*` keys
     # are refused): RequestInput.operation, and the checkpoint a resumed run starts from.
     operation: str = ""
     resume_from: str = ""
-    # Set (with release_to): the node heartbeats the lease to the scheduler this often while the
-    # invoke runs. The party that uses the memory vouches for it, so a holder whose own worker is
-    # away (killed, restarting) does not lose a lease its invoke is still using.
+    # The node heartbeats the lease to the scheduler (release_to) this often while the invoke
+    # runs; a request workflow always sets both (the node refuses an invoke without them). The
+    # party that uses the memory vouches for it, so a holder whose own worker is away (killed,
+    # restarting) does not lose a lease its invoke is still using.
     heartbeat_s: float = 0.0
     # RequestInput.stream: the answer is pushed there as it is generated.
     stream: StreamTarget | None = None
@@ -395,8 +396,9 @@ class GangJobInput:
     world_size: int = 1
     # This rank's checkpoint when the job resumes (set by the request workflow, never by a client).
     resume_from: str = ""
-    # Set: this node heartbeats the gang's lease to the scheduler (`release_to`) this often while
-    # its part runs, as an invoke's node does: whoever uses the memory vouches for it.
+    # This node heartbeats the gang's lease to the scheduler (`release_to`) this often while its
+    # part runs, as an invoke's node does: whoever uses the memory vouches for it (both set by
+    # the request workflow; the node refuses a part without them).
     release_to: str = ""
     heartbeat_s: float = 0.0
 

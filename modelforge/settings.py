@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -81,6 +82,9 @@ _MUST_BE: dict[str, str] = {
     "max_payload_bytes": "a positive number of bytes (2048, 2 KiB, 64MiB)",
     "replay_check_s": "0 (off) or 5 to 86400 seconds",
     "delegation_sync_s": "0 (off) or 0.1 to 10 seconds",
+    "worker_deployment": "a name of letters, digits, '-' and '_' (no '.')",
+    "worker_build_id": "a build id of letters, digits, '.', '+', '-' and '_'",
+    "worker_versioning": "true or false (1, yes, on; 0, no, off)",
 }
 # Read from the variable or the file MODELFORGE_<NAME>_FILE names; never shown.
 _SECRETS = ("temporal_api_key", "database_url")
@@ -212,6 +216,13 @@ class Settings(BaseSettings):
     # the scheduler; activities/_delegation.py). A request waiting at the scheduler is overtaken
     # on a node for at most about this long.
     delegation_sync_s: float = 1.0
+    # The Worker Deployment Version the workers declare (modelforge/versioning.py): the
+    # deployment's name (MODELFORGE_WORKER_DEPLOYMENT) and this build's id
+    # (MODELFORGE_WORKER_BUILD_ID; unset: the package's version). With MODELFORGE_WORKER_VERSIONING
+    # (the default) the control worker's workflows are pinned to the build that started them.
+    worker_deployment: str = "modelforge"
+    worker_build_id: str | None = None
+    worker_versioning: bool = True
 
     @classmethod
     def settings_customise_sources(
@@ -274,6 +285,22 @@ class Settings(BaseSettings):
         if not (value == 0 or 0.1 <= value <= 10) or math.isnan(value):
             raise ValueError("out of range")
         return value
+
+    @field_validator("worker_deployment")
+    @classmethod
+    def _deployment_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,100}", value.strip()):
+            raise ValueError("not a deployment name")
+        return value.strip()
+
+    @field_validator("worker_build_id")
+    @classmethod
+    def _build_id(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]{1,200}", value.strip()):
+            raise ValueError("not a build id")
+        return value.strip()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

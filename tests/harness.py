@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities._delegation import NodeSlots, PoolSlots
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
@@ -25,6 +25,7 @@ from modelforge.policy import PolicyConfig, PoolStatus
 from modelforge.runtimes import SubprocessHttpRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
+from modelforge.versioning import set_current
 from workers.control import ControlWorker, build_control_worker, ensure_scheduler
 from workers.node import build_node_worker, ensure_telemetry, host_device, node_runtimes, simulated_backend
 from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
@@ -171,11 +172,14 @@ async def running_stack(
     adopt_interval_s: float = 5.0,
     pools: Sequence[str] = ("default",),
     delegation_sync_s: float = 0.0,
+    deployment: WorkerDeploymentConfig | None = None,
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
     be killed and restarted); the stack brings only Postgres rows, node workers and telemetry.
     `pools`: the pools whose schedulers start (one control worker serves them all); each node
-    sends its telemetry to the pool of its accelerators (the first pool when none is listed)."""
+    sends its telemetry to the pool of its accelerators (the first pool when none is listed).
+    `deployment`: the control worker's Worker Deployment Version; versioned, it is made the
+    deployment's current one before the schedulers start (as `worker control` does)."""
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
     await store.migrate()
@@ -201,9 +205,16 @@ async def running_stack(
             if control_in_process:
                 running.control = await stack.enter_async_context(
                     build_control_worker(
-                        client, store, metrics=metrics, adopt_interval_s=adopt_interval_s, pools=list(pools)
+                        client,
+                        store,
+                        metrics=metrics,
+                        adopt_interval_s=adopt_interval_s,
+                        pools=list(pools),
+                        deployment=deployment,
                     )
                 )
+                if deployment is not None and deployment.use_worker_versioning:
+                    await set_current(client, deployment.version)
             # Node workers run as tasks, not contexts, so a test can restart one.
             running.node_tasks = [asyncio.create_task(worker.run()) for worker in node_workers.values()]
             stack.push_async_callback(_shutdown_all, running)

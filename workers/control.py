@@ -12,7 +12,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import SchedulerGatewayActivities, StoreActivities
@@ -25,6 +25,7 @@ from modelforge.retrying import DEFAULT_BACKOFF, describe, retrying, supervised
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from modelforge.temporal import connect, register_search_attributes
+from modelforge.versioning import deployment_version, promote_if_newer, worker_deployment
 from workers.lifetime import run_workers, until_sigterm
 from workers.replay_guard import ReplayGuard, replayer_check
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
@@ -212,7 +213,10 @@ def build_control_worker(
     pools: Sequence[str] = (DEFAULT_POOL,),
     adopt_interval_s: float = 5.0,
     replay_check_s: float = 60.0,
+    deployment: WorkerDeploymentConfig | None = None,
 ) -> ControlWorker:
+    """`deployment`: the Worker Deployment Version both Temporal workers declare
+    (modelforge/versioning.py); versioned, every run they start is pinned to this build."""
     gateway = SchedulerGatewayActivities(client)
     records = StoreActivities(store, snapshot_retention_s, metrics)
     control = Worker(
@@ -231,9 +235,14 @@ def build_control_worker(
             records.open_leases,
         ],
         activity_executor=ThreadPoolExecutor(4),
+        deployment_config=deployment,
     )
     schedulers = Worker(
-        client, task_queue=SCHEDULER_TASK_QUEUE, workflows=[PoolSchedulerWorkflow], workflow_runner=workflow_runner()
+        client,
+        task_queue=SCHEDULER_TASK_QUEUE,
+        workflows=[PoolSchedulerWorkflow],
+        workflow_runner=workflow_runner(),
+        deployment_config=deployment,
     )
     # A scheduler history that no worker can replay is moved out of before it wedges the pool
     # (workers/replay_guard.py); 0 turns the guard off.
@@ -348,6 +357,7 @@ async def _run(settings: Settings, pools: Sequence[str], catalog_check_s: float)
                 metrics=metrics,
                 pools=sorted(polls),
                 replay_check_s=settings.replay_check_s,
+                deployment=worker_deployment(settings, versioned=True),
             )
             current[:] = [worker]
             log.info("control_worker_started", task_queue=CONTROL_TASK_QUEUE, pools=sorted(polls), metrics_port=port)
@@ -364,6 +374,13 @@ async def _run(settings: Settings, pools: Sequence[str], catalog_check_s: float)
         for pool in served:
             serve(pool)
         tasks.append(asyncio.create_task(supervised(temporal_workers, "temporal_workers", logger=log)))
+        if settings.worker_versioning:  # this build takes new runs when it is the first or the newest
+            version = deployment_version(settings)
+
+            async def promote() -> None:
+                await promote_if_newer(client, version)
+
+            tasks.append(asyncio.create_task(retrying(promote, "worker_build_promote", logger=log)))
         if not pools:
             tasks.append(asyncio.create_task(supervised(follow_catalog, "catalog_pools", logger=log)))
         try:

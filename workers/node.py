@@ -10,7 +10,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities import NodeActivities, SchedulerGatewayActivities
 from activities._delegation import NodeSlots, PoolSlots
@@ -31,6 +31,7 @@ from modelforge.retrying import retrying, supervised
 from modelforge.runtimes import Runtime, build_runtimes
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, Settings, node_task_queue
 from modelforge.temporal import connect
+from modelforge.versioning import worker_deployment
 from workers.lifetime import run_workers, until_sigterm
 from workflows import CapabilityRequestWorkflow, TelemetryWorkflow
 from workflows._common import telemetry_id
@@ -118,13 +119,19 @@ def node_activities(
 
 
 def node_temporal_worker(
-    client: Client, node: str, node_activities: NodeActivities, slots: NodeSlots | PoolSlots | None = None
+    client: Client,
+    node: str,
+    node_activities: NodeActivities,
+    slots: NodeSlots | PoolSlots | None = None,
+    deployment: WorkerDeploymentConfig | None = None,
 ) -> Worker:
     """A Temporal worker on the node's queue serving `node_activities` (a fresh one after a
-    fatal error: a Worker runs once)."""
+    fatal error: a Worker runs once). `deployment`: the build it declares, never versioned
+    (modelforge/versioning.py: one node worker per host, its activities both builds' contract)."""
     return Worker(
         client,
         task_queue=node_task_queue(node),
+        deployment_config=deployment,
         # Heartbeats carry cancellation back: a preempted invoke must hear of it in seconds, not
         # in the SDK's default 0.8 x heartbeat timeout (48 s for an invoke).
         max_heartbeat_throttle_interval=timedelta(seconds=2),
@@ -259,7 +266,8 @@ async def _run(
         )
 
         async def serve() -> None:
-            await run_workers([node_temporal_worker(client, node, activities, slots)])
+            deployment = worker_deployment(settings, versioned=False)
+            await run_workers([node_temporal_worker(client, node, activities, slots, deployment)])
 
         await supervised(serve, "temporal_worker", logger=log, node=node)
     finally:

@@ -24,10 +24,11 @@ ALL_FAILURES = [f.value for f in FailureClass]
 # scheduler had its own queue). A run started with it keeps it across continue-as-new, and the
 # scheduler passes it again when it continues as new, so a run started with another moves to it.
 SCHEDULER_TASK_TIMEOUT = timedelta(seconds=30)
-# What it was before (60 s): a scheduler started then keeps it until it next continues as new.
-SCHEDULER_TASK_TIMEOUT_BEFORE = timedelta(seconds=60)
-# The longest task timeout a running scheduler may have: what an admission must outlast.
-LONGEST_SCHEDULER_TASK_TIMEOUT = max(SCHEDULER_TASK_TIMEOUT, SCHEDULER_TASK_TIMEOUT_BEFORE)
+# Worker Versioning (modelforge/versioning.py): a versioned worker pins every run to the build
+# that started it (its default behavior: a workflow type cannot declare one, which the server
+# refuses from unversioned workers); the long-lived ones (the pool scheduler, telemetry) start
+# each new run on the deployment's current build when they continue as new.
+UPGRADE_ON_CONTINUE = workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE
 NON_RETRYABLE = [f.value for f in FailureClass if not is_retryable(f)]
 
 

@@ -46,7 +46,7 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows._common import (
     ALL_FAILURES,
-    LONGEST_SCHEDULER_TASK_TIMEOUT,
+    SCHEDULER_TASK_TIMEOUT,
     STORE_RETRY,
     classify,
     failure,
@@ -64,7 +64,7 @@ MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 # scheduler task: when the control worker running one dies, the scheduler stands still until the
 # task times out, and an admission asked meanwhile must still be answered (it was 60 s, equal to
 # the task timeout then, and such admissions failed with TIMEOUT).
-ADMIT_BUDGET = LONGEST_SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
+ADMIT_BUDGET = SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
 ADMIT_MARGIN_S = 5.0
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 

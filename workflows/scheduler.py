@@ -55,7 +55,13 @@ with workflow.unsafe.imports_passed_through():
     from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
-from workflows._common import SCHEDULER_TASK_TIMEOUT, STORE_RETRY, request_workflow_id, resident_workflow_id
+from workflows._common import (
+    SCHEDULER_TASK_TIMEOUT,
+    STORE_RETRY,
+    UPGRADE_ON_CONTINUE,
+    request_workflow_id,
+    resident_workflow_id,
+)
 from workflows.residency import ResidencyWorkflow
 
 # Patches (`workflow.patched`) are written only for a change to code a released version runs, at
@@ -758,9 +764,12 @@ class PoolSchedulerWorkflow:
             if self._should_continue_as_new(start) and workflow.all_handlers_finished():
                 # Nothing waits on Postgres here: what is not yet delivered or written goes to
                 # the next run in its input, and is sent or written (again) from there.
+                # The next run starts on the deployment's current build (Worker Versioning): a
+                # new release takes the pool over here, with the state and nothing lost.
                 workflow.continue_as_new(
                     replace(start, state=self._state, carried=self._outbox(), ledger_audit_at=self._next_audit_at()),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
+                    initial_versioning_behavior=UPGRADE_ON_CONTINUE,
                 )
             # One wake-up timer in flight, not one started and cancelled per loop iteration.
             self._arm_timer(self._next_wake())

@@ -136,3 +136,25 @@ async def test_a_node_running_its_part_of_a_gang_vouches_for_the_lease() -> None
     await ActivityEnvironment().run(node.run_gang_job, job)
     assert client.asked == ["scheduler:default"]
     assert len(client.scheduler.beats) >= 3 and set(client.scheduler.beats) == {("lease_heartbeat", "job.9")}
+
+
+@pytest.mark.parametrize(("release_to", "heartbeat_s"), [("", 0.4), ("scheduler:default", 0.0)])
+async def test_a_node_refuses_work_that_names_no_scheduler_to_vouch_to(release_to: str, heartbeat_s: float) -> None:
+    # Every request workflow names its lease's scheduler and heartbeat: work without them would
+    # run with nobody vouching for its memory, so the node refuses it before anything runs.
+    devices = _devices()
+    client = _Client()
+    node = NodeActivities("g1", devices, {"simulated": SimulatedRuntime(devices)}, client=client)  # type: ignore[arg-type]
+    job = GangJobInput(
+        lease_id="job.9",
+        request_id="job",
+        deployment=JOB,
+        accelerators=["g1/0"],
+        payload={"simulate_invoke_s": 30},
+        release_to=release_to,
+        heartbeat_s=heartbeat_s,
+    )
+    with pytest.raises(ApplicationError) as refused:
+        await ActivityEnvironment().run(node.run_gang_job, job)
+    assert refused.value.type == FailureClass.REQUEST_INVALID.value and refused.value.non_retryable
+    assert "release_to" in refused.value.message and client.asked == []

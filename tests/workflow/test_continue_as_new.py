@@ -8,11 +8,8 @@ import asyncio
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from modelforge.messages import SchedulerInput
-from modelforge.names import SCHEDULER_TASK_QUEUE, scheduler_id
 from tests.harness import running_stack
-from workflows import PoolSchedulerWorkflow
-from workflows._common import SCHEDULER_TASK_TIMEOUT, SCHEDULER_TASK_TIMEOUT_BEFORE
+from workflows._common import SCHEDULER_TASK_TIMEOUT
 
 pytestmark = pytest.mark.workflow
 
@@ -20,21 +17,8 @@ EMBEDDING = "rag.embedding@1"  # concurrency 1: the second request queues behind
 
 
 async def test_lease_and_queue_survive_continue_as_new(dev_server_env: WorkflowEnvironment, database_url: str) -> None:
-    # A scheduler started by an earlier release, with its workflow task timeout of then: the
-    # stack attaches to it (ensure_scheduler uses the existing run).
-    await dev_server_env.client.start_workflow(
-        PoolSchedulerWorkflow.run,
-        SchedulerInput(pool="default", max_history_events=80),
-        id=scheduler_id("default"),
-        task_queue=SCHEDULER_TASK_QUEUE,
-        task_timeout=SCHEDULER_TASK_TIMEOUT_BEFORE,
-    )
     async with running_stack(dev_server_env.client, database_url, max_history_events=80) as stack:
-        described = await stack.scheduler.describe()
-        first_run = described.run_id
-        assert described.raw_description.execution_config.default_workflow_task_timeout.ToTimedelta() == (
-            SCHEDULER_TASK_TIMEOUT_BEFORE
-        )
+        first_run = (await stack.scheduler.describe()).run_id
         holder = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 3})
         while not any(r.active_leases for r in (await stack.status()).residents):
             await asyncio.sleep(0.2)
@@ -45,7 +29,7 @@ async def test_lease_and_queue_survive_continue_as_new(dev_server_env: WorkflowE
         assert all(r.output["simulated"] for r in results + more)
         latest = await stack.client.get_workflow_handle(stack.scheduler.id).describe()
         assert latest.run_id != first_run, "the scheduler continued as new"
-        # ...and took this release's task timeout with it (a dead worker's task stalls it 30 s, not 60).
+        # ...and kept its task timeout (a dead worker's task stalls it 30 s).
         assert (
             latest.raw_description.execution_config.default_workflow_task_timeout.ToTimedelta()
             == SCHEDULER_TASK_TIMEOUT

@@ -1,0 +1,225 @@
+"""An upgrade, and a rollback, by Worker Versioning with work in flight, on the real Temporal dev
+server: the running build's control worker serves a busy pool, a long invoke (the job) and a
+streamed chat answer, the next build's control worker starts beside it and becomes current, the
+scheduler and telemetry move to it at a continue-as-new, the old build's runs finish on the old
+build, and the old worker is retired. Both builds are this commit's code under two build ids (what a release and
+the next one differ in is what Worker Versioning keeps apart: which worker replays which run).
+The node workers are unversioned, as in production (modelforge/versioning.py); their devices
+are simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkerDeploymentVersion
+from temporalio.testing import WorkflowEnvironment
+
+import modelforge
+from modelforge.messages import RequestResult, StreamTarget
+from modelforge.names import telemetry_id
+from modelforge.store import Store
+from modelforge.versioning import deployment_config, roll, set_current
+from tests.harness import Stack, running_stack
+from tests.runtimes.test_streaming import _serve
+from workers.control import ControlWorker, build_control_worker
+
+pytestmark = pytest.mark.workflow
+
+RELEASE = WorkerDeploymentVersion("modelforge", modelforge.__version__)
+NEXT = WorkerDeploymentVersion("modelforge", f"{modelforge.__version__}+next")
+EMBEDDING = "rag.embedding@1"  # concurrency 1: one holds the card's slot, the others queue
+JOB = "lab.experiment@1"  # a long invoke on the desktop card stands for the job (simulated runtime)
+CHAT = "chat.small@1"
+
+
+async def _own_client(client: Client) -> Client:
+    """A connection of its own, as a control worker on its own host has (one worker per task
+    queue and connection)."""
+    config = client.service_client.config
+    return await Client.connect(config.target_host, namespace=client.namespace, data_converter=client.data_converter)
+
+
+async def _control_worker(client: Client, store: Store, version: WorkerDeploymentVersion) -> ControlWorker:
+    worker = build_control_worker(
+        await _own_client(client),
+        store,
+        pools=["default"],
+        replay_check_s=0,
+        deployment=deployment_config(version, versioned=True),
+    )
+    await worker.__aenter__()
+    return worker
+
+
+async def _build_of(client: Client, workflow_id: str) -> str:
+    described = await client.get_workflow_handle(workflow_id).describe()
+    return described.raw_description.workflow_execution_info.versioning_info.deployment_version.build_id
+
+
+async def _wait_build(client: Client, workflow_ids: Sequence[str], build: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        builds = {workflow_id: await _build_of(client, workflow_id) for workflow_id in workflow_ids}
+        if all(b == build for b in builds.values()):
+            return
+        assert time.monotonic() < deadline, f"not on build {build} within {within_s} s: {builds}"
+        await asyncio.sleep(0.3)
+
+
+def _gateway(received: dict[str, list[dict[str, Any]]]) -> FastAPI:
+    """Stands for the gateway's stream endpoint: keeps each stream's pushed chunks."""
+    app = FastAPI()
+
+    @app.post("/internal/streams/{stream_id}")
+    async def receive(stream_id: str, request: Request) -> JSONResponse:
+        for line in (await request.body()).splitlines():
+            received.setdefault(stream_id, []).append(json.loads(line))
+        return JSONResponse({"received": len(received[stream_id])})
+
+    return app
+
+
+async def _in_flight(stack: Stack, streams: str) -> list[WorkflowHandle[Any, Any]]:
+    """A long invoke holding its lease (the job), a streamed chat answer being pushed to
+    `streams`, and a busy pool (one embedding invoke holding the concurrency-1 slot, four queued
+    behind it). The job first."""
+    job = await stack.start_request(JOB, tenant="lab", input={"simulate_invoke_s": 10}, lease_timeout_s=120)
+    request_id = f"chat-{time.monotonic_ns()}"
+    chat = await stack.start_request(
+        CHAT,
+        request_id=request_id,
+        input={"messages": [{"role": "user", "content": "one two three four five six"}], "simulate_invoke_s": 6},
+        stream=StreamTarget(url=streams, stream_id=request_id),
+        lease_timeout_s=120,
+    )
+    busy = [
+        await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 1.5}, lease_timeout_s=120)
+        for _ in range(5)
+    ]
+    deadline = time.monotonic() + 30
+    while not {JOB, CHAT, EMBEDDING} <= {r.capability for r in (await stack.status()).residents if r.active_leases}:
+        assert time.monotonic() < deadline, "the job, the chat and the busy pool did not hold leases within 30 s"
+        await asyncio.sleep(0.2)
+    return [job, chat, *busy]
+
+
+async def _invokes(handle: WorkflowHandle[Any, Any]) -> int:
+    """How many times the request's invoke was scheduled: once, whatever moved around it."""
+    history = await handle.fetch_history()
+    return sum(
+        1
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and event.activity_task_scheduled_event_attributes.activity_type.name == "invoke"
+    )
+
+
+async def _move(stack: Stack, to: WorkerDeploymentVersion) -> float:
+    """`modelforge upgrade`'s steps: the build becomes current, the scheduler and every node's
+    telemetry continue as new onto it. Returns the seconds until all of them run on it."""
+    started = time.monotonic()
+    await set_current(stack.client, to)
+    nodes = sorted(stack.backends)
+    signalled = await roll(stack.client, ["default"], nodes, f"upgrade to build {to.build_id}")
+    assert sorted(signalled) == sorted([stack.scheduler.id, *(telemetry_id(n) for n in nodes)])
+    await _wait_build(stack.client, signalled, to.build_id)
+    return time.monotonic() - started
+
+
+async def _one_build_to_the_next(
+    stack: Stack,
+    old: ControlWorker,
+    old_version: WorkerDeploymentVersion,
+    new: WorkerDeploymentVersion,
+    streams: tuple[str, dict[str, list[dict[str, Any]]]],
+) -> tuple[list[WorkflowHandle[Any, Any]], float]:
+    """Work in flight on `old_version`; `new` becomes current and the long-lived workflows move;
+    new work runs on `new`, the old work finishes on `old_version`, then `old` is retired."""
+    url, received = streams
+    before = await _in_flight(stack, url)
+    job, chat = before[0], before[1]
+    moved_s = await _move(stack, new)
+    after = [
+        await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.2}, lease_timeout_s=120)
+        for _ in range(3)
+    ]
+    assert not (await job.describe()).close_time, "the job still runs after the scheduler moved"
+    results = await asyncio.gather(*(handle.result() for handle in [*before, *after]))
+    # Every request ended, with its answer (a typed failure would have raised here).
+    assert all(isinstance(r, RequestResult) and r.output for r in results)
+    # The chat's answer reached the client as it was generated, every piece once, in order.
+    pieces = received[chat.id.split(":", 2)[-1]]
+    assert len(pieces) >= 3 and "".join(p.get("delta", "") for p in pieces) == results[1].output["text"]
+    # Pinned: the old build's runs finished on it, the new ones ran on the new build.
+    assert {await _build_of(stack.client, h.id) for h in before} == {old_version.build_id}
+    assert {await _build_of(stack.client, h.id) for h in after} == {new.build_id}
+    await old.__aexit__(None, None, None)  # retired: none of its runs is left open
+    return [*before, *after], moved_s
+
+
+async def test_an_upgrade_and_a_rollback_with_work_in_flight(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    began = time.monotonic()
+    client = dev_server_env.client
+    store = await Store.open(database_url)
+    await store.migrate()
+    release = await _control_worker(client, store, RELEASE)
+    await set_current(client, RELEASE)
+    workers = [release]
+    received: dict[str, list[dict[str, Any]]] = {}
+    server, serving, port = await _serve(_gateway(received))
+    streams = (f"http://127.0.0.1:{port}/internal/streams", received)
+    try:
+        async with running_stack(client, database_url, control_in_process=False) as stack:
+            assert await _build_of(client, stack.scheduler.id) == RELEASE.build_id
+            first_run = (await stack.scheduler.describe()).run_id
+
+            # The upgrade: the next build's control worker beside the release's.
+            workers.append(await _control_worker(client, store, NEXT))
+            upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release, RELEASE, NEXT, streams)
+            assert (await stack.scheduler.describe()).run_id != first_run
+
+            # The rollback: the release's control worker back, made current again.
+            workers.append(await _control_worker(client, store, RELEASE))
+            rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, workers[1], NEXT, RELEASE, streams)
+            await _wait_build(client, [stack.scheduler.id], RELEASE.build_id)
+
+            requests = upgraded + rolled_back
+            # Nothing ran twice: each invoke scheduled once, each lease granted and released once.
+            assert [await _invokes(h) for h in requests] == [1] * len(requests)
+            ids = {h.id.split(":", 2)[-1] for h in requests}  # request:<capability>:<request id>
+            granted = await stack.events("lease_granted", at_least=len(requests), within_s=20)
+            released = await stack.events("lease_released", at_least=len(requests), within_s=20)
+            for events in (granted, released):
+                mine = [e["request_id"] for e in events if e["request_id"] in ids]
+                assert sorted(mine) == sorted(ids), "a lease granted or released twice, or an event lost"
+            # No lease lost across the moves: the pool holds none, queues nothing.
+            status = await stack.status()
+            assert sum(status.queue_depth.values()) == 0
+            assert all(a.leased_bytes == 0 for a in status.accelerators)
+            assert all(r.active_leases == 0 for r in status.residents)
+            # Neither build failed a scheduler task (a nondeterminism error would show here).
+            history = await stack.scheduler.fetch_history()
+            assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+            print(
+                f"\nupgrade with work in flight: scheduler+telemetry moved in {upgrade_moved_s:.1f} s,"
+                f" rollback in {rollback_moved_s:.1f} s; {len(requests)} requests;"
+                f" whole test {time.monotonic() - began:.1f} s"
+            )
+    finally:
+        server.should_exit = True
+        await serving
+        for worker in workers:
+            if any(w.is_running for w in worker.workers):
+                await worker.__aexit__(None, None, None)
+        await store.close()
