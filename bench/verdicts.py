@@ -165,7 +165,7 @@ class Observed(ModelForgeScheduler):
     def step(self, now: float, cards: CardView, touched: dict[str, bool]) -> Actions:
         actions = super().step(now, cards, touched)
         for start in actions.starts:
-            self.started.setdefault(self.rid_of[start.index], now)
+            self.started.setdefault(self.rid_of[start.request_index], now)
         fresh = {
             q.request_id
             for q in self.state.queue
@@ -189,7 +189,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
     scene = scenario(hours, rate=0.55, seed=7)
-    observed = Observed(scene, snapshot_every_s=3.0)
+    observed = Observed(scene, snapshot_every_s=10.0)
     started = time.perf_counter()
     Simulation(scene, observed).run()
     lines = [

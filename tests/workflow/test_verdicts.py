@@ -48,8 +48,9 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
 
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
         client = ModelForgeClient(stack.client, pool="default")
+        # The holder runs 15 s (long enough for every look below), bounded by a 60 s max_duration.
         holder = await stack.start_request(
-            JOB, tenant="lab", request_id="holder", max_duration_s=30.0, input={"simulate_invoke_s": 4}
+            JOB, tenant="lab", request_id="holder", max_duration_s=60.0, input={"simulate_invoke_s": 15}
         )
         await _leased(stack)
         # 24 - 1 reserve - 16 held = 7 GiB: two more 16 GiB jobs wait, one behind the other.
@@ -62,7 +63,7 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert any(h.kind == "lease" and "holder" in h.who for h in waiting.held_by), waiting.held_by
         # Nothing measured yet: the holder's max_duration bounds when its room comes back.
         assert waiting.eta_basis == "release_then_load" and waiting.eta_s is not None
-        assert 20.0 <= waiting.eta_s <= 31.0
+        assert 40.0 <= waiting.eta_s <= 61.0
         by_id = await request_verdict(client, "third")
         assert by_id is not None and by_id.position_in_class == 2
         assert json.loads(json.dumps(by_id.to_json()))["position"]["in_class"] == 2
