@@ -22,13 +22,16 @@ from prometheus_client.registry import Collector
 
 from modelforge.events import EventRecord
 from modelforge.logging import get_logger
-from modelforge.policy import PoolStatus
+from modelforge.policy import PoolStatus, Verdict, WaitReason
 
 log = get_logger("modelforge.metrics")
 
 BYTE_KINDS = ("total", "external", "resident", "leased", "reserve", "schedulable")
 # Seconds from submission to lease: a warm grant is milliseconds, a cold load seconds, a queue minutes.
 ADMISSION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+# A verdict's ETA error (predicted minus actual start), seconds: either sign, seconds to an hour.
+ETA_ERROR_BUCKETS = (-3600, -900, -300, -120, -60, -30, -10, -5, -1, 0, 1, 5, 10, 30, 60, 120, 300, 900, 3600)
+ETA_ABS_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
 # Seconds a gateway request takes, answer written: a refusal is microseconds, a warm embedding
 # milliseconds, a cold load seconds, a queued batch minutes.
 GATEWAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
@@ -52,6 +55,26 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "modelforge_queue_depth", "Requests waiting per priority class", ["pool", "priority"], registry=r
+        )
+        self.queue_waiting = Gauge(
+            "modelforge_queue_waiting",
+            "Requests waiting per typed reason (their verdicts: modelforge/verdicts.py)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.eta_error = Histogram(
+            "modelforge_eta_error_seconds",
+            "A granted request's first predicted start minus its actual start (negative: later than said)",
+            ["pool", "reason"],
+            buckets=ETA_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.eta_abs_error = Histogram(
+            "modelforge_eta_abs_error_seconds",
+            "The absolute error of a granted request's first predicted start",
+            ["pool", "reason"],
+            buckets=ETA_ABS_BUCKETS,
+            registry=r,
         )
         self.active_leases = Gauge("modelforge_active_leases", "Leases held now", ["pool"], registry=r)
         self.residents = Gauge(
@@ -94,6 +117,11 @@ class Metrics:
                 waited = event.payload.get("waited_s")
                 if isinstance(waited, int | float):
                     self.admission_seconds.labels(str(event.payload.get("priority", ""))).observe(max(0.0, waited))
+                error = event.payload.get("eta_error_s")
+                if isinstance(error, int | float) and not isinstance(error, bool):
+                    labels = (str(event.payload.get("pool", "")), str(event.payload.get("eta_reason", "")))
+                    self.eta_error.labels(*labels).observe(error)
+                    self.eta_abs_error.labels(*labels).observe(abs(error))
             elif event.kind == "load":
                 self.loads.labels(event.deployment).inc()
             elif event.kind == "unload_requested":
@@ -132,6 +160,14 @@ class Metrics:
         for state in ("loading", "ready", "unloading", "unreclaimed"):
             self.residents.labels(pool, state).set(states.get(state, 0))
 
+    def observe_verdicts(self, pool: str, verdicts: Iterable[Verdict]) -> None:
+        """Queue depth by reason: every reason is set (0 when none waits for it)."""
+        counts = dict.fromkeys((reason.value for reason in WaitReason), 0)
+        for verdict in verdicts:
+            counts[verdict.reason] = counts.get(verdict.reason, 0) + 1
+        for reason, count in counts.items():
+            self.queue_waiting.labels(pool, reason).set(count)
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics; returns the bound port (0 picks a free one)."""
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
@@ -139,12 +175,20 @@ class Metrics:
         return bound
 
     async def poll(
-        self, pool: str, query: Callable[[], Awaitable[PoolStatus]], interval_s: float = 5.0, stop: Any = None
+        self,
+        pool: str,
+        query: Callable[[], Awaitable[PoolStatus]],
+        interval_s: float = 5.0,
+        stop: Any = None,
+        verdicts: Callable[[], Awaitable[list[Verdict]]] | None = None,
     ) -> None:
-        """Sample the scheduler's status until cancelled or `stop` is set (at least once)."""
+        """Sample the scheduler's status (and its queue's verdicts, when `verdicts` is given)
+        until cancelled or `stop` is set (at least once)."""
         while True:
             try:
                 self.observe_status(await query())
+                if verdicts is not None:
+                    self.observe_verdicts(pool, await verdicts())
             except Exception as error:  # a scheduler that does not answer shows as down, not a crash
                 self.scrape_ok.labels(pool).set(0)
                 log.warning("metrics_status_failed", pool=pool, error=type(error).__name__)

@@ -17,10 +17,10 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import SchedulerGatewayActivities, StoreActivities
 from modelforge.logging import get_logger
-from modelforge.messages import SchedulerInput
+from modelforge.messages import SchedulerInput, VerdictQuery
 from modelforge.metrics import Metrics
 from modelforge.payloads import sweep_forever
-from modelforge.policy import PoolStatus
+from modelforge.policy import PoolStatus, Verdict
 from modelforge.retrying import DEFAULT_BACKOFF, describe, retrying, supervised
 from modelforge.settings import CONTROL_TASK_QUEUE, DEFAULT_POOL, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
@@ -284,6 +284,14 @@ def _status_query(handle: WorkflowHandle[PoolSchedulerWorkflow, None]) -> Callab
     return query
 
 
+def _verdicts_query(handle: WorkflowHandle[PoolSchedulerWorkflow, None]) -> Callable[[], Awaitable[list[Verdict]]]:
+    async def query() -> list[Verdict]:
+        found: list[Verdict] = await handle.query(PoolSchedulerWorkflow.verdicts, VerdictQuery())
+        return found
+
+    return query
+
+
 def serve_metrics(metrics: Metrics, settings: Settings) -> int:
     """/metrics on MODELFORGE_METRICS_HOST (loopback unless configured; the compose stack sets
     0.0.0.0 inside its network) and MODELFORGE_METRICS_PORT; returns the bound port."""
@@ -300,7 +308,7 @@ async def serve_pool(client: Client, metrics: Metrics, pool: str) -> None:
     """The pool's scheduler started (retried with back-off while Temporal does not answer: a
     restart, a loaded host), then its status polled into the metrics, for as long as this runs."""
     handle = await retrying(lambda: ensure_scheduler(client, pool), "ensure_scheduler", logger=log, pool=pool)
-    await metrics.poll(pool, _status_query(handle))
+    await metrics.poll(pool, _status_query(handle), verdicts=_verdicts_query(handle))
 
 
 async def run(settings: Settings, pools: Sequence[str] = (), catalog_check_s: float = CATALOG_POOLS_S) -> None:

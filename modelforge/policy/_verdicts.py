@@ -515,7 +515,7 @@ _MEMORY_REASONS = frozenset(
 
 
 def _eta(
-    model: _Model, queued: QueuedRequest, deployment: Deployment | None, reasons: list[WaitReason]
+    model: _Model, queued: QueuedRequest, deployment: Deployment | None
 ) -> tuple[float | None, str, str, int, LoadInFlight | None]:
     """(start time, basis, quality, samples, load in flight) for one request, in queue order:
     it takes a slot of its deployment's timeline, so the next one sees what is left."""
@@ -593,24 +593,39 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
         deployment = deployment_of[queued.capability]
         key = deployment.deployment_id if deployment is not None else queued.capability
         deployment_depth[key] = deployment_depth.get(key, 0) + 1
+    # Asked for a few: only their deployments' timelines are run forward, and only up to the
+    # last of them (what a decision pass's `stamp_predictions` pays for its new waiters).
+    timed: set[str] | None = None
+    last = len(order) - 1
+    if request_ids is not None:
+        timed = set()
+        last = -1
+        for index, queued in enumerate(order):
+            if queued.request_id in request_ids:
+                deployment = deployment_of[queued.capability]
+                timed.add(deployment.deployment_id if deployment is not None else queued.capability)
+                last = index
     in_class: dict[str, int] = {}
     in_deployment: dict[str, int] = {}
     ahead_by_class: dict[str, int] = {}
     out: list[Verdict] = []
-    for queued in order:
+    for queued in order[: last + 1]:
         deployment = deployment_of[queued.capability]
         key = deployment.deployment_id if deployment is not None else queued.capability
         in_class[queued.priority] = in_class.get(queued.priority, 0) + 1
         in_deployment[key] = in_deployment.get(key, 0) + 1
+        if timed is not None and key not in timed:
+            ahead_by_class[queued.priority] = ahead_by_class.get(queued.priority, 0) + 1
+            continue
         message = queued.waiting_reason
         on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
         if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
             # A pass that starts a load (or wake) for it says no Wait: it waits on that.
             verb = "load" if on_load.phase == ResidentPhase.LOADING else "wake"
             message = message or f"waiting for {on_load.key} to {verb}"
-        reasons = classify(message)
-        start, basis, quality, samples, load = _eta(model, queued, deployment, reasons)
+        start, basis, quality, samples, load = _eta(model, queued, deployment)
         if request_ids is None or queued.request_id in request_ids:
+            reasons = classify(message)
             rank = class_rank(catalog, queued.priority)
             higher = [c for c, n in ahead_by_class.items() if n and class_rank(catalog, c) < rank]
             held = (

@@ -51,6 +51,9 @@ def _exported() -> dict[str, set[str]]:
     metrics.unloads.labels("d", "ttl").inc()
     metrics.alerts.labels("GPU_PRESSURE", "gpu_pressure_entered").inc()
     metrics.events.labels("load").inc()
+    metrics.queue_waiting.labels("default", "memory_held").set(0)
+    metrics.eta_error.labels("default", "memory_held").observe(-1.0)
+    metrics.eta_abs_error.labels("default", "memory_held").observe(1.0)
     series: dict[str, set[str]] = {}
     for line in generate_latest(metrics.registry).decode().splitlines():
         if line.startswith("#") or not line.strip():

@@ -4,12 +4,16 @@ dry run, on small hand-built pools (the policy decides; the verdict reads what i
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from modelforge.domain import GiB, Priority
 from modelforge.failures import FailureClass
 from modelforge.policy import (
+    AdmissionRequest,
+    Decisions,
+    PoolState,
     WaitReason,
     admission_check,
     apply_decisions,
@@ -27,11 +31,11 @@ from tests.builders import NOW, deployment, gpu, observe, resident, state, tenan
 from tests.builders import ask as ask_for
 
 
-def ask(request_id: str, capability: str = "llm@1", **kw: object):  # type: ignore[no-untyped-def]
+def ask(request_id: str, capability: str = "llm@1", **kw: Any) -> AdmissionRequest:
     return ask_for(request_id, capability, **kw)
 
 
-def admit(s, request, now=NOW):  # type: ignore[no-untyped-def]
+def admit(s: PoolState, request: AdmissionRequest, now: float = NOW) -> Decisions:
     _, priority = validate_request(s, request)
     enqueue(s, request, priority, now)
     decisions = decide(s, now)
@@ -121,11 +125,11 @@ def test_a_request_waiting_on_a_load_in_flight_gets_the_loads_expected_end() -> 
     assert v.reason == WaitReason.LOAD_IN_FLIGHT.value
     assert v.load is not None and v.load.resident_key == load.resident_key
     assert v.load.expected_end_at == pytest.approx(NOW + 30.0)
-    assert (v.eta_s, v.eta_basis, v.eta_quality) == (pytest.approx(25.0), "load_in_flight", "catalog")
+    assert v.eta_s == pytest.approx(25.0) and (v.eta_basis, v.eta_quality) == ("load_in_flight", "catalog")
     # Once the deployment's load time was measured here, that is the basis.
     measured(s, "llm@1", "load", 12.0)
     [v] = verdicts(s, NOW + 5)
-    assert (v.eta_s, v.eta_quality) == (pytest.approx(7.0), "measured")
+    assert v.eta_s == pytest.approx(7.0) and v.eta_quality == "measured"
     resident_ready(s, load.resident_key, 4 * GiB, NOW + 12)
     assert [g.request_id for g in decide(s, NOW + 12).grants] == ["r1"]
 
@@ -186,13 +190,13 @@ def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
     admit(s2, ask("running", max_duration_s=100.0))
     admit(s2, ask("r1"), NOW + 1)
     [v] = verdicts(s2, NOW + 2)
-    assert (v.eta_s, v.eta_basis, v.eta_quality) == (pytest.approx(98.0), "queue_service", "bound")
+    assert v.eta_s == pytest.approx(98.0) and (v.eta_basis, v.eta_quality) == ("queue_service", "bound")
 
 
 # --- the dry run --------------------------------------------------------------------------------
 
 
-def _pool():  # type: ignore[no-untyped-def]
+def _pool() -> PoolState:
     s = state(
         [gpu("n/0", total=24, reserve=1)],
         [

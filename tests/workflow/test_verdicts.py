@@ -1,0 +1,120 @@
+"""Verdicts on the real dev server: a queued request's verdict is readable by query (by pool and
+by request id, through modelforge/verdicts.py and the CLI), names what it waits for, changes
+when the blocking lease ends, and the dry run answers without a history event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+from typer.testing import CliRunner
+
+from modelforge.client import ModelForgeClient
+from modelforge.verdicts import CheckSpec, admission_check, pool_verdicts, request_verdict
+from tests.harness import Stack, running_stack
+
+pytestmark = pytest.mark.workflow
+
+CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "queueing.toml"
+JOB = "train.pinned@1"
+
+
+async def _leased(stack: Stack) -> None:
+    while not (await stack.status()).active_leases:
+        await asyncio.sleep(0.1)
+
+
+async def _queued(client: ModelForgeClient, count: int) -> list[Any]:
+    for _ in range(100):
+        found = await pool_verdicts(client, "default")
+        if len(found) >= count and all(v.message for v in found):
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"fewer than {count} decided verdicts: {found}")
+
+
+async def _history_length(stack: Stack) -> int:
+    return (await stack.scheduler.describe()).raw_description.workflow_execution_info.history_length
+
+
+async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_lease(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    from modelforge import cli
+
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        client = ModelForgeClient(stack.client, pool="default")
+        # The holder runs 15 s (long enough for every look below), bounded by a 60 s max_duration.
+        holder = await stack.start_request(
+            JOB, tenant="lab", request_id="holder", max_duration_s=60.0, input={"simulate_invoke_s": 15}
+        )
+        await _leased(stack)
+        # 24 - 1 reserve - 16 held = 7 GiB: two more 16 GiB jobs wait, one behind the other.
+        second = await stack.start_request(JOB, tenant="lab", request_id="second", lease_timeout_s=60)
+        third = await stack.start_request(JOB, tenant="lab", request_id="third", lease_timeout_s=60)
+        first_look = await _queued(client, 2)
+        assert [v.request_id for v in first_look] == ["second", "third"]
+        waiting = first_look[0]
+        assert (waiting.reason, waiting.position_in_class, waiting.class_depth) == ("memory_held", 1, 2)
+        assert any(h.kind == "lease" and "holder" in h.who for h in waiting.held_by), waiting.held_by
+        # Nothing measured yet: the holder's max_duration bounds when its room comes back.
+        assert waiting.eta_basis == "release_then_load" and waiting.eta_s is not None
+        assert 40.0 <= waiting.eta_s <= 61.0
+        by_id = await request_verdict(client, "third")
+        assert by_id is not None and by_id.position_in_class == 2
+        assert json.loads(json.dumps(by_id.to_json()))["position"]["in_class"] == 2
+
+        # The dry run: later (it would wait), never for what cannot be served; no history event.
+        before = await _history_length(stack)
+        later = await admission_check(client, CheckSpec(JOB, tenant="lab"))
+        never = await admission_check(client, CheckSpec("nothing.here@1", tenant="lab"))
+        assert later.answer == "later" and later.verdict is not None and later.verdict.position_in_class == 3
+        assert (never.answer, never.failure) == ("never", "CAPABILITY_UNAVAILABLE")
+        assert await _history_length(stack) == before
+        assert len(await pool_verdicts(client, "default")) == 2  # the probe was never queued
+
+        # The CLI reads the same verdicts.
+        env = {
+            "MODELFORGE_TEMPORAL_ADDRESS": dev_server_env.client.service_client.config.target_host,
+            "MODELFORGE_HOME": str(tmp_path),
+            "MODELFORGE_POOLS": "default",
+        }
+        runner = CliRunner()
+
+        async def run(*args: str) -> Any:
+            return await asyncio.to_thread(runner.invoke, cli.app, list(args), env=env)
+
+        listed = await run("queue", "--json")
+        assert listed.exit_code == 0, listed.output
+        assert [v["request_id"] for v in json.loads(listed.stdout)] == ["second", "third"]
+        table = await run("queue")
+        assert table.exit_code == 0 and "memory_held" in table.stdout and "third" in table.stdout, table.output
+        why = await run("why", "second")
+        assert why.exit_code == 0 and "position: 1 of 2" in why.stdout and "holder" in why.stdout, why.output
+        gone = await run("why", "nobody-waits")
+        assert gone.exit_code == 1 and "not waiting" in gone.stdout
+        dry = await run("request", JOB, "--tenant", "lab", "--dry-run", "--json")
+        assert dry.exit_code == 0 and json.loads(dry.stdout)["answer"] == "later", dry.output
+        dry_never = await run("request", "nothing.here@1", "--tenant", "lab", "--dry-run")
+        assert dry_never.exit_code == 1 and "never" in dry_never.stdout, dry_never.output
+
+        # The holder's lease ends: `second` is granted, `third` moves up and waits on it now.
+        await holder.result()
+        await second.result()
+        for _ in range(100):
+            moved = await request_verdict(client, "third")
+            if moved is not None and moved.position_in_class == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert moved is not None and (moved.position_in_class, moved.class_depth) == (1, 1)
+        assert any("second" in h.who for h in moved.held_by), moved.held_by
+        assert await request_verdict(client, "second") is None
+        await third.result()
+        # Each grant after a wait says how far off its first ETA was.
+        grants = {e["request_id"]: e for e in await stack.events("lease_granted", at_least=3)}
+        assert "eta_error_s" in grants["second"]["payload"] and grants["second"]["payload"]["eta_reason"]
+        assert "eta_error_s" not in grants["holder"]["payload"]  # granted at once: never predicted
