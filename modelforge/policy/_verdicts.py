@@ -473,6 +473,18 @@ class _Model:
             return self.now + self.load(deployment, "wake")[0]
         return None  # unloading, sleeping, unreclaimed: no slot to count on
 
+    def slot_holders(self, deployment: Deployment) -> list[Holder]:
+        """Who holds the slots of the deployment's residents (for a request at concurrency):
+        the leases running on them, soonest expected end first."""
+        holders: list[Holder] = []
+        for resident in self.residents_of.get(deployment.deployment_id, []):
+            for lease in self.leases_on.get(resident.accelerator, []):
+                if lease.resident_key == resident.key and lease.incarnation == resident.incarnation:
+                    who = f"{lease.tenant}/{lease.priority} {lease.request_id}"
+                    holders.append(Holder(resident.accelerator, "lease", who, lease.bytes, self.lease_end(lease)))
+        holders.sort(key=lambda h: (math.inf if h.ends_at is None else h.ends_at, h.who))
+        return holders[:MAX_HOLDERS]
+
     def holders(self, deployment: Deployment, priority: str) -> list[Holder]:
         """Who holds the memory on the eligible card where the model falls short least."""
         key = f"{deployment.deployment_id}/{priority}"
@@ -631,6 +643,8 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
             held = (
                 model.holders(deployment, queued.priority)
                 if deployment is not None and any(r in _MEMORY_REASONS for r in reasons)
+                else model.slot_holders(deployment)
+                if deployment is not None and WaitReason.CONCURRENCY_FULL in reasons
                 else []
             )
             out.append(

@@ -53,16 +53,18 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
             JOB, tenant="lab", request_id="holder", max_duration_s=60.0, input={"simulate_invoke_s": 15}
         )
         await _leased(stack)
-        # 24 - 1 reserve - 16 held = 7 GiB: two more 16 GiB jobs wait, one behind the other.
-        second = await stack.start_request(JOB, tenant="lab", request_id="second", lease_timeout_s=60)
+        # The holder takes the resident's one slot (concurrency 1): two more jobs wait, one behind the other.
+        second = await stack.start_request(
+            JOB, tenant="lab", request_id="second", lease_timeout_s=60, input={"simulate_invoke_s": 5}
+        )
         third = await stack.start_request(JOB, tenant="lab", request_id="third", lease_timeout_s=60)
         first_look = await _queued(client, 2)
         assert [v.request_id for v in first_look] == ["second", "third"]
         waiting = first_look[0]
-        assert (waiting.reason, waiting.position_in_class, waiting.class_depth) == ("memory_held", 1, 2)
+        assert (waiting.reason, waiting.position_in_class, waiting.class_depth) == ("concurrency_full", 1, 2)
         assert any(h.kind == "lease" and "holder" in h.who for h in waiting.held_by), waiting.held_by
         # Nothing measured yet: the holder's max_duration bounds when its room comes back.
-        assert waiting.eta_basis == "release_then_load" and waiting.eta_s is not None
+        assert waiting.eta_basis == "queue_service" and waiting.eta_s is not None, waiting
         assert 40.0 <= waiting.eta_s <= 61.0
         by_id = await request_verdict(client, "third")
         assert by_id is not None and by_id.position_in_class == 2
@@ -72,7 +74,7 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         before = await _history_length(stack)
         later = await admission_check(client, CheckSpec(JOB, tenant="lab"))
         never = await admission_check(client, CheckSpec("nothing.here@1", tenant="lab"))
-        assert later.answer == "later" and later.verdict is not None and later.verdict.position_in_class == 3
+        assert later.answer == "later" and later.verdict is not None and later.verdict.reason == "concurrency_full"
         assert (never.answer, never.failure) == ("never", "CAPABILITY_UNAVAILABLE")
         assert await _history_length(stack) == before
         assert len(await pool_verdicts(client, "default")) == 2  # the probe was never queued
@@ -82,6 +84,7 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
             "MODELFORGE_TEMPORAL_ADDRESS": dev_server_env.client.service_client.config.target_host,
             "MODELFORGE_HOME": str(tmp_path),
             "MODELFORGE_POOLS": "default",
+            "COLUMNS": "200",  # an operator's terminal: the table's columns whole
         }
         runner = CliRunner()
 
@@ -92,7 +95,7 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert listed.exit_code == 0, listed.output
         assert [v["request_id"] for v in json.loads(listed.stdout)] == ["second", "third"]
         table = await run("queue")
-        assert table.exit_code == 0 and "memory_held" in table.stdout and "third" in table.stdout, table.output
+        assert table.exit_code == 0 and "concurrency_full" in table.stdout and "third" in table.stdout, table.output
         why = await run("why", "second")
         assert why.exit_code == 0 and "position: 1 of 2" in why.stdout and "holder" in why.stdout, why.output
         gone = await run("why", "nobody-waits")
@@ -104,7 +107,6 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
 
         # The holder's lease ends: `second` is granted, `third` moves up and waits on it now.
         await holder.result()
-        await second.result()
         for _ in range(100):
             moved = await request_verdict(client, "third")
             if moved is not None and moved.position_in_class == 1:
@@ -113,8 +115,8 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert moved is not None and (moved.position_in_class, moved.class_depth) == (1, 1)
         assert any("second" in h.who for h in moved.held_by), moved.held_by
         assert await request_verdict(client, "second") is None
+        await second.result()
         await third.result()
         # Each grant after a wait says how far off its first ETA was.
         grants = {e["request_id"]: e for e in await stack.events("lease_granted", at_least=3)}
         assert "eta_error_s" in grants["second"]["payload"] and grants["second"]["payload"]["eta_reason"]
-        assert "eta_error_s" not in grants["holder"]["payload"]  # granted at once: never predicted
