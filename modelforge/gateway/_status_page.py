@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +55,7 @@ def status_page_router(
 ) -> APIRouter:
     router = APIRouter(include_in_schema=False)
 
-    def allowed(request: Request) -> None:
+    def allowed(request: Request, challenge: bool = True) -> None:
         if not keyed:
             request.state.tenant = "operator"
             return
@@ -64,7 +65,10 @@ def status_page_router(
                 FailureClass.REQUEST_INVALID,
                 "the status page needs an operator's API key (as the password; any user name)",
                 status=401,
-                headers={"WWW-Authenticate": 'Basic realm="ModelForge status", charset="UTF-8"'},
+                # The page asks the browser for the key; its polls do not (a challenge there
+                # would open a prompt the page cannot answer): the browser sends the key it
+                # was given for the page.
+                headers={"WWW-Authenticate": 'Basic realm="ModelForge status", charset="UTF-8"'} if challenge else {},
             )
         request.state.tenant = tenant
         if not sees_everything(tenant):
@@ -79,11 +83,16 @@ def status_page_router(
     @router.get("/ui")
     async def page(request: Request) -> HTMLResponse:
         allowed(request)
-        return HTMLResponse(PAGE.replace("__POLL_MS__", str(int(POLL_S * 1000))))
+        # The first picture comes with the page (drawn before any fetch), so the page shows
+        # the pools at once; the polls then fetch from the origin: a page opened with the key
+        # in its URL (user:key@host) has a base URL fetch() refuses to resolve against.
+        # JSON in a script: every "<" escaped, so no name in it can close the element.
+        first = json.dumps(await picture(verdicts)).replace("<", "\\u003c")
+        return HTMLResponse(PAGE.replace("__POLL_MS__", str(int(POLL_S * 1000))).replace("__FIRST__", first))
 
     @router.get("/ui/status.json")
     async def status(request: Request) -> JSONResponse:
-        allowed(request)
+        allowed(request, challenge=False)
         return JSONResponse(await picture(verdicts))
 
     return router
@@ -243,9 +252,10 @@ function draw(data) {
   }
   document.getElementById("updated").textContent = "updated " + new Date(data.now * 1000).toLocaleTimeString();
 }
+draw(__FIRST__);
 async function poll() {
   try {
-    const answer = await fetch("/ui/status.json", {credentials: "same-origin"});
+    const answer = await fetch(location.origin + "/ui/status.json", {credentials: "same-origin"});
     if (!answer.ok) throw new Error(answer.status + " " + (await answer.text()).slice(0, 200));
     draw(await answer.json());
   } catch (error) {
@@ -253,7 +263,7 @@ async function poll() {
   }
   setTimeout(poll, __POLL_MS__);
 }
-poll();
+setTimeout(poll, __POLL_MS__);
 </script>
 </body>
 </html>
