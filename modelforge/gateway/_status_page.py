@@ -124,7 +124,7 @@ async def picture(verdicts: VerdictSource) -> dict[str, Any]:
                     "id": card.id,
                     "node": card.node,
                     "model": card.model,
-                    "simulated": card.simulated,
+                    "simulated_card": card.simulated,
                     "healthy": card.healthy,
                     "fresh": card.fresh,
                     "pressure": card.pressure,
@@ -211,7 +211,7 @@ function table(headers, rows) {
 }
 function card(c) {
   const box = el("div", {class: "card", "data-card": c.id});
-  const flags = [c.simulated ? "simulated" : "", c.healthy ? "" : "UNHEALTHY", c.fresh ? "" : "stale",
+  const flags = [c.simulated_card ? "simulated" : "", c.healthy ? "" : "UNHEALTHY", c.fresh ? "" : "stale",
                  c.pressure ? "external pressure" : ""].filter(Boolean).join(", ");
   box.append(el("div", {}, el("b", {}, c.id), " on ", c.node, " - ", c.model, " - ", gib(c.total_bytes),
                 flags ? el("span", {class: "bad"}, " (" + flags + ")") : ""));

@@ -166,7 +166,7 @@ class FakeStore:
 class FakeMetrics:
     polled: list[str] = []
 
-    async def poll(self, pool: str, query: Any) -> None:
+    async def poll(self, pool: str, query: Any, **queries: Any) -> None:
         FakeMetrics.polled.append(pool)
         await asyncio.Event().wait()
 

@@ -57,6 +57,7 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         second = await stack.start_request(
             JOB, tenant="lab", request_id="second", lease_timeout_s=60, input={"simulate_invoke_s": 5}
         )
+        await _queued(client, 1)  # second is in the queue before third asks
         third = await stack.start_request(JOB, tenant="lab", request_id="third", lease_timeout_s=60)
         first_look = await _queued(client, 2)
         assert [v.request_id for v in first_look] == ["second", "third"]
