@@ -25,6 +25,7 @@ async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) 
             "0003_envelopes.sql",
             "0004_catalog_queues.sql",
             "0005_events_quarantine.sql",
+            "0007_ledger_open_leases.sql",
         ]
         assert await store.migrate() == []  # re-run: nothing new
         catalog, _ = load_catalog_file(example_catalog_path())
