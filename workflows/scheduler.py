@@ -1130,6 +1130,11 @@ class PoolSchedulerWorkflow:
         for row in audit.result():
             if row.lease_id in self._state.leases or row.lease_id in released:
                 continue
+            counter = row.lease_id.rsplit(".", 1)[-1]
+            if counter.isdigit():
+                # A reset rewound the lease counter: an id the lost run gave out is never given
+                # again (its holder asking again would get the same id, and one ledger row).
+                self._state.lease_counter = max(self._state.lease_counter, int(counter))
             holder = request_workflow_id(row.capability, row.request_id) if row.request_id else ""
             reason = "the scheduler no longer held it (its run was reset past the grant)"
             accelerator = row.accelerators[0] if row.accelerators else ""
