@@ -25,13 +25,10 @@ from modelforge.cli_common import (
     _table_console,
     app,
     out,
+    short_bytes,
 )
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import AdmissionCheck, Verdict
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f}G"
 
 
 def _eta(verdict: Verdict) -> str:
@@ -92,7 +89,7 @@ def render_why(verdict: Verdict) -> None:
         ends = (
             "" if holder.ends_at is None else f", ends in about {max(0.0, holder.ends_at - verdict.computed_at):.0f} s"
         )
-        lines.append(f"held on {holder.accelerator}: {_gib(holder.bytes)} {holder.kind} {holder.who}{ends}")
+        lines.append(f"held on {holder.accelerator}: {short_bytes(holder.bytes)} {holder.kind} {holder.who}{ends}")
     if verdict.eta_s is None:
         lines.append("eta: unknown (nothing measured to base it on)")
     else:
