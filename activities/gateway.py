@@ -48,30 +48,27 @@ class _PoolBatcher:
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._pump: asyncio.Task[None] | None = None
         self._sending: list[asyncio.Task[None]] = []  # held so they are not collected mid-flight
-        self._wake = asyncio.Event()
 
     async def admit(self, request: AdmissionRequest) -> AdmitReply:
         future: asyncio.Future[AdmitReply] = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
-        self._wake.set()
         return await future
 
     async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                await self._slots.acquire()
-                # Whatever gathered while waiting for a slot goes out together.
-                batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-                live = [(request, future) for request, future in batch if not future.done()]
-                if not live:
-                    self._slots.release()
-                    continue
-                self._sending = [task for task in self._sending if not task.done()]
-                self._sending.append(asyncio.create_task(self._send(live)))
+        """Sends until nothing is pending, then ends (the next call starts another): no task is
+        left waiting when the worker's loop closes."""
+        while self._pending:
+            await self._slots.acquire()
+            # Whatever gathered while waiting for a slot goes out together.
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            live = [(request, future) for request, future in batch if not future.done()]
+            if not live:
+                self._slots.release()
+                continue
+            self._sending = [task for task in self._sending if not task.done()]
+            self._sending.append(asyncio.create_task(self._send(live)))
 
     async def _send(self, batch: list[tuple[AdmissionRequest, asyncio.Future[AdmitReply]]]) -> None:
         try:

@@ -155,8 +155,8 @@ class Observed(ModelForgeScheduler):
         super().__init__(scene)
         self.rid_of = {r.index: r.request_id for r in scene.requests}
         self.submitted = {r.request_id: r.t for r in scene.requests}
-        # request id -> (reason, predicted start, naive start, basis)
-        self.predicted: dict[str, tuple[str, float | None, float | None, str]] = {}
+        # request id -> (reason, predicted start, naive start, basis, quality)
+        self.predicted: dict[str, tuple[str, float | None, float | None, str, str]] = {}
         self.started: dict[str, float] = {}
         self.snapshots: list[tuple[float, PoolState]] = []
         self.snapshot_every_s = snapshot_every_s
@@ -175,7 +175,13 @@ class Observed(ModelForgeScheduler):
             for verdict in verdicts(self.state, now, fresh):
                 mean, _ = service_figures(self.state, verdict.deployment)
                 naive = now + verdict.position_in_deployment * mean if mean else None
-                self.predicted[verdict.request_id] = (verdict.reason, verdict.eta_at, naive, verdict.eta_basis)
+                self.predicted[verdict.request_id] = (
+                    verdict.reason,
+                    verdict.eta_at,
+                    naive,
+                    verdict.eta_basis,
+                    verdict.eta_quality,
+                )
         if now >= self._next_snapshot and self.state.queue:
             self.snapshots.append((now, copy.deepcopy(self.state, {id(self.state.catalog): self.state.catalog})))
             self._next_snapshot = now + self.snapshot_every_s
@@ -185,6 +191,12 @@ class Observed(ModelForgeScheduler):
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _median_p90(values: list[float], width: int) -> str:
+    if not values:
+        return f"{'-':>{width}} {'-':>6}"
+    return f"{statistics.median(values):>{width}.0%} {_quantile(values, 0.9):>6.0%}"
 
 
 def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
@@ -199,7 +211,7 @@ def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
     # reason -> [(actual start, actual wait, predicted start, naive start)]
     by_reason: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
     unknown: dict[str, int] = {}
-    for rid, (reason, eta_at, naive_at, _) in observed.predicted.items():
+    for rid, (reason, eta_at, naive_at, _, quality) in observed.predicted.items():
         start = observed.started.get(rid)
         if start is None:
             continue
@@ -208,24 +220,22 @@ def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
             continue
         if eta_at is None:
             unknown[reason] = unknown.get(reason, 0) + 1
-        for key in (reason, "all"):
+        # Per reason, all together, and all by the ETA's quality (what it says it is based on).
+        for key in (reason, "all", f"all, {quality}"):
             by_reason.setdefault(key, []).append((start, waited, eta_at, naive_at))
     lines.append(
-        f"   {'reason':<22} {'waited':>6} {'both':>5}   {'verdict med':>11} {'p90':>6}   "
+        f"   {'reason':<22} {'waited':>6} {'ETA':>5}  {'verdict med':>11} {'p90':>6}   {'naive':>5}  "
         f"{'naive med':>9} {'p90':>6}   (|predicted - actual start| / actual wait)"
     )
-    for reason in sorted(by_reason, key=lambda r: (r == "all", r)):
+    for reason in sorted(by_reason, key=lambda r: (r.startswith("all"), r != "all", r)):
         rows = by_reason[reason]
-        # Compared where both estimate (the naive one needs a measured mean service).
-        both = [(start, waited, e, n) for start, waited, e, n in rows if e is not None and n is not None]
-        if not both:
-            lines.append(f"   {reason:<22} {len(rows):>6} {0:>5}   {'-':>11} {'-':>6}   {'-':>9} {'-':>6}")
-            continue
-        ours = [abs(e - start) / waited for start, waited, e, _ in both]
-        naive = [abs(n - start) / waited for start, waited, _, n in both]
+        # Each over the requests it gave a figure for (the naive one needs a measured mean
+        # service; a verdict with nothing to base it on claims none).
+        ours = [abs(e - start) / waited for start, waited, e, _ in rows if e is not None]
+        naive = [abs(n - start) / waited for start, waited, _, n in rows if n is not None]
         lines.append(
-            f"   {reason:<22} {len(rows):>6} {len(both):>5}   {statistics.median(ours):>11.0%} "
-            f"{_quantile(ours, 0.9):>6.0%}   {statistics.median(naive):>9.0%} {_quantile(naive, 0.9):>6.0%}"
+            f"   {reason:<22} {len(rows):>6} {len(ours):>5}  {_median_p90(ours, 11)}   {len(naive):>5}  "
+            f"{_median_p90(naive, 9)}"
         )
     if unknown:
         lines.append(f"   no ETA claimed (nothing measured to base it on), by reason: {unknown}")

@@ -529,7 +529,9 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
                 stack.watch()
                 time.sleep(1.0)
         except KeyboardInterrupt:
-            console.print("stopping...")
+            # Plain print: the signal may have interrupted a rich print half-way, which leaves
+            # rich's buffer held and would swallow this line.
+            print("stopping...", flush=True)
             return 0
         finally:
             stack.stop()

@@ -18,9 +18,12 @@ A `Verdict` (one per queued request, in queue order):
     `load_in_flight`     it waits on a load (or wake) already started: that load's expected end
                          (its deployment's measured load time in this pool, else the catalog's);
     `queue_service`      a resident of its deployment is there or on its way: the slots
-                         (residents x concurrency) are run forward: each running lease ends at
-                         its grant plus the deployment's mean measured service time, the requests
-                         ordered ahead of it take the freed slots for a mean service time each;
+                         (residents x concurrency) are run forward: each running lease ends
+                         after its mean residual life (the mean of the measured runs that lasted
+                         longer than it has so far, less what it has run; at most its
+                         max_duration), the requests ordered ahead of it take the freed slots
+                         for a mean service time each, except one that would start after it
+                         expires (the policy refuses it then: its slot stays free);
     `release_then_load`  no resident has a slot for it: when the leases on its eligible cards
                          have ended (expected ends, as above) leaving room for the model, plus
                          the load (measured load history, else the catalog's figure);
@@ -42,19 +45,23 @@ failure class and the policy's message, with `detail` in GiB for memory refusals
 
 from __future__ import annotations
 
+import bisect
 import copy
 import heapq
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from enum import StrEnum
 
-from modelforge.domain import Deployment, GiB, Residency
+from modelforge.domain import Deployment, GiB, Residency, fair_share_entity
 from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import Decisions
-from modelforge.policy._order import class_rank, queue_order
+from modelforge.policy._order import class_rank, fair_share_scores, queue_order
+from modelforge.policy._queue_index import queue_index
 from modelforge.policy._pass import filter_accelerators
 from modelforge.policy._placement import decide
 from modelforge.policy._state import (
@@ -312,26 +319,54 @@ class _Model:
     """What every verdict of one call reads, computed once: service and load figures per
     deployment, each lease's expected end, per-card budgets, the slot timelines."""
 
-    def __init__(self, state: PoolState, now: float) -> None:
+    def __init__(self, state: PoolState, now: float, only: set[str] | None = None) -> None:
         self.state = state
         self.now = now
+        self.only = only  # the deployments whose timelines are run (None: all)
         self._service: dict[str, tuple[float, int]] = {}
+        self._residual: dict[str, tuple[list[float], list[float]]] = {}
         self._load: dict[str, tuple[float, str]] = {}
         self._slots: dict[str, list[float]] = {}
         self._room: dict[str, float | None] = {}
         self._holders: dict[str, list[Holder]] = {}
         self._eligible: dict[tuple[str, str], list[str]] = {}
-        self.leases_on: dict[str, list[Lease]] = {}
-        for lease in state.leases.values():
-            if lease.lease_id in state.slots:
+
+    # Built on first use: stamping a new waiter on a resident's queue never needs them.
+    @cached_property
+    def leases_on(self) -> dict[str, list[Lease]]:
+        found: dict[str, list[Lease]] = {}
+        for lease in self.state.leases.values():
+            if lease.lease_id in self.state.slots:
                 continue  # a lent slot: no work runs on it until a node's request does
             for accelerator in lease.accelerators:
-                self.leases_on.setdefault(accelerator, []).append(lease)
-        self.residents_on: dict[str, list[ResidentState]] = {}
-        self.residents_of: dict[str, list[ResidentState]] = {}
-        for resident in state.residents.values():
-            self.residents_on.setdefault(resident.accelerator, []).append(resident)
-            self.residents_of.setdefault(resident.deployment, []).append(resident)
+                found.setdefault(accelerator, []).append(lease)
+        return found
+
+    @cached_property
+    def leases_of_resident(self) -> dict[tuple[str, int], list[Lease]]:
+        """The leases running on each resident (its key and incarnation)."""
+        found: dict[tuple[str, int], list[Lease]] = {}
+        slots, only = self.state.slots, self.only
+        for lease in self.state.leases.values():
+            if only is not None and lease.deployment not in only:
+                continue
+            if lease.resident_key and lease.lease_id not in slots:
+                found.setdefault((lease.resident_key, lease.incarnation), []).append(lease)
+        return found
+
+    @cached_property
+    def residents_on(self) -> dict[str, list[ResidentState]]:
+        found: dict[str, list[ResidentState]] = {}
+        for resident in self.state.residents.values():
+            found.setdefault(resident.accelerator, []).append(resident)
+        return found
+
+    @cached_property
+    def residents_of(self) -> dict[str, list[ResidentState]]:
+        found: dict[str, list[ResidentState]] = {}
+        for resident in self.state.residents.values():
+            found.setdefault(resident.deployment, []).append(resident)
+        return found
 
     def service(self, deployment_id: str) -> tuple[float, int]:
         """(mean measured service seconds, samples)."""
@@ -356,12 +391,32 @@ class _Model:
         return figure
 
     def lease_end(self, lease: Lease) -> float | None:
-        mean, samples = self.service(lease.deployment)
-        if samples:
-            return max(self.now, lease.granted_at + mean)
-        if lease.ends_by is not None:
-            return max(self.now, lease.ends_by)
-        return None
+        """A running lease's expected end: its mean residual life from the measured service
+        times (the mean of the runs that lasted longer than it has so far, less what it has run:
+        a lease past the mean is not about to end, it is one of the long ones), at most its
+        max_duration; that bound alone while nothing is measured, or when it has outrun every
+        measured run."""
+        if not self.service(lease.deployment)[1]:
+            return None if lease.ends_by is None else max(self.now, lease.ends_by)
+        elapsed = max(0.0, self.now - lease.granted_at)
+        ordered, suffix = self._residual_table(lease.deployment)
+        longer = bisect.bisect_right(ordered, elapsed)
+        if longer == len(ordered):
+            return None if lease.ends_by is None else max(self.now, lease.ends_by)
+        end = self.now + suffix[longer] / (len(ordered) - longer) - elapsed
+        return end if lease.ends_by is None else max(self.now, min(end, lease.ends_by))
+
+    def _residual_table(self, deployment_id: str) -> tuple[list[float], list[float]]:
+        """The deployment's measured service times in order, and their suffix sums."""
+        table = self._residual.get(deployment_id)
+        if table is None:
+            measured = self.state.measured.get(deployment_id)
+            ordered = sorted(measured.service_s) if measured is not None else []
+            suffix = [0.0] * (len(ordered) + 1)
+            for index in range(len(ordered) - 1, -1, -1):
+                suffix[index] = suffix[index + 1] + ordered[index]
+            table = self._residual[deployment_id] = (ordered, suffix)
+        return table
 
     def eligible(self, deployment: Deployment, priority: str) -> list[str]:
         key = (deployment.deployment_id, priority)
@@ -448,11 +503,7 @@ class _Model:
             ready = self.ready_at(resident, deployment)
             if ready is None:
                 continue
-            busy = [
-                lease
-                for lease in self.leases_on.get(resident.accelerator, [])
-                if lease.resident_key == resident.key and lease.incarnation == resident.incarnation
-            ]
+            busy = self.leases_of_resident.get((resident.key, resident.incarnation), [])
             for lease in busy[: deployment.concurrency]:
                 end = self.lease_end(lease)
                 # A lease with no measured service and no max_duration: its end is unknown.
@@ -478,10 +529,9 @@ class _Model:
         the leases running on them, soonest expected end first."""
         holders: list[Holder] = []
         for resident in self.residents_of.get(deployment.deployment_id, []):
-            for lease in self.leases_on.get(resident.accelerator, []):
-                if lease.resident_key == resident.key and lease.incarnation == resident.incarnation:
-                    who = f"{lease.tenant}/{lease.priority} {lease.request_id}"
-                    holders.append(Holder(resident.accelerator, "lease", who, lease.bytes, self.lease_end(lease)))
+            for lease in self.leases_of_resident.get((resident.key, resident.incarnation), []):
+                who = f"{lease.tenant}/{lease.priority} {lease.request_id}"
+                holders.append(Holder(resident.accelerator, "lease", who, lease.bytes, self.lease_end(lease)))
         holders.sort(key=lambda h: (math.inf if h.ends_at is None else h.ends_at, h.who))
         return holders[:MAX_HOLDERS]
 
@@ -552,11 +602,14 @@ def _eta(
             load = LoadInFlight(
                 resident.key, resident.accelerator, resident.phase.value, resident.requested_at, end, basis
             )
-            _take(heap, end, mean)
-            return end, "load_in_flight", basis, samples, load
+            # The load's slots go to the first ones assigned to it; one assigned past its
+            # concurrency waits for a slot after that (the load's slots are in the timeline).
+            start = _next_slot(heap, queued, mean) if heap else end
+            if start <= end + 1e-6:
+                return end, "load_in_flight", basis, samples, load
+            return start, "queue_service", quality if samples else "bound", samples, load
     if heap:
-        start = heapq.heappop(heap)
-        heapq.heappush(heap, start + mean)
+        start = _next_slot(heap, queued, mean)
         if math.isinf(start):
             return None, "unknown", "none", samples, None
         return max(now, start), "queue_service", quality if samples else "bound", samples, None
@@ -579,13 +632,13 @@ def _eta(
     return ready, "release_then_load", basis, samples, None
 
 
-def _take(heap: list[float], at: float, mean: float) -> None:
-    """A request assigned to a loading resident holds one of its slots from `at` on."""
-    for index, value in enumerate(heap):
-        if abs(value - at) < 1e-9:
-            heap[index] = at + mean
-            heapq.heapify(heap)
-            return
+def _next_slot(heap: list[float], queued: QueuedRequest, mean: float) -> float:
+    """When `queued` gets the next free slot of its deployment's timeline, which it then holds
+    for a mean service time. One that would start after it expires leaves the queue unserved at
+    its expiry (the policy refuses it then): the slot stays for those behind it."""
+    start = heapq.heappop(heap)
+    heapq.heappush(heap, start if start > queued.expires_at else start + mean)
+    return start
 
 
 def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) -> list[Verdict]:
@@ -606,7 +659,7 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
         key = deployment.deployment_id if deployment is not None else queued.capability
         deployment_depth[key] = deployment_depth.get(key, 0) + 1
     # Asked for a few: only their deployments' timelines are run forward, and only up to the
-    # last of them (what a decision pass's `stamp_predictions` pays for its new waiters).
+    # last of them.
     timed: set[str] | None = None
     last = len(order) - 1
     if request_ids is not None:
@@ -629,12 +682,7 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
         if timed is not None and key not in timed:
             ahead_by_class[queued.priority] = ahead_by_class.get(queued.priority, 0) + 1
             continue
-        message = queued.waiting_reason
-        on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
-        if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
-            # A pass that starts a load (or wake) for it says no Wait: it waits on that.
-            verb = "load" if on_load.phase == ResidentPhase.LOADING else "wake"
-            message = message or f"waiting for {on_load.key} to {verb}"
+        message = _message(state, queued)
         start, basis, quality, samples, load = _eta(model, queued, deployment)
         if request_ids is None or queued.request_id in request_ids:
             reasons = classify(message)
@@ -685,7 +733,10 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
     """Keep the first ETA of each request a decision pass left waiting (`eta_at`, `eta_reason`):
     the ones it made wait, and those it started a load or wake for or assigned to one (a
     request's first wait is always among these, so a pass with none costs nothing). Returns how
-    many were stamped. What the ETA-error figures compare a grant's actual start with."""
+    many were stamped. What the ETA-error figures compare a grant's actual start with.
+
+    Runs on every pass that has a new waiter, so it pays only for what it keeps: the ETA and the
+    first reason (no depths, no holders), walking the queue order only until the last of them."""
     waiting = {wait.request_id for wait in decisions.waits}
     waiting.update(assign.request_id for assign in decisions.assigns)
     for load in decisions.loads:
@@ -694,14 +745,66 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
         waiting.update(wake.for_requests)
     if not waiting:
         return 0
-    by_id = {q.request_id: q for q in state.queue if q.request_id in waiting and q.eta_reason == ""}
+    queued_by_id = queue_index(state).by_id
+    by_id = {
+        rid: queued for rid in waiting if (queued := queued_by_id.get(rid)) is not None and queued.eta_reason == ""
+    }
     if not by_id:
         return 0
-    for verdict in verdicts(state, now, set(by_id)):
-        queued = by_id[verdict.request_id]
-        queued.eta_at = verdict.eta_at
-        queued.eta_reason = verdict.reason
+    catalog = state.catalog
+    deployment_of: dict[str, Deployment | None] = {}
+    for queued in by_id.values():
+        if queued.capability not in deployment_of:
+            deployment_of[queued.capability] = catalog.deployment_for(queued.capability)
+    timed = {d.deployment_id if d is not None else c for c, d in deployment_of.items()}
+    model = _Model(state, now, only=timed)
+    left = len(by_id)
+    for queued in _timeline_order(state, now, deployment_of, timed):
+        start = _eta(model, queued, deployment_of[queued.capability])[0]  # each takes its slot
+        if queued.request_id in by_id:
+            queued.eta_at = start
+            queued.eta_reason = classify(_message(state, queued))[0].value
+            left -= 1
+            if not left:
+                break
     return len(by_id)
+
+
+def _timeline_order(
+    state: PoolState, now: float, deployment_of: dict[str, Deployment | None], timed: set[str]
+) -> Iterator[QueuedRequest]:
+    """The queue order (`iter_queue_order`) of the requests whose deployment is in `timed`
+    only, from the queue index's lanes (one per class, tenant and capability, each in submission
+    order), without ordering the rest of the queue. `deployment_of` gains the lanes' capabilities."""
+    catalog = state.catalog
+    scores = fair_share_scores(state, now)
+    buckets: dict[tuple[int, float], list[list[QueuedRequest]]] = {}
+    for (priority, tenant, capability), lane in queue_index(state).lanes.items():
+        if capability not in deployment_of:
+            deployment_of[capability] = catalog.deployment_for(capability)
+        deployment = deployment_of[capability]
+        if (deployment.deployment_id if deployment is not None else capability) not in timed:
+            continue
+        key = (class_rank(catalog, priority), -scores.get(fair_share_entity(priority, tenant), 0.0))
+        buckets.setdefault(key, []).append(lane.items)
+    for key in sorted(buckets):
+        lanes = buckets[key]
+        if len(lanes) == 1:
+            yield from lanes[0]
+        else:  # the lanes of one bucket interleave in submission order, as in the queue
+            yield from heapq.merge(*lanes, key=lambda q: (q.submitted_at, q.request_id))
+
+
+def _message(state: PoolState, queued: QueuedRequest) -> str:
+    """What `queued` waits on in words: the policy's Wait line, or the load (or wake) a pass
+    started for it (such a pass says no Wait: it waits on that)."""
+    on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
+    if queued.waiting_reason or on_load is None:
+        return queued.waiting_reason
+    if on_load.phase not in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+        return ""
+    verb = "load" if on_load.phase == ResidentPhase.LOADING else "wake"
+    return f"waiting for {on_load.key} to {verb}"
 
 
 # --- the dry run --------------------------------------------------------------------------------

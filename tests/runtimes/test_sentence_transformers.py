@@ -101,7 +101,15 @@ async def run_cli(argv: list[str], env: dict[str, str], timeout_s: float) -> tup
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
     )
-    out, errors = await asyncio.wait_for(process.communicate(), timeout_s)
+    try:
+        out, errors = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        # Killed, so that its pipes close and the failure says what it was doing.
+        process.kill()
+        out, errors = await process.communicate()
+        raise AssertionError(
+            f"{argv[2:]} did not finish in {timeout_s:g} s:\n{out.decode()[-2000:]}\n{errors.decode()[-4000:]}"
+        ) from None
     return process.returncode or 0, out.decode(), errors.decode()
 
 

@@ -24,9 +24,12 @@ from modelforge.policy import (
     release_lease,
     resident_ready,
     resident_unloaded,
+    stamp_predictions,
     validate_request,
+    verdicts,
 )
 from modelforge.policy._placement import decide_each
+from modelforge.policy._state import note_service
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 # Three NVLink groups of four cards (two nodes, two racks).
@@ -146,9 +149,19 @@ operation = st.one_of(
 )
 
 
-def run(operations: list[tuple[object, ...]], gang_reservations: bool, max_duration_s: float | None) -> None:
+def run(
+    operations: list[tuple[object, ...]],
+    gang_reservations: bool,
+    max_duration_s: float | None,
+    stamps: bool = False,
+) -> None:
+    """With `stamps`, also: the first ETA and reason each pass stamps on its new waiters (the
+    fast walk over their deployments' lanes) are what the full verdicts say of them."""
     s = build(gang_reservations)
     unmanaged = fill(s, max_duration_s)
+    if stamps:  # measured service: each waiter's place in its deployment's timeline shows in its ETA
+        for capability, seconds in zip(SINGLE, (20.0, 45.0, 90.0), strict=True):
+            note_service(s, capability, seconds)
     now = NOW
     for n, op in enumerate(operations):
         kind = op[0]
@@ -195,6 +208,15 @@ def run(operations: list[tuple[object, ...]], gang_reservations: bool, max_durat
         fast = decide(s, now)
         assert_fast_is_reference(fast, decide_each(s, now, reuse_settled=False))
         apply_decisions(s, fast, now, {})
+        if stamps:
+            unstamped = {q.request_id for q in s.queue if not q.eta_reason}
+            expected = {v.request_id: (v.eta_at, v.reason) for v in verdicts(s, now)}
+            stamp_predictions(s, now, fast)
+            stamped = {q.request_id: (q.eta_at, q.eta_reason) for q in s.queue if q.request_id in unstamped}
+            assert all(stamped[w.request_id][1] for w in fast.waits if w.request_id in unstamped)
+            assert {k: v for k, v in stamped.items() if v[1]} == {
+                k: expected[k] for k, v in stamped.items() if v[1]
+            }
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,6 +229,14 @@ def test_a_full_pool_with_many_gangs_waiting_decides_what_the_reference_decides(
     operations: list[tuple[object, ...]], gang_reservations: bool, max_duration_s: float | None
 ) -> None:
     run(operations, gang_reservations, max_duration_s)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=30), st.booleans())
+def test_the_first_eta_stamped_on_each_new_waiter_is_its_full_verdicts(
+    operations: list[tuple[object, ...]], gang_reservations: bool
+) -> None:
+    run(operations, gang_reservations, 120.0, stamps=True)
 
 
 def test_in_a_full_pool_a_new_request_waits_and_so_do_the_gangs() -> None:

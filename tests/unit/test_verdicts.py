@@ -175,6 +175,68 @@ def test_a_lower_class_request_says_which_class_it_is_behind() -> None:
     assert by_id["high"].eta_quality == "none"
 
 
+def test_a_new_waiters_first_eta_counts_only_the_work_ordered_ahead_of_it() -> None:
+    # One slot, 10 s of measured service. Two tenants of one class interleave by submission;
+    # a production request arriving last is ordered first, so its stamped ETA is the slot's end.
+    s = state(
+        [gpu("n/0")],
+        [deployment("llm@1", gib=4, concurrency=1), deployment("other@1", gib=4, concurrency=1)],
+        [tenant("t", max_priority=Priority.PRODUCTION), tenant("u")],
+    )
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for _ in range(4):
+        note_service(s, "llm@1", 10.0)
+    admit(s, ask("running"))
+    admit(s, ask("t1", priority=Priority.BACKGROUND), NOW + 1)
+    admit(s, ask("u1", tenant_name="u", priority=Priority.BACKGROUND), NOW + 2)
+    admit(s, ask("t2", priority=Priority.BACKGROUND), NOW + 3)
+    admit(s, ask("high", priority=Priority.PRODUCTION), NOW + 4)
+    stamped = {q.request_id: q.eta_at for q in s.queue}
+    # Each stamp is the full verdict's ETA at the moment that request first waited.
+    assert stamped["high"] == pytest.approx(NOW + 10.0)
+    assert stamped["t1"] == pytest.approx(NOW + 10.0)
+    # Equal fair shares (nothing used up yet): the two tenants' lanes interleave by submission.
+    assert stamped["u1"] == pytest.approx(NOW + 20.0)
+    assert stamped["t2"] == pytest.approx(NOW + 30.0)
+    fair = {v.request_id: v.eta_at for v in verdicts(s, NOW + 4)}
+    assert fair["high"] == stamped["high"]
+    assert [v.request_id for v in verdicts(s, NOW + 4)][0] == "high"
+
+
+def test_a_lease_past_the_mean_is_expected_to_run_as_long_as_the_runs_that_outlasted_it() -> None:
+    # Measured runs of 5 s and 25 s (mean 15). A lease 10 s in is one of the long ones: it is
+    # expected to end at 25 s, not "now" (the mean is behind it).
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for seconds in (5.0, 25.0):
+        note_service(s, "llm@1", seconds)
+    admit(s, ask("running"))
+    admit(s, ask("next"), NOW + 10)
+    [waiting] = verdicts(s, NOW + 10)
+    assert waiting.eta_at == pytest.approx(NOW + 25.0)
+    # Past every measured run: no figure to base it on, and none is claimed.
+    [late] = verdicts(s, NOW + 30)
+    assert late.eta_s is None and late.eta_basis == "unknown"
+
+
+def test_a_request_that_expires_before_its_turn_leaves_its_slot_to_the_next() -> None:
+    # One slot, 10 s runs. `short` (ahead, lease timeout 5 s) cannot start before it expires:
+    # the policy will refuse it then, so `patient` behind it gets the slot when it frees.
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for _ in range(4):
+        note_service(s, "llm@1", 10.0)
+    admit(s, ask("running"))
+    admit(s, ask("short", lease_timeout_s=5.0), NOW + 1)
+    admit(s, ask("patient", lease_timeout_s=600.0), NOW + 2)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 3)}
+    assert by_id["short"].eta_at == pytest.approx(NOW + 10.0)  # after it expires (NOW + 6)
+    assert by_id["patient"].eta_at == pytest.approx(NOW + 10.0)
+
+
 def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
     s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
     observe(s, "n/0", managed_gib=4)
