@@ -842,7 +842,11 @@ def admission_check(state: PoolState, request: AdmissionRequest, now: float) -> 
     base = _with(base, deployment=deployment.deployment_id, priority=priority)
     # The catalog is immutable by contract: shared, not copied (most of a big state's bytes).
     trial = copy.deepcopy(state, {id(state.catalog): state.catalog})
-    queued = enqueue(trial, probe, priority, now)
+    # It arrives after everything queued: the scheduler answers a query at its last workflow
+    # task's time, which is the submission time of the request that task queued, and a tie
+    # would order the probe by its id, ahead of that request.
+    arrival = now if not trial.queue or trial.queue[-1].submitted_at < now else trial.queue[-1].submitted_at + 1e-6
+    queued = enqueue(trial, probe, priority, arrival)
     decisions = decide(trial, now)
     rid = probe.request_id
     for grant in decisions.grants:

@@ -295,6 +295,19 @@ def test_dry_run_answers_now_later_never_and_holds_nothing() -> None:
         assert json.loads(json.dumps(check.to_json()))["answer"] == check.answer
 
 
+def test_dry_run_is_placed_behind_a_request_queued_at_the_same_moment() -> None:
+    # A query answers at the time of the scheduler's last task: the request that task queued
+    # has exactly that submission time. The probe still goes behind it, as a real request would.
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    admit(s, ask("running"))
+    admit(s, ask("waiting"), NOW + 1)
+    check = admission_check(s, ask("a"), NOW + 1)
+    assert check.answer == "later" and check.verdict is not None
+    assert (check.verdict.position_in_class, check.verdict.class_depth) == (2, 2)
+
+
 def test_dry_run_of_a_cold_model_says_later_with_its_load_time() -> None:
     s = state([gpu("n/0")], [deployment("llm@1", gib=4, load_s=25.0)])
     observe(s, "n/0")

@@ -76,6 +76,8 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         later = await admission_check(client, CheckSpec(JOB, tenant="lab"))
         never = await admission_check(client, CheckSpec("nothing.here@1", tenant="lab"))
         assert later.answer == "later" and later.verdict is not None and later.verdict.reason == "concurrency_full"
+        # Behind both that wait (a query runs at the time third was queued: no tie puts it first).
+        assert (later.verdict.position_in_class, later.verdict.class_depth) == (3, 3), later.verdict
         assert (never.answer, never.failure) == ("never", "CAPABILITY_UNAVAILABLE")
         assert await _history_length(stack) == before
         assert len(await pool_verdicts(client, "default")) == 2  # the probe was never queued
