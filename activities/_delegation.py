@@ -82,6 +82,7 @@ class _Slot:
     tenant: str = ""
     priority: str = ""
     claimed_at: float = 0.0
+    asked_at: float = 0.0  # when its request first asked this node for a slot
     started: bool = False
     last_used: float = 0.0
 
@@ -149,6 +150,7 @@ class NodeSlots:
         concurrency-1 model whose one slot was just taken back for an admission) takes that slot
         instead of queueing at the scheduler, which would then have to take the slot back from
         this node a sync later before it could grant it."""
+        asked_at = self._clock()
         lease, asked = self._claim(claim)
         if lease is not None or not asked or self._unlent.get(claim.capability, -1.0) > self._clock():
             return lease  # (a capability whose last asking sync brought nothing: not worth waiting)
@@ -157,14 +159,15 @@ class NodeSlots:
             await asyncio.wait_for(answered.wait(), timeout=wait_s)
         except TimeoutError:
             return None
-        return self._claim(claim, ask=False)[0]
+        return self._claim(claim, ask=False, asked_at=asked_at)[0]
 
     def claim(self, claim: SlotClaim) -> Lease | None:
         """The request's lease on a free open slot of its capability here, or None."""
         return self._claim(claim)[0]
 
-    def _claim(self, claim: SlotClaim, ask: bool = True) -> tuple[Lease | None, bool]:
-        """(the lease, or None; whether a sync was asked for a slot of its capability)."""
+    def _claim(self, claim: SlotClaim, ask: bool = True, asked_at: float | None = None) -> tuple[Lease | None, bool]:
+        """(the lease, or None; whether a sync was asked for a slot of its capability).
+        `asked_at`: when the request first asked (now, unless it waited for a sync)."""
         now = self._clock()
         if claim.pool != self.pool:
             return None, False
@@ -187,6 +190,7 @@ class NodeSlots:
             slot.request_id, slot.workflow_id = claim.request_id, claim.workflow_id
             slot.tenant, slot.priority = claim.tenant, priority
             slot.claimed_at = slot.last_used = now
+            slot.asked_at = now if asked_at is None else asked_at
             slot.started = False
             return replace(
                 lease,
@@ -251,6 +255,7 @@ class NodeSlots:
                 outcome=outcome,
                 invoke_s=invoke_s,
                 message=message[:500],
+                waited_s=max(0.0, slot.claimed_at - slot.asked_at),
             )
         )
         if len(self._runs) > MAX_RUNS_KEPT:

@@ -1151,29 +1151,23 @@ class PoolSchedulerWorkflow:
                 ),
                 now,
             )
-            held_s = max(0.0, now - row.granted_at) if row.granted_at else 0.0
+            forgotten = policy.Lease(
+                lease_id=row.lease_id,
+                request_id=row.request_id,
+                workflow_id=holder,
+                capability=row.capability,
+                deployment=row.deployment,
+                accelerator=accelerator,
+                node="",
+                resident_key="",
+                bytes=row.bytes,
+                granted_at=row.granted_at or now,
+                priority=row.priority,
+                tenant=row.tenant,
+                gang=list(row.accelerators[1:]),
+            )
             self._record(
-                policy.PolicyEvent(
-                    kind="lease_released",
-                    request_id=row.request_id,
-                    lease_id=row.lease_id,
-                    accelerator=accelerator,
-                    deployment=row.deployment,
-                    workflow_id=holder,
-                    message=f"reclaimed: {reason}",
-                    payload={
-                        "held_s": round(held_s, 3),
-                        "bytes": row.bytes,
-                        "outcome": f"reclaimed: {reason}",
-                        "tenant": row.tenant,
-                        "capability": row.capability,
-                        "priority": row.priority,
-                        "pool": self._state.pool,
-                        "accelerators": ",".join(row.accelerators),
-                        "granted_at": row.granted_at or None,
-                        "forgotten": True,
-                    },
-                ),
+                policy.lease_released_event(self._state.pool, forgotten, f"reclaimed: {reason}", now, forgotten=True),
                 now,
             )
             if holder:

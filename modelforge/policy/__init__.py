@@ -38,6 +38,8 @@ from modelforge.policy._decisions import (
     Unload,
     Wait,
     Wake,
+    lease_granted_event,
+    lease_released_event,
 )
 from modelforge.policy._delegation import (
     SLOT_CLASS,
@@ -170,7 +172,9 @@ __all__ = [
     "is_production",
     "is_slot",
     "keep_warm_check",
+    "lease_granted_event",
     "lease_heartbeat",
+    "lease_released_event",
     "load_on",
     "merge_statuses",
     "pool_status",

@@ -24,6 +24,8 @@ from modelforge.policy._decisions import (
     Decisions,
     PolicyEvent,
     Reject,
+    lease_granted_event,
+    lease_released_event,
     resident_event,
 )
 from modelforge.policy._lease_index import current_lease_index, lease_index
@@ -306,24 +308,12 @@ def apply_decisions(
         done.append(grant.request_id)
         queued = by_id.get(grant.request_id)
         events.append(
-            PolicyEvent(
-                kind="lease_granted",
-                request_id=grant.request_id,
-                lease_id=lease.lease_id,
-                accelerator=lease.accelerator,
-                deployment=lease.deployment,
-                workflow_id=grant.workflow_id,
-                payload={
-                    "bytes": lease.bytes,
-                    "priority": lease.priority,
-                    "tenant": lease.tenant,
-                    "capability": lease.capability,
-                    "pool": state.pool,
-                    "accelerators": ",".join(lease.accelerators),
-                    "waited_s": round(now - queued.submitted_at, 3) if queued else None,
-                    **(asked_for(queued) if queued else {}),
-                    **_eta_error(queued, now),
-                },
+            lease_granted_event(
+                state.pool,
+                lease,
+                now - queued.submitted_at if queued else None,
+                **(asked_for(queued) if queued else {}),
+                **_eta_error(queued, now),
             )
         )
     for reject in decisions.rejects:
@@ -489,30 +479,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
             ),
         ]
     charge_usage(state, lease.priority, lease.tenant, now - lease.granted_at, now)
-    return [
-        *events,
-        PolicyEvent(
-            kind="lease_released",
-            request_id=lease.request_id,
-            lease_id=lease_id,
-            accelerator=lease.accelerator,
-            deployment=lease.deployment,
-            workflow_id=lease.workflow_id,
-            message=outcome,
-            # Everything the lease ledger needs, so its row is whole even if this event lands first.
-            payload={
-                "held_s": round(now - lease.granted_at, 3),
-                "bytes": lease.bytes,
-                "outcome": outcome,
-                "tenant": lease.tenant,
-                "capability": lease.capability,
-                "priority": lease.priority,
-                "pool": state.pool,
-                "accelerators": ",".join(lease.accelerators),
-                "granted_at": lease.granted_at,
-            },
-        ),
-    ]
+    return [*events, lease_released_event(state.pool, lease, outcome, now)]
 
 
 def lease_heartbeat(state: PoolState, lease_id: str, now: float) -> bool:

@@ -23,6 +23,59 @@ class PolicyEvent:
     alert: Alert | None = None
 
 
+Payload = dict[str, str | int | float | bool | None]
+
+
+def lease_granted_event(
+    pool: str, lease: Lease, waited_s: float | None, **extra: str | int | float | bool | None
+) -> PolicyEvent:
+    """A lease began: one story whichever path granted it (the scheduler, or a node on a slot lent
+    to it: `delegated`). With the `lease_released` below, everything the lease ledger keeps."""
+    return PolicyEvent(
+        kind="lease_granted",
+        request_id=lease.request_id,
+        lease_id=lease.lease_id,
+        accelerator=lease.accelerator,
+        deployment=lease.deployment,
+        workflow_id=lease.workflow_id,
+        payload={**_lease_payload(pool, lease), "waited_s": None if waited_s is None else round(waited_s, 3), **extra},
+    )
+
+
+def lease_released_event(
+    pool: str, lease: Lease, outcome: str, now: float, **extra: str | int | float | bool | None
+) -> PolicyEvent:
+    """A lease ended (`outcome`: ok, a failure class, preempted, reclaimed...), with the whole
+    ledger row, so the row is complete even if this event is written before its grant's."""
+    return PolicyEvent(
+        kind="lease_released",
+        request_id=lease.request_id,
+        lease_id=lease.lease_id,
+        accelerator=lease.accelerator,
+        deployment=lease.deployment,
+        workflow_id=lease.workflow_id,
+        message=outcome,
+        payload={
+            **_lease_payload(pool, lease),
+            "held_s": round(max(0.0, now - lease.granted_at), 3),
+            "outcome": outcome,
+            **extra,
+        },
+    )
+
+
+def _lease_payload(pool: str, lease: Lease) -> Payload:
+    return {
+        "bytes": lease.bytes,
+        "tenant": lease.tenant,
+        "capability": lease.capability,
+        "priority": lease.priority,
+        "pool": pool,
+        "accelerators": ",".join(lease.accelerators),
+        "granted_at": lease.granted_at,
+    }
+
+
 def resident_event(
     resident: ResidentState,
     kind: str,

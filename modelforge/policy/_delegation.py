@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
 from modelforge.policy._admission import charge_usage, end_on_resident, note_outcome
-from modelforge.policy._decisions import PolicyEvent
+from modelforge.policy._decisions import PolicyEvent, lease_granted_event, lease_released_event
 from modelforge.policy._order import is_production
 from modelforge.policy._pass import static_reason
 from modelforge.policy._state import (
@@ -91,6 +91,8 @@ class SlotRun:
     outcome: str
     invoke_s: float
     message: str = ""
+    # From asking the node for a slot to claiming it (what a scheduler grant's waited_s is).
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -420,44 +422,37 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
         if resident is not None:
             resident.last_used = now
             resident.last_priority = run.priority
-        accelerator = slot.accelerator if slot is not None else ""
-        deployment = slot.deployment if slot is not None else ""
-        run_lease = f"{run.lease_id}/{run.request_id}"[:300]
+        # The run's own lease: the slot's memory, from its claim to its end (a slot gone since
+        # leaves what the run said of itself).
+        granted_at = now - held_s
+        lease = Lease(
+            lease_id=f"{run.lease_id}/{run.request_id}"[:300],
+            request_id=run.request_id,
+            workflow_id=run.workflow_id,
+            capability=run.capability,
+            deployment=slot.deployment if slot is not None else "",
+            accelerator=slot.accelerator if slot is not None else "",
+            node=node,
+            resident_key=slot.resident_key if slot is not None else "",
+            bytes=slot.bytes if slot is not None else 0,
+            granted_at=granted_at,
+            priority=run.priority,
+            tenant=run.tenant,
+        )
+        events.append(lease_granted_event(state.pool, lease, run.waited_s, delegated=True))
         events.append(
             PolicyEvent(
                 kind="invoke" if run.outcome == "ok" else "invoke_failed",
                 request_id=run.request_id,
-                lease_id=run_lease,
-                accelerator=accelerator,
-                deployment=deployment,
+                lease_id=lease.lease_id,
+                accelerator=lease.accelerator,
+                deployment=lease.deployment,
                 workflow_id=run.workflow_id,
                 message=run.message or f"on a slot delegated to {node}",
                 payload={"invoke_s": round(run.invoke_s, 4), "delegated": True},
             )
         )
-        events.append(
-            PolicyEvent(
-                kind="lease_released",
-                request_id=run.request_id,
-                lease_id=run_lease,
-                accelerator=accelerator,
-                deployment=deployment,
-                workflow_id=run.workflow_id,
-                message=run.outcome,
-                payload={
-                    "held_s": round(held_s, 3),
-                    "bytes": 0,
-                    "outcome": run.outcome,
-                    "tenant": run.tenant,
-                    "capability": run.capability,
-                    "priority": run.priority,
-                    "pool": state.pool,
-                    "accelerators": accelerator,
-                    "granted_at": now - held_s,
-                    "delegated": True,
-                },
-            )
-        )
+        events.append(lease_released_event(state.pool, lease, run.outcome, now, delegated=True))
     return events
 
 

@@ -52,8 +52,8 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from enum import StrEnum
+from functools import cached_property
 
 from modelforge.domain import Deployment, GiB, Residency, fair_share_entity
 from modelforge.failures import FailureClass
@@ -61,9 +61,9 @@ from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, en
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import Decisions
 from modelforge.policy._order import class_rank, fair_share_scores, queue_order
-from modelforge.policy._queue_index import queue_index
 from modelforge.policy._pass import filter_accelerators
 from modelforge.policy._placement import decide
+from modelforge.policy._queue_index import queue_index
 from modelforge.policy._state import (
     AcceleratorRuntime,
     Lease,

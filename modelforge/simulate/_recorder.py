@@ -94,7 +94,8 @@ def record_rows(record: MadeRecord) -> dict[str, list[dict[str, Any]]]:
             priority=p.get("priority"),
         )
         if e.kind == "lease_granted":
-            row["granted_at"] = e.at
+            granted_at = p.get("granted_at")
+            row["granted_at"] = float(granted_at) if isinstance(granted_at, int | float) else e.at
         else:
             row["ended_at"] = e.at
             row["outcome"] = str(p.get("outcome") or e.message)

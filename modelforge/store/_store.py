@@ -657,7 +657,13 @@ def _ledger_lease(e: EventRecord) -> tuple[Any, ...]:
 
 
 def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
-    return (*_ledger_lease(e), _timestamp(e.at))
+    # When the lease began: the payload says (a delegated run's grant is written at the node's
+    # sync after it ran); else the event's own time.
+    granted_at = e.payload.get("granted_at")
+    return (
+        *_ledger_lease(e),
+        _timestamp(float(granted_at)) if isinstance(granted_at, int | float) else _timestamp(e.at),
+    )
 
 
 def _ledger_end(e: EventRecord) -> tuple[Any, ...]:

@@ -238,6 +238,16 @@ def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> 
     released = [e for e in events if e.kind == "lease_released"]
     assert [e.request_id for e in released] == ["r1", "r2"]
     assert released[0].payload["tenant"] == "t" and released[0].payload["held_s"] == 2.5
+    # The same story as a scheduler-granted request: granted (with its wait, which the admission
+    # metric counts), invoked, released, under one lease id and with the same ledger fields.
+    r1 = [(e.kind, e.lease_id) for e in events if e.request_id == "r1"]
+    assert [kind for kind, _ in r1] == ["lease_granted", "invoke", "lease_released"]
+    assert len({lease_id for _, lease_id in r1}) == 1
+    granted = next(e for e in events if e.kind == "lease_granted" and e.request_id == "r1")
+    assert granted.payload["delegated"] is True and granted.payload["waited_s"] == 0.0
+    assert granted.payload["granted_at"] == pytest.approx(NOW + 1 - 2.5)
+    scheduler_granted = {"bytes", "tenant", "capability", "priority", "pool", "accelerators", "granted_at"}
+    assert scheduler_granted <= set(granted.payload) and scheduler_granted <= set(released[0].payload)
 
 
 def test_a_silent_node_loses_its_slots_after_stale_lease_s_and_no_tenant_is_charged() -> None:
@@ -325,6 +335,13 @@ def test_a_claim_that_finds_no_slot_takes_the_one_its_sync_brings_and_else_goes_
                 await asyncio.Event().wait()
 
             slots._send = never  # type: ignore[method-assign]
+        else:
+
+            async def slow(sync: SlotSync) -> object:
+                clock.now += 0.25  # the sync's round trip: what the request waits for its slot
+                return await scheduler(sync)
+
+            slots._send = slow  # type: ignore[method-assign]
         loop = asyncio.get_running_loop()
         syncing = asyncio.create_task(slots.run())
         began = loop.time()
@@ -332,6 +349,9 @@ def test_a_claim_that_finds_no_slot_takes_the_one_its_sync_brings_and_else_goes_
             lease = await slots.claim_or_ask(claim("first"), wait_s=2.0)
         finally:
             syncing.cancel()
+        if lease is not None:  # its run reports the wait for the slot, as a grant's waited_s
+            slots.finish(lease.lease_id, "first", "ok", 0.1)  # type: ignore[attr-defined]
+            assert slots._runs[-1].waited_s == pytest.approx(0.25)
         return lease, len(scheduler.syncs), loop.time() - began
 
     # A warm model with free slots: the claim's own sync brings one, and the request runs on it.

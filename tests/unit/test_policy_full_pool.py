@@ -214,9 +214,7 @@ def run(
             stamp_predictions(s, now, fast)
             stamped = {q.request_id: (q.eta_at, q.eta_reason) for q in s.queue if q.request_id in unstamped}
             assert all(stamped[w.request_id][1] for w in fast.waits if w.request_id in unstamped)
-            assert {k: v for k, v in stamped.items() if v[1]} == {
-                k: expected[k] for k, v in stamped.items() if v[1]
-            }
+            assert {k: v for k, v in stamped.items() if v[1]} == {k: expected[k] for k, v in stamped.items() if v[1]}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -201,7 +201,7 @@ def test_a_new_waiters_first_eta_counts_only_the_work_ordered_ahead_of_it() -> N
     assert stamped["t2"] == pytest.approx(NOW + 30.0)
     fair = {v.request_id: v.eta_at for v in verdicts(s, NOW + 4)}
     assert fair["high"] == stamped["high"]
-    assert [v.request_id for v in verdicts(s, NOW + 4)][0] == "high"
+    assert next(v.request_id for v in verdicts(s, NOW + 4)) == "high"
 
 
 def test_a_lease_past_the_mean_is_expected_to_run_as_long_as_the_runs_that_outlasted_it() -> None:

@@ -102,6 +102,13 @@ async def test_warm_requests_run_on_delegated_slots_and_cost_the_scheduler_almos
         events = await stack.events("invoke", at_least=22, within_s=10)
         ids = {e["request_id"] for e in events if e["payload"].get("delegated")}
         assert {r.request_id for r in results} <= ids
+        # Each told as a scheduler-granted one is: granted (with its wait), then released.
+        granted = await stack.events("lease_granted", at_least=22, within_s=10)
+        delegated = {e["request_id"]: e for e in granted if e["payload"].get("delegated")}
+        assert {r.request_id for r in results} <= set(delegated)
+        assert all(e["payload"]["tenant"] == "app" and e["payload"]["waited_s"] >= 0 for e in delegated.values())
+        ledger = {row["request_id"]: row for row in await stack.store.ledger()}
+        assert all(ledger[r.request_id]["granted_at"] is not None for r in results)
         # Never more in flight than the concurrency: slots plus the scheduler's own leases.
         status = await stack.status()
         [resident] = [r for r in status.residents if r.deployment.startswith("route.embed")]
