@@ -5,8 +5,12 @@ CLI's `queue`, `why` and `--dry-run` do), so every surface says the same thing a
 request. A verdict and a check are the JSON those define (`Verdict.to_json()`,
 `AdmissionCheck.to_json()`; modelforge/verdicts.py). Asking writes no workflow history.
 
-The status page's cards and residents come from the schedulers' `state` query (where each card's
-memory goes, by process), one answer per pool shared by every caller for `SNAPSHOT_TTL_S`."""
+One request's verdict (a waiting stream asks every couple of seconds, `GET /v1/requests/{id}`
+on each call) is read from its pool's whole queue of verdicts, one `verdicts` query per pool
+shared by every caller for `WAITING_TTL_S`: a hundred waiting streams cost their scheduler one
+query a second, not fifty. The status page's cards and residents come from the schedulers'
+`state` query (where each card's memory goes, by process), one answer per pool shared by every
+caller for `SNAPSHOT_TTL_S`."""
 
 from __future__ import annotations
 
@@ -23,11 +27,22 @@ from modelforge.policy import PoolState
 
 # How long one pool's state answers every verdict asked of it (streams ask about twice a second).
 SNAPSHOT_TTL_S = 1.0
+# How long one pool's queue of verdicts answers every request's verdict asked of it.
+WAITING_TTL_S = 1.0
 
 
 @dataclass
 class _Snapshot:
     state: PoolState
+    taken_at: float
+
+
+@dataclass
+class _Waiting:
+    """One pool's waiting requests' verdicts by request id (an id names one request per
+    capability, so a list)."""
+
+    by_id: dict[str, list[scheduler_verdicts.Verdict]]
     taken_at: float
 
 
@@ -39,6 +54,8 @@ class VerdictSource:
         self._requester = requester
         self._snapshots: dict[str, _Snapshot] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._waiting_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def available(self) -> bool:
@@ -75,13 +92,29 @@ class VerdictSource:
         waiting: admitted, done, or not yet asked) or none answers."""
         if not self.available:
             return None
-        try:
-            found = await scheduler_verdicts.request_verdict(self._requester, request_id)
-        except ModelForgeError:
-            return None
-        if found is None or (capability and found.capability != capability):
-            return None
-        return found.to_json()
+        for pool in await self.pools():
+            for found in (await self._waiting_in(pool)).get(request_id, ()):
+                if not capability or found.capability == capability:
+                    return found.to_json()
+        return None
+
+    async def _waiting_in(self, pool: str) -> dict[str, list[scheduler_verdicts.Verdict]]:
+        """The pool's waiting requests' verdicts, as of at most WAITING_TTL_S ago (empty when its
+        scheduler does not answer)."""
+        lock = self._waiting_locks.setdefault(pool, asyncio.Lock())
+        async with lock:
+            cached = self._waiting.get(pool)
+            if cached is not None and time.monotonic() - cached.taken_at < WAITING_TTL_S:
+                return cached.by_id
+            try:
+                found = await scheduler_verdicts.pool_verdicts(self._requester, pool)
+            except ModelForgeError:
+                found = []
+            by_id: dict[str, list[scheduler_verdicts.Verdict]] = {}
+            for verdict in found:
+                by_id.setdefault(verdict.request_id, []).append(verdict)
+            self._waiting[pool] = _Waiting(by_id, time.monotonic())
+            return by_id
 
     async def of_pool(self, pool: str) -> list[dict[str, Any]]:
         """Every waiting request's verdict in one pool, in its queue order ([] when its scheduler
