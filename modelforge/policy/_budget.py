@@ -52,6 +52,19 @@ def dynamic_reserve_bytes(runtime: AcceleratorRuntime, config: PolicyConfig, now
     return int((max(recent) - min(recent)) * config.volatility_factor)
 
 
+def telemetry_age(runtime: AcceleratorRuntime | None, now: float) -> float | None:
+    """Seconds since the card's last sample reached the scheduler; None: it never reported."""
+    observation = runtime.observation if runtime is not None else None
+    return None if observation is None else max(0.0, now - observation.received_at)
+
+
+def is_fresh(runtime: AcceleratorRuntime | None, config: PolicyConfig, now: float) -> bool:
+    """The one freshness rule (placement, control, delegation and the route view): the card's
+    node reported within `freshness_s`. A stale card may be gone: nothing new lands on it."""
+    age = telemetry_age(runtime, now)
+    return age is not None and age <= config.freshness_s
+
+
 def compute_budget(
     accelerator: Accelerator,
     runtime: AcceleratorRuntime,
@@ -79,8 +92,8 @@ def budget_from_sums(
     observation = runtime.observation
     reserve = max(accelerator.reserve_bytes, dynamic_reserve_bytes(runtime, config, now))
     external = observation.external_bytes if observation is not None else 0
-    age = None if observation is None else max(0.0, now - observation.received_at)
-    fresh = age is not None and age <= config.freshness_s
+    age = telemetry_age(runtime, now)
+    fresh = is_fresh(runtime, config, now)
     return Budget(
         accelerator=accelerator.id,
         total_bytes=accelerator.total_bytes,

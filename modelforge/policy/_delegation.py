@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
 from modelforge.policy._admission import charge_usage, end_on_resident, note_outcome
+from modelforge.policy._budget import is_fresh
 from modelforge.policy._decisions import PolicyEvent, lease_granted_event, lease_released_event
 from modelforge.policy._order import is_production
 from modelforge.policy._pass import static_reason
@@ -160,8 +161,7 @@ def closing_reason(
     if deployment is None or deployment.lease_extra_bytes or state.catalog.accelerator(resident.accelerator) is None:
         return "its deployment or card left the catalog (or changed)"
     runtime = state.accelerators.get(resident.accelerator)
-    observation = runtime.observation if runtime is not None else None
-    if runtime is None or observation is None or now - observation.received_at > state.config.freshness_s:
+    if runtime is None or not is_fresh(runtime, state.config, now):
         return f"{resident.accelerator}: no fresh telemetry"
     if not runtime.healthy:
         return f"{resident.accelerator}: UNHEALTHY"

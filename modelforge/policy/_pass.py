@@ -85,7 +85,8 @@ class Budgets(dict[str, Budget]):
         self._now = now
 
     def __missing__(self, accelerator_id: str) -> Budget:
-        # `budget_from_sums`, written out: a pass of a full pool asks it of every card.
+        # `budget_from_sums`, written out: a pass of a full pool asks it of every card
+        # (tests/unit/test_budget_one_formula.py holds the two to one answer).
         state = self._state
         accelerator = state.catalog.accelerator(accelerator_id)
         if accelerator is None:

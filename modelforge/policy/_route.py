@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from modelforge.domain import Catalog
-from modelforge.policy._budget import budget_from_sums
+from modelforge.policy._budget import budget_from_sums, is_fresh
 from modelforge.policy._delegation import holder_id
 from modelforge.policy._pass import static_filter, static_reason
 from modelforge.policy._state import PoolState, ResidentPhase, holder_of
@@ -84,16 +84,10 @@ def route_info(state: PoolState, query: RouteQuery, now: float, *, ready: bool =
     queued = sum(1 for q in state.queue if q.capability == query.capability)
     if not usable:
         return RouteInfo(pool=pool, known=True, queued=queued, queue_depth=len(state.queue))
-    freshness = state.config.freshness_s
 
     def fresh(accelerator: str) -> bool:
         runtime = state.accelerators.get(accelerator)
-        return (
-            runtime is not None
-            and runtime.healthy
-            and runtime.observation is not None
-            and now - runtime.observation.received_at <= freshness
-        )
+        return runtime is not None and runtime.healthy and is_fresh(runtime, state.config, now)
 
     warm = free = 0
     resident_sum: dict[str, int] = {}
