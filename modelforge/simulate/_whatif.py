@@ -4,6 +4,9 @@ the catalog that was in force and under a proposed one, side by side (`modelforg
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,14 +122,28 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
     return Replayed(label, result, figures)
 
 
-def compare(record: RecordScenario, proposed: Catalog | None) -> list[Replayed]:
+# A record at least this long has its two replays run side by side, in a process each (they share
+# nothing; a process costs a second or two to start and to receive the record).
+PARALLEL_FROM_REQUESTS = 20_000
+
+
+def compare(record: RecordScenario, proposed: Catalog | None, *, parallel: bool | None = None) -> list[Replayed]:
     """What the record says happened, the record replayed under the catalog as it was and, when
     given, under `proposed` (its cards in the record's pool, the record's measured load times for
-    deployments it shares)."""
-    runs = [Replayed("recorded", None, record.recorded), replay(record, record.catalog, "as it was")]
+    deployments it shares). The two replays run in two processes where more than one core is
+    there and the record is long (`parallel`: force either way); the figures are the same."""
+    jobs = [(record.catalog, "as it was")]
     if proposed is not None:
-        runs.append(replay(record, proposed_for(record, proposed), "proposed"))
-    return runs
+        jobs.append((proposed_for(record, proposed), "proposed"))
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) > 1 and len(record.lines) >= PARALLEL_FROM_REQUESTS
+    if parallel and len(jobs) > 1:
+        # spawn, not fork: the caller may hold threads (a database pool, a Temporal client).
+        with ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            replays = list(pool.map(replay, [record] * len(jobs), *zip(*jobs, strict=True)))
+    else:
+        replays = [replay(record, catalog, label) for catalog, label in jobs]
+    return [Replayed("recorded", None, record.recorded), *replays]
 
 
 def proposed_for(record: RecordScenario, proposed: Catalog) -> Catalog:

@@ -163,6 +163,12 @@ async def test_the_record_replays_as_it_happened_and_a_longer_ttl_saves_the_load
     assert before["invariant_violations"] == after["invariant_violations"] == 0
     shown = comparison_json(replay, [recorded, as_it_was, proposed])
     assert set(shown["replays"]) == {"as it was", "proposed"} and shown["recorded"]["cold_starts"] == 10
+    # A long record's two replays run in two processes: the same figures (but their wall times).
+    side_by_side = compare(replay, _catalog(300.0), parallel=True)
+    for serial, parallel in zip((as_it_was, proposed), side_by_side[1:], strict=True):
+        assert {k: v for k, v in parallel.figures.items() if k != "replay_wall_s"} == {
+            k: v for k, v in serial.figures.items() if k != "replay_wall_s"
+        }
 
 
 async def test_anonymised_scenario_hides_tenants_and_request_ids(database_url: str, tmp_path: Path) -> None:
