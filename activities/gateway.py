@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -76,7 +77,7 @@ class _PoolBatcher:
                 "admit_batch", AdmitBatch(requests=[request for request, _ in batch]), result_type=AdmitBatchReply
             )
         except Exception as error:  # every caller hears it; its local activity decides to retry
-            failure = _as_failure(error, self._pool)
+            failure = await _as_failure(error, self._pool, self._handle)
             for _, future in batch:
                 if not future.done():
                     future.set_exception(failure)
@@ -125,7 +126,7 @@ async def _within(call: Callable[[], Awaitable[T]], deadline: float, pool: str, 
         ) from None
 
 
-def _as_failure(error: Exception, pool: str) -> Exception:
+async def _as_failure(error: Exception, pool: str, handle: WorkflowHandle[Any, Any]) -> Exception:
     if isinstance(error, WorkflowUpdateFailedError):
         cause = error.cause
         if isinstance(cause, ApplicationError) and cause.type in _FAILURE_CLASSES:
@@ -141,12 +142,29 @@ def _as_failure(error: Exception, pool: str) -> Exception:
             non_retryable=False,
         )
     if isinstance(error, RPCError) and error.status == RPCStatusCode.NOT_FOUND:
+        if await _running(handle):
+            # The run the call was addressed to is gone but the scheduler is there: a reset (the
+            # replay guard's) or a continue-as-new between the two. Not a failure of the request.
+            return ApplicationError(
+                f"the scheduler of pool {pool!r} was between runs (a reset or continue-as-new); asking again",
+                type=FailureClass.SCHEDULER_STATE_STALE.value,
+                non_retryable=False,
+            )
         return ApplicationError(
             f"the scheduler of pool {pool!r} is not running",
             type=FailureClass.CAPABILITY_UNAVAILABLE.value,
             non_retryable=True,
         )
     return error
+
+
+async def _running(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether the scheduler workflow (its latest run) is running."""
+    try:
+        description = await handle.describe(rpc_timeout=timedelta(seconds=5))
+    except Exception:  # not there, or the server does not answer: not running, as far as we know
+        return False
+    return description.status == WorkflowExecutionStatus.RUNNING
 
 
 class SchedulerGatewayActivities:
@@ -196,5 +214,5 @@ class SchedulerGatewayActivities:
         except ApplicationError:
             raise
         except Exception as error:
-            raise _as_failure(error, call.pool) from None
+            raise await _as_failure(error, call.pool, handle) from None
         return held
