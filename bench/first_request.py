@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +29,12 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from modelforge.client import ModelForgeClient, Result
 from modelforge.dev import temporal_binary
 from modelforge.payloads import with_payload_store
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES
 from modelforge.temporal import register_search_attributes
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 CATALOG = Path(__file__).parent / "catalogs" / "throughput.toml"
 CAPABILITY = "bench.embed@1"

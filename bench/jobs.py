@@ -40,15 +40,13 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from modelforge.client import ModelForgeClient
 from modelforge.dev import temporal_binary
 from modelforge.logging import configure
 from modelforge.policy import PolicyConfig
 from modelforge.runtimes import job_log_dirs
 from modelforge.temporal import register_search_attributes
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 PROBE = Path(__file__).resolve().parent / "job_probe.py"
 NODE = "jobs-bench"  # its own node name: a node worker stops what its node's earlier runs left

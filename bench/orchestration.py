@@ -54,7 +54,7 @@ from modelforge.dev import temporal_binary
 from modelforge.payloads import with_payload_store
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES
 from modelforge.temporal import register_search_attributes
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 CATALOG = Path(__file__).parent / "catalogs" / "throughput.toml"
 CAPABILITY = "bench.embed@1"  # lent to the node: delegated

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable
@@ -28,12 +27,10 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from modelforge.client import ModelForgeClient
 from modelforge.dev import temporal_binary
 from modelforge.temporal import register_search_attributes
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 CATALOG = Path(__file__).resolve().parents[1] / "tests" / "catalogs" / "pools.toml"
 

@@ -62,8 +62,6 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from activities.node import NodeActivities
 from modelforge.client import ModelForgeClient
 from modelforge.dev import temporal_binary
@@ -72,7 +70,7 @@ from modelforge.payloads import with_payload_store
 from modelforge.runtimes import LoadedModel, Runtime
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES
 from modelforge.temporal import register_search_attributes
-from tests.harness import _SERVERS, Stack, running_stack
+from workers.stack import _SERVERS, Stack, running_stack
 
 BARE_QUEUE = "bench-serving-bare"
 # A node name of its own: a node worker stops model servers its node's earlier runs left behind

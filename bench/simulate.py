@@ -193,7 +193,7 @@ def measure_history(rate: float, count: int) -> None:
 
     from modelforge.dev import temporal_binary
     from modelforge.temporal import register_search_attributes
-    from tests.harness import running_stack
+    from workers.stack import running_stack
 
     async def counted(client: Client, lo: float, hi: float) -> tuple[Counter[str], int]:
         kinds: Counter[str] = Counter()

@@ -85,13 +85,11 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from modelforge.client import ModelForgeClient
 from modelforge.dev import temporal_binary
 from modelforge.logging import configure
 from modelforge.temporal import register_search_attributes
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 from workflows._common import SCHEDULER_TASK_TIMEOUT
 
 CATALOG = Path(__file__).parent / "catalogs" / "throughput.toml"

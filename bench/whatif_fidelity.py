@@ -38,14 +38,12 @@ from typing import Any
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from modelforge.dev import temporal_binary
 from modelforge.simulate import compare, record_from_store
 from modelforge.simulate._engine import _percentile
 from modelforge.store import Store
 from modelforge.temporal import register_search_attributes
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 CATALOG = Path(__file__).parent / "catalogs" / "whatif_fidelity.toml"
 CLASS_OF = {"app": "interactive", "rag": "interactive", "lab": "benchmark"}

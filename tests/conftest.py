@@ -139,7 +139,7 @@ def _hang_watchdog(request: pytest.FixtureRequest) -> threading.Timer:
     loop = asyncio.get_running_loop()
 
     def dump() -> None:
-        from tests.harness import _awaiting
+        from workers.stack import _awaiting
 
         lines = [f"--- {request.node.nodeid}: still running {limit - 15:.0f} s in; the event loop's tasks:"]
         try:

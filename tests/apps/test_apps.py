@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
 from tests.gateway.test_ollama import _MORE
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMAINDEX_PYTHON = ROOT / ".venv-llamaindex" / "bin" / "python"

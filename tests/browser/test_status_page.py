@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig
 from tests.browser.test_temporal_ui import ROOT, _render
 from tests.gateway.test_gateway import CATALOG, _serve
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

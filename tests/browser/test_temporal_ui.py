@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
 from modelforge.temporal import register_search_attributes
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

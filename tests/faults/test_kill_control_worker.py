@@ -23,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.catalog import load_catalog_file
 from modelforge.failures import FailureClass
 from modelforge.store import Store
-from tests.harness import running_stack
+from workers.stack import running_stack
 from workflows._common import SCHEDULER_TASK_TIMEOUT
 from workflows.request import MAX_ATTEMPTS
 

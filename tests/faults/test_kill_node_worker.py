@@ -23,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 import workflows.request as request_workflow
 from modelforge.catalog import example_catalog_path
 from modelforge.domain import resident_key
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 from workflows.request import INVOKE_HEARTBEAT
 
 pytestmark = pytest.mark.workflow

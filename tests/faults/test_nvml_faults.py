@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.domain import GiB
 from modelforge.gpu import ExternalProcess
 from modelforge.policy import PolicyConfig
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.catalog import load_catalog_file
 from modelforge.store import Store
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

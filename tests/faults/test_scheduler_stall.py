@@ -16,8 +16,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from modelforge.settings import SCHEDULER_TASK_QUEUE
-from tests.harness import running_stack
 from workers.control import workflow_runner
+from workers.stack import running_stack
 from workflows import PoolSchedulerWorkflow
 from workflows._common import SCHEDULER_TASK_TIMEOUT
 from workflows.request import ADMIT_BUDGET

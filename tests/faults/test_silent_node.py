@@ -14,8 +14,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
 from tests.faults.test_nvml_faults import _until
-from tests.harness import Stack, running_stack
 from workers.node import ensure_telemetry
+from workers.stack import Stack, running_stack
 from workflows._common import telemetry_id
 
 pytestmark = pytest.mark.workflow

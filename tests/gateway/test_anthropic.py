@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
 from tests.gateway.test_openai_passthrough import _received, _toy
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 KEY = "sk-team-default-0123456789"
 TOYS = _toy("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2")

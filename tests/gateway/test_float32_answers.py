@@ -23,8 +23,8 @@ from modelforge.payloads import OUTPUT_REF, with_payload_store
 from modelforge.runtimes import SentenceTransformersRuntime
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES
 from tests.gateway.test_gateway import _serve, _Served
-from tests.harness import running_stack
 from tests.runtimes.test_sentence_transformers import CATALOG as CPU_CATALOG
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.client import ModelForgeClient
 from modelforge.failures import FailureClass
 from modelforge.gateway import GatewayConfig, create_app, gateway_server, http_status, load_api_keys
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

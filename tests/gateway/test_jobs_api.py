@@ -26,8 +26,8 @@ from modelforge.failures import FailureClass
 from modelforge.gateway import GatewayConfig, create_app
 from modelforge.runtimes import job_log_dirs
 from tests.gateway.test_gateway import _serve
-from tests.harness import running_stack
 from tests.workflow.test_subprocess_job_preemption import catalog_for_test
+from workers.stack import running_stack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "merge.toml"
 

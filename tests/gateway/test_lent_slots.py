@@ -15,7 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.client import ModelForgeClient
 from modelforge.gateway import GatewayConfig
 from tests.gateway.test_gateway import _serve
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig, load_api_keys
 from modelforge.gateway._ollama import parse_keep_alive
 from tests.gateway.test_gateway import CATALOG, TEAM_KEY, _serve, _Served
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 # The gateway tests' catalog, a chat model that is unloaded once its last request ends, and a
 # chat model served by the project's toy server (an OpenAI-compatible server: it takes options).

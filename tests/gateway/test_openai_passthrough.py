@@ -25,7 +25,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig
 from modelforge.runtimes import SubprocessHttpRuntime
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.harness import _SERVERS, running_stack
+from workers.stack import _SERVERS, running_stack
 
 pytestmark = pytest.mark.workflow
 

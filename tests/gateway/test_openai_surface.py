@@ -25,7 +25,7 @@ from modelforge.gateway import GatewayConfig, create_app, gateway_server
 from modelforge.payloads import with_payload_store
 from modelforge.runtimes import SubprocessHttpRuntime
 from modelforge.settings import DEFAULT_PAYLOAD_THRESHOLD_BYTES
-from tests.harness import _SERVERS, Stack, running_stack
+from workers.stack import _SERVERS, Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

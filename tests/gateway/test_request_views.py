@@ -22,7 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -29,7 +29,7 @@ from modelforge.runtimes._http_api import parse_response
 from modelforge.runtimes.toy_server import lexical_score
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
 from tests.gateway.test_openai_passthrough import _received, _toy
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 RERANKER = _toy("toy.rerank@1", "toy-rerank", "rerank")
 QUERY = "where does the cat sleep"

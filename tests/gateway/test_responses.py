@@ -20,7 +20,7 @@ from modelforge.gateway import GatewayConfig
 from modelforge.gateway._responses import ResponseStore
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
 from tests.gateway.test_openai_passthrough import _received, _toy
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 KEY = "sk-team-default-0123456789"  # tenant "default"
 OTHER_KEY = "sk-team-rag-0123456789ab"  # tenant "rag"

@@ -39,7 +39,7 @@ from modelforge.gateway._streams import (
     stream_router,
 )
 from tests.gateway.test_gateway import CATALOG
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 
 def _line(text: str) -> bytes:

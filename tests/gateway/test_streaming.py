@@ -20,7 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.gateway import GatewayConfig
 from modelforge.policy import PolicyConfig
 from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.harness import _SERVERS, running_stack
+from workers.stack import _SERVERS, running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -18,7 +18,7 @@ from modelforge.domain import Deployment, GiB
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, HostMemoryDevice, NodeDevices, SimulatedDevice, SimulatedGpuBackend
 from modelforge.runtimes import SentenceTransformersRuntime
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "cpu_embedding.toml"
 MiB = 1024**2

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

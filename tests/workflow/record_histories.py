@@ -35,7 +35,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.policy import PolicyConfig, PoolState
 from modelforge.settings import node_task_queue
 from modelforge.temporal import register_search_attributes
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

@@ -11,7 +11,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.messages import AdmitBatch
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -16,7 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient, Result
 from modelforge.identifiers import identifier_problem
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -25,7 +25,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient, Result
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

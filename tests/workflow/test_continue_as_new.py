@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from tests.harness import running_stack
+from workers.stack import running_stack
 from workflows._common import SCHEDULER_TASK_TIMEOUT
 
 pytestmark = pytest.mark.workflow

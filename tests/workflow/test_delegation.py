@@ -15,7 +15,7 @@ from modelforge.client import ModelForgeClient, Result
 from modelforge.messages import RequestResult
 from modelforge.policy import PolicyConfig, PoolState
 from modelforge.settings import node_task_queue
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

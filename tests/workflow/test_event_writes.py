@@ -14,7 +14,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
-from tests.harness import running_stack
+from workers.stack import running_stack
 from workflows.scheduler import EVENT_WRITE_WAIT_S, URGENT_EVENT_KINDS
 
 pytestmark = pytest.mark.workflow

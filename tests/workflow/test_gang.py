@@ -16,7 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.domain import GiB
 from modelforge.policy import PolicyConfig
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

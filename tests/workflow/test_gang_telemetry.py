@@ -13,7 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.domain import GiB
 from modelforge.policy import PolicyConfig
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

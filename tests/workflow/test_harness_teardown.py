@@ -1,4 +1,4 @@
-"""The test stack's teardown (tests/harness.py): a node worker whose shutdown does not finish
+"""The test stack's teardown (workers/stack.py): a node worker whose shutdown does not finish
 fails the test with what holds it, and the rest of the stack is still stopped."""
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ from modelforge.messages import (
 )
 from modelforge.policy import AdmissionRequest, PolicyConfig
 from modelforge.settings import node_task_queue
-from tests.harness import Stack, running_stack
 from tests.store.test_outage import _Postgres, _reachable, outage_postgres  # noqa: F401 (a fixture)
 from workers.control import workflow_runner
+from workers.stack import Stack, running_stack
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows.request import ADMIT_BUDGET
 

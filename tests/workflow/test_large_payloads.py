@@ -49,9 +49,9 @@ from modelforge.payloads import (
 )
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES, Settings
 from modelforge.temporal import converter
-from tests.harness import running_stack
 from tests.runtimes.test_sentence_transformers import CATALOG as CPU_CATALOG
 from tests.runtimes.test_sentence_transformers import run_cli
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

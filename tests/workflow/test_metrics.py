@@ -11,7 +11,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.metrics import Metrics
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -30,9 +30,9 @@ from modelforge.metrics import Metrics
 from modelforge.policy import PoolState, PoolStatus
 from modelforge.settings import Settings, node_task_queue
 from modelforge.store import Store
-from tests.harness import running_stack
 from workers import control
 from workers.control import catalog_pools
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -14,7 +14,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
-from tests.harness import running_stack
+from workers.stack import running_stack
 from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow

@@ -13,8 +13,8 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.store import Store
-from tests.harness import running_stack
 from tests.runtimes.test_sentence_transformers import run_cli
+from workers.stack import running_stack
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "catalogs" / "profile.toml"
 GiB = 1024**3

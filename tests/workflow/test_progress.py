@@ -7,7 +7,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -11,8 +11,8 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
-from tests.harness import running_stack
 from tests.unit.test_queues import SEED_003
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

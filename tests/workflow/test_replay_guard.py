@@ -34,9 +34,9 @@ from temporalio.worker import Worker
 from temporalio.workflow import NondeterminismError
 
 from modelforge.policy import PolicyConfig
-from tests.harness import running_stack
 from workers.control import workflow_runner
 from workers.replay_guard import ReplayGuard, replayer_check, reset_point
+from workers.stack import running_stack
 from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from modelforge.messages import ResidencyControl, ResidencyControlReply
 from tests.gateway.test_gateway import CATALOG
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -15,8 +15,8 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.client import ModelForgeClient
 from modelforge.policy import PolicyConfig
 from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
-from tests.harness import running_stack
 from workers.node import ensure_telemetry
+from workers.stack import running_stack
 from workflows._common import telemetry_id
 
 pytestmark = pytest.mark.workflow

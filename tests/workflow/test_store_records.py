@@ -18,8 +18,8 @@ from modelforge.domain import Deployment, GiB
 from modelforge.gpu import ExternalProcess
 from modelforge.messages import SchedulerInput
 from modelforge.policy import PolicyConfig, PoolState
-from tests.harness import Stack, running_stack
 from workers.control import ensure_scheduler
+from workers.stack import Stack, running_stack
 from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow

@@ -20,7 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
 from modelforge.runtimes import job_log_dirs
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 pytest.importorskip("numpy")  # the merge example's only dependency

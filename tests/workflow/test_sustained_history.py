@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from tests.harness import running_stack
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 

@@ -28,9 +28,9 @@ from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
 from modelforge.versioning import deployment_config, roll, set_current
-from tests.harness import Stack, running_stack
 from tests.runtimes.test_streaming import _serve
 from workers.control import ControlWorker, build_control_worker
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

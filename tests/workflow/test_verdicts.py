@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from modelforge.client import ModelForgeClient
 from modelforge.verdicts import CheckSpec, admission_check, pool_verdicts, request_verdict
-from tests.harness import Stack, running_stack
+from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 

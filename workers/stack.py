@@ -1,5 +1,6 @@
 """An in-process ModelForge stack on a given Temporal client: real Postgres, the control worker,
-simulated node workers, the scheduler and telemetry workflows."""
+simulated node workers, the scheduler and telemetry workflows. What the tests and the benchmarks
+start (benchmarks import it from here, never from the tests)."""
 
 from __future__ import annotations
 
