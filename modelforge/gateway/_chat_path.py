@@ -113,7 +113,7 @@ def answer_of(output: dict[str, Any], prompt: list[str], request_id: str) -> Ans
     )
 
 
-def _tokens_seen(request: Request, counts: dict[str, Any]) -> None:
+def tokens_seen(request: Request, counts: dict[str, Any]) -> None:
     # For the access log and the token metrics, as the chat route records them.
     request.state.tokens = {
         "prompt_tokens": counts.get("prompt_tokens", 0),
@@ -148,7 +148,7 @@ class Streamed:
     def _end(self, finish: str, output: dict[str, Any], calls: list[ToolCall], reasoning: str) -> Piece:
         text = "".join(self._texts)
         counts = usage(output, self.prompt, [text])
-        _tokens_seen(self.request, counts)
+        tokens_seen(self.request, counts)
         answer = Answer(text, reasoning, calls, finish, counts, self.request_id)
         return Piece("end", answer=answer)
 
@@ -242,7 +242,7 @@ class ChatPath:
         request_id = self.request_id_of(request)
         result = await self.run(request, deployment.capability, payload, request_id, tenant=request.state.tenant)
         answer = answer_of(result.output or {}, prompt, result.request_id)
-        _tokens_seen(request, answer.usage)
+        tokens_seen(request, answer.usage)
         return answer
 
     async def streamed(self, request: Request, call: ChatCall) -> Streamed:
