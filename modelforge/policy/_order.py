@@ -102,17 +102,23 @@ def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
     return scores
 
 
-def _submission_key(queued: QueuedRequest) -> tuple[float, str]:
+def submission_key(queued: QueuedRequest) -> tuple[float, str]:
     return (queued.submitted_at, queued.request_id)
 
 
 def insert_in_submission_order(queue: list[QueuedRequest], queued: QueuedRequest) -> None:
     """Append, or insert in place when the request was submitted earlier than the tail (a
     preempted request goes back with its original submission time)."""
-    if not queue or _submission_key(queue[-1]) <= _submission_key(queued):
+    if not queue or submission_key(queue[-1]) <= submission_key(queued):
         queue.append(queued)
     else:
-        insort(queue, queued, key=_submission_key)
+        insort(queue, queued, key=submission_key)
+
+
+def bucket_key(catalog: Catalog, scores: dict[str, float], priority: str, tenant: str) -> tuple[int, float]:
+    """Where a (class, tenant)'s requests stand in the queue order, before submission time:
+    class first, then fair-share score (higher first). `scores`: `fair_share_scores`."""
+    return class_rank(catalog, priority), -scores.get(fair_share_entity(priority, tenant), 0.0)
 
 
 def ordered_buckets(state: PoolState, now: float) -> list[list[QueuedRequest]]:
@@ -129,11 +135,7 @@ def ordered_buckets(state: PoolState, now: float) -> list[list[QueuedRequest]]:
     for queued in state.queue:
         key = keys.get((queued.priority, queued.tenant))
         if key is None:
-            entity = fair_share_entity(queued.priority, queued.tenant)
-            key = keys[(queued.priority, queued.tenant)] = (
-                class_rank(catalog, queued.priority),
-                -scores.get(entity, 0.0),
-            )
+            key = keys[(queued.priority, queued.tenant)] = bucket_key(catalog, scores, queued.priority, queued.tenant)
         bucket = buckets.get(key)
         if bucket is None:
             buckets[key] = [queued]
@@ -143,7 +145,7 @@ def ordered_buckets(state: PoolState, now: float) -> list[list[QueuedRequest]]:
 
 
 def in_submission_order(queue: list[QueuedRequest]) -> bool:
-    return all(_submission_key(a) <= _submission_key(b) for a, b in itertools.pairwise(queue))
+    return all(submission_key(a) <= submission_key(b) for a, b in itertools.pairwise(queue))
 
 
 def iter_queue_order(state: PoolState, now: float) -> Iterator[QueuedRequest]:

@@ -15,13 +15,10 @@ from __future__ import annotations
 import math
 from bisect import insort
 
+from modelforge.policy._order import submission_key
 from modelforge.policy._state import PoolState, QueuedRequest
 
 _KEY = "_policy_queue_index"
-
-
-def _submission_key(queued: QueuedRequest) -> tuple[float, str]:
-    return (queued.submitted_at, queued.request_id)
 
 
 class Lane:
@@ -39,10 +36,10 @@ class Lane:
         self.min_expiry = math.inf  # never above the earliest expiry in the lane
 
     def add(self, queued: QueuedRequest) -> None:
-        if not self.items or _submission_key(self.items[-1]) <= _submission_key(queued):
+        if not self.items or submission_key(self.items[-1]) <= submission_key(queued):
             self.items.append(queued)
         else:
-            insort(self.items, queued, key=_submission_key)
+            insort(self.items, queued, key=submission_key)
         self.assigned += bool(queued.assigned_to)
         self.reasons[queued.waiting_reason] = self.reasons.get(queued.waiting_reason, 0) + 1
         self.min_expiry = min(self.min_expiry, queued.expires_at)

@@ -55,12 +55,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-from modelforge.domain import Deployment, GiB, Residency, fair_share_entity
+from modelforge.domain import Deployment, GiB, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import Decisions
-from modelforge.policy._order import class_rank, fair_share_scores, queue_order
+from modelforge.policy._order import bucket_key, class_rank, fair_share_scores, queue_order, submission_key
 from modelforge.policy._pass import filter_accelerators
 from modelforge.policy._placement import decide
 from modelforge.policy._queue_index import queue_index
@@ -785,14 +785,13 @@ def _timeline_order(
         deployment = deployment_of[capability]
         if (deployment.deployment_id if deployment is not None else capability) not in timed:
             continue
-        key = (class_rank(catalog, priority), -scores.get(fair_share_entity(priority, tenant), 0.0))
-        buckets.setdefault(key, []).append(lane.items)
+        buckets.setdefault(bucket_key(catalog, scores, priority, tenant), []).append(lane.items)
     for key in sorted(buckets):
         lanes = buckets[key]
         if len(lanes) == 1:
             yield from lanes[0]
         else:  # the lanes of one bucket interleave in submission order, as in the queue
-            yield from heapq.merge(*lanes, key=lambda q: (q.submitted_at, q.request_id))
+            yield from heapq.merge(*lanes, key=submission_key)
 
 
 def _message(state: PoolState, queued: QueuedRequest) -> str:
