@@ -13,7 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from modelforge.domain import Catalog
-from tests import harness
+from workers import stack as harness
 
 started = asyncio.Event()
 release = asyncio.Event()
