@@ -55,6 +55,7 @@ from modelforge.identifiers import (
 from modelforge.messages import (
     MAX_INPUT_BYTES,
     OPERATIONS,
+    DeadlineDue,
     RequestInput,
     RequestResult,
     ResidencyControl,
@@ -74,6 +75,9 @@ from modelforge.verdicts import request_verdict
 MAX_INPUT_DEPTH = 64
 # How long a request rides out a Temporal outage (its start, or the wait for its result).
 DEFAULT_REATTACH_S = 300.0
+# How long after a waiting request's deadline (by this process's clock) its scheduler is nudged
+# to refuse it: past the moment, so the scheduler's clock has passed it too on the same host.
+DEADLINE_NUDGE_AFTER_S = 0.05
 # Cards a job may ask for (`submit_job(gpu_count=...)`); the node checks the deployment has them.
 MAX_GPU_COUNT = 1024
 # What a server restart or a dropped connection looks like; anything else is an answer.
@@ -475,6 +479,7 @@ class ModelForgeClient:
         handle: WorkflowHandle[Any, RequestResult] | None = None
         retrying_start = False
         watcher: asyncio.Task[None] | None = None
+        nudge: asyncio.Task[None] | None = None
         try:
             while True:
                 try:
@@ -493,6 +498,8 @@ class ModelForgeClient:
                             watcher = asyncio.create_task(
                                 self._watch(handle, request.capability, request.pool, on_progress, request.request_id)
                             )
+                        if request.deadline_s is not None and nudge is None:
+                            nudge = asyncio.create_task(self._nudge_at_deadline(request, loop.time()))
                     result: RequestResult = await handle.result()
                     return result
                 except RPCError as error:
@@ -505,10 +512,25 @@ class ModelForgeClient:
                     await asyncio.sleep(min(delay, left))
                     delay = min(delay * 2, 5.0)
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+            for task in (watcher, nudge):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _nudge_at_deadline(self, request: RequestInput, started: float) -> None:
+        """Tell the pool's scheduler when the request's deadline passed by this process's clock,
+        if it still waits then: its refusal (DEADLINE_CANNOT_BE_MET) then reaches the caller
+        at the deadline, not when Temporal's timer fires (up to a second late on a busy
+        server). The workflow started before `started`, so its deadline has passed by then."""
+        assert request.deadline_s is not None
+        await asyncio.sleep(
+            max(0.0, started + request.deadline_s + DEADLINE_NUDGE_AFTER_S - asyncio.get_running_loop().time())
+        )
+        with contextlib.suppress(RPCError):  # only a nudge: the scheduler's timer refuses it anyway
+            await self.temporal.get_workflow_handle(scheduler_id(request.pool)).signal(
+                "deadline_due", DeadlineDue(request_id=request.request_id), rpc_timeout=timedelta(seconds=5)
+            )
 
     async def _start(
         self,

@@ -146,6 +146,13 @@ class CancelSignal:
 
 
 @dataclass(frozen=True)
+class DeadlineDue:
+    """A requester's own clock says this request's deadline passed while it still waits."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class RebaseSignal:
     """Continue as new now: the run's history cannot be replayed (the replay guard found a
     nondeterminism error in it), but its cached state is sound, so it moves that state into a

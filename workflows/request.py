@@ -66,6 +66,9 @@ MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 # the task timeout then, and such admissions failed with TIMEOUT).
 ADMIT_BUDGET = SCHEDULER_TASK_TIMEOUT + timedelta(seconds=30)
 ADMIT_MARGIN_S = 5.0
+# A first admission whose deadline passed on its way to the scheduler still asks with a deadline
+# (the smallest the scheduler takes), for the scheduler's refusal or a late-running class's grant.
+MIN_DEADLINE_S = 0.001
 CHECKPOINT_TIMEOUT = timedelta(seconds=60)
 
 
@@ -446,16 +449,19 @@ class CapabilityRequestWorkflow:
 
     async def _acquire(self, request: RequestInput, preempted: bool, submitted_at: float, acquisition: int) -> Lease:
         deadline_s = request.deadline_s
-        if deadline_s is not None and acquisition > 0:
-            # The deadline is the caller's, from its request: asked again, only the time left.
-            left = submitted_at + deadline_s - workflow.now().timestamp()
-            if left <= 0:
+        if deadline_s is not None:
+            # The deadline is the caller's, counted from its request's start (the client is
+            # waiting since then), not from when the admission reaches the scheduler: only the
+            # time left is asked for, first and again. The scheduler decides about a first ask
+            # whose time is gone (a class that runs late is never refused for its deadline).
+            left = workflow.info().workflow_start_time.timestamp() + deadline_s - workflow.now().timestamp()
+            if left <= 0 and acquisition > 0:
                 self._end(FailureClass.DEADLINE_CANNOT_BE_MET.value)
                 raise failure(
                     FailureClass.DEADLINE_CANNOT_BE_MET,
                     f"its deadline of {deadline_s:g} s passed before it could be admitted again",
                 )
-            deadline_s = left
+            deadline_s = max(left, MIN_DEADLINE_S)
         admission = AdmissionRequest(
             request_id=request.request_id,
             workflow_id=workflow.info().workflow_id,

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         CarriedOutbox,
+        DeadlineDue,
         DelegationReply,
         DelegationSync,
         LeaseConfirmCall,
@@ -530,6 +531,14 @@ class PoolSchedulerWorkflow:
     def cancel(self, signal: CancelSignal) -> None:
         now = self._now()
         self._record_all(policy.cancel_request(self._state, signal.request_id, now, signal.reason), now)
+        self._wake = True
+
+    @workflow.signal
+    def deadline_due(self, signal: DeadlineDue) -> None:
+        """A pass now: a requester's clock says `signal.request_id`'s deadline passed. Temporal's
+        timers fire up to a second late on a busy server, and a refusal sent a second late
+        reaches a client that stopped listening. The pass refuses it (or lets a class that runs
+        late wait) by the usual rule; a pass a hair early leaves it to the deadline's timer."""
         self._wake = True
 
     @workflow.signal

@@ -19,7 +19,8 @@ answer sends bytes as it goes (and, while it waits, its verdict lines), so only
 The deadline applied is the wait less a margin (`margin_s`: a fifth of it, at most a
 second), so that a refusal reaches the client before it stops listening (a refusal at the
 deadline takes a scheduler pass and two workflow hops to reach the client: half a second on a
-loaded host). The answer says what was
+loaded host). The deadline counts from the request's start, so the time its admission takes to
+reach the scheduler is not added to the client's wait. The answer says what was
 applied in `X-ModelForge-Deadline-Applied: <seconds> (from <header> <value>)`, also logged
 (`deadline_applied`). A malformed or out-of-range `X-Request-Timeout` is REQUEST_INVALID (400);
 a malformed SDK header is left aside (the caller did not write it)."""

@@ -7,12 +7,17 @@ through unchanged."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
 from activities.gateway import _as_failure
 from workflows._common import classify
+
+# A failed update is read from the error alone: the scheduler's handle is never asked.
+NO_HANDLE: Any = None
 
 
 @pytest.mark.parametrize(
@@ -28,16 +33,16 @@ from workflows._common import classify
         RuntimeError("no type at all"),
     ],
 )
-def test_temporals_own_refusals_are_asked_again(cause: BaseException) -> None:
-    failure = _as_failure(WorkflowUpdateFailedError(cause), "default")
+async def test_temporals_own_refusals_are_asked_again(cause: BaseException) -> None:
+    failure = await _as_failure(WorkflowUpdateFailedError(cause), "default", NO_HANDLE)
     assert isinstance(failure, ApplicationError)
     assert failure.type == "SCHEDULER_STATE_STALE" and not failure.non_retryable
     assert "asking again" in failure.message
     assert classify(failure)[0] == "SCHEDULER_STATE_STALE"
 
 
-def test_the_schedulers_typed_refusals_pass_through() -> None:
+async def test_the_schedulers_typed_refusals_pass_through() -> None:
     cause = ApplicationError("3 requests already queued", type="QUEUE_FULL", non_retryable=True)
-    failure = _as_failure(WorkflowUpdateFailedError(cause), "default")
+    failure = await _as_failure(WorkflowUpdateFailedError(cause), "default", NO_HANDLE)
     assert isinstance(failure, ApplicationError)
     assert (failure.type, failure.non_retryable, failure.message) == ("QUEUE_FULL", True, "3 requests already queued")

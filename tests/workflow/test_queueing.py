@@ -7,6 +7,7 @@ goes to that request, not to later, lower work)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,12 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge.messages import RequestInput
 from modelforge.policy import PolicyConfig
+from modelforge.settings import CONTROL_TASK_QUEUE
 from workers.stack import Stack, running_stack
+from workflows import CapabilityRequestWorkflow
+from workflows._common import request_workflow_id
 
 pytestmark = pytest.mark.workflow
 
@@ -98,3 +103,25 @@ async def test_a_holder_that_may_not_be_preempted_is_drained(
         assert answered.lease is not None and after.lease is not None
         grants = {e["request_id"]: int(e["seq"]) for e in await stack.events("lease_granted", at_least=3)}
         assert grants[answered.request_id] < grants[after.request_id]
+
+
+async def test_a_deadline_counts_from_the_requests_start_not_from_its_admission(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # The client waits from the moment it started the request. Its admission reaches the
+    # scheduler 2.5 s later here (no worker yet, as on a host under load): those seconds are
+    # gone from the deadline the scheduler holds it to, or a refusal would reach the client
+    # after the client stopped listening.
+    request_id = uuid.uuid4().hex[:12]
+    request = RequestInput(request_id=request_id, capability="chat.llm@1", tenant="app", deadline_s=30)
+    handle = await dev_server_env.client.start_workflow(
+        CapabilityRequestWorkflow.run,
+        request,
+        id=request_workflow_id("chat.llm@1", request_id),
+        task_queue=CONTROL_TASK_QUEUE,
+    )
+    await asyncio.sleep(2.5)
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        assert (await handle.result()).lease is not None
+        granted = [e for e in await stack.events("lease_granted", at_least=1) if e["request_id"] == request_id]
+        assert granted and granted[0]["payload"]["deadline_s"] <= 27.5, granted
