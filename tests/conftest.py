@@ -16,6 +16,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.temporal import register_search_attributes
+from tests.own_postgres import outage_postgres  # noqa: F401 (the outage tests' own Postgres, a fixture)
 
 BIN = Path(sys.executable).parent
 

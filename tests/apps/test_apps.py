@@ -17,8 +17,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.gateway.test_ollama import _MORE
+from tests.gateway.serving import CATALOG, ON_DEMAND_AND_TOY_CHAT, Served, serve
 from workers.stack import running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,11 +25,11 @@ LLAMAINDEX_PYTHON = ROOT / ".venv-llamaindex" / "bin" / "python"
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
-    catalog.write_text(CATALOG.read_text() + _MORE)
+    catalog.write_text(CATALOG.read_text() + ON_DEMAND_AND_TOY_CHAT)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
@@ -38,7 +37,7 @@ def _ndjson(text: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-async def test_open_webui_startup_chat_title_and_embeddings(gateway: _Served) -> None:
+async def test_open_webui_startup_chat_title_and_embeddings(gateway: Served) -> None:
     """Open WebUI's Ollama connection (backend/open_webui/routers/ollama.py): it lists /api/tags
     and /api/version, offers each `model`, appends `:latest` to a name without a tag, streams
     /api/chat, generates titles with `num_predict` at the body's root, embeds through /api/embed."""
@@ -82,7 +81,7 @@ async def test_open_webui_startup_chat_title_and_embeddings(gateway: _Served) ->
         assert "chat.small@1:latest" in loaded
 
 
-async def test_continue_startup_chat_and_autocomplete(gateway: _Served) -> None:
+async def test_continue_startup_chat_and_autocomplete(gateway: Served) -> None:
     """Continue's Ollama provider (core/llm/llms/Ollama.ts): /api/show for the template, the
     parameters and the context length; chat and generate with `keep_alive: 1800` and its
     options on every call."""
@@ -124,7 +123,7 @@ async def test_continue_startup_chat_and_autocomplete(gateway: _Served) -> None:
         assert "def add" in "".join(str(line.get("response", "")) for line in _ndjson(generated.text))
 
 
-async def test_langchain_ollama_chat_stream_tools_structured_output_and_embeddings(gateway: _Served) -> None:
+async def test_langchain_ollama_chat_stream_tools_structured_output_and_embeddings(gateway: Served) -> None:
     done = await _run([sys.executable, str(ROOT / "tests" / "apps" / "langchain_client.py"), gateway.base_url])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -135,7 +134,7 @@ async def test_langchain_ollama_chat_stream_tools_structured_output_and_embeddin
     assert seen["documents"] == [8, 8] and seen["query"] == 8
 
 
-async def test_litellm_ollama_ollama_chat_and_openai_models(gateway: _Served) -> None:
+async def test_litellm_ollama_ollama_chat_and_openai_models(gateway: Served) -> None:
     done = await _run([sys.executable, str(ROOT / "tests" / "apps" / "litellm_client.py"), gateway.base_url])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -144,7 +143,7 @@ async def test_litellm_ollama_ollama_chat_and_openai_models(gateway: _Served) ->
     assert seen["embedding"] == 8
 
 
-async def test_llamaindex_ollama_and_openai_like(gateway: _Served) -> None:
+async def test_llamaindex_ollama_and_openai_like(gateway: Served) -> None:
     """LlamaIndex's classes in their own venv (scripts/test makes it): llama-index-core installs a
     top-level `workflows` package, as this project has one."""
     if not LLAMAINDEX_PYTHON.exists():

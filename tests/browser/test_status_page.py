@@ -15,13 +15,13 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from tests.browser.test_temporal_ui import ROOT, _render
-from tests.gateway.test_gateway import CATALOG, _serve
+from tests.browser.chromium import render_page
+from tests.gateway.serving import CATALOG, serve
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 
-SCREENSHOT = ROOT / "docs" / "img" / "status-page.png"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "status-page.png"
 OPERATOR_KEY = "sk-operator-0123456789abcdef"
 TENANT_KEY = "sk-tenant-0123456789abcdef"
 
@@ -35,7 +35,7 @@ async def test_an_operator_sees_cards_residents_and_the_queue_with_verdicts(
 ) -> None:
     config = GatewayConfig(api_keys={OPERATOR_KEY: "ops", TENANT_KEY: "default"}, operator_tenants=frozenset({"ops"}))
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             tenant = {"Authorization": f"Bearer {TENANT_KEY}"}
             async with httpx.AsyncClient(base_url=served.base_url, timeout=60) as http:
                 refused = await http.get("/ui")
@@ -74,11 +74,11 @@ async def test_an_operator_sees_cards_residents_and_the_queue_with_verdicts(
                 assert queued["request_id"] == "behind-1" and queued["position"]["in_class"] == 1, queued
 
                 url = served.base_url.replace("http://", f"http://ops:{OPERATOR_KEY}@") + "/ui"
-                dom = await asyncio.to_thread(_render, url)
+                dom = await asyncio.to_thread(render_page, url)
                 assert 'data-card="gpu-node/0"' in dom, dom[-2000:]
                 assert "ollama (pid" in dom and "behind-1" in dom and "rag.embedding@1" in dom
                 assert (queued["message"] or queued["reason"]) in dom
-                await asyncio.to_thread(_render, url, screenshot=SCREENSHOT)
+                await asyncio.to_thread(render_page, url, screenshot=SCREENSHOT)
                 assert SCREENSHOT.stat().st_size > 10_000
                 for task in (running, waiting):
                     task.cancel()

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -19,19 +17,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
 from modelforge.temporal import register_search_attributes
+from tests.browser.chromium import render_page
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "img" / "temporal-ui.png"
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not found:
-        raise RuntimeError("Debian's chromium is needed for the browser test: apt-get install chromium (.ci/run does)")
-    return found
 
 
 def _free_port() -> int:
@@ -55,24 +47,6 @@ async def ui_env() -> AsyncIterator[tuple[WorkflowEnvironment, int]]:
         await env.shutdown()
 
 
-def _render(url: str, *, screenshot: Path | None = None) -> str:
-    """The page's DOM after its scripts ran (the UI is a single-page app), and optionally a
-    screenshot of it."""
-    args = [
-        _chromium(),
-        "--headless",
-        "--no-sandbox",  # CI runs as root
-        "--disable-gpu",
-        "--hide-scrollbars",
-        "--window-size=1440,900",
-        "--virtual-time-budget=15000",
-    ]
-    args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-    done = subprocess.run([*args, url], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 async def test_an_operator_finds_a_request_by_capability_in_the_ui(
     ui_env: tuple[WorkflowEnvironment, int], database_url: str, tmp_path: Path
 ) -> None:
@@ -86,7 +60,7 @@ async def test_an_operator_finds_a_request_by_capability_in_the_ui(
         url = f"http://127.0.0.1:{ui_port}/namespaces/default/workflows?query={query}"
         dom = ""
         for _ in range(10):  # visibility trails the workflow by a moment
-            dom = await asyncio.to_thread(_render, url)
+            dom = await asyncio.to_thread(render_page, url)
             if "request:rag.embedding@1:ui-demo" in dom:
                 break
             await asyncio.sleep(1.0)
@@ -97,5 +71,5 @@ async def test_an_operator_finds_a_request_by_capability_in_the_ui(
         # (MODELFORGE_UPDATE_SCREENSHOT=1); otherwise it goes to the test's own folder.
         shot = SCREENSHOT if os.environ.get("MODELFORGE_UPDATE_SCREENSHOT") == "1" else tmp_path / "temporal-ui.png"
         shot.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(_render, url, screenshot=shot)
+        await asyncio.to_thread(render_page, url, screenshot=shot)
         assert shot.stat().st_size > 10_000

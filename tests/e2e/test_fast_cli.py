@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_dev_stack import MODELFORGE, Dev, _free_port
+from tests.e2e.dev_process import MODELFORGE, Dev, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -35,8 +35,8 @@ def _steady(value: Any) -> Any:
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dev]:
     stack = Dev(tmp_path_factory.mktemp("fast-cli-home"))
-    stack.env["MODELFORGE_TEMPORAL_HTTP_ADDRESS"] = f"127.0.0.1:{_free_port()}"
-    stack.env["MODELFORGE_METRICS_PORT"] = str(_free_port())
+    stack.env["MODELFORGE_TEMPORAL_HTTP_ADDRESS"] = f"127.0.0.1:{free_port()}"
+    stack.env["MODELFORGE_METRICS_PORT"] = str(free_port())
     stack.env["MODELFORGE_TEMPORAL_METRICS_ADDRESS"] = "off"
     stack.start()
     try:
@@ -108,7 +108,7 @@ def test_a_refused_request_is_the_sdk_paths(dev: Dev) -> None:
 
 
 def test_an_unreachable_http_api_answers_the_same(dev: Dev) -> None:
-    away = _cli_env(dev, MODELFORGE_TEMPORAL_HTTP_ADDRESS=f"127.0.0.1:{_free_port()}")
+    away = _cli_env(dev, MODELFORGE_TEMPORAL_HTTP_ADDRESS=f"127.0.0.1:{free_port()}")
     assert not _fast_taken(["status", "--json"], away)
     code, status = _run(["status", "--json"], away)
     assert code == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import modelforge
-from tests.e2e.test_dev_stack import running
+from tests.e2e.dev_process import running
 
 pytestmark = pytest.mark.e2e
 

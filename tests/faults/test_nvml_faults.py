@@ -6,7 +6,6 @@ on stale data; and no capacity snapshot ever shows the card over-committed."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -17,21 +16,12 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.domain import GiB
 from modelforge.gpu import ExternalProcess
 from modelforge.policy import PolicyConfig
+from tests.polling import until
 from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 
 GPU = "gpu-node/0"
-
-
-async def _until(probe: Any, within_s: float) -> Any:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        found = await probe()
-        if found:
-            return found
-        await asyncio.sleep(0.3)
-    return await probe()
 
 
 async def _failure(stack: Stack, capability: str, **kwargs: Any) -> ApplicationError:
@@ -76,11 +66,11 @@ async def test_nvml_faults_are_typed_and_never_over_commit(
 
         # 3. A silent node: its card goes stale and nothing that needs new memory is granted on it.
         await stack.node_workers["gpu-node"].shutdown()
-        assert await _until(lambda: _stale(stack), 15)
+        assert await until(lambda: _stale(stack), 15)
         stale = await _failure(stack, "chat.small@1", tenant="rag", lease_timeout_s=3)
         assert stale.type == "LEASE_TIMEOUT" and "SCHEDULER_STATE_STALE" in stale.message, stale.message
         await stack.restart_node("gpu-node")
-        assert await _until(lambda: _fresh(stack), 15)
+        assert await until(lambda: _fresh(stack), 15)
 
         # 4. An unload whose memory the driver never gives back: GPU_MEMORY_NOT_RECLAIMED, and the
         # bytes stay counted (unreclaimed) instead of being granted again.

@@ -13,7 +13,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
-from tests.faults.test_nvml_faults import _until
+from tests.polling import until
 from workers.node import ensure_telemetry
 from workers.stack import Stack, running_stack
 from workflows._common import telemetry_id
@@ -39,11 +39,11 @@ async def test_a_silent_node_loses_its_leases_and_its_job_resumes_when_it_return
         dev_server_env.client, database_url, catalog_path=CATALOG, config=config, telemetry_interval_s=1.0
     ) as stack:
         job = await stack.start_request("train.job@1", tenant="lab", input={"simulate_invoke_s": 30})
-        assert await _until(lambda: _leased(stack), 30)
+        assert await until(lambda: _leased(stack), 30)
 
         # The node's telemetry stops (the node itself, and the job's invoke, carry on).
         await dev_server_env.client.get_workflow_handle(telemetry_id("lab-node")).terminate("test: silent node")
-        assert await _until(lambda: _stale(stack), 15)
+        assert await until(lambda: _stale(stack), 15)
         [asked] = await stack.events("preemption_requested", at_least=1, within_s=30)
         assert asked["workflow_id"] == job.id and "node silent for" in asked["message"]
         [preempted] = await stack.events("preempted", at_least=1, within_s=30)
@@ -56,7 +56,7 @@ async def test_a_silent_node_loses_its_leases_and_its_job_resumes_when_it_return
 
         # The node samples again: the card is fresh, its residents reconciled, the job resumes.
         await ensure_telemetry(dev_server_env.client, "lab-node", interval_s=1.0)
-        assert await _until(lambda: _fresh(stack), 15)
+        assert await until(lambda: _fresh(stack), 15)
         done = await job.result()
         assert done.timings["preemptions"] == 1
         saved = json.loads(Path(done.output["resumed_from"]).read_text())

@@ -16,12 +16,11 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.gateway.test_openai_passthrough import _received, _toy
+from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
 from workers.stack import running_stack
 
 KEY = "sk-team-default-0123456789"
-TOYS = _toy("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2")
+TOYS = toy_deployment("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2")
 TOOLS: Any = [
     {
         "name": "lookup",
@@ -36,16 +35,16 @@ RAW = {"message_start", "content_block_start", "content_block_delta", "content_b
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + TOYS)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig(api_keys={KEY: "default"})):
+        async for served in serve(stack, GatewayConfig(api_keys={KEY: "default"})):
             yield served
 
 
 @pytest.mark.workflow
-async def test_anthropic_messages_tools_stream_count_and_errors(gateway: _Served) -> None:
+async def test_anthropic_messages_tools_stream_count_and_errors(gateway: Served) -> None:
     async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=KEY, max_retries=0) as client:
         message = await client.messages.create(
             model="toy-chat",
@@ -61,7 +60,7 @@ async def test_anthropic_messages_tools_stream_count_and_errors(gateway: _Served
         ]
         assert message.stop_reason == "end_turn" and message.role == "assistant"
         assert (message.usage.input_tokens, message.usage.output_tokens) == (5, 11)  # the toy server's counts
-        body = (await _received("toy.chat@1"))[-1]["body"]
+        body = (await toy_requests("toy.chat@1"))[-1]["body"]
         assert body["messages"] == [
             {"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "hello there"},
@@ -86,7 +85,7 @@ async def test_anthropic_messages_tools_stream_count_and_errors(gateway: _Served
             ],
         )
         assert answered.content[0].text == "[toy server] ready. You said: sunny"  # type: ignore[union-attr]
-        sent = (await _received("toy.chat@1"))[-1]["body"]
+        sent = (await toy_requests("toy.chat@1"))[-1]["body"]
         assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "tool"]
         assert sent["messages"][2] == {"role": "tool", "tool_call_id": use.id, "content": "sunny"}
         assert sent["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]

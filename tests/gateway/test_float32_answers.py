@@ -22,11 +22,12 @@ from modelforge.gpu import CPU_DEVICE_INDEX, HostMemoryDevice, NodeDevices, Simu
 from modelforge.payloads import OUTPUT_REF, with_payload_store
 from modelforge.runtimes import SentenceTransformersRuntime
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES
-from tests.gateway.test_gateway import _serve, _Served
-from tests.runtimes.test_sentence_transformers import CATALOG as CPU_CATALOG
+from tests.gateway.serving import Served, serve
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
+
+CPU_CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "cpu_embedding.toml"
 
 CAPABILITY = "rag.embedding.cpu@1"
 # Short texts: 2,048 of them encode in a second or two on a shared CPU.
@@ -58,19 +59,19 @@ async def direct() -> AsyncIterator[dict[int, list[list[float]]]]:
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     pytest.importorskip("sentence_transformers")
     # Every client and worker with the payload store, as `modelforge dev` and compose run them.
     client = with_payload_store(
         dev_server_env.client, tmp_path / "payloads", DEFAULT_PAYLOAD_THRESHOLD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
     )
     async with running_stack(client, database_url, CPU_CATALOG) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
 async def test_2048_inputs_through_the_gateway_are_the_runtimes_vectors_in_both_encodings(
-    gateway: _Served, direct: dict[int, list[list[float]]]
+    gateway: Served, direct: dict[int, list[list[float]]]
 ) -> None:
     async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
         # The SDK asks for base64 by default: the float32 bytes the node stored, row by row.
@@ -100,7 +101,7 @@ async def test_2048_inputs_through_the_gateway_are_the_runtimes_vectors_in_both_
 
 
 async def test_the_python_api_gets_plain_lists_and_ollama_embed_answers(
-    gateway: _Served, direct: dict[int, list[list[float]]]
+    gateway: Served, direct: dict[int, list[list[float]]]
 ) -> None:
     result = await ModelForgeClient(gateway.stack.client).request(CAPABILITY, {"texts": TEXTS}, deadline_s=300)
     assert result.ok and result.output is not None, (result.failure_class, result.message)

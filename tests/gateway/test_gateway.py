@@ -16,50 +16,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from temporalio.testing import WorkflowEnvironment
 
-from modelforge.client import ModelForgeClient
 from modelforge.failures import FailureClass
-from modelforge.gateway import GatewayConfig, create_app, gateway_server, http_status, load_api_keys
-from workers.stack import Stack, running_stack
+from modelforge.gateway import GatewayConfig, http_status, load_api_keys
+from tests.gateway.serving import CATALOG, TEAM_KEY, Served, serve
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 
-CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "gateway.toml"
-TEAM_KEY = "sk-team-0123456789abcdef"
-
-
-class _Served:
-    def __init__(self, stack: Stack, base_url: str) -> None:
-        self.stack = stack
-        self.base_url = base_url
-
-
-async def _serve(stack: Stack, config: GatewayConfig) -> AsyncIterator[_Served]:
-    app = create_app(ModelForgeClient(stack.client), stack.store.load_catalog, config)
-    server = gateway_server(app, "127.0.0.1", 0)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield _Served(stack, f"http://127.0.0.1:{port}")
-    finally:
-        server.should_exit = True
-        await task
-
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> AsyncIterator[Served]:
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
-async def test_openai_sdk_embeddings_and_chat_through_the_gateway(gateway: _Served) -> None:
+async def test_openai_sdk_embeddings_and_chat_through_the_gateway(gateway: Served) -> None:
     async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0) as client:
         await _embeddings_and_chat(gateway, client)
 
 
-async def _embeddings_and_chat(gateway: _Served, client: openai.AsyncOpenAI) -> None:
+async def _embeddings_and_chat(gateway: Served, client: openai.AsyncOpenAI) -> None:
     # The SDK asks for base64 unless told otherwise, and decodes it: both encodings must work.
     first = await client.embeddings.create(model="text-embedding-3-small", input=["hello world", "goodbye"])
     assert [d.index for d in first.data] == [0, 1]
@@ -102,7 +79,7 @@ async def _embeddings_and_chat(gateway: _Served, client: openai.AsyncOpenAI) -> 
     assert {e["deployment"] for e in granted} == {"rag.embedding@1", "chat.small@1"}
 
 
-async def test_requests_status_and_failure_classes_over_http(gateway: _Served) -> None:
+async def test_requests_status_and_failure_classes_over_http(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         ok = await http.post(
             "/v1/requests",
@@ -149,7 +126,7 @@ async def test_requests_status_and_failure_classes_over_http(gateway: _Served) -
         assert (await running).status_code == 200 and (await waiting).status_code == 200
 
 
-async def test_a_request_id_in_flight_is_a_conflict_and_the_priority_header_counts(gateway: _Served) -> None:
+async def test_a_request_id_in_flight_is_a_conflict_and_the_priority_header_counts(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         # X-ModelForge-Priority on /v1/requests: the lease is granted in the class it names.
         background = await http.post(
@@ -240,7 +217,7 @@ def _typed(answer: httpx.Response, path: str) -> None:
     ), (answer.status_code, body)
 
 
-async def test_hostile_bodies_and_identifiers_get_typed_answers_and_leave_it_serving(gateway: _Served) -> None:
+async def test_hostile_bodies_and_identifiers_get_typed_answers_and_leave_it_serving(gateway: Served) -> None:
     """Every answer to arbitrary bodies, identifiers and headers is a typed success or a typed
     refusal, and an ordinary request right after each one still succeeds (on the dev stack)."""
     ordinary = {"model": "all-MiniLM-L6-v2", "input": "hello"}
@@ -284,7 +261,7 @@ async def test_api_keys_choose_the_tenant(
     config = GatewayConfig(api_keys=load_api_keys(keys_file))
     assert TEAM_KEY not in repr(config)  # keys never show in logs or reprs
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             base_url = f"{served.base_url}/v1"
             async with openai.AsyncOpenAI(base_url=base_url, api_key="sk-wrong-wrong-wrong", max_retries=0) as anon:
                 with pytest.raises(openai.AuthenticationError):

@@ -25,8 +25,8 @@ from modelforge.domain import Catalog
 from modelforge.failures import FailureClass
 from modelforge.gateway import GatewayConfig, create_app
 from modelforge.runtimes import job_log_dirs
-from tests.gateway.test_gateway import _serve
-from tests.workflow.test_subprocess_job_preemption import catalog_for_test
+from tests.gateway.serving import serve
+from tests.workflow.job_catalogs import catalog_for_test
 from workers.stack import running_stack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "merge.toml"
@@ -50,7 +50,7 @@ async def test_a_job_over_http_runs_and_answers_its_output_and_refusals_are_type
     ids = [f"http-job-{os.urandom(4).hex()}" for _ in range(3)]
     try:
         async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
-            async for gateway in _serve(stack, GatewayConfig()):
+            async for gateway in serve(stack, GatewayConfig()):
                 await _jobs(gateway.base_url, ids)
     finally:
         for request_id in ids:

@@ -14,7 +14,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
 from modelforge.gateway import GatewayConfig
-from tests.gateway.test_gateway import _serve
+from tests.gateway.serving import serve
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -43,7 +43,7 @@ async def test_an_idle_delegated_model_shows_no_active_lease_and_an_operator_unl
             pytest.fail("the node was never lent a slot")
         lent = stack.slots[node].free_slots(CAPABILITY)
         assert lent == 7  # all but the one kept back for the scheduler's own admissions
-        async for gateway in _serve(stack, config):
+        async for gateway in serve(stack, config):
             ops = {"Authorization": f"Bearer {OPS_KEY}"}
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30, headers=ops) as http:
                 # Idle, with 7 slots lent to its node (given back after 10 s idle: well within).

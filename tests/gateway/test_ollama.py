@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,45 +16,21 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig, load_api_keys
 from modelforge.gateway._ollama import parse_keep_alive
-from tests.gateway.test_gateway import CATALOG, TEAM_KEY, _serve, _Served
+from tests.gateway.serving import CATALOG, ON_DEMAND_AND_TOY_CHAT, TEAM_KEY, Served, serve
 from workers.stack import running_stack
-
-# The gateway tests' catalog, a chat model that is unloaded once its last request ends, and a
-# chat model served by the project's toy server (an OpenAI-compatible server: it takes options).
-_MORE = f"""
-[[deployments]]
-capability = "chat.ondemand@1"
-envelope_bytes = 2147483648
-residency = "load_on_demand"
-concurrency = 1
-measured_on = ["Simulated RTX 3090 24GB"]
-openai_models = ["ondemand-chat"]
-
-[[deployments]]
-capability = "chat.toy@1"
-envelope_bytes = 1073741824
-residency = "keep_warm"
-concurrency = 2
-runtime = "subprocess_http"
-command = [{json.dumps(sys.executable)}, "-m", "modelforge.runtimes.toy_server", "--port", "{{port}}"]
-runtime_config = {{ api = "openai_chat", ready_timeout_s = "30" }}
-openai_models = ["toy-chat"]
-context_length = 32768
-features = ["tools", "thinking"]
-"""
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
-    catalog.write_text(CATALOG.read_text() + _MORE)
+    catalog.write_text(CATALOG.read_text() + ON_DEMAND_AND_TOY_CHAT)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
 @pytest.fixture
-async def client(gateway: _Served) -> AsyncIterator[ollama.AsyncClient]:
+async def client(gateway: Served) -> AsyncIterator[ollama.AsyncClient]:
     # OLLAMA_HOST is what Ollama applications read; `host=` is the same base URL.
     found = ollama.AsyncClient(host=gateway.base_url, timeout=60)
     try:
@@ -71,7 +46,7 @@ async def _refused(call: object, status: int) -> ollama.ResponseError:
     return refused.value
 
 
-async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, client: ollama.AsyncClient) -> None:
+async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: Served, client: ollama.AsyncClient) -> None:
     # stream=False: one JSON object.
     chat = await client.chat(
         model="small-chat", messages=[{"role": "user", "content": "is the card busy?"}], stream=False
@@ -131,7 +106,7 @@ async def test_chat_and_generate_as_an_ollama_app_calls_them(gateway: _Served, c
     assert {e["deployment"] for e in granted} == {"chat.small@1", "chat.toy@1"}
 
 
-async def test_embed_embeddings_tags_ps_show_and_version(gateway: _Served, client: ollama.AsyncClient) -> None:
+async def test_embed_embeddings_tags_ps_show_and_version(gateway: Served, client: ollama.AsyncClient) -> None:
     embedded = await client.embed(model="all-MiniLM-L6-v2", input=["hello world", "goodbye"])
     assert len(embedded.embeddings) == 2 and all(len(v) == 8 for v in embedded.embeddings)  # simulated: 8
     assert embedded.embeddings[0] != embedded.embeddings[1] and embedded.prompt_eval_count == 3
@@ -181,7 +156,7 @@ async def test_embed_embeddings_tags_ps_show_and_version(gateway: _Served, clien
         assert "modelforge catalog apply" in str(refused.error)
 
 
-async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, client: ollama.AsyncClient) -> None:
+async def test_refusals_are_ollama_errors_with_the_class(gateway: Served, client: ollama.AsyncClient) -> None:
     unknown = await _refused(client.chat(model="llama3.2", messages=[{"role": "user", "content": "x"}]), 404)
     assert "llama3.2" in str(unknown.error) and "not found" in str(unknown.error)
     await _refused(client.embed(model="llama3.2", input="x"), 404)
@@ -226,7 +201,7 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: _Served, clien
     assert {e["deployment"] for e in granted} == {"slow.job@1", "rag.embedding@1"}
 
 
-async def test_keep_alive_is_a_hint_said_in_the_answer(gateway: _Served, client: ollama.AsyncClient) -> None:
+async def test_keep_alive_is_a_hint_said_in_the_answer(gateway: Served, client: ollama.AsyncClient) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         # Continue's keep_alive 1800 on a model kept 300 s: served, capped, and the answer says so.
         chat = {"model": "small-chat", "messages": [{"role": "user", "content": "x"}], "stream": False}
@@ -269,7 +244,7 @@ async def test_no_tenant_unloads_what_the_catalog_keeps_warm(
     keys_file.write_text(f'[api_keys]\n"{TEAM_KEY}" = "default"\n"sk-ops-0123456789abcdef" = "rag"\n')
     config = GatewayConfig(api_keys=load_api_keys(keys_file), operator_tenants=frozenset({"rag"}))
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             tenant = ollama.AsyncClient(
                 host=served.base_url, timeout=60, headers={"Authorization": f"Bearer {TEAM_KEY}"}
             )
@@ -340,7 +315,7 @@ async def test_api_keys_guard_the_ollama_routes(
     keys_file.write_text(f'[api_keys]\n"{TEAM_KEY}" = "rag"\n')
     config = GatewayConfig(api_keys=load_api_keys(keys_file))
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             anonymous = ollama.AsyncClient(host=served.base_url, timeout=60)
             wrong = ollama.AsyncClient(host=served.base_url, timeout=60, headers={"Authorization": "Bearer sk-wrong"})
             team = ollama.AsyncClient(host=served.base_url, timeout=60, headers={"Authorization": f"Bearer {TEAM_KEY}"})

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import shutil
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,35 +22,19 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from modelforge.runtimes import SubprocessHttpRuntime
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from workers.stack import _SERVERS, running_stack
+from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
+from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
-
-
-def _toy(capability: str, model: str, api: str, *extra: str) -> str:
-    command = json.dumps([sys.executable, "-m", "modelforge.runtimes.toy_server", "--port", "{port}", *extra])
-    return f"""
-[[deployments]]
-capability = "{capability}"
-envelope_bytes = 1073741824
-residency = "keep_warm"
-concurrency = 4
-runtime = "subprocess_http"
-command = {command}
-runtime_config = {{ api = "{api}", ready_timeout_s = "30" }}
-openai_models = ["{model}"]
-"""
 
 
 # The gateway tests' catalog (its simulated models small-chat and all-MiniLM-L6-v2) and three
 # toy servers: a chat model, a reasoning model (it thinks first, in reasoning_content) and an
 # embedding model.
 TOYS = (
-    _toy("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2")
-    + _toy("toy.reasoner@1", "toy-reasoner", "openai_chat", "--token-delay-ms", "2", "--reasoning")
-    + _toy("toy.embedding@1", "toy-embed", "openai_embeddings")
+    toy_deployment("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2")
+    + toy_deployment("toy.reasoner@1", "toy-reasoner", "openai_chat", "--token-delay-ms", "2", "--reasoning")
+    + toy_deployment("toy.embedding@1", "toy-embed", "openai_embeddings")
 )
 # Strict function tools: the SDK's streaming helper parses only those.
 TOOLS: Any = [
@@ -72,31 +55,23 @@ CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.t
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + TOYS)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
-def _client(gateway: _Served) -> openai.AsyncOpenAI:
+def _client(gateway: Served) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
-
-
-async def _received(capability: str) -> list[dict[str, Any]]:
-    """The request bodies the toy server serving `capability` received."""
-    runtimes: list[SubprocessHttpRuntime] = [r for rs in _SERVERS.values() for r in rs]
-    [server] = [s for r in runtimes for key, s in r._servers.items() if key.startswith(capability)]
-    requests: list[dict[str, Any]] = (await server.client.get("/received")).json()["requests"]
-    return requests
 
 
 async def _chunks(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
 
 
-async def test_streamed_tool_calls_reasoning_logprobs_and_choices_reach_the_client_whole(gateway: _Served) -> None:
+async def test_streamed_tool_calls_reasoning_logprobs_and_choices_reach_the_client_whole(gateway: Served) -> None:
     async with _client(gateway) as client:
         # Tool calls, streamed: the SDK's own accumulator puts them back as the whole answer has them.
         whole = await client.chat.completions.create(model="toy-chat", messages=ASK, tools=TOOLS)
@@ -159,13 +134,13 @@ async def test_streamed_tool_calls_reasoning_logprobs_and_choices_reach_the_clie
         assert texts == {0: answer, 1: answer} and finishes == {0: "stop", 1: "stop"}
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 * 15  # the server's
         # Every one of these reached the server with its parameters, stream asked by the gateway.
-        bodies = [r["body"] for r in await _received("toy.chat@1")]
+        bodies = [r["body"] for r in await toy_requests("toy.chat@1")]
         assert [b.get("n") for b in bodies if b.get("stream")] == [None, None, 2]
         assert all(b.get("tools") == TOOLS for b in bodies if b.get("stream") and "tools" in b)
 
 
 async def test_langchain_streams_tool_call_chunks_and_embeds_with_its_default_token_arrays(
-    gateway: _Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gateway: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """LangChain's ChatOpenAI with tools, streaming (what agent frameworks do), and
     OpenAIEmbeddings with its defaults: it tokenizes with tiktoken and sends token ids. tiktoken
@@ -215,7 +190,7 @@ async def test_langchain_streams_tool_call_chunks_and_embeds_with_its_default_to
             embeddings = OpenAIEmbeddings(model="toy-embed", **where)
             vectors = await embeddings.aembed_documents(["a cat sits on the mat", "quarterly revenue rose"])
             assert [len(v) for v in vectors] == [64, 64]
-            body = (await _received("toy.embedding@1"))[-1]["body"]
+            body = (await toy_requests("toy.embedding@1"))[-1]["body"]
             assert all(isinstance(row, list) and all(isinstance(t, int) for t in row) for row in body["input"])
             assert len(body["input"]) == 2  # token ids, as LangChain sends them by default
             # The same text, the same token ids, the same vector.
@@ -223,7 +198,7 @@ async def test_langchain_streams_tool_call_chunks_and_embeds_with_its_default_to
             assert again[0] == vectors[0]
 
 
-async def test_a_simulated_model_takes_sampling_parameters_and_says_which(gateway: _Served) -> None:
+async def test_a_simulated_model_takes_sampling_parameters_and_says_which(gateway: Served) -> None:
     hello: Any = [{"role": "user", "content": "hello there my friend"}]
     async with _client(gateway) as client:
         # ChatOpenAI(temperature=0) and LlamaIndex's OpenAILike (max_completion_tokens) ask so.
@@ -264,7 +239,7 @@ async def test_a_simulated_model_takes_sampling_parameters_and_says_which(gatewa
             assert "takes only" in refused.value.message and "temperature" in refused.value.message
 
 
-async def test_an_unknown_role_is_refused_by_name_before_any_workflow(gateway: _Served) -> None:
+async def test_an_unknown_role_is_refused_by_name_before_any_workflow(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
         for model in ("toy-chat", "small-chat"):
             answer = await http.post(
@@ -286,14 +261,14 @@ async def test_an_unknown_role_is_refused_by_name_before_any_workflow(gateway: _
 
 
 async def test_token_id_embeddings_reach_a_server_that_takes_them_and_are_refused_clearly_elsewhere(
-    gateway: _Served,
+    gateway: Served,
 ) -> None:
     async with _client(gateway) as client:
         several = await client.embeddings.create(model="toy-embed", input=[[1, 2, 3], [4, 5]])
         one = await client.embeddings.create(model="toy-embed", input=[1, 2, 3])
         assert len(several.data) == 2 and several.data[0].embedding == one.data[0].embedding
         assert several.usage.prompt_tokens == 5
-        received = [r["body"]["input"] for r in await _received("toy.embedding@1")]
+        received = [r["body"]["input"] for r in await toy_requests("toy.embedding@1")]
         assert received[-2:] == [[[1, 2, 3], [4, 5]], [[1, 2, 3]]]
         with pytest.raises(openai.BadRequestError) as refused:
             await client.embeddings.create(model="all-MiniLM-L6-v2", input=[[1, 2, 3]])

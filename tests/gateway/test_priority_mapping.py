@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
 from modelforge.logging import configure
-from tests.gateway.test_gateway import CATALOG, TEAM_KEY, _serve, _Served
+from tests.gateway.serving import CATALOG, TEAM_KEY, Served, serve
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -35,17 +35,17 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str) -> AsyncIterator[Served]:
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for served in _serve(stack, GatewayConfig(api_keys={TEAM_KEY: "default", RAG_KEY: "rag"})):
+        async for served in serve(stack, GatewayConfig(api_keys={TEAM_KEY: "default", RAG_KEY: "rag"})):
             yield served
 
 
-def _client(gateway: _Served, key: str) -> openai.AsyncOpenAI:
+def _client(gateway: Served, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
 
 
-async def _granted(gateway: _Served, request_id: str) -> dict[str, Any]:
+async def _granted(gateway: Served, request_id: str) -> dict[str, Any]:
     """The lease_granted event of a request: the class and tenant admission gave it."""
     for _ in range(50):
         found = [e for e in await gateway.stack.events("lease_granted", at_least=1) if e["request_id"] == request_id]
@@ -56,7 +56,7 @@ async def _granted(gateway: _Served, request_id: str) -> dict[str, Any]:
     raise AssertionError(f"no lease_granted for {request_id}")
 
 
-async def test_vllm_priority_and_service_tier_map_to_classes_capped_at_the_keys_ceiling(gateway: _Served) -> None:
+async def test_vllm_priority_and_service_tier_map_to_classes_capped_at_the_keys_ceiling(gateway: Served) -> None:
     async with _client(gateway, TEAM_KEY) as team, _client(gateway, RAG_KEY) as rag:
         # service_tier="flex": one level below the tenant's default (interactive -> background).
         flex = await team.chat.completions.with_raw_response.create(
@@ -137,7 +137,7 @@ async def test_vllm_priority_and_service_tier_map_to_classes_capped_at_the_keys_
 
 
 async def test_open_webui_user_headers_are_recorded_and_never_change_the_tenant(
-    gateway: _Served, capsys: pytest.CaptureFixture[str]
+    gateway: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
     saved = structlog.get_config()
     configure(logging.INFO)

@@ -21,7 +21,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
+from tests.gateway.serving import CATALOG, Served, serve
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -62,16 +62,16 @@ SLOW = "slow.job@1"
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + _ONE_AT_A_TIME)
     config = GatewayConfig(api_keys={TEAM_KEY: "team", OTHER_KEY: "other"})
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             yield served
 
 
-def _http(gateway: _Served, key: str = TEAM_KEY) -> httpx.AsyncClient:
+def _http(gateway: Served, key: str = TEAM_KEY) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=gateway.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
 
 
@@ -92,7 +92,7 @@ async def _until_free(http: httpx.AsyncClient) -> None:
 
 
 async def test_a_request_is_found_by_its_id_waiting_running_and_done_and_only_by_its_tenant(
-    gateway: _Served,
+    gateway: Served,
 ) -> None:
     async with _http(gateway) as http, _http(gateway, OTHER_KEY) as other:
         slow = {"capability": SLOW, "input": {"simulate_invoke_s": 4}}
@@ -133,7 +133,7 @@ async def test_a_request_is_found_by_its_id_waiting_running_and_done_and_only_by
         assert (await running).status_code == 200
 
 
-async def test_the_clients_own_timeout_is_the_deadline_and_hopeless_work_is_refused_early(gateway: _Served) -> None:
+async def test_the_clients_own_timeout_is_the_deadline_and_hopeless_work_is_refused_early(gateway: Served) -> None:
     # The openai package sends its read timeout (X-Stainless-Read-Timeout); the answer says the
     # deadline the gateway applied from it.
     async with openai.AsyncOpenAI(
@@ -170,7 +170,7 @@ async def test_the_clients_own_timeout_is_the_deadline_and_hopeless_work_is_refu
         assert (await running).status_code == 200
 
 
-async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: _Served) -> None:
+async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: Served) -> None:
     async with _http(gateway) as http:
         warm = await http.post("/v1/requests", json={"capability": "rag.embedding@1", "input": {"text": "x"}})
         assert warm.status_code == 200
@@ -218,7 +218,7 @@ async def test_a_dry_run_answers_now_later_or_never_and_starts_nothing(gateway: 
         assert (await running).status_code == 200 and (await behind).status_code == 200
 
 
-async def _hold(gateway: _Served) -> None:
+async def _hold(gateway: Served) -> None:
     """A streamed answer of the one-at-a-time model, read to its end (about 4 s)."""
     async with (
         _http(gateway) as http,
@@ -231,7 +231,7 @@ async def _hold(gateway: _Served) -> None:
             pass
 
 
-async def _behind_a_held_answer(gateway: _Served) -> asyncio.Task[None]:
+async def _behind_a_held_answer(gateway: Served) -> asyncio.Task[None]:
     """Once the model is free, an answer that holds it; returns when it holds it."""
     async with _http(gateway) as http:
         await _until_free(http)
@@ -241,7 +241,7 @@ async def _behind_a_held_answer(gateway: _Served) -> asyncio.Task[None]:
 
 
 async def test_a_waiting_stream_tells_its_verdict_and_the_openai_and_ollama_packages_read_on(
-    gateway: _Served,
+    gateway: Served,
 ) -> None:
     async with openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=TEAM_KEY, max_retries=0) as client:
         whole = await client.chat.completions.create(model="single-chat", messages=HELLO)  # type: ignore[arg-type]

@@ -27,11 +27,10 @@ from modelforge.gpu import CPU_DEVICE_INDEX, HostMemoryDevice, NodeDevices, Simu
 from modelforge.runtimes import SentenceTransformersRuntime, SubprocessHttpRuntime, speaks
 from modelforge.runtimes._http_api import parse_response
 from modelforge.runtimes.toy_server import lexical_score
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.gateway.test_openai_passthrough import _received, _toy
+from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
 from workers.stack import running_stack
 
-RERANKER = _toy("toy.rerank@1", "toy-rerank", "rerank")
+RERANKER = toy_deployment("toy.rerank@1", "toy-rerank", "rerank")
 QUERY = "where does the cat sleep"
 DOCUMENTS = ["Quarterly revenue rose by four percent.", "Where is the cat?", "Does the cat sleep on the mat?", "A cat."]
 # The toy server's scores: the share of the query's five words each document holds.
@@ -40,16 +39,16 @@ BY_SCORE = sorted(range(len(DOCUMENTS)), key=lambda n: (-SCORES[n], n))
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + RERANKER)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
 @pytest.mark.workflow
-async def test_rerank_as_cohere_jina_and_open_webui_send_it(gateway: _Served) -> None:
+async def test_rerank_as_cohere_jina_and_open_webui_send_it(gateway: Served) -> None:
     assert SCORES == [0.0, 0.6, 0.8, 0.2] and BY_SCORE == [2, 1, 3, 0]  # distinct: the order is the scores'
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         # Cohere's shape: strings, top_n, return_documents false.
@@ -99,7 +98,7 @@ async def test_rerank_as_cohere_jina_and_open_webui_send_it(gateway: _Served) ->
         assert [r["index"] for r in webui.json()["results"]] == BY_SCORE
 
     # What the model server received: the query, the documents as text, top_n and its own field.
-    bodies = [r["body"] for r in await _received("toy.rerank@1") if r["path"] == "/v1/rerank"]
+    bodies = [r["body"] for r in await toy_requests("toy.rerank@1") if r["path"] == "/v1/rerank"]
     sent = [b for b in bodies if b.get("query") == QUERY]  # the load's health check asked its own
     assert [b.get("top_n") for b in sent] == [2, 3, 4]
     assert all(b["documents"] == DOCUMENTS for b in sent)
@@ -111,7 +110,7 @@ async def test_rerank_as_cohere_jina_and_open_webui_send_it(gateway: _Served) ->
 
 
 @pytest.mark.workflow
-async def test_a_model_that_cannot_rerank_is_refused_by_name(gateway: _Served) -> None:
+async def test_a_model_that_cannot_rerank_is_refused_by_name(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         for model, answers in (("small-chat", "text and vectors"), ("all-MiniLM-L6-v2", "text and vectors")):
             refused = await http.post("/v1/rerank", json={"model": model, "query": "q", "documents": ["a", "b"]})

@@ -18,13 +18,12 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
 from modelforge.gateway._responses import ResponseStore
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
-from tests.gateway.test_openai_passthrough import _received, _toy
+from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
 from workers.stack import running_stack
 
 KEY = "sk-team-default-0123456789"  # tenant "default"
 OTHER_KEY = "sk-team-rag-0123456789ab"  # tenant "rag"
-TOYS = _toy("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2") + _toy(
+TOYS = toy_deployment("toy.chat@1", "toy-chat", "openai_chat", "--token-delay-ms", "2") + toy_deployment(
     "toy.reasoner@1", "toy-reasoner", "openai_chat", "--token-delay-ms", "2", "--reasoning"
 )
 # A function tool as the Agents SDK sends one (not strict: the toy's arguments are its own).
@@ -41,21 +40,21 @@ ASK: Any = [{"role": "user", "content": [{"type": "input_text", "text": "please 
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + TOYS)
     config = GatewayConfig(api_keys={KEY: "default", OTHER_KEY: "rag"})
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, config):
+        async for served in serve(stack, config):
             yield served
 
 
-def _client(gateway: _Served, key: str = KEY) -> openai.AsyncOpenAI:
+def _client(gateway: Served, key: str = KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0)
 
 
 @pytest.mark.workflow
-async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served) -> None:
+async def test_responses_answer_call_tools_continue_and_stream(gateway: Served) -> None:
     async with _client(gateway) as client:
         # Instructions and input as a chat, with the sampling parameters the model server takes.
         first = await client.responses.create(
@@ -65,7 +64,7 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served)
         assert first.status == "completed" and first.output_text == "[toy server] ready. You said: hello there"
         assert first.usage is not None
         assert (first.usage.input_tokens, first.usage.output_tokens) == (5, 11)  # the toy server's own counts
-        body = (await _received("toy.chat@1"))[-1]["body"]
+        body = (await toy_requests("toy.chat@1"))[-1]["body"]
         assert body["messages"] == [
             {"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "hello there"},
@@ -85,7 +84,7 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: _Served)
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
         )
         assert answered.output_text == "[toy server] ready. You said: sunny"
-        sent = (await _received("toy.chat@1"))[-1]["body"]
+        sent = (await toy_requests("toy.chat@1"))[-1]["body"]
         assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "tool"]
         assert sent["messages"][1]["tool_calls"][0]["id"] == call.call_id == sent["messages"][2]["tool_call_id"]
         assert sent["tools"] == [

@@ -38,7 +38,7 @@ from modelforge.gateway._streams import (
     outcome,
     stream_router,
 )
-from tests.gateway.test_gateway import CATALOG
+from tests.gateway.serving import CATALOG
 from workers.stack import running_stack
 
 

@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
 from modelforge.policy import PolicyConfig
-from tests.gateway.test_gateway import CATALOG, _serve, _Served
+from tests.gateway.serving import CATALOG, Served, serve
 from workers.stack import _SERVERS, running_stack
 
 pytestmark = pytest.mark.workflow
@@ -74,15 +74,15 @@ max_priority = "background"
 
 
 @pytest.fixture
-async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[_Served]:
+async def gateway(dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path) -> AsyncIterator[Served]:
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG.read_text() + _TOY)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
-        async for served in _serve(stack, GatewayConfig()):
+        async for served in serve(stack, GatewayConfig()):
             yield served
 
 
-async def _toy_streams(gateway: _Served) -> list[dict[str, Any]]:
+async def _toy_streams(gateway: Served) -> list[dict[str, Any]]:
     runtime = next(r for runtimes in _SERVERS.values() for r in runtimes if r._servers)
     [server] = runtime._servers.values()
     answer = await server.client.get("/streams")
@@ -90,7 +90,7 @@ async def _toy_streams(gateway: _Served) -> list[dict[str, Any]]:
     return streams
 
 
-async def test_a_streamed_answer_equals_the_whole_one_and_counts_usage(gateway: _Served) -> None:
+async def test_a_streamed_answer_equals_the_whole_one_and_counts_usage(gateway: Served) -> None:
     client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
     whole = await client.chat.completions.create(model="toy-chat", messages=HELLO)  # type: ignore[arg-type]
     pieces: list[str] = []
@@ -132,7 +132,7 @@ async def test_a_streamed_answer_equals_the_whole_one_and_counts_usage(gateway: 
     assert any('capability="chat.toy@1"' in line and not line.endswith(" 0.0") for line in counts), counts
 
 
-async def test_a_client_that_disconnects_mid_stream_frees_the_lease_and_stops_the_model(gateway: _Served) -> None:
+async def test_a_client_that_disconnects_mid_stream_frees_the_lease_and_stops_the_model(gateway: Served) -> None:
     body = {"model": "toy-chat", "messages": HELLO, "stream": True}
     async with (
         httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http,
@@ -173,7 +173,7 @@ async def test_preemption_mid_stream_ends_it_with_an_error_carrying_its_class(
     catalog.write_text(CATALOG.read_text() + _PREEMPTION)
     config = PolicyConfig(preempt_grace_s=0.5, preempt_min_runtime_s=0.0)
     async with running_stack(dev_server_env.client, database_url, catalog_path=catalog, config=config) as stack:
-        async for gateway in _serve(stack, GatewayConfig()):
+        async for gateway in serve(stack, GatewayConfig()):
             body = {"model": "background-chat", "messages": HELLO, "stream": True}
             events: list[dict[str, Any]] = []
             production: asyncio.Task[Any] | None = None
@@ -203,13 +203,13 @@ async def test_preemption_mid_stream_ends_it_with_an_error_carrying_its_class(
             assert (await handle.result()).output
 
 
-async def test_a_push_from_outside_is_refused(gateway: _Served) -> None:
+async def test_a_push_from_outside_is_refused(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=10) as http:
         unknown = await http.post("/internal/streams/nope", content=b'{"delta": "x"}\n')
         assert unknown.status_code == 410
 
 
-async def test_legacy_completions_answer_and_stream_as_text_completions(gateway: _Served) -> None:
+async def test_legacy_completions_answer_and_stream_as_text_completions(gateway: Served) -> None:
     client = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
     whole = await client.completions.create(model="toy-chat", prompt="say hello to the weather", max_tokens=50)
     assert whole.object == "text_completion" and whole.choices[0].text.startswith("[toy server]")

@@ -16,9 +16,7 @@ from temporalio.exceptions import ApplicationError
 from modelforge.failures import FailureClass
 from modelforge.runtimes import _subprocess_job as job_module
 from modelforge.runtimes import job_log_dirs
-from tests.runtimes.test_subprocess_job import MERGE, ROOT, Node, job, node, python
-
-__all__ = ["node"]  # the fixture, shared with test_subprocess_job.py
+from tests.runtimes.jobs import MERGE, ROOT, Node, job, python
 
 EVALUATE = ROOT / "examples" / "jobs" / "evaluate.py"
 

@@ -23,9 +23,7 @@ from modelforge.domain import GiB
 from modelforge.failures import FailureClass
 from modelforge.runtimes import _subprocess_job as job_module
 from modelforge.runtimes import job_log_dirs
-from tests.runtimes.test_subprocess_job import CPU_KEY, MERGE, MERGE_ARGS, ROOT, Node, job, node, python
-
-__all__ = ["node"]  # the fixture, shared with test_subprocess_job.py
+from tests.runtimes.jobs import CPU_KEY, MERGE, MERGE_ARGS, ROOT, Node, job, python
 
 JOB_FILE = ROOT / "examples" / "jobs" / "merge-job.toml"
 EVALUATE = ROOT / "examples" / "jobs" / "evaluate.py"

@@ -22,9 +22,7 @@ from modelforge.gpu import HostMemoryDevice, NodeDevices, SimulatedGpuBackend
 from modelforge.runtimes import SubprocessJobRuntime
 from modelforge.runtimes._process import alive
 from modelforge.runtimes._subprocess_job import JOB_TAG
-from tests.runtimes.test_subprocess_job import UUID, Node, job, node, python
-
-__all__ = ["node"]  # the fixture, shared with test_subprocess_job.py
+from tests.runtimes.jobs import UUID, Node, job, python
 
 # The job forks a child that calls setsid() and forks the grandchild, which writes its pid and
 # environment and sleeps; the child exits at once, so the grandchild is nobody's in the job's

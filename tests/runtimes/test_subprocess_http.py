@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,48 +25,14 @@ from modelforge.gpu import (
     CPU_DEVICE_INDEX,
     DeviceSample,
     GpuProcess,
-    HostMemoryDevice,
     NodeDevices,
-    SimulatedDevice,
-    SimulatedGpuBackend,
 )
 from modelforge.messages import CheckpointInput, InvokeInput, LoadInput, ReclaimInput
-from modelforge.runtimes import LoadedModel, SubprocessHttpRuntime, process_tree
+from modelforge.runtimes import SubprocessHttpRuntime, process_tree
 from modelforge.runtimes._process import alive
+from tests.runtimes.toy_servers import UUID, devices, info, loaded, quiet, toy
 
 MiB = 1024**2
-UUID = "GPU-5a1e0000-0000-4000-8000-00000000abcd"
-
-
-def toy(*extra: str, api: str = "openai_embeddings", **config: str) -> Deployment:
-    return Deployment(
-        capability="toy.embedding@1",
-        envelope_bytes=2 * GiB,
-        idle_bytes=1 * GiB,
-        runtime="subprocess_http",
-        command=[sys.executable, "-m", "modelforge.runtimes.toy_server", "--port", "{port}", *extra],
-        runtime_config={"api": api, "ready_timeout_s": "20", "stop_grace_s": "2", **config},
-    )
-
-
-def devices(host: bool = False) -> NodeDevices:
-    gpus = SimulatedGpuBackend([SimulatedDevice(0, UUID, "Simulated L4", 24 * GiB)])
-    return NodeDevices(gpus, HostMemoryDevice("n", 8 * GiB) if host else None)
-
-
-def quiet(_: str) -> None:
-    return None
-
-
-async def loaded(runtime: SubprocessHttpRuntime, deployment: Deployment, device: int = 0) -> LoadedModel:
-    return await runtime.load(f"{deployment.capability}@n/{device}", deployment, device, UUID, quiet)
-
-
-async def info(runtime: SubprocessHttpRuntime, model: LoadedModel) -> dict[str, Any]:
-    server = runtime._servers[model.resident_key]
-    answer = await server.client.get("/info")
-    result: dict[str, Any] = answer.json()
-    return result
 
 
 @pytest.mark.parametrize("api", ["openai_embeddings", "tei_embed"])

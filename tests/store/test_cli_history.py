@@ -4,24 +4,14 @@ against a real database, as a table and as JSON."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from modelforge.events import EventRecord
 from modelforge.messages import SnapshotBatch
 from modelforge.store import Store
-from tests.store.test_store import _accelerator_status, _released
-
-
-def modelforge(database_url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env.update(MODELFORGE_DATABASE_URL=database_url, MODELFORGE_HOME=str(tmp_path), COLUMNS="160")
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge", *args], capture_output=True, text=True, timeout=60, env=env, check=False
-    )
+from tests.store.cli import modelforge
+from tests.store.records import accelerator_status, released_event
 
 
 async def test_usage_capacity_and_alerts_as_tables_and_json(database_url: str, tmp_path: Path) -> None:
@@ -31,8 +21,8 @@ async def test_usage_capacity_and_alerts_as_tables_and_json(database_url: str, t
         now = time.time()
         await store.record_events(
             [
-                _released("l1", now - 10, 7200.0),  # acme: 2 GPU-hours
-                _released("l2", now - 5, 1800.0, tenant="lab", accelerators="a/0,a/1"),  # lab: 2 x 0.5 h
+                released_event("l1", now - 10, 7200.0),  # acme: 2 GPU-hours
+                released_event("l2", now - 5, 1800.0, tenant="lab", accelerators="a/0,a/1"),  # lab: 2 x 0.5 h
                 EventRecord(event_id="p", at=now - 3, kind="gpu_pressure_entered", alert="GPU_PRESSURE"),
             ]
         )
@@ -41,7 +31,7 @@ async def test_usage_capacity_and_alerts_as_tables_and_json(database_url: str, t
                 SnapshotBatch(
                     pool="default",
                     at=now - minutes_ago * 60,
-                    accelerators=[_accelerator_status("a/0", schedulable_gib << 30, 6 << 30)],
+                    accelerators=[accelerator_status("a/0", schedulable_gib << 30, 6 << 30)],
                 ),
                 retention_s=86400.0,
             )

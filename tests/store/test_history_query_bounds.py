@@ -14,7 +14,7 @@ import pytest
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.store import Store
-from tests.store.test_cli_history import modelforge
+from tests.store.cli import modelforge
 
 
 @pytest.mark.parametrize(

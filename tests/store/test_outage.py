@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from tests.own_postgres import OwnPostgres, reachable
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -21,41 +19,8 @@ OUTAGE_S = 30.0
 BURST = 20
 
 
-class _Postgres:
-    """An embedded server of this test's own, so stopping it touches no other test."""
-
-    def __init__(self, pgdata: Path) -> None:
-        import pgserver
-
-        self._pgserver = pgserver
-        self.server = pgserver.get_server(str(pgdata), cleanup_mode="stop")
-
-    def stop(self) -> None:
-        self._pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.server.pgdata, user=self.server.system_user)
-
-    def start(self) -> None:
-        self.server.ensure_postgres_running()
-
-
-@pytest.fixture
-def outage_postgres(tmp_path: Path) -> Iterator[_Postgres]:
-    postgres = _Postgres(tmp_path / "pg")
-    try:
-        yield postgres
-    finally:
-        postgres.server.cleanup()
-
-
-def _reachable(url: str) -> bool:
-    try:
-        with psycopg.connect(url, connect_timeout=2):
-            return True
-    except psycopg.OperationalError:
-        return False
-
-
 async def test_a_30_second_database_outage_loses_nothing(
-    dev_server_env: WorkflowEnvironment, outage_postgres: _Postgres
+    dev_server_env: WorkflowEnvironment, outage_postgres: OwnPostgres
 ) -> None:
     url = outage_postgres.server.get_uri()
     async with running_stack(dev_server_env.client, url, telemetry_interval_s=2.0, snapshot_interval_s=5.0) as stack:
@@ -67,7 +32,7 @@ async def test_a_30_second_database_outage_loses_nothing(
         await asyncio.to_thread(outage_postgres.stop)
         down_at = time.monotonic()
         down_wall = time.time()
-        assert not _reachable(url)
+        assert not reachable(url)
         handles = []
         for n in range(BURST):
             capability = "rag.embedding@1" if n % 2 == 0 else "chat.small@1"
@@ -76,7 +41,7 @@ async def test_a_30_second_database_outage_loses_nothing(
         served_while_down = time.monotonic() - down_at
         # Every request of the burst was admitted, invoked and released with the database down.
         assert len(results) == BURST and served_while_down < OUTAGE_S
-        assert not _reachable(url)
+        assert not reachable(url)
         await asyncio.sleep(OUTAGE_S - served_while_down)
         await asyncio.to_thread(outage_postgres.start)
         assert outage_postgres.server.get_uri() == url

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 import pytest
 
@@ -12,8 +11,8 @@ from modelforge.catalog import example_catalog_path, load_catalog_file
 from modelforge.events import EventRecord
 from modelforge.failures import ModelForgeError
 from modelforge.messages import SnapshotBatch
-from modelforge.policy import AcceleratorStatus
 from modelforge.store import Store, redact
+from tests.store.records import accelerator_status, granted_event, released_event
 
 
 async def test_migrations_apply_once_and_catalog_round_trips(database_url: str) -> None:
@@ -83,41 +82,6 @@ def test_redacted_urls_never_show_the_password() -> None:
     assert "s3cret" not in shown and "db.internal" in shown
 
 
-def _granted(lease: str, at: float, *, tenant: str = "acme", accelerators: str = "node-a/0", nbytes: int = 2 << 30):
-    return EventRecord(
-        event_id=f"g-{lease}",
-        at=at,
-        kind="lease_granted",
-        request_id=f"r-{lease}",
-        lease_id=lease,
-        accelerator=accelerators.split(",")[0],
-        deployment="chat",
-        payload={
-            "bytes": nbytes,
-            "tenant": tenant,
-            "capability": "chat.llm@1",
-            "priority": "production",
-            "pool": "default",
-            "accelerators": accelerators,
-        },
-    )
-
-
-def _released(lease: str, at: float, held_s: float, outcome: str = "ok", **kwargs: Any) -> EventRecord:
-    granted = _granted(lease, at - held_s, **kwargs)
-    return EventRecord(
-        event_id=f"x-{lease}",
-        at=at,
-        kind="lease_released",
-        request_id=granted.request_id,
-        lease_id=lease,
-        accelerator=granted.accelerator,
-        deployment="chat",
-        message=outcome,
-        payload={**granted.payload, "held_s": held_s, "outcome": outcome, "granted_at": at - held_s},
-    )
-
-
 async def test_lease_ledger_is_whole_whichever_event_lands_first(database_url: str) -> None:
     store = await Store.open(database_url)
     try:
@@ -125,13 +89,13 @@ async def test_lease_ledger_is_whole_whichever_event_lands_first(database_url: s
         now = time.time()
         # l1: grant then release; l2: the release batch lands first (a retried write), then the grant;
         # l3: a two-card gang lease; l4: still held.
-        await store.record_events([_granted("l1", now - 100)])
-        await store.record_events([_released("l1", now - 40, 60.0)])
-        await store.record_events([_released("l2", now - 10, 30.0, outcome="RUNTIME_CRASH", tenant="lab")])
-        await store.record_events([_granted("l2", now - 40, tenant="lab")])
-        await store.record_events([_released("l3", now - 5, 10.0, accelerators="node-a/0,node-a/1", tenant="lab")])
-        await store.record_events([_granted("l4", now - 1)])
-        await store.record_events([_released("l1", now - 40, 60.0)])  # a retry changes nothing
+        await store.record_events([granted_event("l1", now - 100)])
+        await store.record_events([released_event("l1", now - 40, 60.0)])
+        await store.record_events([released_event("l2", now - 10, 30.0, outcome="RUNTIME_CRASH", tenant="lab")])
+        await store.record_events([granted_event("l2", now - 40, tenant="lab")])
+        await store.record_events([released_event("l3", now - 5, 10.0, accelerators="node-a/0,node-a/1", tenant="lab")])
+        await store.record_events([granted_event("l4", now - 1)])
+        await store.record_events([released_event("l1", now - 40, 60.0)])  # a retry changes nothing
         rows = {row["lease_id"]: row for row in await store.ledger()}
         assert set(rows) == {"l1", "l2", "l3", "l4"}
         assert rows["l1"]["outcome"] == "ok" and rows["l1"]["gpu_seconds"] == 60.0
@@ -161,9 +125,11 @@ async def test_open_leases_are_the_pools_rows_without_an_end_and_a_lease_ends_on
     try:
         await store.migrate()
         now = time.time()
-        await store.record_events([_granted("o1", now - 30), _granted("o2", now - 20), _granted("o3", now - 10)])
-        await store.record_events([_released("o2", now - 5, 15.0)])
-        other = _granted("o4", now - 8)
+        await store.record_events(
+            [granted_event("o1", now - 30), granted_event("o2", now - 20), granted_event("o3", now - 10)]
+        )
+        await store.record_events([released_event("o2", now - 5, 15.0)])
+        other = granted_event("o4", now - 8)
         await store.record_events([replace(other, payload={**other.payload, "pool": "lab"})])
         opened = await store.open_leases("default")
         assert [lease.lease_id for lease in opened] == ["o1", "o3"]  # oldest first, o2 ended, o4 elsewhere
@@ -173,35 +139,12 @@ async def test_open_leases_are_the_pools_rows_without_an_end_and_a_lease_ends_on
         assert [lease.lease_id for lease in await store.open_leases("lab")] == ["o4"]
         # A second end of the same lease (a release reapplied after a reset, a forgotten lease
         # closed as its holder's own end landed) keeps the first.
-        second = _released("o2", now, 20.0, outcome="reclaimed: no longer held")
+        second = released_event("o2", now, 20.0, outcome="reclaimed: no longer held")
         await store.record_events([replace(second, event_id="x2-o2")])
         [row] = await store.ledger(lease_id="o2")
         assert row["outcome"] == "ok" and row["held_s"] == 15.0
     finally:
         await store.close()
-
-
-def _accelerator_status(acc: str, schedulable: int, external: int, *, pressure: bool = False) -> AcceleratorStatus:
-    return AcceleratorStatus(
-        id=acc,
-        node="node-a",
-        kind="gpu",
-        model="sim",
-        production_eligible=True,
-        simulated=True,
-        total_bytes=24 << 30,
-        observed_used_bytes=external + (4 << 30),
-        external_bytes=external,
-        resident_bytes=4 << 30,
-        leased_bytes=0,
-        reserve_bytes=1 << 30,
-        schedulable_bytes=schedulable,
-        pressure=pressure,
-        healthy=True,
-        fresh=True,
-        observation_age_s=2.0,
-        observed_at=None,
-    )
 
 
 async def test_snapshots_keep_the_retention_and_show_the_trend(database_url: str) -> None:
@@ -210,20 +153,20 @@ async def test_snapshots_keep_the_retention_and_show_the_trend(database_url: str
         await store.migrate()
         now = time.time()
         day = 86400.0
-        old = SnapshotBatch(pool="default", at=now - 3 * day, accelerators=[_accelerator_status("a/0", 1, 1)])
+        old = SnapshotBatch(pool="default", at=now - 3 * day, accelerators=[accelerator_status("a/0", 1, 1)])
         await store.record_snapshots(old, retention_s=7 * day)
         for minutes_ago, schedulable, external, pressure in [(50, 10, 5, False), (20, 3, 12, True), (5, 8, 6, False)]:
             batch = SnapshotBatch(
                 pool="default",
                 at=now - minutes_ago * 60,
-                accelerators=[_accelerator_status("a/0", schedulable << 30, external << 30, pressure=pressure)],
+                accelerators=[accelerator_status("a/0", schedulable << 30, external << 30, pressure=pressure)],
             )
             await store.record_snapshots(batch, retention_s=7 * day)
             await store.record_snapshots(batch, retention_s=7 * day)  # a retry inserts nothing twice
         assert len(await store.snapshots()) == 4
         # A shorter retention drops the three-day-old row at the next write.
         await store.record_snapshots(
-            SnapshotBatch(pool="default", at=now, accelerators=[_accelerator_status("a/0", 9 << 30, 5 << 30)]),
+            SnapshotBatch(pool="default", at=now, accelerators=[accelerator_status("a/0", 9 << 30, 5 << 30)]),
             retention_s=1 * day,
         )
         rows = await store.snapshots()
@@ -269,10 +212,10 @@ async def test_decayed_usage_from_the_ledger(database_url: str) -> None:
         # lab: 80 GPU-s ended two half-lives ago -> 20; an open lease counts nothing yet.
         await store.record_events(
             [
-                _released("a1", now, 100.0),
-                _released("a2", now - hour, 100.0),
-                _released("b1", now - 2 * hour, 80.0, tenant="lab"),
-                _granted("b2", now, tenant="lab"),
+                released_event("a1", now, 100.0),
+                released_event("a2", now - hour, 100.0),
+                released_event("b1", now - 2 * hour, 80.0, tenant="lab"),
+                granted_event("b2", now, tenant="lab"),
             ]
         )
         usage = await store.decayed_usage(pool="default", half_life_s=hour, as_of=now)

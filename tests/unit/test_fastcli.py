@@ -24,6 +24,7 @@ from modelforge import _fastcli as fast
 from modelforge.messages import RequestInput, RequestResult
 from modelforge.payloads import PayloadConverter
 from modelforge.policy import PoolStatus
+from tests.unit.scripted_server import scripted_server
 
 _ATOMS = {str: "str", int: "int", float: "float", bool: "bool", Any: "any"}
 
@@ -271,43 +272,13 @@ def test_it_imports_nothing_heavy() -> None:
     assert json.loads(done.stdout) == []
 
 
-def _serve(answers: list[bytes]) -> tuple[int, list[bytes]]:
-    """A one-connection server on loopback that sends `answers` in turn, one per request read;
-    returns its port and the requests it read."""
-    import threading
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    seen: list[bytes] = []
-
-    def serve() -> None:
-        connection, _ = listener.accept()
-        with connection, listener:
-            for answer in answers:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += connection.recv(65536)
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = int(
-                    next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(
-                        b":"
-                    )[1]
-                )
-                while len(body) < length:
-                    body += connection.recv(65536)
-                seen.append(head + b"\r\n\r\n" + body)
-                connection.sendall(answer)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return listener.getsockname()[1], seen
-
-
 def _http(port: int) -> fast.Http:
     env = types.SimpleNamespace(namespace="default", http_address=("127.0.0.1", port))
     return fast.Http(env)  # type: ignore[arg-type]
 
 
 def test_the_http_client_reads_length_and_chunked_answers_on_one_connection() -> None:
-    port, seen = _serve(
+    port, seen = scripted_server(
         [
             b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{"a": 1}',
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -339,7 +310,7 @@ def test_the_http_client_reads_length_and_chunked_answers_on_one_connection() ->
     ],
 )
 def test_an_answer_the_http_client_cannot_read_is_fallback_never_a_traceback(answer: bytes) -> None:
-    port, _ = _serve([answer])
+    port, _ = scripted_server([answer])
     api = _http(port)
     try:
         with pytest.raises(fast.Fallback):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from modelforge import _fastcli as fast
-from tests.unit.test_fastcli import _serve
+from tests.unit.scripted_server import scripted_server
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGV = ["modelforge", "request", "x@1", "--tenant", "rag", "--input", '{"text": "hi"}', "--json"]
@@ -79,7 +79,7 @@ def _no_hand_over_left(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_fresh_route_starts_the_request_there_without_asking(tmp_path: Path, capsys: Any) -> None:
     _remember(tmp_path)
-    port, seen = _serve([STARTED, _closed()])
+    port, seen = scripted_server([STARTED, _closed()])
     assert fast.run(list(ARGV), _environ(tmp_path, port)) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["ok"] is True and printed["output"] == {"v": 1} and "route" not in printed
@@ -96,7 +96,7 @@ def test_a_fresh_route_starts_the_request_there_without_asking(tmp_path: Path, c
 
 def _asks_for_the_pools(home: Path) -> bool:
     """Whether a request asks Temporal for the pools first (the server refuses: nothing starts)."""
-    port, seen = _serve([UNAVAILABLE])
+    port, seen = scripted_server([UNAVAILABLE])
     argv = list(ARGV)
     assert fast.run(argv, _environ(home, port)) is None and argv == ARGV
     first = seen[0].split(b"\r\n")[0]
@@ -170,7 +170,7 @@ def test_a_file_that_cannot_be_read_or_written_is_no_entry(tmp_path: Path) -> No
 
 def test_a_failed_request_forgets_its_route(tmp_path: Path, capsys: Any) -> None:
     _remember(tmp_path)
-    port, seen = _serve([STARTED, _failed()])
+    port, seen = scripted_server([STARTED, _failed()])
     assert fast.run(list(ARGV), _environ(tmp_path, port)) == 1
     assert json.loads(capsys.readouterr().out)["failure_class"] == "CAPACITY_UNAVAILABLE"
     assert _started_on(seen[0]) == NODE_QUEUE
@@ -181,7 +181,7 @@ def test_a_failed_request_forgets_its_route(tmp_path: Path, capsys: Any) -> None
 
 def test_a_request_handed_over_forgets_its_route(tmp_path: Path) -> None:
     _remember(tmp_path)
-    port, seen = _serve([STARTED, UNAVAILABLE])  # started, then its history cannot be read
+    port, seen = scripted_server([STARTED, UNAVAILABLE])  # started, then its history cannot be read
     argv = list(ARGV)
     assert fast.run(argv, _environ(tmp_path, port)) is None
     assert fast._handed_over is not None
@@ -207,7 +207,7 @@ def test_an_answer_that_cannot_be_written_is_not_asked_for_again(
     # The request ran: its lost output ends the command (Python's exit code for a failed last
     # flush), and nothing hands it to the normal path, which would submit it again.
     _remember(tmp_path)
-    port, seen = _serve([STARTED, _closed()])
+    port, seen = scripted_server([STARTED, _closed()])
     argv = list(ARGV)
     monkeypatch.setattr(fast.sys, "stdout", _LostOutput())
     assert fast.run(argv, _environ(tmp_path, port)) == fast.OUTPUT_LOST
@@ -219,7 +219,7 @@ def test_an_answer_that_cannot_be_written_is_not_asked_for_again(
 def test_a_start_answered_with_something_else_than_an_object_is_handed_over(tmp_path: Path) -> None:
     # Sent, so never sent again from here: the SDK path attaches to it by its request id.
     _remember(tmp_path)
-    port, seen = _serve([_answer(["not", "an", "object"])])
+    port, seen = scripted_server([_answer(["not", "an", "object"])])
     argv = list(ARGV)
     assert fast.run(argv, _environ(tmp_path, port)) is None
     assert fast._handed_over is not None
@@ -233,7 +233,7 @@ def test_a_route_is_learned_from_a_result_after_asking(tmp_path: Path, capsys: A
     status |= {"queue_depth": {}, "active_leases": 0, "capabilities": [], "classes": []}
     listed = _answer({"executions": [{"execution": {"workflowId": "scheduler:default"}}]})
     queried = _answer({"queryResult": {"payloads": [fast.plain(status)]}})
-    port, seen = _serve([listed, queried, STARTED, _closed()])
+    port, seen = scripted_server([listed, queried, STARTED, _closed()])
     assert fast.run(list(ARGV), _environ(tmp_path, port)) == 0
     capsys.readouterr()
     assert _started_on(seen[2]) == fast.CONTROL_TASK_QUEUE  # nothing ready: the control queue
@@ -269,7 +269,7 @@ def test_the_console_script_answers_without_compiling_the_cli(tmp_path: Path) ->
         "sys.addaudithook(lambda event, args: event == 'import' and sys.stderr.write(f'import {args[0]}\\n'))\n"
     )
     _remember(tmp_path)
-    port, _ = _serve([STARTED, _closed()])
+    port, _ = scripted_server([STARTED, _closed()])
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")} | _environ(tmp_path, port)
     env["PYTHONPATH"] = str(hooks)
     done = subprocess.run([sys.executable, str(script), *ARGV[1:]], capture_output=True, text=True, env=env, timeout=60)

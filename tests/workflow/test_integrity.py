@@ -41,7 +41,7 @@ from modelforge.messages import (
 )
 from modelforge.policy import AdmissionRequest, PolicyConfig
 from modelforge.settings import node_task_queue
-from tests.store.test_outage import _Postgres, _reachable, outage_postgres  # noqa: F401 (a fixture)
+from tests.own_postgres import OwnPostgres, reachable
 from workers.control import workflow_runner
 from workers.stack import Stack, running_stack
 from workflows import ALL_WORKFLOWS, CapabilityRequestWorkflow, PoolSchedulerWorkflow
@@ -278,13 +278,13 @@ async def test_a_deployment_removed_from_the_catalog_is_unloaded(
 
 async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_nothing(
     dev_server_env: WorkflowEnvironment,
-    outage_postgres: _Postgres,  # noqa: F811
+    outage_postgres: OwnPostgres,
 ) -> None:
     url = outage_postgres.server.get_uri()
     async with running_stack(dev_server_env.client, url, max_history_events=120, snapshot_interval_s=5.0) as stack:
         await (await stack.start_request("rag.embedding@1", tenant="rag")).result()
         await asyncio.to_thread(outage_postgres.stop)
-        assert not _reachable(url)
+        assert not reachable(url)
         first_run = await _run_id(stack.scheduler)
         leases: list[str] = []
         slowest = 0.0
@@ -299,7 +299,7 @@ async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_no
         # Admission never waited on the database, continue-as-new included.
         assert len(runs) >= 3, "the scheduler did not continue as new during the outage"
         assert slowest < 10.0, f"a request took {slowest:.1f} s with Postgres down"
-        assert not _reachable(url)
+        assert not reachable(url)
         await asyncio.to_thread(outage_postgres.start)
 
         async def ledger_whole() -> list[dict[str, Any]]:
@@ -318,7 +318,7 @@ async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_no
 
 async def test_an_event_write_retried_through_an_outage_does_not_wake_the_scheduler(
     dev_server_env: WorkflowEnvironment,
-    outage_postgres: _Postgres,  # noqa: F811
+    outage_postgres: OwnPostgres,
 ) -> None:
     # With Postgres down the event write is retried by Temporal (STORE_RETRY), in flight for as
     # long as the outage lasts. The scheduler used to arm its wake-up timer for the next write

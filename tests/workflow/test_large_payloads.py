@@ -49,11 +49,12 @@ from modelforge.payloads import (
 )
 from modelforge.settings import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_PAYLOAD_THRESHOLD_BYTES, Settings
 from modelforge.temporal import converter
-from tests.runtimes.test_sentence_transformers import CATALOG as CPU_CATALOG
-from tests.runtimes.test_sentence_transformers import run_cli
+from tests.cli_process import run_cli
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
+
+CPU_CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "cpu_embedding.toml"
 
 HISTORY_LIMIT = 16 * 1024
 

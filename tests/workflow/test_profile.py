@@ -13,7 +13,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.store import Store
-from tests.runtimes.test_sentence_transformers import run_cli
+from tests.cli_process import run_cli
 from workers.stack import running_stack
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "catalogs" / "profile.toml"

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
-from tests.unit.test_queues import SEED_003
 from workers.stack import running_stack
+
+SEED_003 = Path(__file__).parents[2] / "modelforge" / "examples" / "queues-seed003.toml"
 
 pytestmark = pytest.mark.workflow
 

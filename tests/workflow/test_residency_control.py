@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from typer.testing import CliRunner
 
 from modelforge.messages import ResidencyControl, ResidencyControlReply
-from tests.gateway.test_gateway import CATALOG
+from tests.gateway.serving import CATALOG, serve
 from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
@@ -162,12 +162,11 @@ async def test_the_gateway_takes_residency_operations_from_operators_only(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
     from modelforge.gateway import GatewayConfig
-    from tests.gateway.test_gateway import _serve
 
     ops_key, app_key = "sk-ops-0123456789abcdef", "sk-app-0123456789abcdef"
     config = GatewayConfig(api_keys={ops_key: "ops", app_key: "default"}, operator_tenants=frozenset({"ops"}))
     async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
-        async for gateway in _serve(stack, config):
+        async for gateway in serve(stack, config):
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
                 body = {"action": "load", "deployment": "chat.small@1"}
                 denied = await http.post("/v1/residency", json=body, headers={"Authorization": f"Bearer {app_key}"})

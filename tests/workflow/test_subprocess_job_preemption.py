@@ -20,25 +20,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.policy import PolicyConfig
 from modelforge.runtimes import job_log_dirs
+from tests.workflow.job_catalogs import MERGE, ROOT, catalog_for_test
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 pytest.importorskip("numpy")  # the merge example's only dependency
 
-ROOT = Path(__file__).resolve().parents[2]
-MERGE = ROOT / "examples" / "jobs" / "merge_slerp.py"
 ARGS = ["--layers", "12", "--dim", "64", "--t", "0.5"]
-
-
-def catalog_for_test(tmp_path: Path) -> Path:
-    """The example catalog with the script's absolute path (its `cwd = "."` is the checkout's
-    root when a stack is started there; a test may run from anywhere) and a 1 s preemption grace."""
-    text = (ROOT / "examples" / "jobs" / "merge.toml").read_text()
-    text = text.replace('"examples/jobs/merge_slerp.py"', f'"{MERGE}"').replace('cwd = ".", ', "")
-    text = text.replace('preempt_grace_s = "10"', 'preempt_grace_s = "1"')  # a quick kill when ignored
-    path = tmp_path / "merge.toml"
-    path.write_text(text)
-    return path
 
 
 def uninterrupted_run(tmp_path: Path) -> dict[str, bytes]:

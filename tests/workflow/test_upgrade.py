@@ -28,7 +28,7 @@ from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
 from modelforge.versioning import deployment_config, roll, set_current
-from tests.runtimes.test_streaming import _serve
+from tests.asgi_server import serve_app
 from workers.control import ControlWorker, build_control_worker
 from workers.stack import Stack, running_stack
 
@@ -177,7 +177,7 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
     await set_current(client, RELEASE)
     workers = [release]
     received: dict[str, list[dict[str, Any]]] = {}
-    server, serving, port = await _serve(_gateway(received))
+    server, serving, port = await serve_app(_gateway(received))
     streams = (f"http://127.0.0.1:{port}/internal/streams", received)
     try:
         async with running_stack(client, database_url, control_in_process=False) as stack:
