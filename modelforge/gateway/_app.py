@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hmac
 import json
@@ -24,15 +23,14 @@ import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -58,13 +56,12 @@ from modelforge.gateway._deadlines import apply_deadline
 from modelforge.gateway._hints import conflict as hint_conflict
 from modelforge.gateway._hints import end_user, hinted
 from modelforge.gateway._jobs import jobs_router
+from modelforge.gateway._native import native_router
 from modelforge.gateway._observe import AccessLog
 from modelforge.gateway._ollama import ollama_router
 from modelforge.gateway._openai import OpenAIPath, openai_router
 from modelforge.gateway._params import (
-    refused,
     runtime_taken,
-    takes_parameters,
 )
 from modelforge.gateway._requests_view import requests_router
 from modelforge.gateway._rerank import rerank_router
@@ -81,7 +78,7 @@ from modelforge.gateway._streams import (
 from modelforge.gateway._verdict_source import VerdictSource
 from modelforge.identifiers import PRIORITY_CLASS, identifier_problem, shown
 from modelforge.messages import StreamTarget
-from modelforge.metrics import GatewayMetrics, TenantSeries
+from modelforge.metrics import GatewayMetrics
 from modelforge.payloads import input_limit
 from modelforge.policy import PoolStatus, tenant_view
 from modelforge.settings import Settings
@@ -163,27 +160,6 @@ def load_api_keys(path: Path) -> dict[str, str]:
                 f"{shown(str(tenant))})",
             )
     return dict(keys)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CapabilityCall(_Strict):
-    capability: Annotated[str, Field(min_length=1, max_length=200)]
-    input: dict[str, Any] = Field(default_factory=dict)
-    priority: str | None = None
-    tenant: str | None = None
-    deadline_s: Annotated[float, Field(gt=0)] | None = None
-    lease_timeout_s: Annotated[float, Field(gt=0)] | None = None
-    request_id: str | None = None
-
-
-class ResidencyCall(_Strict):
-    action: Literal["load", "unload", "pin", "unpin"]
-    deployment: Annotated[str, Field(min_length=1, max_length=200)]
-    accelerator: Annotated[str, Field(max_length=200)] = ""
-    drain: bool = False
 
 
 def _body_limit(config: GatewayConfig, requester: Requester) -> int:
@@ -471,99 +447,33 @@ def create_app(
             param=_escaped(names[0], 60),
         )
 
-    @api.post("/v1/requests")
-    async def requests_(request: Request) -> JSONResponse:
-        tenant: str = request.state.tenant
-        call: CapabilityCall = await body_of(request, CapabilityCall)
-        if call.tenant is not None:
-            _check("tenant", call.tenant)
-            if call.tenant != tenant and keys:
-                raise _invalid("the tenant comes from the API key, not the body")
-        capability = _check("capability", call.capability)
-        request_id = request_id_of(request, call.request_id)
-        priority = priority_of(request, call.priority)
-        known = await catalog.get()
-        deployment = known.deployment_for(capability)
-        if deployment is None:
-            raise GatewayError(
-                FailureClass.CAPABILITY_UNAVAILABLE,
-                f"no deployment serves {shown(capability)}",
-                status=404,
-                request_id=request_id,
-                code="model_not_found",
-                param="capability",
-            )
-        given = call.input.get("parameters")
-        if given and not any(takes_parameters(deployment, api) for api in ("openai_chat", "openai_embeddings")):
-            names = refused(given, runtime_taken(deployment)) if isinstance(given, dict) else ["parameters"]
-            if names:  # a runtime that takes none would drop them
-                raise refuse_parameters([f"input.parameters.{n}" for n in names], deployment)
-        result = await run(
-            request,
-            capability,
-            call.input,
-            request_id,
-            tenant=call.tenant or tenant,
-            priority=priority,
-            deadline_s=call.deadline_s,
-            lease_timeout_s=call.lease_timeout_s,
-        )
-        return JSONResponse(
-            {
-                "request_id": result.request_id,
-                "capability": result.capability,
-                "output": result.output,
-                "lease": dataclasses.asdict(result.lease) if result.lease else None,
-                "timings": result.timings,
-                "workflow_id": result.workflow_id,
-            }
-        )
-
     api.include_router(jobs_router(catalog, body_of, request_id_of, priority_of, run))
-
-    @api.post("/v1/residency")
-    async def residency(request: Request) -> dict[str, Any]:
-        """An operator loads, unloads, pins or unpins a model (`modelforge load|unload|pin|unpin`
-        over HTTP): only with API keys, and only for keys of MODELFORGE_GATEWAY_OPERATORS' tenants."""
-        tenant: str = request.state.tenant
-        if not config.api_keys or tenant not in config.operator_tenants:
-            raise GatewayError(
-                FailureClass.REQUEST_INVALID,
-                "residency operations need an operator's API key (MODELFORGE_GATEWAY_OPERATORS)",
-                status=403,
-                code="permission_denied",
-            )
-        call: ResidencyCall = await body_of(request, ResidencyCall)
-        _check("capability", call.deployment)
-        request.state.capability = call.deployment
-        try:
-            reply = await requester.residency(
-                call.action, call.deployment, accelerator=call.accelerator, drain=call.drain, actor=f"gateway:{tenant}"
-            )
-        except ModelForgeError as error:
-            raise GatewayError(error.failure, error.message) from None
-        return {"ok": reply.ok, "message": reply.message, "residents": reply.residents}
 
     def status_for(request: Request, pool: PoolStatus) -> PoolStatus:
         """The pool's status as the caller's key may see it: whole, or its tenant's own view."""
         tenant: str = request.state.tenant
         return pool if config.sees_everything(tenant) else tenant_view(pool, tenant)
 
-    @api.get("/v1/status")
-    async def status(request: Request) -> JSONResponse:
-        try:
-            pool = await requester.status()
-        except ModelForgeError as error:
-            raise GatewayError(error.failure, error.message) from None
-        return JSONResponse(dataclasses.asdict(status_for(request, pool)))
+    def is_operator(request: Request) -> bool:
+        return bool(keys) and request.state.tenant in config.operator_tenants
 
-    @api.get("/metrics", include_in_schema=False)
-    async def metrics_(request: Request) -> Response:
-        # Prometheus text; behind the API key like every route (Prometheus sends it as a bearer).
-        # A tenant's key reads its own series only; an operator's or observer's, every tenant's.
-        tenant: str = request.state.tenant
-        shown = metrics.registry if config.sees_everything(tenant) else TenantSeries(metrics.registry, tenant)
-        return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)
+    # ModelForge's own: /v1/requests, /v1/residency, /v1/status, /metrics (_native.py).
+    api.include_router(
+        native_router(
+            catalog=catalog,
+            requester=requester,
+            metrics=metrics,
+            keyed=bool(keys),
+            is_operator=is_operator,
+            sees_everything=config.sees_everything,
+            status_for=status_for,
+            body_of=body_of,
+            request_id_of=request_id_of,
+            priority_of=priority_of,
+            run=run,
+            refuse_parameters=refuse_parameters,
+        )
+    )
 
     async def open_stream(
         request: Request, capability: str, payload: dict[str, Any], request_id: str, tenant: str
@@ -605,9 +515,6 @@ def create_app(
     api.include_router(openai_router(openai))
 
     # Ollama's /api/*
-    def is_operator(request: Request) -> bool:
-        return bool(keys) and request.state.tenant in config.operator_tenants
-
     api.include_router(
         ollama_router(
             catalog,
