@@ -7,6 +7,7 @@ goes to that request, not to later, lower work)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+from modelforge.client import ModelForgeClient
 from modelforge.messages import RequestInput
 from modelforge.policy import PolicyConfig
 from modelforge.settings import CONTROL_TASK_QUEUE
@@ -125,3 +127,30 @@ async def test_a_deadline_counts_from_the_requests_start_not_from_its_admission(
         assert (await handle.result()).lease is not None
         granted = [e for e in await stack.events("lease_granted", at_least=1) if e["request_id"] == request_id]
         assert granted and granted[0]["payload"]["deadline_s"] <= 27.5, granted
+
+
+async def test_a_waiting_requests_refusal_reaches_its_caller_at_the_deadline_not_a_timer_later(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # Temporal's timers fire up to a second late on a busy server. The client's own clock nudges
+    # the scheduler (`deadline_due`) when the deadline passes, so the refusal comes then.
+    # slow.job@1 serves one request at a time (a resident at concurrency 1).
+    catalog = Path(__file__).resolve().parents[1] / "catalogs" / "gateway.toml"
+    async with running_stack(dev_server_env.client, database_url, catalog_path=catalog) as stack:
+        holder = await stack.start_request("slow.job@1", input={"simulate_invoke_s": 8})
+        await _leased(stack)
+        client = ModelForgeClient(stack.client)
+        began = time.monotonic()
+        # It waits behind one whose length nothing measured says: not hopeless at once.
+        refused = await client.request("slow.job@1", input={"simulate_invoke_s": 8}, deadline_s=3)
+        took = time.monotonic() - began
+        assert refused.failure_class == "DEADLINE_CANNOT_BE_MET", refused
+        assert 3.0 <= took < 3.8, took
+        nudges = [
+            event
+            async for event in stack.scheduler.fetch_history_events()
+            if event.HasField("workflow_execution_signaled_event_attributes")
+            and event.workflow_execution_signaled_event_attributes.signal_name == "deadline_due"
+        ]
+        assert len(nudges) == 1
+        await holder.result()
