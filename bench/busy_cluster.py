@@ -1,10 +1,10 @@
 """A busy cluster from the shipped Alibaba trace: every node of `data/traces`, a pod list drawn
 from the shipped one with half the pods multi-GPU, offered faster than the cluster serves them
-(meant to keep thousands of gangs waiting at once; see the known gap below). The shipped
+(thousands of gangs waiting at once). The shipped
 cluster is almost idle (its replay leaves VRAM 0.2% used); a real cluster is busy exactly when
 scheduling costs most.
 
-    .venv/bin/python bench/busy_cluster.py OUT_DIR [--pods 8000] [--load 3] [--seed 1]
+    .venv/bin/python bench/busy_cluster.py OUT_DIR [--pods 8000] [--load 3] [--seed 1] [--max-run-s 3600]
 
 writes OUT_DIR/pods.csv (the Alibaba pod list's columns) and the scenario `modelforge trace
 alibaba` makes of it with the shipped node list, and prints where both are. `bench/simulate.py
@@ -19,11 +19,11 @@ How the pods are drawn (`busy_pods`):
 - arrivals a Poisson process whose rate offers `load` times the cluster's GPU-seconds over the
   span of the arrivals (load 3: three times what the cards can run).
 
-Known gap: the run times drawn are the shipped ones, heavy-tailed (mean about 29,000 s, median
-616 s), so a few pods of months carry most of the GPU-seconds and run long after the arrivals:
-at the defaults the cards stay nearly idle while the pods arrive and no gang waits (see
-docs/BENCHMARKS.md). Capping run times at the arrivals' span, or a rate from the median, is the
-next step before this trace is the busy cluster it is meant to be.
+Run times are capped at `max_run_s` (an hour by default). The shipped ones are heavy-tailed
+(mean about 31,000 s, median 655 s, p99 41 hours): uncapped, a few pods of months carry most of
+the GPU-seconds, the rate worked out from them spreads the arrivals over half a day, and the
+cards stay nearly idle while the pods arrive (no gang ever waited). Capped at an hour, the same
+8,000 pods arrive over about half an hour at three times what the cards can run.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 NODES = TRACES / "alibaba_gpu_2023_nodes.csv"
 PODS = TRACES / "alibaba_gpu_2023_pods_default.csv"
 GANG_SIZES = ((2, 16), (4, 15), (8, 44))  # (GPUs, shipped pods of that size)
+MAX_RUN_S = 3600  # a drawn pod's run time at most (the shipped tail runs for months)
 COLUMNS = [
     "name",
     "cpu_milli",
@@ -80,6 +81,7 @@ def busy_pods(
     seed: int = 1,
     nodes_csv: Path = NODES,
     pods_csv: Path = PODS,
+    max_run_s: int = MAX_RUN_S,
 ) -> dict[str, float]:
     """Writes the busy pod list to `out_csv`; returns what it drew (pods, gangs, arrival span)."""
     rng = random.Random(seed)
@@ -91,10 +93,10 @@ def busy_pods(
     for n in range(pods):
         if n % 2 == 0:
             row = rng.choice(single)
-            drawn.append((1, int(row["gpu_milli"]), row["qos"], _run_s(row)))
+            drawn.append((1, int(row["gpu_milli"]), row["qos"], min(_run_s(row), max_run_s)))
         else:
             row = rng.choice(shipped)
-            drawn.append((rng.choices(sizes, weights)[0], 1000, row["qos"], _run_s(row)))
+            drawn.append((rng.choices(sizes, weights)[0], 1000, row["qos"], min(_run_s(row), max_run_s)))
     gpu_s = sum(gpus * milli / 1000 * run_s for gpus, milli, _, run_s in drawn)
     span = gpu_s / (load * _gpus(nodes_csv))
     mean_gap = span / pods
@@ -127,10 +129,12 @@ def _run_s(row: dict[str, str]) -> int:
     return max(1, int(row["deletion_time"]) - int(row["scheduled_time"]))
 
 
-def busy_scenario(out_dir: Path, pods: int = 8_000, load: float = 3.0, seed: int = 1) -> tuple[Path, dict[str, float]]:
+def busy_scenario(
+    out_dir: Path, pods: int = 8_000, load: float = 3.0, seed: int = 1, max_run_s: int = MAX_RUN_S
+) -> tuple[Path, dict[str, float]]:
     """The busy pod list and its scenario (every shipped node) under `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    drawn = busy_pods(out_dir / "pods.csv", pods, load, seed)
+    drawn = busy_pods(out_dir / "pods.csv", pods, load, seed, max_run_s=max_run_s)
     scenario = convert_alibaba(NODES, out_dir / "pods.csv", out_dir / "scenario", AlibabaOptions())
     return scenario, drawn
 
@@ -141,8 +145,9 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=8_000)
     parser.add_argument("--load", type=float, default=3.0, help="offered GPU-seconds over the cluster's, >1: busy")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-run-s", type=int, default=MAX_RUN_S, help="a pod's run time at most")
     args = parser.parse_args()
-    scenario, drawn = busy_scenario(args.out_dir, args.pods, args.load, args.seed)
+    scenario, drawn = busy_scenario(args.out_dir, args.pods, args.load, args.seed, args.max_run_s)
     print(
         f"{int(drawn['pods']):,} pods ({int(drawn['gangs']):,} gangs) arriving over {drawn['span_s']:,.0f} s: "
         f"{args.out_dir / 'pods.csv'}; scenario {scenario}"
