@@ -13,7 +13,11 @@ cores are all busy in a burst, the throughput ratio follows the CPU per workflow
 - hb: the activity heartbeats once as it starts (the invoke's "started" heartbeat);
 - up: two search-attribute upserts, before and after (accelerator, outcome);
 - patch: one `workflow.patched` marker (with the SDK's TemporalChangeVersion upsert);
-- la+hb+up+patch: all of them, what a delegated request adds to a bare workflow's commands.
+- la+hb+up+patch: all of them, what a delegated request adds to a bare workflow's commands;
+- eager: the bare workflow started with the SDK's `request_eager_start` (the server hands the
+  first workflow task back in the start's reply when this process's worker polls the queue): what
+  a gateway that also ran a worker for request workflows would gain. It prints how many starts the
+  server made eager; where none was, the figure is the ordinary start's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,19 @@ from modelforge import temporal as sa
 from modelforge.dev import temporal_binary
 from modelforge.temporal import register_search_attributes
 
-MODES = ("bare", "la", "hb", "up", "patch", "la+hb+up+patch")
+MODES = ("bare", "la", "hb", "up", "patch", "la+hb+up+patch", "eager")
+EAGER_STARTS: dict[str, int] = {}  # mode -> starts the server made eager
+
+
+async def run_one(client: Any, mode: str) -> None:
+    """One workflow of `mode`, start to result (`eager`: the bare workflow, eagerly started)."""
+    eager = "eager" in mode
+    handle = await client.start_workflow(
+        W.run, {"mode": mode}, id=uuid.uuid4().hex, task_queue="bench-ingredients", request_eager_start=eager
+    )
+    if getattr(handle, "__temporal_eagerly_started", False):
+        EAGER_STARTS[mode] = EAGER_STARTS.get(mode, 0) + 1
+    await handle.result()
 
 
 @activity.defn(name="echo")
@@ -84,18 +100,15 @@ async def bursts(client: Any, n: int, modes: tuple[str, ...]) -> None:
         for m in modes:
             meters[m].start()
             started = time.perf_counter()
-            await asyncio.gather(
-                *(
-                    client.execute_workflow(W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients")
-                    for _ in range(n)
-                )
-            )
+            await asyncio.gather(*(run_one(client, m) for _ in range(n)))
             walls[m] += time.perf_counter() - started
             meters[m].stop()
     k = n * rounds
     base_rate = k / walls["bare"]
     base_cpu = (meters["bare"].mine + meters["bare"].theirs) / k
     print(f"bursts of {n}, {rounds} rounds each (CPU ms per workflow: this process + the dev server)")
+    if EAGER_STARTS:
+        print(f"starts made eager: {EAGER_STARTS}")
     for m in modes:
         mine, theirs = meters[m].mine, meters[m].theirs
         rate, per = k / walls[m], (mine + theirs) / k
@@ -115,9 +128,8 @@ async def main(n: int, burst: int = 0, modes: tuple[str, ...] = MODES) -> None:
         async with Worker(client, task_queue="bench-ingredients", workflows=[W], activities=[echo, echo_hb, claim]):
             for m in modes:  # warm-up
                 for _ in range(5):
-                    await client.execute_workflow(
-                        W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients"
-                    )
+                    await run_one(client, m)
+            EAGER_STARTS.clear()
             if burst:
                 await bursts(client, burst, modes)
                 return
@@ -125,14 +137,13 @@ async def main(n: int, burst: int = 0, modes: tuple[str, ...] = MODES) -> None:
             for _ in range(n):
                 for m in modes:
                     t = time.perf_counter()
-                    await client.execute_workflow(
-                        W.run, {"mode": m}, id=uuid.uuid4().hex, task_queue="bench-ingredients"
-                    )
+                    await run_one(client, m)
                     times[m].append((time.perf_counter() - t) * 1000)
             base = statistics.median(times["bare"])
             for m in modes:
                 med = statistics.median(times[m])
-                print(f"{m:18s} p50 {med:6.1f} ms  {med / base:.3f}x")
+                eager = f"  ({EAGER_STARTS.get(m, 0)} of {n} started eagerly)" if "eager" in m else ""
+                print(f"{m:18s} p50 {med:6.1f} ms  {med / base:.3f}x{eager}")
     finally:
         await env.shutdown()
 
