@@ -115,6 +115,7 @@ class NodeSlots:
         self._view: Catalog | None = None
         self._view_epoch = -1
         self._runs: list[SlotRun] = []
+        self._run_ends: list[float] = []  # when each of `_runs` ended, by `clock`
         self._wanted: dict[str, None] = {}
         self._wake = asyncio.Event()
         # Set when the next sync's reply has been applied (a new event per sync): what a claim
@@ -258,8 +259,10 @@ class NodeSlots:
                 waited_s=max(0.0, slot.claimed_at - slot.asked_at),
             )
         )
+        self._run_ends.append(self._clock())
         if len(self._runs) > MAX_RUNS_KEPT:
             del self._runs[: len(self._runs) - MAX_RUNS_KEPT]
+            del self._run_ends[: len(self._run_ends) - MAX_RUNS_KEPT]
         slot.request_id = slot.workflow_id = ""
         slot.last_used = self._clock()
         if not slot.open:
@@ -325,7 +328,10 @@ class NodeSlots:
             boot=self.boot,
             held=list(self._slots),
             in_use={lease_id: slot.workflow_id for lease_id, slot in self._slots.items() if slot.request_id},
-            runs=list(self._runs),
+            runs=[
+                replace(run, ended_ago_s=round(max(0.0, now - ended), 3))
+                for run, ended in zip(self._runs, self._run_ends, strict=True)
+            ],
             wanted=list(self._wanted),
             view_epoch=self._view_epoch,
             within_s=self._longest_interval,
@@ -345,6 +351,7 @@ class NodeSlots:
         try:
             reply = await self._send(sync)
             del self._runs[:runs]  # reported: the scheduler has them
+            del self._run_ends[:runs]
             self._apply(reply, sent_at)
             self._lent = bool(self._slots)
             self._back_off(sync, reply)

@@ -45,8 +45,9 @@ def lease_granted_event(
 def lease_released_event(
     pool: str, lease: Lease, outcome: str, now: float, **extra: str | int | float | bool | None
 ) -> PolicyEvent:
-    """A lease ended (`outcome`: ok, a failure class, preempted, reclaimed...), with the whole
-    ledger row, so the row is complete even if this event is written before its grant's."""
+    """A lease ended (`outcome`: ok, a failure class, preempted, reclaimed...) at `now`, with the
+    whole ledger row, so the row is complete even if this event is written before its grant's
+    (and ends when the lease ended: a delegated run is reported at its node's next sync)."""
     return PolicyEvent(
         kind="lease_released",
         request_id=lease.request_id,
@@ -58,6 +59,7 @@ def lease_released_event(
         payload={
             **_lease_payload(pool, lease),
             "held_s": round(max(0.0, now - lease.granted_at), 3),
+            "ended_at": now,
             "outcome": outcome,
             **extra,
         },

@@ -56,6 +56,9 @@ SLOT_CLASS = "delegated"
 # Wanted capabilities looked at per sync: a sync's size is bounded whatever a node sends.
 MAX_WANTED = 32
 MAX_RUNS = 2000
+# A run's end is believed at most this long before the sync that reports it: a bound on what a
+# node's report can move in the ledger.
+MAX_ENDED_AGO_S = 600.0
 
 
 def holder_id(node: str) -> str:
@@ -94,6 +97,9 @@ class SlotRun:
     message: str = ""
     # From asking the node for a slot to claiming it (what a scheduler grant's waited_s is).
     waited_s: float = 0.0
+    # How long before the sync that reports it the run ended (the node's clock): its ledger row
+    # ends then, not when the sync arrives (runs of one slot reported together must not overlap).
+    ended_ago_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -423,8 +429,9 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
             resident.last_used = now
             resident.last_priority = run.priority
         # The run's own lease: the slot's memory, from its claim to its end (a slot gone since
-        # leaves what the run said of itself).
-        granted_at = now - held_s
+        # leaves what the run said of itself), at the times the node measured.
+        ended_at = now - min(max(0.0, run.ended_ago_s), MAX_ENDED_AGO_S)
+        granted_at = ended_at - held_s
         lease = Lease(
             lease_id=f"{run.lease_id}/{run.request_id}"[:300],
             request_id=run.request_id,
@@ -452,7 +459,7 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
                 payload={"invoke_s": round(run.invoke_s, 4), "delegated": True},
             )
         )
-        events.append(lease_released_event(state.pool, lease, run.outcome, now, delegated=True))
+        events.append(lease_released_event(state.pool, lease, run.outcome, ended_at, delegated=True))
     return events
 
 

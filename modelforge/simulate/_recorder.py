@@ -67,7 +67,7 @@ def make_record(scenario: Scenario, start_epoch: float, *, snapshot_s: float = S
 
 def _shifted(payload: dict[str, Any], start_epoch: float) -> dict[str, Any]:
     """Virtual moments in a payload (a grant's submission, a release's grant) as epoch seconds."""
-    for key in ("submitted_at", "granted_at"):
+    for key in ("submitted_at", "granted_at", "ended_at"):
         value = payload.get(key)
         if isinstance(value, int | float) and math.isfinite(value):
             payload[key] = start_epoch + value
@@ -97,7 +97,8 @@ def record_rows(record: MadeRecord) -> dict[str, list[dict[str, Any]]]:
             granted_at = p.get("granted_at")
             row["granted_at"] = float(granted_at) if isinstance(granted_at, int | float) else e.at
         else:
-            row["ended_at"] = e.at
+            ended_at = p.get("ended_at")
+            row["ended_at"] = float(ended_at) if isinstance(ended_at, int | float) else e.at
             row["outcome"] = str(p.get("outcome") or e.message)
             row["held_s"] = float(p.get("held_s") or 0.0)
             if row["granted_at"] is None and p.get("granted_at") is not None:

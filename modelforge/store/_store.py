@@ -670,10 +670,11 @@ def _ledger_end(e: EventRecord) -> tuple[Any, ...]:
     lease = _ledger_lease(e)
     held_s = float(e.payload.get("held_s") or 0.0)
     granted_at = e.payload.get("granted_at")
+    ended_at = e.payload.get("ended_at")
     return (
         *lease,
         _timestamp(float(granted_at)) if granted_at is not None else None,
-        _timestamp(e.at),
+        _timestamp(float(ended_at)) if ended_at is not None else _timestamp(e.at),
         str(e.payload.get("outcome") or e.message),
         held_s,
         # A gang lease holds every card it names for the whole time.

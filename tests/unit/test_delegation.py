@@ -35,6 +35,7 @@ from modelforge.policy import (
     release_lease,
     sync_slots,
 )
+from modelforge.policy._delegation import MAX_ENDED_AGO_S
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 CAP = "emb@1"
@@ -248,6 +249,32 @@ def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> 
     assert granted.payload["granted_at"] == pytest.approx(NOW + 1 - 2.5)
     scheduler_granted = {"bytes", "tenant", "capability", "priority", "pool", "accelerators", "granted_at"}
     assert scheduler_granted <= set(granted.payload) and scheduler_granted <= set(released[0].payload)
+
+
+def test_runs_of_one_slot_reported_together_keep_their_own_times_in_the_ledger() -> None:
+    # One slot served three requests one after the other (2 s each, the last ended 1 s before
+    # the sync): their ledger rows follow each other, they do not all end at the sync (which
+    # read as three leases at once on a slot of one).
+    s = pool()
+    lent = asking(s)
+    runs = [
+        SlotRun(lent[0], f"r{n}", f"wf-r{n}", "t", "interactive", CAP, "ok", 2.0, ended_ago_s=ago)
+        for n, ago in ((1, 5.0), (2, 3.0), (3, 1.0))
+    ]
+    _, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=runs), NOW + 10)
+    rows = {
+        e.request_id: (e.payload["granted_at"], e.payload["ended_at"]) for e in events if e.kind == "lease_released"
+    }
+    assert rows == {
+        "r1": (pytest.approx(NOW + 3), pytest.approx(NOW + 5)),
+        "r2": (pytest.approx(NOW + 5), pytest.approx(NOW + 7)),
+        "r3": (pytest.approx(NOW + 7), pytest.approx(NOW + 9)),
+    }
+    # A node's report cannot move a row further back than MAX_ENDED_AGO_S.
+    late = SlotRun(lent[1], "r4", "wf-r4", "t", "interactive", CAP, "ok", 1.0, ended_ago_s=1e9)
+    _, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=[late]), NOW + 20)
+    [released] = [e for e in events if e.kind == "lease_released"]
+    assert released.payload["ended_at"] == pytest.approx(NOW + 20 - MAX_ENDED_AGO_S)
 
 
 def test_a_silent_node_loses_its_slots_after_stale_lease_s_and_no_tenant_is_charged() -> None:
@@ -673,3 +700,16 @@ def test_a_busy_node_reporting_only_served_requests_syncs_every_other_interval()
         intervals.append(slots.interval)
     assert intervals == [2.0, 2.0, 2.0, 2.0]
     assert [run.request_id for sync in scheduler.syncs for run in sync.runs] == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_node_reports_when_each_run_ended_by_its_own_clock() -> None:
+    slots, scheduler, clock = lent_node(concurrency=3)
+    for request_id, ended_at in (("a", 1.0), ("b", 2.5)):
+        lease = slots.claim(claim(request_id))
+        assert lease is not None and slots.started(lease.lease_id, request_id)
+        clock.now = ended_at
+        slots.finish(lease.lease_id, request_id, "ok", 0.5)
+    clock.now = 4.0
+    asyncio.run(slots.sync_once())
+    runs = {run.request_id: run.ended_ago_s for run in scheduler.syncs[-1].runs}
+    assert runs == {"a": pytest.approx(3.0), "b": pytest.approx(1.5)}
