@@ -412,8 +412,17 @@ async def check_invariants(store: Store, rows: list[dict[str, Any]], report: Cha
         ]
         most, _, at = _sweep(mine)
         if most > deployment.concurrency:
+            # The rows held at that instant, so the report says which one is late.
+            held = [
+                f"{r['lease_id']} {r['granted_at'].timestamp() - at:+.1f}..{r['ended_at'].timestamp() - at:+.1f} s"
+                f" {r['outcome']}"
+                for r in ended
+                if r["deployment"] == deployment.deployment_id
+                and r["granted_at"].timestamp() <= at < r["ended_at"].timestamp()
+            ]
             report.violations.append(
-                f"{most} leases on {deployment.capability} at {at:.3f} (concurrency {deployment.concurrency})"
+                f"{most} leases on {deployment.capability} at {at:.3f} (concurrency {deployment.concurrency}): "
+                + "; ".join(held)
             )
     idle = min(d.resident_bytes for d in catalog.deployments)
     leased = [(r["granted_at"].timestamp(), r["ended_at"].timestamp(), int(r["bytes"] or 0)) for r in ended]
