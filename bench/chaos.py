@@ -463,6 +463,7 @@ async def run_chaos(
     with contextlib.ExitStack() as cleanup:
         if workdir is None:
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="modelforge-chaos-")))
+        workdir.mkdir(parents=True, exist_ok=True)  # a --workdir given is made if it is not there
         parts = Parts(workdir, history_limit, stale_lease_s)
         started = time.monotonic()
         try:
