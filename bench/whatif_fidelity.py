@@ -8,6 +8,7 @@ run and an overloaded one.
 
     .venv/bin/python bench/whatif_fidelity.py                 # both runs, 3 minutes each
     .venv/bin/python bench/whatif_fidelity.py --minutes 1 --only quiet
+    .venv/bin/python bench/whatif_fidelity.py --only quiet --keep /tmp/fidelity   # + every request
 
 Tolerance (stated before measuring): a replayed wait percentile is within max(2 s, 25%) of the
 recorded one, and the replay's loads within max(2, 20%) of the recorded loads. Where a figure is
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import sys
@@ -140,7 +142,33 @@ def _within(recorded: float | None, replayed: float | None) -> bool:
     return abs(recorded - replayed) <= max(2.0, 0.25 * recorded)
 
 
-async def run_one(kind: str, minutes: float, snapshot_s: float) -> bool:
+def _request_by_request(
+    kind: str, record: Any, truth: dict[str, Any], replayed: dict[str, float | None], keep: Path | None
+) -> None:
+    """Each request's recorded wait beside its replayed one: the five furthest apart are printed
+    (where a tail differs, these are the requests that make it); with `keep`, all of them go to
+    `KEEP/KIND/requests-compared.jsonl` beside the scenario the replay ran."""
+    rows = []
+    for line in record.lines:
+        recorded, replay_wait = truth["first_wait"].get(line["id"]), replayed.get(line["id"])
+        gap = math.inf if (recorded is None) != (replay_wait is None) else abs((recorded or 0) - (replay_wait or 0))
+        rows.append({**line, "recorded_wait_s": recorded, "replayed_wait_s": replay_wait, "gap_s": gap})
+    rows.sort(key=lambda row: -row["gap_s"])
+    print(f"[{kind}] furthest apart: t, capability, tenant, service, recorded wait, replayed wait")
+    for row in rows[:5]:
+        shown = [("never" if row[k] is None else f"{row[k]:.2f} s") for k in ("recorded_wait_s", "replayed_wait_s")]
+        what = f"{row['t']:7.1f} s {row['capability']} {row['tenant']} {row['service_s']:.2f} s"
+        print(f"[{kind}]   {what}: {shown[0]} vs {shown[1]}")
+    if keep is not None:
+        folder = keep / kind
+        record.write(folder)
+        with (folder / "requests-compared.jsonl").open("w", encoding="utf-8") as handle:
+            for row in sorted(rows, key=lambda row: row["t"]):
+                handle.write(json.dumps({**row, "gap_s": None if math.isinf(row["gap_s"]) else row["gap_s"]}) + "\n")
+        print(f"[{kind}] the scenario and every request's two waits: {folder}")
+
+
+async def run_one(kind: str, minutes: float, snapshot_s: float, keep: Path | None = None) -> bool:
     arrivals = trace(kind, minutes)
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), dev_server_log_level="error"
@@ -210,6 +238,7 @@ async def run_one(kind: str, minutes: float, snapshot_s: float) -> bool:
         f"[{kind}] loads: recorded {truth['loads']}, replayed {replay.figures['cold_starts']}"
         f" -> {'within' if loads_ok else 'OUTSIDE'} max(2, 20%)"
     )
+    _request_by_request(kind, record, truth, replay.waits, keep)
     print(f"[{kind}] replay: invariant violations {replay.figures['invariant_violations']}, notes:")
     for note in record.notes:
         print(f"[{kind}]   {note}")
@@ -221,9 +250,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--only", choices=("quiet", "overloaded"))
     parser.add_argument("--snapshot-s", type=float, default=10.0, help="the capacity snapshot interval")
+    parser.add_argument(
+        "--keep", type=Path, help="write each run's scenario and every request's recorded and replayed wait here"
+    )
     args = parser.parse_args()
     kinds = [args.only] if args.only else ["quiet", "overloaded"]
-    results = [asyncio.run(run_one(kind, args.minutes, args.snapshot_s)) for kind in kinds]
+    results = [asyncio.run(run_one(kind, args.minutes, args.snapshot_s, args.keep)) for kind in kinds]
     for kind, ok in zip(kinds, results, strict=True):
         print(f"{kind}: {'within tolerance' if ok else 'OUTSIDE tolerance (see above)'}")
     return 0 if all(results) else 1
