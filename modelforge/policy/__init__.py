@@ -47,8 +47,6 @@ from modelforge.policy._delegation import (
     SlotRun,
     SlotSync,
     close_slot,
-    holder_id,
-    is_delegation_holder,
     is_slot,
     sync_slots,
 )
@@ -78,6 +76,8 @@ from modelforge.policy._state import (
     ResidentPhase,
     ResidentState,
     TenantUsage,
+    holder_id,
+    is_delegation_holder,
 )
 from modelforge.policy._topology import shape_problems as shape_problems
 from modelforge.policy._verdicts import (

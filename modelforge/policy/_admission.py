@@ -39,6 +39,7 @@ from modelforge.policy._state import (
     ResidentPhase,
     ResidentState,
     TenantUsage,
+    free_lent_slots_on,
     holder_of,
     measured,
     note_service,
@@ -414,17 +415,20 @@ def charge_usage(state: PoolState, priority: str, tenant: str, seconds: float, n
     usage.updated_at = now
 
 
-def end_on_resident(state: PoolState, lease: Lease, now: float) -> list[PolicyEvent]:
+def end_on_resident(state: PoolState, lease: Lease, now: float, *, used: bool = True) -> list[PolicyEvent]:
     """A lease (or a lent slot) ended: one slot fewer in use on the resident it was granted on,
     if that incarnation still holds its key. A lease that outlived its resident (lost, then
     loaded again under the same key) changes no count, the new resident's least of all: it is
-    recorded as `stale_lease_ended`, and its own end (ledger row, slot event) goes on as usual."""
+    recorded as `stale_lease_ended`, and its own end (ledger row, slot event) goes on as usual.
+    `used`: the lease's end is the resident's last use (its keep-warm TTL counts from it); a lent
+    slot given back is not a use (the requests it served were, at the ends its node reported)."""
     if not lease.resident_key:
         return []
     resident = holder_of(state, lease)
     if resident is not None:
         resident.active_leases = max(0, resident.active_leases - 1)
-        resident.last_used = now
+        if used:
+            resident.last_used = now
         return []
     current = state.residents.get(lease.resident_key)
     now_held = f"incarnation {current.incarnation} holds it now" if current is not None else "it is not resident now"
@@ -464,7 +468,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
         note_outcome(state, lease.capability, outcome, message, now)
         if outcome == "ok":
             note_service(state, lease.deployment, now - lease.granted_at)
-    events = end_on_resident(state, lease, now)
+    events = end_on_resident(state, lease, now, used=not lent)
     if lent:
         return [
             *events,
@@ -748,6 +752,11 @@ def resident_woke(state: PoolState, key: str, measured_bytes: int, now: float) -
     return [resident_event(resident, "resident_awake", payload=payload)]
 
 
+# How soon a TTL timer looks again at a resident that only free slots lent to its node hold: the
+# node gives a free slot back within its idle give-back and next sync (about 10-14 s).
+SLOTS_ONLY_RECHECK_S = 5.0
+
+
 def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     """Called when a resident's TTL timer fires. Returns the time to check again (the TTL was
     reset by a later use, or leases are active), or None: unload it now."""
@@ -761,6 +770,11 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     if resident.residency == Residency.ALWAYS_WARM:
         return now + 3600.0
     if resident.active_leases > 0:
+        if resident.active_leases <= free_lent_slots_on(state, resident):
+            # Only slots lent to its node hold it: a free one goes back within the node's idle
+            # give-back (seconds), and its TTL counts from the last request served on it, so
+            # look again soon, not a whole TTL later (the unload would slip by up to that).
+            return now + min(resident.ttl_s, SLOTS_ONLY_RECHECK_S)
         return now + resident.ttl_s
     expires = resident.idle_expires_at
     if expires > now:

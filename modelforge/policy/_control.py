@@ -26,9 +26,15 @@ from modelforge.domain import Deployment, Residency, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import PolicyEvent, StartLoad, resident_event
-from modelforge.policy._delegation import serves_nobody
 from modelforge.policy._pass import static_reason
-from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase, ResidentState, holder_of
+from modelforge.policy._state import (
+    AcceleratorRuntime,
+    PoolState,
+    ResidentPhase,
+    ResidentState,
+    holder_of,
+    serves_nobody,
+)
 
 ACTIONS = ("load", "unload", "pin", "unpin")
 

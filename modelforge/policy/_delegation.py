@@ -44,12 +44,12 @@ from modelforge.policy._state import (
     QueuedRequest,
     ResidentPhase,
     ResidentState,
+    holder_id,
     holder_of,
     note_service,
 )
 
 SLOT_PREFIX = "slot-"
-HOLDER_PREFIX = "delegation:"
 # A slot's class: none of the catalog's, so the policy never picks one to preempt (closing it
 # is how the scheduler takes it back) and fair share never charges a slot, only its requests.
 SLOT_CLASS = "delegated"
@@ -61,25 +61,8 @@ MAX_RUNS = 2000
 MAX_ENDED_AGO_S = 600.0
 
 
-def holder_id(node: str) -> str:
-    """The holder of a node's free slots (a slot in use names its request's workflow)."""
-    return f"{HOLDER_PREFIX}{node}"
-
-
-def is_delegation_holder(workflow_id: str) -> bool:
-    return workflow_id.startswith(HOLDER_PREFIX)
-
-
 def is_slot(lease_id: str) -> bool:
     return lease_id.startswith(SLOT_PREFIX)
-
-
-def serves_nobody(state: PoolState, lease: Lease) -> bool:
-    """A slot lent to a node that is free by its node's last sync (held by `delegation:<node>`,
-    not by a request's workflow): it keeps its resident's count (so nothing is evicted or lent
-    twice under the node's feet) but is no active lease: `status`, `ps` and an unload do not
-    count it (an unload takes it back, `control_residents`)."""
-    return lease.lease_id in state.slots and is_delegation_holder(lease.workflow_id)
 
 
 @dataclass(frozen=True)
@@ -383,8 +366,7 @@ def _lend(
             state.lease_seen[lease.lease_id] = now
             state.lease_heard[lease.lease_id] = True
             state.slots[lease.lease_id] = DelegatedSlot(node=node, boot=boot)
-            resident.active_leases += 1
-            resident.last_used = now
+            resident.active_leases += 1  # lending is not a use: the requests served on it are
             lent.append(lease)
     return lent
 
@@ -399,7 +381,7 @@ def return_slot(state: PoolState, lease_id: str, now: float, why: str) -> list[P
     state.preempting.pop(lease_id, None)
     if lease is None:
         return []
-    return [*end_on_resident(state, lease, now), _slot_event("slot_returned", lease, why)]
+    return [*end_on_resident(state, lease, now, used=False), _slot_event("slot_returned", lease, why)]
 
 
 def close_slot(state: PoolState, lease_id: str, reason: str) -> list[PolicyEvent]:
@@ -425,12 +407,13 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
             note_service(state, slot.deployment, run.invoke_s)
         held_s = max(0.0, run.invoke_s)
         charge_usage(state, run.priority, run.tenant, held_s, now)
+        ended_at = now - min(max(0.0, run.ended_ago_s), MAX_ENDED_AGO_S)
         if resident is not None:
-            resident.last_used = now
+            # Its keep-warm TTL counts from when this request ended on the node, not the sync.
+            resident.last_used = max(resident.last_used, ended_at)
             resident.last_priority = run.priority
         # The run's own lease: the slot's memory, from its claim to its end (a slot gone since
         # leaves what the run said of itself), at the times the node measured.
-        ended_at = now - min(max(0.0, run.ended_ago_s), MAX_ENDED_AGO_S)
         granted_at = ended_at - held_s
         lease = Lease(
             lease_id=f"{run.lease_id}/{run.request_id}"[:300],

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 from modelforge.domain import Catalog
 from modelforge.policy._budget import budget_from_sums, is_fresh
-from modelforge.policy._delegation import holder_id
 from modelforge.policy._pass import static_filter, static_reason
-from modelforge.policy._state import PoolState, ResidentPhase, holder_of
+from modelforge.policy._state import PoolState, ResidentPhase, holder_id, holder_of
 from modelforge.policy._views import PoolStatus
 
 # A node holding lent slots says in each sync the longest it may wait before the next (its idle

@@ -175,6 +175,37 @@ class QueuedRequest:
         return self.lease_timeout_at if self.deadline_at is None else min(self.lease_timeout_at, self.deadline_at)
 
 
+HOLDER_PREFIX = "delegation:"
+
+
+def holder_id(node: str) -> str:
+    """The holder of a node's free slots (a slot in use names its request's workflow)."""
+    return f"{HOLDER_PREFIX}{node}"
+
+
+def is_delegation_holder(workflow_id: str) -> bool:
+    return workflow_id.startswith(HOLDER_PREFIX)
+
+
+def serves_nobody(state: PoolState, lease: Lease) -> bool:
+    """A slot lent to a node that is free by its node's last sync (held by `delegation:<node>`,
+    not by a request's workflow): it keeps its resident's count (so nothing is evicted or lent
+    twice under the node's feet) but is no active lease: `status`, `ps` and an unload do not
+    count it (an unload takes it back, `control_residents`)."""
+    return lease.lease_id in state.slots and is_delegation_holder(lease.workflow_id)
+
+
+def free_lent_slots_on(state: PoolState, resident: ResidentState) -> int:
+    """How many of `resident`'s active leases are slots lent to its node that serve nobody."""
+    return sum(
+        1
+        for lease_id in state.slots
+        if (lease := state.leases.get(lease_id)) is not None
+        and serves_nobody(state, lease)
+        and holder_of(state, lease) is resident
+    )
+
+
 @dataclass
 class DelegatedSlot:
     """A lease lent to a node for its warm requests (policy/_delegation.py): which node, which

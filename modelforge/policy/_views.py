@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from modelforge.policy._budget import compute_budget
-from modelforge.policy._delegation import serves_nobody
-from modelforge.policy._state import AcceleratorRuntime, PoolState, holder_of
+from modelforge.policy._state import AcceleratorRuntime, PoolState, holder_of, serves_nobody
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,9 @@ class Replayed:
     # None for the record's own figures (what really happened), shown beside the replays.
     result: SimulationResult | None
     figures: dict[str, Any] = field(default_factory=dict)
+    # Each replayed request's wait to its first start (None: never started), by request id:
+    # what a fidelity check compares request by request with the record.
+    waits: dict[str, float | None] = field(default_factory=dict)
 
 
 def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
@@ -83,9 +86,9 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
     result.policy = label
     per_class: dict[str, tuple[list[float], int, int, int]] = {}
     per_tenant: dict[str, tuple[list[float], int, int, int]] = {}
-    waits: dict[str, float | None] = {}
+    each_wait: dict[str, float | None] = {}
     for request, outcome in zip(scenario.requests, sim.outcomes, strict=True):
-        waits[request.request_id] = None if outcome.first_start is None else outcome.first_start - outcome.arrived
+        each_wait[request.request_id] = None if outcome.first_start is None else outcome.first_start - outcome.arrived
         met = outcome.outcome == "ok" and (
             request.deadline_s is None
             or (outcome.ended is not None and outcome.ended <= outcome.arrived + request.deadline_s)
@@ -121,7 +124,7 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
         "invariant_violations": result.invariant_violations,
         "replay_wall_s": result.wall_s,
     }
-    return Replayed(label, result, figures, waits)
+    return Replayed(label, result, figures, each_wait)
 
 
 # A record at least this long has its two replays run side by side, in a process each (they share

@@ -31,10 +31,12 @@ from modelforge.policy import (
     apply_decisions,
     decide,
     enqueue,
+    keep_warm_check,
     reclaim_stale_leases,
     release_lease,
     sync_slots,
 )
+from modelforge.policy._admission import SLOTS_ONLY_RECHECK_S
 from modelforge.policy._delegation import MAX_ENDED_AGO_S
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
@@ -275,6 +277,36 @@ def test_runs_of_one_slot_reported_together_keep_their_own_times_in_the_ledger()
     _, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=[late]), NOW + 20)
     [released] = [e for e in events if e.kind == "lease_released"]
     assert released.payload["ended_at"] == pytest.approx(NOW + 20 - MAX_ENDED_AGO_S)
+
+
+def test_a_keep_warm_models_ttl_counts_from_its_last_request_not_from_lending_or_giving_back() -> None:
+    # The model's last request ran on a slot lent to its node and ended at NOW + 3; the node
+    # gave its free slots back at NOW + 15. Its keep-warm TTL runs out TTL after NOW + 3, not
+    # after the give-back (which slipped the unload by the node's idle hold, about 10 s), and a
+    # TTL timer that fires while only free lent slots hold it looks again within seconds.
+    s = pool()
+    model = s.residents[KEY]
+    ttl = model.ttl_s
+    assert ttl > 10
+    lent = asking(s, now=NOW + 1)
+    assert model.last_used == NOW, "lending a slot is not a use"
+    run = SlotRun(lent[0], "r1", "wf-r1", "t", "interactive", CAP, "ok", 1.5, ended_ago_s=1.0)
+    sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=[run]), NOW + 4)
+    assert model.last_used == pytest.approx(NOW + 3), "its TTL counts from when the request ended"
+    assert keep_warm_check(s, KEY, NOW + 8) == pytest.approx(NOW + 8 + min(ttl, SLOTS_ONLY_RECHECK_S))
+    sync_slots(s, SlotSync(node="n", boot="b1", held=[]), NOW + 15)
+    assert model.active_leases == 0 and model.last_used == pytest.approx(NOW + 3), "a slot given back is no use"
+    assert keep_warm_check(s, KEY, NOW + 16) == pytest.approx(NOW + 3 + ttl)
+    assert keep_warm_check(s, KEY, NOW + 3 + ttl) is None, "unloaded TTL after its last request"
+
+
+def test_a_ttl_timer_that_finds_a_request_running_looks_again_a_whole_ttl_later() -> None:
+    s = pool()
+    model = s.residents[KEY]
+    enqueue(s, ask("r0", CAP), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert model.active_leases == 1
+    assert keep_warm_check(s, KEY, NOW + 1) == pytest.approx(NOW + 1 + model.ttl_s)
 
 
 def test_a_silent_node_loses_its_slots_after_stale_lease_s_and_no_tenant_is_charged() -> None:
