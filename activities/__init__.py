@@ -1,7 +1,7 @@
 """Every side effect, one class per dependency, injected into the workers."""
 
-from activities.gateway import SchedulerGatewayActivities
+from activities.admission import AdmissionActivities
 from activities.node import NodeActivities
 from activities.store import StoreActivities
 
-__all__ = ["NodeActivities", "SchedulerGatewayActivities", "StoreActivities"]
+__all__ = ["AdmissionActivities", "NodeActivities", "StoreActivities"]

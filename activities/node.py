@@ -22,7 +22,7 @@ from temporalio.service import RPCError
 from activities import _stream_push as stream_push
 from activities._delegation import NodeSlots, PoolSlots
 from activities._profile import run_profile
-from modelforge.domain import Deployment, Observation, ProcessUsage, resident_key
+from modelforge.domain import Deployment, Observation, ProcessUsage
 from modelforge.events import EventRecord
 from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
@@ -705,10 +705,6 @@ def _may_be_large(output: object) -> bool:
         if values > _SMALL_VALUES or chars > _SMALL_CHARS:
             return True
     return False
-
-
-def loaded_key(deployment: str, accelerator: str) -> str:
-    return resident_key(deployment, accelerator)
 
 
 def _stream_of(runtime: Runtime, model: LoadedModel, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -15,7 +15,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities import SchedulerGatewayActivities, StoreActivities
+from activities import AdmissionActivities, StoreActivities
 from modelforge.logging import get_logger
 from modelforge.messages import SchedulerInput, VerdictQuery
 from modelforge.metrics import Metrics
@@ -217,7 +217,7 @@ def build_control_worker(
 ) -> ControlWorker:
     """`deployment`: the Worker Deployment Version both Temporal workers declare
     (modelforge/versioning.py); versioned, every run they start is pinned to this build."""
-    gateway = SchedulerGatewayActivities(client)
+    gateway = AdmissionActivities(client)
     records = StoreActivities(store, snapshot_retention_s, metrics)
     control = Worker(
         client,

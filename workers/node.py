@@ -12,7 +12,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
-from activities import NodeActivities, SchedulerGatewayActivities
+from activities import AdmissionActivities, NodeActivities
 from activities._delegation import NodeSlots, PoolSlots
 from modelforge.catalog import ExternalSpec, load_catalog_file
 from modelforge.domain import Catalog
@@ -141,7 +141,7 @@ def node_temporal_worker(
         # 25 ms of a warm request on the dev server. The admission call is their local activity.
         workflows=[CapabilityRequestWorkflow],
         activities=[
-            *SchedulerGatewayActivities(client, slots).activities(),
+            *AdmissionActivities(client, slots).activities(),
             node_activities.sample_node,
             node_activities.load_model,
             node_activities.health_check,

@@ -4,22 +4,9 @@ simulator. Nothing here reads a clock, the environment or randomness; `now` is a
 from modelforge.policy._admission import (
     AdmissionRejected,
     AdmissionRequest,
-    apply_decisions,
-    cancel_request,
     enqueue,
     existing_admission,
-    keep_warm_check,
-    lease_heartbeat,
-    reclaim_stale_leases,
-    release_lease,
-    resident_crashed,
-    resident_failed,
-    resident_ready,
-    resident_slept,
-    resident_unloaded,
-    resident_woke,
     resolve_priority,
-    stale_leases_due,
     validate_request,
 )
 from modelforge.policy._alerts import capacity_alerts, production_headroom
@@ -80,6 +67,21 @@ from modelforge.policy._state import (
     is_delegation_holder,
 )
 from modelforge.policy._topology import shape_problems as shape_problems
+from modelforge.policy._transitions import (
+    apply_decisions,
+    cancel_request,
+    keep_warm_check,
+    lease_heartbeat,
+    reclaim_stale_leases,
+    release_lease,
+    resident_crashed,
+    resident_failed,
+    resident_ready,
+    resident_slept,
+    resident_unloaded,
+    resident_woke,
+    stale_leases_due,
+)
 from modelforge.policy._verdicts import (
     AdmissionCheck,
     Holder,

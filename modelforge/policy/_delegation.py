@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
-from modelforge.policy._admission import charge_usage, end_on_resident, note_outcome
 from modelforge.policy._budget import is_fresh
 from modelforge.policy._decisions import PolicyEvent, lease_granted_event, lease_released_event
 from modelforge.policy._order import is_production
@@ -48,6 +47,7 @@ from modelforge.policy._state import (
     holder_of,
     note_service,
 )
+from modelforge.policy._transitions import charge_usage, end_on_resident, note_outcome
 
 SLOT_PREFIX = "slot-"
 # A slot's class: none of the catalog's, so the policy never picks one to preempt (closing it

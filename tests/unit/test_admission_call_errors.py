@@ -11,7 +11,7 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.gateway import _as_failure
+from activities.admission import _as_failure
 from modelforge.failures import FailureClass
 
 

@@ -13,7 +13,7 @@ import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from activities.gateway import _as_failure
+from activities.admission import _as_failure
 from workflows._common import classify
 
 # A failed update is read from the error alone: the scheduler's handle is never asked.

@@ -36,8 +36,8 @@ from modelforge.policy import (
     release_lease,
     sync_slots,
 )
-from modelforge.policy._admission import SLOTS_ONLY_RECHECK_S
 from modelforge.policy._delegation import MAX_ENDED_AGO_S
+from modelforge.policy._transitions import SLOTS_ONLY_RECHECK_S
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 CAP = "emb@1"

@@ -27,7 +27,7 @@ from modelforge.policy import (
     sync_slots,
     tenant_view,
 )
-from modelforge.policy._admission import note_outcome
+from modelforge.policy._transitions import note_outcome
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 CAP = "emb@1"

@@ -28,7 +28,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from activities import SchedulerGatewayActivities
+from activities import AdmissionActivities
 from modelforge.catalog import load_catalog_file
 from modelforge.messages import (
     AdmitBatch,
@@ -360,12 +360,12 @@ async def test_an_admission_the_scheduler_never_answers_fails_typed_and_its_hist
         PoolSchedulerWorkflow.run, SchedulerInput(pool="silent"), id="scheduler:silent", task_queue="nobody-serves"
     )
     queue = "admit-timeout"
-    gateway = SchedulerGatewayActivities(client)
+    admission = AdmissionActivities(client)
     async with Worker(
         client,
         task_queue=queue,
         workflows=ALL_WORKFLOWS,
-        activities=gateway.activities(),
+        activities=admission.activities(),
         workflow_runner=workflow_runner(),
     ):
         started = time.monotonic()

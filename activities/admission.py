@@ -167,7 +167,7 @@ async def _running(handle: WorkflowHandle[Any, Any]) -> bool:
     return description.status == WorkflowExecutionStatus.RUNNING
 
 
-class SchedulerGatewayActivities:
+class AdmissionActivities:
     def __init__(self, client: Client, slots: NodeSlots | PoolSlots | None = None) -> None:
         """`slots`: on a node's worker, the slots its scheduler lent it (warm-path delegation)."""
         self._client = client
