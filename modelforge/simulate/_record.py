@@ -198,7 +198,10 @@ def _external(
     snapshots: list[dict[str, Any]], accelerators: set[str], since_s: float, until_s: float
 ) -> list[ExternalUsage]:
     """The external processes' memory of each card as steps: a value holds from its snapshot
-    until the next one that differs (the last until the window's end)."""
+    until the next one that differs (the last until the window's end), and the first from the
+    window's start: before its first snapshot the card's usage is not known, and reading it as
+    nothing would make the first snapshot a swing of that size (a media server there all along
+    would raise the dynamic reserve for an hour and put the card under GPU_PRESSURE)."""
     usage: list[ExternalUsage] = []
     by_card: dict[str, list[tuple[float, int]]] = {}
     for row in snapshots:
@@ -206,7 +209,7 @@ def _external(
             by_card.setdefault(row["accelerator"], []).append((float(row["at"]), int(row["external_bytes"])))
     for card, points in sorted(by_card.items()):
         points.sort()
-        start, value = points[0][0], points[0][1]
+        start, value = min(points[0][0], since_s), points[0][1]
         for at, nbytes in [*points[1:], (until_s, -1)]:
             if nbytes == value and at < until_s:
                 continue

@@ -212,6 +212,20 @@ async def test_a_store_without_history_or_with_an_unknown_pool_says_so(database_
         build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now - 1)
 
 
+def test_external_memory_before_the_first_snapshot_is_the_first_snapshots_not_nothing() -> None:
+    # A media server uses 2 GiB of the card all along; the window starts 50 s before the first
+    # snapshot in it. Read as nothing before that snapshot, its 2 GiB would arrive as a swing,
+    # raise the dynamic reserve for an hour and keep the card under GPU_PRESSURE: the replay
+    # made requests wait a minute that waited nothing (the what-if fidelity bench found it).
+    now = 1_000_000.0
+    rows = record_rows(make_record(_production_day(_catalog(60.0)), now))
+    rows["snapshots"] = [row for row in rows["snapshots"] if row["at"] >= now + 50]
+    assert rows["snapshots"] and all(row["external_bytes"] == 2 * GIB for row in rows["snapshots"][:5])
+    record = build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now + 1500)
+    first = record.external[0]
+    assert (first.start_s, first.bytes) == (0.0, 2 * GIB)
+
+
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     env["MODELFORGE_DATABASE_URL"] = url
