@@ -382,12 +382,17 @@ class NodeActivities:
             yield
             return
         scheduler = self._client.get_workflow_handle(scheduler_id)
+        beat_of = LeaseHeartbeat(
+            lease_id=lease_id,
+            request_id=request_id,
+            holder=(activity.info().workflow_id or "") if activity.in_activity() else "",
+        )
 
         async def beat() -> None:
             while True:
                 await asyncio.sleep(heartbeat_s)
                 try:
-                    await scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id=lease_id, request_id=request_id))
+                    await scheduler.signal("lease_heartbeat", beat_of)
                 except RPCError as error:  # the holder's own heartbeats still count
                     log.warning("lease_heartbeat_failed", lease_id=lease_id, error=str(error))
 

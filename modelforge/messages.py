@@ -128,6 +128,9 @@ LEASE_HEARTBEAT_S = 20.0
 class LeaseHeartbeat:
     lease_id: str
     request_id: str = ""
+    # The holder's request workflow: a scheduler that does not hold the lease (its run was reset
+    # past the grant, or the grant was never recorded) stops that invoke.
+    holder: str = ""
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,10 @@ class CapabilityRequestWorkflow:
                 return
             except TimeoutError:
                 await scheduler.signal(
-                    "lease_heartbeat", LeaseHeartbeat(lease_id=lease.lease_id, request_id=request.request_id)
+                    "lease_heartbeat",
+                    LeaseHeartbeat(
+                        lease_id=lease.lease_id, request_id=request.request_id, holder=workflow.info().workflow_id
+                    ),
                 )
 
     def _ended_or_preempted(self, invoke: asyncio.Future[Any]) -> bool:

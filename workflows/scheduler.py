@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
         VerdictQuery,
         device_index,
     )
-    from modelforge.names import SCHEDULER_WORKFLOW_TYPE
+    from modelforge.names import SCHEDULER_WORKFLOW_TYPE, is_request_workflow_id
     from modelforge.policy import RouteInfo, RouteQuery, route_info
     from modelforge.settings import CONTROL_TASK_QUEUE
 
@@ -74,6 +74,9 @@ SCHEDULER_PATCHES: frozenset[str] = frozenset(
 )
 # The reclaimed leases remembered per run, to stop an invoke whose heartbeats come back.
 RECLAIMED_REMEMBERED = 1000
+# The released leases remembered per run: a heartbeat or a release that crossed the lease's end
+# is no news (a lease unknown to the run otherwise is one it forgot, or never recorded).
+RELEASED_REMEMBERED = 10_000
 
 # A lease whose holder was never heard from is reclaimed after this many stale_lease_s.
 UNHEARD_LEASE_FACTOR = 5.0
@@ -150,6 +153,9 @@ class PoolSchedulerWorkflow:
         self._rebase: str | None = None  # why this run must continue as new now (RebaseSignal)
         # Leases reclaimed in this run (holder silent), by lease id: their holder's workflow id.
         self._reclaimed: dict[str, str] = {}
+        # Leases this run ended (released, reclaimed, returned), oldest first (a dict as an
+        # ordered set): RELEASED_REMEMBERED of them.
+        self._released: dict[str, None] = {}
         # The ledger audit (`_audit_ledger`): when the next is due, the one in flight, and the
         # leases whose release the ledger may not show yet although this run knows it.
         self._audit_interval_s = start.ledger_audit_interval_s
@@ -285,6 +291,21 @@ class PoolSchedulerWorkflow:
                 now,
             )
         self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome, signal.message), now)
+        if lease is None and signal.lease_id not in self._released:
+            # Its holder is done with a lease this run does not hold (reset past its grant): its
+            # ledger row ends now, not when the next audit finds it open (up to a minute later,
+            # when the room may have been granted again: the ledger would show both at once).
+            # The store keeps a row's first end, so a lease that already ended keeps its own.
+            self._record(
+                policy.PolicyEvent(
+                    kind="lease_released",
+                    request_id=signal.request_id,
+                    lease_id=signal.lease_id,
+                    message=f"{signal.outcome} (released by its holder; not held by this run)",
+                    payload={"pool": self._state.pool, "outcome": signal.outcome, "unheld": True},
+                ),
+                now,
+            )
         if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
             events = policy.resident_crashed(
                 self._state, lease.resident_key, lease.granted_at, signal.message, lease.incarnation
@@ -299,31 +320,43 @@ class PoolSchedulerWorkflow:
     def lease_heartbeat(self, heartbeat: LeaseHeartbeat) -> None:
         # A live holder pushes its lease's stale deadline out.
         held = policy.lease_heartbeat(self._state, heartbeat.lease_id, self._now())
-        if held or heartbeat.lease_id not in self._reclaimed:
+        if held:
             return
-        # The lease was reclaimed while neither its holder nor its node could be heard (a node
-        # cut off from Temporal longer than stale_lease_s); its room may be granted again by now,
-        # and the invoke is still running. Stop it at once: the holder is preempted with no grace
-        # (it checkpoints where its runtime can, and is admitted again).
-        holder = self._reclaimed.pop(heartbeat.lease_id)
+        if heartbeat.lease_id in self._reclaimed:
+            # The lease was reclaimed while neither its holder nor its node could be heard (a
+            # node cut off from Temporal longer than stale_lease_s); its room may be granted
+            # again by now, and the invoke is still running.
+            holder = self._reclaimed.pop(heartbeat.lease_id)
+            kind, why = "reclaimed_invoke_stopped", "its lease was reclaimed while its holder was silent"
+        elif heartbeat.lease_id in self._released or not is_request_workflow_id(heartbeat.holder):
+            return  # it crossed the lease's end here; or no holder named, nothing to stop
+        else:
+            # A lease this run never granted or forgot: its run was reset past the grant (the
+            # replay guard, an operator), or the grant's record was lost with it. Its memory is
+            # counted nowhere, so its room may be granted again while the invoke runs. The ledger
+            # audit finds such a grant only if its row was written, and only at the next audit.
+            # Its release, once stopped, ends its ledger row (`release`); the audit is not asked
+            # now, as it would end the row before the invoke has stopped.
+            holder = heartbeat.holder
+            kind, why = "unheld_invoke_stopped", "the scheduler does not hold it (its run was reset past the grant)"
+        # Stop it at once: the holder is preempted with no grace (it checkpoints where its
+        # runtime can, and is admitted again).
         now = self._now()
         self._preempts_out.append(
             (
                 holder,
                 PreemptSignal(
-                    lease_id=heartbeat.lease_id,
-                    reason="its lease was reclaimed while its holder was silent; the invoke still running is stopped",
-                    grace_s=0.0,
+                    lease_id=heartbeat.lease_id, reason=f"{why}; the invoke still running is stopped", grace_s=0.0
                 ),
             )
         )
         self._record(
             policy.PolicyEvent(
-                kind="reclaimed_invoke_stopped",
+                kind=kind,
                 request_id=heartbeat.request_id,
                 lease_id=heartbeat.lease_id,
                 workflow_id=holder,
-                message="a heartbeat came for a reclaimed lease: its holder is preempted with no grace",
+                message=f"a heartbeat came for a lease not held: {why}; its holder is preempted with no grace",
             ),
             now,
         )
@@ -1244,9 +1277,13 @@ class PoolSchedulerWorkflow:
             self._reclaimed[event.lease_id] = event.workflow_id
             if len(self._reclaimed) > RECLAIMED_REMEMBERED:
                 del self._reclaimed[next(iter(self._reclaimed))]
-        if event.kind == "lease_released" and self._audit is not None:
-            # Released while the audit reads the ledger: its row may show open there.
-            self._released_unwritten.add(event.lease_id)
+        if event.kind == "lease_released" and event.lease_id:
+            self._released[event.lease_id] = None
+            if len(self._released) > RELEASED_REMEMBERED:
+                del self._released[next(iter(self._released))]
+            if self._audit is not None:
+                # Released while the audit reads the ledger: its row may show open there.
+                self._released_unwritten.add(event.lease_id)
         urgent = _urgent_kind(event.kind, event.failure is not None, event.alert is not None)
         if not self._events or (urgent and not self._urgent_events):
             # The first buffered record, or the first urgent one: the write is due sooner than

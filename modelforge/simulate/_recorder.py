@@ -84,25 +84,32 @@ def record_rows(record: MadeRecord) -> dict[str, list[dict[str, Any]]]:
         if e.kind not in ("lease_granted", "lease_released") or not e.lease_id:
             continue
         p = e.payload
-        row = ledger.setdefault(e.lease_id, {"lease_id": e.lease_id, "granted_at": None, "ended_at": None})
-        row.update(
-            request_id=e.request_id,
-            pool=p.get("pool"),
-            tenant=p.get("tenant"),
-            capability=p.get("capability"),
-            deployment=e.deployment,
-            priority=p.get("priority"),
-        )
+        row = ledger.get(e.lease_id)
+        if row is None or e.kind == "lease_granted":
+            # As the store: a grant writes the row's lease columns; an end writes them only for
+            # a row it creates.
+            row = ledger.setdefault(e.lease_id, {"lease_id": e.lease_id, "granted_at": None, "ended_at": None})
+            row.update(
+                request_id=e.request_id,
+                pool=p.get("pool"),
+                tenant=p.get("tenant"),
+                capability=p.get("capability"),
+                deployment=e.deployment,
+                priority=p.get("priority"),
+            )
         if e.kind == "lease_granted":
             granted_at = p.get("granted_at")
             row["granted_at"] = float(granted_at) if isinstance(granted_at, int | float) else e.at
-        else:
+        elif row["ended_at"] is None:  # a lease ends once: the first end is kept
             ended_at = p.get("ended_at")
             row["ended_at"] = float(ended_at) if isinstance(ended_at, int | float) else e.at
             row["outcome"] = str(p.get("outcome") or e.message)
-            row["held_s"] = float(p.get("held_s") or 0.0)
             if row["granted_at"] is None and p.get("granted_at") is not None:
                 row["granted_at"] = float(p["granted_at"])
+            held = p.get("held_s")
+            if held is None and p.get("unheld") and row["granted_at"] is not None:
+                held = max(0.0, row["ended_at"] - row["granted_at"])  # as the store, from the row's grant
+            row["held_s"] = float(held or 0.0)
     kinds = set(RECORD_EVENT_KINDS)
     events = [
         {

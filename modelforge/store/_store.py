@@ -349,7 +349,13 @@ class Store:
                     " accelerators, bytes, granted_at, ended_at, outcome, held_s, gpu_seconds)"
                     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                     " ON CONFLICT (lease_id) DO UPDATE SET ended_at = EXCLUDED.ended_at,"
-                    " outcome = EXCLUDED.outcome, held_s = EXCLUDED.held_s, gpu_seconds = EXCLUDED.gpu_seconds,"
+                    " outcome = EXCLUDED.outcome,"
+                    # No held_s (a release its scheduler did not hold): from the row's own grant.
+                    " held_s = COALESCE(EXCLUDED.held_s,"
+                    " GREATEST(0, EXTRACT(EPOCH FROM EXCLUDED.ended_at - lease_ledger.granted_at))),"
+                    " gpu_seconds = COALESCE(EXCLUDED.gpu_seconds,"
+                    " GREATEST(0, EXTRACT(EPOCH FROM EXCLUDED.ended_at - lease_ledger.granted_at))"
+                    " * GREATEST(1, COALESCE(cardinality(lease_ledger.accelerators), 1))),"
                     # A lease ends once: a second end (a release reapplied after a reset of the
                     # scheduler's run, a forgotten lease closed as its holder's end landed) keeps
                     # the first.
@@ -668,7 +674,10 @@ def _ledger_grant(e: EventRecord) -> tuple[Any, ...]:
 
 def _ledger_end(e: EventRecord) -> tuple[Any, ...]:
     lease = _ledger_lease(e)
-    held_s = float(e.payload.get("held_s") or 0.0)
+    # An end its scheduler did not hold the lease for (its holder released it after a reset)
+    # says nothing of how long it was held: the row's own grant time does (below).
+    held = e.payload.get("held_s")
+    held_s = None if held is None and e.payload.get("unheld") else float(held or 0.0)
     granted_at = e.payload.get("granted_at")
     ended_at = e.payload.get("ended_at")
     return (
@@ -678,7 +687,7 @@ def _ledger_end(e: EventRecord) -> tuple[Any, ...]:
         str(e.payload.get("outcome") or e.message),
         held_s,
         # A gang lease holds every card it names for the whole time.
-        held_s * len(lease[7]),
+        None if held_s is None else held_s * len(lease[7]),
     )
 
 

@@ -30,12 +30,14 @@ from temporalio.worker import Replayer, Worker
 
 from activities import AdmissionActivities
 from modelforge.catalog import load_catalog_file
+from modelforge.events import EventRecord
 from modelforge.messages import (
     AdmitBatch,
     AdmitBatchReply,
     LeaseDecision,
     LeaseHeartbeat,
     PreemptSignal,
+    ReleaseSignal,
     RequestInput,
     SchedulerInput,
 )
@@ -243,6 +245,74 @@ async def test_an_invoke_whose_lease_was_reclaimed_is_stopped_when_its_heartbeat
         # Only once: a second heartbeat for the same lease sends nothing more.
         await stack.scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id=lease_id, request_id="cut-off"))
         await asyncio.sleep(2.0)
+        assert len(await preempted()) == 1
+        await holder.terminate("test over")
+
+
+async def test_a_lease_the_scheduler_does_not_hold_is_stopped_at_its_heartbeat_and_its_row_ends_at_its_release(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # A grant whose run was reset away (the replay guard, an operator) after its ledger row was
+    # written: the scheduler now holds nothing of it, while its holder runs on. Its heartbeat
+    # stops the holder at once (its room may be granted again), and its release closes the row
+    # at the release, not at the next audit up to a minute later (the ledger would show the
+    # lease and the one granted in its room at once).
+    client = dev_server_env.client
+    async with (
+        running_stack(client, database_url, catalog_path=FENCING, adopt_interval_s=3600) as stack,
+        Worker(client, task_queue="silent-holder", workflows=[_SilentHolder]),
+    ):
+        holder = await client.start_workflow(
+            "SilentHolderWorkflow", id="request:fence.one@1:forgotten", task_queue="silent-holder"
+        )
+        granted_at = time.time() - 5.0
+        await stack.store.record_events(
+            [
+                EventRecord(
+                    event_id="grant-of-a-reset-run",
+                    at=granted_at,
+                    kind="lease_granted",
+                    request_id="forgotten",
+                    lease_id="default.forgotten.1",
+                    deployment="fence.one@1",
+                    workflow_id=holder.id,
+                    payload={"pool": "default", "tenant": "app", "capability": "fence.one@1", "bytes": 1024},
+                )
+            ]
+        )
+        beat = LeaseHeartbeat(lease_id="default.forgotten.1", request_id="forgotten", holder=holder.id)
+        await stack.scheduler.signal("lease_heartbeat", beat)
+
+        async def preempted() -> list[PreemptSignal]:
+            return await holder.query("received", result_type=list[PreemptSignal])
+
+        [stop] = await _until(preempted, 20)
+        assert stop.lease_id == "default.forgotten.1" and stop.grace_s == 0.0
+        stopped = await stack.events("unheld_invoke_stopped", at_least=1, within_s=20)
+        assert stopped[0]["workflow_id"] == holder.id
+        # A heartbeat naming no holder stops nothing.
+        await stack.scheduler.signal("lease_heartbeat", LeaseHeartbeat(lease_id="default.other.2", request_id="x"))
+        released_at = time.time()
+        release = ReleaseSignal(lease_id="default.forgotten.1", request_id="forgotten", outcome="PREEMPTED")
+        await stack.scheduler.signal("release", release)
+
+        async def row_closed() -> dict[str, Any] | None:
+            [row] = await stack.store.ledger(lease_id="default.forgotten.1")
+            return row if row["ended_at"] is not None else None
+
+        row = await _until(row_closed, 20)
+        assert row is not None, "the row of a lease the scheduler does not hold stayed open after its release"
+        assert abs(row["ended_at"].timestamp() - released_at) < 3.0, "it ends at its release, not at an audit"
+        assert row["outcome"] == "PREEMPTED", "the holder's own outcome"
+        assert row["held_s"] == pytest.approx(row["ended_at"].timestamp() - granted_at, abs=0.01)
+        # The release is news once: a repeated release and a heartbeat that crossed it change
+        # nothing (no second end, no second stop).
+        await stack.scheduler.signal("release", release)
+        await stack.scheduler.signal("lease_heartbeat", beat)
+        await asyncio.sleep(2.0)
+        ends = [e for e in await stack.events("lease_released", at_least=1) if e["lease_id"] == "default.forgotten.1"]
+        assert len(ends) == 1 and "not held by this run" in ends[0]["message"]
+        assert ends[0]["payload"]["unheld"] is True
         assert len(await preempted()) == 1
         await holder.terminate("test over")
 
