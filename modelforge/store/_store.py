@@ -204,7 +204,8 @@ class Store:
             await cur.execute(
                 "SELECT accelerator, pool, extract(epoch FROM at)::float8 AS at, total_bytes, external_bytes,"
                 " resident_bytes, leased_bytes, reserve_bytes FROM telemetry_snapshots"
-                " WHERE at >= %(since)s AND at < %(until)s"
+                # A card never observed yet says nothing of its memory (its external reads 0).
+                " WHERE at >= %(since)s AND at < %(until)s AND observed_at IS NOT NULL"
                 " AND (%(pool)s::text IS NULL OR pool = %(pool)s) ORDER BY accelerator, at",
                 window,
             )

@@ -140,7 +140,9 @@ async def test_the_record_replays_as_it_happened_and_a_longer_ttl_saves_the_load
     urgent = replay.lines[-1]
     assert urgent["id"] == "urgent" and urgent["deadline_s"] == 5.0
     assert replay.catalog.deployments[0].ttl_s == 60.0  # the catalog in force, not the older one
-    assert [(e.bytes, e.end_s - e.start_s) for e in replay.external] == [(2 * GIB, 600.0)]
+    # The media server's ten minutes, and the second of the window before the first snapshot
+    # (what the card held before its first snapshot is taken as that snapshot's).
+    assert [(e.bytes, e.start_s, e.end_s) for e in replay.external] == [(2 * GIB, 0.0, 601.0)]
 
     recorded, as_it_was, proposed = compare(replay, _catalog(300.0))
     before, after = as_it_was.figures, proposed.figures
@@ -224,6 +226,32 @@ def test_external_memory_before_the_first_snapshot_is_the_first_snapshots_not_no
     record = build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now + 1500)
     first = record.external[0]
     assert (first.start_s, first.bytes) == (0.0, 2 * GIB)
+
+
+async def test_a_snapshot_of_a_card_not_yet_observed_is_not_read_as_an_empty_card(database_url: str) -> None:
+    # The stack's first snapshot can come before the card's first telemetry sample: its
+    # external memory reads 0 there. Replayed, that 0 then the media server's 2 GiB was a swing.
+    store = await Store.open(database_url)
+    try:
+        await store.migrate()
+        now = time.time()
+
+        def status(at: float, external: int, observed: bool) -> AcceleratorStatus:
+            return AcceleratorStatus(
+                id="box/0", node="box", kind="gpu", model="sim 24GB", production_eligible=True, simulated=True,
+                total_bytes=24 * GIB, observed_used_bytes=external, external_bytes=external, resident_bytes=0,
+                leased_bytes=0, reserve_bytes=GIB, schedulable_bytes=23 * GIB - external, pressure=False,
+                healthy=True, fresh=observed, observation_age_s=0.0 if observed else None,
+                observed_at=at if observed else None,
+            )  # fmt: skip
+
+        for at, external, observed in ((now, 0, False), (now + 10, 2 * GIB, True)):
+            batch = SnapshotBatch(pool="default", at=at, accelerators=[status(at, external, observed)])
+            await store.record_snapshots(batch, retention_s=86400)
+        rows = await store.record_rows(since_s=now - 1, until_s=now + 60, pool="default")
+        assert [(round(r["at"] - now), r["external_bytes"]) for r in rows["snapshots"]] == [(10, 2 * GIB)]
+    finally:
+        await store.close()
 
 
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
