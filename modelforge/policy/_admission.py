@@ -215,5 +215,6 @@ def asked_for(queued: QueuedRequest) -> dict[str, str | int | float | bool | Non
         "priority": queued.priority,
         "submitted_at": queued.submitted_at,
         "deadline_s": None if queued.deadline_at is None else round(queued.deadline_at - queued.submitted_at, 3),
+        "lease_timeout_s": round(queued.lease_timeout_at - queued.submitted_at, 3),
         "max_duration_s": queued.max_duration_s,
     }

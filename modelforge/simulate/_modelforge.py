@@ -81,7 +81,7 @@ class ModelForgeScheduler:
             tenant=request.tenant,
             priority=request.priority,
             deadline_s=request.deadline_s,
-            lease_timeout_s=self.sim.lease_timeout_s,
+            lease_timeout_s=request.lease_timeout_s or self.sim.lease_timeout_s,
             max_duration_s=request.max_duration_s,
         )
         try:
@@ -223,7 +223,7 @@ class ModelForgeScheduler:
             tenant=request.tenant,
             priority=lease.priority,
             deadline_s=None if request.deadline_s is None else max(1e-6, request.t + request.deadline_s - now),
-            lease_timeout_s=self.sim.lease_timeout_s,
+            lease_timeout_s=request.lease_timeout_s or self.sim.lease_timeout_s,
             preempted=True,
             submitted_at=self.submitted_at.get(request.request_id, now),
             max_duration_s=request.max_duration_s,

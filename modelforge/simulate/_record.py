@@ -289,6 +289,7 @@ def build_record_scenario(
                 "priority": lease.get("priority"),
                 "service_s": 0.0,
                 "deadline_s": grant.get("deadline_s"),
+                "lease_timeout_s": grant.get("lease_timeout_s"),
                 "max_duration_s": grant.get("max_duration_s"),
             }
         line["arrived"] = min(line["arrived"], arrived)
@@ -328,6 +329,7 @@ def build_record_scenario(
             "priority": ended.get("priority"),
             "service_s": service,
             "deadline_s": ended.get("deadline_s"),
+            "lease_timeout_s": ended.get("lease_timeout_s"),
             "max_duration_s": ended.get("max_duration_s"),
             "refused_as": ended.get("failure"),
         }
@@ -369,7 +371,7 @@ def build_record_scenario(
             "tenant": line["tenant"],
             "service_s": round(max(0.0, line["service_s"]), 4),
         }
-        for key in ("priority", "deadline_s", "max_duration_s"):
+        for key in ("priority", "deadline_s", "max_duration_s", "lease_timeout_s"):
             if line.get(key) is not None:
                 out[key] = line[key]
         # The record keeps the class a request got, not whether it asked for one: a request in

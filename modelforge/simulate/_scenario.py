@@ -27,6 +27,7 @@ _REQUEST_FIELDS = {
     "nvlink_required",
     "preemptible",
     "max_duration_s",
+    "lease_timeout_s",
     "id",
 }
 
@@ -51,6 +52,8 @@ class SimRequest:
     max_duration_s: float | None = None
     # The capability the line named, for reports.
     base_capability: str = ""
+    # How long it may wait for a lease (None: the scenario's [simulation] lease_timeout_s).
+    lease_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def parse_request_lines(lines: list[str], catalog: Catalog) -> tuple[list[SimReq
         service_s = _number(number, data, "service_s", minimum=0.0, required=True)
         deadline_s = _number(number, data, "deadline_s", minimum=0.0, required=False)
         max_duration = _number(number, data, "max_duration_s", minimum=0.0, required=False)
+        lease_timeout = _number(number, data, "lease_timeout_s", minimum=0.0, required=False)
         assert t is not None and service_s is not None
         if t < last_t:
             raise ScenarioError(f"request line {number}: t={t} is earlier than the line before ({last_t})")
@@ -218,6 +222,7 @@ def parse_request_lines(lines: list[str], catalog: Catalog) -> tuple[list[SimReq
                 deadline_s=deadline_s,
                 max_duration_s=max_duration,
                 base_capability=capability,
+                lease_timeout_s=lease_timeout or None,
             )
         )
     if variants.added:

@@ -254,6 +254,36 @@ async def test_a_snapshot_of_a_card_not_yet_observed_is_not_read_as_an_empty_car
         await store.close()
 
 
+def test_a_request_that_timed_out_waiting_times_out_again_in_the_replay() -> None:
+    # Production's request waited for a lease 30 s (its own lease timeout, not the simulator's
+    # default 300 s) behind a 100 s call on a model of concurrency 1, and timed out. The record
+    # says so, and the replay under the same catalog refuses it at the same wait, where with
+    # the default it would have been served after 99 s (the fidelity bench's overloaded tails).
+    catalog = _catalog(600.0)
+    lines = [
+        json.dumps({"id": "long", "t": 0.0, "capability": "chat@1", "tenant": "bob-private", "service_s": 100.0}),
+        json.dumps(
+            {
+                "id": "impatient",
+                "t": 20.0,
+                "capability": "chat@1",
+                "tenant": "alice-private",
+                "service_s": 1.0,
+                "lease_timeout_s": 30.0,
+            }
+        ),
+    ]
+    requests, with_variants = parse_request_lines(lines, catalog)
+    now = 1_000_000.0
+    rows = record_rows(make_record(Scenario(with_variants, requests, []), now))
+    record = build_record_scenario(rows, [(now - 10, catalog)], since_s=now, until_s=now + 600)
+    line = next(line for line in record.lines if line["id"] == "impatient")
+    assert line["lease_timeout_s"] == 30.0
+    recorded, as_it_was = compare(record, None)
+    assert recorded.figures["refusals"] == as_it_was.figures["refusals"] == {"LEASE_TIMEOUT": 1}
+    assert as_it_was.waits["impatient"] is None
+
+
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     env["MODELFORGE_DATABASE_URL"] = url
