@@ -18,7 +18,11 @@
    waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
    `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
 
-    .venv/bin/python bench/policy_decide.py [--quick]
+    .venv/bin/python bench/policy_decide.py [--quick] [--processes N]
+
+Each part runs in N fresh processes one after the other (default 3) and each case is judged by
+its floor: one process's figures sit on one of two levels about 2x apart, the level chosen by the
+process, not the code (docs/BENCHMARKS.md); `--processes 1` runs once, in this process.
 
 --quick skips the 1,024 x 10,000 size and the growth measure of part 1 (about a minute in all
 on two busy cores instead of two or three). Figures are CPU time of this process
@@ -29,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -441,13 +448,11 @@ def report(label: str, costs: Costs, target_ms: float) -> list[tuple[str, float,
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="skip part 1's 1,024 x 10,000 size and growth measure")
-    args = parser.parse_args()
+def measure_all(quick: bool) -> list[tuple[str, float, float]]:
+    """Every part once in this process, its report printed; the rows (label, ms, target ms)."""
     rows: list[tuple[str, float, float]] = []
     print("1. steady state of a busy pool, median wall time of one decide pass:")
-    sizes = [(8, 100, 101), (64, 1_000, 51)] + ([] if args.quick else [(1_024, 10_000, 11)])
+    sizes = [(8, 100, 101), (64, 1_000, 51)] + ([] if quick else [(1_024, 10_000, 11)])
     targets = {(64, 1_000): 1.0, (1_024, 10_000): 50.0}
     for gpus, queued, repeats in sizes:
         decide_s, sort_s = measure(gpus, queued, repeats)
@@ -459,7 +464,7 @@ def main() -> None:
             f"  ({decide_s / sort_s:5.1f}x one sorted() of the queue)",
             flush=True,
         )
-    if not args.quick:
+    if not quick:
         # Growth in queue length at a fixed pool, measured side by side in this run.
         small, _ = measure(64, 1_000, 31)
         large, _ = measure(64, 8_000, 11)
@@ -500,11 +505,54 @@ def main() -> None:
     )
     admit_us = admission_cost(state, 2_001)
     print(f"admission with {len(state.leases):,} leases: {admit_us:.1f} us CPU per submission (median of 2,001)")
-    print("\n| case | measured | target | measured / target | |")
-    print("|---|---:|---:|---:|---|")
-    for label, measured, target in rows:
-        verdict = "met" if measured <= target else "MISSED"
-        print(f"| {label} | {measured:.2f} ms | {target:g} ms | {measured / target:.2f}x | {verdict} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="skip part 1's 1,024 x 10,000 size and growth measure")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=3,
+        help="run every part in this many fresh processes, one after the other, and judge each case by its floor",
+    )
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: its rows as JSON, last
+    args = parser.parse_args()
+    if args.one or args.processes <= 1:
+        rows = measure_all(args.quick)
+        if args.one:
+            print(json.dumps(rows))
+            return
+        print("\n| case | measured | target | measured / target | |")
+        print("|---|---:|---:|---:|---|")
+        for label, measured, target in rows:
+            verdict = "met" if measured <= target else "MISSED"
+            print(f"| {label} | {measured:.2f} ms | {target:g} ms | {measured / target:.2f}x | {verdict} |")
+        return
+    # One process's figures sit on one of two levels about 2x apart, which one by the process
+    # (the same code read 0.6 and 1.6 ms: docs/BENCHMARKS.md): a single process cannot tell code
+    # apart, the floor of a few can.
+    runs: list[list[tuple[str, float, float]]] = []
+    for number in range(1, args.processes + 1):
+        print(f"== process {number} of {args.processes}", flush=True)
+        child = subprocess.run(  # noqa: S603 (this script, with an argument list of our own)
+            [sys.executable, __file__, *(["--quick"] if args.quick else []), "--one"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        *report_lines, last = child.stdout.rstrip().splitlines()
+        print("\n".join(report_lines), flush=True)
+        runs.append([(label, float(ms), float(target)) for label, ms, target in json.loads(last)])
+    print(f"\n| case | floor of {args.processes} processes | each process | target | floor / target | |")
+    print("|---|---:|---|---:|---:|---|")
+    for i, (label, _, target) in enumerate(runs[0]):
+        each = [run[i][1] for run in runs]
+        floor = min(each)
+        verdict = "met" if floor <= target else "MISSED"
+        shown = ", ".join(f"{value:.2f}" for value in each)
+        print(f"| {label} | {floor:.2f} ms | {shown} | {target:g} ms | {floor / target:.2f}x | {verdict} |")
 
 
 if __name__ == "__main__":
