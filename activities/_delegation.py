@@ -328,6 +328,7 @@ class NodeSlots:
             boot=self.boot,
             held=list(self._slots),
             in_use={lease_id: slot.workflow_id for lease_id, slot in self._slots.items() if slot.request_id},
+            in_use_tenants={lease_id: slot.tenant for lease_id, slot in self._slots.items() if slot.request_id},
             runs=[
                 replace(run, ended_ago_s=round(max(0.0, now - ended), 3))
                 for run, ended in zip(self._runs, self._run_ends, strict=True)

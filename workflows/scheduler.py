@@ -291,11 +291,12 @@ class PoolSchedulerWorkflow:
                 now,
             )
         self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome, signal.message), now)
-        if lease is None and signal.lease_id not in self._released:
+        if lease is None and signal.lease_id not in self._released and not policy.is_slot(signal.lease_id):
             # Its holder is done with a lease this run does not hold (reset past its grant): its
             # ledger row ends now, not when the next audit finds it open (up to a minute later,
             # when the room may have been granted again: the ledger would show both at once).
-            # The store keeps a row's first end, so a lease that already ended keeps its own.
+            # The store keeps a row's first end, so a lease that already ended keeps its own. (A
+            # slot given back has no row of its own: its runs' rows come from its node's syncs.)
             self._record(
                 policy.PolicyEvent(
                     kind="lease_released",

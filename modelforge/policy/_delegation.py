@@ -89,13 +89,15 @@ class SlotRun:
 class SlotSync:
     """What a node tells its scheduler at each sync. `held`: every slot it holds, free or in use
     (anything else it was lent, it has given back); `in_use`: slot -> the workflow of the request
-    on it; `wanted`: capabilities it was asked for and had no free slot for. `boot`: its worker
-    process (slots of another life of the node are gone with it)."""
+    on it, and `in_use_tenants` its tenant (what `status` counts it under until the run is
+    reported); `wanted`: capabilities it was asked for and had no free slot for. `boot`: its
+    worker process (slots of another life of the node are gone with it)."""
 
     node: str
     boot: str
     held: list[str] = field(default_factory=list)
     in_use: dict[str, str] = field(default_factory=dict)
+    in_use_tenants: dict[str, str] = field(default_factory=dict)
     runs: list[SlotRun] = field(default_factory=list)
     wanted: list[str] = field(default_factory=list)
     view_epoch: int = -1
@@ -205,8 +207,12 @@ def sync_slots(state: PoolState, sync: SlotSync, now: float, *, spare: int = 1) 
         state.lease_heard[lease_id] = True
         slot.within_s = within_s
         workflow_id = sync.in_use.get(lease_id, holder)[:300]
-        if lease.workflow_id != workflow_id:  # a preemption reaches the request on it
-            lease = replace(lease, workflow_id=workflow_id)
+        # The request's tenant, if the catalog knows it: `status` counts the slot under it (a
+        # tenant sees its own request) until the run is reported; a free slot has none.
+        tenant = sync.in_use_tenants.get(lease_id, "") if lease_id in sync.in_use else ""
+        tenant = tenant if isinstance(tenant, str) and state.catalog.tenant(tenant) is not None else ""
+        if lease.workflow_id != workflow_id or lease.tenant != tenant:  # a preemption reaches the request on it
+            lease = replace(lease, workflow_id=workflow_id, tenant=tenant)
             state.leases[lease_id] = lease
         mine.append(lease)
     closing: dict[str, str] = {}

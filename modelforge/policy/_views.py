@@ -51,8 +51,8 @@ class ResidentStatus:
     workflow_id: str
     # Slots lent to a node and free by its last sync: they serve nobody (not active leases).
     lent_slots: int = 0
-    # The active leases by tenant ("": a request on a delegated slot, whose tenant the scheduler
-    # learns when the node reports the request).
+    # The active leases by tenant (a request on a delegated slot counts under its tenant from the
+    # node's next sync after its claim, "" before).
     tenant_leases: dict[str, int] = field(default_factory=dict)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import settings
@@ -32,9 +32,11 @@ from modelforge.policy import (
     decide,
     enqueue,
     keep_warm_check,
+    pool_status,
     reclaim_stale_leases,
     release_lease,
     sync_slots,
+    tenant_view,
 )
 from modelforge.policy._delegation import MAX_ENDED_AGO_S
 from modelforge.policy._transitions import SLOTS_ONLY_RECHECK_S
@@ -307,6 +309,27 @@ def test_a_ttl_timer_that_finds_a_request_running_looks_again_a_whole_ttl_later(
     apply_decisions(s, decide(s, NOW), NOW, {})
     assert model.active_leases == 1
     assert keep_warm_check(s, KEY, NOW + 1) == pytest.approx(NOW + 1 + model.ttl_s)
+
+
+def test_a_request_on_a_lent_slot_counts_under_its_tenant_from_the_next_sync() -> None:
+    # Before, it counted under no tenant ("") until its run was reported after it ended: its own
+    # tenant's view of the pool did not show it running.
+    s = pool()
+    lent = asking(s)
+    claimed = SlotSync(node="n", boot="b1", held=lent, in_use={lent[0]: "wf-r1"}, in_use_tenants={lent[0]: "t"})
+    sync_slots(s, claimed, NOW + 1)
+    status = pool_status(s, NOW + 1)
+    assert status.tenant_leases == {"t": 1} and status.lent_slots == len(lent) - 1
+    mine = tenant_view(status, "t")
+    assert mine.active_leases == 1 and [r.active_leases for r in mine.residents] == [1]
+    assert tenant_view(status, "other").active_leases == 0
+    # A tenant the catalog does not know is not taken from a node's report.
+    sync_slots(s, replace(claimed, in_use_tenants={lent[0]: "made-up"}), NOW + 2)
+    assert pool_status(s, NOW + 2).tenant_leases == {"": 1}
+    # Free again: no tenant, a lent slot.
+    sync_slots(s, SlotSync(node="n", boot="b1", held=lent), NOW + 3)
+    again = pool_status(s, NOW + 3)
+    assert again.tenant_leases == {} and again.lent_slots == len(lent)
 
 
 def test_a_silent_node_loses_its_slots_after_stale_lease_s_and_no_tenant_is_charged() -> None:
