@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from modelforge.failures import Alert, FailureClass
 from modelforge.policy._state import Lease, ResidentState
@@ -164,10 +165,33 @@ class Preempt:
     grace_s: float
 
 
+class WaitReason(StrEnum):
+    """Why a request waits, typed: every `Wait` the policy returns names its codes, in the order
+    its line (`Wait.reason`) gives the parts they stand for."""
+
+    PENDING = "pending"  # admitted, no decision pass has looked at it yet
+    LOAD_IN_FLIGHT = "load_in_flight"  # a load (or wake) of its model is under way for it
+    CONCURRENCY_FULL = "concurrency_full"  # its model's residents are at their concurrency
+    MEMORY_HELD = "memory_held"  # not enough schedulable memory where it may land
+    MAKING_ROOM = "making_room"  # idle models are being unloaded / lower work preempted for it
+    BEHIND_HIGHER_CLASS = "behind_higher_class"  # a request ordered ahead waits for that memory
+    GANG_RESERVATION = "gang_reservation"  # the cards are reserved for a waiting gang
+    STARVATION_RESERVATION = "starvation_reservation"  # held for a request past its starvation bound
+    GANG_ROOM = "gang_room"  # a gang: not enough cards free together yet
+    UNHEALTHY = "unhealthy"  # its eligible cards are UNHEALTHY
+    STATE_STALE = "state_stale"  # its cards' telemetry is stale (SCHEDULER_STATE_STALE)
+    GPU_PRESSURE = "gpu_pressure"  # GPU_PRESSURE: only production work may load
+    MODEL_PHASE = "model_phase"  # its model is unloading or going to sleep
+
+
 @dataclass(frozen=True)
 class Wait:
+    """A request stays queued: `reason` is the line a person reads (status, a timeout's
+    message), `codes` what it says, typed, in the same order (never empty)."""
+
     request_id: str
     reason: str
+    codes: tuple[WaitReason, ...]
 
 
 @dataclass(frozen=True)

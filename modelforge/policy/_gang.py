@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.failures import FailureClass
-from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait
+from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait, WaitReason
 from modelforge.policy._pass import (
     DecisionPass,
     FilterResult,
@@ -346,7 +346,10 @@ def _wait(attempt: Attempt, gang: _Gang, reserve: bool = True) -> Wait:
     waiting = f"gang of {gang.count} x {gang.need} B: not enough room {where} yet"
     reserving = reserve and attempt.pass_.state.config.gang_reservations
     reserved = _reserve_for_gang(attempt, gang) if reserving else ""
-    return Wait(attempt.queued.request_id, f"{waiting}; {reserved}" if reserved else waiting)
+    if reserved:
+        codes = (WaitReason.GANG_ROOM, WaitReason.GANG_RESERVATION)
+        return Wait(attempt.queued.request_id, f"{waiting}; {reserved}", codes)
+    return Wait(attempt.queued.request_id, waiting, (WaitReason.GANG_ROOM,))
 
 
 def _grant_gang(attempt: Attempt, gang: _Gang, chosen: list[str]) -> Grant:
@@ -395,7 +398,11 @@ def _preempt_for_gang(
     return Preemption(
         accelerators[0],
         preempts,
-        Wait(queued.request_id, f"making room: preempting lower-class work ({', '.join(stopping)})"),
+        Wait(
+            queued.request_id,
+            f"making room: preempting lower-class work ({', '.join(stopping)})",
+            (WaitReason.MAKING_ROOM,),
+        ),
     )
 
 

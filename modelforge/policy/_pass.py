@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.policy._budget import Budget, dynamic_reserve_bytes
-from modelforge.policy._decisions import Grant
+from modelforge.policy._decisions import Grant, WaitReason
 from modelforge.policy._fit_index import FitIndex, fit_index
 from modelforge.policy._order import class_rank, is_production
 from modelforge.policy._queue_index import queue_index
@@ -36,17 +36,18 @@ class FilterResult:
 
 
 class Reasons:
-    """Why a request waits, one line per kind of reason with how many accelerators gave it."""
+    """Why a request waits, one line per kind of reason with how many accelerators gave it, each
+    kind with its typed code (None: a line that explains but is not why it waits)."""
 
     def __init__(self) -> None:
-        self._first: dict[str, str] = {}
+        self._first: dict[str, tuple[WaitReason | None, str]] = {}
         self._count: dict[str, int] = {}
 
-    def add(self, kind: str, text: str, count: int = 1) -> None:
+    def add(self, kind: str, code: WaitReason | None, text: str, count: int = 1) -> None:
         if kind in self._count:
             self._count[kind] += count
         else:
-            self._first[kind] = text
+            self._first[kind] = (code, text)
             self._count[kind] = count
 
     def again(self, kind: str) -> bool:
@@ -59,12 +60,16 @@ class Reasons:
 
     def extend(self, other: Reasons) -> None:
         """Adds `other`'s reasons after these, as if each had been added here."""
-        for kind, text in other._first.items():
-            self.add(kind, text, other._count[kind])
+        for kind, (code, text) in other._first.items():
+            self.add(kind, code, text, other._count[kind])
+
+    def codes(self) -> tuple[WaitReason, ...]:
+        """The typed codes of the line, in its order, each once."""
+        return tuple(dict.fromkeys(code for code, _ in self._first.values() if code is not None))
 
     def __str__(self) -> str:
         parts = []
-        for kind, text in self._first.items():
+        for kind, (_, text) in self._first.items():
             more = self._count[kind] - 1
             parts.append(text if more == 0 else f"{text} (and {more} more like it)")
         return "; ".join(parts)

@@ -32,7 +32,19 @@ from typing import NamedTuple
 
 from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
-from modelforge.policy._decisions import Assign, Decisions, Grant, Preempt, Reject, Sleep, StartLoad, Unload, Wait, Wake
+from modelforge.policy._decisions import (
+    Assign,
+    Decisions,
+    Grant,
+    Preempt,
+    Reject,
+    Sleep,
+    StartLoad,
+    Unload,
+    Wait,
+    WaitReason,
+    Wake,
+)
 from modelforge.policy._fit_index import drop_fit_index
 from modelforge.policy._gang import leases_on, place_gang
 from modelforge.policy._order import (
@@ -84,7 +96,7 @@ __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "sile
 
 # Per capability: the outcome an unplaced request of it settled on in this pass (a failure class
 # and message, or None and the reason it waits).
-Settled = dict[str, tuple[FailureClass, str] | tuple[None, str]]
+Settled = dict[str, Reject | Wait]
 
 
 def decide(state: PoolState, now: float) -> Decisions:
@@ -259,17 +271,18 @@ def _visit(
         # A request past its class's starvation bound is placed on its own: it may reserve a card.
         if settled is not None and not starving(pass_.state.catalog, queued, now):
             # The hot path on a busy pool: most of the queue waits behind its head.
-            if settled[0] is None:
+            if isinstance(settled, Wait):
                 predicted = None if deployment is None else predicted_refusal(pass_, queued, deployment, now)
                 if predicted is not None:
                     decisions.rejects.append(predicted)
                     return counter
                 if deployment is not None:
                     pass_.ahead[deployment.deployment_id] = pass_.ahead.get(deployment.deployment_id, 0) + 1
-                if queued.waiting_reason != settled[1]:
-                    decisions.waits.append(Wait(queued.request_id, settled[1]))
+                if queued.waiting_reason != settled.reason:
+                    decisions.waits.append(Wait(queued.request_id, settled.reason, settled.codes))
             else:
-                decisions.rejects.append(Reject(queued.request_id, queued.workflow_id, *settled))
+                reject = Reject(queued.request_id, queued.workflow_id, settled.failure, settled.message)
+                decisions.rejects.append(reject)
             return counter
     if deployment is None:
         decisions.rejects.append(
@@ -327,7 +340,7 @@ class _Skip:
             floors = self.floors[id(lane)] = self._floors(lane, settled)
         return floors[min(position, len(floors) - 1)] > self.now
 
-    def _floors(self, lane: Lane, settled: tuple[FailureClass, str] | tuple[None, str]) -> list[float]:
+    def _floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
         """From each position of the lane on, the earliest moment one of its requests stops
         merely waiting (its expiry, the last moment it could start and finish by its deadline,
         or when it passes its class's starvation bound and may reserve a card); -inf everywhere
@@ -344,17 +357,17 @@ class _Skip:
             floors[n] = min(floors[n], least)
         return floors
 
-    def _waiting_floors(self, lane: Lane, settled: tuple[FailureClass, str] | tuple[None, str]) -> list[float]:
+    def _waiting_floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
         pass_, now = self.pass_, self.now
         never = [-math.inf]
-        if settled[0] is not None or not lane.uniformly_waiting(settled[1], now):
+        if not isinstance(settled, Wait) or not lane.uniformly_waiting(settled.reason, now):
             return never
         deployment = self.deployment(lane.capability)
         if deployment is None:
             return [math.inf]
         margin = _margin(pass_, deployment)
         job = deployment.residency == Residency.NONE
-        if not job and lane.uniformly_waiting(settled[1], now + margin):
+        if not job and lane.uniformly_waiting(settled.reason, now + margin):
             return [math.inf]  # the lane's earliest expiry is later than any of its requests could need
         load_s = operation_seconds(pass_.state, deployment, "load")
         items = lane.items
@@ -532,10 +545,8 @@ def _decide_one(
     outcome = _place(pass_, queued, deployment, now, counter)
     decision = outcome.decision
     if outcome.reusable:
-        if isinstance(decision, Reject):
-            settled_by[queued.capability] = (decision.failure, decision.message)
-        elif isinstance(decision, Wait):
-            settled_by[queued.capability] = (None, decision.reason)
+        if isinstance(decision, Reject | Wait):
+            settled_by[queued.capability] = decision
     deployment_id = deployment.deployment_id
     if isinstance(decision, Wait):
         # It waits: refused now if it would start too late behind the work ahead of it.
@@ -575,7 +586,7 @@ def _record(decisions: Decisions, queued: QueuedRequest, decision: Decision, cou
             doing.append("putting to sleep " + ", ".join(u.resident_key for u in sleeps))
         if unloads:
             doing.append("unloading " + ", ".join(u.resident_key for u in unloads))
-        decisions.waits.append(Wait(queued.request_id, "making room: " + "; ".join(doing)))
+        decisions.waits.append(Wait(queued.request_id, "making room: " + "; ".join(doing), (WaitReason.MAKING_ROOM,)))
     else:
         decisions.waits.append(decision)
     return counter
@@ -638,7 +649,7 @@ def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
     resident = pass_.state.residents.get(queued.assigned_to)
     if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
         verb = "load" if resident.phase == ResidentPhase.LOADING else "wake"
-        return Wait(queued.request_id, f"waiting for {resident.key} to {verb}")
+        return Wait(queued.request_id, f"waiting for {resident.key} to {verb}", (WaitReason.LOAD_IN_FLIGHT,))
     held = pass_.reserved.pop(queued.request_id, 0)
     if held and resident is not None:
         pass_.commit(resident.accelerator, -held)  # the grant below takes them for real
@@ -666,8 +677,11 @@ def _filtered_out(queued: QueuedRequest, refused: list[FilterResult]) -> Reject 
     reasons = Reasons()
     for f in refused:
         if not f.passed:
-            reasons.add("unhealthy" if not f.permanent else "filtered", f.reason)
-    return Wait(queued.request_id, str(reasons))
+            if f.permanent:  # said, but no health change opens it: not why the request waits
+                reasons.add("filtered", None, f.reason)
+            else:
+                reasons.add("unhealthy", WaitReason.UNHEALTHY, f.reason)
+    return Wait(queued.request_id, str(reasons), reasons.codes())
 
 
 class _Joined:
@@ -717,18 +731,20 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         # Its node has not reported within freshness_s: it may be gone, and work sent there
         # would wait on a worker nobody can see.
         if not reasons.again(STALE):
-            reasons.add(STALE, refusal_reason(pass_, STALE, accelerator, attempt.now))
+            reasons.add(STALE, *refusal_reason(pass_, STALE, accelerator, attempt.now))
         return None
     if resident.key in pass_.evicting:
         # A higher request of this pass is unloading it to make room: joining it now would run
         # work on a model that is going away.
-        reasons.add("evicting", f"{accelerator}: {resident.key} is being unloaded to make room")
+        reasons.add("evicting", WaitReason.MAKING_ROOM, f"{accelerator}: {resident.key} is being unloaded to make room")
         return None
     deployment = attempt.deployment
     if pass_.slots.get(resident.key, 0) <= 0:
         if not reasons.again("concurrency"):
             reasons.add(
-                "concurrency", f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}"
+                "concurrency",
+                WaitReason.CONCURRENCY_FULL,
+                f"{accelerator}: {deployment.deployment_id} at concurrency {deployment.concurrency}",
             )
         if resident.phase == ResidentPhase.READY:
             joined.full.append(resident)
@@ -744,7 +760,7 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         nbytes += resident.bytes
     landing = Landing(nbytes, persists=False, attempt=attempt)
     if reservation_refuses(pass_, accelerator, landing):
-        reasons.add(RESERVED, refusal_reason(pass_, RESERVED, accelerator, attempt.now))
+        reasons.add(RESERVED, *refusal_reason(pass_, RESERVED, accelerator, attempt.now))
         return None
     if resident.phase == ResidentPhase.READY:
         return _join_ready(attempt, resident, landing, joined)
@@ -752,7 +768,7 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
         return _join_loading(attempt, resident, joined)
     if resident.phase == ResidentPhase.ASLEEP:
         return _wake(attempt, resident, joined)
-    reasons.add("phase", f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
+    reasons.add("phase", WaitReason.MODEL_PHASE, f"{accelerator}: {deployment.deployment_id} is {resident.phase.value}")
     return None
 
 
@@ -762,7 +778,11 @@ def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, joi
         take_reservation(pass_, accelerator, landing)
         return grant_on(attempt.queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
     joined.short[accelerator] = True
-    joined.reasons.add("lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable")
+    joined.reasons.add(
+        "lease_bytes",
+        WaitReason.MEMORY_HELD,
+        f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable",
+    )
     return None
 
 
@@ -772,7 +792,9 @@ def _join_loading(attempt: Attempt, resident: ResidentState, joined: _Joined) ->
     if extra and extra > pass_.free(accelerator):
         joined.short[accelerator] = True
         joined.reasons.add(
-            "lease_bytes", f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable"
+            "lease_bytes",
+            WaitReason.MEMORY_HELD,
+            f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable",
         )
         return None
     take_reservation(pass_, accelerator, Landing(extra, persists=False, attempt=attempt, lead_s=attempt.load_s))
@@ -790,11 +812,11 @@ def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | 
     wake_need = max(0, awake - resident.bytes) + deployment.lease_extra_bytes
     free = pass_.free(accelerator)
     if accelerator in pass_.blocked:
-        reasons.add(BLOCKED, refusal_reason(pass_, BLOCKED, accelerator, attempt.now))
+        reasons.add(BLOCKED, *refusal_reason(pass_, BLOCKED, accelerator, attempt.now))
         return None
     landing = Landing(wake_need, persists=True, attempt=attempt)
     if reservation_refuses(pass_, accelerator, landing):
-        reasons.add(RESERVED, refusal_reason(pass_, RESERVED, accelerator, attempt.now))
+        reasons.add(RESERVED, *refusal_reason(pass_, RESERVED, accelerator, attempt.now))
         return None
     if wake_need <= free:
         pass_.commit(accelerator, wake_need)
@@ -805,7 +827,8 @@ def _wake(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Wake | 
         return Wake(resident.key, awake, [attempt.queued.request_id])
     joined.asleep.append((resident, wake_need))
     joined.short[accelerator] = True
-    reasons.add("asleep", f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable")
+    waking = f"{accelerator}: waking {resident.key} needs {wake_need} B, {free} B schedulable"
+    reasons.add("asleep", WaitReason.MEMORY_HELD, waking)
     return None
 
 
@@ -848,7 +871,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing):
         if refusal:
             if not reasons.again(refusal):
-                reasons.add(refusal, refusal_reason(pass_, refusal, accelerator, attempt.now))
+                reasons.add(refusal, *refusal_reason(pass_, refusal, accelerator, attempt.now))
             if refusal == RESERVED:
                 loads.backfill_only[accelerator] = True
             continue
@@ -860,7 +883,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
             continue
         loads.short.append(accelerator)
         if not reasons.again("no_room"):
-            reasons.add("no_room", f"{accelerator}: needs {need} B, {free} B schedulable")
+            reasons.add("no_room", WaitReason.MEMORY_HELD, f"{accelerator}: needs {need} B, {free} B schedulable")
     return loads
 
 
@@ -932,7 +955,8 @@ def _open_accelerators(attempt: Attempt, passed: list[str], holding: dict[str, b
     shut = len(passed) - len(open_accelerators) - len(holding)
     if shut > 0:
         first = next(a for a in passed if a in blocked and a not in holding)
-        reasons.add(BLOCKED, refusal_reason(pass_, BLOCKED, first, attempt.now), shut)
+        code, text = refusal_reason(pass_, BLOCKED, first, attempt.now)
+        reasons.add(BLOCKED, code, text, shut)
     return open_accelerators
 
 
@@ -1030,8 +1054,11 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
             continue
         if budgets[accelerator].fresh and accelerator not in loads.backfill_only:
             pass_.blocked[accelerator] = True
-    reason = str(reasons) or "waiting for capacity"
-    return Wait(queued.request_id, f"{reason}; {starved}" if starved else reason)
+    reason, codes = str(reasons) or "waiting for capacity", reasons.codes() or (WaitReason.MEMORY_HELD,)
+    if starved:
+        codes = tuple(dict.fromkeys((*codes, WaitReason.STARVATION_RESERVATION)))
+        return Wait(queued.request_id, f"{reason}; {starved}", codes)
+    return Wait(queued.request_id, reason, codes)
 
 
 def _reserve_starved(attempt: Attempt, loads: _Loads, joined: _Joined) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
+from collections.abc import Sequence
 
 from modelforge.policy._order import submission_key
 from modelforge.policy._state import PoolState, QueuedRequest
@@ -128,9 +129,10 @@ class QueueIndex:
             self.assigned[queued.request_id] = queued
         queued.assigned_to = resident_key
 
-    def set_reason(self, queued: QueuedRequest, reason: str) -> None:
+    def set_reason(self, queued: QueuedRequest, reason: str, codes: Sequence[str]) -> None:
         if queued.waiting_reason == reason:
             return
+        queued.waiting_codes = list(codes)
         reasons = self.lanes[(queued.priority, queued.tenant, queued.capability)].reasons
         left = reasons[queued.waiting_reason] - 1
         if left:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelforge.domain import Deployment, Residency
-from modelforge.policy._decisions import Preempt, Sleep, Unload, Wait
+from modelforge.policy._decisions import Preempt, Sleep, Unload, Wait, WaitReason
 from modelforge.policy._order import is_production, may_preempt
 from modelforge.policy._pass import DecisionPass
 from modelforge.policy._state import (
@@ -105,9 +105,8 @@ def preemption_plan(
             Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)
         )
     waiting = ", ".join(lease.lease_id for lease in chosen)
-    return Preemption(
-        accelerator, preempts, Wait(queued.request_id, f"making room: preempting lower-class work ({waiting})")
-    )
+    making_room = f"making room: preempting lower-class work ({waiting})"
+    return Preemption(accelerator, preempts, Wait(queued.request_id, making_room, (WaitReason.MAKING_ROOM,)))
 
 
 def slot_preemption(pass_: DecisionPass, queued: QueuedRequest, full: list[ResidentState]) -> Preemption | None:
@@ -139,7 +138,11 @@ def slot_preemption(pass_: DecisionPass, queued: QueuedRequest, full: list[Resid
             return Preemption(
                 resident.accelerator,
                 preempts,
-                Wait(queued.request_id, f"making room: preempting {lease.priority} work ({lease.lease_id})"),
+                Wait(
+                    queued.request_id,
+                    f"making room: preempting {lease.priority} work ({lease.lease_id})",
+                    (WaitReason.MAKING_ROOM,),
+                ),
             )
     return None
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from modelforge.domain import Deployment, Residency
 from modelforge.failures import FailureClass
-from modelforge.policy._decisions import Reject
+from modelforge.policy._decisions import Reject, WaitReason
 from modelforge.policy._order import is_production
 from modelforge.policy._pass import BECOMING_READY, IDLE_RUNTIME, DecisionPass, request_ends_by
 from modelforge.policy._reservation import Reservation
@@ -155,25 +155,26 @@ def take_reservation(pass_: DecisionPass, accelerator: str, landing: Landing) ->
     reservation.spare -= landing.nbytes
 
 
-def refusal_reason(pass_: DecisionPass, kind: str, accelerator: str, now: float) -> str:
-    """The line a waiting request is told for a refusal of `kind` on `accelerator`."""
+def refusal_reason(pass_: DecisionPass, kind: str, accelerator: str, now: float) -> tuple[WaitReason, str]:
+    """What a waiting request is told for a refusal of `kind` on `accelerator`: the typed code
+    and the line."""
     if kind == BLOCKED:
-        return f"{accelerator}: a higher request waits for memory here"
+        return WaitReason.BEHIND_HIGHER_CLASS, f"{accelerator}: a higher request waits for memory here"
     if kind == STALE:
         age_s = pass_.budgets[accelerator].age_s
         age = "never observed" if age_s is None else f"observation {age_s:.0f} s old"
-        return f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})"
+        return WaitReason.STATE_STALE, f"{accelerator}: {FailureClass.SCHEDULER_STATE_STALE.value} ({age})"
     if kind == PRESSURE:
-        return f"{accelerator}: GPU_PRESSURE, only production work may load"
+        return WaitReason.GPU_PRESSURE, f"{accelerator}: GPU_PRESSURE, only production work may load"
     reservation = pass_.reservations[accelerator]
     if reservation.starving:
         starts_in = reservation.starts_at - now
         ends = "" if math.isinf(starts_in) else f", work that ends within {starts_in:.0f} s"
-        return (
+        return WaitReason.STARVATION_RESERVATION, (
             f"{accelerator}: {STARVED} {reservation.holder} waits past its class's starvation bound "
             f"(only work of a higher class{ends} or within {reservation.spare} B may take memory there)"
         )
-    return (
+    return WaitReason.GANG_RESERVATION, (
         f"{accelerator}: reserved for gang {reservation.holder} starting in {reservation.starts_at - now:.0f} s "
         "(only work that ends by then may use it)"
     )

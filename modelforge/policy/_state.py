@@ -159,8 +159,10 @@ class QueuedRequest:
     # The resident this request waits on while it loads; empty while unplaced.
     assigned_to: str = ""
     preempted: bool = False
-    # Why it is still waiting, for `status` and for the failure message when it times out.
+    # Why it is still waiting, for `status` and for the failure message when it times out, and
+    # what that line says typed (`WaitReason` values, in its order; verdicts read these).
     waiting_reason: str = ""
+    waiting_codes: list[str] = field(default_factory=list)
     # The longest its lease will be held (the request's max_duration); None: unknown.
     max_duration_s: float | None = None
     # The first ETA a verdict gave it once it waited (policy/_verdicts.py `stamp_predictions`)

@@ -174,7 +174,7 @@ def apply_decisions(
         )
     for wait in decisions.waits:
         if wait.request_id in by_id:
-            index.set_reason(by_id[wait.request_id], wait.reason)
+            index.set_reason(by_id[wait.request_id], wait.reason, wait.codes)
     if done:
         _drop(state, dict.fromkeys(done, True))
     return events

@@ -8,9 +8,9 @@ A `Verdict` (one per queued request, in queue order):
 - position: 1-based in its class (`position_in_class` of `class_depth`) and among the requests of
   its deployment (`position_in_deployment` of `deployment_depth`), both in the policy's queue
   order; `ahead_in_higher_classes` and `behind_class` (the highest class ordered ahead of it);
-- reason: the policy's own Wait line (`message`, exactly what `status` and a timeout say) read
-  into typed codes (`WaitReason`; `reason` is the first, `reasons` all of them in the policy's
-  order), with what it names: the load in flight and its expected end (`load`), and who holds the
+- reason: the policy's own Wait line (`message`, exactly what `status` and a timeout say) and
+  the typed codes the policy gave with it (`WaitReason`; `reason` is the first, `reasons` all of
+  them in the line's order), with what it names: the load in flight and its expected end (`load`), and who holds the
   memory on the card where it falls short least (`held_by`: external processes, residents,
   leases with their expected end);
 - ETA: `eta_s` (seconds from `computed_at`; None when nothing measured can say), `eta_at`,
@@ -52,14 +52,13 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import cached_property
 
 from modelforge.domain import Deployment, GiB, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
-from modelforge.policy._decisions import Decisions
+from modelforge.policy._decisions import Decisions, WaitReason
 from modelforge.policy._order import bucket_key, class_rank, fair_share_scores, queue_order, submission_key
 from modelforge.policy._pass import filter_accelerators
 from modelforge.policy._placement import decide
@@ -75,65 +74,11 @@ from modelforge.policy._state import (
     service_figures,
 )
 
-
-class WaitReason(StrEnum):
-    """Why a request waits: the policy's Wait lines, typed (`classify`)."""
-
-    PENDING = "pending"  # admitted, no decision pass has looked at it yet
-    LOAD_IN_FLIGHT = "load_in_flight"  # a load (or wake) of its model is under way for it
-    CONCURRENCY_FULL = "concurrency_full"  # its model's residents are at their concurrency
-    MEMORY_HELD = "memory_held"  # not enough schedulable memory where it may land
-    MAKING_ROOM = "making_room"  # idle models are being unloaded / lower work preempted for it
-    BEHIND_HIGHER_CLASS = "behind_higher_class"  # a request ordered ahead waits for that memory
-    GANG_RESERVATION = "gang_reservation"  # the cards are reserved for a waiting gang
-    STARVATION_RESERVATION = "starvation_reservation"  # held for a request past its starvation bound
-    GANG_ROOM = "gang_room"  # a gang: not enough cards free together yet
-    UNHEALTHY = "unhealthy"  # its eligible cards are UNHEALTHY
-    STATE_STALE = "state_stale"  # its cards' telemetry is stale (SCHEDULER_STATE_STALE)
-    GPU_PRESSURE = "gpu_pressure"  # GPU_PRESSURE: only production work may load
-    MODEL_PHASE = "model_phase"  # its model is unloading or going to sleep
-    OTHER = "other"
-
-
-# The policy's Wait lines, in the words its code writes them (_placement, _gang, _room, _rules).
-_PATTERNS: tuple[tuple[WaitReason, re.Pattern[str]], ...] = (
-    (WaitReason.LOAD_IN_FLIGHT, re.compile(r"^waiting for \S+ to (load|wake)")),
-    (WaitReason.MAKING_ROOM, re.compile(r"making room|is being unloaded to make room")),
-    (WaitReason.GANG_ROOM, re.compile(r"^gang of ")),
-    (WaitReason.STARVATION_RESERVATION, re.compile(r"starved:|starvation bound")),
-    (WaitReason.GANG_RESERVATION, re.compile(r"reserved for gang|^reserved .* from ")),
-    (WaitReason.BEHIND_HIGHER_CLASS, re.compile(r"a higher request waits for memory")),
-    (WaitReason.CONCURRENCY_FULL, re.compile(r"at concurrency \d+")),
-    (WaitReason.STATE_STALE, re.compile(r"SCHEDULER_STATE_STALE")),
-    (WaitReason.GPU_PRESSURE, re.compile(r"GPU_PRESSURE")),
-    (WaitReason.UNHEALTHY, re.compile(r"UNHEALTHY")),
-    (WaitReason.MEMORY_HELD, re.compile(r"needs -?\d+ B|waiting for capacity")),
-    (WaitReason.MODEL_PHASE, re.compile(r" is (unloading|sleeping|unreclaimed)\b")),
-)
+# A gang's reservation start, as its Wait line gives it (seconds from that pass; _gang.py).
 _RESERVED_FROM = re.compile(r"reserved \S.* from (-?\d+(?:\.\d+)?) s on")
-_MORE_LIKE = re.compile(r" \(and \d+ more like it\)$")
 
 # How many holders a verdict names (the biggest first), and how many reasons.
 MAX_HOLDERS = 6
-
-
-def classify(text: str) -> list[WaitReason]:
-    """The typed reasons of a Wait line, in the order the policy wrote them (a line joins one
-    part per kind with "; "). An empty line: PENDING."""
-    if not text:
-        return [WaitReason.PENDING]
-    found: list[WaitReason] = []
-    for part in text.split("; "):
-        part = _MORE_LIKE.sub("", part)
-        for reason, pattern in _PATTERNS:
-            if pattern.search(part):
-                if reason not in found:
-                    found.append(reason)
-                break
-        else:
-            if WaitReason.OTHER not in found:
-                found.append(WaitReason.OTHER)
-    return found
 
 
 @dataclass(frozen=True)
@@ -685,7 +630,7 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
         message = _message(state, queued)
         start, basis, quality, samples, load = _eta(model, queued, deployment)
         if request_ids is None or queued.request_id in request_ids:
-            reasons = classify(message)
+            reasons = _codes(state, queued)
             rank = class_rank(catalog, queued.priority)
             higher = [c for c, n in ahead_by_class.items() if n and class_rank(catalog, c) < rank]
             held = (
@@ -763,7 +708,7 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
         start = _eta(model, queued, deployment_of[queued.capability])[0]  # each takes its slot
         if queued.request_id in by_id:
             queued.eta_at = start
-            queued.eta_reason = classify(_message(state, queued))[0].value
+            queued.eta_reason = _codes(state, queued)[0].value
             left -= 1
             if not left:
                 break
@@ -804,6 +749,17 @@ def _message(state: PoolState, queued: QueuedRequest) -> str:
         return ""
     verb = "load" if on_load.phase == ResidentPhase.LOADING else "wake"
     return f"waiting for {on_load.key} to {verb}"
+
+
+def _codes(state: PoolState, queued: QueuedRequest) -> list[WaitReason]:
+    """What `_message` says, typed: the codes the policy gave with its Wait line, the load in
+    flight a pass started for it, or PENDING (no pass has looked at it yet)."""
+    if queued.waiting_reason:
+        return [WaitReason(code) for code in queued.waiting_codes] or [WaitReason.PENDING]
+    on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
+    if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+        return [WaitReason.LOAD_IN_FLIGHT]
+    return [WaitReason.PENDING]
 
 
 # --- the dry run --------------------------------------------------------------------------------
@@ -874,6 +830,7 @@ def admission_check(state: PoolState, request: AdmissionRequest, now: float) -> 
     for wait in decisions.waits:
         if wait.request_id == rid:
             message = queued.waiting_reason = wait.reason
+            queued.waiting_codes = list(wait.codes)
     if decisions.preemptions and action == "wait" and "preempting" in message:
         action = "preempt"
     if action in ("load", "wake") and queued.assigned_to not in trial.residents:

@@ -4,6 +4,7 @@ external-usage changes, health failures and passing time."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from modelforge.policy import (
     PolicyConfig,
     PoolState,
     ResidentPhase,
+    WaitReason,
     apply_decisions,
     compute_budget,
     decide,
@@ -28,6 +30,38 @@ from modelforge.policy import (
 from modelforge.policy._order import in_submission_order
 from modelforge.policy._placement import decide_each
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+
+# The reference the policy's typed Wait codes are checked against: its lines read back by the
+# words its code writes them in (_placement, _gang, _room, _rules). Every Wait a decision pass
+# returns in the runs below must carry exactly the codes its line reads as.
+_LINE_PATTERNS: tuple[tuple[WaitReason, re.Pattern[str]], ...] = (
+    (WaitReason.LOAD_IN_FLIGHT, re.compile(r"^waiting for \S+ to (load|wake)")),
+    (WaitReason.MAKING_ROOM, re.compile(r"making room|is being unloaded to make room")),
+    (WaitReason.GANG_ROOM, re.compile(r"^gang of ")),
+    (WaitReason.STARVATION_RESERVATION, re.compile(r"starved:|starvation bound")),
+    (WaitReason.GANG_RESERVATION, re.compile(r"reserved for gang|^reserved .* from ")),
+    (WaitReason.BEHIND_HIGHER_CLASS, re.compile(r"a higher request waits for memory")),
+    (WaitReason.CONCURRENCY_FULL, re.compile(r"at concurrency \d+")),
+    (WaitReason.STATE_STALE, re.compile(r"SCHEDULER_STATE_STALE")),
+    (WaitReason.GPU_PRESSURE, re.compile(r"GPU_PRESSURE")),
+    (WaitReason.UNHEALTHY, re.compile(r"UNHEALTHY")),
+    (WaitReason.MEMORY_HELD, re.compile(r"needs -?\d+ B|waiting for capacity")),
+    (WaitReason.MODEL_PHASE, re.compile(r" is (unloading|sleeping|unreclaimed)\b")),
+)
+_MORE_LIKE = re.compile(r" \(and \d+ more like it\)$")
+
+
+def read_wait_line(text: str) -> list[WaitReason | None]:
+    """Each part of a Wait line (the policy joins one per kind with "; "), read by its words;
+    None for a part that names no reason (a card no health change could open)."""
+    found: list[WaitReason | None] = []
+    for part in text.split("; "):
+        part = _MORE_LIKE.sub("", part)
+        code = next((reason for reason, pattern in _LINE_PATTERNS if pattern.search(part)), None)
+        if code not in found:
+            found.append(code)
+    return found
+
 
 operation = st.one_of(
     # A burst of 1 to 4 requests arrives between two decisions.
@@ -151,6 +185,9 @@ def run(operations: list[tuple[object, ...]], starvation_bound_s: float | None =
             reference.unloads,
             reference.preemptions,
         )
+        for wait in decisions.waits:
+            assert wait.codes, wait
+            assert list(wait.codes) == [code for code in read_wait_line(wait.reason) if code is not None], wait
         # Never unload what this same pass grants on or assigns to.
         in_use = {g.lease.resident_key for g in decisions.grants} | {a.resident_key for a in decisions.assigns}
         assert not in_use & {u.resident_key for u in decisions.unloads}, decisions
@@ -234,3 +271,45 @@ def test_saturated_two_tenant_usage_converges_to_the_weights(
     # e.g. weights 2:1 -> target 0.667; within 10% means 0.600..0.733.
     assert abs(share_a - target_a) <= 0.10 * target_a, (share_a, target_a)
     assert abs((1 - share_a) - (1 - target_a)) <= 0.10 * (1 - target_a), (share_a, target_a)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("waiting for llm@1@n/0 to load", [WaitReason.LOAD_IN_FLIGHT]),
+        ("waiting for llm@1@n/0 to wake", [WaitReason.LOAD_IN_FLIGHT]),
+        ("n/0: llm@1 at concurrency 1 (and 3 more like it)", [WaitReason.CONCURRENCY_FULL]),
+        ("n/0: needs 1073741824 B, 5 B schedulable", [WaitReason.MEMORY_HELD]),
+        ("n/0: lease needs 10 B, 2 B schedulable", [WaitReason.MEMORY_HELD]),
+        ("waiting for capacity", [WaitReason.MEMORY_HELD]),
+        ("making room: unloading emb@1@n/0", [WaitReason.MAKING_ROOM]),
+        ("making room: preempting lower-class work (l1)", [WaitReason.MAKING_ROOM]),
+        ("n/0: a higher request waits for memory here", [WaitReason.BEHIND_HIGHER_CLASS]),
+        (
+            "n/0: reserved for gang g1 starting in 40 s (only work that ends by then may use it)",
+            [WaitReason.GANG_RESERVATION],
+        ),
+        (
+            "n/0: starved: r9 waits past its class's starvation bound (only work of a higher class may take memory)",
+            [WaitReason.STARVATION_RESERVATION],
+        ),
+        (
+            "gang of 2 x 5 B: not enough room for 2 cards yet; reserved n/0, n/1 from 30 s on (backfill: work that "
+            "ends by then)",
+            [WaitReason.GANG_ROOM, WaitReason.GANG_RESERVATION],
+        ),
+        ("n/0: SCHEDULER_STATE_STALE (observation 45 s old)", [WaitReason.STATE_STALE]),
+        ("n/0: GPU_PRESSURE, only production work may load", [WaitReason.GPU_PRESSURE]),
+        ("n/0: UNHEALTHY", [WaitReason.UNHEALTHY]),
+        ("n/0: llm@1 is unloading", [WaitReason.MODEL_PHASE]),
+        (
+            "n/0: llm@1 at concurrency 1; n/1: needs 9 B, 1 B schedulable",
+            [WaitReason.CONCURRENCY_FULL, WaitReason.MEMORY_HELD],
+        ),
+        ("something new the policy says", [None]),
+    ],
+)
+def test_the_reader_of_wait_lines_reads_each_kind_the_policy_writes(
+    line: str, expected: list[WaitReason | None]
+) -> None:
+    assert read_wait_line(line) == expected

@@ -17,7 +17,6 @@ from modelforge.policy import (
     WaitReason,
     admission_check,
     apply_decisions,
-    classify,
     decide,
     enqueue,
     release_lease,
@@ -42,47 +41,6 @@ def admit(s: PoolState, request: AdmissionRequest, now: float = NOW) -> Decision
     apply_decisions(s, decisions, now, {})
     stamp_predictions(s, now, decisions)
     return decisions
-
-
-@pytest.mark.parametrize(
-    ("line", "expected"),
-    [
-        ("", [WaitReason.PENDING]),
-        ("waiting for llm@1@n/0 to load", [WaitReason.LOAD_IN_FLIGHT]),
-        ("waiting for llm@1@n/0 to wake", [WaitReason.LOAD_IN_FLIGHT]),
-        ("n/0: llm@1 at concurrency 1 (and 3 more like it)", [WaitReason.CONCURRENCY_FULL]),
-        ("n/0: needs 1073741824 B, 5 B schedulable", [WaitReason.MEMORY_HELD]),
-        ("n/0: lease needs 10 B, 2 B schedulable", [WaitReason.MEMORY_HELD]),
-        ("waiting for capacity", [WaitReason.MEMORY_HELD]),
-        ("making room: unloading emb@1@n/0", [WaitReason.MAKING_ROOM]),
-        ("making room: preempting lower-class work (l1)", [WaitReason.MAKING_ROOM]),
-        ("n/0: a higher request waits for memory here", [WaitReason.BEHIND_HIGHER_CLASS]),
-        (
-            "n/0: reserved for gang g1 starting in 40 s (only work that ends by then may use it)",
-            [WaitReason.GANG_RESERVATION],
-        ),
-        (
-            "n/0: starved: r9 waits past its class's starvation bound (only work of a higher class may take memory)",
-            [WaitReason.STARVATION_RESERVATION],
-        ),
-        (
-            "gang of 2 x 5 B: not enough room for 2 cards yet; reserved n/0, n/1 from 30 s on (backfill: work that "
-            "ends by then)",
-            [WaitReason.GANG_ROOM, WaitReason.GANG_RESERVATION],
-        ),
-        ("n/0: SCHEDULER_STATE_STALE (observation 45 s old)", [WaitReason.STATE_STALE]),
-        ("n/0: GPU_PRESSURE, only production work may load", [WaitReason.GPU_PRESSURE]),
-        ("n/0: UNHEALTHY", [WaitReason.UNHEALTHY]),
-        ("n/0: llm@1 is unloading", [WaitReason.MODEL_PHASE]),
-        (
-            "n/0: llm@1 at concurrency 1; n/1: needs 9 B, 1 B schedulable",
-            [WaitReason.CONCURRENCY_FULL, WaitReason.MEMORY_HELD],
-        ),
-        ("something new the policy says", [WaitReason.OTHER]),
-    ],
-)
-def test_a_wait_line_is_read_into_typed_reasons_in_the_policys_order(line: str, expected: list[WaitReason]) -> None:
-    assert classify(line) == expected
 
 
 def test_a_busy_resident_queue_gets_positions_and_etas_from_measured_service() -> None:
