@@ -23,54 +23,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import websockets
+from _stack import free_port, gateway_requests, modelforge_stack, started, toy_catalog, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "docs" / "img" / "open-webui.png"
 PROMPT = "hello from open webui"
 MODEL = "toy-chat"
-
-TOY_SERVER = [sys.executable, "-m", "modelforge.runtimes.toy_server", "--port", "{port}", "--token-delay-ms", "20"]
-CATALOG = f"""
-[[accelerators]]
-id = "gpu-node/0"
-node = "gpu-node"
-model = "Simulated RTX 3090 24GB"
-total_bytes = 25769803776
-production_eligible = true
-simulated = true
-
-[[deployments]]
-capability = "toy.chat@1"
-envelope_bytes = 1073741824
-residency = "keep_warm"
-concurrency = 4
-runtime = "subprocess_http"
-command = {json.dumps(TOY_SERVER)}
-runtime_config = {{ api = "openai_chat", ready_timeout_s = "60" }}
-openai_models = ["{MODEL}"]
-
-[[tenants]]
-name = "default"
-default_priority = "interactive"
-max_priority = "interactive"
-"""
-
 
 DISMISS_AND_SEND = """
 (() => {
@@ -85,44 +54,6 @@ DISMISS_AND_SEND = """
   return '';
 })()
 """.replace("PROMPT", PROMPT)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def wait_http(url: str, seconds: float, what: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{what} exited ({process.returncode}) before answering {url}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as answer:
-            if answer.status < 500:
-                return
-        time.sleep(1)
-    raise SystemExit(f"{what} did not answer {url} in {seconds:.0f} s")
-
-
-@contextlib.contextmanager
-def started(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(  # noqa: S603 (an argument list of our own)
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 async def drive_chromium(chromium: str, url: str, profile: Path, seconds: float) -> tuple[str, bytes]:
@@ -199,65 +130,35 @@ def main() -> None:
         raise SystemExit(f"needs open-webui ({args.open_webui}) and Debian's chromium on PATH")
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="mf-owui-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    catalog = scratch / "catalog.toml"
-    catalog.write_text(CATALOG)
-    temporal_port, gateway_port, webui_port = free_port(), free_port(), free_port()
-    env = {
-        **os.environ,
-        "MODELFORGE_HOME": str(scratch / "home"),
-        "MODELFORGE_TEMPORAL_ADDRESS": f"localhost:{temporal_port}",
-        "MODELFORGE_METRICS_PORT": str(free_port()),
-    }
-    bin_dir = Path(sys.executable).parent
+    webui_port = free_port()
     began = time.monotonic()
-    with started(
-        [str(bin_dir / "modelforge"), "dev", "--catalog", str(catalog), "--ui-port", str(free_port())],
-        env,
-        scratch / "dev.log",
-    ) as dev:
-        deadline = time.monotonic() + 300
-        status = [str(bin_dir / "modelforge"), "status"]
-        while subprocess.run(status, env=env, capture_output=True).returncode:  # noqa: S603 (our own argv)
-            if dev.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"modelforge dev did not come up: {scratch / 'dev.log'}")
-            time.sleep(2)
-        gateway_env = {**env, "MODELFORGE_METRICS_PORT": str(free_port())}
+    with modelforge_stack(toy_catalog(MODEL), scratch) as gateway_port:
+        webui_env = {
+            **os.environ,
+            "DATA_DIR": str(scratch / "open-webui"),
+            "OLLAMA_BASE_URL": f"http://127.0.0.1:{gateway_port}",
+            "ENABLE_OPENAI_API": "False",
+            "WEBUI_AUTH": "False",
+            "OFFLINE_MODE": "True",
+            "HF_HUB_OFFLINE": "1",
+            "ENABLE_VERSION_UPDATE_CHECK": "False",
+            "WEBUI_SECRET_KEY": "modelforge-open-webui-check",
+            "BYPASS_EMBEDDING_AND_RETRIEVAL": "True",  # its own embedding model would download
+        }
+        (scratch / "open-webui").mkdir(exist_ok=True)
         with started(
-            [str(bin_dir / "modelforge"), "gateway", "--host", "127.0.0.1", "--port", str(gateway_port)],
-            gateway_env,
-            scratch / "gateway.log",
-        ) as gateway:
-            wait_http(f"http://127.0.0.1:{gateway_port}/api/version", 120, "modelforge gateway", gateway)
-            webui_env = {
-                **os.environ,
-                "DATA_DIR": str(scratch / "open-webui"),
-                "OLLAMA_BASE_URL": f"http://127.0.0.1:{gateway_port}",
-                "ENABLE_OPENAI_API": "False",
-                "WEBUI_AUTH": "False",
-                "OFFLINE_MODE": "True",
-                "HF_HUB_OFFLINE": "1",
-                "ENABLE_VERSION_UPDATE_CHECK": "False",
-                "WEBUI_SECRET_KEY": "modelforge-open-webui-check",
-                "BYPASS_EMBEDDING_AND_RETRIEVAL": "True",  # its own embedding model would download
-            }
-            (scratch / "open-webui").mkdir(exist_ok=True)
-            with started(
-                [open_webui, "serve", "--host", "127.0.0.1", "--port", str(webui_port)],
-                webui_env,
-                scratch / "open-webui.log",
-            ) as webui:
-                wait_http(f"http://127.0.0.1:{webui_port}/health", 600, "open-webui", webui)
-                print(f"stack, gateway and Open WebUI up in {time.monotonic() - began:.0f} s", flush=True)
-                query = urllib.parse.urlencode({"models": f"{MODEL}:latest", "q": PROMPT})
-                text, png = asyncio.run(
-                    drive_chromium(
-                        chromium, f"http://127.0.0.1:{webui_port}/?{query}", scratch / "chromium", args.timeout
-                    )
-                )
+            [open_webui, "serve", "--host", "127.0.0.1", "--port", str(webui_port)],
+            webui_env,
+            scratch / "open-webui.log",
+        ) as webui:
+            wait_http(f"http://127.0.0.1:{webui_port}/health", 600, "open-webui", webui)
+            print(f"stack, gateway and Open WebUI up in {time.monotonic() - began:.0f} s", flush=True)
+            query = urllib.parse.urlencode({"models": f"{MODEL}:latest", "q": PROMPT})
+            url = f"http://127.0.0.1:{webui_port}/?{query}"
+            text, png = asyncio.run(drive_chromium(chromium, url, scratch / "chromium", args.timeout))
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     SCREENSHOT.write_bytes(png)
-    seen = [json.loads(line) for line in (scratch / "gateway.log").read_text().splitlines() if line.startswith("{")]
-    served = [(r.get("method"), r.get("route"), r.get("status")) for r in seen if r.get("event") == "gateway_request"]
+    served = [(r.get("method"), r.get("route"), r.get("status")) for r in gateway_requests(scratch)]
     chats = [r for r in served if r[1] == "/api/chat"]
     print(f"answered on the page: {text[text.find('You said') :][:80]!r}")
     print(f"gateway requests from Open WebUI: {len(served)}; /api/chat: {chats}")

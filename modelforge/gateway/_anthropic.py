@@ -3,12 +3,18 @@ as the `anthropic` package and the agents built on it call it, translated to the
 (`_chat_path.py`): one request workflow through admission, like every call.
 
 - `system` and `messages` (text, image, `tool_use` and `tool_result` blocks; `thinking` blocks,
-  the model's own earlier thinking, are left out as chat templates leave it out) become chat
-  messages; `tools` (client tools: name, description, input_schema) and `tool_choice` become
-  chat tools, and the model's tool calls come back as `tool_use` blocks (stop_reason
-  `tool_use`); `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` and `thinking`
-  become the chat's parameters, taken or refused by the deployment's runtime as on
-  `/v1/chat/completions`. `cache_control` marks change nothing and are accepted.
+  the model's own earlier thinking, are left out as chat templates leave it out; a `system`
+  message within the conversation, as Claude Code sends its environment, stays a system message
+  where it is) become chat messages; `tools` (client tools: name, description, input_schema;
+  one marked `defer_loading` is left out of what the model is shown, as the API does until a
+  tool search loads it) and `tool_choice` become chat tools, and the model's tool calls come
+  back as `tool_use` blocks (stop_reason `tool_use`); `max_tokens`, `stop_sequences`,
+  `temperature`, `top_p`, `top_k` and `thinking` become the chat's parameters, taken or refused
+  by the deployment's runtime as on `/v1/chat/completions`; `thinking.display: "omitted"`
+  answers thinking blocks without their text, as the API does. `cache_control` marks change
+  nothing and are accepted. `context_management` edits that clear earlier thinking
+  (`clear_thinking_*`) are what the gateway always does (earlier thinking is never in the
+  prompt): accepted; any other edit (clearing tool results) is refused by name.
 - `stream: true` answers Anthropic's events: message_start, content_block_start /
   content_block_delta (text_delta, thinking_delta, input_json_delta) / content_block_stop per
   block, message_delta (stop_reason, usage), message_stop; a failure after the stream began is
@@ -58,7 +64,10 @@ _ERROR_TYPES = {
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 # Fields of the Messages API that would change the answer (or where it is made: inference_geo)
 # and that ModelForge cannot honour.
-_REFUSED = ("container", "mcp_servers", "context_management", "inference_geo")
+_REFUSED = ("container", "mcp_servers", "inference_geo")
+# `context_management` edits the gateway honours by construction: earlier thinking is never put
+# in the prompt (`chat_messages`), whatever an edit says to keep.
+_THINKING_EDIT = "clear_thinking_"
 # Fields that change nothing in the answer: accepted, not passed on.
 _NO_EFFECT = ("cache_control", "diagnostics", "user_profile_id", "workspace_id")
 # The Messages API's own fields (everything else in a body is a chat parameter).
@@ -122,6 +131,7 @@ class _Conversation(BaseModel):
     tools: Annotated[list[Any], Field(max_length=128)] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
 
 
 class _MessagesCall(_Conversation):
@@ -185,23 +195,33 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
+def _system_text(system: object, where: str) -> str:
+    """A system prompt (a string, or text blocks joined by lines) as one text."""
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise _invalid(f"{where}: a string or text blocks")
+    texts = []
+    for n, block in enumerate(system):
+        if not (isinstance(block, dict) and block.get("type") == "text"):
+            raise _unsupported(f"{where}.{n}", "system blocks are text blocks")
+        texts.append(str(block.get("text") or ""))
+    return "\n".join(texts)
+
+
 def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[dict[str, Any]]:
     """Anthropic's system and messages as chat messages (module docstring)."""
     out: list[dict[str, Any]] = []
-    if isinstance(system, list):
-        texts = []
-        for n, block in enumerate(system):
-            if not (isinstance(block, dict) and block.get("type") == "text"):
-                raise _unsupported(f"system.{n}", "system blocks are text blocks")
-            texts.append(str(block.get("text") or ""))
-        system = "\n".join(texts)
     if system:
-        out.append({"role": "system", "content": system})
+        out.append({"role": "system", "content": _system_text(system, "system")})
     for n, message in enumerate(messages):
         where = f"messages.{n}"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise _invalid(f"{where}.role: user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise _invalid(f"{where}.role: user, assistant or system")
         role, content = message["role"], message.get("content")
+        if role == "system":
+            out.append({"role": "system", "content": _system_text(content, where)})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -248,11 +268,14 @@ def chat_tools(call: _Conversation) -> dict[str, Any]:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if not isinstance(tool, dict) or kind not in (None, "custom") or not isinstance(tool.get("name"), str):
                 raise _unsupported(f"tools.{n}", f"{shown(str(kind)[:40])} tools are not served (client tools are)")
+            if tool.get("defer_loading"):
+                continue  # not shown to the model until a tool search loads it (module docstring)
             function: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
             if tool.get("description"):
                 function["description"] = tool["description"]
             tools.append({"type": "function", "function": function})
-        given["tools"] = tools
+        if tools:
+            given["tools"] = tools
     choice = call.tool_choice
     if choice is not None:
         kind = choice.get("type")
@@ -265,6 +288,29 @@ def chat_tools(call: _Conversation) -> dict[str, Any]:
         if choice.get("disable_parallel_tool_use") and call.tools:
             given["parallel_tool_calls"] = False
     return given
+
+
+def _context_management(management: dict[str, Any] | None) -> None:
+    """Honoured by construction or refused by name (module docstring)."""
+    for name, value in (management or {}).items():
+        if name != "edits" and value is not None:
+            raise _unsupported(f"context_management.{_context._escaped(name, 40)}", "only edits are served")
+    edits = (management or {}).get("edits") or []
+    if not isinstance(edits, list):
+        raise _invalid("context_management.edits: a list of edits")
+    for n, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith(_THINKING_EDIT)):
+            raise _unsupported(
+                f"context_management.edits.{n}.type",
+                f"{shown(str(kind)[:60])} cannot be honoured (earlier thinking is never in the prompt: "
+                "clear_thinking edits are served)",
+            )
+
+
+def _omits_thinking(thinking: dict[str, Any] | None) -> bool:
+    """`thinking.display: "omitted"`: thinking blocks are answered without their text."""
+    return thinking is not None and thinking.get("display") == "omitted"
 
 
 def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
@@ -302,6 +348,7 @@ def _chat_call(call: _MessagesCall) -> ChatCall:
         raise _unsupported("service_tier", "auto or standard_only (ModelForge's priority is X-ModelForge-Priority)")
     if call.speed not in (None, "standard"):
         raise _unsupported("speed", "standard only (ModelForge's priority is X-ModelForge-Priority)")
+    _context_management(call.context_management)
     given: dict[str, Any] = {
         "max_tokens": call.max_tokens,
         "stop": call.stop_sequences or None,
@@ -355,10 +402,10 @@ def _usage(counts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _blocks(answer: Answer) -> list[dict[str, Any]]:
+def _blocks(answer: Answer, omit_thinking: bool) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if answer.reasoning:
-        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": "" if omit_thinking else answer.reasoning, "signature": ""})
     if answer.text or not answer.tool_calls:
         blocks.append({"type": "text", "text": answer.text})
     for call in answer.tool_calls:
@@ -391,7 +438,7 @@ def anthropic_router(path: ChatPath) -> APIRouter:
                 "type": "message",
                 "role": "assistant",
                 "model": call.model,
-                "content": _blocks(answer),
+                "content": _blocks(answer, _omits_thinking(call.thinking)),
                 "stop_reason": _STOP_REASONS.get(answer.finish_reason, "end_turn"),
                 "stop_sequence": None,
                 "usage": _usage(answer.usage),
@@ -409,7 +456,9 @@ def anthropic_router(path: ChatPath) -> APIRouter:
             "usage": {"input_tokens": estimate, "output_tokens": 0},
         }
         return StreamingResponse(
-            _events(streamed.pieces(), start), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _events(streamed.pieces(), start, _omits_thinking(call.thinking)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
 
     @router.post("/v1/messages/count_tokens")
@@ -432,17 +481,21 @@ def anthropic_router(path: ChatPath) -> APIRouter:
     return router
 
 
-async def _events(pieces: AsyncGenerator[Piece, None], start: dict[str, Any]) -> AsyncIterator[str]:
+async def _events(
+    pieces: AsyncGenerator[Piece, None], start: dict[str, Any], omit_thinking: bool
+) -> AsyncIterator[str]:
     """Anthropic's stream events for a streamed answer (module docstring). A client that goes
     away closes `pieces` at once, which tells the node to stop generating."""
     try:
-        async for line in _anthropic_events(pieces, start):
+        async for line in _anthropic_events(pieces, start, omit_thinking):
             yield line
     finally:
         await pieces.aclose()
 
 
-async def _anthropic_events(pieces: AsyncIterator[Piece], start: dict[str, Any]) -> AsyncIterator[str]:
+async def _anthropic_events(
+    pieces: AsyncIterator[Piece], start: dict[str, Any], omit_thinking: bool
+) -> AsyncIterator[str]:
     index = -1
     current: tuple[str, int] | None = None  # the open block: its kind, and the tool call's index
 
@@ -472,7 +525,7 @@ async def _anthropic_events(pieces: AsyncIterator[Piece], start: dict[str, Any])
             if current is None or current[0] != kind or (kind == "tool_use" and current[1] != piece.index):
                 for line in switch(kind, piece):
                     yield line
-            if not piece.text:
+            if not piece.text or (kind == "thinking" and omit_thinking):
                 continue
             if kind == "text":
                 delta = {"type": "text_delta", "text": piece.text}

@@ -60,7 +60,7 @@ def _answer_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
         state["request_id"] = request_id
     headers = [(b"x-request-id", _label(request_id).encode())]
-    for name in ("keep_alive", "priority_applied", "deadline_applied"):
+    for name in ("keep_alive", "priority_applied", "deadline_applied", "tools_omitted"):
         note = state.get(name)
         if note:
             headers.append((f"x-modelforge-{name.replace('_', '-')}".encode(), _label(note, 500).encode()))
@@ -116,7 +116,7 @@ class AccessLog:
         if state.get("model"):
             fields["model"] = _label(state["model"])
         # What the gateway applied of a client's hints, and the end user an application named.
-        for hint in ("keep_alive", "priority_applied", "deadline_applied", "end_user"):
+        for hint in ("keep_alive", "priority_applied", "deadline_applied", "tools_omitted", "end_user"):
             if state.get(hint):
                 fields[hint] = _label(state[hint], 500)
         tokens = state.get("tokens")

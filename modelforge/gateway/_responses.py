@@ -5,11 +5,17 @@ admission, like every call.
 - `input` (a string, or items: messages with text or image parts, `function_call` and
   `function_call_output` items; `reasoning` items, the model's own earlier thinking, are left
   out as chat templates leave it out) and `instructions` become chat messages; `tools` (function
-  tools) and `tool_choice` become chat tools, and the model's tool calls come back as
-  `function_call` output items; `max_output_tokens`, `temperature`, `top_p`, `reasoning.effort`,
-  `text.format` and `text.verbosity` become the chat's parameters, taken or refused by the
-  deployment's runtime as on `/v1/chat/completions`; fields the Responses API does not define
-  reach the chat as parameters too (vLLM's `top_k` through the SDK's `extra_body`).
+  tools, and `namespace` groups of them: each function reaches the model as
+  `<namespace>__<function>`, its calls come back with `name` and `namespace` apart) and
+  `tool_choice` become chat tools, and the model's tool calls come back as `function_call` output
+  items; tools OpenAI runs on its side (`web_search`, `file_search`, `code_interpreter`,
+  `image_generation`, `mcp`: Codex offers web search on every turn) are left out of what the
+  model is shown and the answer says so (`X-ModelForge-Tools-Omitted`, the access log's
+  `tools_omitted`), and a `tool_choice` forcing one is refused; `max_output_tokens`,
+  `temperature`, `top_p`, `reasoning.effort`, `text.format` and `text.verbosity` become the
+  chat's parameters, taken or refused by the deployment's runtime as on `/v1/chat/completions`;
+  fields the Responses API does not define reach the chat as parameters too (vLLM's `top_k`
+  through the SDK's `extra_body`).
 - `previous_response_id` continues a conversation kept in this gateway process's memory
   (`ResponseStore`: per tenant, least recently used first out, bounded in entries and bytes); a
   tenant reads its own only, and an unknown id is 404 naming it, whoever holds it.
@@ -27,7 +33,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -275,6 +281,8 @@ def input_messages(value: str | list[Any] | None) -> list[dict[str, Any]]:
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
                 raise _invalid(f"{where}: a function_call has call_id, name and arguments (strings)", where)
+            if isinstance(item.get("namespace"), str):
+                name = f"{item['namespace']}{NAMESPACE_JOIN}{name}"
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -299,18 +307,60 @@ def input_messages(value: str | list[Any] | None) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """Function tools as a chat's tools; any other kind (web search, MCP...) refused by name."""
+# A namespace's function reaches a chat model as `<namespace>__<function>` (a name every chat
+# server's tool grammar takes); its calls come back split again (`ServedTools.namespaced`).
+NAMESPACE_JOIN = "__"
+# Tools OpenAI runs on its side: ModelForge has none of them to run (module docstring).
+_HOSTED = ("web_search", "file_search", "code_interpreter", "image_generation", "mcp")
+
+
+@dataclass(frozen=True)
+class ServedTools:
+    """What a call's `tools` become: the chat's tools, the namespaced functions among them (chat
+    name -> (namespace, function)), and the hosted tools left out (their types)."""
+
+    chat: list[dict[str, Any]] | None = None
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    omitted: list[str] = field(default_factory=list)
+
+
+def _function(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise _unsupported(where, f"{shown(str(kind)[:40])} tools are not served (function tools are)")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def served_tools(tools: list[Any] | None) -> ServedTools:
+    """Function tools and namespaces of them as a chat's tools; hosted tools left out (said);
+    any other kind refused by name."""
     if not tools:
-        return None
-    shaped = []
+        return ServedTools()
+    shaped: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    omitted: list[str] = []
     for n, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise _unsupported(f"tools.{n}", f"{shown(str(kind)[:40])} tools are not served (function tools are)")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        shaped.append({"type": "function", "function": function})
-    return shaped
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind.startswith(_HOSTED):
+            omitted.append(kind)
+        elif kind == "namespace" and isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise _invalid(f"tools.{n}.tools: a namespace's function tools", f"tools.{n}.tools")
+            for m, function in enumerate(inner):
+                served = _function(function, f"tools.{n}.tools.{m}")
+                inner_name = served["function"]["name"]
+                served["function"]["name"] = joined = f"{tool['name']}{NAMESPACE_JOIN}{inner_name}"
+                shaped.append(served)
+                namespaced[joined] = (tool["name"], inner_name)
+        else:
+            shaped.append(_function(tool, f"tools.{n}"))
+    names = [t["function"]["name"] for t in shaped]
+    if len(set(names)) != len(names):
+        clash = next(name for name in names if names.count(name) > 1)
+        raise _invalid(f"tools: two tools are called {shown(clash[:80])} (a namespace's joined name included)", "tools")
+    return ServedTools(shaped or None, namespaced, omitted)
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -321,13 +371,13 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     raise _unsupported("tool_choice", "'auto', 'none', 'required' or a function ({'type': 'function', 'name'})")
 
 
-def chat_parameters(call: _ResponsesCall) -> dict[str, Any]:
+def chat_parameters(call: _ResponsesCall, tools: ServedTools) -> dict[str, Any]:
     """The chat parameters a Responses call gives (null ones are not given)."""
     given: dict[str, Any] = {
         "max_tokens": call.max_output_tokens,
         "temperature": call.temperature,
         "top_p": call.top_p,
-        "tools": chat_tools(call.tools),
+        "tools": tools.chat,
         "tool_choice": chat_tool_choice(call.tool_choice),
         "parallel_tool_calls": call.parallel_tool_calls,
         "user": call.user,
@@ -390,8 +440,10 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str, namespaced: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
+    item = {
         "type": "function_call",
         "id": item_id,
         "call_id": call_id,
@@ -399,16 +451,19 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
         "arguments": arguments,
         "status": "in_progress" if status == "added" else status,
     }
+    if name in namespaced:
+        item["namespace"], item["name"] = namespaced[name]
+    return item
 
 
-def _output_items(answer: Answer) -> list[dict[str, Any]]:
+def _output_items(answer: Answer, namespaced: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
     items = []
     if answer.reasoning:
         items.append(_reasoning_item(_new_id("rs"), answer.reasoning, "completed"))
     if answer.text or not answer.tool_calls:
         items.append(_message_item(_new_id("msg"), answer.text, "completed"))
     for call in answer.tool_calls:
-        items.append(_call_item(_new_id("fc"), call.call_id, call.name, call.arguments, "completed"))
+        items.append(_call_item(_new_id("fc"), call.call_id, call.name, call.arguments, "completed", namespaced))
     return items
 
 
@@ -485,7 +540,7 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
     ) -> dict[str, Any]:
         """Keeps the conversation for `previous_response_id` and the response for GET, unless
         `store: false`; `response` is the streamed one (its items' ids as the client saw them)."""
-        response = response or finished(body, answer, _output_items(answer))
+        response = response or finished(body, answer, _output_items(answer, served_tools(call.tools).namespaced))
         if call.store is not False:
             kept.put(tenant, body["id"], [*history, _assistant_turn(answer)], response)
         return response
@@ -534,13 +589,18 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
                 )
             history = found
         history += input_messages(call.input)
+        tools = served_tools(call.tools)
+        if tools.omitted:
+            request.state.tools_omitted = (
+                f"{', '.join(dict.fromkeys(tools.omitted))} (run on OpenAI's side; ModelForge has none to run)"
+            )
         if not history:
             raise _invalid("input: give a string or one or more input items", "input")
         # Instructions are this call's only: not carried over to the next response.
         system = [{"role": "system", "content": call.instructions}] if call.instructions else []
         try:
             chat = ChatCall.model_validate(
-                {"model": call.model, "messages": [*system, *history], **chat_parameters(call)}
+                {"model": call.model, "messages": [*system, *history], **chat_parameters(call, tools)}
             )
         except ValidationError as error:
             first = error.errors(include_url=False, include_input=False)[0]
@@ -554,7 +614,11 @@ def responses_router(path: ChatPath, store: ResponseStore | None = None) -> APIR
         streamed = await path.streamed(request, chat)
         return StreamingResponse(
             _events(
-                streamed.pieces(), body, lambda answer, done: keep(tenant, call, body, history, answer, done), finished
+                streamed.pieces(),
+                body,
+                lambda answer, done: keep(tenant, call, body, history, answer, done),
+                finished,
+                tools.namespaced,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
@@ -568,19 +632,27 @@ Keep = Callable[[Answer, dict[str, Any]], Any]
 
 
 async def _events(
-    pieces: AsyncGenerator[Piece, None], body: dict[str, Any], keep: Keep, finished: Finished
+    pieces: AsyncGenerator[Piece, None],
+    body: dict[str, Any],
+    keep: Keep,
+    finished: Finished,
+    namespaced: dict[str, tuple[str, str]],
 ) -> AsyncIterator[str]:
     """`_response_events`, closing `pieces` however it ends: a client that goes away closes it
     at once, which tells the node to stop generating."""
     try:
-        async for line in _response_events(pieces, body, keep, finished):
+        async for line in _response_events(pieces, body, keep, finished, namespaced):
             yield line
     finally:
         await pieces.aclose()
 
 
 async def _response_events(
-    pieces: AsyncIterator[Piece], body: dict[str, Any], keep: Keep, finished: Finished
+    pieces: AsyncIterator[Piece],
+    body: dict[str, Any],
+    keep: Keep,
+    finished: Finished,
+    namespaced: dict[str, tuple[str, str]],
 ) -> AsyncIterator[str]:
     """The Responses event sequence for a streamed answer: each output item added, its content
     streamed, then done, in the order the model produced them; response.completed (or
@@ -628,13 +700,13 @@ async def _response_events(
                 event("response.content_part.done", item_id=item_id, output_index=at, content_index=0, part=part)
             )
         else:
-            item = _call_item(item_id, current["call_id"], current["name"], text, "completed")
+            item = _call_item(item_id, current["call_id"], current["name"], text, "completed", namespaced)
             events.append(
                 event(
                     "response.function_call_arguments.done",
                     item_id=item_id,
                     output_index=at,
-                    name=current["name"],
+                    name=item["name"],
                     arguments=text,
                 )
             )
@@ -656,7 +728,7 @@ async def _response_events(
             part = {"type": "reasoning_text", "text": ""}
         else:
             item_id = _new_id("fc")
-            item = _call_item(item_id, piece.call_id, piece.name, "", "added")
+            item = _call_item(item_id, piece.call_id, piece.name, "", "added", namespaced)
         current = {
             "kind": kind,
             "id": item_id,

@@ -128,9 +128,12 @@ def chat_answer(
     """An OpenAI chat completion for `body`, honouring the parameters listed in the docstring;
     `answer_tokens` above 0: the answer's content is that many tokens long; `reasoning`: it
     reasons first (in `reasoning_field`) whatever the request."""
-    messages = body.get("messages") or [{}]
-    last = messages[-1] if isinstance(messages[-1], dict) else {}
-    said = _text_of(last.get("content"))[:200]
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    # What it answers is the last message that is not a system one (an agent may end its
+    # conversation with a system message: Claude Code's environment).
+    last = next((m for m in reversed(messages) if m.get("role") != "system"), messages[-1] if messages else {})
+    text = _text_of(last.get("content"))
+    said = text[:200]
     content = f"[toy server] ready. You said: {said}"
     if answer_tokens > 0:
         content = _to_length(content, answer_tokens)
@@ -147,7 +150,7 @@ def chat_answer(
     if isinstance(limit, int) and tokens(content) > limit:
         content, finish = _cut(content, limit), "length"
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    called = _called(body, said, last.get("role"))
+    called = _called(body, text, last.get("role"))
     if called:
         message = {
             "role": "assistant",

@@ -149,7 +149,8 @@ async def test_responses_answer_call_tools_continue_and_stream(gateway: Served) 
         # What cannot be honoured is refused by name, before any workflow.
         for asked, named in (
             ({"background": True}, "background"),
-            ({"tools": [{"type": "web_search"}]}, "tools.0"),
+            ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+            ({"tools": [{"type": "local_shell"}]}, "tools.0"),
             ({"include": ["message.output_text.logprobs"]}, "include.0"),
         ):
             with pytest.raises(openai.BadRequestError) as refused:
