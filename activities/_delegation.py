@@ -81,6 +81,7 @@ class _Slot:
     workflow_id: str = ""
     tenant: str = ""
     priority: str = ""
+    end_user: str = ""
     claimed_at: float = 0.0
     asked_at: float = 0.0  # when its request first asked this node for a slot
     started: bool = False
@@ -189,7 +190,7 @@ class NodeSlots:
                 passed_over = True
                 continue
             slot.request_id, slot.workflow_id = claim.request_id, claim.workflow_id
-            slot.tenant, slot.priority = claim.tenant, priority
+            slot.tenant, slot.priority, slot.end_user = claim.tenant, priority, claim.end_user
             slot.claimed_at = slot.last_used = now
             slot.asked_at = now if asked_at is None else asked_at
             slot.started = False
@@ -199,6 +200,7 @@ class NodeSlots:
                 workflow_id=claim.workflow_id,
                 tenant=claim.tenant,
                 priority=priority,
+                end_user=claim.end_user,
             ), False
         if ask:
             self._want(claim.capability)
@@ -257,6 +259,7 @@ class NodeSlots:
                 invoke_s=invoke_s,
                 message=message[:500],
                 waited_s=max(0.0, slot.claimed_at - slot.asked_at),
+                end_user=slot.end_user,
             )
         )
         self._run_ends.append(self._clock())

@@ -229,6 +229,7 @@ class ModelForgeClient:
         operation: str = "",
         stream: StreamTarget | None = None,
         max_duration_s: float | None = None,
+        end_user: str = "",
     ) -> Result:
         """One request, start to end. `on_progress` hears, about twice a second, what the request
         waits on: admission, the queue, a model loading (from its load activity's heartbeats),
@@ -236,12 +237,15 @@ class ModelForgeClient:
         `modelforge profile`'s), never a key of `input` (`modelforge_*` keys are refused).
         `stream`: where the node pushes the answer as it is generated (the gateway's streams).
         `max_duration_s`: the longest its lease is held once granted, 1 s to 7 days (the
-        invoke or job is stopped, TIMEOUT, past it); None: RequestInput's default, 600 s."""
+        invoke or job is stopped, TIMEOUT, past it); None: RequestInput's default, 600 s.
+        `end_user`: who the application says asked, within the tenant (recorded on the lease's
+        events; never the tenant)."""
         chose_id = request_id is not None  # an id of our own making names nobody else's request
         request_id = uuid.uuid4().hex[:16] if request_id is None else request_id
         payload = {} if input is None else input
         # Identifiers by the one set of rules (modelforge/identifiers.py), before anything is sent.
-        for kind, name in (("capability", capability), ("tenant", tenant), ("request_id", request_id)):
+        names = [("capability", capability), ("tenant", tenant), ("request_id", request_id)]
+        for kind, name in names + ([("end_user", end_user)] if end_user else []):
             problem = identifier_problem(kind, name)
             if problem is not None:
                 return _invalid(request_id, capability, problem)
@@ -311,6 +315,7 @@ class ModelForgeClient:
             pool=pool,
             operation=operation,
             stream=stream,
+            end_user=end_user,
             **({"max_duration_s": float(max_duration_s)} if max_duration_s is not None else {}),
         )
         workflow_id = request_workflow_id(capability, request_id)

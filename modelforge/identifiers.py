@@ -32,6 +32,10 @@ MAX_CAPABILITY_LENGTH = 200
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 CAPABILITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]*(@[A-Za-z0-9._-]+)?")
+# Who an application says asked, within a tenant (Open WebUI's forwarded user id): recorded on the
+# request's events, never a tenant. Printable ASCII, no leading space.
+MAX_END_USER_LENGTH = 128
+END_USER = re.compile(r"[!-~][ -~]{0,127}")
 
 # A priority class: a level, or `queue.level` (matched whole, as every pattern here: `$` would
 # also match before a trailing newline). The scheduler checks it against the catalog's queues.
@@ -50,6 +54,7 @@ MAX_DURATION_S = 7 * 24 * 3600.0
 _RULES: dict[str, tuple[re.Pattern[str], int, str]] = {
     "tenant": (TENANT, MAX_TENANT_LENGTH, "1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit"),
     "request_id": (REQUEST_ID, MAX_REQUEST_ID_LENGTH, "1-128 of A-Z a-z 0-9 . _ : -, starting with a letter or digit"),
+    "end_user": (END_USER, MAX_END_USER_LENGTH, "1-128 printable ASCII characters, not starting with a space"),
     "capability": (
         CAPABILITY,
         MAX_CAPABILITY_LENGTH,

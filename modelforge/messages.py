@@ -51,6 +51,9 @@ class RequestInput:
     # generated. A streamed request is never retried after its invoke started: the client has
     # part of the answer already.
     stream: StreamTarget | None = None
+    # Who the application says asked, within the tenant (Open WebUI's forwarded user): on the
+    # lease's events, never the tenant ("" none).
+    end_user: str = ""
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,7 @@ class SlotClaim:
     capability: str
     tenant: str
     priority: str | None = None
+    end_user: str = ""
 
 
 @dataclass(frozen=True)

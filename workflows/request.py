@@ -402,6 +402,7 @@ class CapabilityRequestWorkflow:
                     capability=request.capability,
                     tenant=request.tenant,
                     priority=request.priority or None,
+                    end_user=request.end_user,
                 ),
                 result_type=Lease | None,  # type: ignore[arg-type]
                 start_to_close_timeout=timedelta(seconds=5),
@@ -477,6 +478,7 @@ class CapabilityRequestWorkflow:
             submitted_at=submitted_at if preempted else None,
             max_duration_s=request.max_duration_s,
             admit_by=workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S,
+            end_user=request.end_user,
         )
         try:
             reply = await workflow.execute_local_activity(

@@ -379,6 +379,8 @@ def create_app(
         if holder != tenant:
             raise conflict(request_id)
         in_flight[key] = (tenant, calls + 1)
+        if getattr(state, "end_user", ""):  # Open WebUI's forwarded user: on the lease's events
+            options["end_user"] = state.end_user
         try:
             result = await requester.request(capability, payload, request_id=request_id, tenant=tenant, **options)
         except ModelForgeError as error:  # Temporal unreachable or refusing

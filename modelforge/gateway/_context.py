@@ -41,6 +41,7 @@ class Requester(Protocol):
         request_id: str | None = None,
         stream: StreamTarget | None = None,
         max_duration_s: float | None = None,
+        end_user: str = "",
     ) -> Result: ...
 
     async def status(self) -> PoolStatus: ...

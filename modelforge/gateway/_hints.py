@@ -21,8 +21,9 @@ server (vLLM refuses a non-zero `priority` unless started with priority scheduli
 
 **End user.** Open WebUI forwards its user in `X-OpenWebUI-User-Id` (and `-Name`, `-Email`,
 `-Role`) when `ENABLE_FORWARD_USER_INFO_HEADERS` is on. The id alone is recorded (the access log's
-`end_user`, printable ASCII, at most 128 characters); name, e-mail and role are not kept. No header
-ever changes the tenant: the API key decides it (docs/SECURITY.md)."""
+`end_user`, and the `end_user` of the lease's `lease_granted` and `lease_released` events:
+printable ASCII, at most 128 characters); name, e-mail and role are not kept. No header ever
+changes the tenant: the API key decides it (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelforge.domain import Catalog, PriorityClass
+from modelforge.identifiers import MAX_END_USER_LENGTH
 
 # OpenAI's service tiers: levels moved from the tenant's default (positive: less urgent).
 SERVICE_TIERS = {"auto": 0, "default": 0, "flex": 1, "priority": -1, "scale": -1, "fast": -1}
 END_USER_HEADER = "x-openwebui-user-id"
-MAX_END_USER = 128
+MAX_END_USER = MAX_END_USER_LENGTH
 
 
 @dataclass(frozen=True)
@@ -91,4 +93,5 @@ def end_user(headers: Any) -> str:
     """Open WebUI's forwarded user id, as printable ASCII of at most MAX_END_USER characters
     ("" without one)."""
     value = str(headers.get(END_USER_HEADER) or "").strip()[:MAX_END_USER]
-    return "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in value)
+    escaped = "".join(c if 32 <= ord(c) < 127 else f"\\x{ord(c):02x}" for c in value)
+    return escaped[:MAX_END_USER].strip()  # what modelforge.identifiers' END_USER takes

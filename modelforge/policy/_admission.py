@@ -55,6 +55,8 @@ class AdmissionRequest:
     # The requester stops waiting for this admission at this moment (its admit call's budget):
     # an admission the scheduler only gets to later is refused, never granted to nobody.
     admit_by: float | None = None
+    # Who the application says asked, within the tenant: kept on the lease's events.
+    end_user: str = ""
 
 
 def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
@@ -134,8 +136,8 @@ def validate_request(state: PoolState, request: AdmissionRequest, *, gangs: bool
         problem = identifier_problem(kind, identifier)
         if problem is not None:
             raise AdmissionRejected(FailureClass.REQUEST_INVALID, problem)
-    if request.tenant:  # empty: the scheduler's default tenant
-        problem = identifier_problem("tenant", request.tenant)
+    for kind, identifier in (("tenant", request.tenant), ("end_user", request.end_user)):
+        problem = identifier_problem(kind, identifier) if identifier else None  # empty: none given
         if problem is not None:
             raise AdmissionRejected(FailureClass.REQUEST_INVALID, problem)
     for name, value in (("deadline_s", request.deadline_s), ("lease_timeout_s", request.lease_timeout_s)):
@@ -198,6 +200,7 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: flo
         if request.deadline_s is None or runs_late(state.catalog, priority)
         else now + request.deadline_s,
         max_duration_s=request.max_duration_s,
+        end_user=request.end_user,
     )
     index = current_index(state)
     insert_in_submission_order(state.queue, queued)

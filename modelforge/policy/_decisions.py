@@ -68,7 +68,7 @@ def lease_released_event(
 
 
 def _lease_payload(pool: str, lease: Lease) -> Payload:
-    return {
+    payload: Payload = {
         "bytes": lease.bytes,
         "tenant": lease.tenant,
         "capability": lease.capability,
@@ -77,6 +77,9 @@ def _lease_payload(pool: str, lease: Lease) -> Payload:
         "accelerators": ",".join(lease.accelerators),
         "granted_at": lease.granted_at,
     }
+    if lease.end_user:
+        payload["end_user"] = lease.end_user
+    return payload
 
 
 def resident_event(

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from modelforge.domain import Catalog, Residency
+from modelforge.identifiers import identifier_problem
 from modelforge.policy._budget import is_fresh
 from modelforge.policy._decisions import PolicyEvent, lease_granted_event, lease_released_event
 from modelforge.policy._order import is_production
@@ -83,6 +84,7 @@ class SlotRun:
     # How long before the sync that reports it the run ended (the node's clock): its ledger row
     # ends then, not when the sync arrives (runs of one slot reported together must not overlap).
     ended_ago_s: float = 0.0
+    end_user: str = ""  # who the application says asked (SlotClaim's)
 
 
 @dataclass(frozen=True)
@@ -434,6 +436,7 @@ def record_runs(state: PoolState, node: str, runs: list[SlotRun], now: float) ->
             granted_at=granted_at,
             priority=run.priority,
             tenant=run.tenant,
+            end_user=run.end_user if identifier_problem("end_user", run.end_user) is None else "",
         )
         events.append(lease_granted_event(state.pool, lease, run.waited_s, delegated=True))
         events.append(

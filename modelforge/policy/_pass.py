@@ -487,6 +487,7 @@ def new_lease(
         nodes=nodes_of(pass_, accelerators) if len(accelerators) > 1 else [],
         ends_by=None if queued.max_duration_s is None else now + queued.max_duration_s,
         incarnation=incarnation,
+        end_user=queued.end_user,
     )
 
 

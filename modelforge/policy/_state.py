@@ -128,6 +128,8 @@ class Lease:
     # The incarnation of `resident_key` it was granted (or lent) on: a lease belongs to that one
     # life of the resident; ending it touches no later resident under the same key.
     incarnation: int = 0
+    # Who the application says asked, within the tenant ("" none): on the lease's events.
+    end_user: str = ""
 
     @property
     def accelerators(self) -> list[str]:
@@ -169,6 +171,8 @@ class QueuedRequest:
     # and that verdict's reason: its grant says how far off it was (the ETA-error figures).
     eta_at: float | None = None
     eta_reason: str = ""
+    # Who the application says asked, within the tenant ("" none): on its lease's events.
+    end_user: str = ""
 
     @property
     def expires_at(self) -> float:

@@ -140,6 +140,10 @@ def test_a_load_longer_than_the_deadline_is_refused_early() -> None:
             "at most 'background'",
         ),
         ({"deadline_s": -1.0}, FailureClass.REQUEST_INVALID, "deadline_s"),
+        # The last entrance checks the end user as every entrance does: nothing unprintable or
+        # unbounded goes into the state or the event log.
+        ({"end_user": "a\x00b"}, FailureClass.REQUEST_INVALID, "end_user 'a\\\\x00b' is not valid"),
+        ({"end_user": "u" * 129}, FailureClass.REQUEST_INVALID, "end_user is 129 characters"),
     ],
 )
 def test_validation(request_kwargs: dict[str, object], failure: FailureClass, fragment: str) -> None:

@@ -235,8 +235,9 @@ def test_a_restarted_node_worker_holds_nothing_of_its_previous_life() -> None:
 def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> None:
     s = pool()
     lent = asking(s)
-    run = SlotRun(lent[0], "r1", "wf-r1", "t", "interactive", CAP, "ok", 2.5)
-    failed = SlotRun(lent[1], "r2", "wf-r2", "t", "interactive", CAP, "INVALID_OUTPUT", 0.1, "bad")
+    run = SlotRun(lent[0], "r1", "wf-r1", "t", "interactive", CAP, "ok", 2.5, end_user="webui-user-7")
+    # An end user no entrance would have let through is not recorded (a node is not trusted more).
+    failed = SlotRun(lent[1], "r2", "wf-r2", "t", "interactive", CAP, "INVALID_OUTPUT", 0.1, "bad", end_user="\x00x")
     _, events = sync_slots(s, SlotSync(node="n", boot="b1", held=lent, runs=[run, failed]), NOW + 1)
     assert s.usage["t"].gpu_seconds == pytest.approx(2.6)
     assert s.capability_health[CAP].consecutive_failures == 1
@@ -253,6 +254,9 @@ def test_requests_served_on_slots_are_charged_to_their_tenant_and_recorded() -> 
     assert granted.payload["granted_at"] == pytest.approx(NOW + 1 - 2.5)
     scheduler_granted = {"bytes", "tenant", "capability", "priority", "pool", "accelerators", "granted_at"}
     assert scheduler_granted <= set(granted.payload) and scheduler_granted <= set(released[0].payload)
+    # Who the application said asked, on both ends of the lease, as on a scheduler-granted one.
+    assert granted.payload["end_user"] == released[0].payload["end_user"] == "webui-user-7"
+    assert "end_user" not in released[1].payload
 
 
 def test_runs_of_one_slot_reported_together_keep_their_own_times_in_the_ledger() -> None:
