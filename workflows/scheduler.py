@@ -266,7 +266,7 @@ class PoolSchedulerWorkflow:
             if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
                 self._record_all(policy.close_slot(self._state, signal.lease_id, signal.message), now)
                 events = policy.resident_crashed(
-                    self._state, lease.resident_key, lease.granted_at, signal.message, lease.incarnation
+                    self._state, lease.resident_key, lease.granted_at, signal.message, now, lease.incarnation
                 )
                 for event in events:
                     if event.workflow_id:
@@ -309,7 +309,7 @@ class PoolSchedulerWorkflow:
             )
         if lease is not None and signal.outcome == FailureClass.RUNTIME_CRASH.value:
             events = policy.resident_crashed(
-                self._state, lease.resident_key, lease.granted_at, signal.message, lease.incarnation
+                self._state, lease.resident_key, lease.granted_at, signal.message, now, lease.incarnation
             )
             for event in events:
                 if event.workflow_id:

@@ -374,12 +374,17 @@ def reclaim_stale_leases(state: PoolState, now: float) -> list[PolicyEvent]:
 
 
 def resident_crashed(
-    state: PoolState, key: str, granted_at: float, message: str, incarnation: int | None = None
+    state: PoolState, key: str, granted_at: float, message: str, now: float, incarnation: int | None = None
 ) -> list[PolicyEvent]:
     """An invoke found the runtime gone (crashed, or its node worker restarted): the model is no
     longer resident, whatever the last sample said, so no further lease may be granted on it.
     A report about a lease of another incarnation (`incarnation`, the lease's), or older than
-    the resident's current load, is about a previous life of the same key and changes nothing."""
+    the resident's current load, is about a previous life of the same key and changes nothing.
+    The other leases on that life end with it (`lease_reclaimed`, then released): nothing can
+    run under them any more, and their ledger rows must not stay open beside the leases of the
+    model loaded again under the same key (a holder that goes on is stopped at its next
+    heartbeat; its own release later changes nothing). Slots lent to the node are its own to
+    give back at its next sync."""
     resident = state.residents.get(key)
     if resident is None or resident.phase != ResidentPhase.READY:
         return []
@@ -389,7 +394,7 @@ def resident_crashed(
         return []
     del state.residents[key]
     state.draining.pop(key, None)  # the drain was of this life: a reload under the key is not draining
-    return [
+    events = [
         PolicyEvent(
             kind="resident_lost",
             failure=FailureClass.RUNTIME_CRASH,
@@ -399,6 +404,26 @@ def resident_crashed(
             message=f"invoke found the runtime gone: {message}",
         )
     ]
+    dead = [
+        lease
+        for lease in state.leases.values()
+        if lease.resident_key == key and lease.incarnation == resident.incarnation and lease.lease_id not in state.slots
+    ]
+    for lease in dead:
+        events.append(
+            PolicyEvent(
+                kind="lease_reclaimed",
+                request_id=lease.request_id,
+                lease_id=lease.lease_id,
+                accelerator=lease.accelerator,
+                deployment=lease.deployment,
+                workflow_id=lease.workflow_id,
+                message=f"its resident {key} was lost: {message}",
+                payload={"bytes": lease.bytes},
+            )
+        )
+        events.extend(release_lease(state, lease.lease_id, now, "reclaimed: its resident was lost"))
+    return events
 
 
 def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -> list[PolicyEvent]:

@@ -92,7 +92,7 @@ def lose(s: PoolState, key: str, lease_id: str, now: float) -> list[PolicyEvent]
     RUNTIME_CRASH and the resident it ran on is dropped."""
     lease = s.leases[lease_id]
     events = release_lease(s, lease_id, now, FailureClass.RUNTIME_CRASH.value, "runtime gone")
-    return events + resident_crashed(s, key, lease.granted_at, "runtime gone")
+    return events + resident_crashed(s, key, lease.granted_at, "runtime gone", now)
 
 
 def test_a_release_from_a_lost_resident_leaves_the_new_residents_count_alone() -> None:
@@ -104,11 +104,17 @@ def test_a_release_from_a_lost_resident_leaves_the_new_residents_count_alone() -
     key = KEYS[BYTES]
     first = s.residents[key]
     assert len(old) == CONCURRENCY and first.active_leases == CONCURRENCY
-    # The node worker is killed: one invoke reports the runtime gone, the resident is dropped;
-    # the other three leases are still held (their holders have not heard yet).
+    # The node worker is killed: one invoke reports the runtime gone, the resident is dropped,
+    # and the other three leases on that life end with it (nothing can run under them), though
+    # their holders have not heard yet: their ledger rows close now, not when they are heard of.
     now += 1
-    lose(s, key, old[0], now)
+    crashed_at = now
+    lost = lose(s, key, old[0], now)
     assert key not in s.residents
+    assert sorted(e.lease_id for e in lost if e.kind == "lease_reclaimed") == sorted(old[1:])
+    rows = [e for e in lost if e.kind == "lease_released"]
+    assert sorted(e.lease_id for e in rows) == sorted(old) and {e.payload["ended_at"] for e in rows} == {crashed_at}
+    assert not set(old) & set(s.leases)
     # Requests queue, the model is loaded again under the same key and fills up.
     assert admit(s, [f"b{n}" for n in range(CONCURRENCY + 2)], BYTES, now) == []
     now += 1
@@ -116,20 +122,19 @@ def test_a_release_from_a_lost_resident_leaves_the_new_residents_count_alone() -
     second = s.residents[key]
     assert second is not first
     assert len(new) == CONCURRENCY and second.active_leases == CONCURRENCY
-    # The lost resident's three leases end late: none of them frees a slot of the new one.
+    # The lost resident's holders report late: nothing of theirs is held, no slot of the new one frees.
     now += 1
     ended: list[PolicyEvent] = []
     for lease_id in old[1:]:
         ended += release_lease(s, lease_id, now, FailureClass.TIMEOUT.value, "invoke heartbeat timed out")
+    assert ended == []
     assert second.active_leases == CONCURRENCY
     assert run_pass(s, now) == [], "no grant beyond the concurrency"
     assert second.incarnation != first.incarnation
-    # Each closes its own ledger row, and is recorded as stale.
-    assert sorted(e.lease_id for e in ended if e.kind == "lease_released") == sorted(old[1:])
-    stale = [e for e in ended if e.kind == "stale_lease_ended"]
+    # Their rows ended at the crash, each recorded as a lease of a life that is gone.
+    stale = [e for e in lost if e.kind == "stale_lease_ended"]
     assert sorted(e.lease_id for e in stale) == sorted(old[1:])
     assert all(e.payload["incarnation"] == first.incarnation for e in stale)
-    assert all(e.payload["current_incarnation"] == second.incarnation for e in stale)
     # The new resident's own leases free its slots as before.
     release_lease(s, new[0], now, "ok")
     assert second.active_leases == CONCURRENCY - 1
@@ -143,19 +148,20 @@ def test_a_reclaimed_lease_of_a_lost_resident_and_its_crash_report_leave_the_new
     old = load_ready(s, now + 1)
     key = KEYS[BYTES]
     now += 2
+    old_life = s.leases[old[1]].incarnation
     lose(s, key, old[0], now)
+    assert old[1] not in s.leases  # ended with its resident
     admit(s, ["b0"], BYTES, now)
     new = load_ready(s, now + 1)
     second = s.residents[key]
     assert len(new) == 1 and second.active_leases == 1
     # A late RUNTIME_CRASH report about the old life does not drop the new resident.
-    assert resident_crashed(s, key, now + 5, "runtime gone", s.leases[old[1]].incarnation) == []
+    assert resident_crashed(s, key, now + 5, "runtime gone", now + 5, old_life) == []
     assert s.residents[key] is second
-    # The old lease's holder stays silent: it is reclaimed, and the new count is untouched.
-    s.lease_seen[new[0]] = now + 200  # the new lease's holder heartbeats
-    events = reclaim_stale_leases(s, now + 100)
-    assert {e.kind for e in events} >= {"lease_reclaimed", "lease_released", "stale_lease_ended"}
-    assert old[1] not in s.leases and second.active_leases == 1
+    # Nothing of the old life is left to reclaim; the new lease's holder heartbeats.
+    s.lease_seen[new[0]] = now + 200
+    assert reclaim_stale_leases(s, now + 100) == []
+    assert second.active_leases == 1
 
 
 def test_slots_lent_on_a_lost_resident_never_count_on_the_new_one() -> None:
@@ -224,7 +230,7 @@ class Incarnations(RuleBasedStateMachine):
         lease = self.s.leases[lease_id]
         if crashed:  # its invoke found the runtime gone
             release_lease(self.s, lease_id, self.now, FailureClass.RUNTIME_CRASH.value, "runtime gone")
-            resident_crashed(self.s, lease.resident_key, lease.granted_at, "runtime gone")
+            resident_crashed(self.s, lease.resident_key, lease.granted_at, "runtime gone", self.now)
         else:
             release_lease(self.s, lease_id, self.now, "ok")
         self._granted(run_pass(self.s, self.now))
@@ -233,7 +239,7 @@ class Incarnations(RuleBasedStateMachine):
     @rule(data=st.data())
     def a_resident_is_lost_with_leases_in_flight(self, data: st.DataObject) -> None:
         ready = sorted(k for k, r in self.s.residents.items() if r.phase == ResidentPhase.READY)
-        resident_crashed(self.s, data.draw(st.sampled_from(ready)), self.now, "runtime gone")
+        resident_crashed(self.s, data.draw(st.sampled_from(ready)), self.now, "runtime gone", self.now)
 
     @rule(seconds=st.sampled_from([1.0, 30.0, 61.0]))
     def time_passes(self, seconds: float) -> None:
