@@ -277,6 +277,8 @@ def chat_tools(call: _Conversation) -> dict[str, Any]:
         if tools:
             given["tools"] = tools
     choice = call.tool_choice
+    if choice is not None and "tools" not in given and choice.get("type") in ("auto", "none"):
+        choice = None  # every tool was deferred: there is nothing to choose among
     if choice is not None:
         kind = choice.get("type")
         if kind == "tool" and isinstance(choice.get("name"), str):

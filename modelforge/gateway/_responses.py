@@ -397,6 +397,9 @@ def chat_parameters(call: _ResponsesCall, tools: ServedTools) -> dict[str, Any]:
         raise _unsupported("text.format", "'text', 'json_object' or 'json_schema'")
     if text.get("verbosity") is not None:
         given["verbosity"] = text["verbosity"]
+    if tools.chat is None and given["tool_choice"] in ("auto", "none"):
+        # Every tool offered was a hosted one, left out: there is nothing to choose among.
+        given["tool_choice"] = given["parallel_tool_calls"] = None
     # Fields the Responses API does not define: the model server's own (as on the chat route).
     given.update({name: value for name, value in (call.model_extra or {}).items() if name not in _OWN})
     return {name: value for name, value in given.items() if value is not None}

@@ -16,6 +16,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
+from modelforge.gateway._anthropic import _Conversation, chat_tools
 from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
 from workers.stack import running_stack
 
@@ -144,3 +145,16 @@ async def test_anthropic_messages_tools_stream_count_and_errors(gateway: Served)
     async with httpx.AsyncClient(base_url=gateway.base_url) as http:
         assert (await http.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
         assert (await http.get("/v1/models", headers={"x-api-key": "sk-wrong-wrong-wrong"})).status_code == 401
+
+
+def test_deferred_tools_alone_leave_the_model_nothing_to_choose_among() -> None:
+    """Tools marked `defer_loading` are not shown to the model (Anthropic's API loads them only
+    through a tool search); when every tool is deferred, an `auto` tool choice goes with them."""
+    deferred = [{**TOOLS[0], "defer_loading": True}]
+    call = _Conversation.model_validate(
+        {"model": "toy-chat", "messages": ASK, "tools": deferred, "tool_choice": {"type": "auto"}}
+    )
+    assert chat_tools(call) == {}
+    shown = _Conversation.model_validate({**call.model_dump(), "tools": [*deferred, {**TOOLS[0], "name": "find"}]})
+    given = chat_tools(shown)
+    assert [t["function"]["name"] for t in given["tools"]] == ["find"] and given["tool_choice"] == "auto"

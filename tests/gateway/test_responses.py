@@ -17,7 +17,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from modelforge.gateway._responses import ResponseStore
+from modelforge.gateway._responses import ResponseStore, _ResponsesCall, chat_parameters, served_tools
 from tests.gateway.serving import CATALOG, Served, serve, toy_deployment, toy_requests
 from workers.stack import running_stack
 
@@ -202,3 +202,18 @@ def test_response_store_is_per_tenant_and_bounded() -> None:
     assert store.get("a", "r1") is None and store.get("b", "big2") is None and store.get("d", "big5") == big
     store.put("e", "huge", [{"role": "user", "content": "x" * 30_000}], {})  # larger than any share: never kept
     assert store.get("e", "huge") is None and len(store) == 2
+
+
+def test_hosted_tools_alone_leave_the_model_nothing_to_choose_among() -> None:
+    """Offered only tools that run on OpenAI's side, the model is shown no tools, so no
+    `tool_choice` or `parallel_tool_calls` goes to its server either (OpenAI-compatible servers
+    refuse a tool choice without tools); a function tool keeps both."""
+    hosted = {"model": "toy-chat", "input": "x", "tools": [{"type": "web_search"}], "tool_choice": "auto"}
+    call = _ResponsesCall.model_validate({**hosted, "parallel_tool_calls": True})
+    tools = served_tools(call.tools)
+    assert (tools.chat, tools.omitted) == (None, ["web_search"])
+    given = chat_parameters(call, tools)
+    assert "tools" not in given and "tool_choice" not in given and "parallel_tool_calls" not in given
+    mixed = _ResponsesCall.model_validate({**hosted, "tools": [*TOOLS, {"type": "web_search_preview"}]})
+    given = chat_parameters(mixed, served_tools(mixed.tools))
+    assert [t["function"]["name"] for t in given["tools"]] == ["lookup"] and given["tool_choice"] == "auto"
