@@ -208,6 +208,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "nodes": ("list", "str"),
         "ends_by": ("opt", "float"),
         "incarnation": "int",
+        "end_user": "str",
     },
     "RequestResult": {
         "request_id": "str",
@@ -219,7 +220,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 # RequestInput's fields with what the CLI leaves at their defaults (tests check them).
-REQUEST_INPUT_DEFAULTS: dict[str, Any] = {"max_duration_s": 600.0, "operation": "", "stream": None}
+REQUEST_INPUT_DEFAULTS: dict[str, Any] = {"max_duration_s": 600.0, "operation": "", "stream": None, "end_user": ""}
 
 
 class Fallback(Exception):

@@ -148,6 +148,7 @@ def test_decoding_is_the_sdk_converters() -> None:
         "nodes": ["gpu-node"],
         "ends_by": None,
         "incarnation": 2,
+        "end_user": "",
     }
     result = {"request_id": "a", "capability": "x@1", "output": {"v": [1, 2]}, "lease": lease, "timings": {"t": 1}}
     result |= {"route": ""}
