@@ -134,6 +134,10 @@ class NodeSlots:
         self.interval = sync_s
         self._valid_ceiling = sync_s  # a third of the last reply's valid_s (none yet: sync_s)
         self._said: tuple[frozenset[str], frozenset[tuple[str, str]]] = (frozenset(), frozenset())
+        # The capabilities the scheduler last heard in use here: a claim of any other one is
+        # reported within `sync_s` (`due_in`), not after the idle back-off, so `status` and
+        # `ps` do not show a model serving a request as idle for up to IDLE_SYNC_FACTOR syncs.
+        self._said_in_use: frozenset[str] = frozenset()
         self._last_turn = clock()
         self.syncs = 0  # sent, for tests and the benchmark
         # Whether a resident is loaded on this node (its worker's runtimes): slots on others are
@@ -293,14 +297,21 @@ class NodeSlots:
 
     def due_in(self) -> float:
         """Seconds until the next periodic sync: `sync_s` after the last turn while a failed
-        request waits to be reported, at most ROUTINE_SYNC_FACTOR `sync_s` while served requests
-        do, else the current interval (longer while idle)."""
+        request waits to be reported or a model the scheduler last heard idle here is serving,
+        at most ROUTINE_SYNC_FACTOR `sync_s` while served requests wait to be reported, else the
+        current interval (longer while idle)."""
         interval = self.interval
-        if _any_failed(self._runs):
+        if _any_failed(self._runs) or self._serving_unheard():
             interval = self.sync_s
         elif self._runs:
             interval = min(interval, self._routine_interval)
         return self._last_turn + interval - self._clock()
+
+    def _serving_unheard(self) -> bool:
+        """A slot is in use for a capability no slot of which was in use at the last sync: the
+        scheduler shows that model idle on this node until the next one. (A busy model's
+        further claims do not hurry the sync: it already shows in use.)"""
+        return any(slot.request_id and slot.lease.capability not in self._said_in_use for slot in self._slots.values())
 
     async def _wait_turn(self) -> None:
         """Until the next sync: when woken (at most every MIN_SYNC_GAP_S after the last), or when
@@ -348,6 +359,7 @@ class NodeSlots:
         if sync is None:
             return None
         runs = len(sync.runs)
+        in_use = frozenset(self._slots[lease_id].lease.capability for lease_id in sync.in_use)
         self._wanted.clear()
         self._last_sync = sent_at
         self.syncs += 1
@@ -356,6 +368,7 @@ class NodeSlots:
             reply = await self._send(sync)
             del self._runs[:runs]  # reported: the scheduler has them
             del self._run_ends[:runs]
+            self._said_in_use = in_use
             self._apply(reply, sent_at)
             self._lent = bool(self._slots)
             self._back_off(sync, reply)

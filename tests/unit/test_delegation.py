@@ -772,3 +772,26 @@ def test_the_node_reports_when_each_run_ended_by_its_own_clock() -> None:
     asyncio.run(slots.sync_once())
     runs = {run.request_id: run.ended_ago_s for run in scheduler.syncs[-1].runs}
     assert runs == {"a": pytest.approx(3.0), "b": pytest.approx(1.5)}
+
+
+def test_a_model_the_scheduler_last_heard_idle_here_is_reported_serving_within_one_sync_interval() -> None:
+    """Between a claim and the node's next sync, `status` and `ps` show a lent slot free: after
+    the idle back-off that was up to IDLE_SYNC_FACTOR sync intervals (4 s) of a model serving a
+    request shown idle. A claim of a model none of whose slots was in use at the last sync brings
+    the next sync within `sync_s`; further claims of a model already shown busy do not."""
+    slots, scheduler, _ = lent_node(concurrency=3)
+    for _ in range(4):
+        asyncio.run(slots.sync_once())
+    assert slots.due_in() == pytest.approx(4.0), "idle: backed off"
+    first = slots.claim(claim("a"))
+    assert first is not None and slots.started(first.lease_id, "a")
+    assert slots.due_in() == pytest.approx(1.0), "the model now serves, the scheduler thinks it idle"
+    before = pool_status(scheduler.s, NOW)
+    assert before.tenant_leases == {} and before.lent_slots == 2, "what status shows until that sync"
+    asyncio.run(slots.sync_once())
+    assert scheduler.syncs[-1].in_use == {first.lease_id: "wf-a"}
+    after = pool_status(scheduler.s, NOW)
+    assert after.tenant_leases == {"t": 1} and after.lent_slots == 1
+    second = slots.claim(claim("b"))
+    assert second is not None and slots.started(second.lease_id, "b")
+    assert slots.due_in() == pytest.approx(ROUTINE_SYNC_FACTOR), "already shown busy: the routine pace"

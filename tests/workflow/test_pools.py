@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 from typer.testing import CliRunner
 
 from modelforge import cli
@@ -28,11 +29,12 @@ from modelforge.catalog import load_catalog_file
 from modelforge.client import ModelForgeClient
 from modelforge.metrics import Metrics
 from modelforge.policy import PoolState, PoolStatus
-from modelforge.settings import Settings, node_task_queue
+from modelforge.settings import SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
 from workers import control
-from workers.control import catalog_pools
+from workers.control import catalog_pools, workflow_runner
 from workers.stack import running_stack
+from workflows import PoolSchedulerWorkflow
 
 pytestmark = pytest.mark.workflow
 
@@ -148,6 +150,47 @@ async def test_an_explicit_pool_list_limits_the_choice(dev_server_env: WorkflowE
         y = await from_env.request("y@1", input={"text": "y"}, tenant="app")
         assert not y.ok and y.failure_class == "CAPABILITY_UNAVAILABLE"
         assert "y@1" in y.message and "pool pool-c did not answer" in y.message
+
+
+async def test_while_no_scheduler_answers_a_request_goes_to_the_pool_the_catalog_places_it_in(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """While a pool's scheduler is slow to answer (a catalog apply, a Temporal restart, a busy
+    control worker), a client that named no pool was refused at once with "no pool serves
+    capability" although a pool serves it. Live: the schedulers' worker stops, so route queries
+    go unanswered as a slow scheduler's do; the gateway's client (it reads the stored catalog)
+    sends y@1 to pool-b, where it waits in admission and is served once the scheduler moves
+    again. A client with no catalog to read can only name the pools that did not answer; a
+    capability the catalog places nowhere is still refused at once, by name."""
+    temporal = dev_server_env.client
+    async with running_stack(temporal, database_url, catalog_path=CATALOG, pools=POOLS) as stack:
+        assert stack.control is not None
+        [schedulers] = [w for w in stack.control.workers if w.task_queue == SCHEDULER_TASK_QUEUE]
+        await schedulers.shutdown()
+        routed = ModelForgeClient(temporal, catalog=stack.store.load_catalog)
+        routed.router.query_timeout_s = 1.0  # the gateway's is 5 s: the same path, sooner
+        blind = ModelForgeClient(temporal)
+        blind.router.query_timeout_s = 1.0
+        refused = await blind.request("y@1", input={"text": "y"}, tenant="app")
+        assert refused.failure_class == "CAPABILITY_UNAVAILABLE" and "did not answer" in refused.message
+        nowhere = await routed.request("nothing@1", input={}, tenant="app")
+        assert nowhere.failure_class == "CAPABILITY_UNAVAILABLE"
+        assert "no pool serves capability 'nothing@1'" in nowhere.message
+
+        asked = asyncio.create_task(routed.request("y@1", input={"text": "y"}, tenant="app"))
+        await asyncio.sleep(4.0)  # routed by the catalog, then waiting in pool-b's admission
+        assert not asked.done(), asked.result()
+        back = Worker(
+            temporal,
+            task_queue=SCHEDULER_TASK_QUEUE,
+            workflows=[PoolSchedulerWorkflow],
+            workflow_runner=workflow_runner(),
+        )
+        stack.control.workers[stack.control.workers.index(schedulers)] = back  # stopped with the stack
+        await back.__aenter__()
+        result = await asyncio.wait_for(asked, timeout=60)
+        assert result.ok, f"{result.failure_class} {result.message}"
+        assert result.lease is not None and result.lease.accelerator == "node-b/0"
 
 
 def _free_port() -> int:
