@@ -19,7 +19,8 @@ What is served and what is refused (never dropped silently), field by field, is 
   `X-ModelForge-Keep-Alive` header, never a reason to fail; only an operator's key unloads.
 - Options, `tools`, `format`, `think`, images and `logprobs` reach an OpenAI-compatible server
   under its names; a runtime that cannot honour one that changes the answer refuses it by name,
-  and so do `suffix`, `raw`, `template` and `context`.
+  and so do `template` and `context`. `/api/generate`'s `raw` prompt and `suffix` (code
+  completion's fill-in-the-middle) go to the server's completions route as they are.
 """
 
 from __future__ import annotations
@@ -342,11 +343,17 @@ def _names(deployment: Deployment) -> list[str]:
 
 def _template(deployment: Deployment) -> str:
     # A Go template as Ollama's /api/show gives it. The model server applies the model's own chat
-    # template; this one says what ModelForge sends: system and prompt, no `.Suffix` (so
-    # applications such as Continue do not send fill-in-the-middle requests it would refuse).
+    # template; this one says what ModelForge sends: system and prompt, and `.Suffix` only where
+    # the model fills in the middle (`insert`): applications such as Continue read `.Suffix` in
+    # it as "send fill-in-the-middle requests", and otherwise send their own tokens with `raw`.
     if "completion" not in _kinds(deployment):
         return ""
-    return "{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}"
+    chat = "{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}"
+    if "insert" not in _capabilities(deployment):
+        return chat
+    # (A Go template comment: the model's own fill-in-the-middle tokens are the server's to add.)
+    middle = "{{/* filled in by the model server */}}{{ .Prompt }}{{ .Suffix }}"
+    return "{{ if .Suffix }}" + middle + "{{ else }}" + chat + "{{ end }}"
 
 
 def _parameters_text(deployment: Deployment) -> str:
@@ -357,10 +364,12 @@ def _parameters_text(deployment: Deployment) -> str:
 
 def _capabilities(deployment: Deployment) -> list[str]:
     """Ollama's capability names: what the runtime answers, and the catalog's `features` (tools,
-    vision, thinking, insert) where the runtime passes them through (an OpenAI-compatible server)."""
+    vision, thinking, insert) where the runtime passes them through (an OpenAI-compatible server;
+    the simulated runtime fills in the middle too)."""
     kinds = _kinds(deployment)
-    if "completion" in kinds and _rich(deployment):
-        kinds += [f for f in deployment.features if f != "insert"]
+    if "completion" in kinds:
+        rich, raw = _rich(deployment), speaks(deployment).raw_prompt
+        kinds += [f for f in deployment.features if rich or (f == "insert" and raw)]
     return kinds
 
 
@@ -612,6 +621,40 @@ def ollama_router(
             payload["parameters"] = parameters
         return payload
 
+    def completion_payload(call: _Generate, deployment: Deployment, options: _Options) -> dict[str, Any]:
+        """The runtime's input for a raw prompt (`raw: true`: no template, as code completion
+        sends its own fill-in-the-middle tokens) or a fill-in-the-middle request (`suffix`: the
+        text after the cursor): the prompt as it is, for the model server's completions route
+        (OpenAI's /v1/completions), which fills in before a suffix with the model's own tokens.
+        A suffix only where the catalog says the model does that (`features` "insert", which
+        /api/show then offers); what a template would have placed is refused, named."""
+        what = "suffix" if call.suffix else "raw"
+        if not speaks(deployment).raw_prompt:
+            raise _invalid(
+                f"{what}: {deployment.capability} (runtime {deployment.runtime}) takes no prompt as it is; serve "
+                "the model from an OpenAI-compatible server (subprocess_http, api openai_chat)"
+            )
+        if call.suffix and "insert" not in deployment.features:
+            raise _invalid(
+                f"suffix: {deployment.capability} does not fill in the middle (its catalog entry does not list "
+                "'insert' in features); send the model's own fill-in-the-middle tokens with raw: true"
+            )
+        for name, value in (
+            ("system", call.system),
+            ("images", call.images),
+            ("format", call.format),
+            ("think", call.think),
+            ("logprobs", call.logprobs),
+        ):
+            if value not in (None, "", [], False):
+                raise _invalid(f"{name}: not taken with {what} (the prompt goes to the model as it is); leave it out")
+        payload: dict[str, Any] = {"prompt": call.prompt or ""}
+        if call.suffix:
+            payload["suffix"] = call.suffix
+        if options.sampling:
+            payload["parameters"] = dict(options.sampling)
+        return payload
+
     def generation_parameters(call: _Generation) -> dict[str, Any]:
         extras: dict[str, Any] = {}
         shaped = response_format(call.format)
@@ -674,13 +717,11 @@ def ollama_router(
         began = time.monotonic()
         call: _Generate = await body_of(request, _Generate)
         _ignored(call, "/api/generate: ")
-        # Each of these changes the answer and has no chat equivalent: refused by name.
+        # Each of these changes the answer and has no equivalent here: refused by name.
         _refuse_set(
             {
-                "suffix": call.suffix,
                 "template": call.template,
                 "context": call.context,
-                "raw": call.raw,
                 "width": call.width,
                 "height": call.height,
                 "steps": call.steps,
@@ -688,25 +729,29 @@ def ollama_router(
         )
         deployment, decision = await resolve(request, call.model, call.keep_alive, "completion")
         options = _translated(lambda: read_options(call.options, deployment, taken=_sampling_taken(deployment)))
-        if not call.prompt:  # Ollama's load (or, with keep_alive 0, unload) of a model
+        if not call.prompt and not call.suffix:  # Ollama's load (or, with keep_alive 0, unload) of a model
             unloaded = await unload_if_asked(request, decision, deployment)
             return _answer(loaded(call.model, "response", began, unloaded), call.stream)
-        # A one-turn chat: ModelForge's text runtimes speak chat (the model server applies the
-        # model's own template, as Ollama does for a prompt that is not `raw`).
-        turns: list[dict[str, Any]] = [{"role": "system", "content": call.system}] if call.system else []
-        turns.append({"role": "user", "content": call.prompt, **({"images": call.images} if call.images else {})})
-        as_chat = _Chat.model_validate(
-            {
-                "model": call.model,
-                "messages": turns,
-                "format": call.format,
-                "think": call.think,
-                "logprobs": call.logprobs,
-                "top_logprobs": call.top_logprobs,
-            }
-        )
-        payload = chat_payload(as_chat, deployment, options)
-        prompt = [str(m["content"]) for m in turns]
+        if call.raw or call.suffix:
+            payload = completion_payload(call, deployment, options)
+            prompt = [call.prompt or "", call.suffix or ""]
+        else:
+            # A one-turn chat: the model server applies the model's own template, as Ollama does
+            # for a prompt that is not `raw`.
+            turns: list[dict[str, Any]] = [{"role": "system", "content": call.system}] if call.system else []
+            turns.append({"role": "user", "content": call.prompt, **({"images": call.images} if call.images else {})})
+            as_chat = _Chat.model_validate(
+                {
+                    "model": call.model,
+                    "messages": turns,
+                    "format": call.format,
+                    "think": call.think,
+                    "logprobs": call.logprobs,
+                    "top_logprobs": call.top_logprobs,
+                }
+            )
+            payload = chat_payload(as_chat, deployment, options)
+            prompt = [str(m["content"]) for m in turns]
         if call.stream is not False and open_stream is not None:
             return await streamed(
                 request,

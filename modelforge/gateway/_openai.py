@@ -40,6 +40,7 @@ from modelforge.gateway._params import (
 from modelforge.gateway._streams import StreamHub, chat_events
 from modelforge.identifiers import shown
 from modelforge.payloads import Float32Vectors
+from modelforge.runtimes import speaks
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,11 @@ def openai_router(path: OpenAIPath) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        """OpenAI's legacy text completions, served as a one-turn chat (the model server applies
-        the model's own template); a completion's own parameters a chat cannot take are refused."""
+        """OpenAI's legacy text completions: the prompt as it is, on the model server's own
+        completions route where the runtime takes raw prompts (an `openai_chat` server: its
+        parameters pass whole, `echo`, `best_of` and `logprobs` too; `suffix` where the catalog
+        says the model fills in the middle, `insert`; the simulated runtime takes the prompt and a
+        suffix). Elsewhere a one-turn chat, which refuses a completion's own parameters."""
         tenant: str = request.state.tenant
         call: CompletionCall = await path.body_of(request, CompletionCall)
         request.state.model = call.model
@@ -249,15 +253,33 @@ def openai_router(path: OpenAIPath) -> APIRouter:
         deployment = await path.deployment_for_model(call.model)
         request.state.capability = deployment.capability
         given = parameters(call, COMPLETION_OWN)
-        for name in COMPLETION_ONLY:
-            if name in given:
+        raw = speaks(deployment).raw_prompt
+        payload: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]}
+        if raw:
+            payload = {"prompt": prompt}
+            suffix = given.pop("suffix", None)
+            if suffix is not None:
+                if "insert" not in deployment.features:
+                    raise _invalid(
+                        f"suffix: {deployment.capability} does not fill in the middle (its catalog entry does not "
+                        "list 'insert' in features)",
+                        code="unsupported_parameter",
+                        param="suffix",
+                    )
+                payload["suffix"] = suffix
+            if call.stream and given.get("logprobs") is not None:
                 raise _invalid(
-                    f"{name}: completions are served as a chat, which has no {name}",
+                    "logprobs: a streamed completion does not carry them back yet; ask without stream",
+                    code="unsupported_parameter",
+                    param="logprobs",
+                )
+        for name in COMPLETION_ONLY:
+            if name in given and not (raw and takes_parameters(deployment, "openai_chat")):
+                raise _invalid(
+                    f"{name}: {deployment.capability} (runtime {deployment.runtime}) cannot honour it",
                     code="unsupported_parameter",
                     param=name,
                 )
-        messages = [{"role": "user", "content": prompt}]
-        payload: dict[str, Any] = {"messages": messages}
         if takes_parameters(deployment, "openai_chat"):
             if given:
                 payload["parameters"] = given
@@ -293,8 +315,10 @@ def openai_router(path: OpenAIPath) -> APIRouter:
         if isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices):
             texts = [text_of((c.get("message") or {}).get("content")) for c in choices]
             finishes = [str(c.get("finish_reason") or "stop") for c in choices]
+            logprobs = [c.get("logprobs") for c in choices]  # the server's, as it gave them
         else:
             texts, finishes = [text], [str(output.get("finish_reason", "stop"))]
+            logprobs = [None]
         counts = usage(output, [prompt], texts)
         tokens_seen(request, counts)
         applied = {"parameters_applied": output["parameters_applied"]} if output.get("parameters_applied") else {}
@@ -305,8 +329,8 @@ def openai_router(path: OpenAIPath) -> APIRouter:
             "created": int(time.time()),
             "model": call.model,
             "choices": [
-                {"index": n, "text": t, "logprobs": None, "finish_reason": f}
-                for n, (t, f) in enumerate(zip(texts, finishes, strict=True))
+                {"index": n, "text": t, "logprobs": lp, "finish_reason": f}
+                for n, (t, f, lp) in enumerate(zip(texts, finishes, logprobs, strict=True))
             ],
             "usage": counts,
         }

@@ -108,7 +108,8 @@ class EmbeddingsCall(BaseModel):
 
 
 class CompletionCall(BaseModel):
-    """/v1/completions (OpenAI's legacy text completions): served as a one-turn chat."""
+    """/v1/completions (OpenAI's legacy text completions): the prompt as it is where the runtime
+    takes raw prompts, else a one-turn chat."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -129,7 +130,8 @@ class CompletionCall(BaseModel):
     service_tier: ServiceTier | None = None
 
 
-# A completion's own parameters a chat cannot take: refused, named, on every runtime.
+# A completion's own parameters: passed to an `openai_chat` server's completions route, refused,
+# named, by any other runtime (`suffix` also where the model does not fill in the middle).
 COMPLETION_ONLY = ("echo", "suffix", "best_of", "logprobs")
 
 # Fields the gateway serves itself; everything else in a body is a parameter.

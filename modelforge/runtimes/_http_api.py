@@ -1,7 +1,9 @@
 """The HTTP dialects a model server speaks, each a request builder and a strict response parser.
 
 `openai_embeddings` (vLLM, llama.cpp's server, text-embeddings-inference's OpenAI route),
-`openai_chat` (vLLM, llama.cpp's server), `tei_embed` (text-embeddings-inference's /embed) and
+`openai_chat` (vLLM, llama.cpp's server: its chat route, and for an input with a `prompt` and no
+`messages` its completions route, the prompt as it is and a `suffix` to fill in the middle of),
+`tei_embed` (text-embeddings-inference's /embed) and
 `rerank` (the Cohere/Jina-style `/v1/rerank` of vLLM, llama.cpp's server and TEI-compatible
 servers). Whatever the dialect, the runtime answers in ModelForge's own output shape: `embeddings`
 (and `embedding`, the first) for embedding capabilities, `text` and `finish_reason` for chat;
@@ -43,11 +45,20 @@ HEALTH_RERANK = {
 MAX_DOCUMENTS = 1000
 
 
+# An `openai_chat` server's completions route: a prompt as it is, no chat template (Ollama's
+# `raw`), and a `suffix` for the server to fill in the middle of (Ollama's `suffix`).
+COMPLETIONS_PATH = "/v1/completions"
+
+
 @dataclass(frozen=True)
 class HttpCall:
     path: str
     body: dict[str, Any]
     expected: int  # vectors the answer must hold (1 for chat)
+
+    @property
+    def completion(self) -> bool:
+        return self.path == COMPLETIONS_PATH
 
 
 def _invalid(message: str) -> ModelForgeError:
@@ -91,7 +102,7 @@ def token_ids_of(payload: dict[str, Any]) -> list[list[int]] | None:
 # `stream: true` asks for it): a parameter of that name is refused rather than overriding them.
 _OWN_FIELDS = {
     "openai_embeddings": ("model", "input"),
-    "openai_chat": ("model", "messages", "stream", "stream_options"),
+    "openai_chat": ("model", "messages", "prompt", "suffix", "stream", "stream_options"),
     "rerank": ("model", "query", "documents", "top_n"),
 }
 # Options a chat input may also carry at its top level (older callers, the health check).
@@ -180,6 +191,8 @@ def build_call(api: str, served_model: str, payload: dict[str, Any]) -> HttpCall
             )
         return HttpCall("/embed", {"inputs": texts}, len(texts))
     messages = payload.get("messages")
+    if messages is None and "prompt" in payload:
+        return _completion_call(served_model, payload, parameters)
     if not isinstance(messages, list) or not messages:
         raise ModelForgeError(FailureClass.REQUEST_INVALID, "a chat request needs a non-empty 'messages' list")
     body = {"model": served_model, "messages": messages}
@@ -188,6 +201,45 @@ def build_call(api: str, served_model: str, payload: dict[str, Any]) -> HttpCall
             body[option] = payload[option]
     body.update(_passed(api, parameters))
     return HttpCall("/v1/chat/completions", body, 1)
+
+
+def _completion_call(served_model: str, payload: dict[str, Any], parameters: dict[str, Any]) -> HttpCall:
+    """A raw prompt (and a suffix to fill in the middle of) to the server's completions route."""
+    prompt, suffix = payload.get("prompt"), payload.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "'suffix' must be a string")
+    if not isinstance(prompt, str) or not (prompt or suffix):
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, "a completion request needs 'prompt', a string (empty only with a suffix)"
+        )
+    body: dict[str, Any] = {"model": served_model, "prompt": prompt}
+    if suffix:
+        body["suffix"] = suffix
+    for option in _CHAT_TOP_LEVEL:
+        if option in payload:
+            body[option] = payload[option]
+    body.update(_passed("openai_chat", parameters))
+    return HttpCall(COMPLETIONS_PATH, body, 1)
+
+
+def _as_chat_choices(answer: Any) -> Any:
+    """A completions answer (`choices[].text`) in a chat answer's shape (`choices[].message`),
+    so one parser reads both; its logprobs (the completions API's own shape) pass as they are."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        return answer
+    shaped = []
+    for choice in choices:
+        if not isinstance(choice, dict) or "text" not in choice:
+            shaped.append(choice)
+            continue
+        text = choice["text"]
+        if not isinstance(text, str):
+            raise _invalid("completion answer's choices[].text is not a string")
+        chat = {k: v for k, v in choice.items() if k != "text"}
+        chat["message"] = {"role": "assistant", "content": text}
+        shaped.append(chat)
+    return {**answer, "choices": shaped}
 
 
 def _vector(value: Any, where: str) -> list[float]:
@@ -269,6 +321,8 @@ def stream_record(chunk: Any, finishes: dict[int, str]) -> dict[str, Any] | None
             continue
         index = _index(choice.get("index"))
         raw = choice.get("delta")
+        if raw is None and isinstance(choice.get("text"), str):  # a completions chunk: its text
+            raw = {"content": choice["text"]}
         delta = {k: v for k, v in raw.items() if v is not None} if isinstance(raw, dict) else {}
         logprobs = choice.get("logprobs")
         finish = choice.get("finish_reason")
@@ -344,11 +398,14 @@ def check_rerank(results: list[dict[str, Any]]) -> None:
         )
 
 
-def parse_response(api: str, answer: Any, expected: int) -> dict[str, Any]:
-    """The server's JSON as ModelForge output; anything else is INVALID_OUTPUT, named."""
+def parse_response(api: str, answer: Any, expected: int, completion: bool = False) -> dict[str, Any]:
+    """The server's JSON as ModelForge output; anything else is INVALID_OUTPUT, named.
+    `completion`: the answer of the completions route (`COMPLETIONS_PATH`)."""
     if api == "rerank":
         return _rerank_output(answer, expected)
     if api == "openai_chat":
+        if completion:
+            answer = _as_chat_choices(answer)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices:
             raise _invalid("chat answer has no choices[0].message.content")

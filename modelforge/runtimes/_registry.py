@@ -46,6 +46,9 @@ class Speaks:
     # Where `api` is None: the chat and completion parameters the runtime takes itself (the
     # simulated one takes a real server's sampling parameters); any other is refused, named.
     parameters: frozenset[str] = frozenset()
+    # Takes a prompt as it is, with no chat template (Ollama's `raw`; OpenAI's completions), and
+    # a `suffix` to fill in the middle of where the catalog's `features` say "insert".
+    raw_prompt: bool = False
 
 
 # What the gateway assumes of a runtime no entry names (a catalog refuses one; a hand-built
@@ -94,14 +97,14 @@ def _subprocess_job(ctx: NodeContext) -> Runtime:
 def _http_speaks(deployment: Deployment) -> Speaks:
     api = deployment.runtime_config.get("api", "openai_embeddings")  # SubprocessHttpConfig's default
     answers = {"openai_chat": "text", "rerank": "scores"}.get(api, "vectors")
-    return Speaks(api, frozenset({answers}))
+    return Speaks(api, frozenset({answers}), raw_prompt=api == "openai_chat")
 
 
 def _simulated_speaks(deployment: Deployment) -> Speaks:
     # Answers both; a text model takes sampling parameters as a real server does (and says which
     # it got), an embedding model none (as a real embeddings server refuses `temperature`).
     taken = SIMULATED_PARAMETERS if generates_text(deployment) else frozenset()
-    return Speaks(None, frozenset({"text", "vectors"}), parameters=taken)
+    return Speaks(None, frozenset({"text", "vectors"}), parameters=taken, raw_prompt=generates_text(deployment))
 
 
 _SPECS = (

@@ -174,6 +174,16 @@ def _said(payload: dict[str, Any]) -> str | None:
     return None if prompt is None else str(prompt)
 
 
+def _answer(deployment: str, said: str | None, payload: dict[str, Any]) -> str:
+    """A text model's answer: what it was told, and the suffix of a fill-in-the-middle request
+    (the text after the cursor, which a real model's answer leads up to)."""
+    text = f"[simulated {deployment}] you said: {(said or '')[:200]}"
+    suffix = payload.get("suffix")
+    if isinstance(suffix, str) and suffix:
+        text += f" (to fill in before: {suffix[:80]})"
+    return text
+
+
 def _vector(deployment: str, text: str) -> list[float]:
     """A deterministic 8-dimensional stand-in for an embedding: the same text, the same vector."""
     digest = hashlib.sha256(f"{deployment}:{text}".encode()).digest()
@@ -247,7 +257,7 @@ class SimulatedRuntime:
             raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{model.deployment} answers with vectors, not text")
         parameters = _parameters(payload)
         said = _said(payload)
-        text, finish = _shaped(f"[simulated {model.deployment}] you said: {(said or '')[:200]}", parameters)
+        text, finish = _shaped(_answer(model.deployment, said, payload), parameters)
         choices = int(parameters.get("n", 1))
         pieces = re.findall(r"\S+\s*", text)
         gap = float(_hold_seconds(payload)) / max(1, len(pieces))
@@ -307,7 +317,7 @@ class SimulatedRuntime:
         output: dict[str, Any] = {"simulated": True, "deployment": model.deployment}
         if deployment is not None and generates_text(deployment):
             # A chat or completion model answers with text, never a vector.
-            text, finish = _shaped(f"[simulated {model.deployment}] you said: {(said or '')[:200]}", parameters)
+            text, finish = _shaped(_answer(model.deployment, said, payload), parameters)
             output["text"] = text
             output["finish_reason"] = finish
             choices = int(parameters.get("n", 1))

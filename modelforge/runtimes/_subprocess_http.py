@@ -352,7 +352,7 @@ class SubprocessHttpRuntime:
             raise ModelForgeError(
                 FailureClass.INVALID_OUTPUT, f"server answered non-JSON: {answer.text[:120]!r}"
             ) from None
-        return parse_response(server.config.api, body, call.expected)
+        return parse_response(server.config.api, body, call.expected, completion=call.completion)
 
     async def invoke(self, model: LoadedModel, payload: dict[str, Any], heartbeat: Heartbeat) -> dict[str, Any]:
         server = self._server(model)

@@ -1,4 +1,5 @@
-"""ModelForge's own small model server: the OpenAI embeddings and chat routes, TEI's /embed, the
+"""ModelForge's own small model server: the OpenAI embeddings, chat and completions routes (a
+prompt as it is, `suffix` for fill-in-the-middle), TEI's /embed, the
 Cohere/Jina-style /v1/rerank (vLLM's) and a /health probe, on the standard library alone. It is
 what the subprocess_http runtime is tested against, and a way to try that runtime without a real
 model. Its vectors are hashed bags of
@@ -6,7 +7,8 @@ words (a paraphrase shares words, so it lands closer than an unrelated sentence)
 answers say they are from the toy server. `--fault` breaks it on purpose, as real servers break.
 
 It takes OpenAI's request parameters as a real server does, so a test can see them act: `n`
-choices, `stop`, `max_tokens` (its tokens are words and punctuation marks), `tools` (a call when
+choices (on completions too, with `echo` and the completions API's `logprobs`), `stop`,
+`max_tokens` (its tokens are words and punctuation marks), `tools` (a call when
 `tool_choice` names a function or is "required", or, with "auto" or none given, when the last
 user message names one of the tools' functions: each named one is called, the first only with
 `parallel_tool_calls: false`; arguments `{"said": <the message>}`), `response_format`
@@ -122,6 +124,59 @@ def _logprobs(text: str, top: Any) -> dict[str, Any]:
     }
 
 
+def _limited(content: str, body: dict[str, Any]) -> tuple[str, str]:
+    """(content, finish_reason) under the request's `stop` and `max_tokens`."""
+    finish = "stop"
+    stops = body.get("stop")
+    for stop in [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []:
+        if isinstance(stop, str) and stop and stop in content:
+            content = content[: content.index(stop)]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(limit, int) and tokens(content) > limit:
+        content, finish = _cut(content, limit), "length"
+    return content, finish
+
+
+def completion_answer(body: dict[str, Any], answer_tokens: int = 0) -> tuple[int, dict[str, Any]]:
+    """OpenAI's completions answer to `body` (status, JSON): the prompt taken as it is (no chat
+    template), and with a `suffix` a middle that leads up to it, as a fill-in-the-middle model
+    answers; 400 for a prompt or suffix that is not a string, as a real server refuses it."""
+    prompt, suffix = body.get("prompt"), body.get("suffix")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or (suffix is not None and not isinstance(suffix, str)):
+        return 400, {"error": {"message": "prompt (and suffix) must be a string", "param": "prompt"}}
+    if suffix:
+        content = f"[toy server] fills in after {prompt[-60:]!r} before {suffix[:60]!r}"
+    else:
+        content = f"[toy server] continues {prompt[-80:]!r}"
+    if answer_tokens > 0:
+        content = _to_length(content, answer_tokens)
+    content, finish = _limited(content, body)
+    used, made = tokens(prompt) + tokens(suffix or ""), tokens(content)
+    if body.get("echo"):
+        content = prompt + content
+    asked, wanted = body.get("n"), body.get("logprobs")
+    count = asked if isinstance(asked, int) and 0 < asked <= MAX_CHOICES else 1
+    logprobs = None
+    if isinstance(wanted, int) and not isinstance(wanted, bool):  # the completions API's own shape
+        found = list(_TOKEN.finditer(content))
+        logprobs = {
+            "tokens": [m.group() for m in found],
+            "token_logprobs": [0.0] * len(found),
+            "top_logprobs": [{m.group(): 0.0} for m in found] if wanted > 0 else None,
+            "text_offset": [m.start() for m in found],
+        }
+    return 200, {
+        "id": "cmpl-toy",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model", "toy"),
+        "choices": [{"index": n, "text": content, "finish_reason": finish, "logprobs": logprobs} for n in range(count)],
+        "usage": {"prompt_tokens": used, "completion_tokens": count * made, "total_tokens": used + count * made},
+    }
+
+
 def chat_answer(
     body: dict[str, Any], answer_tokens: int = 0, reasoning: bool = False, reasoning_field: str = "reasoning_content"
 ) -> dict[str, Any]:
@@ -141,14 +196,7 @@ def chat_answer(
     format_type = response_format.get("type") if isinstance(response_format, dict) else None
     if format_type in ("json_object", "json_schema"):
         content = json.dumps({"toy": True, "said": said})
-    finish = "stop"
-    stops = body.get("stop")
-    for stop in [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []:
-        if isinstance(stop, str) and stop and stop in content:
-            content = content[: content.index(stop)]
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if isinstance(limit, int) and tokens(content) > limit:
-        content, finish = _cut(content, limit), "length"
+    content, finish = _limited(content, body)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     called = _called(body, text, last.get("role"))
     if called:
@@ -351,17 +399,29 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             answer = chat_answer(body, self.server.answer_tokens, self.server.reasoning, self.server.reasoning_field)
             if body.get("stream"):
-                self._stream(body, answer)
+                chunks = stream_chunks(answer, self.server.reasoning_field, bool(body.get("logprobs")))
+                self._stream(body, answer, chunks)
             else:
                 self._answer(200, answer)
+        elif self.path == "/v1/completions":
+            status, answer = completion_answer(body if isinstance(body, dict) else {}, self.server.answer_tokens)
+            if status == 200 and body.get("stream"):
+                self._stream(body, answer, completion_chunks(answer), "text_completion")
+            else:
+                self._answer(status, answer)
         else:
             self._answer(404, {"error": "not found"})
 
-    def _stream(self, body: dict[str, Any], answer: dict[str, Any]) -> None:
-        """The answer as OpenAI's server-sent chunks (`stream_chunks`), `--token-delay-ms` apart.
-        A client that goes away stops it: the stream is recorded as aborted (GET /streams), with
-        how many pieces went out."""
-        chunks = stream_chunks(answer, self.server.reasoning_field, bool(body.get("logprobs")))
+    def _stream(
+        self,
+        body: dict[str, Any],
+        answer: dict[str, Any],
+        chunks: list[tuple[dict[str, Any], bool]],
+        kind: str = "chat.completion.chunk",
+    ) -> None:
+        """The answer as OpenAI's server-sent chunks (`stream_chunks`, `completion_chunks`),
+        `--token-delay-ms` apart. A client that goes away stops it: the stream is recorded as
+        aborted (GET /streams), with how many pieces went out."""
         pieces = sum(1 for _, piece in chunks if piece)
         record = {"pieces": pieces, "sent": 0, "aborted": False, "done": False}
         self.server.streams.append(record)
@@ -371,8 +431,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         base = {
-            "id": "chatcmpl-toy",
-            "object": "chat.completion.chunk",
+            "id": answer["id"],
+            "object": kind,
             "created": answer["created"],
             "model": answer["model"],
         }
@@ -399,6 +459,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _pieces(text: str) -> list[str]:
     return re.findall(r"\S+\s*", text)
+
+
+def completion_chunks(answer: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """A whole completions answer as the streamed choices a server sends: each choice's text a
+    piece at a time, then its finish (several choices one after another)."""
+    out: list[tuple[dict[str, Any], bool]] = []
+    for choice in answer["choices"]:
+        index = choice["index"]
+        out += [({"index": index, "text": piece, "finish_reason": None}, True) for piece in _pieces(choice["text"])]
+        out.append(({"index": index, "text": "", "finish_reason": choice["finish_reason"]}, False))
+    return out
 
 
 def stream_chunks(answer: dict[str, Any], reasoning_field: str, logprobs: bool) -> list[tuple[dict[str, Any], bool]]:

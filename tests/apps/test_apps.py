@@ -17,7 +17,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.gateway import GatewayConfig
-from tests.gateway.serving import CATALOG, ON_DEMAND_AND_TOY_CHAT, Served, serve
+from tests.gateway.serving import CATALOG, ON_DEMAND_AND_TOY_CHAT, Served, serve, toy_requests
 from workers.stack import running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,10 @@ async def test_open_webui_startup_chat_title_and_embeddings(gateway: Served) -> 
 async def test_continue_startup_chat_and_autocomplete(gateway: Served) -> None:
     """Continue's Ollama provider (core/llm/llms/Ollama.ts): /api/show for the template, the
     parameters and the context length; chat and generate with `keep_alive: 1800` and its
-    options on every call."""
+    options on every call. Autocomplete (core/autocomplete/generation/CompletionStreamer.ts):
+    where the template has `.Suffix`, fill-in-the-middle (`/api/generate` with `prompt` the text
+    before the cursor and `suffix` the text after); elsewhere its own FIM tokens in a `raw`
+    prompt. Both were refused by name before (every autocomplete failed)."""
     options = {
         "temperature": 0.5,
         "top_p": 0.9,
@@ -99,8 +102,8 @@ async def test_continue_startup_chat_and_autocomplete(gateway: Served) -> None:
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as http:
         shown = (await http.post("/api/show", json={"name": "toy-chat"})).json()
         assert shown["model_info"]["subprocess_http.context_length"] == 32768
-        assert "num_ctx 32768" in shown["parameters"] and ".Suffix" not in shown["template"]
-        assert "tools" in shown["capabilities"]
+        assert "num_ctx 32768" in shown["parameters"]
+        assert {"tools", "insert"} <= set(shown["capabilities"]) and ".Suffix" in shown["template"]
         chat = await http.post(
             "/api/chat",
             json={
@@ -114,13 +117,42 @@ async def test_continue_startup_chat_and_autocomplete(gateway: Served) -> None:
         assert chat.status_code == 200, chat.text
         assert _ndjson(chat.text)[-1]["done"] is True
         assert "capped" in chat.headers["x-modelforge-keep-alive"]
-        # Without `.Suffix` in the template, Continue completes with a plain prompt.
-        generated = await http.post(
+
+        # Fill in the middle: the model server's completions route gets the prefix and suffix
+        # as they are, Continue's options under the server's names.
+        before, after = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+        filled = await http.post(
             "/api/generate",
-            json={"model": "small-chat", "prompt": "def add(a, b):", "options": options, "keep_alive": 1800},
+            json={"model": "toy-chat", "prompt": before, "suffix": after, "options": options, "keep_alive": 1800},
         )
-        assert generated.status_code == 200, generated.text
-        assert "def add" in "".join(str(line.get("response", "")) for line in _ndjson(generated.text))
+        assert filled.status_code == 200, filled.text
+        lines = _ndjson(filled.text)
+        assert lines[-1]["done"] is True and len(lines) > 2, "streamed, as Continue reads it"
+        middle = "".join(str(line.get("response", "")) for line in lines)
+        assert "fills in after" in middle and "print(add(1, 2))" in middle, middle
+        [received] = [r for r in await toy_requests("chat.toy@1") if r["path"] == "/v1/completions"]
+        sent = received["body"]
+        assert (sent["prompt"], sent["suffix"]) == (before, after)
+        assert (sent["max_tokens"], sent["stop"], sent["top_k"], sent["stream"]) == (1024, ["<|im_end|>"], 40, True)
+
+        # No `.Suffix` in small-chat's template: Continue sends its own FIM tokens, raw.
+        small = (await http.post("/api/show", json={"name": "small-chat"})).json()
+        assert ".Suffix" not in small["template"] and "insert" not in small["capabilities"]
+        fim = "<|fim_prefix|>def add(a, b):<|fim_suffix|>\n<|fim_middle|>"
+        raw = await http.post(
+            "/api/generate",
+            json={"model": "small-chat", "prompt": fim, "raw": True, "options": options, "keep_alive": 1800},
+        )
+        assert raw.status_code == 200, raw.text
+        assert fim in "".join(str(line.get("response", "")) for line in _ndjson(raw.text)), "the prompt as it is"
+        # Raw through the toy server too, not streamed: its completions route, no chat template.
+        plain = await http.post(
+            "/api/generate", json={"model": "toy-chat", "prompt": fim, "raw": True, "stream": False}
+        )
+        assert plain.status_code == 200 and "continues" in plain.json()["response"], plain.text
+        assert [r["body"]["prompt"] for r in await toy_requests("chat.toy@1") if r["path"] == "/v1/completions"][
+            -1
+        ] == fim
 
 
 async def test_langchain_ollama_chat_stream_tools_structured_output_and_embeddings(gateway: Served) -> None:

@@ -22,7 +22,7 @@ TEAM_KEY = "sk-team-0123456789abcdef"
 
 # Added to CATALOG by the Ollama and app tests: a chat model that is unloaded once its last
 # request ends, and a chat model served by the project's toy server (an OpenAI-compatible
-# server: it takes options).
+# server: it takes options, and fills in the middle: `insert`).
 ON_DEMAND_AND_TOY_CHAT = f"""
 [[deployments]]
 capability = "chat.ondemand@1"
@@ -42,7 +42,7 @@ command = [{json.dumps(sys.executable)}, "-m", "modelforge.runtimes.toy_server",
 runtime_config = {{ api = "openai_chat", ready_timeout_s = "30" }}
 openai_models = ["toy-chat"]
 context_length = 32768
-features = ["tools", "thinking"]
+features = ["tools", "thinking", "insert"]
 """
 
 

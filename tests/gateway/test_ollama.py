@@ -167,8 +167,12 @@ async def test_refusals_are_ollama_errors_with_the_class(gateway: Served, client
     # A parameter that would change the answer and this runtime cannot honour: refused by name.
     refused = await _refused(client.generate(model="small-chat", prompt="x", format="json"), 400)
     assert "format" in str(refused.error)
-    refused = await _refused(client.generate(model="toy-chat", prompt="x", suffix="return x"), 400)
-    assert "suffix" in str(refused.error)
+    # Fill in the middle only where the catalog says the model does (`insert`).
+    refused = await _refused(client.generate(model="small-chat", prompt="x", suffix="return x"), 400)
+    assert "suffix" in str(refused.error) and "insert" in str(refused.error)
+    # A raw prompt goes to the model as it is: what a template would have added is refused, named.
+    refused = await _refused(client.generate(model="toy-chat", prompt="x", raw=True, system="be brief"), 400)
+    assert "system" in str(refused.error) and "raw" in str(refused.error)
     refused = await _refused(client.chat(model="toy-chat", messages=[{"role": "wizard", "content": "x"}]), 400)
     assert "wizard" in str(refused.error) and "role" in str(refused.error)
 

@@ -222,7 +222,19 @@ async def test_legacy_completions_answer_and_stream_as_text_completions(gateway:
         if chunk.choices
     ]
     assert len([p for p in pieces if p]) > 3 and "".join(pieces) == whole.choices[0].text
+    # The prompt goes to the server's completions route as it is, its own parameters with it.
+    echoed = await client.completions.create(model="toy-chat", prompt="x y", echo=True, logprobs=1, max_tokens=4)
+    [choice] = echoed.choices
+    assert choice.text.startswith("x y[toy server]") and choice.logprobs is not None
+    assert choice.logprobs.tokens and choice.logprobs.tokens[:2] == ["x", "y"]
+    filled = await client.completions.create(model="toy-chat", prompt="def f(x):", suffix="    return y")
+    assert "return y" in filled.choices[0].text and "fills in after" in filled.choices[0].text
+    # A runtime that cannot honour one refuses it by name; a suffix only where the model fills in.
+    for model, name, extra in (("small-chat", "echo", {"echo": True}), ("small-chat", "suffix", {"suffix": "z"})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=model, prompt="x", **extra)  # type: ignore[call-overload]
+        assert refused.value.param == name
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.completions.create(model="toy-chat", prompt="x", echo=True)
-    assert refused.value.param == "echo"
+        await client.completions.create(model="toy-chat", prompt="x", logprobs=1, stream=True)
+    assert refused.value.param == "logprobs"
     await client.close()

@@ -57,6 +57,36 @@ async def test_a_streamed_chat_answer_comes_in_pieces_equal_to_the_whole(tmp_pat
         await runtime.unload(model)
 
 
+async def test_a_raw_prompt_and_a_suffix_go_to_the_completions_route_whole_and_streamed(tmp_path: Path) -> None:
+    """An input with a `prompt` and no `messages` (Ollama's `raw` prompt, code completion's
+    fill-in-the-middle `suffix`) goes to the server's /v1/completions as it is, no chat template;
+    its answer, whole or streamed, comes back in the chat answer's shape."""
+    runtime = SubprocessHttpRuntime(devices(), tmp_path)
+    model = await loaded(runtime, toy("--token-delay-ms", "2", api="openai_chat"))
+    fim = {"prompt": "def add(a, b):\n    ", "suffix": "\nprint(add(1, 2))", "parameters": {"max_tokens": 64}}
+    try:
+        whole = await runtime.invoke(model, fim, quiet)
+        assert whole["text"].startswith("[toy server] fills in after") and "print(add(1, 2))" in whole["text"]
+        assert whole["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] > 0
+        received = (await runtime._servers[model.resident_key].client.get("/received")).json()["requests"][-1]
+        assert received["path"] == "/v1/completions" and "messages" not in received["body"]
+        assert (received["body"]["prompt"], received["body"]["suffix"]) == (fim["prompt"], fim["suffix"])
+        chunks = [chunk async for chunk in runtime.invoke_stream(model, fim, quiet)]
+        assert len(chunks) > 3 and "".join(c.get("delta") or "" for c in chunks) == whole["text"]
+        assert chunks[-1] == {"finish_reason": "stop", "usage": whole["usage"]}
+        cut = await runtime.invoke(model, {"prompt": "<PRE> x <SUF>", "parameters": {"max_tokens": 2}}, quiet)
+        assert cut["finish_reason"] == "length" and cut["text"] == "[toy"
+        for bad in ({"prompt": 3}, {"prompt": "", "suffix": None}, {"prompt": "x", "suffix": ["y"]}):
+            with pytest.raises(ModelForgeError) as refused:
+                await runtime.invoke(model, bad, quiet)
+            assert refused.value.failure == FailureClass.REQUEST_INVALID
+        with pytest.raises(ModelForgeError) as refused:  # what ModelForge fills is not a parameter
+            await runtime.invoke(model, {"prompt": "x", "parameters": {"suffix": "y"}}, quiet)
+        assert "suffix" in refused.value.message
+    finally:
+        await runtime.unload(model)
+
+
 async def test_tool_calls_reasoning_logprobs_and_choices_stream_whole_and_add_up_to_the_answer(
     tmp_path: Path,
 ) -> None:

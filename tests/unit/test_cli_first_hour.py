@@ -463,6 +463,8 @@ def test_gateway_command_serves_through_gateway_server(monkeypatch: pytest.Monke
         ("chat.small@1", {"messages": [{"role": "user", "content": "is the card busy?"}]}, "is the card busy?"),
         ("text.completion@1", {"prompt": ["first", "second"]}, "second"),
         ("inference.chat@1", {}, ""),
+        # Fill in the middle (Ollama's suffix): it says what it was to lead up to.
+        ("code.completion@1", {"prompt": "def f(", "suffix": "return x"}, "def f( (to fill in before: return x)"),
     ],
 )
 async def test_the_simulated_runtime_answers_chat_and_completion_with_text(
