@@ -742,7 +742,9 @@ class ModelForgeClient:
 
 
 class SyncModelForgeClient:
-    """A small blocking wrapper for scripts."""
+    """A small blocking wrapper for scripts: the same calls, each run to its end on a loop of
+    its own (so not from inside a running event loop: use `ModelForgeClient` there).
+    `with SyncModelForgeClient() as client:` closes it after."""
 
     def __init__(
         self, settings: Settings | None = None, pool: str | None = None, *, reattach_s: float = DEFAULT_REATTACH_S
@@ -761,3 +763,9 @@ class SyncModelForgeClient:
 
     def close(self) -> None:
         self._loop.close()
+
+    def __enter__(self) -> SyncModelForgeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -25,7 +25,7 @@ from workers.stack import _SERVERS, running_stack
 pytestmark = pytest.mark.workflow
 
 # The gateway tests' catalog and a chat model served by the toy server, streaming a token every
-# 60 ms (its answers run to about 10 tokens: a stream of about 0.6 s).
+# 60 ms (its answers run to about 10 tokens: a stream of about 0.6 s); it fills in the middle.
 _TOY = f"""
 [[deployments]]
 capability = "chat.toy@1"
@@ -38,6 +38,7 @@ command = [
 ]
 runtime_config = {{ api = "openai_chat", ready_timeout_s = "30" }}
 openai_models = ["toy-chat"]
+features = ["insert"]
 """
 
 HELLO = [{"role": "user", "content": "hello there, tell me about the weather today please"}]

@@ -23,7 +23,9 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from modelforge.client import ModelForgeClient, Result
+from modelforge.client import ModelForgeClient, Result, SyncModelForgeClient
+from modelforge.policy import PoolStatus
+from modelforge.settings import Settings
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
 from workers.stack import running_stack
 
@@ -200,3 +202,24 @@ async def test_the_real_outcome_is_reported_through_a_temporal_restart(database_
     finally:
         if second is not None:
             await second.shutdown()
+
+
+async def test_a_script_without_asyncio_uses_the_blocking_client(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """`SyncModelForgeClient` (README: "for scripts"), called from plain functions: a request, its
+    repeat by request id attaching to the same outcome, the pool's status; `with` closes it."""
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        address = stack.client.service_client.config.target_host
+        settings = Settings.from_env({"MODELFORGE_TEMPORAL_ADDRESS": address})
+
+        def script() -> tuple[Result, Result, PoolStatus]:
+            with SyncModelForgeClient(settings, "default") as client:
+                ask: dict[str, Any] = {"tenant": "bench", "request_id": "script-1"}
+                first = client.request(CAPABILITY, {"text": "from a script"}, **ask)
+                again = client.request(CAPABILITY, {"text": "from a script"}, **ask)
+                return first, again, client.status()
+
+        first, again, status = await asyncio.to_thread(script)
+        assert first.output and _lease_id(first) == _lease_id(again), (first, again)
+        assert status.pool == "default" and CAPABILITY in [r.capability for r in status.residents]
