@@ -1,6 +1,6 @@
 """An upgrade, and a rollback, by Worker Versioning with work in flight, on the real Temporal dev
-server: the running build's control worker serves a busy pool, a long invoke (the job) and a
-streamed chat answer, the next build's control worker starts beside it and becomes current, the
+server: the running build's control worker serves a busy pool, a job (a real process,
+subprocess_job) and a streamed chat answer, the next build's control worker starts beside it and becomes current, the
 scheduler and telemetry move to it at a continue-as-new, the old build's runs finish on the old
 build, and the old worker is retired. Both builds are this commit's code under two build ids (what a release and
 the next one differ in is what Worker Versioning keeps apart: which worker replays which run).
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,8 @@ from temporalio.common import WorkerDeploymentVersion
 from temporalio.testing import WorkflowEnvironment
 
 import modelforge
+from modelforge.catalog import example_catalog_path
+from modelforge.client import job_input
 from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
@@ -37,8 +41,24 @@ pytestmark = pytest.mark.workflow
 RELEASE = WorkerDeploymentVersion("modelforge", modelforge.__version__)
 NEXT = WorkerDeploymentVersion("modelforge", f"{modelforge.__version__}+next")
 EMBEDDING = "rag.embedding@1"  # concurrency 1: one holds the card's slot, the others queue
-JOB = "lab.experiment@1"  # a long invoke on the desktop card stands for the job (simulated runtime)
+JOB = "upgrade.job@1"  # a real job process on the desktop card (subprocess_job), 10 s long
 CHAT = "chat.small@1"
+# The example catalog and the job: a Python process that sleeps as long as its argument says,
+# then writes an output file, so a run cut short or run twice shows in its answer.
+_JOB_CODE = (
+    "import os, sys, time; time.sleep(float(sys.argv[1])); "
+    "open(os.path.join(os.environ['MODELFORGE_OUTPUT_DIR'], 'done'), 'w').write(sys.argv[1])"
+)
+JOB_DEPLOYMENT = f"""
+[[deployments]]
+capability = "{JOB}"
+envelope_bytes = 1073741824
+residency = "none"
+runtime = "subprocess_job"
+command = {json.dumps([sys.executable, "-c", _JOB_CODE])}
+runtime_config = {{ input_args = "true" }}
+accelerators = ["desktop/0"]
+"""
 
 
 async def _own_client(client: Client) -> Client:
@@ -92,7 +112,7 @@ async def _in_flight(stack: Stack, streams: str) -> list[WorkflowHandle[Any, Any
     """A long invoke holding its lease (the job), a streamed chat answer being pushed to
     `streams`, and a busy pool (one embedding invoke holding the concurrency-1 slot, four queued
     behind it). The job first."""
-    job = await stack.start_request(JOB, tenant="lab", input={"simulate_invoke_s": 10}, lease_timeout_s=120)
+    job = await stack.start_request(JOB, tenant="lab", input=job_input(["10"]), max_duration_s=120, lease_timeout_s=120)
     request_id = f"chat-{time.monotonic_ns()}"
     chat = await stack.start_request(
         CHAT,
@@ -156,6 +176,10 @@ async def _one_build_to_the_next(
     results = await asyncio.gather(*(handle.result() for handle in [*before, *after]))
     # Every request ended, with its answer (a typed failure would have raised here).
     assert all(isinstance(r, RequestResult) and r.output for r in results)
+    # The job's process ran once, to its end: one attempt, its output written.
+    ran = results[0].output
+    assert ran["exit_code"] == 0 and [a["outcome"] for a in ran["attempts"]] == ["succeeded"], ran
+    assert [o["path"] for o in ran["outputs"]] == ["done"], ran["outputs"]
     # The chat's answer reached the client as it was generated, every piece once, in order.
     pieces = received[chat.id.split(":", 2)[-1]]
     assert len(pieces) >= 3 and "".join(p.get("delta", "") for p in pieces) == results[1].output["text"]
@@ -167,7 +191,7 @@ async def _one_build_to_the_next(
 
 
 async def test_an_upgrade_and_a_rollback_with_work_in_flight(
-    dev_server_env: WorkflowEnvironment, database_url: str
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
     began = time.monotonic()
     client = dev_server_env.client
@@ -180,7 +204,9 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
     server, serving, port = await serve_app(_gateway(received))
     streams = (f"http://127.0.0.1:{port}/internal/streams", received)
     try:
-        async with running_stack(client, database_url, control_in_process=False) as stack:
+        catalog = tmp_path / "catalog.toml"
+        catalog.write_text(example_catalog_path().read_text() + JOB_DEPLOYMENT)
+        async with running_stack(client, database_url, catalog, control_in_process=False) as stack:
             assert await _build_of(client, stack.scheduler.id) == RELEASE.build_id
             first_run = (await stack.scheduler.describe()).run_id
 
