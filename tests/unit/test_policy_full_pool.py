@@ -31,6 +31,7 @@ from modelforge.policy import (
 from modelforge.policy._placement import decide_each
 from modelforge.policy._state import note_service
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+from tests.tiers import examples
 
 # Three NVLink groups of four cards (two nodes, two racks).
 CARDS = [f"{group}/{i}" for group in ("a", "b", "c") for i in range(4)]
@@ -217,7 +218,7 @@ def run(
             assert {k: v for k, v in stamped.items() if v[1]} == {k: expected[k] for k, v in stamped.items() if v[1]}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(operation, min_size=1, max_size=30),
     st.booleans(),
@@ -229,7 +230,7 @@ def test_a_full_pool_with_many_gangs_waiting_decides_what_the_reference_decides(
     run(operations, gang_reservations, max_duration_s)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(operation, min_size=1, max_size=30), st.booleans())
 def test_the_first_eta_stamped_on_each_new_waiter_is_its_full_verdicts(
     operations: list[tuple[object, ...]], gang_reservations: bool

@@ -25,6 +25,7 @@ from modelforge.policy import (
 )
 from modelforge.policy._placement import decide_each
 from tests.builders import NOW, ask, deployment, gpu, observe, state, tenant
+from tests.tiers import examples
 
 CARDS = [f"{node}/{i}" for node, n in (("a", 4), ("b", 4), ("c", 2)) for i in range(n)]
 CAPABILITIES = ["emb@1", "llm@1", "job@1", "nv2@1", "nv4@1", "spread@1", "pair@1"]
@@ -167,7 +168,7 @@ def run(operations: list[tuple[object, ...]], gang_reservations: bool) -> None:
         apply_decisions(s, decisions, now, {})
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(operation, min_size=1, max_size=40), st.booleans())
 def test_indexed_gang_placement_decides_what_the_reference_decides(
     operations: list[tuple[object, ...]], gang_reservations: bool

@@ -30,6 +30,7 @@ from modelforge.policy import (
 from modelforge.policy._order import in_submission_order
 from modelforge.policy._placement import decide_each
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
+from tests.tiers import examples
 
 # The reference the policy's typed Wait codes are checked against: its lines read back by the
 # words its code writes them in (_placement, _gang, _room, _rules). Every Wait a decision pass
@@ -213,14 +214,14 @@ def run(operations: list[tuple[object, ...]], starvation_bound_s: float | None =
     return trace
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(operation, min_size=1, max_size=40))
 def test_no_grant_breaks_the_invariant_and_decisions_are_deterministic(operations: list[tuple[object, ...]]) -> None:
     # (b) the same inputs always give the same decisions
     assert run(operations) == run(operations)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(operation, min_size=1, max_size=40))
 def test_with_a_starvation_bound_the_fast_pass_still_agrees_with_the_reference(
     operations: list[tuple[object, ...]],
@@ -233,7 +234,7 @@ def test_with_a_starvation_bound_the_fast_pass_still_agrees_with_the_reference(
 
 
 @pytest.mark.slow  # about a minute on the 2-core machine: the full suite runs it, --fast does not
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     weight_a=st.integers(1, 4),
     weight_b=st.integers(1, 4),

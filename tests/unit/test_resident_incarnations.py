@@ -35,6 +35,7 @@ from modelforge.policy import (
     sync_slots,
 )
 from tests.builders import NOW, ask, deployment, gpu, observe, state, tenant
+from tests.tiers import examples
 
 CARD = "n/0"
 # Leases carry bytes (1 GiB idle, 2 GiB more per lease): never lent to a node.
@@ -268,4 +269,4 @@ class Incarnations(RuleBasedStateMachine):
 
 
 TestIncarnations = Incarnations.TestCase
-TestIncarnations.settings = settings(max_examples=300, stateful_step_count=25, deadline=None)
+TestIncarnations.settings = settings(max_examples=examples(300), stateful_step_count=25, deadline=None)

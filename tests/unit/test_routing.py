@@ -257,7 +257,7 @@ class FakeHandle:
 
     async def query(self, name: str, query: RouteQuery, **kwargs: Any) -> RouteInfo:
         self.fake.queries.append(self.pool)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.fake.delay_s)
         answer = self.fake.answers[self.pool]
         if isinstance(answer, Exception):
             raise answer
@@ -265,7 +265,10 @@ class FakeHandle:
 
 
 class FakeTemporal:
-    """The two calls the router makes: visibility's list and a scheduler's `route` query."""
+    """The two calls the router makes: visibility's list and a scheduler's `route` query, each
+    query answered after `delay_s` (long enough for concurrent callers to share a round)."""
+
+    delay_s = 0.01
 
     def __init__(self, answers: dict[str, RouteInfo | Exception]) -> None:
         self.answers = answers
@@ -460,6 +463,7 @@ async def test_a_long_lived_router_forgets_expired_answers() -> None:
     router = PoolRouter(cast(Client, fake), clock=lambda: now[0])
     single = FakeTemporal({"default": RouteInfo(pool="default", known=True, serves=True, warm=1, node="n1")})
     bound = PoolRouter(cast(Client, single), clock=lambda: now[0])
+    fake.delay_s = single.delay_s = 0.0  # 2,400 rounds: what is kept matters here, not when
     for second in range(600):
         now[0] = float(second)
         for tenant in (f"tenant-{second}-a", f"tenant-{second}-b"):

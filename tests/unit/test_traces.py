@@ -116,6 +116,7 @@ def test_alibaba_converter_samples_nodes_evenly_and_refuses_unknown_models(tmp_p
     assert [a.id for a in load_scenario(path).catalog.accelerators] == ["node-a/0", "node-a/1"]
 
 
+@pytest.mark.slow  # a whole trace (22 s): the full suite runs it, --fast does not
 def test_the_azure_trace_end_to_end_meets_the_targets(tmp_path: Path) -> None:
     scenario = load_scenario(convert_azure(TRACES / "azure_llm_code_2023.csv", tmp_path))
     assert len(scenario.requests) > 10_000
