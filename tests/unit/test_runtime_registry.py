@@ -127,7 +127,8 @@ def test_what_an_http_server_speaks_follows_its_api() -> None:
     ):
         config = {**VALID["subprocess_http"], "runtime_config": {"api": api}}
         [deployment] = parse_catalog(_catalog("subprocess_http", **config))[0].deployments
-        assert speaks(deployment) == Speaks(api, frozenset(answers))
+        # Only a chat server takes a prompt as it is (its completions route: raw, fill-in-the-middle).
+        assert speaks(deployment) == Speaks(api, frozenset(answers), raw_prompt=api == "openai_chat")
     [default] = parse_catalog(_catalog("subprocess_http", command=["server"]))[0].deployments
     assert speaks(default).api == "openai_embeddings"
 
