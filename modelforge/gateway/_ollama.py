@@ -66,7 +66,7 @@ from modelforge.gateway._streams import outcome as outcome_of
 from modelforge.gateway._verdict_source import verdict_status
 from modelforge.identifiers import shown
 from modelforge.policy import PoolStatus
-from modelforge.runtimes import speaks
+from modelforge.runtimes import fills_in_the_middle, speaks
 from modelforge.streaming import ChoiceAssembler
 
 _log = logging.getLogger(__name__)
@@ -368,8 +368,8 @@ def _capabilities(deployment: Deployment) -> list[str]:
     the simulated runtime fills in the middle too)."""
     kinds = _kinds(deployment)
     if "completion" in kinds:
-        rich, raw = _rich(deployment), speaks(deployment).raw_prompt
-        kinds += [f for f in deployment.features if rich or (f == "insert" and raw)]
+        rich, fills = _rich(deployment), fills_in_the_middle(deployment)
+        kinds += [f for f in deployment.features if rich or (f == "insert" and fills)]
     return kinds
 
 
@@ -634,7 +634,7 @@ def ollama_router(
                 f"{what}: {deployment.capability} (runtime {deployment.runtime}) takes no prompt as it is; serve "
                 "the model from an OpenAI-compatible server (subprocess_http, api openai_chat)"
             )
-        if call.suffix and "insert" not in deployment.features:
+        if call.suffix and not fills_in_the_middle(deployment):
             raise _invalid(
                 f"suffix: {deployment.capability} does not fill in the middle (its catalog entry does not list "
                 "'insert' in features); send the model's own fill-in-the-middle tokens with raw: true"

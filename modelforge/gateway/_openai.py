@@ -40,7 +40,7 @@ from modelforge.gateway._params import (
 from modelforge.gateway._streams import StreamHub, chat_events
 from modelforge.identifiers import shown
 from modelforge.payloads import Float32Vectors
-from modelforge.runtimes import speaks
+from modelforge.runtimes import fills_in_the_middle, speaks
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def openai_router(path: OpenAIPath) -> APIRouter:
             payload = {"prompt": prompt}
             suffix = given.pop("suffix", None)
             if suffix is not None:
-                if "insert" not in deployment.features:
+                if not fills_in_the_middle(deployment):
                     raise _invalid(
                         f"suffix: {deployment.capability} does not fill in the middle (its catalog entry does not "
                         "list 'insert' in features)",

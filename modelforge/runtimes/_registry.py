@@ -157,6 +157,13 @@ def speaks(deployment: Deployment) -> Speaks:
     return _UNKNOWN if spec is None else spec.speaks(deployment)
 
 
+def fills_in_the_middle(deployment: Deployment) -> bool:
+    """Whether a `suffix` may be sent to `deployment` (fill-in-the-middle): its runtime takes raw
+    prompts and the catalog says the model does it (`features` "insert"). The one rule the
+    Ollama and OpenAI routes and `/api/show` ask."""
+    return speaks(deployment).raw_prompt and "insert" in deployment.features
+
+
 def unknown_runtime(name: str) -> str | None:
     """None for a registered runtime, else what the catalog says about `name`."""
     if name in RUNTIMES:
