@@ -21,6 +21,7 @@ from temporalio.service import RPCError
 
 from activities import _stream_push as stream_push
 from activities._delegation import NodeSlots, PoolSlots
+from activities._invoke_outcomes import InvokeOutcomes
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage
 from modelforge.events import EventRecord
@@ -32,6 +33,7 @@ from modelforge.messages import (
     PROFILE_OPERATION,
     RESUME_KEY,
     CheckpointInput,
+    CollectInvokeInput,
     GangCheckpointInput,
     GangJobInput,
     InvokeInput,
@@ -143,6 +145,7 @@ class NodeActivities:
         self._unloaded_pids: dict[str, set[int]] = {}
         # The runtime of each gang job part running here, by (lease id, rank): for its checkpoint.
         self._jobs: dict[tuple[str, int], Runtime] = {}
+        self._outcomes = InvokeOutcomes()  # each invoke's, kept a while after it ends
         self._clock = clock
 
     def _runtime(self, name: str) -> Runtime:
@@ -266,8 +269,46 @@ class NodeActivities:
 
     @activity.defn(name="invoke")
     async def invoke(self, request: InvokeInput) -> InvokeResult:
-        if not request.delegated:
-            return await self._invoke(request)
+        outcome = self._outcomes.begin(request.lease_id, request.request_id)
+        result: InvokeResult | None = None
+        error: BaseException | None = None
+        try:
+            result = await (self._invoke_on_slot(request) if request.delegated else self._invoke(request))
+            return result
+        except BaseException as failed:
+            error = failed
+            raise
+        finally:
+            self._outcomes.end(outcome, result, error)
+
+    @activity.defn(name="collect_invoke")
+    async def collect_invoke(self, call: CollectInvokeInput) -> InvokeResult:
+        """The outcome of an invoke this node ran whose completion the request workflow never
+        heard (activities/_invoke_outcomes.py): its result, or its failure again; waited for
+        while it still runs. TIMEOUT when this node has no record of it (restarted since)."""
+        outcome = self._outcomes.find(call.lease_id, call.request_id)
+        if outcome is None:
+            raise ApplicationError(
+                f"node {self._node} has no record of the invoke of lease {call.lease_id}"
+                " (restarted since, or it ended long ago)",
+                type=FailureClass.TIMEOUT.value,
+                non_retryable=True,
+            )
+        while not outcome.ended.is_set():
+            _heartbeat("the invoke still runs")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(outcome.ended.wait(), timeout=5.0)
+        if outcome.result is not None:
+            return outcome.result
+        if isinstance(outcome.error, ApplicationError):
+            raise outcome.error
+        raise ApplicationError(
+            f"the invoke of lease {call.lease_id} ended without an answer: {outcome.error!r}",
+            type=FailureClass.RUNTIME_CRASH.value,
+            non_retryable=True,
+        )
+
+    async def _invoke_on_slot(self, request: InvokeInput) -> InvokeResult:
         # On a slot this node was lent: started only if the claim is still this request's, and
         # reported (not released) when done, the slot free for the next request.
         slots = self._slots

@@ -428,6 +428,15 @@ class InvokeResult:
 
 
 @dataclass(frozen=True)
+class CollectInvokeInput:
+    """Ask the node for the outcome of the invoke it ran under `lease_id`, whose completion the
+    request workflow never heard (lost in flight while Temporal was away)."""
+
+    lease_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
 class CheckpointInput:
     """Save the progress of the invoke running under `lease_id` before it is preempted."""
 

@@ -27,11 +27,13 @@ ACCELERATOR = SearchAttributeKey.for_keyword("ModelForgeAccelerator")
 OUTCOME = SearchAttributeKey.for_keyword("ModelForgeOutcome")
 SEARCH_ATTRIBUTES = [CAPABILITY, PRIORITY, TENANT, ACCELERATOR, OUTCOME]
 
-# A worker's calls to Temporal (a finished activity, a workflow task's commands) are retried
-# through a server restart of up to five minutes; the SDK's default gives up after 10 s.
-# tests/faults/test_restart_temporal.py (the server away 12 s mid-burst): every request ended ok
-# either way, in 22 s with this and 65 s without. Interactive clients keep the default: they
-# should hear of an outage, not hang in it.
+# The calls a worker process makes through its client (a node's release and lease heartbeats to
+# the scheduler, the control worker's queries and starts) are retried through a server restart
+# of up to five minutes; the SDK's default gives up after 10 s. The SDK's own worker calls do
+# not take it: an activity's completion or heartbeat is given up after about 10 s of Temporal
+# being away (measured: `respond_activity_task_completed` dropped 10 s into a 12 s restart),
+# which is why a node keeps each invoke's outcome (activities/_invoke_outcomes.py).
+# Interactive clients keep the default: they should hear of an outage, not hang in it.
 WORKER_RETRY = RetryConfig(max_interval_millis=5_000, max_elapsed_time_millis=300_000, max_retries=100)
 
 

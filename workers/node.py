@@ -146,6 +146,7 @@ def node_temporal_worker(
             node_activities.load_model,
             node_activities.health_check,
             node_activities.invoke,
+            node_activities.collect_invoke,
             node_activities.unload_model,
             node_activities.verify_reclaim,
             node_activities.sleep_model,

@@ -57,6 +57,16 @@ def never_started(error: BaseException) -> bool:
     return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT and not cause.last_heartbeat_details
 
 
+def ran_unheard(error: BaseException) -> bool:
+    """An activity whose heartbeat timed out after heartbeats were recorded: it ran, and how it
+    ended was not heard (its completion lost while Temporal was away, or its worker gone). The
+    node's invoke keeps its outcome a while for this (activities/_invoke_outcomes.py)."""
+    cause = error.cause if isinstance(error, ActivityError) else None
+    if not isinstance(cause, TimeoutError) or cause.type != TimeoutType.HEARTBEAT:
+        return False
+    return bool(cause.last_heartbeat_details)
+
+
 # Activities that touch a runtime: a few bounded retries of transient classes only.
 RUNTIME_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_attempts=2, non_retryable_error_types=NON_RETRYABLE

@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         AdmitReply,
         CancelSignal,
         CheckpointInput,
+        CollectInvokeInput,
         GangCheckpointInput,
         GangJobInput,
         InvokeInput,
@@ -51,12 +52,14 @@ from workflows._common import (
     classify,
     failure,
     never_started,
+    ran_unheard,
     request_workflow_id,
     scheduler_id,
 )
 from workflows.records import RecordEventsWorkflow
 
 INVOKE_HEARTBEAT = timedelta(seconds=60)
+COLLECT_START_TIMEOUT = timedelta(seconds=30)
 MAX_ATTEMPTS = 2  # bounded: one retry, and only for RUNTIME_CRASH
 MAX_PREEMPTIONS = 10  # then the request fails rather than cycle forever
 # The admission call's budget (schedule-to-close of the admit local activity); the scheduler
@@ -167,6 +170,17 @@ class CapabilityRequestWorkflow:
                 if never_started(error) and not lease.gang:
                     lost = True
                     message = "the node never started the invoke (its task was lost in flight)"
+                elif ran_unheard(error) and not lease.gang:
+                    # It ran there: its answer may be waiting on the node, its completion lost.
+                    try:
+                        result = await self._collect(request, lease)
+                        outcome, message = "ok", ""
+                    except (ActivityError, ApplicationError) as unheard:
+                        cls, why = classify(unheard)
+                        if cls == FailureClass.TIMEOUT.value:  # the node has no record of it
+                            message = f"{message}; {why}"
+                        else:  # the invoke's own failure, which its node kept
+                            outcome, message = cls, why
             preempted = result is None and self._preempt is not None
             if preempted:
                 assert self._preempt is not None
@@ -254,6 +268,24 @@ class CapabilityRequestWorkflow:
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             summary=f"invoke {lease.deployment} on {lease.accelerator}",
         )
+
+    async def _collect(self, request: RequestInput, lease: Lease) -> InvokeResult:
+        """The outcome of an invoke that ran on its node but whose end was never heard: the
+        node keeps it a while (activities/_invoke_outcomes.py). A node that is gone never picks
+        the task up: bounded from scheduling."""
+        self._phase = "collecting"
+        collected: InvokeResult = await workflow.execute_activity(
+            "collect_invoke",
+            CollectInvokeInput(lease_id=lease.lease_id, request_id=request.request_id),
+            result_type=InvokeResult,
+            task_queue=node_task_queue(lease.node),
+            schedule_to_start_timeout=COLLECT_START_TIMEOUT,
+            schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
+            heartbeat_timeout=INVOKE_HEARTBEAT,
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            summary=f"collect the unheard invoke of {lease.lease_id}",
+        )
+        return collected
 
     async def _run_gang(
         self, request: RequestInput, lease: Lease, payload: dict[str, Any], resume: dict[int, str]

@@ -11,9 +11,11 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -44,6 +46,29 @@ async def _server(port: int, db_file: Path) -> WorkflowEnvironment:
     )
 
 
+async def _story(handle: WorkflowHandle[Any, Any]) -> str:
+    """A failed request's history, one line an event (when, what, and an activity's or task's
+    failure): what a failure in CI needs to be understood."""
+    history = await handle.fetch_history()
+    start = history.events[0].event_time.ToDatetime()
+    lines = []
+    for event in history.events:
+        at = (event.event_time.ToDatetime() - start).total_seconds()
+        name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
+        field = event.WhichOneof("attributes")
+        attributes: Any = getattr(event, field) if field else None
+        if field in ("activity_task_scheduled_event_attributes",):
+            detail = str(attributes.activity_type.name)
+        elif field == "marker_recorded_event_attributes":
+            detail = str(attributes.marker_name)
+        elif field and ("timed_out" in field or "failed" in field or "activity_task_started" in field):
+            detail = " ".join(str(attributes).split())[:300]
+        else:
+            detail = ""
+        lines.append(f"  {at:7.2f}s {event.event_id:3d} {name} {detail}")
+    return "\n".join(lines)
+
+
 async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp_path: Path) -> None:
     port = _free_port()
     db_file = tmp_path / "temporal.db"
@@ -64,6 +89,7 @@ async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp
             await asyncio.sleep(12.0)
             second = await _server(port, db_file)
             outcomes: Counter[str] = Counter()
+            failures: list[str] = []  # each failed request's id and message, for the assertion
             for handle in handles:  # the stack's client reconnects to the same address
                 try:
                     await asyncio.wait_for(handle.result(), timeout=180)
@@ -71,8 +97,10 @@ async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp
                 except WorkflowFailureError as error:
                     assert isinstance(error.cause, ApplicationError), error
                     outcomes[str(error.cause.type)] += 1
+                    failures.append(f"{handle.id}: {error.cause.type}: {error.cause.message}")
+                    failures.append(await _story(handle))
             assert sum(outcomes.values()) == BURST, outcomes
-            assert outcomes["ok"] == BURST, outcomes
+            assert outcomes["ok"] == BURST, f"{outcomes}\n" + "\n".join(failures)
             # The scheduler has every release. A query right after the restart can time out while
             # the worker's sticky queue is re-established (seen once in CI under load): asked again.
             leases = None
