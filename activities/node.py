@@ -29,6 +29,7 @@ from modelforge.failures import FailureClass, ModelForgeError, is_retryable
 from modelforge.gpu import CPU_DEVICE_INDEX, DeviceSample, GpuBackend
 from modelforge.logging import get_logger
 from modelforge.messages import (
+    NO_INVOKE_RECORD,
     OPERATIONS,
     PROFILE_OPERATION,
     RESUME_KEY,
@@ -269,29 +270,35 @@ class NodeActivities:
 
     @activity.defn(name="invoke")
     async def invoke(self, request: InvokeInput) -> InvokeResult:
-        outcome = self._outcomes.begin(request.lease_id, request.request_id)
-        result: InvokeResult | None = None
-        error: BaseException | None = None
+        lease_id, request_id = request.lease_id, request.request_id
+        self._outcomes.begin(lease_id, request_id)
         try:
             result = await (self._invoke_on_slot(request) if request.delegated else self._invoke(request))
-            return result
-        except BaseException as failed:
-            error = failed
+        except ApplicationError as error:
+            failure = (error.type or FailureClass.RUNTIME_CRASH.value, error.message, error.non_retryable)
+            self._outcomes.end(lease_id, request_id, failure=failure)
             raise
-        finally:
-            self._outcomes.end(outcome, result, error)
+        except asyncio.CancelledError:
+            self._outcomes.end(lease_id, request_id, cancelled=True)
+            raise
+        except BaseException as error:
+            crash = (FailureClass.RUNTIME_CRASH.value, f"{type(error).__name__}: {error}", True)
+            self._outcomes.end(lease_id, request_id, failure=crash)
+            raise
+        self._outcomes.end(lease_id, request_id, result=result)
+        return result
 
     @activity.defn(name="collect_invoke")
     async def collect_invoke(self, call: CollectInvokeInput) -> InvokeResult:
-        """The outcome of an invoke this node ran whose completion the request workflow never
-        heard (activities/_invoke_outcomes.py): its result, or its failure again; waited for
-        while it still runs. TIMEOUT when this node has no record of it (restarted since)."""
+        """The outcome of an invoke this node ran whose end the request workflow never heard
+        (activities/_invoke_outcomes.py): its result, or its failure again; waited for while it
+        still runs. NO_INVOKE_RECORD when this node never ran it, or was restarted since."""
         outcome = self._outcomes.find(call.lease_id, call.request_id)
         if outcome is None:
             raise ApplicationError(
                 f"node {self._node} has no record of the invoke of lease {call.lease_id}"
-                " (restarted since, or it ended long ago)",
-                type=FailureClass.TIMEOUT.value,
+                " (it never ran here, the node restarted since, or it ended long ago)",
+                type=NO_INVOKE_RECORD,
                 non_retryable=True,
             )
         while not outcome.ended.is_set():
@@ -300,13 +307,16 @@ class NodeActivities:
                 await asyncio.wait_for(outcome.ended.wait(), timeout=5.0)
         if outcome.result is not None:
             return outcome.result
-        if isinstance(outcome.error, ApplicationError):
-            raise outcome.error
-        raise ApplicationError(
-            f"the invoke of lease {call.lease_id} ended without an answer: {outcome.error!r}",
-            type=FailureClass.RUNTIME_CRASH.value,
-            non_retryable=True,
-        )
+        if outcome.cancelled:
+            # Stopped here once Temporal told its worker the invoke had timed out: it never
+            # finished, as its TIMEOUT says.
+            raise ApplicationError(
+                f"the invoke of lease {call.lease_id} was stopped on node {self._node} after its heartbeat timed out",
+                type=FailureClass.TIMEOUT.value,
+                non_retryable=True,
+            )
+        cls, message, non_retryable = outcome.failure or (FailureClass.RUNTIME_CRASH.value, "no answer", True)
+        raise ApplicationError(message, type=cls, non_retryable=non_retryable)
 
     async def _invoke_on_slot(self, request: InvokeInput) -> InvokeResult:
         # On a slot this node was lent: started only if the claim is still this request's, and

@@ -436,6 +436,11 @@ class CollectInvokeInput:
     request_id: str
 
 
+# The type of `collect_invoke`'s error when the node has no record of the invoke (not a failure
+# class: the request decides what it means, a task lost in flight or a node restarted).
+NO_INVOKE_RECORD = "NO_INVOKE_RECORD"
+
+
 @dataclass(frozen=True)
 class CheckpointInput:
     """Save the progress of the invoke running under `lease_id` before it is preempted."""

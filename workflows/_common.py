@@ -57,14 +57,12 @@ def never_started(error: BaseException) -> bool:
     return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT and not cause.last_heartbeat_details
 
 
-def ran_unheard(error: BaseException) -> bool:
-    """An activity whose heartbeat timed out after heartbeats were recorded: it ran, and how it
-    ended was not heard (its completion lost while Temporal was away, or its worker gone). The
-    node's invoke keeps its outcome a while for this (activities/_invoke_outcomes.py)."""
+def heartbeat_timed_out(error: BaseException) -> bool:
+    """An activity whose heartbeat timed out: how it ended was not heard (its completion lost
+    while Temporal was away, its task lost in flight, or its worker gone). The node's invoke
+    keeps its outcome a while for this (activities/_invoke_outcomes.py)."""
     cause = error.cause if isinstance(error, ActivityError) else None
-    if not isinstance(cause, TimeoutError) or cause.type != TimeoutType.HEARTBEAT:
-        return False
-    return bool(cause.last_heartbeat_details)
+    return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT
 
 
 # Activities that touch a runtime: a few bounded retries of transient classes only.

@@ -4,7 +4,7 @@ invoke -> release. Failures end the workflow as an ApplicationError whose type i
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -51,8 +51,8 @@ from workflows._common import (
     STORE_RETRY,
     classify,
     failure,
+    heartbeat_timed_out,
     never_started,
-    ran_unheard,
     request_workflow_id,
     scheduler_id,
 )
@@ -136,6 +136,7 @@ class CapabilityRequestWorkflow:
             timings["lease_s"] = (workflow.now() - started).total_seconds()
             workflow.upsert_search_attributes([sa.ACCELERATOR.value_set(lease.accelerator)])
             self._phase = "invoking"
+            invoke_started = workflow.now()
             outcome, message = "ok", ""
             result: InvokeResult | None = None
             invoke: asyncio.Future[InvokeResult | None]
@@ -161,30 +162,36 @@ class CapabilityRequestWorkflow:
                         resume_from = await self._checkpoint(request, lease, preemptions) or resume_from
                     invoke.cancel()
             lost = False
+            ended_with: BaseException | None = None
             try:
                 result = await invoke
             except (ActivityError, ApplicationError) as error:
-                outcome, message = classify(error)
-                # The node heartbeats as an invoke starts: none at all means it never ran there,
-                # so running it on a fresh lease cannot run it twice.
-                if never_started(error) and not lease.gang:
-                    lost = True
-                    message = "the node never started the invoke (its task was lost in flight)"
-                elif ran_unheard(error) and not lease.gang:
-                    # It ran there: its answer may be waiting on the node, its completion lost.
-                    try:
-                        result = await self._collect(request, lease)
-                        outcome, message = "ok", ""
-                    except (ActivityError, ApplicationError) as unheard:
-                        cls, why = classify(unheard)
-                        if cls == FailureClass.TIMEOUT.value:  # the node has no record of it
-                            message = f"{message}; {why}"
-                        else:  # the invoke's own failure, which its node kept
-                            outcome, message = cls, why
-            preempted = result is None and self._preempt is not None
-            if preempted:
-                assert self._preempt is not None
-                outcome, message = "preempted", self._preempt.reason
+                ended_with = error
+            # As it was when the invoke ended: a preemption heard while asking the node below
+            # does not turn the invoke's own outcome into a requeue.
+            preempt = self._preempt
+            if ended_with is not None:
+                outcome, message = classify(ended_with)
+                if heartbeat_timed_out(ended_with) and not lease.gang:
+                    # Its end was never heard: it may have run there, its completion lost while
+                    # Temporal was away, or never reached the node. The node says which.
+                    collected, kept, why = await self._collect(request, lease, invoke_started)
+                    if collected is not None:
+                        result, outcome, message = collected, "ok", ""
+                    elif kept:  # the invoke's own failure, which its node kept
+                        outcome, message = kept, why
+                    elif never_started(ended_with):
+                        # No heartbeat and no record: it never ran there, so running it on a
+                        # fresh lease cannot run it twice.
+                        lost = True
+                        message = "the node never started the invoke (its task was lost in flight)"
+                    else:
+                        message = f"{message}; {why}"
+            if result is not None:
+                preempt = None
+            preempted = preempt is not None
+            if preempt is not None:
+                outcome, message = "preempted", preempt.reason
                 if resume_from:
                     message += f"; resumes from checkpoint {resume_from}"
                 elif gang_resume and lease.gang:
@@ -269,23 +276,35 @@ class CapabilityRequestWorkflow:
             summary=f"invoke {lease.deployment} on {lease.accelerator}",
         )
 
-    async def _collect(self, request: RequestInput, lease: Lease) -> InvokeResult:
-        """The outcome of an invoke that ran on its node but whose end was never heard: the
-        node keeps it a while (activities/_invoke_outcomes.py). A node that is gone never picks
-        the task up: bounded from scheduling."""
+    async def _collect(
+        self, request: RequestInput, lease: Lease, invoke_started: datetime
+    ) -> tuple[InvokeResult | None, str, str]:
+        """Ask the node for the outcome of an invoke whose end was never heard (it keeps each a
+        while: activities/_invoke_outcomes.py): (its result, "", ""), or (None, the failure
+        class it kept, why), or (None, "", why) when it has no record or cannot be asked (gone:
+        bounded from scheduling; an older node build without the activity). Within what is left
+        of the invoke's own max_duration, so a request never outlives its limit by asking."""
         self._phase = "collecting"
-        collected: InvokeResult = await workflow.execute_activity(
-            "collect_invoke",
-            CollectInvokeInput(lease_id=lease.lease_id, request_id=request.request_id),
-            result_type=InvokeResult,
-            task_queue=node_task_queue(lease.node),
-            schedule_to_start_timeout=COLLECT_START_TIMEOUT,
-            schedule_to_close_timeout=timedelta(seconds=request.max_duration_s),
-            heartbeat_timeout=INVOKE_HEARTBEAT,
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            summary=f"collect the unheard invoke of {lease.lease_id}",
-        )
-        return collected
+        left_s = request.max_duration_s - (workflow.now() - invoke_started).total_seconds()
+        try:
+            collected: InvokeResult = await workflow.execute_activity(
+                "collect_invoke",
+                CollectInvokeInput(lease_id=lease.lease_id, request_id=request.request_id),
+                result_type=InvokeResult,
+                task_queue=node_task_queue(lease.node),
+                schedule_to_start_timeout=COLLECT_START_TIMEOUT,
+                schedule_to_close_timeout=max(COLLECT_START_TIMEOUT, timedelta(seconds=left_s)),
+                heartbeat_timeout=INVOKE_HEARTBEAT,
+                retry_policy=RetryPolicy(maximum_attempts=1),
+                summary=f"collect the unheard invoke of {lease.lease_id}",
+            )
+        except (ActivityError, ApplicationError) as error:
+            cause = error.cause if isinstance(error, ActivityError) else error
+            cls, why = classify(error)
+            if isinstance(cause, ApplicationError) and cause.type in ALL_FAILURES:
+                return None, cls, why
+            return None, "", why
+        return collected, "", ""
 
     async def _run_gang(
         self, request: RequestInput, lease: Lease, payload: dict[str, Any], resume: dict[int, str]
