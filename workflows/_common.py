@@ -49,20 +49,20 @@ def classify(error: BaseException) -> tuple[str, str]:
     return FailureClass.RUNTIME_CRASH.value, str(cause)
 
 
-def never_started(error: BaseException) -> bool:
-    """An activity whose heartbeat timed out with no heartbeat ever recorded: the server handed
-    its task out, but no worker ran it (the poll's answer was lost, as in a Temporal restart).
-    Meaningful for activities that heartbeat the moment they start (the node's invoke does)."""
-    cause = error.cause if isinstance(error, ActivityError) else None
-    return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT and not cause.last_heartbeat_details
-
-
 def heartbeat_timed_out(error: BaseException) -> bool:
     """An activity whose heartbeat timed out: how it ended was not heard (its completion lost
     while Temporal was away, its task lost in flight, or its worker gone). The node's invoke
     keeps its outcome a while for this (activities/_invoke_outcomes.py)."""
     cause = error.cause if isinstance(error, ActivityError) else None
     return isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT
+
+
+def never_started(error: BaseException) -> bool:
+    """A heartbeat timeout with no heartbeat ever recorded: the task was lost in flight, or every
+    heartbeat was (Temporal away from the start), so the node is asked before it is run again.
+    Meaningful for activities that heartbeat the moment they start (the node's invoke does)."""
+    cause = error.cause if isinstance(error, ActivityError) else None
+    return heartbeat_timed_out(error) and isinstance(cause, TimeoutError) and not cause.last_heartbeat_details
 
 
 # Activities that touch a runtime: a few bounded retries of transient classes only.
