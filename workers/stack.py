@@ -174,13 +174,16 @@ async def running_stack(
     pools: Sequence[str] = ("default",),
     delegation_sync_s: float = 0.0,
     deployment: WorkerDeploymentConfig | None = None,
+    replay_check_s: float = 60.0,
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
     be killed and restarted); the stack brings only Postgres rows, node workers and telemetry.
     `pools`: the pools whose schedulers start (one control worker serves them all); each node
     sends its telemetry to the pool of its accelerators (the first pool when none is listed).
     `deployment`: the control worker's Worker Deployment Version; versioned, it is made the
-    deployment's current one before the schedulers start (as `worker control` does)."""
+    deployment's current one before the schedulers start (as `worker control` does).
+    `replay_check_s`: the replay guard's interval (0: off, for a test whose interceptor changes
+    the scheduler's commands, which a replay without it cannot match)."""
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
     store = await Store.open(database_url)
     await store.migrate()
@@ -212,6 +215,7 @@ async def running_stack(
                         adopt_interval_s=adopt_interval_s,
                         pools=list(pools),
                         deployment=deployment,
+                        replay_check_s=replay_check_s,
                     )
                 )
                 if deployment is not None and deployment.use_worker_versioning:

@@ -1,15 +1,18 @@
 """PoolSchedulerWorkflow: the singleton `scheduler:<pool>` that serializes admission.
 
 Handlers are short and synchronous: read, decide through the pure policy, act on the state and
-queue the messages that carry decisions out. The main loop sends those messages (grants,
-rejections, residency commands, event batches) and continues-as-new when Temporal suggests it
-and no handler is running."""
+queue the messages that carry decisions out. The main loop starts sending those messages
+(grants, rejections, residency commands, event batches) without waiting for them, and
+continues-as-new when Temporal suggests it, no handler is running and no delivery is under way
+(new ones wait for the next run meanwhile, unless one under way is held up)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
@@ -120,6 +123,19 @@ URGENT_EVENT_KINDS = frozenset(
     }
 )
 MAX_ADMIT_BATCH = 500
+# Deliveries (grants, preemptions, resident commands, residency starts) in flight at once: the
+# rest wait in the outbox (carried at continue-as-new). Under Temporal's default limits of 2,000
+# pending signals and 2,000 pending child starts per execution, which fail the workflow task.
+MAX_SENDS_IN_FLIGHT = 1000
+# Continue-as-new waits for the deliveries under way (what they report back, such as a requester
+# found gone, would reach no run otherwise), and holds new ones for the next run meanwhile, so a
+# busy pool's stream of grants cannot postpone it for ever. Unless one under way has taken this
+# long (Temporal is working through a backlog): then the pool's deliveries go on meanwhile.
+HELD_UP_DELIVERY_S = 10.0
+# ... but only this long after continue-as-new fell due: then new deliveries are held whatever is
+# under way, so deliveries held up one after another cannot postpone it for ever (seen: a run of
+# 6,187 events against a limit of 40, nine minutes, in the chaos round).
+CONTINUE_WAIT_LIMIT_S = 60.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
 DELEGATION_SPARE_SLOTS = 1
@@ -138,6 +154,14 @@ class PoolSchedulerWorkflow:
         self._commands_out: list[tuple[str, ResidentCommand]] = []
         self._loads_out: list[ResidencyInput] = []
         self._preempts_out: list[tuple[str, PreemptSignal]] = []
+        # Deliveries under way (`_send_outbox`): the last one to each workflow, by its id (the
+        # next to the same workflow goes after it).
+        self._sending: dict[str, asyncio.Task[object]] = {}
+        # When each delivery under way started, by serial number (the first is the oldest).
+        self._sends_started: dict[int, float] = {}
+        self._sends = 0
+        self._holding = False  # new deliveries wait: continue-as-new is due (HELD_UP_DELIVERY_S)
+        self._continue_due_at: float | None = None  # when continue-as-new fell due in this run
         self._events: list[EventRecord] = []
         self._event_writes: list[asyncio.Future[object]] = []
         self._timer: asyncio.Task[None] | None = None
@@ -803,8 +827,16 @@ class PoolSchedulerWorkflow:
             self._unload_drained(self._now())
             self._snapshot()
             self._audit_ledger()
-            await self._flush()
-            if self._should_continue_as_new(start) and workflow.all_handlers_finished():
+            continue_due = self._should_continue_as_new(start)
+            if not continue_due:
+                self._continue_due_at = None
+            elif self._continue_due_at is None:
+                self._continue_due_at = self._now()
+            self._holding = continue_due and (self._continue_overdue() or not self._delivery_held_up())
+            if not self._holding:
+                self._send_outbox()
+            self._start_event_write()
+            if continue_due and workflow.all_handlers_finished() and not self._sends_started:
                 # Nothing waits on Postgres here: what is not yet delivered or written goes to
                 # the next run in its input, and is sent or written (again) from there.
                 # The next run starts on the deployment's current build (Worker Versioning): a
@@ -823,6 +855,8 @@ class PoolSchedulerWorkflow:
                     or self._timer_fired
                     or self._events_writable()
                     or (self._audit is not None and self._audit.done())
+                    or (self._outbox_waiting() and len(self._sends_started) < MAX_SENDS_IN_FLIGHT and not self._holding)
+                    or (self._holding and not self._sends_started and workflow.all_handlers_finished())
                 )
             )
             self._timer_fired = False
@@ -949,6 +983,10 @@ class PoolSchedulerWorkflow:
             due.append(self._audit_at)
         if self._events and not self._event_write_in_flight():
             due.append(self._events_due_at())
+        if self._holding and self._sends_started:
+            due.append(next(iter(self._sends_started.values())) + HELD_UP_DELIVERY_S)
+        if self._continue_due_at is not None and not self._holding:
+            due.append(self._continue_due_at + CONTINUE_WAIT_LIMIT_S)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -1020,27 +1058,69 @@ class PoolSchedulerWorkflow:
         self._send_loads(loads)
         self._wake = True
 
-    async def _flush(self) -> None:
-        loads, self._loads_out = self._loads_out, []
-        decisions, self._decisions_out = self._decisions_out, []
-        commands, self._commands_out = self._commands_out, []
-        preempts, self._preempts_out = self._preempts_out, []
-        sends: list[asyncio.Future[object] | asyncio.Task[object]] = []
+    def _send_outbox(self) -> None:
+        """Starts delivering what the loop decided (residency starts, grants and refusals,
+        resident commands, preemptions) and goes on without waiting for any of it: one delivery
+        that Temporal holds up (its server, restarted, works through a backlog: seen for minutes
+        in the chaos round) must not stop the pool's decisions. Deliveries to one workflow keep
+        their order; at most MAX_SENDS_IN_FLIGHT are under way, the rest wait here (and while
+        continue-as-new is due, all new ones, unless one under way is held up: HELD_UP_DELIVERY_S).
+        A delivery that fails says so in its own way (the requester is gone: its lease goes back)."""
+        room = MAX_SENDS_IN_FLIGHT - len(self._sends_started)
+        loads, self._loads_out = self._loads_out[:room], self._loads_out[room:]
+        room -= len(loads)
+        decisions, self._decisions_out = self._decisions_out[:room], self._decisions_out[room:]
+        room -= len(decisions)
+        commands, self._commands_out = self._commands_out[:room], self._commands_out[room:]
+        room -= len(commands)
+        preempts, self._preempts_out = self._preempts_out[:room], self._preempts_out[room:]
         for load in loads:
-            sends.append(asyncio.ensure_future(self._start_residency(load)))
+            workflow_id = self._resident_workflow_id(load)
+            self._send(workflow_id, partial(self._start_residency, workflow_id, load))
         for workflow_id, decision in decisions:
-            sends.append(asyncio.ensure_future(self._tell_requester(workflow_id, decision)))
+            self._send(workflow_id, partial(self._tell_requester, workflow_id, decision))
         for workflow_id, command in commands:
-            sends.append(asyncio.ensure_future(self._command_resident(workflow_id, command)))
+            self._send(workflow_id, partial(self._command_resident, workflow_id, command))
         for workflow_id, preempt in preempts:
-            sends.append(asyncio.ensure_future(self._preempt_holder(workflow_id, preempt)))
-        if sends:
-            await asyncio.gather(*sends)
-        self._start_event_write()
+            self._send(workflow_id, partial(self._preempt_holder, workflow_id, preempt))
 
-    async def _start_residency(self, load: ResidencyInput) -> object:
+    def _send(self, workflow_id: str, delivery: Callable[[], Awaitable[object]]) -> None:
+        """One delivery, after the one before it to the same workflow."""
+        before = self._sending.get(workflow_id)
+        self._sends += 1
+        serial = self._sends
+        self._sends_started[serial] = self._now()
+
+        async def deliver() -> object:
+            try:
+                if before is not None:
+                    await before  # never raises: each delivery handles its own failure
+                return await delivery()
+            finally:
+                del self._sends_started[serial]
+                if self._sending.get(workflow_id) is task:
+                    del self._sending[workflow_id]
+
+        task = asyncio.ensure_future(deliver())
+        self._sending[workflow_id] = task
+
+    def _continue_overdue(self) -> bool:
+        """Whether continue-as-new has been due for CONTINUE_WAIT_LIMIT_S or more."""
+        return self._continue_due_at is not None and self._now() - self._continue_due_at >= CONTINUE_WAIT_LIMIT_S
+
+    def _delivery_held_up(self) -> bool:
+        """Whether the oldest delivery under way has taken HELD_UP_DELIVERY_S or more."""
+        oldest = next(iter(self._sends_started.values()), None)
+        return oldest is not None and self._now() - oldest >= HELD_UP_DELIVERY_S
+
+    def _outbox_waiting(self) -> bool:
+        return bool(self._loads_out or self._decisions_out or self._commands_out or self._preempts_out)
+
+    def _resident_workflow_id(self, load: ResidencyInput) -> str:
         resident = self._state.residents.get(load.key)
-        workflow_id = resident.workflow_id if resident is not None else ""
+        return resident.workflow_id if resident is not None else ""
+
+    async def _start_residency(self, workflow_id: str, load: ResidencyInput) -> object:
         try:
             await workflow.start_child_workflow(
                 ResidencyWorkflow.run,
