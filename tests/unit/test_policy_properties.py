@@ -233,16 +233,16 @@ def test_with_a_starvation_bound_the_fast_pass_still_agrees_with_the_reference(
     assert run(operations, starvation_bound_s=1.0) == run(operations, starvation_bound_s=1.0)
 
 
-@pytest.mark.slow  # about a minute on the 2-core machine: the full suite runs it, --fast does not
-@settings(max_examples=examples(2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    weight_a=st.integers(1, 4),
-    weight_b=st.integers(1, 4),
-    hold_s=st.floats(1.0, 30.0),
-    backlog=st.integers(1, 4),
-)
+# Every combination of the discrete inputs, each with a few hold times: 64 x 5 runs cover what
+# 2,000 random examples of the same space covered only by chance (and took 125 s, not 16).
+@pytest.mark.slow  # about 16 s on the 2-core machine: the full suite runs it, --fast does not
+@pytest.mark.parametrize("backlog", [1, 2, 3, 4])
+@pytest.mark.parametrize("weight_b", [1, 2, 3, 4])
+@pytest.mark.parametrize("weight_a", [1, 2, 3, 4])
+@settings(max_examples=examples(5), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hold_s=st.floats(1.0, 30.0))
 def test_saturated_two_tenant_usage_converges_to_the_weights(
-    weight_a: int, weight_b: int, hold_s: float, backlog: int
+    weight_a: int, weight_b: int, backlog: int, hold_s: float
 ) -> None:
     """(d) Two tenants keep a warm model with one slot saturated; over 120 leases each gets GPU
     time in proportion to its weight, within 10% of its target share."""
