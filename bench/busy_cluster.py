@@ -4,7 +4,7 @@ from the shipped one with half the pods multi-GPU, offered faster than the clust
 cluster is almost idle (its replay leaves VRAM 0.2% used); a real cluster is busy exactly when
 scheduling costs most.
 
-    .venv/bin/python bench/busy_cluster.py OUT_DIR [--pods 8000] [--load 3] [--seed 1] [--max-run-s 3600]
+    .venv/bin/python -m bench.busy_cluster OUT_DIR [--pods 8000] [--load 3] [--seed 1] [--max-run-s 3600]
 
 writes OUT_DIR/pods.csv (the Alibaba pod list's columns) and the scenario `modelforge trace
 alibaba` makes of it with the shipped node list, and prints where both are. `bench/simulate.py

@@ -3,7 +3,7 @@ while faults hit at random moments: kill -9 of the control worker, kill -9 of th
 Temporal server stopped and restarted, Postgres stopped and started. The scheduler continues as
 new every few dozen events (--history-limit), so faults land around continue-as-new too.
 
-    .venv/bin/python bench/chaos.py [--minutes 10] [--rate 3] [--seed 1] [--fault-every 12]
+    .venv/bin/python -m bench.chaos [--minutes 10] [--rate 3] [--seed 1] [--fault-every 12]
                                     [--lease-timeout 120]
 
 Every part is real and started here, each in a process of its own: the Temporal dev server
@@ -50,8 +50,6 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from modelforge.catalog import load_catalog_file
 from modelforge.dev import temporal_binary

@@ -7,9 +7,9 @@ them aside). Rounds
 alternate the commands so load drifts alike; medians and minimums, each fast path's ratio to
 `describe`, and PASS/MISS against the 2x target.
 
-    python bench/cli_latency.py                 # its own `modelforge dev` in a temporary home
-    python bench/cli_latency.py --rounds 10
-    python bench/cli_latency.py --home ~/.modelforge --address localhost:7233   # a running stack
+    python -m bench.cli_latency                 # its own `modelforge dev` in a temporary home
+    python -m bench.cli_latency --rounds 10
+    python -m bench.cli_latency --home ~/.modelforge --address localhost:7233   # a running stack
 
 The fast request after the first starts from the route the fast path remembered (for 30 s after
 it asked for the pools, modelforge/_fastcli.py). The commands inherit the environment: with

@@ -7,7 +7,7 @@ library call that blocks its loop (LiteLLM's background work, most likely) waits
 cannot answer until the call returns: the first version of this bench never finished. tests/apps
 runs LiteLLM in a process of its own for the same reason.
 
-    .venv/bin/python bench/client_libraries.py GATEWAY_URL DIRECT_URL ROUNDS MAX_TOKENS
+    .venv/bin/python -m bench.client_libraries GATEWAY_URL DIRECT_URL ROUNDS MAX_TOKENS
 
 DIRECT_URL is the model server itself (an OpenAI-compatible one): the OpenAI-protocol libraries are
 timed against it too, so a library's own cost (LiteLLM's bookkeeping) is told apart from anything

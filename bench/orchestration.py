@@ -1,7 +1,7 @@
 """Orchestration overhead on a real Temporal dev server, side by side with the floor: a bare
 workflow that runs one activity on the same server, in the same process, measured in one run.
 
-    .venv/bin/python bench/orchestration.py [--latency-n 60] [--burst 200]
+    .venv/bin/python -m bench.orchestration [--latency-n 60] [--burst 200]
 
 - Latency: sequential requests to a resident deployment with a zero-time invoke, end to end
   (start to result), against bare one-activity workflows: p50 ratios. Four paths, interleaved:
@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -45,8 +44,6 @@ from temporalio import activity, workflow
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._proc import CpuMeter
 from modelforge.client import ModelForgeClient

@@ -2,7 +2,7 @@
 workflow: the same workflow with one ingredient added at a time, interleaved in rounds on one
 Temporal dev server, in one process (p50 ms and the ratio to bare).
 
-    flock /tmp/modelforge-bench.lock .venv/bin/python bench/path_ingredients.py [ROUNDS] [--burst N]
+    flock /tmp/modelforge-bench.lock .venv/bin/python -m bench.path_ingredients [ROUNDS] [--burst N]
 
 With `--burst N`: bursts of N concurrent workflows of each kind instead, interleaved, three
 rounds: completed per second and the CPU each workflow cost this process (the workflow and the
@@ -25,18 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from temporalio import activity, workflow
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._proc import CpuMeter
 from modelforge import temporal as sa

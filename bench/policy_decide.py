@@ -18,7 +18,7 @@
    waiting; what the scheduler does per submission (`existing_admission`, `validate_request`,
    `enqueue`), CPU per submission, each request withdrawn again afterwards (untimed).
 
-    .venv/bin/python bench/policy_decide.py [--quick] [--processes N]
+    .venv/bin/python -m bench.policy_decide [--quick] [--processes N]
 
 Each part runs in N fresh processes one after the other (default 3) and each case is judged by
 its floor: one process's figures sit on one of two levels about 2x apart, the level chosen by the

@@ -1,7 +1,7 @@
 """What routing a capability to a pool costs a request (modelforge/routing.py), on a real Temporal
 dev server with two pools (tests/catalogs/pools.toml: pool-a on node-a, pool-b on node-b).
 
-    .venv/bin/python bench/pool_routing.py [--n 60]
+    .venv/bin/python -m bench.pool_routing [--n 60]
 
 z@1 is warm in pool-b. Interleaved, sequential warm requests for it:
 - named: a client bound to pool-b (no routing, as before);

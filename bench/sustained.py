@@ -1,7 +1,7 @@
 """Sustained load: a steady stream of requests at a fixed rate for N minutes on
 the real Temporal dev server, with the control and a simulated node worker in this process.
 
-    .venv/bin/python bench/sustained.py [--minutes 10] [--rate 8] [--max-history 2000]
+    .venv/bin/python -m bench.sustained [--minutes 10] [--rate 8] [--max-history 2000]
 
 Every 30 s it prints: requests started and finished, failures by class, the scheduler's current
 history length and how many times it continued-as-new, and this process's resident memory (the
@@ -14,7 +14,7 @@ Pick --rate at or under the throughput `bench/orchestration.py` measures on the 
 Edge mode: the sustained edge of two configurations, side by side in one run (one dev server,
 one Postgres, one process for the control worker, the node workers and the load):
 
-    .venv/bin/python bench/sustained.py --edge [--pools 2] [--step-s 20] [--rates 4,8,12,...]
+    .venv/bin/python -m bench.sustained --edge [--pools 2] [--step-s 20] [--rates 4,8,12,...]
         [--drain-s 3] [--p50-max-s 1] [--baseline routed|control] [--first admitted|delegated]
 
   (a) admitted: a single pool (the first), every request admitted by its scheduler: routed

@@ -18,7 +18,7 @@
    `stamp_predictions` (what the scheduler adds to each pass to keep the first ETA), alternated
    in one loop; and the cost of the `verdicts` query over the whole queue and of one dry run.
 
-    .venv/bin/python bench/verdicts.py [--quick]
+    .venv/bin/python -m bench.verdicts [--quick]
 
 --quick: one hour of arrivals and 300 dry-run cases instead of two hours and 1,000."""
 
@@ -30,11 +30,7 @@ import gc
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.policy_decide import NOW as FULL_NOW
 from bench.policy_decide import PRIORITIES, _pass, _request, full_pool

@@ -2,9 +2,9 @@
 traces at their real rates, read back as a scenario and replayed under the catalog as it was and
 under a proposed one (the chat model's TTL 600 s -> 3,600 s), timed.
 
-    .venv/bin/python bench/whatif.py                 # in memory: the record's rows as the store returns them
-    .venv/bin/python bench/whatif.py --store         # the record written to an embedded Postgres and read back
-    .venv/bin/python bench/whatif.py --peak-hours 1  # a quieter week
+    .venv/bin/python -m bench.whatif                 # in memory: the record's rows as the store returns them
+    .venv/bin/python -m bench.whatif --store         # the record written to an embedded Postgres and read back
+    .venv/bin/python -m bench.whatif --peak-hours 1  # a quieter week
 
 The homelab (every card simulated): the Azure card of `modelforge trace azure` (a 24 GiB RTX
 3090 shared with Plex, 1.2 GiB always, and Tdarr transcodes, 2.5 GiB for ten minutes every half

@@ -6,9 +6,9 @@ from the store and the simulator replays it through the production policy under 
 force. Per-class wait percentiles and the count of loads, recorded beside replayed, for a quiet
 run and an overloaded one.
 
-    .venv/bin/python bench/whatif_fidelity.py                 # both runs, 3 minutes each
-    .venv/bin/python bench/whatif_fidelity.py --minutes 1 --only quiet
-    .venv/bin/python bench/whatif_fidelity.py --only quiet --keep /tmp/fidelity   # + every request
+    .venv/bin/python -m bench.whatif_fidelity                 # both runs, 3 minutes each
+    .venv/bin/python -m bench.whatif_fidelity --minutes 1 --only quiet
+    .venv/bin/python -m bench.whatif_fidelity --only quiet --keep /tmp/fidelity   # + every request
 
 Tolerance (stated before measuring): a replayed wait percentile is within max(2 s, 25%) of the
 recorded one, and the replay's loads within max(2, 20%) of the recorded loads. Where a figure is

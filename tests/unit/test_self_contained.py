@@ -92,7 +92,7 @@ def test_the_patterns_catch_outside_references_and_spare_random_seeds() -> None:
         "def derived_layer(seed: int, index: int, dim: int) -> np.ndarray:",
         "two real fine-tunes of the base's shape instead of the seeds.",
         "`--seed-a 1`, `--seed-b 2`",
-        "bench/chaos.py --minutes 5 --rate 3 --seed 1",
+        "python -m bench.chaos --minutes 5 --rate 3 --seed 1",
         'messages=[{"role": "system", "content": "be brief"}], seed=7',
         "# Seed 14's first four faults are one of each kind",
         "modelforge/examples/queues-seed003.toml",
