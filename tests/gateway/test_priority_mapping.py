@@ -46,8 +46,10 @@ def _client(gateway: Served, key: str) -> openai.AsyncOpenAI:
 
 
 async def _granted(gateway: Served, request_id: str) -> dict[str, Any]:
-    """The lease_granted event of a request: the class and tenant admission gave it."""
-    for _ in range(50):
+    """The lease_granted event of a request: the class and tenant admission gave it. Up to 30 s:
+    routine records are written lazily, once the oldest has waited 5 s (EVENT_WRITE_WAIT_S in
+    workflows/scheduler.py), so polling for 5 s only raced the write (a failure seen in a full run)."""
+    for _ in range(300):
         found = [e for e in await gateway.stack.events("lease_granted", at_least=1) if e["request_id"] == request_id]
         if found:
             payload: dict[str, Any] = found[0]["payload"]
