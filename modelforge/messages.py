@@ -220,6 +220,9 @@ class SchedulerInput:
     # and when the next comparison is due (carried across continue-as-new; None: one interval on).
     ledger_audit_interval_s: float = 60.0
     ledger_audit_at: float | None = None
+    # Since when grants wait for a ledger audit asked with a reset (carried across
+    # continue-as-new: a reset run may continue as new at once; None: they do not wait).
+    grants_wait_for_audit_since: float | None = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ What it does, per guarded workflow (each pool's scheduler):
    while their ledger rows are open and the holders may be using them. So the guard asks the
    run to audit its lease ledger (`audit_ledger`, sent before the reset so that the reset run
    receives it with the rest, and again after): a lease the ledger shows open and the run does
-   not hold is reclaimed, its row closed and its holder stopped (workflows/scheduler.py). That is
+   not hold is reclaimed, its row closed and its holder stopped (workflows/scheduler.py), and
+   the run grants nothing until that audit has answered (its room is not given twice). That is
    why step 3 runs first and why checks follow every outage. Both steps are logged with the
    workflow id, the run id and the event id.
 """

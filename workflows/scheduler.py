@@ -136,6 +136,11 @@ HELD_UP_DELIVERY_S = 10.0
 # under way, so deliveries held up one after another cannot postpone it for ever (seen: a run of
 # 6,187 events against a limit of 40, nine minutes, in the chaos round).
 CONTINUE_WAIT_LIMIT_S = 60.0
+# After a reset (the replay guard's `audit_ledger`), no grant until the ledger audit has answered:
+# a grant the lost part of the history made is unknown to the run, while its holder may use it,
+# and its capacity given again meanwhile is held twice (seen in the chaos round). At most this
+# long (Postgres down): then the heartbeat fence alone stops a forgotten holder that invokes.
+AUDIT_BEFORE_GRANTS_LIMIT_S = 60.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
 DELEGATION_SPARE_SLOTS = 1
@@ -187,6 +192,9 @@ class PoolSchedulerWorkflow:
         self._audit: asyncio.Future[list[OpenLease]] | None = None
         self._audit_asked = False
         self._released_unwritten: set[str] = set()
+        self._grants_wait_since = start.grants_wait_for_audit_since  # `_grants_wait_for_audit`
+        if self._grants_wait_since is not None:
+            self._audit_asked = True  # the previous run's audit, if any, answered nobody
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -260,7 +268,8 @@ class PoolSchedulerWorkflow:
             policy.enqueue(self._state, request, priority, now)
             admitted[request.request_id] = (position, priority)
         if admitted:
-            self._run_policy(now)
+            if not self._grants_wait_for_audit():  # else queued, granted once the audit answered
+                self._run_policy(now)
             # Decisions about the requests just admitted go back in the reply, not as signals.
             kept: list[tuple[str, LeaseDecision]] = []
             for workflow_id, decision in self._decisions_out:
@@ -605,6 +614,8 @@ class PoolSchedulerWorkflow:
         the replay guard with a reset of this run (a reset run forgets what the lost part of its
         history granted, while those grants' ledger rows are open and their holders may run)."""
         self._audit_asked = True
+        if self._grants_wait_since is None and self._audit_interval_s > 0:
+            self._grants_wait_since = self._now()
         self._wake = True
 
     @workflow.signal
@@ -822,7 +833,10 @@ class PoolSchedulerWorkflow:
             if self._catalog_stale:
                 await self._reload_catalog()
             self._reclaim_forgotten(self._now())
-            self._run_policy(self._now())
+            if self._grants_wait_since is not None and not self._grants_wait_for_audit():
+                self._grants_wait_since = None  # the audit did not answer in time: grant again
+            if not self._grants_wait_for_audit():
+                self._run_policy(self._now())
             self._own_grants(self._now())
             self._unload_drained(self._now())
             self._snapshot()
@@ -842,7 +856,13 @@ class PoolSchedulerWorkflow:
                 # The next run starts on the deployment's current build (Worker Versioning): a
                 # new release takes the pool over here, with the state and nothing lost.
                 workflow.continue_as_new(
-                    replace(start, state=self._state, carried=self._outbox(), ledger_audit_at=self._next_audit_at()),
+                    replace(
+                        start,
+                        state=self._state,
+                        carried=self._outbox(),
+                        ledger_audit_at=self._next_audit_at(),
+                        grants_wait_for_audit_since=self._grants_wait_since,
+                    ),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                     initial_versioning_behavior=UPGRADE_ON_CONTINUE,
                 )
@@ -987,6 +1007,8 @@ class PoolSchedulerWorkflow:
             due.append(next(iter(self._sends_started.values())) + HELD_UP_DELIVERY_S)
         if self._continue_due_at is not None and not self._holding:
             due.append(self._continue_due_at + CONTINUE_WAIT_LIMIT_S)
+        if self._grants_wait_since is not None:
+            due.append(self._grants_wait_since + AUDIT_BEFORE_GRANTS_LIMIT_S)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -1103,6 +1125,11 @@ class PoolSchedulerWorkflow:
 
         task = asyncio.ensure_future(deliver())
         self._sending[workflow_id] = task
+
+    def _grants_wait_for_audit(self) -> bool:
+        """Whether grants wait for the ledger audit asked with a reset (AUDIT_BEFORE_GRANTS_LIMIT_S)."""
+        since = self._grants_wait_since
+        return since is not None and self._now() - since < AUDIT_BEFORE_GRANTS_LIMIT_S
 
     def _continue_overdue(self) -> bool:
         """Whether continue-as-new has been due for CONTINUE_WAIT_LIMIT_S or more."""
@@ -1249,7 +1276,10 @@ class PoolSchedulerWorkflow:
         self._audit = None
         released, self._released_unwritten = self._released_unwritten, set()
         if audit.cancelled() or audit.exception() is not None:
-            return  # the next audit asks again
+            # The next audit asks again: at once while grants wait for one.
+            self._audit_asked = self._audit_asked or self._grants_wait_since is not None
+            return
+        self._grants_wait_since = None
         for row in audit.result():
             if row.lease_id in self._state.leases or row.lease_id in released:
                 continue

@@ -13,7 +13,8 @@ found and moved out of before it wedges the pool, and a run already wedged is re
 - A reset past a grant (the chaos bench's moment: a queued request granted in the lost part of
   the history, its lease run out in the reset run) leaves a lease the scheduler no longer knows
   while its ledger row is open and its holder invokes: the reset run reclaims it, closes the
-  row and stops the holder, which asks again.
+  row and stops the holder, which asks again; and it grants nothing before that audit has
+  answered, so a request queued behind gets the slot only once the forgotten lease is closed.
 """
 
 from __future__ import annotations
@@ -177,65 +178,91 @@ async def test_a_live_scheduler_with_an_unreplayable_history_moves_to_a_clean_ru
         assert len(released) >= 3
 
 
+# Holders heard from stay held for 30 s and unheard ones for 150 s: neither rule of silence
+# reclaims anything in these tests, so a row closed here was closed by the reset run's audit.
+SILENCE_RECLAIMS_NOTHING = PolicyConfig(stale_lease_s=30.0, freshness_s=300.0, node_silent_s=600.0)
+
+
+async def _reset_past_a_grant(stack: Any, queued_behind: Any = None) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The chaos bench's moment: a request (the second) queued behind the first, granted when it
+    ends and running long, and the scheduler reset to the task before that grant once the
+    second's lease timeout has run out (so the reset run refuses it rather than granting it
+    again: the grant made before is forgotten). `queued_behind`: awaited right after the second
+    starts (it queues more behind it, before the grant). The first and second requests, the
+    forgotten lease and its ledger row once closed."""
+    first = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 3})
+
+    async def first_holds() -> bool:
+        return (await stack.status()).active_leases == 1
+
+    assert await _until(first_holds, 30)
+    second = await stack.start_request("fence.one@1", tenant="app", lease_timeout_s=8, input={"simulate_invoke_s": 15})
+    submitted = asyncio.get_running_loop().time()
+    if queued_behind is not None:
+        await queued_behind()
+
+    async def second_granted() -> list[dict[str, Any]]:
+        rows = await stack.store.ledger()
+        return [r for r in rows if r["request_id"] == second.id.rsplit(":", 1)[1]]
+
+    [row] = await _until(second_granted, 30)
+    lease_id = row["lease_id"]
+    assert row["ended_at"] is None
+    run_id = (await stack.scheduler.describe()).run_id or ""
+    history = await stack.client.get_workflow_handle("scheduler:default", run_id=run_id).fetch_history()
+    grant = next(
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+        and e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id == second.id
+    )
+    point = max(
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < grant
+    )
+    await asyncio.sleep(max(0.0, submitted + 9.5 - asyncio.get_running_loop().time()))
+    guard = ReplayGuard(stack.client, ["scheduler:default"], _never_called)
+    await guard.reset("scheduler:default", run_id, point, "a test resets past a grant")
+    assert (await stack.scheduler.describe()).run_id != run_id
+
+    async def row_closed() -> dict[str, Any] | None:
+        [now] = await stack.store.ledger(lease_id=lease_id)
+        return now if now["ended_at"] is not None else None
+
+    closed = await _until(row_closed, 30)
+    assert closed is not None, f"the ledger row of {lease_id}, forgotten by the reset, stayed open"
+    assert "no longer held" in closed["outcome"]
+    reclaimed = [e for e in await stack.events("lease_reclaimed", at_least=1) if e["lease_id"] == lease_id]
+    assert reclaimed and reclaimed[0]["workflow_id"] == second.id
+    return first, second, lease_id, closed
+
+
+async def _no_lease_left(stack: Any) -> None:
+    async def idle() -> bool:
+        return (await stack.status()).active_leases == 0
+
+    assert await _until(idle, 30)
+
+    async def closed() -> bool:  # the release events are written after the scheduler's pass
+        return all(r["ended_at"] is not None for r in await stack.store.ledger())
+
+    await _until(closed, 30)
+    rows = await stack.store.ledger()
+    assert [r["lease_id"] for r in rows if r["ended_at"] is None] == []
+
+
 async def test_a_reset_past_a_grant_reclaims_the_lease_it_forgot(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
-    # Holders heard from stay held for 30 s and unheard ones for 150 s: neither rule of silence
-    # reclaims anything in this test, so a row closed here was closed by the reset run's audit.
-    config = PolicyConfig(stale_lease_s=30.0, freshness_s=300.0, node_silent_s=600.0)
     async with running_stack(
-        dev_server_env.client, database_url, catalog_path=FENCING, config=config, adopt_interval_s=3600
+        dev_server_env.client,
+        database_url,
+        catalog_path=FENCING,
+        config=SILENCE_RECLAIMS_NOTHING,
+        adopt_interval_s=3600,
     ) as stack:
-        first = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 3})
-
-        async def first_holds() -> bool:
-            return (await stack.status()).active_leases == 1
-
-        assert await _until(first_holds, 30)
-        # Queued behind the first, granted when it ends, and running long; its lease timeout
-        # runs out soon after its grant.
-        second = await stack.start_request(
-            "fence.one@1", tenant="app", lease_timeout_s=8, input={"simulate_invoke_s": 15}
-        )
-        submitted = asyncio.get_running_loop().time()
-
-        async def second_granted() -> list[dict[str, Any]]:
-            rows = await stack.store.ledger()
-            return [r for r in rows if r["request_id"] == second.id.rsplit(":", 1)[1]]
-
-        [row] = await _until(second_granted, 30)
-        lease_id = row["lease_id"]
-        assert row["ended_at"] is None
-        run_id = (await stack.scheduler.describe()).run_id or ""
-        history = await stack.client.get_workflow_handle("scheduler:default", run_id=run_id).fetch_history()
-        grant = next(
-            e.event_id
-            for e in history.events
-            if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
-            and e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
-            == second.id
-        )
-        point = max(
-            e.event_id
-            for e in history.events
-            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < grant
-        )
-        # The reset run decides again at its own time: past the second's lease timeout, it
-        # refuses it instead of granting it again. The grant made before is forgotten.
-        await asyncio.sleep(max(0.0, submitted + 9.5 - asyncio.get_running_loop().time()))
-        guard = ReplayGuard(stack.client, ["scheduler:default"], _never_called)
-        await guard.reset("scheduler:default", run_id, point, "a test resets past a grant")
-        assert (await stack.scheduler.describe()).run_id != run_id
-
-        async def row_closed() -> dict[str, Any] | None:
-            [now] = await stack.store.ledger(lease_id=lease_id)
-            return now if now["ended_at"] is not None else None
-
-        closed = await _until(row_closed, 30)
-        assert closed is not None, f"the ledger row of {lease_id}, forgotten by the reset, stayed open"
-        assert "no longer held" in closed["outcome"]
-        reclaimed = [e for e in await stack.events("lease_reclaimed", at_least=1) if e["lease_id"] == lease_id]
-        assert reclaimed and reclaimed[0]["workflow_id"] == second.id
+        first, second, lease_id, _ = await _reset_past_a_grant(stack)
         # Its holder was stopped at once (preempted with no grace, not after its invoke) and
         # asked again: it ran on a lease of its own.
         result = await asyncio.wait_for(second.result(), timeout=60)
@@ -244,18 +271,47 @@ async def test_a_reset_past_a_grant_reclaims_the_lease_it_forgot(
         assert (await first.result()).output
         after = await stack.start_request("fence.one@1", tenant="app")
         assert (await after.result()).output
+        await _no_lease_left(stack)
 
-        async def idle() -> bool:
-            return (await stack.status()).active_leases == 0
 
-        assert await _until(idle, 30)
+async def test_a_reset_run_grants_nothing_before_its_audit_has_answered(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """A request queued behind the second (before the grant the reset forgets): the reset run
+    finds the card's one slot free and must not give it away before its audit has reclaimed the
+    forgotten lease (seen in a chaos round: the room granted again at once, the ledger showing it
+    held twice for 16 s)."""
+    async with running_stack(
+        dev_server_env.client,
+        database_url,
+        catalog_path=FENCING,
+        config=SILENCE_RECLAIMS_NOTHING,
+        adopt_interval_s=3600,
+    ) as stack:
+        third: list[Any] = []
 
-        async def closed() -> bool:  # the release events are written after the scheduler's pass
-            return all(r["ended_at"] is not None for r in await stack.store.ledger())
+        async def queue_a_third() -> None:
+            async def second_queued() -> bool:  # so that the third queues behind it
+                return sum((await stack.status()).queue_depth.values()) == 1
 
-        await _until(closed, 30)
-        rows = await stack.store.ledger()
-        assert [r["lease_id"] for r in rows if r["ended_at"] is None] == []
+            assert await _until(second_queued, 30)
+            third.append(await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 1}))
+
+            async def queued() -> bool:  # the second and the third
+                return sum((await stack.status()).queue_depth.values()) == 2
+
+            assert await _until(queued, 30)
+
+        first, second, _, closed = await _reset_past_a_grant(stack, queued_behind=queue_a_third)
+        assert (await asyncio.wait_for(third[0].result(), timeout=60)).output
+        [row] = [r for r in await stack.store.ledger() if r["request_id"] == third[0].id.rsplit(":", 1)[1]]
+        assert row["granted_at"] >= closed["ended_at"], (row["granted_at"], closed["ended_at"])
+        # The second, stopped at the reclaim, asked again and ran after the third.
+        result = await asyncio.wait_for(second.result(), timeout=60)
+        assert result.timings["preemptions"] == 1, result.timings
+        assert result.lease.lease_id != row["lease_id"]
+        assert (await first.result()).output
+        await _no_lease_left(stack)
 
 
 async def _never_called(history: WorkflowHistory) -> Exception | None:
