@@ -223,6 +223,9 @@ class SchedulerInput:
     # Since when grants wait for a ledger audit asked with a reset (carried across
     # continue-as-new: a reset run may continue as new at once; None: they do not wait).
     grants_wait_for_audit_since: float | None = None
+    # The grants the reset's discarded part of the history made (`LedgerAudit`), not yet
+    # reclaimed by an audit: carried so that the next run's audit reclaims them.
+    lost_grants: list[Lease] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,16 @@ class AddressedCommand:
 class AddressedPreempt:
     workflow_id: str
     preempt: PreemptSignal
+
+
+@dataclass(frozen=True)
+class LedgerAudit:
+    """The replay guard's `audit_ledger` with a reset of a scheduler's run. `lost_grants`: the
+    leases the discarded part of the history granted (read by the guard from the old run's
+    history): the audit reclaims them whether or not their ledger row was ever written (a grant's
+    event is written lazily, and a row never written is one no audit of the ledger can find)."""
+
+    lost_grants: list[Lease] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,20 @@ What it does, per guarded workflow (each pool's scheduler):
    lost; the event `scheduler_rebased` records it.
 4. One that does not and whose run did not move within `rebase_wait_s` (no worker has it cached:
    it is wedged): the guard resets the run to the end of the workflow task before the one that
-   wrote the bad commands, reapplying every signal and update received after it. Decisions the
-   lost run made after that point are gone: its grants' holders are unknown to the reset run,
-   while their ledger rows are open and the holders may be using them. So the guard asks the
-   run to audit its lease ledger (`audit_ledger`, sent before the reset so that the reset run
-   receives it with the rest, and again after): a lease the ledger shows open and the run does
-   not hold is reclaimed, its row closed and its holder stopped (workflows/scheduler.py), and
-   the run grants nothing until that audit has answered (its room is not given twice). That is
-   why step 3 runs first and why checks follow every outage. Both steps are logged with the
-   workflow id, the run id and the event id.
+   wrote the bad commands. Decisions the lost run made after that point are gone: its grants'
+   holders are unknown to the reset run while they may be using them, and some of those grants'
+   ledger rows were never written (events are written lazily). So the guard first asks the run to
+   audit its lease ledger (`audit_ledger`), naming the grants it reads in the discarded part
+   (`LedgerAudit.lost_grants`); it sends the ask before the reset, so the reset run receives it
+   with the signals applied again, before anything it could grant. The run grants nothing until
+   that audit has answered, and reclaims every lease the ledger shows open or the guard named
+   that it does not hold: its row closed (written first if it never was), its holder stopped
+   (workflows/scheduler.py), so its room is never given twice. Updates are not applied again by
+   the reset: an admission decided again would answer in a reply nobody reads, while its
+   requester waits for a signal. The guard sends each admission again as `readmit` (decided by
+   signal, after the audit) and any other update as the same update. That is why step 3 runs
+   first and why checks follow every outage. Both steps are logged with the workflow id, the
+   run id and the event id.
 """
 
 from __future__ import annotations
@@ -46,20 +51,32 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import EventType
-from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType, UpdateWorkflowExecutionLifecycleStage
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.api.update.v1 import Input, Meta, Request, WaitPolicy
+from temporalio.api.workflowservice.v1 import (
+    ResetWorkflowExecutionRequest,
+    SignalWorkflowExecutionRequest,
+    UpdateWorkflowExecutionRequest,
+)
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, WorkflowRunner
 from temporalio.workflow import NondeterminismError
 
 from modelforge.logging import get_logger
-from modelforge.messages import RebaseSignal
+from modelforge.messages import AdmitBatchReply, LeaseDecision, LedgerAudit, RebaseSignal
+from modelforge.policy import Lease
 
 log = get_logger("modelforge.worker.replay_guard")
 
 # core's message names the history event it could not match: "HistoryEvent(id: 40, TimerStarted)"
 _BAD_EVENT = re.compile(r"HistoryEvent\(id: (\d+)")
+# The scheduler's messages the guard reads in, or sends again from, a reset's discarded part.
+ADMIT_UPDATE, READMIT_SIGNAL, GRANT_SIGNAL = "admit_batch", "readmit", "lease_decision"
+# At most this many lost grants named in one audit (a signal's payload stays far under its
+# limit); any beyond are left to the ledger's rows and the heartbeat fence.
+MAX_LOST_GRANTS = 2000
 
 ReplayCheck = Callable[[WorkflowHistory], Awaitable[Exception | None]]
 
@@ -135,6 +152,65 @@ def reset_point(history: WorkflowHistory, failure: Exception) -> int | None:
         if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and event.event_id < bad
     ]
     return completed[-1] if completed else None
+
+
+@dataclass(frozen=True)
+class DiscardedTail:
+    """What a reset to `point` discards that the guard must carry over by hand: the leases the
+    run granted after it (a grant signalled to its requester, or answered in an admission's
+    reply), and the updates it accepted after it, in order (each its name, id and input). The
+    reset applies no update again: one decided again would answer in a reply nobody reads."""
+
+    lost_grants: list[Lease]
+    updates: list[tuple[str, str, Input]]
+
+
+async def discarded_tail(events: Sequence[HistoryEvent], point: int, converter: DataConverter) -> DiscardedTail:
+    grants: dict[str, Lease] = {}
+    updates: dict[str, tuple[str, str, Input]] = {}  # by update id, in the order accepted
+    for event in events:
+        if event.event_id <= point:
+            continue
+        kind = event.event_type
+        if kind == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            signal = event.signal_external_workflow_execution_initiated_event_attributes
+            if signal.signal_name == GRANT_SIGNAL:
+                for decision in await _decoded(converter, signal.input.payloads, LeaseDecision):
+                    if decision.lease is not None:
+                        grants[decision.lease.lease_id] = decision.lease
+        elif kind in (
+            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED,
+            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ADMITTED,
+        ):
+            # An update applied again by an earlier reset is admitted with its request, then
+            # accepted without it.
+            request = (
+                event.workflow_execution_update_accepted_event_attributes.accepted_request
+                if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+                else event.workflow_execution_update_admitted_event_attributes.request
+            )
+            update_id = request.meta.update_id
+            if update_id and update_id not in updates:
+                updates[update_id] = (request.input.name, update_id, request.input)
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED:
+            completed = event.workflow_execution_update_completed_event_attributes
+            name = updates.get(completed.meta.update_id, ("", "", None))[0]
+            if name == ADMIT_UPDATE and completed.outcome.HasField("success"):
+                for reply in await _decoded(converter, completed.outcome.success.payloads, AdmitBatchReply):
+                    for answer in reply.replies:
+                        if answer.status == "granted" and answer.lease is not None:
+                            grants[answer.lease.lease_id] = answer.lease
+    return DiscardedTail(lost_grants=list(grants.values())[-MAX_LOST_GRANTS:], updates=list(updates.values()))
+
+
+async def _decoded(converter: DataConverter, payloads: Sequence[Any], kind: type[Any]) -> list[Any]:
+    """One payload read back as `kind`; none if it cannot be (the reset goes on without it)."""
+    try:
+        [value] = await converter.decode(list(payloads), [kind])
+    except Exception as error:
+        log.warning("discarded_payload_unreadable", kind=kind.__name__, error=_short(error))
+        return []
+    return [value]
 
 
 @dataclass(frozen=True)
@@ -239,10 +315,17 @@ class ReplayGuard:
         return GuardOutcome(workflow_id, "reset", run_id, f"reset to event {point}: {detail}")
 
     async def reset(self, workflow_id: str, run_id: str, point: int, detail: str) -> None:
-        """Reset the run to the end of the workflow task `point`, every signal and update it
-        received after that applied again; the scheduler's ledger audit asked for before (so
-        that the reset run receives the ask with the rest) and after."""
-        await self._ask_audit(self._client.get_workflow_handle(workflow_id, run_id=run_id), workflow_id)
+        """Reset the run to the end of the workflow task `point`, every signal it received after
+        that applied again. First the run is asked to audit its ledger (`audit_ledger`, sent
+        before the reset so that the reset run receives it with the signals applied again, before
+        anything it could grant), naming the grants the discarded part made; then the updates it
+        had accepted there are sent again, after the ask: an admission as `readmit` (its
+        requester waits for a signal, not a reply), any other as the same update."""
+        old = self._client.get_workflow_handle(workflow_id, run_id=run_id)
+        converter = self._client.data_converter
+        before = await old.fetch_history()
+        lost = (await discarded_tail(before.events, point, converter)).lost_grants
+        await self._ask_audit(old, workflow_id, LedgerAudit(lost_grants=lost))
         await self._client.workflow_service.reset_workflow_execution(
             ResetWorkflowExecutionRequest(
                 namespace=self._client.namespace,
@@ -250,19 +333,64 @@ class ReplayGuard:
                 reason=f"modelforge replay guard: history cannot be replayed ({detail})"[:1000],
                 workflow_task_finish_event_id=point,
                 request_id=str(uuid.uuid4()),
-                # Signals and updates received after the reset point are applied again.
-                reset_reapply_exclude_types=[],
+                # Signals received after the reset point are applied again; updates are sent again below.
+                reset_reapply_exclude_types=[ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_UPDATE],
             )
         )
-        log.error("workflow_reset", workflow_id=workflow_id, run_id=run_id, reset_to_event=point)
+        log.error("workflow_reset", workflow_id=workflow_id, run_id=run_id, reset_to_event=point, lost_grants=len(lost))
+        # The old run is closed now: its history holds every update it accepted.
+        updates = (await discarded_tail((await old.fetch_history()).events, point, converter)).updates
+        for name, update_id, given in updates:
+            await self._send_again(workflow_id, name, update_id, given)
         await self._ask_audit(self._client.get_workflow_handle(workflow_id), workflow_id)
 
-    async def _ask_audit(self, handle: WorkflowHandle[Any, Any], workflow_id: str) -> None:
+    async def _send_again(self, workflow_id: str, name: str, update_id: str, given: Input) -> None:
+        """One update the reset discarded, to the reset run, from its recorded payloads (read
+        back by the scheduler as the first time, whatever codec or storage wrote them). Best
+        effort, logged: a requester not told waits to its lease timeout, as before the guard."""
+        execution = WorkflowExecution(workflow_id=workflow_id)
+        try:
+            if name == ADMIT_UPDATE:
+                await self._client.workflow_service.signal_workflow_execution(
+                    SignalWorkflowExecutionRequest(
+                        namespace=self._client.namespace,
+                        workflow_execution=execution,
+                        signal_name=READMIT_SIGNAL,
+                        input=given.args,
+                        header=given.header,
+                        identity=self._client.identity,
+                        request_id=f"readmit:{update_id}"[:255],
+                    ),
+                    retry=True,
+                    timeout=timedelta(seconds=10),
+                )
+                return
+            await self._client.workflow_service.update_workflow_execution(
+                UpdateWorkflowExecutionRequest(
+                    namespace=self._client.namespace,
+                    workflow_execution=execution,
+                    request=Request(meta=Meta(update_id=update_id, identity=self._client.identity), input=given),
+                    wait_policy=WaitPolicy(
+                        lifecycle_stage=UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ACCEPTED
+                    ),
+                ),
+                retry=True,
+                timeout=timedelta(seconds=10),
+            )
+        except Exception as error:
+            log.warning("update_not_sent_again", workflow_id=workflow_id, update=name, error=_short(error))
+
+    async def _ask_audit(
+        self, handle: WorkflowHandle[Any, Any], workflow_id: str, audit: LedgerAudit | None = None
+    ) -> None:
         """Best effort: the scheduler audits its ledger every minute anyway."""
         if not self._audit_signal:
             return
         try:
-            await handle.signal(self._audit_signal)
+            if audit is None:
+                await handle.signal(self._audit_signal)
+            else:
+                await handle.signal(self._audit_signal, audit)
         except Exception as error:
             log.warning("ledger_audit_signal_failed", workflow_id=workflow_id, error=_short(error))
 

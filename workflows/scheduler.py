@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         LeaseConfirmCall,
         LeaseDecision,
         LeaseHeartbeat,
+        LedgerAudit,
         NodeSample,
         OpenLease,
         PreemptSignal,
@@ -195,6 +196,8 @@ class PoolSchedulerWorkflow:
         self._grants_wait_since = start.grants_wait_for_audit_since  # `_grants_wait_for_audit`
         if self._grants_wait_since is not None:
             self._audit_asked = True  # the previous run's audit, if any, answered nobody
+        # Grants of a reset's discarded history, reclaimed with the next audit (`LedgerAudit`).
+        self._lost_grants: dict[str, policy.Lease] = {lease.lease_id: lease for lease in start.lost_grants}
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -252,18 +255,7 @@ class PoolSchedulerWorkflow:
                 replies[position] = AdmitReply(
                     status="rejected", failure=rejected.failure.value, message=rejected.message
                 )
-                # Bad input and full queues are in the event log too, never only in a reply.
-                self._record(
-                    policy.PolicyEvent(
-                        kind="request_refused",
-                        failure=rejected.failure,
-                        request_id=request.request_id,
-                        workflow_id=request.workflow_id,
-                        message=rejected.message,
-                        payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
-                    ),
-                    now,
-                )
+                self._record_refusal(request, rejected, now)
                 continue
             policy.enqueue(self._state, request, priority, now)
             admitted[request.request_id] = (position, priority)
@@ -288,6 +280,20 @@ class PoolSchedulerWorkflow:
             for position, priority_value in admitted.values():
                 replies.setdefault(position, AdmitReply(status="queued", priority=priority_value))
         return [replies[position] for position in range(len(requests))]
+
+    def _record_refusal(self, request: policy.AdmissionRequest, rejected: policy.AdmissionRejected, now: float) -> None:
+        """Bad input and full queues are in the event log too, never only in a reply."""
+        self._record(
+            policy.PolicyEvent(
+                kind="request_refused",
+                failure=rejected.failure,
+                request_id=request.request_id,
+                workflow_id=request.workflow_id,
+                message=rejected.message,
+                payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
+            ),
+            now,
+        )
 
     @workflow.signal
     def release(self, signal: ReleaseSignal) -> None:
@@ -609,13 +615,54 @@ class PoolSchedulerWorkflow:
         self._wake = True
 
     @workflow.signal
-    def audit_ledger(self) -> None:
+    def audit_ledger(self, audit: LedgerAudit | None = None) -> None:
         """Compare the lease ledger with the leases held now, not at the next interval: sent by
         the replay guard with a reset of this run (a reset run forgets what the lost part of its
-        history granted, while those grants' ledger rows are open and their holders may run)."""
+        history granted, while those grants' ledger rows are open and their holders may run).
+        Grants wait until the audit has answered (`_grants_wait_for_audit`); the lost grants the
+        guard names are reclaimed with it (`_reclaim_forgotten`)."""
+        for lease in audit.lost_grants if audit is not None else []:
+            self._never_reissue(lease.lease_id)
+            if lease.lease_id not in self._state.leases:
+                self._lost_grants[lease.lease_id] = lease
         self._audit_asked = True
         if self._grants_wait_since is None and self._audit_interval_s > 0:
             self._grants_wait_since = self._now()
+        self._wake = True
+
+    @workflow.signal
+    def readmit(self, batch: AdmitBatch) -> None:
+        """Admissions a reset discarded, sent again by the replay guard (the reset applies no
+        update again: an `admit_batch` decided again would answer in a reply nobody reads, while
+        its requester waits for the word of the run it was answered by). The requester had its
+        answer (queued or granted) from the lost run, so every decision about it goes by signal:
+        a lease this run already holds for it, a refusal, or the grant of the pass that admits it
+        (after the ledger audit asked with the reset). Its call's time budget (`admit_by`) is
+        not checked again: the requester has not given up, it waits for a word."""
+        now = self._now()
+        for request in batch.requests[:MAX_ADMIT_BATCH]:
+            existing = policy.existing_admission(self._state, request)
+            if isinstance(existing, policy.Lease):
+                self._decisions_out.append(
+                    (request.workflow_id, LeaseDecision(request_id=request.request_id, lease=existing))
+                )
+                continue
+            if existing is not None:
+                continue  # queued: the pass that grants it tells it
+            try:
+                _, priority = policy.validate_request(self._state, request, gangs=True)
+            except policy.AdmissionRejected as rejected:
+                self._record_refusal(request, rejected, now)
+                self._decisions_out.append(
+                    (
+                        request.workflow_id,
+                        LeaseDecision(
+                            request_id=request.request_id, failure=rejected.failure.value, message=rejected.message
+                        ),
+                    )
+                )
+                continue
+            policy.enqueue(self._state, request, priority, now)
         self._wake = True
 
     @workflow.signal
@@ -862,6 +909,7 @@ class PoolSchedulerWorkflow:
                         carried=self._outbox(),
                         ledger_audit_at=self._next_audit_at(),
                         grants_wait_for_audit_since=self._grants_wait_since,
+                        lost_grants=list(self._lost_grants.values()),
                     ),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                     initial_versioning_behavior=UPGRADE_ON_CONTINUE,
@@ -1266,10 +1314,13 @@ class PoolSchedulerWorkflow:
     def _reclaim_forgotten(self, now: float) -> None:
         """A ledger row open for a lease this run does not hold, nor has released: a grant this
         run forgot (its history was reset past the grant, by the replay guard or an operator),
-        whose holder was told and may be using it. The lease is reclaimed: its row is closed
-        (lease_released), its holder preempted with no grace (an invoke still running stops,
-        and a heartbeat for it stops it too, as for any reclaimed lease), and a late grant it
-        asks about is refused (`confirm_lease`). Its holder asks again if it still wants one."""
+        whose holder was told and may be using it. The same for a grant the guard read from the
+        discarded part of the history (`LedgerAudit.lost_grants`), whose row may never have been
+        written: its `lease_granted` is recorded now, so the event log and the ledger tell its
+        story too. Such a lease is reclaimed: its row is closed (lease_released), its holder
+        preempted with no grace (an invoke still running stops, and a heartbeat for it stops it
+        too, as for any reclaimed lease), and a late grant it asks about is refused
+        (`confirm_lease`). Its holder asks again if it still wants one."""
         audit = self._audit
         if audit is None or not audit.done():
             return
@@ -1280,30 +1331,14 @@ class PoolSchedulerWorkflow:
             self._audit_asked = self._audit_asked or self._grants_wait_since is not None
             return
         self._grants_wait_since = None
+        lost, self._lost_grants = self._lost_grants, {}
         for row in audit.result():
+            lost.pop(row.lease_id, None)
             if row.lease_id in self._state.leases or row.lease_id in released:
                 continue
-            counter = row.lease_id.rsplit(".", 1)[-1]
-            if counter.isdigit():
-                # A reset rewound the lease counter: an id the lost run gave out is never given
-                # again (its holder asking again would get the same id, and one ledger row).
-                self._state.lease_counter = max(self._state.lease_counter, int(counter))
+            self._never_reissue(row.lease_id)
             holder = request_workflow_id(row.capability, row.request_id) if row.request_id else ""
-            reason = "the scheduler no longer held it (its run was reset past the grant)"
             accelerator = row.accelerators[0] if row.accelerators else ""
-            self._record(
-                policy.PolicyEvent(
-                    kind="lease_reclaimed",
-                    request_id=row.request_id,
-                    lease_id=row.lease_id,
-                    accelerator=accelerator,
-                    deployment=row.deployment,
-                    workflow_id=holder,
-                    message=reason,
-                    payload={"bytes": row.bytes, "forgotten": True},
-                ),
-                now,
-            )
             forgotten = policy.Lease(
                 lease_id=row.lease_id,
                 request_id=row.request_id,
@@ -1319,18 +1354,45 @@ class PoolSchedulerWorkflow:
                 tenant=row.tenant,
                 gang=list(row.accelerators[1:]),
             )
-            self._record(
-                policy.lease_released_event(self._state.pool, forgotten, f"reclaimed: {reason}", now, forgotten=True),
-                now,
-            )
-            if holder:
-                self._preempts_out.append(
-                    (
-                        holder,
-                        PreemptSignal(lease_id=row.lease_id, reason=f"its lease was reclaimed: {reason}", grace_s=0.0),
-                    )
-                )
-            self._wake = True
+            self._reclaim_lost(forgotten, now)
+        for lease in lost.values():
+            if lease.lease_id in self._state.leases or lease.lease_id in released or lease.lease_id in self._released:
+                continue  # held again, or ended in this run (its holder's release came)
+            # No open row: never written, or closed already (the store keeps a row's first end).
+            self._record(policy.lease_granted_event(self._state.pool, lease, None, forgotten=True), now)
+            self._reclaim_lost(lease, now)
+
+    def _reclaim_lost(self, forgotten: policy.Lease, now: float) -> None:
+        """Close a lease this run does not hold and stop its holder (`_reclaim_forgotten`)."""
+        reason = "the scheduler no longer held it (its run was reset past the grant)"
+        self._record(
+            policy.PolicyEvent(
+                kind="lease_reclaimed",
+                request_id=forgotten.request_id,
+                lease_id=forgotten.lease_id,
+                accelerator=forgotten.accelerator,
+                deployment=forgotten.deployment,
+                workflow_id=forgotten.workflow_id,
+                message=reason,
+                payload={"bytes": forgotten.bytes, "forgotten": True},
+            ),
+            now,
+        )
+        self._record(
+            policy.lease_released_event(self._state.pool, forgotten, f"reclaimed: {reason}", now, forgotten=True),
+            now,
+        )
+        if forgotten.workflow_id:
+            stop = PreemptSignal(lease_id=forgotten.lease_id, reason=f"its lease was reclaimed: {reason}", grace_s=0.0)
+            self._preempts_out.append((forgotten.workflow_id, stop))
+        self._wake = True
+
+    def _never_reissue(self, lease_id: str) -> None:
+        """A reset rewound the lease counter: an id the lost run gave out is never given again
+        (its holder asking again would get the same id, and one ledger row)."""
+        counter = lease_id.rsplit(".", 1)[-1]
+        if counter.isdigit():
+            self._state.lease_counter = max(self._state.lease_counter, int(counter))
 
     def _snapshot(self) -> None:
         """Once per interval, what `status` shows per accelerator goes to the capacity history;

@@ -15,6 +15,10 @@ found and moved out of before it wedges the pool, and a run already wedged is re
   while its ledger row is open and its holder invokes: the reset run reclaims it, closes the
   row and stops the holder, which asks again; and it grants nothing before that audit has
   answered, so a request queued behind gets the slot only once the forgotten lease is closed.
+- What no ledger audit can see: an admission the lost run answered `queued` is sent again by the
+  guard and decided by signal (before, the reset run granted it in a reply nobody read and its
+  requester waited out its lease timeout), and a grant whose ledger row was never written is
+  named to the reset run by the guard, written and reclaimed before its room is given again.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
@@ -310,6 +315,95 @@ async def test_a_reset_run_grants_nothing_before_its_audit_has_answered(
         result = await asyncio.wait_for(second.result(), timeout=60)
         assert result.timings["preemptions"] == 1, result.timings
         assert result.lease.lease_id != row["lease_id"]
+        assert (await first.result()).output
+        await _no_lease_left(stack)
+
+
+async def test_a_reset_sends_its_admissions_again_and_reclaims_a_grant_never_written(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """The two things a reset discards that no audit of the ledger can see (both seen in the
+    chaos round): an admission the lost run answered `queued` and the reset run, deciding it
+    again, granted in a reply nobody reads (its requester waited for a word until its lease
+    timeout, the slot held for nobody); and a grant whose `lease_granted` was never written (the
+    lost run's event writes are lazy), so its holder invoked on room given again. Here the
+    fourth (interactive) arrives while the second (background) holds the slot, and the
+    second's ledger row and grant event are deleted before the reset, as a write lost with the
+    run. The reset run must admit the fourth by signal and serve it, and reclaim the second's
+    lease (its row written now, then closed) before giving the slot to anyone."""
+    async with running_stack(
+        dev_server_env.client,
+        database_url,
+        catalog_path=FENCING,
+        config=SILENCE_RECLAIMS_NOTHING,
+        adopt_interval_s=3600,
+    ) as stack:
+        first = await stack.start_request("fence.one@1", tenant="app", input={"simulate_invoke_s": 3})
+
+        async def first_holds() -> bool:
+            return (await stack.status()).active_leases == 1
+
+        assert await _until(first_holds, 30)
+        second = await stack.start_request(
+            "fence.one@1", tenant="app", priority="background", lease_timeout_s=8, input={"simulate_invoke_s": 15}
+        )
+        submitted = asyncio.get_running_loop().time()
+        second_id = second.id.rsplit(":", 1)[1]
+
+        async def second_granted() -> list[dict[str, Any]]:
+            return [r for r in await stack.store.ledger() if r["request_id"] == second_id]
+
+        [row] = await _until(second_granted, 30)
+        lease_id = row["lease_id"]
+        fourth = await stack.start_request(
+            "fence.one@1", tenant="app", lease_timeout_s=60, input={"simulate_invoke_s": 1}
+        )
+
+        async def fourth_queued() -> bool:
+            return sum((await stack.status()).queue_depth.values()) == 1
+
+        assert await _until(fourth_queued, 30)
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute("DELETE FROM lease_ledger WHERE lease_id = %s", (lease_id,))
+            await conn.execute("DELETE FROM events WHERE lease_id = %s AND kind = 'lease_granted'", (lease_id,))
+        run_id = (await stack.scheduler.describe()).run_id or ""
+        history = await stack.client.get_workflow_handle("scheduler:default", run_id=run_id).fetch_history()
+        grant = next(
+            e.event_id
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+            and e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
+            == second.id
+        )
+        point = max(
+            e.event_id
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < grant
+        )
+        await asyncio.sleep(max(0.0, submitted + 9.5 - asyncio.get_running_loop().time()))
+        reset_at = asyncio.get_running_loop().time()
+        await ReplayGuard(stack.client, ["scheduler:default"], _never_called).reset(
+            "scheduler:default", run_id, point, "a test resets past a grant never written"
+        )
+        # Served, by signal, well before its lease timeout (60 s): before, it waited all of it.
+        assert (await asyncio.wait_for(fourth.result(), timeout=45)).output
+        assert asyncio.get_running_loop().time() - reset_at < 30
+
+        async def row_closed() -> dict[str, Any] | None:
+            rows = await stack.store.ledger(lease_id=lease_id)
+            return rows[0] if rows and rows[0]["ended_at"] is not None else None
+
+        closed = await _until(row_closed, 30)
+        assert closed is not None, f"the lost grant {lease_id} has no ledger row, or it stayed open"
+        assert "no longer held" in closed["outcome"]
+        [granted] = [e for e in await stack.events("lease_granted", at_least=1) if e["lease_id"] == lease_id]
+        assert granted["payload"]["forgotten"] is True
+        [served] = [r for r in await stack.store.ledger() if r["request_id"] == fourth.id.rsplit(":", 1)[1]]
+        assert served["granted_at"] >= closed["ended_at"], (served["granted_at"], closed["ended_at"])
+        # The second, stopped at the reclaim, asked again and ran on a lease of its own.
+        result = await asyncio.wait_for(second.result(), timeout=60)
+        assert result.timings["preemptions"] == 1, result.timings
+        assert result.lease.lease_id != lease_id
         assert (await first.result()).output
         await _no_lease_left(stack)
 
