@@ -389,7 +389,11 @@ class NodeActivities:
                 await self._client.get_workflow_handle(request.release_to).signal(
                     "release",
                     ReleaseSignal(
-                        lease_id=request.lease_id, request_id=request.request_id, outcome="ok", invoke_s=invoke_s
+                        lease_id=request.lease_id,
+                        request_id=request.request_id,
+                        outcome="ok",
+                        invoke_s=invoke_s,
+                        ended_at=time.time(),
                     ),
                 )
                 released = True

@@ -1,10 +1,16 @@
 """Chaos: a stream of requests against two models whose leases carry bytes, on one simulated card,
 while faults hit at random moments: kill -9 of the control worker, kill -9 of the node worker, the
 Temporal server stopped and restarted, Postgres stopped and started. The scheduler continues as
-new every few dozen events (--history-limit), so faults land around continue-as-new too.
+new every few dozen events (--history-limit), so faults land around continue-as-new too. With
+--reset-every S, the scheduler's run is also reset a few workflow tasks back every S seconds or
+so (its own random stream, so the other faults keep their schedule): what the replay guard does
+to a run whose history no worker can replay (a nondeterminism error after a Temporal restart,
+which no bench can cause at will), through the guard's own reset, so the grants and admissions
+the reset discards (and the ledger audit, the readmits and the lost grants that recover them)
+are exercised every round.
 
     .venv/bin/python -m bench.chaos [--minutes 10] [--rate 3] [--seed 1] [--fault-every 12]
-                                    [--lease-timeout 120]
+                                    [--lease-timeout 120] [--reset-every 0]
 
 Every part is real and started here, each in a process of its own: the Temporal dev server
 (persisting to a file, so it can be restarted), an embedded Postgres (pgserver), `modelforge worker
@@ -45,7 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
@@ -60,6 +67,7 @@ from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
 from workers.control import ensure_scheduler
+from workers.replay_guard import ReplayGuard
 from workflows import CapabilityRequestWorkflow, PoolSchedulerWorkflow
 from workflows._common import request_workflow_id, scheduler_id
 from workflows.request import ADMIT_BUDGET
@@ -218,6 +226,22 @@ class Parts:
         await asyncio.sleep(down_s)
         await asyncio.to_thread(server.ensure_postgres_running)
 
+    async def reset_scheduler(self, tasks_back: int) -> str:
+        """The replay guard's reset of the scheduler's running run to the end of the workflow
+        task `tasks_back` tasks before its last (as after a nondeterminism error); what it did."""
+        assert self.client is not None
+        workflow_id = scheduler_id("default")
+        run_id = (await self.client.get_workflow_handle(workflow_id).describe(rpc_timeout=_seconds(10))).run_id or ""
+        history = await self.client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        completed = [e.event_id for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        if len(completed) < 2:
+            return "skipped: the run is too young"
+        point = completed[max(0, len(completed) - 1 - tasks_back)]
+        guard = ReplayGuard(self.client, [workflow_id], _resets_only)
+        if not await guard.reset(workflow_id, run_id, point, f"chaos: reset {tasks_back} tasks back"):
+            return "skipped: the run continued as new meanwhile"
+        return f"run {run_id[:8]} reset to event {point} of {len(history.events)}"
+
     async def stop(self) -> None:
         self._kill(self.control)
         self._kill(self.node)
@@ -318,6 +342,26 @@ async def _faults(parts: Parts, rng: random.Random, every_s: float, stop_at: flo
         print(f"  [{time.strftime('%H:%M:%S')}] {fault} for {down_s:.1f} s", flush=True)
         await getattr(parts, fault)(down_s)
         report.faults[fault] += 1
+
+
+async def _resets_only(history: WorkflowHistory) -> Exception | None:
+    raise AssertionError("the chaos bench resets the run itself; it never asks the guard to check")
+
+
+async def _resets(parts: Parts, rng: random.Random, every_s: float, stop_at: float, report: ChaosReport) -> None:
+    """`Parts.reset_scheduler` every `every_s` seconds or so, 1 to 12 workflow tasks back."""
+    while True:
+        await asyncio.sleep(rng.uniform(0.5 * every_s, 1.5 * every_s))
+        if time.monotonic() > stop_at:
+            return
+        tasks_back = rng.randint(1, 12)
+        try:
+            done = await parts.reset_scheduler(tasks_back)
+        except Exception as error:  # Temporal restarting: the next one tries again
+            done = f"failed: {type(error).__name__}: {str(error)[:120]}"
+        print(f"  [{time.strftime('%H:%M:%S')}] reset_scheduler {tasks_back} tasks back: {done}", flush=True)
+        if not done.startswith(("skipped", "failed")):
+            report.faults["reset_scheduler"] += 1
 
 
 async def scheduler_wedged(client: Client) -> str:
@@ -454,6 +498,7 @@ async def run_chaos(
     stale_lease_s: float = 6.0,
     lease_timeout_s: float = 120.0,
     workdir: Path | None = None,
+    reset_every_s: float = 0.0,
 ) -> ChaosReport:
     rng = random.Random(seed)  # arrivals and inputs
     fault_rng = random.Random(seed * 7919 + 1)  # its own: the same faults in the same order each run
@@ -473,6 +518,13 @@ async def run_chaos(
             stop = asyncio.Event()
             counter = asyncio.create_task(_count_runs(parts.client, stop, runs))
             faults = asyncio.create_task(_faults(parts, fault_rng, fault_every_s, stop_at, report))
+            # Their own stream: a round with resets keeps the other faults' schedule.
+            reset_rng = random.Random(seed * 104729 + 3)
+            resets = (
+                asyncio.create_task(_resets(parts, reset_rng, reset_every_s, stop_at, report))
+                if reset_every_s > 0
+                else None
+            )
             requests: list[asyncio.Task[str]] = []
             n = 0
             while time.monotonic() < stop_at:
@@ -481,6 +533,8 @@ async def run_chaos(
                 n += 1
                 await asyncio.sleep(rng.expovariate(rate))
             await faults
+            if resets is not None:
+                await resets
             remaining = max(1.0, give_up_at - time.monotonic())
             done, pending = await asyncio.wait(requests, timeout=remaining)
             for task in pending:
@@ -525,6 +579,12 @@ def main() -> None:
         help="each request's lease timeout (s); the round waits for it (and more) after the last arrival",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and data here")
+    parser.add_argument(
+        "--reset-every",
+        type=float,
+        default=0.0,
+        help="mean seconds between resets of the scheduler's run, as the replay guard's (0: none)",
+    )
     args = parser.parse_args()
     report = asyncio.run(
         run_chaos(
@@ -535,6 +595,7 @@ def main() -> None:
             args.history_limit,
             lease_timeout_s=args.lease_timeout,
             workdir=args.workdir,
+            reset_every_s=args.reset_every,
         )
     )
     print("\n".join(report.lines()))

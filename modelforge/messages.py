@@ -120,6 +120,10 @@ class ReleaseSignal:
     invoke_s: float = 0.0
     message: str = ""
     retrying: bool = False  # the request workflow will ask for a new lease
+    # When its holder was done with it (epoch seconds; None: when the scheduler hears it). The
+    # ledger's end: a release the scheduler hears late (applied again after a reset of its run,
+    # delayed by a Temporal backlog) ended when its holder let go, not when it was heard.
+    ended_at: float | None = None
 
 
 # How often a request holding a lease tells the scheduler it is alive; well inside the

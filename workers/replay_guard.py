@@ -34,7 +34,9 @@ What it does, per guarded workflow (each pool's scheduler):
    (workflows/scheduler.py), so its room is never given twice. Updates are not applied again by
    the reset: an admission decided again would answer in a reply nobody reads, while its
    requester waits for a signal. The guard sends each admission again as `readmit` (decided by
-   signal, after the audit) and any other update as the same update. That is why step 3 runs
+   signal, after the audit) and any other update as the same update. A run still live (an
+   operator's reset, the chaos bench's) is asked to audit first, so it grants nothing more while
+   its history is read, and is not reset if it continued as new meanwhile. That is why step 3 runs
    first and why checks follow every outage. Both steps are logged with the workflow id, the
    run id and the event id.
 """
@@ -311,10 +313,11 @@ class ReplayGuard:
                 hint=f"temporal workflow reset --workflow-id {workflow_id} --run-id {run_id} --type LastWorkflowTask",
             )
             return GuardOutcome(workflow_id, "needs_operator", run_id, detail)
-        await self.reset(workflow_id, run_id, point, detail)
+        if not await self.reset(workflow_id, run_id, point, detail):
+            return GuardOutcome(workflow_id, "rebased", run_id, f"moved on before its reset: {detail}")
         return GuardOutcome(workflow_id, "reset", run_id, f"reset to event {point}: {detail}")
 
-    async def reset(self, workflow_id: str, run_id: str, point: int, detail: str) -> None:
+    async def reset(self, workflow_id: str, run_id: str, point: int, detail: str) -> bool:
         """Reset the run to the end of the workflow task `point`, every signal it received after
         that applied again. First the run is asked to audit its ledger (`audit_ledger`, sent
         before the reset so that the reset run receives it with the signals applied again, before
@@ -323,9 +326,17 @@ class ReplayGuard:
         requester waits for a signal, not a reply), any other as the same update."""
         old = self._client.get_workflow_handle(workflow_id, run_id=run_id)
         converter = self._client.data_converter
-        before = await old.fetch_history()
+        # A run still live (an operator's reset of a cached run, the chaos bench's) would go on
+        # granting while the guard reads its history: asked to audit, it grants nothing more.
+        await self._ask_audit(old, workflow_id)
+        before = await self._once_heard(old)
         lost = (await discarded_tail(before.events, point, converter)).lost_grants
         await self._ask_audit(old, workflow_id, LedgerAudit(lost_grants=lost))
+        if (await self._client.get_workflow_handle(workflow_id).describe()).run_id != run_id:
+            # It continued as new meanwhile (it was live): resetting the run it left would throw
+            # its successor away, decisions and all. Its successor's history is a fresh one.
+            log.warning("workflow_reset_skipped", workflow_id=workflow_id, run_id=run_id, why="it moved on")
+            return False
         await self._client.workflow_service.reset_workflow_execution(
             ResetWorkflowExecutionRequest(
                 namespace=self._client.namespace,
@@ -338,11 +349,40 @@ class ReplayGuard:
             )
         )
         log.error("workflow_reset", workflow_id=workflow_id, run_id=run_id, reset_to_event=point, lost_grants=len(lost))
-        # The old run is closed now: its history holds every update it accepted.
-        updates = (await discarded_tail((await old.fetch_history()).events, point, converter)).updates
-        for name, update_id, given in updates:
+        # The old run is closed now: its history holds every update it accepted, and every
+        # grant (one made after the history above was read is named now, in a second ask).
+        tail = await discarded_tail((await old.fetch_history()).events, point, converter)
+        named = {lease.lease_id for lease in lost}
+        late = [lease for lease in tail.lost_grants if lease.lease_id not in named]
+        if late:
+            log.warning("lost_grants_named_late", workflow_id=workflow_id, run_id=run_id, leases=len(late))
+        for name, update_id, given in tail.updates:
             await self._send_again(workflow_id, name, update_id, given)
-        await self._ask_audit(self._client.get_workflow_handle(workflow_id), workflow_id)
+        current = self._client.get_workflow_handle(workflow_id)
+        await self._ask_audit(current, workflow_id, LedgerAudit(lost_grants=late) if late else None)
+        return True
+
+    async def _once_heard(self, old: WorkflowHandle[Any, Any], within_s: float = 5.0) -> WorkflowHistory:
+        """The run's history once a workflow task has completed after the last ledger-audit ask
+        (a live run has applied it: it grants nothing more), or as it is after `within_s` (a
+        wedged run completes none)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            history = await old.fetch_history()
+            asked = [
+                e.event_id
+                for e in history.events
+                if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                and e.workflow_execution_signaled_event_attributes.signal_name == self._audit_signal
+            ]
+            heard = asked and any(
+                e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id > asked[-1]
+                for e in history.events
+            )
+            if heard or not self._audit_signal or loop.time() >= deadline:
+                return history
+            await asyncio.sleep(0.2)
 
     async def _send_again(self, workflow_id: str, name: str, update_id: str, given: Input) -> None:
         """One update the reset discarded, to the reset run, from its recorded payloads (read

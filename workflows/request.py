@@ -220,6 +220,7 @@ class CapabilityRequestWorkflow:
                         invoke_s=result.invoke_s if result else 0.0,
                         message=message,
                         retrying=retrying,
+                        ended_at=workflow.now().timestamp(),
                     ),
                 )
             if not retrying:

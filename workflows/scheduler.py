@@ -329,7 +329,12 @@ class PoolSchedulerWorkflow:
                 ),
                 now,
             )
-        self._record_all(policy.release_lease(self._state, signal.lease_id, now, signal.outcome, signal.message), now)
+        self._record_all(
+            policy.release_lease(
+                self._state, signal.lease_id, now, signal.outcome, signal.message, ended_at=signal.ended_at
+            ),
+            now,
+        )
         if lease is None and signal.lease_id not in self._released and not policy.is_slot(signal.lease_id):
             # Its holder is done with a lease this run does not hold (reset past its grant): its
             # ledger row ends now, not when the next audit finds it open (up to a minute later,
@@ -342,7 +347,14 @@ class PoolSchedulerWorkflow:
                     request_id=signal.request_id,
                     lease_id=signal.lease_id,
                     message=f"{signal.outcome} (released by its holder; not held by this run)",
-                    payload={"pool": self._state.pool, "outcome": signal.outcome, "unheld": True},
+                    payload={
+                        "pool": self._state.pool,
+                        "outcome": signal.outcome,
+                        "unheld": True,
+                        # When its holder let go: heard late here (this run was reset past its
+                        # grant, and the release applied again), it did not end when heard.
+                        "ended_at": now if signal.ended_at is None else min(now, signal.ended_at),
+                    },
                 ),
                 now,
             )
@@ -372,13 +384,18 @@ class PoolSchedulerWorkflow:
             return  # it crossed the lease's end here; or no holder named, nothing to stop
         else:
             # A lease this run never granted or forgot: its run was reset past the grant (the
-            # replay guard, an operator), or the grant's record was lost with it. Its memory is
+            # replay guard, an operator), or the grant's record was lost with it; or one an
+            # earlier run ended (the leases a run ended are not carried at continue-as-new), whose
+            # holder is told again, which changes nothing for a holder already stopped. Its memory is
             # counted nowhere, so its room may be granted again while the invoke runs. The ledger
             # audit finds such a grant only if its row was written, and only at the next audit.
             # Its release, once stopped, ends its ledger row (`release`); the audit is not asked
             # now, as it would end the row before the invoke has stopped.
             holder = heartbeat.holder
-            kind, why = "unheld_invoke_stopped", "the scheduler does not hold it (its run was reset past the grant)"
+            kind, why = (
+                "unheld_invoke_stopped",
+                "the scheduler does not hold it (ended before this run began, or its run was reset past the grant)",
+            )
         # Stop it at once: the holder is preempted with no grace (it checkpoints where its
         # runtime can, and is admitted again).
         now = self._now()
@@ -1356,11 +1373,14 @@ class PoolSchedulerWorkflow:
             )
             self._reclaim_lost(forgotten, now)
         for lease in lost.values():
-            if lease.lease_id in self._state.leases or lease.lease_id in released or lease.lease_id in self._released:
-                continue  # held again, or ended in this run (its holder's release came)
+            if lease.lease_id in self._state.leases:
+                continue
             # No open row: never written, or closed already (the store keeps a row's first end).
+            # Its grant is recorded again (`forgotten`: the lost run's own record may never have
+            # been written, and a ledger row with an end and no grant tells no story).
             self._record(policy.lease_granted_event(self._state.pool, lease, None, forgotten=True), now)
-            self._reclaim_lost(lease, now)
+            if lease.lease_id not in released and lease.lease_id not in self._released:
+                self._reclaim_lost(lease, now)  # else its holder's release came: it has ended
 
     def _reclaim_lost(self, forgotten: policy.Lease, now: float) -> None:
         """Close a lease this run does not hold and stop its holder (`_reclaim_forgotten`)."""

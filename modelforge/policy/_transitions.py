@@ -250,7 +250,11 @@ def end_on_resident(state: PoolState, lease: Lease, now: float, *, used: bool = 
     ]
 
 
-def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, message: str = "") -> list[PolicyEvent]:
+def release_lease(
+    state: PoolState, lease_id: str, now: float, outcome: str, message: str = "", ended_at: float | None = None
+) -> list[PolicyEvent]:
+    """`ended_at`: when its holder let go, if it says (`ReleaseSignal.ended_at`): the ledger's end
+    and the service time, within the lease's grant and `now`; the pool's state changes now."""
     index = current_lease_index(state)
     lease = state.leases.pop(lease_id, None)
     if lease is not None and index is not None:
@@ -261,10 +265,11 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
     lent = state.slots.pop(lease_id, None) is not None  # a node's slot (reclaimed): its requests were charged
     if lease is None:
         return []
+    ended = now if ended_at is None else max(lease.granted_at, min(now, ended_at))
     if not lent:
         note_outcome(state, lease.capability, outcome, message, now)
         if outcome == "ok":
-            note_service(state, lease.deployment, now - lease.granted_at)
+            note_service(state, lease.deployment, ended - lease.granted_at)
     events = end_on_resident(state, lease, now, used=not lent)
     if lent:
         return [
@@ -280,7 +285,7 @@ def release_lease(state: PoolState, lease_id: str, now: float, outcome: str, mes
             ),
         ]
     charge_usage(state, lease.priority, lease.tenant, now - lease.granted_at, now)
-    return [*events, lease_released_event(state.pool, lease, outcome, now)]
+    return [*events, lease_released_event(state.pool, lease, outcome, ended)]
 
 
 def lease_heartbeat(state: PoolState, lease_id: str, now: float) -> bool:

@@ -57,6 +57,28 @@ def test_ready_resident_is_granted_at_once_and_released() -> None:
     assert [g.request_id for g in decide(s, NOW + 2).grants] == ["r2"]
 
 
+@pytest.mark.parametrize(
+    ("ended_at", "ledger_end"),
+    [(None, 10.0), (NOW + 4.0, 4.0), (NOW + 30.0, 10.0), (NOW - 50.0, 0.0)],
+    ids=["heard", "earlier", "after-heard", "before-grant"],
+)
+def test_a_lease_ends_in_the_ledger_when_its_holder_let_go(ended_at: float | None, ledger_end: float) -> None:
+    """A release heard late (applied again after a reset of the scheduler's run, or held up in a
+    Temporal backlog) ends the lease's ledger row when its holder let go, within its grant and
+    the moment it was heard: its room was given again only after it was heard, so the ledger
+    never shows the two leases at once."""
+    s = state([gpu("n/0")], [deployment("emb@1", gib=1, concurrency=1)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "emb@1", "n/0", 1)
+    decisions = admit(s, ask("r1"))
+    [grant] = decisions.grants
+    apply_decisions(s, decisions, NOW, {})
+    events = release_lease(s, grant.lease.lease_id, NOW + 10.0, "ok", ended_at=ended_at)
+    [released] = [e for e in events if e.kind == "lease_released"]
+    assert released.payload["ended_at"] == NOW + ledger_end
+    assert released.payload["held_s"] == ledger_end
+
+
 def test_production_never_lands_on_a_non_eligible_accelerator() -> None:
     s = state([gpu("desktop/0", production=False)], [deployment("emb@1")])
     observe(s, "desktop/0")
