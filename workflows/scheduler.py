@@ -9,6 +9,8 @@ continues-as-new when Temporal suggests it, no handler is running and no deliver
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -169,6 +171,7 @@ class PoolSchedulerWorkflow:
         self._holding = False  # new deliveries wait: continue-as-new is due (HELD_UP_DELIVERY_S)
         self._continue_due_at: float | None = None  # when continue-as-new fell due in this run
         self._events: list[EventRecord] = []
+        self._event_serial = 0  # the events this run recorded (`_event_id`)
         self._event_writes: list[asyncio.Future[object]] = []
         self._timer: asyncio.Task[None] | None = None
         self._timer_at = 0.0
@@ -1486,9 +1489,10 @@ class PoolSchedulerWorkflow:
             self._wake = True
         if urgent:
             self._urgent_events += 1
+        self._event_serial += 1
         self._events.append(
             EventRecord(
-                event_id=str(workflow.uuid4()),
+                event_id=_event_id(self._event_serial, now, event),
                 at=now,
                 kind=event.kind,
                 failure_class=event.failure.value if event.failure else None,
@@ -1506,6 +1510,31 @@ class PoolSchedulerWorkflow:
     def _record_all(self, events: list[policy.PolicyEvent], now: float) -> None:
         for event in events:
             self._record(event, now)
+
+
+def _event_id(serial: int, now: float, event: policy.PolicyEvent) -> str:
+    """An event's id, from what it says and its place in the run, not from the run's random
+    stream: a run reset to an earlier point draws that stream again (seen in the chaos bench: a
+    reset run's release took the id of another lease's release the lost run had written, and the
+    store, which keeps the first event of an id, dropped it). The same event recorded again
+    (the reset run replaying to its point, then writing what was not yet written) keeps its id,
+    so it is written once; a different one never shares it."""
+    said = [
+        serial,
+        now,
+        event.kind,
+        event.failure.value if event.failure else None,
+        event.request_id,
+        event.lease_id,
+        event.accelerator,
+        event.deployment,
+        event.workflow_id,
+        event.message,
+        event.payload,
+        event.alert.value if event.alert else None,
+    ]
+    d = hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{d[:8]}-{d[8:12]}-{d[12:16]}-{d[16:20]}-{d[20:32]}"  # shaped as the uuid4 ids were
 
 
 def _urgent_kind(kind: str, failed: bool, alert: bool) -> bool:
