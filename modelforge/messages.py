@@ -230,6 +230,8 @@ class SchedulerInput:
     # The grants the reset's discarded part of the history made (`LedgerAudit`), not yet
     # reclaimed by an audit: carried so that the next run's audit reclaims them.
     lost_grants: list[Lease] = field(default_factory=list)
+    # Whether the guard's repair was still going on (`LedgerAudit.final`), carried likewise.
+    audit_repair_open: bool = False
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,10 @@ class LedgerAudit:
     event is written lazily, and a row never written is one no audit of the ledger can find)."""
 
     lost_grants: list[Lease] = field(default_factory=list)
+    # False: the guard's repair goes on (an ask naming grants found later may follow), so grants
+    # keep waiting past this ask's audit, until an ask with final=True has been audited too (or
+    # AUDIT_BEFORE_GRANTS_LIMIT_S from the first ask, should the guard be gone).
+    final: bool = True
 
 
 @dataclass(frozen=True)

@@ -328,14 +328,18 @@ class ReplayGuard:
         converter = self._client.data_converter
         # A run still live (an operator's reset of a cached run, the chaos bench's) would go on
         # granting while the guard reads its history: asked to audit, it grants nothing more.
-        await self._ask_audit(old, workflow_id)
+        # Not final: the repair goes on, grants wait until the last ask below has been audited.
+        await self._ask_audit(old, workflow_id, LedgerAudit(final=False))
         before = await self._once_heard(old)
         lost = (await discarded_tail(before.events, point, converter)).lost_grants
-        await self._ask_audit(old, workflow_id, LedgerAudit(lost_grants=lost))
-        if (await self._client.get_workflow_handle(workflow_id).describe()).run_id != run_id:
+        await self._ask_audit(old, workflow_id, LedgerAudit(lost_grants=lost, final=False))
+        current = self._client.get_workflow_handle(workflow_id)
+        if (await current.describe()).run_id != run_id:
             # It continued as new meanwhile (it was live): resetting the run it left would throw
-            # its successor away, decisions and all. Its successor's history is a fresh one.
+            # its successor away, decisions and all. Its successor's history is a fresh one; it
+            # carried the hold, which the final ask ends.
             log.warning("workflow_reset_skipped", workflow_id=workflow_id, run_id=run_id, why="it moved on")
+            await self._ask_audit(current, workflow_id)
             return False
         await self._client.workflow_service.reset_workflow_execution(
             ResetWorkflowExecutionRequest(
@@ -358,8 +362,8 @@ class ReplayGuard:
             log.warning("lost_grants_named_late", workflow_id=workflow_id, run_id=run_id, leases=len(late))
         for name, update_id, given in tail.updates:
             await self._send_again(workflow_id, name, update_id, given)
-        current = self._client.get_workflow_handle(workflow_id)
-        await self._ask_audit(current, workflow_id, LedgerAudit(lost_grants=late) if late else None)
+        # The last ask: its audit reclaims what was named late, and only then grants resume.
+        await self._ask_audit(current, workflow_id, LedgerAudit(lost_grants=late, final=True))
         return True
 
     async def _once_heard(self, old: WorkflowHandle[Any, Any], within_s: float = 5.0) -> WorkflowHistory:

@@ -201,6 +201,7 @@ class PoolSchedulerWorkflow:
             self._audit_asked = True  # the previous run's audit, if any, answered nobody
         # Grants of a reset's discarded history, reclaimed with the next audit (`LedgerAudit`).
         self._lost_grants: dict[str, policy.Lease] = {lease.lease_id: lease for lease in start.lost_grants}
+        self._repair_open = start.audit_repair_open  # grants wait for the guard's final ask too
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -645,6 +646,7 @@ class PoolSchedulerWorkflow:
             self._never_reissue(lease.lease_id)
             if lease.lease_id not in self._state.leases:
                 self._lost_grants[lease.lease_id] = lease
+        self._repair_open = audit is not None and not audit.final
         self._audit_asked = True
         if self._grants_wait_since is None and self._audit_interval_s > 0:
             self._grants_wait_since = self._now()
@@ -930,6 +932,7 @@ class PoolSchedulerWorkflow:
                         ledger_audit_at=self._next_audit_at(),
                         grants_wait_for_audit_since=self._grants_wait_since,
                         lost_grants=list(self._lost_grants.values()),
+                        audit_repair_open=self._repair_open,
                     ),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                     initial_versioning_behavior=UPGRADE_ON_CONTINUE,
@@ -1350,7 +1353,8 @@ class PoolSchedulerWorkflow:
             # The next audit asks again: at once while grants wait for one.
             self._audit_asked = self._audit_asked or self._grants_wait_since is not None
             return
-        self._grants_wait_since = None
+        if not self._repair_open:
+            self._grants_wait_since = None
         lost, self._lost_grants = self._lost_grants, {}
         for row in audit.result():
             lost.pop(row.lease_id, None)
