@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait, WaitReason
+from modelforge.policy._fit_index import drop_fit_index
 from modelforge.policy._pass import (
     DecisionPass,
     FilterResult,
@@ -23,6 +24,7 @@ from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
 from modelforge.policy._rules import Attempt, Landing, deadline_refusal, may_land, take_reservation
+from modelforge.policy._standing import leases_on as held_on
 from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, holder_of, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
@@ -175,6 +177,29 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     cached = memo.get(key)
     if cached is not None:
         return cached  # type: ignore[return-value]
+    live = _live_cards(pass_, gang)
+    groups: dict[str, list[str]] = {}
+    if gang.nvlink:
+        for group, members in gang.groups.items():
+            kept = [a for a in members if a in live]
+            if len(kept) >= gang.count:
+                groups[group] = kept
+        in_groups = {a: True for kept in groups.values() for a in kept}
+        cards = [a for a in gang.passed if a in in_groups]
+    else:
+        cards = [a for a in gang.passed if a in live]
+    memo[key] = (cards, groups)
+    return cards, groups
+
+
+def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
+    """The cards of `gang.passed` whose bound (`_live`) holds the gang's bytes: the same for
+    every gang of those cards and bytes, whatever its count (worked out once per pass)."""
+    memo = pass_.gang_memo
+    key = ("live_cards", id(gang.passed), gang.need)
+    cached = memo.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
     shortfall = _ceiling_shortfall(pass_)
     need = gang.need
     live: dict[str, bool] = {}
@@ -199,18 +224,8 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
                 bound = schedulable[accelerator] + freeable
             if bound >= need:
                 live[accelerator] = True
-    groups: dict[str, list[str]] = {}
-    if gang.nvlink:
-        for group, members in gang.groups.items():
-            kept = [a for a in members if a in live]
-            if len(kept) >= gang.count:
-                groups[group] = kept
-        in_groups = {a: True for kept in groups.values() for a in kept}
-        cards = [a for a in gang.passed if a in in_groups]
-    else:
-        cards = [a for a in gang.passed if a in live]
-    memo[key] = (cards, groups)
-    return cards, groups
+    memo[key] = live
+    return live
 
 
 def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
@@ -268,13 +283,69 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
         return choose_gang(_room(attempt, gang, cards, evicting, preempting), gang.shape, gang.topology)
     count = gang.count
     best: tuple[int, str, list[str]] | None = None
-    for key, members in groups.items():
+    for bound, key, members in _groups_by_bound(attempt.pass_, gang, groups, evicting, preempting):
+        if best is not None and (bound, key) >= best[:2]:
+            break  # this group and every later one leave at least as much over
         room = _room(attempt, gang, members, evicting, preempting)
         if len(room) >= count:
             leftover = sum(left for left, _ in room[:count])
             if best is None or (leftover, key) < best[:2]:
                 best = (leftover, key, [a for _, a in room[:count]])
+    if best is not None and not _index_agrees(attempt.pass_, best[2]):
+        return _choose(attempt, gang, evicting, preempting)  # the index is gone: every group looked at
     return None if best is None else best[2]
+
+
+def _groups_by_bound(
+    pass_: DecisionPass, gang: _Gang, groups: dict[str, list[str]], evicting: bool, preempting: bool
+) -> list[tuple[int, str, list[str]]]:
+    """The NVLink groups `_choose` compares, each with a lower bound of what its best cards
+    leave over, in (bound, group) order, so the search stops at the first group whose bound
+    is no better than the best found. With the fit index (the fast pass), a card's free bytes
+    come from it and not from its budget (most of a large pool's cards are never looked at
+    closer), counting every idle resident there as unloaded when `evicting`; the landing
+    rules only take cards away, so no group leaves less over than its bound, and a group with
+    fewer than `count` cards with room is left out. Without the index, or when `preempting`
+    (its order is the bytes newly stopped), every group, bound 0, in group order."""
+    fit = pass_.fit
+    if fit is None or preempting:
+        return [(0, key, members) for key, members in sorted(groups.items())]
+    schedulable, committed, need, count = fit.schedulable, pass_.committed, gang.need, gang.count
+    evictable = pass_.evictable if evicting else {}
+    ordered: list[tuple[int, str, list[str]]] = []
+    for key, members in groups.items():
+        lefts: list[int] = []
+        for accelerator in members:
+            free = schedulable.get(accelerator)
+            if free is None:  # not in the index: no bound from this group
+                lefts = [0] * count
+                break
+            free -= committed.get(accelerator, 0)
+            idle = evictable.get(accelerator)
+            if idle:
+                free += sum(r.bytes for r in idle)
+            if free >= need:
+                lefts.append(free - need)
+        if len(lefts) >= count:
+            lefts.sort()
+            ordered.append((sum(lefts[:count]), key, members))
+    ordered.sort(key=lambda entry: (entry[0], entry[1]))
+    return ordered
+
+
+def _index_agrees(pass_: DecisionPass, chosen: list[str]) -> bool:
+    """Whether the fit index holds each chosen card's schedulable bytes as its budget does; if
+    not it missed a change: it is dropped (the next pass rebuilds it) and the choice made again
+    without it, as `_placement._best_fit_indexed` does."""
+    fit = pass_.fit
+    if fit is None:
+        return True
+    budgets, schedulable = pass_.budgets, fit.schedulable
+    if all(schedulable.get(a) == budgets[a].schedulable_bytes for a in chosen):
+        return True
+    drop_fit_index(pass_.state)
+    pass_.fit = None
+    return False
 
 
 def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:
@@ -453,21 +524,19 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
         for idle in idle_residents(pass_, accelerator, attempt.production):
             # Unloaded to make room when the gang's time comes (as it does when it fits now).
             coming = [*coming, (now + unload_cost(state, state.catalog.deployment(idle.deployment)), idle.bytes)]
-        timeline = release_timeline(on.get(accelerator, []), state.residents, now, coming)
+        timeline = release_timeline(on.get(accelerator, {}).values(), state.residents, now, coming)
         timelines[accelerator] = timeline
         ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, gang.need, now)
     return timelines, ready_at
 
 
-def leases_on(pass_: DecisionPass) -> dict[str, list[Lease]]:
-    """The leases held on each accelerator (a gang's on each of its cards), once per pass."""
+def leases_on(pass_: DecisionPass) -> dict[str, dict[str, Lease]]:
+    """The leases held on each accelerator by lease id (a gang's on each of its cards), brought
+    up to date once per pass (`_standing.leases_on`)."""
     cached = pass_.gang_memo.get(("leases_on",))
     if cached is not None:
         return cached  # type: ignore[return-value]
-    on: dict[str, list[Lease]] = {}
-    for lease in pass_.state.leases.values():
-        for accelerator in lease.accelerators:
-            on.setdefault(accelerator, []).append(lease)
+    on = held_on(pass_.state, kept=pass_.indexed)
     pass_.gang_memo[("leases_on",)] = on
     return on
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from modelforge.domain import Accelerator, Observation
 from modelforge.failures import Alert, FailureClass
-from modelforge.policy._budget import compute_budget, in_window
+from modelforge.policy._budget import budget_from_sums, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._fit_index import mark_observed
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
@@ -72,6 +72,7 @@ def relabel(state: PoolState) -> list[PolicyEvent]:
 def apply_observations(state: PoolState, observations: list[Observation], now: float) -> list[PolicyEvent]:
     events: list[PolicyEvent] = []
     labels_changed = False
+    held: _Held | None = None  # the bytes residents and leases hold per card, once per call
     for observation in observations:
         accelerator = state.catalog.accelerator(observation.accelerator)
         if accelerator is None or accelerator.pool != state.pool:
@@ -89,8 +90,13 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         # hour of memory costs nothing on the hot path.
         if not runtime.external_history or runtime.external_history[-1][1] != float(observation.external_bytes):
             runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
-        events.extend(_reconcile_residents(state, observation))
-        events.extend(_apply_pressure(state, accelerator.id, runtime, now))
+        lost = _reconcile_residents(state, observation)
+        events.extend(lost)
+        if held is None:
+            held = _Held(state)
+        elif lost:
+            held.recount_residents(state, accelerator.id)
+        events.extend(_apply_pressure(state, accelerator, runtime, held, now))
     if labels_changed:
         events.extend(relabel(state))
     return events
@@ -162,14 +168,40 @@ def _reconcile_residents(state: PoolState, observation: Observation) -> list[Pol
     return events
 
 
+class _Held:
+    """Resident and leased bytes per card, by one walk over the residents and the leases (not
+    one per observed card: a node reporting many cards to a pool holding thousands of leases
+    made that walk most of an observation's cost). A card whose residents were dropped as
+    lost is counted again (`recount_residents`); leases do not change while observations land."""
+
+    __slots__ = ("leased", "resident")
+
+    def __init__(self, state: PoolState) -> None:
+        self.resident: dict[str, int] = {}
+        self.leased: dict[str, int] = {}
+        for resident in state.residents.values():
+            self.resident[resident.accelerator] = self.resident.get(resident.accelerator, 0) + resident.bytes
+        for lease in state.leases.values():
+            for accelerator in lease.accelerators:
+                self.leased[accelerator] = self.leased.get(accelerator, 0) + lease.bytes
+
+    def recount_residents(self, state: PoolState, accelerator: str) -> None:
+        self.resident[accelerator] = sum(r.bytes for r in state.residents.values() if r.accelerator == accelerator)
+
+
 def _apply_pressure(
-    state: PoolState, accelerator_id: str, runtime: AcceleratorRuntime, now: float
+    state: PoolState, accelerator: Accelerator, runtime: AcceleratorRuntime, held: _Held, now: float
 ) -> list[PolicyEvent]:
-    accelerator = state.catalog.accelerator(accelerator_id)
-    if accelerator is None or accelerator.total_bytes <= 0:
+    accelerator_id = accelerator.id
+    if accelerator.total_bytes <= 0:
         return []
-    budget = compute_budget(
-        accelerator, runtime, list(state.residents.values()), list(state.leases.values()), state.config, now
+    budget = budget_from_sums(
+        accelerator,
+        runtime,
+        held.resident.get(accelerator_id, 0),
+        held.leased.get(accelerator_id, 0),
+        state.config,
+        now,
     )
     fraction = budget.schedulable_bytes / accelerator.total_bytes
     config = state.config

@@ -137,6 +137,17 @@ class Budgets(dict[str, Budget]):
         self[accelerator_id] = budget
         return budget
 
+    def fresh(self, accelerator_id: str) -> bool:
+        """`self[accelerator_id].fresh`, without working out a budget not asked for yet: the
+        landing rules ask it of every card a walk passes, and most need nothing more."""
+        budget = self.get(accelerator_id)
+        if budget is not None:
+            return budget.fresh
+        observation = self._state.accelerators.get(accelerator_id, IDLE_RUNTIME).observation
+        return (
+            observation is not None and max(0.0, self._now - observation.received_at) <= self._state.config.freshness_s
+        )
+
 
 @dataclass
 class DecisionPass:
@@ -432,6 +443,10 @@ def static_filter(
                 refused.append(FilterResult(accelerator.id, False, reason, True))
             else:
                 passed.append(accelerator.id)
+        # One list for every deployment the filter passes the same cards for: what is worked out
+        # per list in a pass (a gang's `_live` cards) is then worked out once for all of them.
+        interned: dict[tuple[str, ...], list[str]] = state.catalog.__dict__.setdefault("_policy_passed_lists", {})
+        passed = interned.setdefault(tuple(passed), passed)
         cached = cache[key] = (passed, refused, dict.fromkeys(passed, True))
     return cached
 

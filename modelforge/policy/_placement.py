@@ -1095,7 +1095,7 @@ def _reserve_starved(attempt: Attempt, loads: _Loads, joined: _Joined) -> str:
     if best is None:
         return ""
     _, _, accelerator, need, load = best
-    on = leases_on(pass_).get(accelerator, [])
+    on = leases_on(pass_).get(accelerator, {}).values()
     free = pass_.free(accelerator)
     timeline = release_timeline(on, pass_.state.residents, now, [])
     starts_at = free_at(free, timeline, need, now)

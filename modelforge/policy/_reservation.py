@@ -18,6 +18,7 @@ joiners would otherwise keep the resident busy, and it never unloads.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from modelforge.domain import Accelerator, Residency
@@ -40,7 +41,7 @@ class Reservation:
 
 
 def release_timeline(
-    leases: list[Lease], residents: dict[str, ResidentState], now: float, promised: list[tuple[float, int]]
+    leases: Iterable[Lease], residents: dict[str, ResidentState], now: float, promised: list[tuple[float, int]]
 ) -> list[tuple[float, int]]:
     """(when, bytes) this accelerator gets back as its leases end by their max_duration: a lease's
     own bytes, and its batch resident's (residency none: unloaded with its only lease); plus

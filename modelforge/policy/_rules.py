@@ -96,7 +96,7 @@ def landing_refusals(
     for accelerator in accelerators:
         if accelerator in blocked:
             yield accelerator, BLOCKED
-        elif not budgets[accelerator].fresh:
+        elif not budgets.fresh(accelerator):
             yield accelerator, STALE
         elif not production and runtimes.get(accelerator, IDLE_RUNTIME).pressure:
             yield accelerator, PRESSURE

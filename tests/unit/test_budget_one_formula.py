@@ -1,7 +1,7 @@
 """The memory budget has one formula (`budget_from_sums`, the invariant) and one copy written out
 for speed in the decision pass (`Budgets`, asked of every card of a full pool): the two must give
 the same budget for every card state, observed or not, fresh or stale, with any history of
-external usage."""
+external usage; and the freshness it reads without working out the budget (`Budgets.fresh`)."""
 
 from __future__ import annotations
 
@@ -57,5 +57,9 @@ def test_the_pass_budget_is_the_invariants_formula(
     config = PolicyConfig(volatility_window_s=volatility_window_s, freshness_s=freshness_s)
     state = PoolState(pool="p", catalog=Catalog(accelerators=[accelerator]), config=config)
     state.accelerators["n/0"] = runtime
-    written_out = Budgets(state, {"n/0": resident}, {"n/0": leased}, NOW)["n/0"]
+    budgets = Budgets(state, {"n/0": resident}, {"n/0": leased}, NOW)
+    # Freshness asked before the budget (the landing rules' shortcut) says what the budget says.
+    fresh_first = budgets.fresh("n/0")
+    written_out = budgets["n/0"]
     assert written_out == budget_from_sums(accelerator, runtime, resident, leased, config, NOW)
+    assert fresh_first == written_out.fresh == budgets.fresh("n/0")

@@ -21,6 +21,7 @@ from modelforge.policy import (
 )
 from modelforge.policy._pass import start_pass
 from modelforge.policy._placement import decide_each
+from modelforge.policy._standing import leases_on
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 
@@ -45,6 +46,7 @@ def same_start(s: PoolState, now: float) -> None:
     for name in ("resident_sum", "leased_sum", "pinned", "slots", "residents_of", "evictable", "preemptible"):
         assert getattr(kept, name) == getattr(walked, name), name
     assert [a.id for a in kept.pool_accelerators] == [a.id for a in walked.pool_accelerators]
+    assert leases_on(s) == leases_on(s, kept=False)  # brought up to date, not rebuilt
     fast, reference = decide(s, now), decide_each(s, now, reuse_settled=False)
     assert (fast.grants, fast.rejects, fast.loads, fast.assigns, fast.unloads, fast.preemptions) == (
         reference.grants,
@@ -120,6 +122,12 @@ def test_groupings_follow_grants_releases_and_preemptible_work() -> None:
     release_lease(s, next(iter(s.leases)), now, "ok")
     same_start(s, now)
     s.leases.pop(next(iter(s.leases)))  # behind the policy's back
+    same_start(s, now)
+    # A lease replaced by a copy moved to the other card, and the leases replaced whole.
+    lease_id, lease = next(iter(s.leases.items()))
+    s.leases[lease_id] = dataclasses.replace(lease, accelerator="b/0" if lease.accelerator == "a/0" else "a/0")
+    same_start(s, now)
+    s.leases = dict(s.leases)
     same_start(s, now)
 
 
