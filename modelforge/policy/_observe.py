@@ -10,6 +10,7 @@ from modelforge.failures import Alert, FailureClass
 from modelforge.policy._budget import budget_from_sums, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._fit_index import mark_observed
+from modelforge.policy._standing import lease_groups, resident_groups
 from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
 
 # Labels a node advertises for its accelerators, and the catalog field each one sets.
@@ -169,24 +170,26 @@ def _reconcile_residents(state: PoolState, observation: Observation) -> list[Pol
 
 
 class _Held:
-    """Resident and leased bytes per card, by one walk over the residents and the leases (not
-    one per observed card: a node reporting many cards to a pool holding thousands of leases
-    made that walk most of an observation's cost). A card whose residents were dropped as
-    lost is counted again (`recount_residents`); leases do not change while observations land."""
+    """Resident and leased bytes per card, from the groupings a pass starts from (`_standing`,
+    kept across passes and rebuilt only when residents or leases changed, so the pass after
+    these observations reuses them), not from a walk per observed card: a node reporting many
+    cards to a pool holding thousands of leases made that walk most of an observation's cost.
+    A card whose residents were dropped as lost is counted again (`recount_residents`); leases
+    do not change while observations land."""
 
-    __slots__ = ("leased", "resident")
+    __slots__ = ("leased", "recounted", "resident")
 
     def __init__(self, state: PoolState) -> None:
-        self.resident: dict[str, int] = {}
-        self.leased: dict[str, int] = {}
-        for resident in state.residents.values():
-            self.resident[resident.accelerator] = self.resident.get(resident.accelerator, 0) + resident.bytes
-        for lease in state.leases.values():
-            for accelerator in lease.accelerators:
-                self.leased[accelerator] = self.leased.get(accelerator, 0) + lease.bytes
+        self.resident = resident_groups(state).resident_sum  # read only: the groupings' own
+        self.leased = lease_groups(state).leased_sum
+        self.recounted: dict[str, int] = {}
 
     def recount_residents(self, state: PoolState, accelerator: str) -> None:
-        self.resident[accelerator] = sum(r.bytes for r in state.residents.values() if r.accelerator == accelerator)
+        self.recounted[accelerator] = sum(r.bytes for r in state.residents.values() if r.accelerator == accelerator)
+
+    def resident_bytes(self, accelerator: str) -> int:
+        recounted = self.recounted.get(accelerator)
+        return self.resident.get(accelerator, 0) if recounted is None else recounted
 
 
 def _apply_pressure(
@@ -198,7 +201,7 @@ def _apply_pressure(
     budget = budget_from_sums(
         accelerator,
         runtime,
-        held.resident.get(accelerator_id, 0),
+        held.resident_bytes(accelerator_id),
         held.leased.get(accelerator_id, 0),
         state.config,
         now,

@@ -180,6 +180,9 @@ class DecisionPass:
     eligible: dict[tuple[str, bool], dict[str, bool]] = field(default_factory=dict)
     # Asleep residents this pass decided to wake: later requests wait on them as on a load.
     waking: dict[str, bool] = field(default_factory=dict)
+    # Per kind of work (production or not): the cards stale or under pressure for it this pass
+    # (`_rules.shut_cards`), once a walk over every card asked.
+    shut: dict[bool, dict[str, str]] = field(default_factory=dict)
     # Accelerators held for waiting gangs (see `_reservation`): later work backfills them only.
     reservations: dict[str, Reservation] = field(default_factory=dict)
     # Resident and lease bytes per accelerator, as the budgets sum them.

@@ -87,6 +87,7 @@ from modelforge.policy._rules import (
     reservation_refuses,
     service_estimate,
     service_of,
+    shut_cards,
     take_reservation,
 )
 from modelforge.policy._standing import is_evictable
@@ -868,7 +869,14 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
     loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     candidates = [a for a in loads.open if a not in holding] if holding else loads.open
     budgets, committed, reasons = pass_.budgets, pass_.committed, loads.reasons
-    for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing):
+    # A walk of the fast pass over many cards reads their staleness and pressure from one walk
+    # of the pass, and their schedulable bytes from the fit index (the chosen card's checked
+    # against its budget below); the reference pass asks each card itself. The property tests
+    # compare the two.
+    fast = pass_.indexed and len(candidates) > _SHUT_FROM
+    shut = shut_cards(pass_, attempt.production) if fast else None
+    kept = pass_.fit.schedulable if fast and pass_.fit is not None else {}
+    for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing, shut):
         if refusal:
             if not reasons.again(refusal):
                 reasons.add(refusal, *refusal_reason(pass_, refusal, accelerator, attempt.now))
@@ -876,7 +884,10 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
                 loads.backfill_only[accelerator] = True
             continue
         loads.room_candidates.append(accelerator)
-        free = budgets[accelerator].schedulable_bytes - committed.get(accelerator, 0)  # `pass_.free`
+        schedulable = kept.get(accelerator)
+        if schedulable is None:
+            schedulable = budgets[accelerator].schedulable_bytes
+        free = schedulable - committed.get(accelerator, 0)  # `pass_.free`
         if need <= free:
             if loads.best is None or (free - need, accelerator) < loads.best:
                 loads.best = (free - need, accelerator)
@@ -884,9 +895,18 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
         loads.short.append(accelerator)
         if not reasons.again("no_room"):
             reasons.add("no_room", WaitReason.MEMORY_HELD, f"{accelerator}: needs {need} B, {free} B schedulable")
+    if kept and loads.best is not None and kept[loads.best[1]] != budgets[loads.best[1]].schedulable_bytes:
+        # Kept bytes that differ from the budget: the index missed a change. Walked again
+        # without it, and rebuilt from scratch by the next pass.
+        drop_fit_index(pass_.state)
+        pass_.fit = None
+        return _score_loads(attempt, passed, holding)
     return loads
 
 
+# A walk over more cards than this reads their staleness and pressure from one walk of the pass
+# (`shut_cards`); a shorter one asks each card itself.
+_SHUT_FROM = 64
 # How many cards with room the indexed search looks at before it leaves the choice to the walk
 # over every card (they refused the load: stale, under pressure, reserved for a gang, blocked by
 # a request ahead), and how many searches a pass lets end that way before it walks for the rest:
@@ -1049,10 +1069,13 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
     budgets = pass_.budgets
     slot_only = joined.holding
     starved = _reserve_starved(attempt, loads, joined) if starving(pass_.state.catalog, queued, attempt.now) else ""
+    # Staleness as the walk read it, when it read it from the pass's (`shut_cards`).
+    shut = pass_.shut.get(attempt.production) if pass_.indexed else None
     for accelerator in loads.open:
         if accelerator in slot_only and accelerator not in joined.short:
             continue
-        if budgets[accelerator].fresh and accelerator not in loads.backfill_only:
+        fresh = shut.get(accelerator) != STALE if shut is not None else budgets.fresh(accelerator)
+        if fresh and accelerator not in loads.backfill_only:
             pass_.blocked[accelerator] = True
     reason, codes = str(reasons) or "waiting for capacity", reasons.codes() or (WaitReason.MEMORY_HELD,)
     if starved:

@@ -79,14 +79,19 @@ class Landing(NamedTuple):
 
 
 def landing_refusals(
-    pass_: DecisionPass, accelerators: Iterable[str], production: bool, landing: Landing | None
+    pass_: DecisionPass,
+    accelerators: Iterable[str],
+    production: bool,
+    landing: Landing | None,
+    shut: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, str]]:
     """May new bytes land on each of `accelerators` now? (accelerator, "") where they may, else
     (accelerator, the kind of reason: see `refusal_reason`): a higher request of this pass waits
     for memory there (it must not be overtaken), its observation is stale, it is under
     GPU_PRESSURE and the work is not production, or a waiting gang holds it (`landing` None: a
     gang looking for cards of its own, which shares none). Over many cards at once: a pass asks
-    it of every card of a large pool."""
+    it of every card of a large pool; `shut` (`shut_cards`, for the same `production`) answers
+    the staleness and pressure rules from one walk of the pass."""
     blocked, budgets, runtimes, reservations = (
         pass_.blocked,
         pass_.budgets,
@@ -96,16 +101,43 @@ def landing_refusals(
     for accelerator in accelerators:
         if accelerator in blocked:
             yield accelerator, BLOCKED
+            continue
+        if shut is not None:
+            kind = shut.get(accelerator)
+            if kind:
+                yield accelerator, kind
+                continue
         elif not budgets.fresh(accelerator):
             yield accelerator, STALE
+            continue
         elif not production and runtimes.get(accelerator, IDLE_RUNTIME).pressure:
             yield accelerator, PRESSURE
-        elif reservations and (
+            continue
+        if reservations and (
             accelerator in reservations if landing is None else reservation_refuses(pass_, accelerator, landing)
         ):
             yield accelerator, RESERVED
         else:
             yield accelerator, ""
+
+
+def shut_cards(pass_: DecisionPass, production: bool) -> dict[str, str]:
+    """The pool's cards where `landing_refusals` refuses any work of this kind (production or
+    not) for its staleness or pressure, with that kind of reason: neither changes during a
+    pass, so a pass works it out once, for the walks over every card (`_placement._score_loads`)
+    that ask it of thousands of cards for each request that finds no room."""
+    shut = pass_.shut.get(production)
+    if shut is None:
+        budgets, runtimes = pass_.budgets, pass_.state.accelerators
+        shut = {}
+        for card in pass_.pool_accelerators:
+            accelerator = card.id
+            if not budgets.fresh(accelerator):
+                shut[accelerator] = STALE
+            elif not production and runtimes.get(accelerator, IDLE_RUNTIME).pressure:
+                shut[accelerator] = PRESSURE
+        pass_.shut[production] = shut
+    return shut
 
 
 def may_land(pass_: DecisionPass, accelerators: Iterable[str], production: bool, landing: Landing | None) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +28,7 @@ from modelforge.policy import (
     resident_unloaded,
     validate_request,
 )
+from modelforge.policy import _placement as placement
 from modelforge.policy._order import in_submission_order
 from modelforge.policy._placement import decide_each
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
@@ -231,6 +233,19 @@ def test_with_a_starvation_bound_the_fast_pass_still_agrees_with_the_reference(
     hardly ever be reached): requests past it are placed one by one and may reserve a card; the
     fast pass must still decide what the reference decides, and nothing breaks the invariant."""
     assert run(operations, starvation_bound_s=1.0) == run(operations, starvation_bound_s=1.0)
+
+
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40))
+def test_walks_that_read_staleness_and_pressure_once_per_pass_agree_with_the_reference(
+    operations: list[tuple[object, ...]],
+) -> None:
+    """The fast pass's walk over every card reads which are stale or under pressure from one
+    walk of the pass (`_rules.shut_cards`) on pools larger than `_SHUT_FROM` cards; here on
+    every pool, so the small pool above exercises it against the reference, which asks each
+    card itself."""
+    with patch.object(placement, "_SHUT_FROM", 0):
+        assert run(operations) == run(operations)
 
 
 # Every combination of the discrete inputs, each with a few hold times: 64 x 5 runs cover what
