@@ -4,6 +4,7 @@ being evicted, reservations), built once per pass, and the filter phase."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from modelforge.domain import Accelerator, Deployment, Residency
@@ -136,6 +137,22 @@ class Budgets(dict[str, Budget]):
             )
         self[accelerator_id] = budget
         return budget
+
+    def stale(self, accelerator_ids: Iterable[str]) -> list[str]:
+        """Those of `accelerator_ids` that are not `fresh`: one walk, for every card of a pool."""
+        stale: list[str] = []
+        budgets_get, runtimes_get = self.get, self._state.accelerators.get
+        now, freshness_s = self._now, self._state.config.freshness_s
+        for accelerator_id in accelerator_ids:
+            budget = budgets_get(accelerator_id)
+            if budget is not None:
+                if not budget.fresh:
+                    stale.append(accelerator_id)
+                continue
+            observation = runtimes_get(accelerator_id, IDLE_RUNTIME).observation
+            if observation is None or not max(0.0, now - observation.received_at) <= freshness_s:
+                stale.append(accelerator_id)
+        return stale
 
     def fresh(self, accelerator_id: str) -> bool:
         """`self[accelerator_id].fresh`, without working out a budget not asked for yet: the

@@ -128,14 +128,13 @@ def shut_cards(pass_: DecisionPass, production: bool) -> dict[str, str]:
     that ask it of thousands of cards for each request that finds no room."""
     shut = pass_.shut.get(production)
     if shut is None:
-        budgets, runtimes = pass_.budgets, pass_.state.accelerators
-        shut = {}
-        for card in pass_.pool_accelerators:
-            accelerator = card.id
-            if not budgets.fresh(accelerator):
-                shut[accelerator] = STALE
-            elif not production and runtimes.get(accelerator, IDLE_RUNTIME).pressure:
-                shut[accelerator] = PRESSURE
+        cards = [card.id for card in pass_.pool_accelerators]
+        shut = dict.fromkeys(pass_.budgets.stale(cards), STALE)
+        if not production:
+            runtimes = pass_.state.accelerators
+            for accelerator, runtime in runtimes.items():
+                if runtime.pressure and accelerator not in shut:
+                    shut[accelerator] = PRESSURE
         pass_.shut[production] = shut
     return shut
 

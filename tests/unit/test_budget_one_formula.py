@@ -63,3 +63,6 @@ def test_the_pass_budget_is_the_invariants_formula(
     written_out = budgets["n/0"]
     assert written_out == budget_from_sums(accelerator, runtime, resident, leased, config, NOW)
     assert fresh_first == written_out.fresh == budgets.fresh("n/0")
+    assert (
+        Budgets(state, {}, {}, NOW).stale(["n/0"]) == budgets.stale(["n/0"]) == ([] if written_out.fresh else ["n/0"])
+    )
