@@ -303,10 +303,12 @@ def _groups_by_bound(
     leave over, in (bound, group) order, so the search stops at the first group whose bound
     is no better than the best found. With the fit index (the fast pass), a card's free bytes
     come from it and not from its budget (most of a large pool's cards are never looked at
-    closer), counting every idle resident there as unloaded when `evicting`; the landing
-    rules only take cards away, so no group leaves less over than its bound, and a group with
-    fewer than `count` cards with room is left out. Without the index, or when `preempting`
-    (its order is the bytes newly stopped), every group, bound 0, in group order."""
+    closer). A card may hold the gang if its free bytes do (or, `evicting`, with every idle
+    resident there unloaded: `_room` unloads only some of them, so at least the free bytes
+    are left over, never less than nothing); the landing rules only take cards away, so no
+    group leaves less over than its bound, and a group with fewer than `count` cards that may
+    hold the gang is left out. Without the index, or when `preempting` (its order is the bytes
+    newly stopped), every group, bound 0, in group order."""
     fit = pass_.fit
     if fit is None or preempting:
         return [(0, key, members) for key, members in sorted(groups.items())]
@@ -322,10 +324,9 @@ def _groups_by_bound(
                 break
             free -= committed.get(accelerator, 0)
             idle = evictable.get(accelerator)
-            if idle:
-                free += sum(r.bytes for r in idle)
-            if free >= need:
-                lefts.append(free - need)
+            most = free + sum(r.bytes for r in idle) if idle else free
+            if most >= need:
+                lefts.append(max(0, free - need))
         if len(lefts) >= count:
             lefts.sort()
             ordered.append((sum(lefts[:count]), key, members))

@@ -24,7 +24,7 @@ from modelforge.policy import (
     validate_request,
 )
 from modelforge.policy._placement import decide_each
-from tests.builders import NOW, ask, deployment, gpu, observe, state, tenant
+from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 from tests.tiers import examples
 
 CARDS = [f"{node}/{i}" for node, n in (("a", 4), ("b", 4), ("c", 2)) for i in range(n)]
@@ -198,3 +198,43 @@ def test_indexed_gang_placement_over_many_nvlink_groups_decides_what_the_referen
     operations: list[tuple[object, ...]], gang_reservations: bool
 ) -> None:
     run(operations, gang_reservations, WIDE)
+
+
+def test_a_gang_makes_room_where_the_least_is_left_over_with_only_the_residents_it_may_unload_gone() -> None:
+    """Two NVLink groups where a background gang fits only once idle residents go. On group x an
+    idle model last used by production stays (a background asker may not unload it), so x has
+    4 GiB a card left over once its other idle model goes; group a has 10 GiB a card left over.
+    The gang makes room on x. (The search's bound for a group once counted every idle resident
+    as gone, so x looked as roomy as a, a was looked at first, and x never was.)"""
+    s = state(
+        [gpu(f"{group}/{i}", total=21, nvlink_group=group, rack="r0") for group in ("a", "x") for i in range(2)],
+        [
+            deployment("kept@1", gib=6, queue_limit=100),
+            deployment("idle@1", gib=8, queue_limit=100),
+            deployment("wide@1", gib=11, queue_limit=100),
+            deployment(
+                "nv2@1",
+                gib=10,
+                residency=Residency.NONE,
+                idle_bytes=0,
+                gpu_count=2,
+                nvlink_required=True,
+                queue_limit=100,
+            ),
+        ],
+        tenants=[tenant("t")],
+    )
+    for i in range(2):
+        kept = resident(s, "kept@1", f"x/{i}", 6)
+        kept.last_priority = Priority.PRODUCTION
+        resident(s, "idle@1", f"x/{i}", 8).last_priority = Priority.BACKGROUND
+        resident(s, "wide@1", f"a/{i}", 11).last_priority = Priority.BACKGROUND
+        observe(s, f"x/{i}", managed_gib=14, loaded=[f"kept@1@x/{i}", f"idle@1@x/{i}"])
+        observe(s, f"a/{i}", managed_gib=11, loaded=[f"wide@1@a/{i}"])
+    request = ask("g", "nv2@1", priority=Priority.BACKGROUND)
+    _, priority = validate_request(s, request, gangs=True)
+    enqueue(s, request, priority, NOW)
+    decisions = decide(s, NOW)
+    assert sorted(u.resident_key for u in decisions.unloads) == ["idle@1@x/0", "idle@1@x/1"], decisions.unloads
+    reference = decide_each(s, NOW, reuse_settled=False)
+    assert decisions.unloads == reference.unloads
