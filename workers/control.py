@@ -175,6 +175,10 @@ class ControlWorker:
         if self.guard is not None:
             self._tasks.append(asyncio.create_task(supervised(self.guard.run, "replay_guard", logger=log)))
 
+    def side_tasks(self) -> list[asyncio.Task[None]]:
+        """The adopter's and the replay guard's tasks while they run (a stuck stop names them)."""
+        return list(self._tasks)
+
     async def _stop_side_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -154,6 +154,8 @@ def _node_worker(
 # How long a node worker's shutdown may take in a stack's teardown (its activities are cancelled
 # at once: graceful_shutdown_timeout is 0) before the teardown names what holds it and fails.
 WORKER_SHUTDOWN_S = 30.0
+# The same for the in-process control worker (its two Temporal workers and side tasks).
+CONTROL_SHUTDOWN_S = 60.0
 
 # Each node worker's model-server runtime, stopped with the stack as `modelforge worker node` does.
 _SERVERS: dict[Worker, list[SubprocessHttpRuntime]] = {}
@@ -207,17 +209,17 @@ async def running_stack(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if control_in_process:
-                running.control = await stack.enter_async_context(
-                    build_control_worker(
-                        client,
-                        store,
-                        metrics=metrics,
-                        adopt_interval_s=adopt_interval_s,
-                        pools=list(pools),
-                        deployment=deployment,
-                        replay_check_s=replay_check_s,
-                    )
+                control = build_control_worker(
+                    client,
+                    store,
+                    metrics=metrics,
+                    adopt_interval_s=adopt_interval_s,
+                    pools=list(pools),
+                    deployment=deployment,
+                    replay_check_s=replay_check_s,
                 )
+                running.control = await control.__aenter__()
+                stack.push_async_callback(_stop_control, control)
                 if deployment is not None and deployment.use_worker_versioning:
                     await set_current(client, deployment.version)
             # Node workers run as tasks, not contexts, so a test can restart one.
@@ -282,6 +284,20 @@ async def _shutdown_all(stack: Stack) -> None:
     finally:
         if stuck:
             raise RuntimeError("; ".join(stuck))
+
+
+async def _stop_control(control: ControlWorker) -> None:
+    """The control worker left as its context would leave it, bounded as the node workers'
+    shutdown is: one that does not stop in CONTROL_SHUTDOWN_S is named with what holds it (its
+    side tasks, its Temporal workers' activities and runs), not left to a test's timeout."""
+    stopping = asyncio.ensure_future(control.__aexit__(None, None, None))
+    done, _ = await asyncio.wait({stopping}, timeout=CONTROL_SHUTDOWN_S)
+    if stopping in done:
+        stopping.result()
+        return
+    held = [f"side task at {_awaiting(task)}" for task in control.side_tasks() if not task.done()]
+    held += [_still_running(worker) for worker in control.workers]
+    raise RuntimeError(f"the control worker did not stop in {CONTROL_SHUTDOWN_S:g} s: " + "; ".join(held))
 
 
 def _still_running(worker: Worker) -> str:

@@ -14,6 +14,7 @@ from temporalio.worker import Worker
 
 from modelforge.domain import Catalog
 from workers import stack as harness
+from workers.control import ControlWorker
 
 started = asyncio.Event()
 release = asyncio.Event()
@@ -67,3 +68,32 @@ async def test_a_node_worker_that_does_not_stop_fails_the_teardown_naming_what_h
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
         with contextlib.suppress(Exception):  # ended already, or never started
             await client.get_workflow_handle("holds-n1").terminate("the test is over")
+
+
+async def test_a_control_worker_that_does_not_stop_fails_the_teardown_naming_its_side_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The in-process control worker's stop is bounded the same way: a side task (the replay
+    guard's, the adopter's) that swallows its cancellation is named, with where it waits."""
+    monkeypatch.setattr(harness, "CONTROL_SHUTDOWN_S", 0.5)
+    let_go = asyncio.Event()
+
+    async def swallows_cancellation() -> None:
+        while not let_go.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await let_go.wait()
+
+    control = ControlWorker(workers=[])
+    stuck = asyncio.create_task(swallows_cancellation())
+    control._tasks.append(stuck)
+    await asyncio.sleep(0)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            await harness._stop_control(control)
+        message = str(raised.value)
+        assert message.startswith("the control worker did not stop in 0.5 s: side task at swallows_cancellation:")
+    finally:
+        let_go.set()
+        await asyncio.wait_for(stuck, timeout=5)
+    # Without a stuck task it stops quietly.
+    await harness._stop_control(ControlWorker(workers=[]))
