@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from modelforge.domain import Accelerator, Deployment, Residency
-from modelforge.policy._budget import Budget, dynamic_reserve_bytes
+from modelforge.policy._budget import Budget, dynamic_reserve_bytes, is_fresh
 from modelforge.policy._decisions import Grant, WaitReason
 from modelforge.policy._fit_index import FitIndex, fit_index
 from modelforge.policy._order import class_rank, is_production
@@ -139,20 +139,8 @@ class Budgets(dict[str, Budget]):
         return budget
 
     def stale(self, accelerator_ids: Iterable[str]) -> list[str]:
-        """Those of `accelerator_ids` that are not `fresh`: one walk, for every card of a pool."""
-        stale: list[str] = []
-        budgets_get, runtimes_get = self.get, self._state.accelerators.get
-        now, freshness_s = self._now, self._state.config.freshness_s
-        for accelerator_id in accelerator_ids:
-            budget = budgets_get(accelerator_id)
-            if budget is not None:
-                if not budget.fresh:
-                    stale.append(accelerator_id)
-                continue
-            observation = runtimes_get(accelerator_id, IDLE_RUNTIME).observation
-            if observation is None or not max(0.0, now - observation.received_at) <= freshness_s:
-                stale.append(accelerator_id)
-        return stale
+        """Those of `accelerator_ids` that are not `fresh`."""
+        return [accelerator_id for accelerator_id in accelerator_ids if not self.fresh(accelerator_id)]
 
     def fresh(self, accelerator_id: str) -> bool:
         """`self[accelerator_id].fresh`, without working out a budget not asked for yet: the
@@ -160,10 +148,7 @@ class Budgets(dict[str, Budget]):
         budget = self.get(accelerator_id)
         if budget is not None:
             return budget.fresh
-        observation = self._state.accelerators.get(accelerator_id, IDLE_RUNTIME).observation
-        return (
-            observation is not None and max(0.0, self._now - observation.received_at) <= self._state.config.freshness_s
-        )
+        return is_fresh(self._state.accelerators.get(accelerator_id), self._state.config, self._now)
 
 
 @dataclass
