@@ -240,29 +240,15 @@ class PoolSchedulerWorkflow:
         replies: dict[int, AdmitReply] = {}
         admitted: dict[str, tuple[int, str]] = {}  # request id -> (position, priority)
         for position, request in enumerate(requests):
-            existing = policy.existing_admission(self._state, request)
-            if isinstance(existing, policy.Lease):
-                replies[position] = AdmitReply(status="granted", lease=existing, priority=existing.priority)
-                continue
-            if existing is not None:
-                replies[position] = AdmitReply(status="queued", priority=existing.priority)
-                continue
-            try:
-                if request.admit_by is not None and now > request.admit_by:
-                    # The requester has given up on this call: granting it would hold a lease for
-                    # nobody. It asks again (a new call) or has failed and withdrawn.
-                    raise policy.AdmissionRejected(
-                        FailureClass.TIMEOUT, f"admission reached the scheduler {now - request.admit_by:.1f} s late"
-                    )
-                _, priority = policy.validate_request(self._state, request, gangs=True)
-            except policy.AdmissionRejected as rejected:
-                replies[position] = AdmitReply(
-                    status="rejected", failure=rejected.failure.value, message=rejected.message
-                )
-                self._record_refusal(request, rejected, now)
-                continue
-            policy.enqueue(self._state, request, priority, now)
-            admitted[request.request_id] = (position, priority)
+            taken = self._take_in(request, now, late_at=request.admit_by)
+            if isinstance(taken, policy.Lease):
+                replies[position] = AdmitReply(status="granted", lease=taken, priority=taken.priority)
+            elif isinstance(taken, policy.AdmissionRejected):
+                replies[position] = AdmitReply(status="rejected", failure=taken.failure.value, message=taken.message)
+            elif isinstance(taken, policy.QueuedRequest):
+                replies[position] = AdmitReply(status="queued", priority=taken.priority)
+            else:
+                admitted[request.request_id] = (position, taken)
         if admitted:
             if not self._grants_wait_for_audit():  # else queued, granted once the audit answered
                 self._run_policy(now)
@@ -284,6 +270,30 @@ class PoolSchedulerWorkflow:
             for position, priority_value in admitted.values():
                 replies.setdefault(position, AdmitReply(status="queued", priority=priority_value))
         return [replies[position] for position in range(len(requests))]
+
+    def _take_in(
+        self, request: policy.AdmissionRequest, now: float, late_at: float | None
+    ) -> policy.Lease | policy.QueuedRequest | policy.AdmissionRejected | str:
+        """One request into the queue, for `admit_batch` and `readmit` alike: the lease or the
+        place it already has (its call was sent again), its refusal (recorded in the event log),
+        or the priority it was queued at now. `late_at`: when its requester gives up on the
+        call (`admit_by`); None where nobody gives up (a readmission)."""
+        existing = policy.existing_admission(self._state, request)
+        if existing is not None:
+            return existing
+        try:
+            if late_at is not None and now > late_at:
+                # The requester has given up on this call: granting it would hold a lease for
+                # nobody. It asks again (a new call) or has failed and withdrawn.
+                raise policy.AdmissionRejected(
+                    FailureClass.TIMEOUT, f"admission reached the scheduler {now - late_at:.1f} s late"
+                )
+            _, priority = policy.validate_request(self._state, request, gangs=True)
+        except policy.AdmissionRejected as rejected:
+            self._record_refusal(request, rejected, now)
+            return rejected
+        policy.enqueue(self._state, request, priority, now)
+        return priority
 
     def _record_refusal(self, request: policy.AdmissionRequest, rejected: policy.AdmissionRejected, now: float) -> None:
         """Bad input and full queues are in the event log too, never only in a reply."""
@@ -663,28 +673,15 @@ class PoolSchedulerWorkflow:
         not checked again: the requester has not given up, it waits for a word."""
         now = self._now()
         for request in batch.requests[:MAX_ADMIT_BATCH]:
-            existing = policy.existing_admission(self._state, request)
-            if isinstance(existing, policy.Lease):
-                self._decisions_out.append(
-                    (request.workflow_id, LeaseDecision(request_id=request.request_id, lease=existing))
-                )
-                continue
-            if existing is not None:
+            taken = self._take_in(request, now, late_at=None)
+            if isinstance(taken, policy.Lease):
+                decision = LeaseDecision(request_id=request.request_id, lease=taken)
+            elif isinstance(taken, policy.AdmissionRejected):
+                failure = taken.failure.value
+                decision = LeaseDecision(request_id=request.request_id, failure=failure, message=taken.message)
+            else:
                 continue  # queued: the pass that grants it tells it
-            try:
-                _, priority = policy.validate_request(self._state, request, gangs=True)
-            except policy.AdmissionRejected as rejected:
-                self._record_refusal(request, rejected, now)
-                self._decisions_out.append(
-                    (
-                        request.workflow_id,
-                        LeaseDecision(
-                            request_id=request.request_id, failure=rejected.failure.value, message=rejected.message
-                        ),
-                    )
-                )
-                continue
-            policy.enqueue(self._state, request, priority, now)
+            self._decisions_out.append((request.workflow_id, decision))
         self._wake = True
 
     @workflow.signal

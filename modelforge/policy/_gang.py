@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait, WaitReason
-from modelforge.policy._fit_index import drop_fit_index
 from modelforge.policy._pass import (
     DecisionPass,
     FilterResult,
@@ -291,7 +290,7 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
             leftover = sum(left for left, _ in room[:count])
             if best is None or (leftover, key) < best[:2]:
                 best = (leftover, key, [a for _, a in room[:count]])
-    if best is not None and not _index_agrees(attempt.pass_, best[2]):
+    if best is not None and not attempt.pass_.fit_agrees(best[2]):
         return _choose(attempt, gang, evicting, preempting)  # the index is gone: every group looked at
     return None if best is None else best[2]
 
@@ -332,21 +331,6 @@ def _groups_by_bound(
             ordered.append((sum(lefts[:count]), key, members))
     ordered.sort(key=lambda entry: (entry[0], entry[1]))
     return ordered
-
-
-def _index_agrees(pass_: DecisionPass, chosen: list[str]) -> bool:
-    """Whether the fit index holds each chosen card's schedulable bytes as its budget does; if
-    not it missed a change: it is dropped (the next pass rebuilds it) and the choice made again
-    without it, as `_placement._best_fit_indexed` does."""
-    fit = pass_.fit
-    if fit is None:
-        return True
-    budgets, schedulable = pass_.budgets, fit.schedulable
-    if all(schedulable.get(a) == budgets[a].schedulable_bytes for a in chosen):
-        return True
-    drop_fit_index(pass_.state)
-    pass_.fit = None
-    return False
 
 
 def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:

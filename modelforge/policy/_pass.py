@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.policy._budget import Budget, dynamic_reserve_bytes, is_fresh
 from modelforge.policy._decisions import Grant, WaitReason
-from modelforge.policy._fit_index import FitIndex, fit_index
+from modelforge.policy._fit_index import FitIndex, drop_fit_index, fit_index
 from modelforge.policy._order import class_rank, is_production
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation
@@ -214,6 +214,21 @@ class DecisionPass:
 
     def commit(self, accelerator: str, nbytes: int) -> None:
         self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
+
+    def fit_agrees(self, accelerators: Iterable[str]) -> bool:
+        """Whether the fit index holds each of `accelerators`' schedulable bytes as its budget
+        does (true without an index). If not, the index missed a change: it is dropped for the
+        rest of this pass and rebuilt from scratch by the next, and the caller chooses again
+        without it. Every search that reads the index checks its choice here."""
+        fit = self.fit
+        if fit is None:
+            return True
+        budgets, kept = self.budgets, fit.schedulable
+        if all(kept.get(a) == budgets[a].schedulable_bytes for a in accelerators):
+            return True
+        drop_fit_index(self.state)
+        self.fit = None
+        return False
 
 
 def idle_residents(pass_: DecisionPass, accelerator: str, production: bool) -> list[ResidentState]:

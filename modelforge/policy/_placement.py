@@ -45,7 +45,6 @@ from modelforge.policy._decisions import (
     WaitReason,
     Wake,
 )
-from modelforge.policy._fit_index import drop_fit_index
 from modelforge.policy._gang import leases_on, place_gang
 from modelforge.policy._order import (
     class_rank,
@@ -895,12 +894,8 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
         loads.short.append(accelerator)
         if not reasons.again("no_room"):
             reasons.add("no_room", WaitReason.MEMORY_HELD, f"{accelerator}: needs {need} B, {free} B schedulable")
-    if kept and loads.best is not None and kept[loads.best[1]] != budgets[loads.best[1]].schedulable_bytes:
-        # Kept bytes that differ from the budget: the index missed a change. Walked again
-        # without it, and rebuilt from scratch by the next pass.
-        drop_fit_index(pass_.state)
-        pass_.fit = None
-        return _score_loads(attempt, passed, holding)
+    if kept and loads.best is not None and not pass_.fit_agrees((loads.best[1],)):
+        return _score_loads(attempt, passed, holding)  # walked again without the index
     return loads
 
 
@@ -947,12 +942,8 @@ def _best_fit_indexed(attempt: Attempt, landing: Landing, holding: dict[str, boo
         if committed.get(card):
             continue  # compared above, by what it has left
         if lands(card):
-            if budgets[card].schedulable_bytes != schedulable:
-                # Kept bytes that differ from the budget: the index missed a change. Placed by
-                # the walk, and rebuilt from scratch by the next pass.
-                drop_fit_index(pass_.state)
-                pass_.fit = None
-                return None
+            if not pass_.fit_agrees((card,)):
+                return None  # placed by the walk
             return (schedulable - need, card)
         looks += 1
         if looks >= _INDEXED_LOOKS:
