@@ -1,3 +1,3 @@
 """ModelForge: a GPU admission scheduler on Temporal."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

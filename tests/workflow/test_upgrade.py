@@ -1,19 +1,25 @@
-"""An upgrade, and a rollback, by Worker Versioning with work in flight, on the real Temporal dev
-server: the running build's control worker serves a busy pool, a job (a real process,
-subprocess_job) and a streamed chat answer, the next build's control worker starts beside it and becomes current, the
-scheduler and telemetry move to it at a continue-as-new, the old build's runs finish on the old
-build, and the old worker is retired. Both builds are this commit's code under two build ids (what a release and
-the next one differ in is what Worker Versioning keeps apart: which worker replays which run).
-The node workers are unversioned, as in production (modelforge/versioning.py); their devices
-are simulated."""
+"""An upgrade from the released build, and a rollback to it, by Worker Versioning with work in
+flight, on the real Temporal dev server. Release 0.1.0's own code (tests/releases/0.1.0.tar.gz,
+`git archive` of the tag `v0.1.0`: docs/RELEASING.md) runs the release's control worker, a
+process of its own, serving a busy pool, a job (a real process, subprocess_job) and a streamed
+chat answer; this commit's control worker starts beside it and becomes current; the scheduler and
+telemetry move to it at a continue-as-new, the release's runs finish on the release's build, and
+the release's worker is retired. Then the same back: the release's worker again, made current,
+this commit's runs finishing on this commit's build. The node workers are this commit's and
+unversioned, as in production (modelforge/versioning.py): a release's requests call this commit's
+activities there. Their devices are simulated."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
+import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +32,23 @@ from temporalio.common import WorkerDeploymentVersion
 from temporalio.testing import WorkflowEnvironment
 
 import modelforge
-from modelforge.catalog import example_catalog_path
+from modelforge.catalog import example_catalog_path, load_catalog_file
 from modelforge.client import job_input
 from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
 from modelforge.versioning import deployment_config, roll, set_current
 from tests.asgi_server import serve_app
+from tests.e2e.dev_process import free_port
 from workers.control import ControlWorker, build_control_worker
 from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 
-RELEASE = WorkerDeploymentVersion("modelforge", modelforge.__version__)
-NEXT = WorkerDeploymentVersion("modelforge", f"{modelforge.__version__}+next")
+RELEASED = "0.1.0"  # the release whose code tests/releases/ holds (docs/RELEASING.md)
+RELEASE_CODE = Path(__file__).resolve().parents[1] / "releases" / f"{RELEASED}.tar.gz"
+RELEASE = WorkerDeploymentVersion("modelforge", RELEASED)
+NEXT = WorkerDeploymentVersion("modelforge", modelforge.__version__)
 EMBEDDING = "rag.embedding@1"  # concurrency 1: one holds the card's slot, the others queue
 JOB = "upgrade.job@1"  # a real job process on the desktop card (subprocess_job), 10 s long
 CHAT = "chat.small@1"
@@ -69,6 +78,7 @@ async def _own_client(client: Client) -> Client:
 
 
 async def _control_worker(client: Client, store: Store, version: WorkerDeploymentVersion) -> ControlWorker:
+    """This commit's control worker, in this process."""
     worker = build_control_worker(
         await _own_client(client),
         store,
@@ -78,6 +88,59 @@ async def _control_worker(client: Client, store: Store, version: WorkerDeploymen
     )
     await worker.__aenter__()
     return worker
+
+
+class _Release:
+    """The released build's control worker: `modelforge worker control` run from the release's
+    own code (its archive unpacked; PYTHONPATH and the working directory put it before this
+    checkout's packages), stopped as an operator stops it (SIGTERM, exit status 0)."""
+
+    def __init__(self, client: Client, database_url: str, where: Path) -> None:
+        self.code = where / "code"
+        if not self.code.exists():
+            with tarfile.open(RELEASE_CODE) as archive:
+                archive.extractall(self.code, filter="data")
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_") and k != "PYTHONPATH"}
+        environ.update(
+            PYTHONPATH=str(self.code),
+            MODELFORGE_TEMPORAL_ADDRESS=client.service_client.config.target_host,
+            MODELFORGE_DATABASE_URL=database_url,
+            MODELFORGE_METRICS_PORT=str(free_port()),
+            MODELFORGE_HOME=str(where / "home"),
+            MODELFORGE_WORKER_BUILD_ID=RELEASE.build_id,
+        )
+        self.environ = environ
+        self.log = where / "control.log"
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "modelforge", "worker", "control"],
+                cwd=self.code,
+                env=environ,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def imports_its_own_code(self) -> bool:
+        ran = subprocess.run(
+            [sys.executable, "-c", "import modelforge, workflows; print(modelforge.__file__, workflows.__file__)"],
+            cwd=self.code,
+            env=self.environ,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return all(Path(f).is_relative_to(self.code) for f in ran.stdout.split())
+
+    async def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while self.process.poll() is None:
+                if time.monotonic() > deadline:
+                    self.process.kill()
+                    raise AssertionError(f"the release's control worker did not stop: {self.log.read_text()[-3000:]}")
+                await asyncio.sleep(0.2)
+        assert self.process.returncode == 0, self.log.read_text()[-3000:]
 
 
 async def _build_of(client: Client, workflow_id: str) -> str:
@@ -157,7 +220,7 @@ async def _move(stack: Stack, to: WorkerDeploymentVersion) -> float:
 
 async def _one_build_to_the_next(
     stack: Stack,
-    old: ControlWorker,
+    retire_old: Callable[[], Awaitable[None]],
     old_version: WorkerDeploymentVersion,
     new: WorkerDeploymentVersion,
     streams: tuple[str, dict[str, list[dict[str, Any]]]],
@@ -186,38 +249,57 @@ async def _one_build_to_the_next(
     # Pinned: the old build's runs finished on it, the new ones ran on the new build.
     assert {await _build_of(stack.client, h.id) for h in before} == {old_version.build_id}
     assert {await _build_of(stack.client, h.id) for h in after} == {new.build_id}
-    await old.__aexit__(None, None, None)  # retired: none of its runs is left open
+    await retire_old()  # none of its runs is left open
     return [*before, *after], moved_s
 
 
-async def test_an_upgrade_and_a_rollback_with_work_in_flight(
+def test_the_recorded_release_is_the_release_it_names_and_main_is_past_it() -> None:
+    """tests/releases/ holds the code of the release named here, whose histories are kept beside
+    it, and main carries a later version (docs/RELEASING.md, step 6)."""
+    with tarfile.open(RELEASE_CODE) as archive:
+        init = archive.extractfile("modelforge/__init__.py")
+        assert init is not None
+        assert f'__version__ = "{RELEASED}"' in init.read().decode()
+        assert {"workflows/scheduler.py", "workflows/request.py", "workers/control.py"} <= set(archive.getnames())
+    assert (RELEASE_CODE.parents[1] / "histories" / RELEASED).is_dir()
+    assert modelforge.__version__ != RELEASED
+
+
+async def test_an_upgrade_from_the_release_and_a_rollback_to_it_with_work_in_flight(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
     began = time.monotonic()
     client = dev_server_env.client
     store = await Store.open(database_url)
     await store.migrate()
-    release = await _control_worker(client, store, RELEASE)
-    await set_current(client, RELEASE)
-    workers = [release]
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(example_catalog_path().read_text() + JOB_DEPLOYMENT)
+    await store.apply_catalog(load_catalog_file(catalog)[0])
+    release = _Release(client, database_url, tmp_path / "release")
+    assert release.imports_its_own_code(), "the release's worker would run this checkout's code"
+    releases = [release]
+    await set_current(client, RELEASE)  # the release's worker is polling once this returns
+    workers: list[ControlWorker] = []
     received: dict[str, list[dict[str, Any]]] = {}
     server, serving, port = await serve_app(_gateway(received))
     streams = (f"http://127.0.0.1:{port}/internal/streams", received)
     try:
-        catalog = tmp_path / "catalog.toml"
-        catalog.write_text(example_catalog_path().read_text() + JOB_DEPLOYMENT)
         async with running_stack(client, database_url, catalog, control_in_process=False) as stack:
             assert await _build_of(client, stack.scheduler.id) == RELEASE.build_id
             first_run = (await stack.scheduler.describe()).run_id
 
-            # The upgrade: the next build's control worker beside the release's.
+            # The upgrade: this commit's control worker beside the release's.
             workers.append(await _control_worker(client, store, NEXT))
-            upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release, RELEASE, NEXT, streams)
+            upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release.stop, RELEASE, NEXT, streams)
             assert (await stack.scheduler.describe()).run_id != first_run
 
             # The rollback: the release's control worker back, made current again.
-            workers.append(await _control_worker(client, store, RELEASE))
-            rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, workers[1], NEXT, RELEASE, streams)
+            releases.append(_Release(client, database_url, tmp_path / "release"))
+
+            async def retire_next() -> None:
+                await workers[0].__aexit__(None, None, None)
+
+            rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, retire_next, NEXT, RELEASE, streams)
             await _wait_build(client, [stack.scheduler.id], RELEASE.build_id)
 
             requests = upgraded + rolled_back
@@ -248,4 +330,6 @@ async def test_an_upgrade_and_a_rollback_with_work_in_flight(
         for worker in workers:
             if any(w.is_running for w in worker.workers):
                 await worker.__aexit__(None, None, None)
+        for process in releases:
+            await process.stop()
         await store.close()
