@@ -240,7 +240,9 @@ async def run(args: argparse.Namespace, database_url: str) -> None:
             catalog_path = scratch / "catalog.toml"
             catalog_path.write_text(CATALOG)
             config = PolicyConfig(preempt_min_runtime_s=MIN_RUNTIME_S, preempt_grace_s=GRACE_S)
-            async with running_stack(env.client, database_url, catalog_path=catalog_path, config=config) as stack:
+            async with running_stack(
+                env.client, database_url, catalog_path=catalog_path, config=config, home=HOME
+            ) as stack:
                 print(f"stack up in {time.perf_counter() - began:.1f} s", flush=True)
                 await measure(args, stack, scratch)
     finally:

@@ -294,10 +294,12 @@ def never_reported(accelerators: list[Any], nodes: list[str] | None = None) -> l
 
 
 def _table_console() -> Console:
-    """`out`, or piped without COLUMNS (where rich assumes 80): 100 columns, what the tables fit."""
-    if out.is_terminal or os.environ.get("COLUMNS"):
+    """`out` on a terminal; piped, COLUMNS as it is now (rich reads it once, when `out` is made)
+    or, without it (where rich assumes 80), 100 columns, what the tables fit."""
+    if out.is_terminal:
         return out
-    return Console(width=max(out.width, 100))
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdecimal() and int(columns) > 0 else max(out.width, 100))
 
 
 def _compact_table(title: str | None = None) -> Table:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -44,6 +45,10 @@ class Stack:
     external: list[ExternalSpec] = field(default_factory=list)
     node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     control: ControlWorker | None = None  # None when the caller runs the control worker
+    # The node workers' home (model servers' logs and pid files, job logs, checkpoints): the
+    # stack's own, so a node worker's start, which stops the servers its node's earlier runs
+    # left (`reap_orphans`), never touches another stack's on the same host.
+    home: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "modelforge")
     # Every pool's scheduler by pool (`scheduler` is the first pool's).
     schedulers: dict[str, WorkflowHandle[PoolSchedulerWorkflow, None]] = field(default_factory=dict)
     # Each node's delegated slots (warm-path delegation) when the stack runs it; the sync loops
@@ -109,7 +114,7 @@ class Stack:
             tls=config.tls,
             data_converter=self.client.data_converter,
         )
-        worker = _node_worker(own, node, backend, self.catalog, self._new_slots(own, node))
+        worker = _node_worker(own, node, backend, self.catalog, self.home, self._new_slots(own, node))
         self.node_workers[node] = worker
         self.node_tasks.append(asyncio.create_task(worker.run()))
 
@@ -139,12 +144,12 @@ def _node_worker(
     node: str,
     backend: SimulatedGpuBackend,
     catalog: Catalog,
+    home: Path,
     slots: NodeSlots | PoolSlots | None = None,
 ) -> Worker:
     """A node worker as `modelforge worker node --simulate-from` builds one: every runtime, the
     catalog's CPU device when it declares one on this node."""
     devices = NodeDevices(backend, host_device(node, catalog, None))
-    home = Path(tempfile.gettempdir()) / "modelforge"
     runtimes = node_runtimes(devices, home, node)
     worker = build_node_worker(client, node, devices, runtimes, checkpoint_root=home / "checkpoints", slots=slots)
     _SERVERS[worker] = [r for r in runtimes.values() if isinstance(r, SubprocessHttpRuntime)]
@@ -177,6 +182,7 @@ async def running_stack(
     delegation_sync_s: float = 0.0,
     deployment: WorkerDeploymentConfig | None = None,
     replay_check_s: float = 60.0,
+    home: Path | None = None,
 ) -> AsyncIterator[Stack]:
     """`control_in_process=False`: the caller runs the control worker (a process of its own, to
     be killed and restarted); the stack brings only Postgres rows, node workers and telemetry.
@@ -185,8 +191,11 @@ async def running_stack(
     `deployment`: the control worker's Worker Deployment Version; versioned, it is made the
     deployment's current one before the schedulers start (as `worker control` does).
     `replay_check_s`: the replay guard's interval (0: off, for a test whose interceptor changes
-    the scheduler's commands, which a replay without it cannot match)."""
+    the scheduler's commands, which a replay without it cannot match).
+    `home`: the node workers' home (`Stack.home`); None: a fresh folder, removed with the stack."""
     catalog, external = load_catalog_file(catalog_path or example_catalog_path())
+    own_home = home is None
+    home = Path(tempfile.mkdtemp(prefix="modelforge-stack-")) if home is None else home
     store = await Store.open(database_url)
     await store.migrate()
     await store.apply_catalog(catalog)
@@ -200,9 +209,10 @@ async def running_stack(
         external=external,
         delegation_sync_s=delegation_sync_s,
         schedulers={pool: None for pool in pools},  # type: ignore[misc]  # set below; names the pools
+        home=home,
     )
     node_workers = {
-        node: _node_worker(client, node, backend, catalog, running._new_slots(client, node))
+        node: _node_worker(client, node, backend, catalog, home, running._new_slots(client, node))
         for node, backend in backends.items()
     }
     running.node_workers = node_workers
@@ -251,6 +261,8 @@ async def running_stack(
             yield running
     finally:
         await store.close()
+        if own_home:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 async def _shutdown_all(stack: Stack) -> None:

@@ -4,6 +4,8 @@ all of them are ModelForge's, so their GPU bytes are attributed and reclaimed to
 from __future__ import annotations
 
 import os
+import random
+import socket
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -64,3 +66,34 @@ def alive(pid: int) -> bool:
         return not state or state[0] != "Z"
     except OSError:
         return False
+
+
+# Ports handed to a process that binds them a moment later (a model server, a gang's rendezvous)
+# are chosen below the kernel's ephemeral range: a port in that range found free can be taken as
+# the source port of any outgoing connection on the host before the process binds it
+# (EADDRINUSE); one below it only by another explicit bind.
+_EPHEMERAL_RANGE = _PROC / "sys" / "net" / "ipv4" / "ip_local_port_range"
+_LOWEST_PORT = 10000
+_PORT_TRIES = 64
+
+
+def free_port(address: str) -> int:
+    """A port free on `address` now, for a process to listen on: one below the ephemeral range
+    where the host leaves room for it (tried at random), else one the kernel gives."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        ephemeral_from = int(_EPHEMERAL_RANGE.read_text(encoding="ascii").split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 0
+    candidates = range(_LOWEST_PORT, ephemeral_from)
+    for _ in range(_PORT_TRIES if len(candidates) > _PORT_TRIES else 0):
+        port = random.choice(candidates)
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from modelforge.runtimes._http_api import (
     stream_record,
     usage_of,
 )
-from modelforge.runtimes._process import alive, process_tree, rss_bytes
+from modelforge.runtimes._process import alive, free_port, process_tree, rss_bytes
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 from modelforge.runtimes._secrets import NodeSecrets, secret_problems
 
@@ -144,12 +143,6 @@ class SubprocessHttpConfig:
         )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class _Server:
     key: str
@@ -194,7 +187,7 @@ class SubprocessHttpRuntime:
     ) -> LoadedModel:
         config = SubprocessHttpConfig.of(deployment)
         started = time.monotonic()
-        port = config.port or _free_port(config.host)
+        port = config.port or free_port(config.host)
         values = {
             "{port}": str(port),
             "{host}": config.host,

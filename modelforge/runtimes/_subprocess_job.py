@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from modelforge.domain import Deployment
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.gpu import CPU_DEVICE_INDEX, NodeDevices
 from modelforge.runtimes._artifacts import artifact_digest, check_artifact
-from modelforge.runtimes._process import alive, process_tree
+from modelforge.runtimes._process import alive, free_port, process_tree
 from modelforge.runtimes._protocol import Heartbeat, LoadedModel, unsupported
 
 RUNTIME_NAME = "subprocess_job"
@@ -924,12 +923,12 @@ class SubprocessJobRuntime:
         address = os.environ.get("MODELFORGE_NODE_ADDRESS", "127.0.0.1")
         place = payload.get("modelforge_rendezvous")
         if world <= 1 and not place:
-            return address, _free_port(address)
+            return address, free_port(address)
         if not isinstance(place, str) or not place:
             raise unsupported(self.name, "run a multi-node job", "this node has no checkpoint store for its rendezvous")
         path = Path(place)
         if rank == 0:
-            port = _free_port(address)
+            port = free_port(address)
             private_dir(path.parent)
             _write_json(path, {"address": address, "port": port})
             return address, port
@@ -1043,12 +1042,6 @@ def kill_job_processes(leader: int | None, tag: str, within_s: float = 5.0) -> l
                 os.kill(pid, signal.SIGKILL)
         killed.extend(pid for pid in victims if pid not in killed)
         time.sleep(0.01)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
-        probe.bind((address, 0))
-        return int(probe.getsockname()[1])
 
 
 def _describe_exit(code: int | None) -> str:

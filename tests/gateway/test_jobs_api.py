@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -46,10 +45,12 @@ async def test_a_job_over_http_runs_and_answers_its_output_and_refusals_are_type
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
     pytest.importorskip("numpy")  # the merge example's only dependency
-    home = Path(tempfile.gettempdir()) / "modelforge"  # the harness's node workers' home
+    home = tmp_path / "node-home"  # the stack's node workers' home
     ids = [f"http-job-{os.urandom(4).hex()}" for _ in range(3)]
     try:
-        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), home=home
+        ) as stack:
             async for gateway in serve(stack, GatewayConfig()):
                 await _jobs(gateway.base_url, ids)
     finally:

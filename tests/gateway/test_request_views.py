@@ -133,6 +133,8 @@ async def test_a_request_is_found_by_its_id_waiting_running_and_done_and_only_by
         assert (await running).status_code == 200
 
 
+# Alone (./scripts/test): the refusal must come within a second of its deadline.
+@pytest.mark.serial
 async def test_the_clients_own_timeout_is_the_deadline_and_hopeless_work_is_refused_early(gateway: Served) -> None:
     # The openai package sends its read timeout (X-Stainless-Read-Timeout); the answer says the
     # deadline the gateway applied from it.

@@ -129,6 +129,8 @@ async def test_a_deadline_counts_from_the_requests_start_not_from_its_admission(
         assert granted and granted[0]["payload"]["deadline_s"] <= 27.5, granted
 
 
+# Alone (./scripts/test): the refusal must come within 0.8 s of its deadline.
+@pytest.mark.serial
 async def test_a_waiting_requests_refusal_reaches_its_caller_at_the_deadline_not_a_timer_later(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,12 +45,12 @@ async def test_a_preempted_merge_job_resumes_from_its_checkpoint_to_the_same_byt
 ) -> None:
     reference = uninterrupted_run(tmp_path)
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
-    home = Path(tempfile.gettempdir()) / "modelforge"  # the harness's node workers' home
+    home = tmp_path / "node-home"  # the stack's node workers' home
     request_id = f"merge-{os.urandom(4).hex()}"
     misbehaving = ["--ignore-sigterm"] if ignores_sigterm else []
     try:
         async with running_stack(
-            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), config=config
+            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), config=config, home=home
         ) as stack:
             submitted = time.time()
             job = await stack.start_request(
@@ -117,10 +116,12 @@ async def test_a_job_past_its_max_duration_ends_the_request_with_timeout(
     from temporalio.client import WorkflowFailureError
     from temporalio.exceptions import ApplicationError
 
-    home = Path(tempfile.gettempdir()) / "modelforge"
+    home = tmp_path / "node-home"
     request_id = f"slow-{os.urandom(4).hex()}"
     try:
-        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), home=home
+        ) as stack:
             started = time.monotonic()
             slow = await stack.start_request(
                 "merge.slerp.cpu@1",
@@ -154,10 +155,12 @@ async def test_job_submit_runs_the_deployments_command_with_its_args_under_its_m
 ) -> None:
     from modelforge.cli_jobs import JobClient
 
-    home = Path(tempfile.gettempdir()) / "modelforge"
+    home = tmp_path / "node-home"
     ids = [f"submit-{os.urandom(4).hex()}" for _ in range(2)]
     try:
-        async with running_stack(dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path)) as stack:
+        async with running_stack(
+            dev_server_env.client, database_url, catalog_path=catalog_for_test(tmp_path), home=home
+        ) as stack:
             jobs = JobClient(stack.client)
             done = await jobs.submit_job(
                 "merge.slerp.cpu@1",
@@ -241,13 +244,18 @@ async def test_a_two_rank_gang_job_on_two_nodes_is_preempted_checkpoints_both_ra
     catalog = tmp_path / "gang.toml"
     catalog.write_text(GANG_CATALOG.replace("ALLREDUCE", str(ROOT / "examples" / "jobs" / "allreduce.py")))
     config = PolicyConfig(preempt_min_runtime_s=1.0, preempt_grace_s=0.5)
-    home = Path(tempfile.gettempdir()) / "modelforge"
+    home = tmp_path / "node-home"
     request_id = f"gang-{os.urandom(4).hex()}"
     steps = 40
     try:
         # Samples every second: the gang's processes are the job's (managed), never external.
         async with running_stack(
-            dev_server_env.client, database_url, catalog_path=catalog, config=config, telemetry_interval_s=1.0
+            dev_server_env.client,
+            database_url,
+            catalog_path=catalog,
+            config=config,
+            telemetry_interval_s=1.0,
+            home=home,
         ) as stack:
             job = await stack.start_request(
                 "train.allreduce@1",
