@@ -37,7 +37,15 @@ FAST_TIER = "MODELFORGE_TEST_TIER"  # "fast": set by ./scripts/test --fast
 TESTS = Path(__file__).parent
 
 
+# Spread over workers (`-n`), the longest tests go first, so none starts last and holds the run
+# open alone: the directories in this order (fault injection and whole stacks take a minute or
+# two a test; a unit test, milliseconds), each in its collection order.
+LONGEST_FIRST = ("faults", "e2e", "browser", "apps", "runtimes", "workflow", "gateway", "store")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "numprocesses", None):
+        items.sort(key=_longest_first)
     spawns: dict[Path, bool] = {}
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
@@ -47,6 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             spawns[item.path] = bool(SUBPROCESS_CALLS.search(item.path.read_text(encoding="utf-8")))
         if (parts and parts[0] in SUBPROCESS_DIRECTORIES) or spawns[item.path]:
             item.add_marker(pytest.mark.subprocess)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    parts = item.path.relative_to(TESTS).parts if item.path.is_relative_to(TESTS) else ()
+    return LONGEST_FIRST.index(parts[0]) if parts and parts[0] in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 @pytest.fixture(autouse=True)
