@@ -18,6 +18,9 @@ from bench.chaos import FAULTS, run_chaos
 pytestmark = pytest.mark.workflow
 
 
+# Alone (./scripts/test): it loads the machine itself (a burst of requests with faults at
+# random moments), and the other tests would slow it and be slowed by it.
+@pytest.mark.serial
 @pytest.mark.timeout(600)
 async def test_chaos_round_keeps_every_invariant(tmp_path: Path) -> None:
     # Seed 14's first four faults are one of each kind, in this order: kill_control, kill_node,
