@@ -31,10 +31,11 @@ from modelforge import retrying
 from modelforge.catalog import load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.names import scheduler_id
+from modelforge.names import scheduler_id, telemetry_id
 from modelforge.settings import Settings
 from modelforge.store import Store, redact
 from modelforge.temporal import connect, register_search_attributes
+from modelforge.versioning import adopt_stranded, deployment_version
 
 console = Console(stderr=True)
 
@@ -429,12 +430,23 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
     # A home that already ran keeps its schedulers (and their catalog) in Temporal's database:
     # tell them, as `catalog apply` does, so they reload the catalog just applied. A scheduler
     # not started yet loads it when it starts.
-    for pool in sorted({acc.pool for acc in catalog.accelerators}):
+    pools = sorted({acc.pool for acc in catalog.accelerators})
+    for pool in pools:
         try:
             await client.get_workflow_handle(scheduler_id(pool)).signal("catalog_changed")
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise
+    if stack.settings.worker_versioning:
+        # This host's workers all stopped with the last `modelforge dev`: schedulers and telemetry
+        # pinned to the build they ran (another release's, after an upgrade) would wait for a
+        # worker of it forever. They follow the current build, this one once its worker starts.
+        version = deployment_version(stack.settings)
+        long_lived = [scheduler_id(pool) for pool in pools] + [telemetry_id(node) for node in catalog.nodes()]
+        moved = await adopt_stranded(client, version, long_lived)
+        if moved:
+            line = f"moved to build {version.build_id} (their own build's workers are gone): {', '.join(moved)}"
+            console.print(f"[dim]{escape(line)}[/dim]")
     return catalog.nodes()
 
 

@@ -32,14 +32,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from google.protobuf.field_mask_pb2 import FieldMask
+from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import TaskQueueType, VersionDrainageStatus
+from temporalio.api.enums.v1 import VersioningBehavior as _VersioningBehavior
 from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflow.v1 import VersioningOverride, WorkflowExecutionOptions
 from temporalio.api.workflowservice.v1 import (
     DescribeTaskQueueRequest,
     DescribeWorkerDeploymentRequest,
     SetWorkerDeploymentCurrentVersionRequest,
+    UpdateWorkflowExecutionOptionsRequest,
 )
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
@@ -58,6 +63,7 @@ _RELEASE = re.compile(r"\d+(\.\d+)*")
 _PERMANENT = (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED, RPCStatusCode.UNIMPLEMENTED)
 # How long a new build waits for the server to know its version (its workers' first polls).
 REGISTER_WAIT_S = 30.0
+_PINNED = _VersioningBehavior.VERSIONING_BEHAVIOR_PINNED
 
 
 def build_id(settings: Settings) -> str:
@@ -217,3 +223,46 @@ async def build_view(client: Client, deployment: str, workflow_ids: Sequence[str
         versioning = described_run.raw_description.workflow_execution_info.versioning_info
         view.workflows[workflow_id] = versioning.deployment_version.build_id
     return view
+
+
+async def adopt_stranded(client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str]) -> list[str]:
+    """Long-lived runs (pool schedulers, telemetry) pinned to another build of `version`'s
+    deployment, set to follow the deployment's current build (an auto-upgrade versioning
+    override): for a host whose every worker was stopped and started again on another release
+    (`modelforge dev` after an upgrade), where no worker of their build is left to run their next
+    task, so they would never reach the continue-as-new that moves them. Their histories replay
+    on the new build as a release promises for the previous release's (docs/RELEASING.md). Only
+    for a caller that knows no worker of the other build runs: a side-by-side upgrade moves them
+    at a continue-as-new instead (`modelforge upgrade`). Returns the workflow ids set to follow."""
+    moved = []
+    for workflow_id in workflow_ids:
+        try:
+            described = await client.get_workflow_handle(workflow_id).describe()
+        except RPCError as error:
+            if error.status == RPCStatusCode.NOT_FOUND:
+                continue
+            raise
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            continue
+        versioning = described.raw_description.workflow_execution_info.versioning_info
+        pinned_to = versioning.deployment_version
+        if versioning.behavior != _PINNED or not pinned_to.build_id:
+            continue
+        if pinned_to.deployment_name != version.deployment_name or pinned_to.build_id == version.build_id:
+            continue
+        await client.workflow_service.update_workflow_execution_options(
+            UpdateWorkflowExecutionOptionsRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=workflow_id),
+                workflow_execution_options=WorkflowExecutionOptions(
+                    versioning_override=VersioningOverride(auto_upgrade=True)
+                ),
+                update_mask=FieldMask(paths=["versioning_override"]),
+                identity=IDENTITY,
+            )
+        )
+        log.info(
+            "stranded_run_adopted", workflow_id=workflow_id, pinned_to=pinned_to.build_id, build_id=version.build_id
+        )
+        moved.append(workflow_id)
+    return moved

@@ -20,6 +20,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import WorkerDeploymentVersion
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 import modelforge
@@ -37,7 +39,7 @@ from modelforge.client import job_input
 from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
-from modelforge.versioning import deployment_config, roll, set_current
+from modelforge.versioning import adopt_stranded, deployment_config, roll, set_current
 from tests.asgi_server import serve_app
 from tests.e2e.dev_process import free_port
 from workers.control import ControlWorker, build_control_worker
@@ -332,4 +334,44 @@ async def test_an_upgrade_from_the_release_and_a_rollback_to_it_with_work_in_fli
                 await worker.__aexit__(None, None, None)
         for process in releases:
             await process.stop()
+        await store.close()
+
+
+async def test_a_scheduler_left_pinned_to_a_release_whose_workers_are_gone_follows_the_new_build(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    """The whole host stopped and started on the next release (`modelforge dev` after an
+    upgrade): the scheduler and telemetry runs stay pinned to the release until they continue
+    as new, and no worker of it is left to run their next task. `adopt_stranded` sets them to
+    follow the current build, and they answer again on it."""
+    client = dev_server_env.client
+    store = await Store.open(database_url)
+    await store.migrate()
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(example_catalog_path().read_text())
+    await store.apply_catalog(load_catalog_file(catalog)[0])
+    release = _Release(client, database_url, tmp_path / "release")
+    workers: list[ControlWorker] = []
+    try:
+        await set_current(client, RELEASE)
+        async with running_stack(client, database_url, catalog, control_in_process=False) as stack:
+            long_lived = [stack.scheduler.id, *(telemetry_id(node) for node in stack.backends)]
+            await _wait_build(client, long_lived, RELEASE.build_id)
+            await release.stop()  # every worker of the release gone
+            workers.append(await _control_worker(client, store, NEXT))
+            await set_current(client, NEXT)  # the next release's worker, current, as it makes itself
+            with pytest.raises(
+                (RPCError, WorkflowQueryFailedError)
+            ):  # stranded: its next task waits for a 0.1.0 worker
+                await stack.scheduler.query("status", rpc_timeout=timedelta(seconds=3))
+            assert sorted(await adopt_stranded(client, NEXT, long_lived)) == sorted(long_lived)
+            await _wait_build(client, long_lived, NEXT.build_id, within_s=30)
+            assert (await stack.status()).accelerators  # it answers, on the new build
+            assert await adopt_stranded(client, NEXT, long_lived) == []  # nothing left to move
+            request = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.1})
+            assert (await request.result()).output
+    finally:
+        for worker in workers:
+            await worker.__aexit__(None, None, None)
+        await release.stop()
         await store.close()
