@@ -33,6 +33,11 @@ class Dev:
             "MODELFORGE_HOME": str(home),
             "MODELFORGE_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",
             "MODELFORGE_GPU_BACKEND": "simulated",
+            # Ports of its own: stacks of tests run side by side (./scripts/test) would share the
+            # defaults (the control worker's metrics port 9464 is taken: it exits and restarts).
+            "MODELFORGE_METRICS_PORT": str(free_port()),
+            "MODELFORGE_TEMPORAL_HTTP_ADDRESS": f"127.0.0.1:{free_port()}",
+            "MODELFORGE_TEMPORAL_METRICS_ADDRESS": "off",
         }
         self.env.pop("MODELFORGE_DATABASE_URL", None)
         self.ui_port = free_port()
