@@ -22,9 +22,11 @@ from rich.console import Console
 from temporalio.service import RPCError, RPCStatusCode
 from typer.testing import CliRunner
 
+import modelforge
 from modelforge import cli
 from modelforge.catalog import example_catalog_path
 from modelforge.client import Result
+from modelforge.names import telemetry_id
 from modelforge.policy import AcceleratorStatus, PoolStatus, ResidentStatus
 
 GiB = 1024**3
@@ -385,12 +387,22 @@ def test_dev_tells_a_running_scheduler_to_reload_the_catalog(
     monkeypatch.setattr(dev, "Store", FakeStore)
     monkeypatch.setattr(dev, "connect", connect)
     monkeypatch.setattr(dev, "register_search_attributes", register)
+    asked: list[tuple[str, list[str]]] = []
+
+    async def adopt_stranded(client: Any, version: Any, workflow_ids: list[str]) -> list[str]:
+        asked.append((version.build_id, sorted(workflow_ids)))
+        return []
+
+    monkeypatch.setattr(dev, "adopt_stranded", adopt_stranded)
     monkeypatch.setenv("MODELFORGE_HOME", str(tmp_path / "home"))
     FakeStore.applied.clear()
     stack = dev.DevStack(Settings.from_env(), example_catalog_path(), 18233)
     nodes = asyncio.run(dev._prepare(stack, "postgresql://x@127.0.0.1:1/x"))
     assert sorted(nodes) == ["desktop", "gpu-node"] and len(FakeStore.applied) == 1
     assert temporal.log == ([("scheduler:default", "catalog_changed")] if running else [])
+    # The host's long-lived runs, stranded on another release's build, follow this one's.
+    long_lived = sorted(["scheduler:default", telemetry_id("desktop"), telemetry_id("gpu-node")])
+    assert asked == [(modelforge.__version__, long_lived)]
 
 
 # --- 6. catalog apply warns of nodes that never reported ---------------------------------------------
