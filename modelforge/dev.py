@@ -406,6 +406,22 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _stop_uninterrupted(stack: DevStack) -> None:
+    """`stack.stop()`, which a second Ctrl-C (or SIGTERM) does not cut short: cut, it left the
+    embedded Postgres running after `dev` had exited. Stopping is bounded on its own (each
+    process has a grace, then SIGKILL), so there is nothing to force."""
+
+    def already_stopping(signum: int, frame: object) -> None:
+        print("already stopping: every process is stopped within seconds", flush=True)
+
+    previous = {sig: signal.signal(sig, already_stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stack.stop()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def node_pools(catalog: Catalog) -> dict[str, list[str]]:
     """Each node's pools: the pools of its accelerators, by name (a node whose cards are in
     several pools reports to each of their schedulers)."""
@@ -546,4 +562,4 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
             print("stopping...", flush=True)
             return 0
         finally:
-            stack.stop()
+            _stop_uninterrupted(stack)

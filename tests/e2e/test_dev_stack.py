@@ -116,6 +116,18 @@ def test_dev_stops_on_a_signal_even_with_sigint_inherited_ignored(tmp_path: Path
         assert not _listening(temporal_port) and not _listening(stack.ui_port)
 
 
+def test_a_second_ctrl_c_while_dev_stops_leaves_nothing_running(tmp_path: Path) -> None:
+    """Ctrl-C pressed twice (the second while the stack stops): `dev` still stops everything it
+    started; the second cut its stop short and left the embedded Postgres running."""
+    with running(tmp_path / "home") as stack:
+        assert stack.process is not None
+        stack.process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert stack.stop(signal.SIGINT) == 0, "".join(stack.output)
+        assert list((stack.home / "run").glob("*.pid")) == []
+        assert not (stack.home / "pgdata" / "postmaster.pid").exists(), "Postgres left running"
+
+
 # A simulated card and the project's toy model server (subprocess_http): a real child process of
 # the node worker, in a session of its own.
 TOY_CATALOG = f"""
