@@ -386,7 +386,17 @@ def _last_line(log: Path) -> str:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def _signal_handlers(handlers: dict[int, Any]) -> Iterator[None]:
+    """`handlers` installed for the block, the previous ones back after it."""
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _signals_raise() -> contextlib.AbstractContextManager[None]:
     """SIGINT and SIGTERM stop the stack, whatever this process inherited: a shell that ignores
     SIGINT (a background job, nohup, setsid) passes SIG_IGN on, and Python then installs no
     handler of its own, so Ctrl-C would do nothing."""
@@ -395,15 +405,7 @@ def _signals_raise() -> Iterator[None]:
         raise KeyboardInterrupt
 
     # SIGINT gets Python's own handler (asyncio.run then cancels its task cleanly), SIGTERM ours.
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-        signal.SIGTERM: signal.signal(signal.SIGTERM, handler),
-    }
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return _signal_handlers({signal.SIGINT: signal.default_int_handler, signal.SIGTERM: handler})
 
 
 def _stop_uninterrupted(stack: DevStack) -> None:
@@ -414,12 +416,8 @@ def _stop_uninterrupted(stack: DevStack) -> None:
     def already_stopping(signum: int, frame: object) -> None:
         print("already stopping: every process is stopped within seconds", flush=True)
 
-    previous = {sig: signal.signal(sig, already_stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _signal_handlers({signal.SIGINT: already_stopping, signal.SIGTERM: already_stopping}):
         stack.stop()
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def node_pools(catalog: Catalog) -> dict[str, list[str]]:

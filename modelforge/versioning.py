@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from google.protobuf.field_mask_pb2 import FieldMask
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import TaskQueueType, VersionDrainageStatus
-from temporalio.api.enums.v1 import VersioningBehavior as _VersioningBehavior
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflow.v1 import VersioningOverride, WorkflowExecutionOptions
 from temporalio.api.workflowservice.v1 import (
@@ -63,7 +62,6 @@ _RELEASE = re.compile(r"\d+(\.\d+)*")
 _PERMANENT = (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED, RPCStatusCode.UNIMPLEMENTED)
 # How long a new build waits for the server to know its version (its workers' first polls).
 REGISTER_WAIT_S = 30.0
-_PINNED = _VersioningBehavior.VERSIONING_BEHAVIOR_PINNED
 
 
 def build_id(settings: Settings) -> str:
@@ -246,7 +244,7 @@ async def adopt_stranded(client: Client, version: WorkerDeploymentVersion, workf
             continue
         versioning = described.raw_description.workflow_execution_info.versioning_info
         pinned_to = versioning.deployment_version
-        if versioning.behavior != _PINNED or not pinned_to.build_id:
+        if versioning.behavior != int(VersioningBehavior.PINNED) or not pinned_to.build_id:
             continue
         if pinned_to.deployment_name != version.deployment_name or pinned_to.build_id == version.build_id:
             continue

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,13 +14,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.worker_process import free_port
+
 MODELFORGE = [sys.executable, "-m", "modelforge"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Dev:

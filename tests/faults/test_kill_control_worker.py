@@ -6,11 +6,8 @@ workers, losing one needs no restart: the other carries the pool on."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,6 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.catalog import load_catalog_file
 from modelforge.failures import FailureClass
 from modelforge.store import Store
+from tests.worker_process import control_worker_env, start_control_worker
 from workers.stack import running_stack
 from workflows._common import SCHEDULER_TASK_TIMEOUT
 from workflows.request import MAX_ATTEMPTS
@@ -33,24 +31,9 @@ CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "burst.toml"
 BURST = 100
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _control_process(env: WorkflowEnvironment, database_url: str, home: Path) -> subprocess.Popen[bytes]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    environ.update(
-        MODELFORGE_TEMPORAL_ADDRESS=env.client.service_client.config.target_host,
-        MODELFORGE_DATABASE_URL=database_url,
-        MODELFORGE_METRICS_PORT=str(_free_port()),
-        MODELFORGE_HOME=str(home),
-    )
-    with (home / "control.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "modelforge", "worker", "control"], env=environ, stdout=log, stderr=subprocess.STDOUT
-        )
+    target = env.client.service_client.config.target_host
+    return start_control_worker(control_worker_env(target, database_url, home), home / "control.log")
 
 
 async def test_kill_9_of_the_control_worker_during_a_burst(

@@ -4,8 +4,6 @@ server persisting to a file, every request ends once it is back."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +21,13 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.catalog import load_catalog_file
 from modelforge.store import Store
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
+from tests.worker_process import control_worker_env, free_port, start_control_worker
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
 
 CATALOG = Path(__file__).resolve().parents[1] / "catalogs" / "burst.toml"
 BURST = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def _server(port: int, db_file: Path) -> WorkflowEnvironment:
@@ -70,7 +63,7 @@ async def _story(handle: WorkflowHandle[Any, Any]) -> str:
 
 
 async def test_requests_survive_a_temporal_server_restart(database_url: str, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     db_file = tmp_path / "temporal.db"
     first = await _server(port, db_file)
     second: WorkflowEnvironment | None = None
@@ -134,19 +127,9 @@ async def test_a_control_worker_started_while_temporal_is_away_serves_once_it_is
         await store.apply_catalog(load_catalog_file(CATALOG)[0])
     finally:
         await store.close()
-    port = _free_port()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    environ.update(
-        MODELFORGE_TEMPORAL_ADDRESS=f"127.0.0.1:{port}",
-        MODELFORGE_DATABASE_URL=database_url,
-        MODELFORGE_METRICS_PORT=str(_free_port()),
-        MODELFORGE_HOME=str(tmp_path),
-    )
+    port = free_port()
     log_path = tmp_path / "control.log"
-    with log_path.open("wb") as log:
-        control = subprocess.Popen(
-            [sys.executable, "-m", "modelforge", "worker", "control"], env=environ, stdout=log, stderr=subprocess.STDOUT
-        )
+    control = start_control_worker(control_worker_env(f"127.0.0.1:{port}", database_url, tmp_path), log_path)
     server: WorkflowEnvironment | None = None
     try:
         deadline = time.monotonic() + 60

@@ -10,9 +10,7 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -31,6 +29,7 @@ from modelforge.metrics import Metrics
 from modelforge.policy import PoolState, PoolStatus
 from modelforge.settings import SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 from modelforge.store import Store
+from tests.worker_process import control_worker_env, start_control_worker
 from workers import control
 from workers.control import catalog_pools, workflow_runner
 from workers.stack import running_stack
@@ -193,12 +192,6 @@ async def test_while_no_scheduler_answers_a_request_goes_to_the_pool_the_catalog
         assert result.lease is not None and result.lease.accelerator == "node-b/0"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_one_control_worker_process_serves_every_pool_of_the_catalog(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
@@ -212,19 +205,10 @@ async def test_one_control_worker_process_serves_every_pool_of_the_catalog(
         await store.apply_catalog(catalog)
     finally:
         await store.close()
-    port = _free_port()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    environ.update(
-        MODELFORGE_TEMPORAL_ADDRESS=dev_server_env.client.service_client.config.target_host,
-        MODELFORGE_DATABASE_URL=database_url,
-        MODELFORGE_METRICS_PORT=str(port),
-        MODELFORGE_TEMPORAL_METRICS_ADDRESS="off",
-        MODELFORGE_HOME=str(tmp_path),
-    )
-    with (tmp_path / "control.log").open("ab") as log:
-        control = subprocess.Popen(
-            [sys.executable, "-m", "modelforge", "worker", "control"], env=environ, stdout=log, stderr=subprocess.STDOUT
-        )
+    target = dev_server_env.client.service_client.config.target_host
+    environ = control_worker_env(target, database_url, tmp_path)
+    port = int(environ["MODELFORGE_METRICS_PORT"])
+    control = start_control_worker(environ, tmp_path / "control.log")
     try:
         async with running_stack(
             dev_server_env.client, database_url, catalog_path=CATALOG, control_in_process=False, pools=POOLS

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from modelforge.names import telemetry_id
 from modelforge.store import Store
 from modelforge.versioning import adopt_stranded, deployment_config, roll, set_current
 from tests.asgi_server import serve_app
-from tests.e2e.dev_process import free_port
+from tests.worker_process import control_worker_env, start_control_worker
 from workers.control import ControlWorker, build_control_worker
 from workers.stack import Stack, running_stack
 
@@ -102,25 +101,12 @@ class _Release:
         if not self.code.exists():
             with tarfile.open(RELEASE_CODE) as archive:
                 archive.extractall(self.code, filter="data")
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_") and k != "PYTHONPATH"}
-        environ.update(
-            PYTHONPATH=str(self.code),
-            MODELFORGE_TEMPORAL_ADDRESS=client.service_client.config.target_host,
-            MODELFORGE_DATABASE_URL=database_url,
-            MODELFORGE_METRICS_PORT=str(free_port()),
-            MODELFORGE_HOME=str(where / "home"),
-            MODELFORGE_WORKER_BUILD_ID=RELEASE.build_id,
+        target = client.service_client.config.target_host
+        self.environ = control_worker_env(
+            target, database_url, where / "home", PYTHONPATH=str(self.code), MODELFORGE_WORKER_BUILD_ID=RELEASE.build_id
         )
-        self.environ = environ
         self.log = where / "control.log"
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "modelforge", "worker", "control"],
-                cwd=self.code,
-                env=environ,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        self.process = start_control_worker(self.environ, self.log, cwd=self.code)
 
     def imports_its_own_code(self) -> bool:
         ran = subprocess.run(
