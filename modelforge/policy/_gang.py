@@ -22,7 +22,14 @@ from modelforge.policy._pass import (
 from modelforge.policy._queue_index import queue_index
 from modelforge.policy._reservation import Reservation, choose_reserved, free_at, freed_by, release_timeline
 from modelforge.policy._room import Preemption, eviction_plan, preemptible_for, room_decisions
-from modelforge.policy._rules import Attempt, Landing, deadline_refusal, may_land, take_reservation
+from modelforge.policy._rules import (
+    Attempt,
+    Landing,
+    deadline_refusal,
+    may_land,
+    shut_cards,
+    take_reservation,
+)
 from modelforge.policy._standing import leases_on as held_on
 from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, holder_of, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
@@ -282,7 +289,7 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
         return choose_gang(_room(attempt, gang, cards, evicting, preempting), gang.shape, gang.topology)
     count = gang.count
     best: tuple[int, str, list[str]] | None = None
-    for bound, key, members in _groups_by_bound(attempt.pass_, gang, groups, evicting, preempting):
+    for bound, key, members in _groups_by_bound(attempt.pass_, gang, groups, evicting, preempting, attempt.production):
         if best is not None and (bound, key) >= best[:2]:
             break  # this group and every later one leave at least as much over
         room = _room(attempt, gang, members, evicting, preempting)
@@ -296,7 +303,12 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
 
 
 def _groups_by_bound(
-    pass_: DecisionPass, gang: _Gang, groups: dict[str, list[str]], evicting: bool, preempting: bool
+    pass_: DecisionPass,
+    gang: _Gang,
+    groups: dict[str, list[str]],
+    evicting: bool,
+    preempting: bool,
+    production: bool,
 ) -> list[tuple[int, str, list[str]]]:
     """The NVLink groups `_choose` compares, each with a lower bound of what its best cards
     leave over, in (bound, group) order, so the search stops at the first group whose bound
@@ -306,17 +318,65 @@ def _groups_by_bound(
     resident there unloaded: `_room` unloads only some of them, so at least the free bytes
     are left over, never less than nothing); the landing rules only take cards away, so no
     group leaves less over than its bound, and a group with fewer than `count` cards that may
-    hold the gang is left out. Without the index, or when `preempting` (its order is the bytes
-    newly stopped), every group, bound 0, in group order."""
+    hold the gang is left out. When `preempting` (its order is the bytes newly stopped), bound
+    0 and group order, less the groups where fewer than `count` cards could hold the gang with
+    every idle resident and all preemptible work there gone (`_preemptible_bytes`). Without the
+    index, every group, bound 0, in group order. A card stale or under pressure for this kind
+    of work (`shut_cards`) may hold nothing new, so holds no gang either. Kept for the pass
+    until bytes are next committed (gangs of the same cards, bytes and count share it)."""
     fit = pass_.fit
-    if fit is None or preempting:
+    if fit is None:
         return [(0, key, members) for key, members in sorted(groups.items())]
-    schedulable, committed, need, count = fit.schedulable, pass_.committed, gang.need, gang.count
+    memo_key = ("by_bound", id(groups), gang.need, gang.count, evicting, preempting, production)
+    memo = pass_.gang_memo.get(memo_key)
+    if memo is not None and memo[0] == pass_.commits and memo[1] is groups:  # type: ignore[index]
+        return memo[2]  # type: ignore[index, no-any-return]
+    ordered = _bounded(pass_, fit.schedulable, gang, groups, evicting, preempting, shut_cards(pass_, production))
+    pass_.gang_memo[memo_key] = (pass_.commits, groups, ordered)
+    return ordered
+
+
+def _bounded(
+    pass_: DecisionPass,
+    schedulable: dict[str, int],
+    gang: _Gang,
+    groups: dict[str, list[str]],
+    evicting: bool,
+    preempting: bool,
+    shut: dict[str, str],
+) -> list[tuple[int, str, list[str]]]:
+    """`_groups_by_bound`, worked out."""
+    committed, need, count = pass_.committed, gang.need, gang.count
+    if preempting:
+        stoppable = _preemptible_bytes(pass_)
+        kept: list[tuple[int, str, list[str]]] = []
+        for key, members in sorted(groups.items()):
+            enough = 0
+            for accelerator in members:
+                if accelerator in shut:
+                    continue
+                free = schedulable.get(accelerator)
+                if free is None:
+                    enough = count  # not in the index: no bound from this group
+                    break
+                idle = pass_.evictable.get(accelerator)
+                most = free - committed.get(accelerator, 0) + stoppable.get(accelerator, 0)
+                if idle:
+                    most += sum(r.bytes for r in idle)
+                if most >= need:
+                    enough += 1
+                    if enough >= count:
+                        break
+            if enough >= count:
+                kept.append((0, key, members))
+        return kept
     evictable = pass_.evictable if evicting else {}
     ordered: list[tuple[int, str, list[str]]] = []
     for key, members in groups.items():
         lefts: list[int] = []
         for accelerator in members:
+            if accelerator in shut:
+                continue
             free = schedulable.get(accelerator)
             if free is None:  # not in the index: no bound from this group
                 lefts = [0] * count
@@ -333,13 +393,36 @@ def _groups_by_bound(
     return ordered
 
 
+def _preemptible_bytes(pass_: DecisionPass) -> dict[str, int]:
+    """Per card, the most that stopping preemptible work there could give back (each lease's
+    bytes, its batch runner's too), whoever asks: more than `_newly_stopped` ever counts for a
+    class (it may stop only some of it). Once per pass."""
+    cached = pass_.gang_memo.get(("preemptible_bytes",))
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    state = pass_.state
+    stoppable: dict[str, int] = {}
+    for accelerator, leases in pass_.preemptible.items():
+        total = 0
+        for lease in leases:
+            total += lease.bytes
+            holder = holder_of(state, lease)
+            if holder is not None and holder.residency == Residency.NONE:
+                total += holder.bytes
+        stoppable[accelerator] = total
+    pass_.gang_memo[("preemptible_bytes",)] = stoppable
+    return stoppable
+
+
 def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:
     """(bytes left over, accelerator), best fit first, for the cards of `members` where the
     gang may land (`may_land`) and fits now, or (`evicting`) once the idle residents
     there are unloaded, or (`preempting`) once the work it may preempt has gone too."""
     pass_, need = attempt.pass_, gang.need
     room = []
-    for accelerator in may_land(pass_, members, attempt.production, gang.landing):
+    # The fast pass reads staleness and pressure from one walk of the pass (`shut_cards`).
+    shut = shut_cards(pass_, attempt.production) if pass_.indexed else None
+    for accelerator in may_land(pass_, members, attempt.production, gang.landing, shut):
         free = pass_.free(accelerator)
         if evicting or preempting:
             free += sum(r.bytes for r in idle_residents(pass_, accelerator, attempt.production))
@@ -504,7 +587,8 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
         return timelines, ready_at
     on = leases_on(pass_)
     promised = _promised_releases(pass_, now)
-    for accelerator in may_land(pass_, cards, attempt.production, None):
+    shut = shut_cards(pass_, attempt.production) if pass_.indexed else None
+    for accelerator in may_land(pass_, cards, attempt.production, None, shut):
         coming = promised.get(accelerator, [])
         for idle in idle_residents(pass_, accelerator, attempt.production):
             # Unloaded to make room when the gang's time comes (as it does when it fits now).

@@ -208,12 +208,14 @@ class DecisionPass:
     ahead: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] | None = None
+    commits: int = 0  # changes to `committed` so far: what is worked out from it is kept until the next
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
 
     def commit(self, accelerator: str, nbytes: int) -> None:
         self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
+        self.commits += 1
 
     def fit_agrees(self, accelerators: Iterable[str]) -> bool:
         """Whether the fit index holds each of `accelerators`' schedulable bytes as its budget

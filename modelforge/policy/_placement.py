@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -631,12 +632,21 @@ def _place_one(attempt: Attempt) -> Decision:
     joined = _join(attempt)
     if joined.decision is not None:
         return joined.decision
+    room_tried = False
+    if _nothing_fits(attempt, joined.holding):
+        # Phase 4 first, on the cards where making room could help: on a full pool most
+        # requests that find no room make some, and the walk over every card (phase 3) only
+        # gathers why a request waits.
+        room = _make_room(attempt, _room_candidates(attempt, passed, joined.holding), joined)
+        if room is not None:
+            return room
+        room_tried = True
     cards = _score_loads(attempt, passed, joined.holding)
     reasons = joined.reasons
     reasons.extend(cards.reasons)
     if cards.best is not None:
         return deadline_refusal(attempt, "loading") or _start_load(attempt, cards)
-    room = _make_room(attempt, cards, joined)
+    room = None if room_tried else _make_room(attempt, cards, joined)
     if room is not None:
         return room
     return _wait(attempt, passed, cards, reasons, joined)
@@ -727,7 +737,7 @@ def _join(attempt: Attempt) -> _Joined:
 
 def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Grant | Assign | Wake | None:
     pass_, reasons, accelerator = attempt.pass_, joined.reasons, resident.accelerator
-    if not pass_.budgets[accelerator].fresh:
+    if not pass_.budgets.fresh(accelerator):
         # Its node has not reported within freshness_s: it may be gone, and work sent there
         # would wait on a worker nobody can see.
         if not reasons.again(STALE):
@@ -950,6 +960,72 @@ def _best_fit_indexed(attempt: Attempt, landing: Landing, holding: dict[str, boo
             pass_.fit_misses += 1
             return None
     return best
+
+
+def _nothing_fits(attempt: Attempt, holding: dict[str, bool]) -> bool:
+    """Whether phase 3 would find no card for a load, from the fit index (the fast pass): no
+    card the load may use has its bytes free. Looks only at the cards with that much
+    schedulable that are neither stale nor under pressure for it (`_open_order`'s tail from the
+    bytes needed), each as `_score_loads`'s walk reads it. False when unsure (no index), and
+    when few cards are left open (their walk costs less)."""
+    pass_, deployment = attempt.pass_, attempt.deployment
+    fit = pass_.fit
+    if fit is None or not pass_.indexed or len(pass_.pool_accelerators) - len(pass_.blocked) <= _SHUT_FROM:
+        return False  # (a walk over the few cards left open costs less than this)
+    need = deployment.resident_bytes + deployment.lease_extra_bytes
+    eligible = pass_.eligible[(deployment.deployment_id, attempt.production)]
+    blocked, committed, reservations = pass_.blocked, pass_.committed, pass_.reservations
+    landing = Landing(need, deployment.residency != Residency.NONE, attempt, attempt.load_s)
+    order = _open_order(pass_, attempt.production)
+    for i in range(bisect_left(order, (need, "")), len(order)):
+        schedulable, card = order[i]
+        if card not in eligible or card in holding or card in blocked:
+            continue
+        if schedulable - committed.get(card, 0) < need:
+            continue
+        if not reservations or not reservation_refuses(pass_, card, landing):
+            return False
+    return True
+
+
+def _room_candidates(attempt: Attempt, passed: list[str], holding: dict[str, bool]) -> _Loads:
+    """Phase 3's result where `_nothing_fits`, as phase 4 reads it, without the walk: the cards
+    the load may use (`landing_refusals`) that hold idle residents or preemptible work, each
+    short of the bytes (nothing fits), in the pool's order. Reasons, and the cards a wait
+    blocks, are left to the walk: only a request that waits needs them."""
+    pass_, deployment = attempt.pass_, attempt.deployment
+    loads = _Loads(deployment.resident_bytes + deployment.lease_extra_bytes, deployment.residency != Residency.NONE)
+    eligible = pass_.eligible[(deployment.deployment_id, attempt.production)]
+    cards = [a for a in _room_cards(pass_) if a in eligible and a not in holding]
+    landing = Landing(loads.need, loads.persists, attempt, attempt.load_s)
+    shut = shut_cards(pass_, attempt.production)
+    refusals = landing_refusals(pass_, cards, attempt.production, landing, shut)
+    loads.room_candidates = [a for a, refusal in refusals if not refusal]
+    loads.short = loads.room_candidates
+    return loads
+
+
+def _open_order(pass_: DecisionPass, production: bool) -> list[tuple[int, str]]:
+    """The fit index's order less the cards stale or under pressure for this kind of work
+    (`shut_cards`), once per pass: on a pool under pressure most cards with room are those."""
+    key = ("open_order", production)
+    cached = pass_.gang_memo.get(key)
+    if cached is None:
+        assert pass_.fit is not None
+        shut = shut_cards(pass_, production)
+        cached = [entry for entry in pass_.fit.order if entry[1] not in shut] if shut else pass_.fit.order
+        pass_.gang_memo[key] = cached
+    return cached  # type: ignore[return-value]
+
+
+def _room_cards(pass_: DecisionPass) -> list[str]:
+    """The cards holding idle residents or preemptible work, in the pool's order, once per pass."""
+    cached = pass_.gang_memo.get(("room_cards",))
+    if cached is None:
+        position = pass_.position
+        cached = sorted({**pass_.evictable, **pass_.preemptible}, key=lambda a: position.get(a, 0))
+        pass_.gang_memo[("room_cards",)] = cached
+    return cached  # type: ignore[return-value]
 
 
 def _open_accelerators(attempt: Attempt, passed: list[str], holding: dict[str, bool], reasons: Reasons) -> list[str]:

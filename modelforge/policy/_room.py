@@ -51,46 +51,23 @@ def preemption_plan(
     """Strictly lower, preemptible work whose leases (and, once idle, residents) make `need` fit:
     on the accelerator needing the fewest new preemptions, then the fewest in all."""
     state = pass_.state
-    catalog = state.catalog
     best: tuple[int, int, str, list[Lease]] | None = None
-    for accelerator in accelerators:
-        candidates = pass_.preemptible.get(accelerator)
-        if not candidates:
-            continue
-        free = pass_.free(accelerator)
-        for resident in pass_.evictable.get(accelerator, []):
-            if (
-                resident.deployment != deployment.deployment_id
-                and resident.key not in pass_.evicting
-                and resident.key not in pass_.in_use
-            ):
-                free += resident.bytes
-        remaining: dict[str, int] = {}
-        chosen: list[Lease] = []
-        fresh = 0
-        for lease in candidates:
-            if free >= need:
-                break
-            already = lease.lease_id in state.preempting
-            if not already and (
-                not may_preempt(catalog, queued.priority, lease.priority) or lease.lease_id in pass_.preempting
-            ):
-                continue
-            chosen.append(lease)
-            fresh += 0 if already else 1
-            free += lease.bytes
-            holder = holder_of(state, lease)
-            if holder is not None:
-                left = remaining.get(holder.key, holder.active_leases) - 1
-                remaining[holder.key] = left
-                if (
-                    left <= 0
-                    and holder.residency != Residency.ALWAYS_WARM
-                    and holder.deployment != deployment.deployment_id
-                ):
-                    free += holder.bytes
-        if free >= need and chosen and (best is None or (fresh, len(chosen), accelerator) < best[:3]):
-            best = (fresh, len(chosen), accelerator, chosen)
+    if pass_.indexed and state.preempting:
+        # Only a card holding work already being stopped can need no new preemption; the best
+        # of those, when it needs none, beats every other card (each needs at least one).
+        stopping = _stopping_cards(pass_)
+        for accelerator in accelerators:
+            if accelerator in stopping:
+                plan = _plan_on(pass_, queued, deployment, need, accelerator)
+                if plan is not None and (best is None or plan[:3] < best[:3]):
+                    best = plan
+        if best is not None and best[0] != 0:
+            best = None
+    if best is None:
+        for accelerator in accelerators:
+            plan = _plan_on(pass_, queued, deployment, need, accelerator)
+            if plan is not None and (best is None or plan[:3] < best[:3]):
+                best = plan
     if best is None:
         return None
     _, _, accelerator, chosen = best
@@ -107,6 +84,68 @@ def preemption_plan(
     waiting = ", ".join(lease.lease_id for lease in chosen)
     making_room = f"making room: preempting lower-class work ({waiting})"
     return Preemption(accelerator, preempts, Wait(queued.request_id, making_room, (WaitReason.MAKING_ROOM,)))
+
+
+def _plan_on(
+    pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, need: int, accelerator: str
+) -> tuple[int, int, str, list[Lease]] | None:
+    """`preemption_plan` on one card: (new preemptions, leases stopped, the card, those leases)
+    that make `need` fit there, or None."""
+    candidates = pass_.preemptible.get(accelerator)
+    if not candidates:
+        return None
+    state = pass_.state
+    catalog = state.catalog
+    free = pass_.free(accelerator)
+    for resident in pass_.evictable.get(accelerator, []):
+        if (
+            resident.deployment != deployment.deployment_id
+            and resident.key not in pass_.evicting
+            and resident.key not in pass_.in_use
+        ):
+            free += resident.bytes
+    remaining: dict[str, int] = {}
+    chosen: list[Lease] = []
+    fresh = 0
+    for lease in candidates:
+        if free >= need:
+            break
+        already = lease.lease_id in state.preempting
+        if not already and (
+            not may_preempt(catalog, queued.priority, lease.priority) or lease.lease_id in pass_.preempting
+        ):
+            continue
+        chosen.append(lease)
+        fresh += 0 if already else 1
+        free += lease.bytes
+        holder = holder_of(state, lease)
+        if holder is not None:
+            left = remaining.get(holder.key, holder.active_leases) - 1
+            remaining[holder.key] = left
+            if (
+                left <= 0
+                and holder.residency != Residency.ALWAYS_WARM
+                and holder.deployment != deployment.deployment_id
+            ):
+                free += holder.bytes
+    if free >= need and chosen:
+        return (fresh, len(chosen), accelerator, chosen)
+    return None
+
+
+def _stopping_cards(pass_: DecisionPass) -> dict[str, bool]:
+    """The cards holding a lease already being preempted (by an earlier pass), once per pass."""
+    cached = pass_.gang_memo.get(("stopping",))
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    leases = pass_.state.leases
+    stopping: dict[str, bool] = {}
+    for lease_id in pass_.state.preempting:
+        lease = leases.get(lease_id)
+        if lease is not None:
+            stopping.update(dict.fromkeys(lease.accelerators, True))
+    pass_.gang_memo[("stopping",)] = stopping
+    return stopping
 
 
 def slot_preemption(pass_: DecisionPass, queued: QueuedRequest, full: list[ResidentState]) -> Preemption | None:

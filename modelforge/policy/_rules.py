@@ -139,11 +139,17 @@ def shut_cards(pass_: DecisionPass, production: bool) -> dict[str, str]:
     return shut
 
 
-def may_land(pass_: DecisionPass, accelerators: Iterable[str], production: bool, landing: Landing | None) -> list[str]:
+def may_land(
+    pass_: DecisionPass,
+    accelerators: Iterable[str],
+    production: bool,
+    landing: Landing | None,
+    shut: dict[str, str] | None = None,
+) -> list[str]:
     """The accelerators of `accelerators` where `landing_refusals` finds nothing."""
     return [
         accelerator
-        for accelerator, refusal in landing_refusals(pass_, accelerators, production, landing)
+        for accelerator, refusal in landing_refusals(pass_, accelerators, production, landing, shut)
         if not refusal
     ]
 

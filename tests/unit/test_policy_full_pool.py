@@ -256,3 +256,100 @@ def test_in_a_full_pool_a_new_request_waits_and_so_do_the_gangs() -> None:
     assert_fast_is_reference(fast, decide_each(s, NOW + 1, reuse_settled=False))
     assert not (fast.grants or fast.loads or fast.preemptions or fast.rejects)
     assert {w.request_id for w in fast.waits} == {"new", *(f"g{k}" for k in range(12))}
+
+
+# A pool full of preemptible work: more cards than a walk reads one by one (`_SHUT_FROM`), each
+# holding lower-class batch jobs that a higher class may stop. Most requests then find no card
+# with room and make some by preemption; the fast pass looks only where making room could help
+# before it walks every card, and prefers cards whose work is already being stopped.
+BE_CARDS = [f"n{node:02d}/{i}" for node in range(18) for i in range(4)]
+
+
+def build_preemptible() -> PoolState:
+    gang = {"residency": Residency.NONE, "idle_bytes": 0, "queue_limit": 400}
+    return state(
+        [gpu(card, total=16 if card.startswith("n0") else 24, nvlink_group=card.split("/")[0]) for card in BE_CARDS],
+        [
+            deployment("be@1", gib=5, preemptible=True, concurrency=8, **gang),
+            deployment("batch@1", gib=9, **gang),
+            deployment("svc@1", gib=6, idle_bytes=2 * GiB, concurrency=2, queue_limit=400),
+            deployment("nv2be@1", gib=7, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
+        ],
+        tenants=[tenant("t", weight=2.0), tenant("u")],
+        config=PolicyConfig(preempt_min_runtime_s=0.0),
+    )
+
+
+def sample_be(s: PoolState, at: float, unmanaged: dict[str, float], cards: list[str] | None = None) -> None:
+    for card in cards or BE_CARDS:
+        if s.accelerators.get(card) is None or s.accelerators[card].healthy:
+            sample(s, card, unmanaged.get(card, 0.0), at)
+
+
+preemptible_operation = st.one_of(
+    st.tuples(
+        st.just("request"),
+        st.sampled_from(["be@1", "batch@1", "svc@1", "nv2be@1"]),
+        st.sampled_from(list(Priority)[:3]),
+        st.integers(1, 6),
+        st.sampled_from([None, 30.0, 300.0]),
+    ),
+    st.tuples(st.just("release"), st.integers(0, 1000)),
+    st.tuples(st.just("stopped"), st.integers(0, 1000)),  # preempted work ends
+    st.tuples(st.just("unmanaged"), st.integers(0, len(BE_CARDS) - 1), st.integers(-8, 8)),
+    st.tuples(st.just("loaded"), st.integers(0, 1000)),
+    st.tuples(st.just("wait"), st.integers(1, 120)),
+)
+
+
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(preemptible_operation, min_size=1, max_size=25), st.integers(0, 3))
+def test_a_pool_full_of_preemptible_work_decides_what_the_reference_decides(
+    operations: list[tuple[object, ...]], fill_priority: int
+) -> None:
+    s = build_preemptible()
+    unmanaged: dict[str, float] = {}
+    now = NOW
+    sample_be(s, now, unmanaged)
+    # Fill every card with lower-class batch jobs (benchmark or maintenance), granted by the
+    # policy itself: two in three preemptible, so some cards hold more than the rest can stop.
+    low = [Priority.BENCHMARK, Priority.MAINTENANCE][fill_priority % 2]
+    for k in range(4 * len(BE_CARDS)):
+        request = ask(f"fill{k}", "batch@1" if k % 3 == 0 else "be@1", "tu"[k % 2], low)
+        _, priority = validate_request(s, request, gangs=True)
+        enqueue(s, request, priority, now)
+    for _ in range(4):
+        apply_decisions(s, decide(s, now), now, {})
+        for key in [k for k, r in s.residents.items() if r.phase == ResidentPhase.LOADING]:
+            resident_ready(s, key, 0, now)
+        sample_be(s, now, unmanaged)
+    assert len(s.leases) >= 2 * len(BE_CARDS)
+    for n, op in enumerate(operations):
+        kind = op[0]
+        if kind == "request":
+            for k in range(int(op[3])):  # type: ignore[call-overload]
+                request = ask(f"r{n}.{k}", str(op[1]), "tu"[k % 2], priority=op[2], max_duration_s=op[4])
+                try:
+                    _, priority = validate_request(s, request, gangs=True)
+                    enqueue(s, request, priority, now)
+                except AdmissionRejected:
+                    pass
+        elif kind == "release" and s.leases:
+            release_lease(s, list(s.leases)[int(op[1]) % len(s.leases)], now, "ok")  # type: ignore[call-overload]
+        elif kind == "stopped" and s.preempting:
+            stopped = sorted(s.preempting)[int(op[1]) % len(s.preempting)]  # type: ignore[call-overload]
+            if stopped in s.leases:
+                release_lease(s, stopped, now, "preempted")
+        elif kind == "unmanaged":
+            card = BE_CARDS[int(op[1])]  # type: ignore[call-overload]
+            unmanaged[card] = max(0.0, unmanaged.get(card, 0.0) + float(op[2]))  # type: ignore[arg-type]
+        elif kind == "loaded":
+            loading = [k for k, r in s.residents.items() if r.phase == ResidentPhase.LOADING]
+            if loading:
+                resident_ready(s, loading[int(op[1]) % len(loading)], 0, now)  # type: ignore[call-overload]
+        elif kind == "wait":
+            now += float(op[1])  # type: ignore[arg-type]
+        sample_be(s, now, unmanaged)
+        fast = decide(s, now)
+        assert_fast_is_reference(fast, decide_each(s, now, reuse_settled=False))
+        apply_decisions(s, fast, now, {})
