@@ -784,15 +784,23 @@ def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Gra
 
 def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, joined: _Joined) -> Grant | None:
     pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
-    if extra == 0 or extra <= pass_.free(accelerator):
+    free = 0
+    if extra:
+        # The fast pass reads the card's schedulable bytes from the fit index (a deployment of
+        # batch runners has one per running job, most full), a card it joins checked against
+        # its budget, as the walk of phase 3 does.
+        kept = pass_.fit.schedulable.get(accelerator) if pass_.fit is not None else None
+        free = pass_.free(accelerator) if kept is None else kept - pass_.committed.get(accelerator, 0)
+        if extra <= free and kept is not None and not pass_.fit_agrees((accelerator,)):
+            free = pass_.free(accelerator)  # the index missed a change: it is gone for the pass
+    if extra == 0 or extra <= free:
         take_reservation(pass_, accelerator, landing)
         return grant_on(attempt.queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
     joined.short[accelerator] = True
-    joined.reasons.add(
-        "lease_bytes",
-        WaitReason.MEMORY_HELD,
-        f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable",
-    )
+    if not joined.reasons.again("lease_bytes"):
+        joined.reasons.add(
+            "lease_bytes", WaitReason.MEMORY_HELD, f"{accelerator}: lease needs {extra} B, {free} B schedulable"
+        )
     return None
 
 
