@@ -5,6 +5,7 @@ when a gang must wait, a reservation of the cards where it can start soonest, wi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from modelforge.domain import Accelerator, Deployment, Residency
@@ -72,13 +73,59 @@ def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep]
         # needs: no phase finds room, room to make or cards to reserve on the rest, and none
         # of that depended on this gang's own times (its wait stands for its deployment).
         return _wait(attempt, gang, reserve=False)
+    settled = _settled_shape(attempt, gang)
+    if settled is not None:
+        return settled
     picked = _choose(attempt, gang, evicting=False)
     if picked is not None:
         return _grant_gang(attempt, gang, picked)
     room = _make_room(attempt, gang)
     if room is not None:
         return room
-    return _wait(attempt, gang)
+    waits = _wait(attempt, gang)
+    _settle_shape(attempt, gang, waits)
+    return waits
+
+
+def _shape_key(attempt: Attempt, gang: _Gang) -> tuple[object, ...]:
+    """What a gang's placement reads of its request and deployment, less its class's
+    preemption rights: the cards it may use (the filter's list, by identity), its bytes, count,
+    topology and kind of class. Gangs of different deployments share it (a trace's jobs of one
+    shape, preemptible or not)."""
+    return ("shape", id(gang.passed), gang.need, gang.count, gang.nvlink, gang.shape, attempt.production)
+
+
+def _rights(attempt: Attempt) -> frozenset[str]:
+    klass = attempt.pass_.state.catalog.classes.get(attempt.queued.priority)
+    return frozenset(klass.preempts) if klass is not None else frozenset()
+
+
+def _settled_shape(attempt: Attempt, gang: _Gang) -> Wait | None:
+    """The fast pass: a gang of the same shape (`_shape_key`) waited earlier in this pass for
+    room alone, with no reservation and nothing it did depending on its own times, and this
+    one's class may preempt no more than that one's. A pass only takes capacity (bytes
+    committed, cards blocked or reserved, work marked for preemption), so this gang finds no
+    room, no room to make and no card to reserve either: it waits with the same reason."""
+    pass_ = attempt.pass_
+    if not pass_.indexed or pass_.residents_of.get(attempt.deployment.deployment_id):
+        return None
+    settled = pass_.gang_memo.get(_shape_key(attempt, gang))
+    if not isinstance(settled, tuple) or not _rights(attempt) <= settled[1]:
+        return None
+    return Wait(attempt.queued.request_id, settled[0], (WaitReason.GANG_ROOM,))
+
+
+def _settle_shape(attempt: Attempt, gang: _Gang, waits: Wait) -> None:
+    """Keeps a gang's wait for `_settled_shape` when it stands for its shape: room alone (no
+    reservation), and its outcome depended on none of its own times (`Attempt.reusable`)."""
+    pass_ = attempt.pass_
+    if pass_.indexed and attempt.reusable and waits.codes == (WaitReason.GANG_ROOM,):
+        if not pass_.residents_of.get(attempt.deployment.deployment_id):
+            key = _shape_key(attempt, gang)
+            kept = pass_.gang_memo.get(key)
+            rights = _rights(attempt)
+            if not isinstance(kept, tuple) or not rights <= kept[1]:
+                pass_.gang_memo[key] = (waits.reason, rights)
 
 
 def _filter_gang(attempt: Attempt) -> _Gang:
@@ -147,16 +194,31 @@ def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
     cached = memo.get(("shortfall",))
     if cached is not None:
         return cached  # type: ignore[return-value]
-    state = pass_.state
-    catalog = state.catalog
     shortfall = dict(pass_.resident_sum)
     for accelerator, nbytes in pass_.leased_sum.items():
         shortfall[accelerator] = shortfall.get(accelerator, 0) + nbytes
+    for accelerator, nbytes in _let_go(pass_).items():
+        shortfall[accelerator] -= nbytes
+    memo[("shortfall",)] = shortfall
+    return shortfall
+
+
+def _let_go(pass_: DecisionPass) -> dict[str, int]:
+    """Per accelerator, what `_ceiling_shortfall` counts as possibly let go in this pass: idle
+    residents, unloads under way, and leases that end by their max_duration, are being
+    preempted or may be (with their batch runners); only the cards where that is anything."""
+    memo = pass_.gang_memo
+    cached = memo.get(("let_go",))
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    state = pass_.state
+    catalog = state.catalog
+    let_go: dict[str, int] = {}
     for accelerator, idle in pass_.evictable.items():
-        shortfall[accelerator] -= sum(r.bytes for r in idle)
+        let_go[accelerator] = let_go.get(accelerator, 0) + sum(r.bytes for r in idle)
     for resident in state.residents.values():
         if resident.phase == ResidentPhase.UNLOADING:
-            shortfall[resident.accelerator] -= resident.bytes
+            let_go[resident.accelerator] = let_go.get(resident.accelerator, 0) + resident.bytes
     for lease in state.leases.values():
         leased = catalog.deployment(lease.deployment)
         if lease.ends_by is None and lease.lease_id not in state.preempting and not (leased and leased.preemptible):
@@ -166,9 +228,9 @@ def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
         if holder is not None and holder.residency == Residency.NONE:
             freed += holder.bytes
         for accelerator in lease.accelerators if lease.gang else (lease.accelerator,):
-            shortfall[accelerator] -= freed
-    memo[("shortfall",)] = shortfall
-    return shortfall
+            let_go[accelerator] = let_go.get(accelerator, 0) + freed
+    memo[("let_go",)] = let_go
+    return let_go
 
 
 def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[str]]]:
@@ -206,11 +268,11 @@ def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
     cached = memo.get(key)
     if cached is not None:
         return cached  # type: ignore[return-value]
-    shortfall = _ceiling_shortfall(pass_)
     need = gang.need
     live: dict[str, bool] = {}
     fit = pass_.fit
     if fit is None:
+        shortfall = _ceiling_shortfall(pass_)
         for accelerator, acc in gang.topology.items():
             if acc.total_bytes - acc.reserve_bytes - shortfall.get(accelerator, 0) >= need:
                 live[accelerator] = True
@@ -219,15 +281,27 @@ def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
         # external - resident - leased - reserve) and its reserve does not move with time (it is
         # then the card's own): what the gang could count on there is those bytes plus what
         # `_ceiling_shortfall` lets go, so a card an unmanaged process fills is passed over too.
-        schedulable, volatile = fit.schedulable, fit.volatile
+        # Looked at card by card only where the bound is not the card's schedulable bytes
+        # (something there may be let go, its reserve moves, or the index lacks it); every
+        # other card holds the gang if it has the bytes now: the index's tail from `need`.
+        schedulable, volatile, topology = fit.schedulable, fit.volatile, gang.topology
+        let_go = _let_go(pass_)
+        order = fit.order
+        for i in range(fit.from_bytes(need), len(order)):
+            accelerator = order[i][1]
+            if accelerator in topology:
+                live[accelerator] = True  # the bound is at least the schedulable bytes
+        closer = [a for a in (*let_go, *volatile) if a in topology and a not in live]
+        if len(schedulable) < len(pass_.pool_accelerators):
+            closer += [a for a in topology if a not in schedulable]
         resident_sum, leased_sum = pass_.resident_sum, pass_.leased_sum
-        for accelerator, acc in gang.topology.items():
-            taken = shortfall.get(accelerator, 0)
+        for accelerator in closer:
             if accelerator in volatile or accelerator not in schedulable:
+                acc = topology[accelerator]
+                taken = resident_sum.get(accelerator, 0) + leased_sum.get(accelerator, 0) - let_go.get(accelerator, 0)
                 bound = acc.total_bytes - acc.reserve_bytes - taken
             else:
-                freeable = resident_sum.get(accelerator, 0) + leased_sum.get(accelerator, 0) - taken
-                bound = schedulable[accelerator] + freeable
+                bound = schedulable[accelerator] + let_go.get(accelerator, 0)
             if bound >= need:
                 live[accelerator] = True
     memo[key] = live
@@ -289,7 +363,8 @@ def _choose(attempt: Attempt, gang: _Gang, evicting: bool, preempting: bool = Fa
         return choose_gang(_room(attempt, gang, cards, evicting, preempting), gang.shape, gang.topology)
     count = gang.count
     best: tuple[int, str, list[str]] | None = None
-    for bound, key, members in _groups_by_bound(attempt.pass_, gang, groups, evicting, preempting, attempt.production):
+    rights = _rights(attempt) if preempting else None
+    for bound, key, members in _groups_by_bound(attempt.pass_, gang, groups, evicting, rights, attempt.production):
         if best is not None and (bound, key) >= best[:2]:
             break  # this group and every later one leave at least as much over
         room = _room(attempt, gang, members, evicting, preempting)
@@ -307,111 +382,192 @@ def _groups_by_bound(
     gang: _Gang,
     groups: dict[str, list[str]],
     evicting: bool,
-    preempting: bool,
+    rights: frozenset[str] | None,
     production: bool,
 ) -> list[tuple[int, str, list[str]]]:
     """The NVLink groups `_choose` compares, each with a lower bound of what its best cards
     leave over, in (bound, group) order, so the search stops at the first group whose bound
     is no better than the best found. With the fit index (the fast pass), a card's free bytes
     come from it and not from its budget (most of a large pool's cards are never looked at
-    closer). A card may hold the gang if its free bytes do (or, `evicting`, with every idle
-    resident there unloaded: `_room` unloads only some of them, so at least the free bytes
-    are left over, never less than nothing); the landing rules only take cards away, so no
-    group leaves less over than its bound, and a group with fewer than `count` cards that may
-    hold the gang is left out. When `preempting` (its order is the bytes newly stopped), bound
-    0 and group order, less the groups where fewer than `count` cards could hold the gang with
-    every idle resident and all preemptible work there gone (`_preemptible_bytes`). Without the
-    index, every group, bound 0, in group order. A card stale or under pressure for this kind
-    of work (`shut_cards`) may hold nothing new, so holds no gang either. Kept for the pass
-    until bytes are next committed (gangs of the same cards, bytes and count share it)."""
+    closer), and only groups holding a card that could hold the gang are looked at
+    (`_holding_groups`). Each group's bound is `_Bound.of`'s: the landing rules only take
+    cards away, so no group leaves less over (or, preempting, newly stops less) than its
+    bound. `rights`: preempting, the classes the gang's class may preempt (None: not
+    preempting). Without the index, every group, bound 0, in group order. A card stale or
+    under pressure for this kind of work (`shut_cards`) may hold nothing new, so holds no
+    gang either. Kept for the pass and brought up to date as bytes are committed (`_Bounds`);
+    gangs of the same cards, bytes, count and rights share it."""
     fit = pass_.fit
     if fit is None:
         return [(0, key, members) for key, members in sorted(groups.items())]
-    memo_key = ("by_bound", id(groups), gang.need, gang.count, evicting, preempting, production)
+    memo_key = ("by_bound", id(groups), gang.need, gang.count, evicting, rights, production)
     memo = pass_.gang_memo.get(memo_key)
-    if memo is not None and memo[0] == pass_.commits and memo[1] is groups:  # type: ignore[index]
-        return memo[2]  # type: ignore[index, no-any-return]
-    ordered = _bounded(pass_, fit.schedulable, gang, groups, evicting, preempting, shut_cards(pass_, production))
-    pass_.gang_memo[memo_key] = (pass_.commits, groups, ordered)
-    return ordered
+    log = pass_.commit_log
+    if isinstance(memo, _Bounds) and memo.groups is groups:
+        if memo.seen < len(log):
+            memo.catch_up(gang, log)
+        return memo.ordered
+    bound = _Bound(pass_, fit.schedulable, gang, evicting, rights, shut_cards(pass_, production))
+    bounds = _Bounds(groups, bound, len(log))
+    for key, members in _holding_groups(pass_, gang, groups, evicting or rights is not None, bound.stoppable):
+        entry = bound.of(key, members)
+        if entry is not None:
+            bounds.entries[key] = entry
+    bounds.order()
+    pass_.gang_memo[memo_key] = bounds
+    return bounds.ordered
 
 
-def _bounded(
-    pass_: DecisionPass,
-    schedulable: dict[str, int],
-    gang: _Gang,
-    groups: dict[str, list[str]],
-    evicting: bool,
-    preempting: bool,
-    shut: dict[str, str],
-) -> list[tuple[int, str, list[str]]]:
-    """`_groups_by_bound`, worked out."""
-    committed, need, count = pass_.committed, gang.need, gang.count
-    if preempting:
-        stoppable = _preemptible_bytes(pass_)
-        kept: list[tuple[int, str, list[str]]] = []
-        for key, members in sorted(groups.items()):
-            enough = 0
-            for accelerator in members:
-                if accelerator in shut:
-                    continue
-                free = schedulable.get(accelerator)
-                if free is None:
-                    enough = count  # not in the index: no bound from this group
-                    break
-                idle = pass_.evictable.get(accelerator)
-                most = free - committed.get(accelerator, 0) + stoppable.get(accelerator, 0)
-                if idle:
-                    most += sum(r.bytes for r in idle)
-                if most >= need:
-                    enough += 1
-                    if enough >= count:
-                        break
-            if enough >= count:
-                kept.append((0, key, members))
-        return kept
-    evictable = pass_.evictable if evicting else {}
-    ordered: list[tuple[int, str, list[str]]] = []
-    for key, members in groups.items():
-        lefts: list[int] = []
+class _Bound:
+    """A group's bound for `_groups_by_bound`, for one gang's bytes and count and one search
+    (`evicting`, `preempting`): what it reads of the pass besides the bytes committed."""
+
+    __slots__ = ("count", "evictable", "need", "pass_", "preempting", "schedulable", "shut", "stoppable", "stopping")
+
+    def __init__(
+        self,
+        pass_: DecisionPass,
+        schedulable: dict[str, int],
+        gang: _Gang,
+        evicting: bool,
+        rights: frozenset[str] | None,
+        shut: dict[str, str],
+    ) -> None:
+        self.pass_, self.schedulable, self.shut = pass_, schedulable, shut
+        self.need, self.count, self.preempting = gang.need, gang.count, rights is not None
+        self.evictable = pass_.evictable if evicting or rights is not None else {}
+        self.stoppable, self.stopping = _preemptible_bytes(pass_, rights) if rights is not None else ({}, {})
+
+    def of(self, key: str, members: list[str]) -> tuple[int, str, list[str]] | None:
+        """(bound, key, members), or None when fewer than `count` of its cards could hold the
+        gang. A card could if its free bytes do (`evicting`: with every idle resident there
+        unloaded, the bound from its free bytes alone, as `_room` unloads only some of them);
+        preempting: with all the work there its class may stop gone too, and its bound is the
+        least it newly stops: what the gang needs beyond its free bytes, every idle resident
+        and the work there already being stopped."""
+        committed, need, count, shut = self.pass_.committed, self.need, self.count, self.shut
+        schedulable, evictable, preempting = self.schedulable, self.evictable, self.preempting
+        least: list[int] = []
         for accelerator in members:
             if accelerator in shut:
                 continue
             free = schedulable.get(accelerator)
             if free is None:  # not in the index: no bound from this group
-                lefts = [0] * count
-                break
+                return (0, key, members)
             free -= committed.get(accelerator, 0)
             idle = evictable.get(accelerator)
-            most = free + sum(r.bytes for r in idle) if idle else free
-            if most >= need:
-                lefts.append(max(0, free - need))
-        if len(lefts) >= count:
-            lefts.sort()
-            ordered.append((sum(lefts[:count]), key, members))
-    ordered.sort(key=lambda entry: (entry[0], entry[1]))
-    return ordered
+            idle_bytes = sum(r.bytes for r in idle) if idle else 0
+            if preempting:
+                free += idle_bytes
+                if free + self.stoppable.get(accelerator, 0) >= need:
+                    least.append(max(0, need - free - self.stopping.get(accelerator, 0)))
+            elif free + idle_bytes >= need:
+                least.append(max(0, free - need))
+        if len(least) < count:
+            return None
+        least.sort()
+        return (sum(least[:count]), key, members)
 
 
-def _preemptible_bytes(pass_: DecisionPass) -> dict[str, int]:
-    """Per card, the most that stopping preemptible work there could give back (each lease's
-    bytes, its batch runner's too), whoever asks: more than `_newly_stopped` ever counts for a
-    class (it may stop only some of it). Once per pass."""
-    cached = pass_.gang_memo.get(("preemptible_bytes",))
+class _Bounds:
+    """`_groups_by_bound`'s groups for one search, kept for the pass: bytes committed only take
+    bytes away, so a group left out stays out, and only the groups of the cards committed to
+    since are worked out again (`catch_up`)."""
+
+    __slots__ = ("bound", "entries", "groups", "ordered", "seen")
+
+    def __init__(self, groups: dict[str, list[str]], bound: _Bound, seen: int) -> None:
+        self.groups, self.bound, self.seen = groups, bound, seen
+        self.entries: dict[str, tuple[int, str, list[str]]] = {}
+        self.ordered: list[tuple[int, str, list[str]]] = []
+
+    def order(self) -> None:
+        self.ordered = sorted(self.entries.values(), key=lambda entry: (entry[0], entry[1]))
+
+    def catch_up(self, gang: _Gang, log: list[str]) -> None:
+        entries, topology = self.entries, gang.topology
+        changed = False
+        for accelerator in log[self.seen :]:
+            acc = topology.get(accelerator)
+            key = acc.nvlink_group if acc is not None else ""
+            if key in entries:
+                entry = self.bound.of(key, self.groups[key])
+                if entry is None:
+                    del entries[key]
+                else:
+                    entries[key] = entry
+                changed = True
+        self.seen = len(log)
+        if changed:
+            self.order()
+
+
+def _holding_groups(
+    pass_: DecisionPass, gang: _Gang, groups: dict[str, list[str]], evicting: bool, stoppable: dict[str, int]
+) -> Iterable[tuple[str, list[str]]]:
+    """The groups of `groups` (`_live`'s, by NVLink group) `_groups_by_bound` may keep: those holding a
+    card that could hold the gang's bytes, its schedulable bytes enough (the fit index's tail
+    from `need`: bytes committed in the pass only take some away), or (`evicting`) with its
+    idle residents or (`stoppable` given) its preemptible work gone too. Every group when that
+    is not far fewer cards, or the index lacks some card."""
+    fit = pass_.fit
+    assert fit is not None
+    start = fit.from_bytes(gang.need)
+    tail = len(fit.order) - start
+    cards = sum(len(members) for members in groups.values()) if tail < len(fit.order) else 0
+    if (
+        tail * 4 >= cards
+        or len(fit.schedulable) < len(pass_.pool_accelerators)
+        or (evicting and (len(pass_.evictable) + len(stoppable)) * 4 >= cards)
+    ):
+        return groups.items()
+    topology = gang.topology
+    held: dict[str, bool] = {}
+    candidates: list[Iterable[str]] = [[a for _, a in fit.order[start:]]]
+    if evicting:
+        candidates += [pass_.evictable, stoppable]
+    for some in candidates:
+        for accelerator in some:
+            acc = topology.get(accelerator)
+            if acc is not None and acc.nvlink_group in groups:
+                held[acc.nvlink_group] = True
+    return [(key, groups[key]) for key in held]
+
+
+def _preemptible_bytes(pass_: DecisionPass, rights: frozenset[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per card, the most that stopping the work there a class with `rights` (the classes it
+    may preempt) may stop could give back: each lease's bytes, its batch runner's too, and a
+    lease already being stopped whatever its class (`preemptible_for`), more than
+    `_newly_stopped` ever counts. And the most of it already being stopped (by an earlier
+    pass), which `_newly_stopped` counts as coming back without a new preemption. Once per
+    pass for each set of rights."""
+    memo_key = ("preemptible_bytes", rights)
+    cached = pass_.gang_memo.get(memo_key)
     if cached is not None:
         return cached  # type: ignore[return-value]
     state = pass_.state
+    preempting = state.preempting
     stoppable: dict[str, int] = {}
+    stopping: dict[str, int] = {}
     for accelerator, leases in pass_.preemptible.items():
-        total = 0
+        total = being_stopped = 0
         for lease in leases:
-            total += lease.bytes
+            stopped = lease.lease_id in preempting
+            if not stopped and lease.priority not in rights:
+                continue
+            freed = lease.bytes
             holder = holder_of(state, lease)
             if holder is not None and holder.residency == Residency.NONE:
-                total += holder.bytes
-        stoppable[accelerator] = total
-    pass_.gang_memo[("preemptible_bytes",)] = stoppable
-    return stoppable
+                freed += holder.bytes
+            total += freed
+            if stopped:
+                being_stopped += freed
+        if total:
+            stoppable[accelerator] = total
+        if being_stopped:
+            stopping[accelerator] = being_stopped
+    pass_.gang_memo[memo_key] = (stoppable, stopping)
+    return stoppable, stopping
 
 
 def _room(attempt: Attempt, gang: _Gang, members: list[str], evicting: bool, preempting: bool) -> list[tuple[int, str]]:
@@ -512,19 +668,19 @@ def _preempt_for_gang(
     state = pass_.state
     preempts: list[Preempt] = []
     stopping: list[str] = []
+    stopped: list[Lease] = []
     reason = f"{queued.priority} {queued.capability} (a gang) needs room on {', '.join(sorted(accelerators))}"
     for accelerator in accelerators:
         free = pass_.free(accelerator) + sum(r.bytes for r in idle_residents(pass_, accelerator, production))
         # A gang lease stopped for an earlier card frees this one too.
-        free += sum(
-            lease.bytes for lease in state.leases.values() if lease.lease_id in stopping and accelerator in lease.gang
-        )
+        free += sum(lease.bytes for lease in stopped if accelerator in lease.gang)
         for lease, freed in preemptible_for(pass_, queued, accelerator):
             if free >= need:
                 break
             free += freed
             pass_.preempting[lease.lease_id] = True
             stopping.append(lease.lease_id)
+            stopped.append(lease)
             if lease.lease_id not in state.preempting:
                 preempts.append(
                     Preempt(lease.lease_id, lease.request_id, lease.workflow_id, reason, state.config.preempt_grace_s)

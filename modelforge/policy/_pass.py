@@ -217,14 +217,16 @@ class DecisionPass:
     ahead: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] | None = None
-    commits: int = 0  # changes to `committed` so far: what is worked out from it is kept until the next
+    # The cards bytes were committed to, in order: what is worked out from `committed` is
+    # brought up to date by those committed to since (`_gang._Bounds`).
+    commit_log: list[str] = field(default_factory=list)
 
     def free(self, accelerator: str) -> int:
         return self.budgets[accelerator].schedulable_bytes - self.committed.get(accelerator, 0)
 
     def commit(self, accelerator: str, nbytes: int) -> None:
         self.committed[accelerator] = self.committed.get(accelerator, 0) + nbytes
-        self.commits += 1
+        self.commit_log.append(accelerator)
 
     def fit_agrees(self, accelerators: Iterable[str]) -> bool:
         """Whether the fit index holds each of `accelerators`' schedulable bytes as its budget
@@ -435,17 +437,21 @@ def _group_leases(state: PoolState, now: float) -> tuple[dict[str, int], dict[st
 
 
 def _preemptible(state: PoolState, leases: LeaseGroups, now: float) -> dict[str, list[Lease]]:
-    """`_group_leases`'s preemptible leases from the kept groupings: while nothing is being
-    preempted, the leases of preemptible deployments past their minimum runtime; else (rare,
-    and short-lived) the walk over every lease."""
-    if state.preempting:
-        return _group_leases(state, now)[1]
+    """`_group_leases`'s preemptible leases from the kept groupings: the leases being
+    preempted, and those of preemptible deployments past their minimum runtime (the order
+    within a card is the sort's in `start_pass`, by lease id last)."""
     preemptible: dict[str, list[Lease]] = {}
     min_runtime = state.config.preempt_min_runtime_s
-    for lease, held_on in leases.of_preemptible:
-        if now - lease.granted_at >= min_runtime:
+    preempting = state.preempting
+    for lease, held_on in leases.of_preemptible.values():
+        if now - lease.granted_at >= min_runtime and lease.lease_id not in preempting:
             for accelerator_id in held_on:
                 preemptible.setdefault(accelerator_id, []).append(lease)
+    for lease_id in preempting:
+        stopped = state.leases.get(lease_id)
+        if stopped is not None:
+            for accelerator_id in stopped.accelerators if stopped.gang else (stopped.accelerator,):
+                preemptible.setdefault(accelerator_id, []).append(stopped)
     return preemptible
 
 

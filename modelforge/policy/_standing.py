@@ -7,10 +7,11 @@ on the residents' and leases' fields alone (and the catalog), not on time, so th
 the state's `__dict__` (never serialized) and rebuilt only when what they were built from
 changed. Whether it did is checked, not trusted: residents are mutable and changed in place by
 many transitions (and by tests), so each pass compares, at C speed, the residents' identities
-and the fields read here with the ones the grouping was built from; leases are frozen, so their
-identities suffice. A change of any of them rebuilds the part it touches (residents or leases)
-from scratch, in the same walk order as a pass always used, so a pass sees exactly what it
-computed before. What depends on time or on per-pass state (a lease's minimum runtime, leases
+and the fields read here with the ones the grouping was built from, and a change of any of them
+rebuilds the residents' part from scratch, in the same walk order as a pass always used, so a
+pass sees exactly what it computed before. Leases are frozen, so their identities suffice, and
+their part is brought up to date by the leases that came and went (its readers sum, or sort
+what they read). What depends on time or on per-pass state (a lease's minimum runtime, leases
 being preempted, measured unload times) is still worked out per pass, from these groupings.
 
 The reference pass (`decide_each(..., reuse_settled=False)`) never uses them: it builds its own
@@ -84,25 +85,52 @@ class ResidentGroups:
 
 
 class LeaseGroups:
-    """The leases grouped as a pass reads them. Never changed once built."""
+    """The leases grouped as a pass reads them, kept across passes and brought up to date by
+    the leases that came, went or were replaced since (a busy pool grants and ends leases on
+    nearly every pass, and rebuilding walked every lease). `leased_sum` is a new dict whenever
+    a lease changed it, never changed once handed out: the fit index tells what changed by
+    comparing the one it last saw with the one it is given."""
 
-    __slots__ = ("catalog", "leased_sum", "leases", "of_preemptible")
+    __slots__ = ("catalog", "held", "holding", "leased_sum", "of_preemptible")
 
-    def __init__(self, catalog: Catalog, leases: list[Lease]) -> None:
+    def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        self.leases = leases
+        self.held: dict[str, Lease] = {}
         self.leased_sum: dict[str, int] = {}
-        # Leases of preemptible deployments, in the leases' order, with the cards each holds:
-        # those a pass may preempt once past their minimum runtime.
-        self.of_preemptible: list[tuple[Lease, Iterable[str]]] = []
-        leased_sum = self.leased_sum
-        for lease in leases:
-            held_on = lease.accelerators if lease.gang else (lease.accelerator,)
-            for accelerator_id in held_on:
-                leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
-            leased = catalog.deployment(lease.deployment)
-            if leased is not None and leased.preemptible:
-                self.of_preemptible.append((lease, held_on))
+        self.holding: dict[str, int] = {}  # leases per card: a card is in `leased_sum` while any holds it
+        # Leases of preemptible deployments, with the cards each holds: those a pass may
+        # preempt once past their minimum runtime (a pass sorts them per card).
+        self.of_preemptible: dict[str, tuple[Lease, Iterable[str]]] = {}
+
+    def update(self, leases: dict[str, Lease]) -> None:
+        held = self.held
+        gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
+        if not gone and len(held) == len(leases):
+            return  # every lease is the one counted: none came or went
+        leased_sum, holding = dict(self.leased_sum), self.holding
+        for lease_id in gone:
+            lease = held.pop(lease_id)
+            self.of_preemptible.pop(lease_id, None)
+            for accelerator_id in lease.accelerators if lease.gang else (lease.accelerator,):
+                if holding[accelerator_id] == 1:
+                    del holding[accelerator_id], leased_sum[accelerator_id]
+                else:
+                    holding[accelerator_id] -= 1
+                    leased_sum[accelerator_id] -= lease.bytes
+        if len(held) < len(leases):
+            catalog = self.catalog
+            for lease_id, lease in leases.items():
+                if lease_id in held:
+                    continue
+                held[lease_id] = lease
+                held_on = lease.accelerators if lease.gang else (lease.accelerator,)
+                for accelerator_id in held_on:
+                    leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
+                    holding[accelerator_id] = holding.get(accelerator_id, 0) + 1
+                leased = catalog.deployment(lease.deployment)
+                if leased is not None and leased.preemptible:
+                    self.of_preemptible[lease_id] = (lease, held_on)
+        self.leased_sum = leased_sum
 
 
 class LeasesOn:
@@ -168,14 +196,13 @@ def resident_groups(state: PoolState) -> ResidentGroups:
 
 
 def lease_groups(state: PoolState) -> LeaseGroups:
-    """The leases' groupings, rebuilt when a lease came or went (a lease is frozen)."""
+    """The leases' groupings, brought up to date by the leases that came or went (a lease is
+    frozen), rebuilt with a new catalog."""
     cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
-    leases = list(state.leases.values())
     groups = cached.get("leases")
-    if (
-        not isinstance(groups, LeaseGroups) or groups.catalog is not state.catalog or not _same(leases, groups.leases)  # type: ignore[arg-type]
-    ):
-        groups = cached["leases"] = LeaseGroups(state.catalog, leases)
+    if not isinstance(groups, LeaseGroups) or groups.catalog is not state.catalog:
+        groups = cached["leases"] = LeaseGroups(state.catalog)
+    groups.update(state.leases)
     return groups
 
 

@@ -18,6 +18,7 @@ from modelforge.policy import (
     PolicyConfig,
     PoolState,
     ResidentPhase,
+    WaitReason,
     apply_decisions,
     decide,
     enqueue,
@@ -36,7 +37,8 @@ from tests.tiers import examples
 # Three NVLink groups of four cards (two nodes, two racks).
 CARDS = [f"{group}/{i}" for group in ("a", "b", "c") for i in range(4)]
 SERVED = ["svc@1", "chat@1"]
-GANGS = ["nv2@1", "nv4@1", "nv2be@1", "spread@1"]
+# nv2p@1 has nv2@1's shape, preemptible: gangs of two deployments share what their placement reads.
+GANGS = ["nv2@1", "nv4@1", "nv2be@1", "spread@1", "nv2p@1"]
 SINGLE = [*SERVED, "job@1"]
 
 
@@ -58,6 +60,7 @@ def build(gang_reservations: bool) -> PoolState:
             deployment("chat@1", gib=5, idle_bytes=3 * GiB, concurrency=2, queue_limit=200),
             deployment("job@1", gib=4, residency=Residency.LOAD_ON_DEMAND, queue_limit=200, preemptible=True),
             deployment("nv2@1", gib=5, gpu_count=2, nvlink_required=True, **gang),
+            deployment("nv2p@1", gib=5, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
             deployment("nv4@1", gib=8, gpu_count=4, nvlink_required=True, **gang),
             deployment("nv2be@1", gib=3, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
             deployment("spread@1", gib=4, gpu_count=3, anti_affinity="node", preemptible=True, **gang),
@@ -274,6 +277,7 @@ def build_preemptible() -> PoolState:
             deployment("batch@1", gib=9, **gang),
             deployment("svc@1", gib=6, idle_bytes=2 * GiB, concurrency=2, queue_limit=400),
             deployment("nv2be@1", gib=7, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
+            deployment("nv2@1", gib=7, gpu_count=2, nvlink_required=True, **gang),  # nv2be@1's shape
         ],
         tenants=[tenant("t", weight=2.0), tenant("u")],
         config=PolicyConfig(preempt_min_runtime_s=0.0),
@@ -289,7 +293,7 @@ def sample_be(s: PoolState, at: float, unmanaged: dict[str, float], cards: list[
 preemptible_operation = st.one_of(
     st.tuples(
         st.just("request"),
-        st.sampled_from(["be@1", "batch@1", "svc@1", "nv2be@1"]),
+        st.sampled_from(["be@1", "batch@1", "svc@1", "nv2be@1", "nv2@1"]),
         st.sampled_from(list(Priority)[:3]),
         st.integers(1, 6),
         st.sampled_from([None, 30.0, 300.0]),
@@ -353,3 +357,67 @@ def test_a_pool_full_of_preemptible_work_decides_what_the_reference_decides(
         fast = decide(s, now)
         assert_fast_is_reference(fast, decide_each(s, now, reuse_settled=False))
         apply_decisions(s, fast, now, {})
+
+
+def test_a_gang_after_bytes_committed_in_its_pass_takes_the_best_fitting_group() -> None:
+    """Bounds kept within a pass (`_gang._Bounds`) must follow the bytes committed since: a
+    first gang takes group a, a job pinned to c/0 then has bytes promised there (its runner
+    loads), and a second gang of the same shape must still take group c, which now leaves less
+    over (0.1 + 4.6 GiB) than group b (4 + 4 GiB). Before the job, c left 9.2 GiB over, more
+    than b: a bound not brought up to date stops the search at b."""
+    cards = ["a/0", "a/1", "b/0", "b/1", "c/0", "c/1", "c/2"]
+    free = {"a/0": 6, "a/1": 6, "b/0": 9, "b/1": 9, "c/0": 9.6, "c/1": 9.6, "c/2": 1}
+    gang = {"residency": Residency.NONE, "idle_bytes": 0, "queue_limit": 20}
+    s = state(
+        [gpu(card, nvlink_group=card[0]) for card in cards],
+        [
+            deployment("nv2@1", gib=5, gpu_count=2, nvlink_required=True, **gang),
+            deployment("pin@1", gib=4.5, accelerators=["c/0"], **gang),
+        ],
+    )
+    for card in cards:
+        observe(s, card, external_gib=24 - 1 - free[card])
+    for request_id, capability, priority in [
+        ("g1", "nv2@1", Priority.INTERACTIVE),
+        ("job", "pin@1", Priority.BACKGROUND),
+        ("g2", "nv2@1", Priority.BENCHMARK),
+    ]:
+        _, klass = validate_request(s, ask(request_id, capability, priority=priority), gangs=True)
+        enqueue(s, ask(request_id, capability, priority=priority), klass, NOW)
+    fast = decide(s, NOW)
+    held = {grant.request_id: sorted(grant.lease.accelerators) for grant in fast.grants}
+    assert [(load.accelerator, load.for_requests) for load in fast.loads] == [("c/0", ["job"])]
+    assert held == {"g1": ["a/0", "a/1"], "g2": ["c/0", "c/1"]}
+    assert_fast_is_reference(fast, decide_each(s, NOW, reuse_settled=False))
+
+
+def test_a_gang_that_may_preempt_nothing_waits_for_work_already_being_stopped() -> None:
+    """A maintenance gang may stop no work, but a lease another class's preemption is already
+    stopping gives its bytes back whoever waits: the gang waits for that (making room), not
+    for room that may never come, in the fast pass as in the reference."""
+    cards = ["a/0", "a/1", "b/0", "b/1"]
+    gang = {"residency": Residency.NONE, "idle_bytes": 0, "queue_limit": 20}
+    s = state(
+        [gpu(card, nvlink_group=card[0]) for card in cards],
+        [
+            deployment("low@1", gib=20, gpu_count=2, nvlink_required=True, preemptible=True, **gang),
+            deployment("nvm@1", gib=8, gpu_count=2, nvlink_required=True, **gang),
+        ],
+        config=PolicyConfig(preempt_min_runtime_s=0.0),
+    )
+    for card in cards:
+        observe(s, card)
+    for n in range(2):
+        _, klass = validate_request(s, ask(f"low{n}", "low@1", priority=Priority.BENCHMARK), gangs=True)
+        enqueue(s, ask(f"low{n}", "low@1", priority=Priority.BENCHMARK), klass, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert len(s.leases) == 2
+    # Every card: 20 GiB leased, 3 GiB free; the work on b is being stopped.
+    stopped = next(lease for lease in s.leases.values() if "b/0" in lease.accelerators)
+    s.preempting[stopped.lease_id] = "a higher class needed room"  # an earlier pass's preemption
+    _, klass = validate_request(s, ask("m", "nvm@1", priority=Priority.MAINTENANCE), gangs=True)
+    enqueue(s, ask("m", "nvm@1", priority=Priority.MAINTENANCE), klass, NOW + 1)
+    fast = decide(s, NOW + 1)
+    assert [(w.request_id, w.codes) for w in fast.waits] == [("m", (WaitReason.MAKING_ROOM,))]
+    assert not fast.preemptions  # nothing new is stopped for it
+    assert_fast_is_reference(fast, decide_each(s, NOW + 1, reuse_settled=False))
