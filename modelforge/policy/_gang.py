@@ -742,14 +742,31 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     if not cards:
         return timelines, ready_at
     on = leases_on(pass_)
-    promised = _promised_releases(pass_, now)
+    unloading = _unloading_releases(pass_, now)
+    reserved = _reserved_releases(pass_, now)
+    # A card's leases and unloads give the same timeline to every gang of the pass (neither
+    # changes during it): the fast pass works it out once; what a pass changes (idle residents
+    # it unloads or uses, bytes promised to requests waiting on a load) is added per gang.
+    kept: dict[str, list[tuple[float, int]]] | None = None
+    if pass_.indexed:
+        kept = pass_.gang_memo.setdefault(("timelines",), {})  # type: ignore[assignment]
     shut = shut_cards(pass_, attempt.production) if pass_.indexed else None
+    evictable = pass_.evictable
     for accelerator in may_land(pass_, cards, attempt.production, None, shut):
-        coming = promised.get(accelerator, [])
-        for idle in idle_residents(pass_, accelerator, attempt.production):
-            # Unloaded to make room when the gang's time comes (as it does when it fits now).
-            coming = [*coming, (now + unload_cost(state, state.catalog.deployment(idle.deployment)), idle.bytes)]
-        timeline = release_timeline(on.get(accelerator, {}).values(), state.residents, now, coming)
+        timeline = kept.get(accelerator) if kept is not None else None
+        if timeline is None:
+            timeline = release_timeline(
+                on.get(accelerator, {}).values(), state.residents, now, unloading.get(accelerator, [])
+            )
+            if kept is not None:
+                kept[accelerator] = timeline
+        coming = reserved.get(accelerator, [])
+        if evictable.get(accelerator):
+            for idle in idle_residents(pass_, accelerator, attempt.production):
+                # Unloaded to make room when the gang's time comes (as it does when it fits now).
+                coming = [*coming, (now + unload_cost(state, state.catalog.deployment(idle.deployment)), idle.bytes)]
+        if coming:
+            timeline = sorted([*timeline, *coming])
         timelines[accelerator] = timeline
         ready_at[accelerator] = free_at(pass_.free(accelerator), timeline, gang.need, now)
     return timelines, ready_at
@@ -766,15 +783,28 @@ def leases_on(pass_: DecisionPass) -> dict[str, dict[str, Lease]]:
     return on
 
 
-def _promised_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:
-    """Bytes coming back per accelerator besides leases' ends: residents being unloaded, once the
-    unload is done; lease bytes promised to requests waiting on a load, when their work ends."""
+def _unloading_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:
+    """Bytes coming back per accelerator besides leases' ends, that no placement changes:
+    residents being unloaded, once the unload is done. Once per pass (the fast pass)."""
+    cached = pass_.gang_memo.get(("unloading",)) if pass_.indexed else None
+    if cached is not None:
+        return cached  # type: ignore[return-value]
     state = pass_.state
-    promised: dict[str, list[tuple[float, int]]] = {}
+    unloading: dict[str, list[tuple[float, int]]] = {}
     for resident in state.residents.values():
         if resident.phase == ResidentPhase.UNLOADING:
             done = now + unload_cost(state, state.catalog.deployment(resident.deployment))
-            promised.setdefault(resident.accelerator, []).append((done, resident.bytes))
+            unloading.setdefault(resident.accelerator, []).append((done, resident.bytes))
+    if pass_.indexed:
+        pass_.gang_memo[("unloading",)] = unloading
+    return unloading
+
+
+def _reserved_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:
+    """Lease bytes this pass promised to requests waiting on a load, per accelerator, by when
+    their work ends (those with a max_duration)."""
+    state = pass_.state
+    promised: dict[str, list[tuple[float, int]]] = {}
     if pass_.reserved:
         by_id = queue_index(state).by_id
         for request_id, held in pass_.reserved.items():
