@@ -184,6 +184,8 @@ class DecisionPass:
     # ready residents there but must not take new bytes ahead of it.
     blocked: dict[str, bool] = field(default_factory=dict)
     position: dict[str, int] = field(default_factory=dict)
+    # Per deployment: its residents as `residents_of` holds them, and in the cards' order.
+    join_order: dict[str, tuple[list[ResidentState], list[ResidentState]]] = field(default_factory=dict)
     # Lease bytes held for requests that wait on a load (request id -> bytes): promised when the
     # load was decided, so nothing ordered after them takes them while the model loads.
     reserved: dict[str, int] = field(default_factory=dict)

@@ -723,16 +723,64 @@ def _join(attempt: Attempt) -> _Joined:
         return joined
     eligible = pass_.eligible[(deployment.deployment_id, attempt.production)]
     if len(residents) > 1:
-        position = pass_.position
-        residents = sorted(residents, key=lambda r: position.get(r.accelerator, 0))
+        residents = _in_card_order(pass_, deployment.deployment_id, residents)
+    extra, holding = deployment.lease_extra_bytes, joined.holding
+    if pass_.fit is not None and extra and len(residents) > _SHUT_FROM:
+        # Many residents each needing lease bytes (batch runners, one per running job, most on
+        # full cards): a ready one on a fresh card with a free slot and no reservation, whose
+        # card the fit index says lacks the bytes, is short, as `_join_one` would find it,
+        # without a call per resident. (Bytes committed in the pass only take some away.)
+        stale, slots, evicting = shut_cards(pass_, True), pass_.slots, pass_.evicting
+        kept, committed, reservations = pass_.fit.schedulable, pass_.committed, pass_.reservations
+        ready, reasons, short = ResidentPhase.READY, joined.reasons, joined.short
+        for resident in residents:
+            accelerator = resident.accelerator
+            if accelerator not in eligible:
+                continue
+            holding[accelerator] = True
+            free = kept.get(accelerator)
+            if (
+                free is not None
+                and resident.phase == ready
+                and accelerator not in stale
+                and slots.get(resident.key, 0) > 0
+                and resident.key not in evicting
+                and accelerator not in reservations
+            ):
+                free -= committed.get(accelerator, 0)
+                if free < extra:
+                    short[accelerator] = True
+                    if not reasons.again("lease_bytes"):
+                        reasons.add(
+                            "lease_bytes",
+                            WaitReason.MEMORY_HELD,
+                            f"{accelerator}: lease needs {extra} B, {free} B schedulable",
+                        )
+                    continue
+            joined.decision = _join_one(attempt, resident, joined)
+            if joined.decision is not None:
+                break
+        return joined
     for resident in residents:
         if resident.accelerator not in eligible:
             continue
-        joined.holding[resident.accelerator] = True
+        holding[resident.accelerator] = True
         joined.decision = _join_one(attempt, resident, joined)
         if joined.decision is not None:
             break
     return joined
+
+
+def _in_card_order(pass_: DecisionPass, deployment_id: str, residents: list[ResidentState]) -> list[ResidentState]:
+    """A deployment's residents in the order of the pool's cards, once per pass while its list
+    stays the same (a load started in the pass makes a new one)."""
+    kept = pass_.join_order.get(deployment_id)
+    if kept is not None and kept[0] is residents:
+        return kept[1]
+    position = pass_.position
+    ordered = sorted(residents, key=lambda r: position.get(r.accelerator, 0))
+    pass_.join_order[deployment_id] = (residents, ordered)
+    return ordered
 
 
 def _join_one(attempt: Attempt, resident: ResidentState, joined: _Joined) -> Grant | Assign | Wake | None:
