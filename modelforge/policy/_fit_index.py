@@ -19,11 +19,14 @@ The reference pass never uses it; the property tests compare the two passes, and
 finds a card's kept bytes differ from its budget drops the index (and places by the full walk).
 
 It also keeps the pool's UNHEALTHY cards, which change only where observations land, so a pass
-does not walk every card's runtime to find them."""
+does not walk every card's runtime to find them, and when each card was last observed
+(`Staleness`), so the cards gone stale since the last pass are found without reading every
+card's observation."""
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from modelforge.domain import Accelerator, Catalog
@@ -41,7 +44,17 @@ class FitIndex:
     UNHEALTHY cards. Updated at the start of a fast pass, never during one: a pass's own
     promises are in `DecisionPass.committed`."""
 
-    __slots__ = ("catalog", "leased_sum", "observed", "order", "resident_sum", "schedulable", "unhealthy", "volatile")
+    __slots__ = (
+        "catalog",
+        "leased_sum",
+        "observed",
+        "order",
+        "resident_sum",
+        "schedulable",
+        "staleness",
+        "unhealthy",
+        "volatile",
+    )
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -54,6 +67,7 @@ class FitIndex:
         # The groupings' sums this index was last brought up to date with (by identity).
         self.resident_sum: dict[str, int] | None = None
         self.leased_sum: dict[str, int] | None = None
+        self.staleness = Staleness()
 
     def set(self, accelerator: str, schedulable: int) -> None:
         old = self.schedulable.get(accelerator)
@@ -68,6 +82,50 @@ class FitIndex:
     def from_bytes(self, need: int) -> int:
         """Where the cards with at least `need` schedulable bytes start in `order`."""
         return bisect_left(self.order, (need, ""))
+
+
+class Staleness:
+    """When each of the pool's cards was last observed (None: never), and the cards stale at the
+    last time asked: `is_fresh`'s rule (no observation, or one older than `freshness_s`) for
+    every card, brought up to date by the cards observed since (`received`) and those whose
+    last observation has aged past the limit since (a heap by observation time, whose entries
+    for a card observed again are passed over)."""
+
+    __slots__ = ("at", "expiring", "limit", "received", "stale")
+
+    def __init__(self) -> None:
+        self.received: dict[str, float | None] = {}
+        self.stale: dict[str, bool] = {}
+        self.expiring: list[tuple[float, str]] = []
+        self.at: float | None = None  # the time and limit `stale` holds for
+        self.limit = 0.0
+
+    def received_at(self, accelerator: str, received: float | None) -> None:
+        """The card's last observation is from `received` (None: it has none)."""
+        if accelerator in self.received and self.received[accelerator] == received:
+            return
+        self.received[accelerator] = received
+        if received is None:
+            self.stale[accelerator] = True
+            return
+        self.stale.pop(accelerator, None)
+        heappush(self.expiring, (received, accelerator))  # already old: stale at the next ask
+
+    def stale_at(self, now: float, limit: float) -> dict[str, bool]:
+        """The cards not fresh at `now` (read only)."""
+        if self.at is None or now < self.at or limit != self.limit:
+            # From scratch: the first time, for an earlier time, or another limit.
+            self.stale = {a: True for a, t in self.received.items() if t is None or max(0.0, now - t) > limit}
+            self.expiring = [(t, a) for a, t in self.received.items() if t is not None and a not in self.stale]
+            heapify(self.expiring)
+        else:
+            expiring, received, stale = self.expiring, self.received, self.stale
+            while expiring and max(0.0, now - expiring[0][0]) > limit:
+                t, accelerator = heappop(expiring)
+                if received.get(accelerator) == t:
+                    stale[accelerator] = True
+        self.at, self.limit = now, limit
+        return self.stale
 
 
 def mark_observed(state: PoolState, accelerator: str) -> None:
@@ -95,6 +153,10 @@ def fit_index(
     runtimes = state.accelerators
     if not isinstance(index, FitIndex) or index.catalog is not state.catalog:
         index = FitIndex(state.catalog)
+        for accelerator in cards:
+            runtime = runtimes.get(accelerator.id)
+            observation = runtime.observation if runtime is not None else None
+            index.staleness.received_at(accelerator.id, observation.received_at if observation is not None else None)
         values = [(schedulable(card.id), card.id) for card in cards]
         index.schedulable = {card: value for value, card in values}
         index.order = sorted(values)
@@ -112,11 +174,14 @@ def fit_index(
             if card in position:
                 index.set(card, schedulable(card))
     index.resident_sum, index.leased_sum = resident_sum, leased_sum
-    volatile, unhealthy = index.volatile, index.unhealthy
+    volatile, unhealthy, staleness = index.volatile, index.unhealthy, index.staleness
     for card in changed:
         runtime = runtimes.get(card)
         if runtime is None:
             continue
+        if card in position:
+            observation = runtime.observation
+            staleness.received_at(card, observation.received_at if observation is not None else None)
         if len(runtime.external_history) >= 2 and card in position:
             volatile[card] = True
         else:

@@ -138,6 +138,11 @@ class Budgets(dict[str, Budget]):
         self[accelerator_id] = budget
         return budget
 
+    @property
+    def now(self) -> float:
+        """The time the budgets are worked out for (the pass's)."""
+        return self._now
+
     def stale(self, accelerator_ids: Iterable[str]) -> list[str]:
         """Those of `accelerator_ids` that are not `fresh`: `is_fresh`, written out, for a walk
         over every card of a large pool (`_rules.shut_cards`); a budget computes it alike."""

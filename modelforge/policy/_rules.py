@@ -128,8 +128,11 @@ def shut_cards(pass_: DecisionPass, production: bool) -> dict[str, str]:
     that ask it of thousands of cards for each request that finds no room."""
     shut = pass_.shut.get(production)
     if shut is None:
-        cards = [card.id for card in pass_.pool_accelerators]
-        shut = dict.fromkeys(pass_.budgets.stale(cards), STALE)
+        if pass_.fit is not None:  # the fast pass: the cards gone stale since the last one
+            config = pass_.state.config
+            shut = dict.fromkeys(pass_.fit.staleness.stale_at(pass_.budgets.now, config.freshness_s), STALE)
+        else:
+            shut = dict.fromkeys(pass_.budgets.stale([card.id for card in pass_.pool_accelerators]), STALE)
         if not production:
             runtimes = pass_.state.accelerators
             for accelerator, runtime in runtimes.items():
