@@ -18,8 +18,8 @@ A new catalog, or a state without an index (a fresh or deserialized one), builds
 The reference pass never uses it; the property tests compare the two passes, and a pass that
 finds a card's kept bytes differ from its budget drops the index (and places by the full walk).
 
-It also keeps the pool's UNHEALTHY cards, which change only where observations land, so a pass
-does not walk every card's runtime to find them, and when each card was last observed
+It also keeps the pool's UNHEALTHY cards and those under GPU_PRESSURE, which change only where
+observations land, so a pass does not walk every card's runtime to find them, and when each card was last observed
 (`Staleness`), so the cards gone stale since the last pass are found without reading every
 card's observation."""
 
@@ -49,6 +49,7 @@ class FitIndex:
         "leased_sum",
         "observed",
         "order",
+        "pressured",
         "resident_sum",
         "schedulable",
         "staleness",
@@ -68,6 +69,7 @@ class FitIndex:
         self.resident_sum: dict[str, int] | None = None
         self.leased_sum: dict[str, int] | None = None
         self.staleness = Staleness()
+        self.pressured: dict[str, bool] = {}  # cards under GPU_PRESSURE (set only where observations land)
 
     def set(self, accelerator: str, schedulable: int) -> None:
         old = self.schedulable.get(accelerator)
@@ -174,7 +176,7 @@ def fit_index(
             if card in position:
                 index.set(card, schedulable(card))
     index.resident_sum, index.leased_sum = resident_sum, leased_sum
-    volatile, unhealthy, staleness = index.volatile, index.unhealthy, index.staleness
+    volatile, unhealthy, staleness, pressured = index.volatile, index.unhealthy, index.staleness, index.pressured
     for card in changed:
         runtime = runtimes.get(card)
         if runtime is None:
@@ -182,6 +184,10 @@ def fit_index(
         if card in position:
             observation = runtime.observation
             staleness.received_at(card, observation.received_at if observation is not None else None)
+            if runtime.pressure:
+                pressured[card] = True
+            else:
+                pressured.pop(card, None)
         if len(runtime.external_history) >= 2 and card in position:
             volatile[card] = True
         else:

@@ -134,9 +134,12 @@ def shut_cards(pass_: DecisionPass, production: bool) -> dict[str, str]:
         else:
             shut = dict.fromkeys(pass_.budgets.stale([card.id for card in pass_.pool_accelerators]), STALE)
         if not production:
-            runtimes = pass_.state.accelerators
-            for accelerator, runtime in runtimes.items():
-                if runtime.pressure and accelerator not in shut:
+            if pass_.fit is not None:
+                pressured: Iterable[str] = pass_.fit.pressured
+            else:
+                pressured = [a for a, runtime in pass_.state.accelerators.items() if runtime.pressure]
+            for accelerator in pressured:
+                if accelerator not in shut:
                     shut[accelerator] = PRESSURE
         pass_.shut[production] = shut
     return shut
