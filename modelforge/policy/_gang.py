@@ -422,7 +422,19 @@ class _Bound:
     """A group's bound for `_groups_by_bound`, for one gang's bytes and count and one search
     (`evicting`, `preempting`): what it reads of the pass besides the bytes committed."""
 
-    __slots__ = ("count", "evictable", "need", "pass_", "preempting", "schedulable", "shut", "stoppable", "stopping")
+    # It holds what it reads of the pass, never the pass: the pass keeps it (`gang_memo`), and a
+    # pass in a reference cycle outlives its decisions until the cyclic collector finds it.
+    __slots__ = (
+        "committed",
+        "count",
+        "evictable",
+        "need",
+        "preempting",
+        "schedulable",
+        "shut",
+        "stoppable",
+        "stopping",
+    )
 
     def __init__(
         self,
@@ -433,7 +445,7 @@ class _Bound:
         rights: frozenset[str] | None,
         shut: dict[str, str],
     ) -> None:
-        self.pass_, self.schedulable, self.shut = pass_, schedulable, shut
+        self.committed, self.schedulable, self.shut = pass_.committed, schedulable, shut
         self.need, self.count, self.preempting = gang.need, gang.count, rights is not None
         self.evictable = pass_.evictable if evicting or rights is not None else {}
         self.stoppable, self.stopping = _preemptible_bytes(pass_, rights) if rights is not None else ({}, {})
@@ -445,7 +457,7 @@ class _Bound:
         preempting: with all the work there its class may stop gone too, and its bound is the
         least it newly stops: what the gang needs beyond its free bytes, every idle resident
         and the work there already being stopped."""
-        committed, need, count, shut = self.pass_.committed, self.need, self.count, self.shut
+        committed, need, count, shut = self.committed, self.need, self.count, self.shut
         schedulable, evictable, preempting = self.schedulable, self.evictable, self.preempting
         least: list[int] = []
         for accelerator in members:
