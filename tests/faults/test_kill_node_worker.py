@@ -14,9 +14,11 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from temporalio.client import WorkflowFailureError
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
@@ -86,6 +88,10 @@ async def test_kill_9_of_the_node_worker_during_an_invoke(
 
             handle = await stack.start_request("rag.embedding@1", tenant="rag", input={"simulate_invoke_s": 600})
             assert await _wait(lambda: _holding(stack), 60), "the request never got its lease"
+            # Killed while the invoke runs on it: killed between the grant and the node taking
+            # the invoke, the restarted node takes it, finds no model, and the request retries
+            # on a new lease (as for a crash before the call), running its 600 s invoke.
+            assert await _wait(lambda: _invoking(handle), 60), "the invoke never started on the node"
             node.send_signal(signal.SIGKILL)
             node.wait(timeout=10)
             killed_at = time.monotonic()
@@ -118,6 +124,15 @@ async def _fresh(stack: Stack) -> bool:
 
 async def _holding(stack: Stack) -> bool:
     return (await stack.status()).active_leases == 1
+
+
+async def _invoking(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether a worker has taken the request's invoke activity (it is started)."""
+    described = await handle.describe()
+    return any(
+        pending.activity_type.name == "invoke" and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        for pending in described.raw_description.pending_activities
+    )
 
 
 INCARNATION = Path(__file__).resolve().parents[1] / "catalogs" / "incarnation.toml"
