@@ -61,8 +61,13 @@ def telemetry_age(runtime: AcceleratorRuntime | None, now: float) -> float | Non
 def is_fresh(runtime: AcceleratorRuntime | None, config: PolicyConfig, now: float) -> bool:
     """The one freshness rule (placement, control, delegation and the route view): the card's
     node reported within `freshness_s`. A stale card may be gone: nothing new lands on it."""
-    age = telemetry_age(runtime, now)
-    return age is not None and age <= config.freshness_s
+    observation = runtime.observation if runtime is not None else None
+    return reported_within(observation.received_at if observation is not None else None, config.freshness_s, now)
+
+
+def reported_within(received_at: float | None, freshness_s: float, now: float) -> bool:
+    """`is_fresh` from the time the card's last sample reached the scheduler (None: never)."""
+    return received_at is not None and max(0.0, now - received_at) <= freshness_s
 
 
 def compute_budget(

@@ -30,6 +30,7 @@ from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from modelforge.domain import Accelerator, Catalog
+from modelforge.policy._budget import reported_within
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -88,10 +89,10 @@ class FitIndex:
 
 class Staleness:
     """When each of the pool's cards was last observed (None: never), and the cards stale at the
-    last time asked: `is_fresh`'s rule (no observation, or one older than `freshness_s`) for
-    every card, brought up to date by the cards observed since (`received`) and those whose
-    last observation has aged past the limit since (a heap by observation time, whose entries
-    for a card observed again are passed over)."""
+    last time asked: `is_fresh`'s rule (`reported_within`) for every card, brought up to date
+    by the cards observed since (`received_at`) and those whose last observation has aged past
+    the limit since (a heap by observation time, whose entries for a card observed again are
+    passed over)."""
 
     __slots__ = ("at", "expiring", "limit", "received", "stale")
 
@@ -117,12 +118,12 @@ class Staleness:
         """The cards not fresh at `now` (read only)."""
         if self.at is None or now < self.at or limit != self.limit:
             # From scratch: the first time, for an earlier time, or another limit.
-            self.stale = {a: True for a, t in self.received.items() if t is None or max(0.0, now - t) > limit}
+            self.stale = {a: True for a, t in self.received.items() if not reported_within(t, limit, now)}
             self.expiring = [(t, a) for a, t in self.received.items() if t is not None and a not in self.stale]
             heapify(self.expiring)
         else:
             expiring, received, stale = self.expiring, self.received, self.stale
-            while expiring and max(0.0, now - expiring[0][0]) > limit:
+            while expiring and not reported_within(expiring[0][0], limit, now):
                 t, accelerator = heappop(expiring)
                 if received.get(accelerator) == t:
                     stale[accelerator] = True

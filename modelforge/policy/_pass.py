@@ -144,17 +144,8 @@ class Budgets(dict[str, Budget]):
         return self._now
 
     def stale(self, accelerator_ids: Iterable[str]) -> list[str]:
-        """Those of `accelerator_ids` that are not `fresh`: `is_fresh`, written out, for a walk
-        over every card of a large pool (`_rules.shut_cards`); a budget computes it alike."""
-        runtimes, now = self._state.accelerators, self._now
-        limit = self._state.config.freshness_s
-        found = []
-        for accelerator_id in accelerator_ids:
-            runtime = runtimes.get(accelerator_id)
-            observation = runtime.observation if runtime is not None else None
-            if observation is None or max(0.0, now - observation.received_at) > limit:
-                found.append(accelerator_id)
-        return found
+        """Those of `accelerator_ids` that are not `fresh`."""
+        return [accelerator_id for accelerator_id in accelerator_ids if not self.fresh(accelerator_id)]
 
     def fresh(self, accelerator_id: str) -> bool:
         """`self[accelerator_id].fresh`, without working out a budget not asked for yet: the

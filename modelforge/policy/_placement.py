@@ -713,6 +713,14 @@ class _Joined:
         # Accelerators holding one where joining or waking it wanted more bytes than are free.
         self.short: dict[str, bool] = {}
 
+    def lacks_lease_bytes(self, accelerator: str, extra: int, free: int) -> None:
+        """Joining the resident on `accelerator` wants `extra` lease bytes and `free` are left."""
+        self.short[accelerator] = True
+        if not self.reasons.again("lease_bytes"):
+            self.reasons.add(
+                "lease_bytes", WaitReason.MEMORY_HELD, f"{accelerator}: lease needs {extra} B, {free} B schedulable"
+            )
+
 
 def _join(attempt: Attempt) -> _Joined:
     """Phase 2: join a resident of the deployment, in the order of the pool's accelerators."""
@@ -732,7 +740,7 @@ def _join(attempt: Attempt) -> _Joined:
         # without a call per resident. (Bytes committed in the pass only take some away.)
         stale, slots, evicting = shut_cards(pass_, True), pass_.slots, pass_.evicting
         kept, committed, reservations = pass_.fit.schedulable, pass_.committed, pass_.reservations
-        ready, reasons, short = ResidentPhase.READY, joined.reasons, joined.short
+        ready = ResidentPhase.READY
         for resident in residents:
             accelerator = resident.accelerator
             if accelerator not in eligible:
@@ -749,13 +757,7 @@ def _join(attempt: Attempt) -> _Joined:
             ):
                 free -= committed.get(accelerator, 0)
                 if free < extra:
-                    short[accelerator] = True
-                    if not reasons.again("lease_bytes"):
-                        reasons.add(
-                            "lease_bytes",
-                            WaitReason.MEMORY_HELD,
-                            f"{accelerator}: lease needs {extra} B, {free} B schedulable",
-                        )
+                    joined.lacks_lease_bytes(accelerator, extra, free)
                     continue
             joined.decision = _join_one(attempt, resident, joined)
             if joined.decision is not None:
@@ -844,11 +846,7 @@ def _join_ready(attempt: Attempt, resident: ResidentState, landing: Landing, joi
     if extra == 0 or extra <= free:
         take_reservation(pass_, accelerator, landing)
         return grant_on(attempt.queued, attempt.deployment, resident, attempt.now, pass_, attempt.counter)
-    joined.short[accelerator] = True
-    if not joined.reasons.again("lease_bytes"):
-        joined.reasons.add(
-            "lease_bytes", WaitReason.MEMORY_HELD, f"{accelerator}: lease needs {extra} B, {free} B schedulable"
-        )
+    joined.lacks_lease_bytes(accelerator, extra, free)
     return None
 
 
@@ -856,12 +854,7 @@ def _join_loading(attempt: Attempt, resident: ResidentState, joined: _Joined) ->
     """A loading (or waking) resident: the request waits on it, its lease bytes held from now."""
     pass_, accelerator, extra = attempt.pass_, resident.accelerator, attempt.deployment.lease_extra_bytes
     if extra and extra > pass_.free(accelerator):
-        joined.short[accelerator] = True
-        joined.reasons.add(
-            "lease_bytes",
-            WaitReason.MEMORY_HELD,
-            f"{accelerator}: lease needs {extra} B, {pass_.free(accelerator)} B schedulable",
-        )
+        joined.lacks_lease_bytes(accelerator, extra, pass_.free(accelerator))
         return None
     take_reservation(pass_, accelerator, Landing(extra, persists=False, attempt=attempt, lead_s=attempt.load_s))
     pass_.slots[resident.key] -= 1
