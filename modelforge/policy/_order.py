@@ -79,18 +79,13 @@ def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
     to its weight (the property tests check within 10% on a saturated two-tenant pool); using
     the weight as the factor instead would over-serve the heavier tenant (2:1 weights settle
     near 5:1)."""
-    catalog = state.catalog
-    weights: dict[str, float] = {}
-    queue_weights: dict[str, float] = {}
-    for klass in catalog.classes.values():
-        queue_weights.setdefault(klass.queue, klass.queue_weight)
-    for queue, queue_weight in queue_weights.items():
-        for tenant in catalog.tenants:
-            if not tenant.queues or queue in tenant.queues:
-                weights[queue_entity(queue, tenant.name)] = queue_weight * tenant.weight
-    total_weight = sum(weights.values()) or 1.0
+    weights, total_weight = _fair_share_weights(state.catalog)
     half_life = state.config.fair_share_half_life_s
-    consumed = {entity: decayed_usage(state.usage.get(entity, TenantUsage()), half_life, now) for entity in weights}
+    usage = state.usage
+    consumed: dict[str, float] = {}
+    for entity in weights:
+        used = usage.get(entity)
+        consumed[entity] = 0.0 if used is None else decayed_usage(used, half_life, now)
     total = sum(consumed.values())
     scores: dict[str, float] = {}
     for entity, weight in weights.items():
@@ -100,6 +95,23 @@ def fair_share_scores(state: PoolState, now: float) -> dict[str, float]:
             continue
         scores[entity] = max(0.0, 1 + (target - consumed[entity]) / target)
     return scores
+
+
+def _fair_share_weights(catalog: Catalog) -> tuple[dict[str, float], float]:
+    """Each fair-share entity's weight (its queue's weight times its tenant's) and their sum:
+    the catalog's alone, so kept with it (immutable by contract)."""
+    kept: tuple[dict[str, float], float] | None = catalog.__dict__.get("_policy_fair_share_weights")
+    if kept is None:
+        weights: dict[str, float] = {}
+        queue_weights: dict[str, float] = {}
+        for klass in catalog.classes.values():
+            queue_weights.setdefault(klass.queue, klass.queue_weight)
+        for queue, queue_weight in queue_weights.items():
+            for tenant in catalog.tenants:
+                if not tenant.queues or queue in tenant.queues:
+                    weights[queue_entity(queue, tenant.name)] = queue_weight * tenant.weight
+        kept = catalog.__dict__["_policy_fair_share_weights"] = (weights, sum(weights.values()) or 1.0)
+    return kept
 
 
 def submission_key(queued: QueuedRequest) -> tuple[float, str]:

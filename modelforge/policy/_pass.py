@@ -328,6 +328,8 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
         resident_sum, pinned, residents_of, evictable, slots = _group_residents(state)
         leased_sum, preemptible = _group_leases(state, now)
     for leases_on in preemptible.values():
+        if len(leases_on) < 2:
+            continue
         leases_on.sort(
             key=lambda lease: (
                 lease.lease_id not in state.preempting,

@@ -31,7 +31,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from modelforge.domain import Deployment, Residency, fair_share_entity, resident_key
+from modelforge.domain import Catalog, Deployment, Residency, fair_share_entity, resident_key
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import (
     Assign,
@@ -309,10 +309,10 @@ def _margin(pass_: DecisionPass, deployment: Deployment) -> float:
 
 
 class _Skip:
-    """Whether the rest of a lane may be passed over in this pass, and the count of what it
-    passes over (the requests left waiting ahead of later ones, `DecisionPass.ahead`)."""
+    """How much of a lane may be passed over in this pass, and the count of what it passes over
+    (the requests left waiting ahead of later ones, `DecisionPass.ahead`)."""
 
-    __slots__ = ("deployments", "floors", "now", "pass_", "settled_by")
+    __slots__ = ("deployments", "floors", "now", "pass_", "settled_by", "untold")
 
     def __init__(
         self, pass_: DecisionPass, settled_by: Settled, deployments: dict[str, Deployment | None], now: float
@@ -320,6 +320,8 @@ class _Skip:
         self.pass_, self.settled_by, self.deployments, self.now = pass_, settled_by, deployments, now
         # Per lane (by identity), the suffix minima of when its requests stop merely waiting.
         self.floors: dict[int, list[float]] = {}
+        # Per lane (by identity), the positions of the requests not yet told the settled reason.
+        self.untold: dict[int, list[int]] = {}
 
     def deployment(self, capability: str) -> Deployment | None:
         deployments = self.deployments
@@ -328,24 +330,35 @@ class _Skip:
         deployment = deployments[capability] = self.pass_.state.catalog.deployment_for(capability)
         return deployment
 
-    def skippable(self, lane: Lane, position: int) -> bool:
-        """Every request of the lane from `position` on would only be told, again, the reason
-        it waits for: none waits on a load, none expired, none hopeless for its deadline
-        (`hopeless_refusal`: its load and its service counted). Worked out once per lane and
-        pass, once its capability has settled on waiting."""
-        floors = self.floors.get(id(lane))
+    def passable(self, lane: Lane, position: int) -> int:
+        """How many requests of the lane from `position` on would only be told, again, the
+        reason they wait for: none waits on a load, none expired, none hopeless for its deadline
+        (`hopeless_refusal`: its load and its service counted), each already carries the reason
+        its capability settled on. The run ends before the next request not told that reason
+        yet (one just submitted, mostly): that one is visited. 0: visit the one at `position`.
+        Worked out once per lane and pass, once its capability has settled on waiting."""
+        key = id(lane)
+        floors = self.floors.get(key)
         if floors is None:
             settled = self.settled_by.get(lane.capability)
             if settled is None:
-                return False  # not settled yet: asked again after the next request
-            floors = self.floors[id(lane)] = self._floors(lane, settled)
-        return floors[min(position, len(floors) - 1)] > self.now
+                return 0  # not settled yet: asked again after the next request
+            floors = self.floors[key] = self._floors(lane, settled)
+            if floors[0] != -math.inf:
+                assert isinstance(settled, Wait)
+                self.untold[key] = lane.not_carrying(settled.reason)
+        if not floors[min(position, len(floors) - 1)] > self.now:
+            return 0
+        untold = self.untold[key]
+        following = bisect_left(untold, position)
+        return (untold[following] if following < len(untold) else len(lane.items)) - position
 
     def _floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
         """From each position of the lane on, the earliest moment one of its requests stops
         merely waiting (its expiry, the last moment it could start and finish by its deadline,
         or when it passes its class's starvation bound and may reserve a card); -inf everywhere
-        when the lane does not wait uniformly."""
+        when the lane does not wait as a whole (its capability settled on a refusal, or a
+        request of it waits on a load)."""
         floors = self._waiting_floors(lane, settled)
         bound = starvation_bound(self.pass_.state.catalog, lane.priority)
         if bound is None or floors[0] == -math.inf:
@@ -361,14 +374,14 @@ class _Skip:
     def _waiting_floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
         pass_, now = self.pass_, self.now
         never = [-math.inf]
-        if not isinstance(settled, Wait) or not lane.uniformly_waiting(settled.reason, now):
+        if not isinstance(settled, Wait) or lane.assigned or not lane.none_expires_by(now):
             return never
         deployment = self.deployment(lane.capability)
         if deployment is None:
             return [math.inf]
         margin = _margin(pass_, deployment)
         job = deployment.residency == Residency.NONE
-        if not job and lane.uniformly_waiting(settled.reason, now + margin):
+        if not job and lane.none_expires_by(now + margin):
             return [math.inf]  # the lane's earliest expiry is later than any of its requests could need
         load_s = operation_seconds(pass_.state, deployment, "load")
         items = lane.items
@@ -394,28 +407,36 @@ class _Skip:
 def _single(lane: Lane, skip: _Skip) -> Iterator[QueuedRequest]:
     capability = lane.capability
     settled_by = skip.settled_by
+    items = lane.items
     # Until the capability settles, request by request; once it has (it stays so for the pass),
-    # the rest of the lane is passed over as soon as nothing in it would change.
-    for position, queued in enumerate(lane.items):
-        if capability in settled_by and skip.skippable(lane, position):
-            skip.passed_over(lane, len(lane.items) - position)
-            return
-        yield queued
+    # runs of the lane are passed over as long as nothing in them would change.
+    position = 0
+    while position < len(items):
+        if capability in settled_by:
+            run = skip.passable(lane, position)
+            if run:
+                skip.passed_over(lane, run)
+                position += run
+                continue
+        yield items[position]
+        position += 1
 
 
 def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
-    """Requests of several lanes in submission order; a lane leaves once the rest of it is
-    skippable."""
+    """Requests of several lanes in submission order; a run of a lane that would only be told
+    its reason again is passed over where it starts."""
     heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
     heapq.heapify(heads)
     while heads:
         _, _, n, position = heapq.heappop(heads)
         lane = lanes[n]
-        if skip.skippable(lane, position):
-            skip.passed_over(lane, len(lane.items) - position)
-            continue
-        yield lane.items[position]
-        position += 1
+        run = skip.passable(lane, position)
+        if run:
+            skip.passed_over(lane, run)
+            position += run
+        else:
+            yield lane.items[position]
+            position += 1
         if position < len(lane.items):
             following = lane.items[position]
             heapq.heappush(heads, (following.submitted_at, following.request_id, n, position))
@@ -482,9 +503,12 @@ def _keep_always_warm(pass_: DecisionPass, decisions: Decisions, now: float) -> 
     request asking: on the best-fitting eligible accelerator with room, never by evicting or
     preempting anything, and with backoff after failed loads."""
     state = pass_.state
+    always_warm = _always_warm(state.catalog)
+    if not always_warm:
+        return
     starting = {load.deployment: True for load in decisions.loads}
-    for deployment in state.catalog.deployments:
-        if deployment.residency != Residency.ALWAYS_WARM or deployment.deployment_id in starting:
+    for deployment in always_warm:
+        if deployment.deployment_id in starting:
             continue
         if pass_.residents_of.get(deployment.deployment_id):
             continue
@@ -504,6 +528,16 @@ def _keep_always_warm(pass_: DecisionPass, decisions: Decisions, now: float) -> 
         key = resident_key(deployment.deployment_id, accelerator)
         pass_.slots[key] = deployment.concurrency
         decisions.loads.append(StartLoad(key, deployment.deployment_id, accelerator, acc.node, landing.nbytes, []))
+
+
+def _always_warm(catalog: Catalog) -> list[Deployment]:
+    """The catalog's always_warm deployments, in its order: kept with it (immutable by contract),
+    as every pass asks."""
+    kept: list[Deployment] | None = catalog.__dict__.get("_policy_always_warm")
+    if kept is None:
+        kept = [d for d in catalog.deployments if d.residency == Residency.ALWAYS_WARM]
+        catalog.__dict__["_policy_always_warm"] = kept
+    return kept
 
 
 def _warm_card(pass_: DecisionPass, deployment: Deployment, production: bool, landing: Landing) -> str | None:

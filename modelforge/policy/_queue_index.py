@@ -59,18 +59,31 @@ class Lane:
                 kept.append(queued)
         self.items = kept
         # `min_expiry` stays a lower bound (removing can only raise the true minimum); it is made
-        # exact again only when a pass needs it (`uniformly_waiting`).
+        # exact again only when a pass needs it (`none_expires_by`).
         if not kept:
             self.min_expiry = math.inf
 
-    def uniformly_waiting(self, reason: str, now: float) -> bool:
-        """Nothing in this lane would change by being told `reason` now: none waits on a load,
-        none has expired, and every one already carries that reason."""
-        if self.assigned or self.reasons.get(reason, 0) != len(self.items):
-            return False
-        if self.min_expiry <= now:
+    def none_expires_by(self, moment: float) -> bool:
+        """No request of this lane expires at or before `moment`."""
+        if self.min_expiry <= moment:
             self.min_expiry = min((q.expires_at for q in self.items), default=math.inf)
-        return self.min_expiry > now
+        return self.min_expiry > moment
+
+    def not_carrying(self, reason: str) -> list[int]:
+        """The positions, in order, of the requests that do not carry `reason` yet. The lane
+        counts how many carry each reason, so the walk stops once it has found them all; it
+        starts from the end, where requests submitted since the last pass are."""
+        missing = len(self.items) - self.reasons.get(reason, 0)
+        found: list[int] = []
+        if missing:
+            items = self.items
+            for position in range(len(items) - 1, -1, -1):
+                if items[position].waiting_reason != reason:
+                    found.append(position)
+                    if len(found) == missing:
+                        break
+            found.reverse()
+        return found
 
 
 class QueueIndex:

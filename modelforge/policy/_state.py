@@ -272,6 +272,8 @@ class MeasuredTimes:
 
 # How many recent lease times per deployment the service estimate is taken over.
 SERVICE_SAMPLES = 64
+# Where a deployment's `service_figures` are kept beside its samples (never serialized).
+_FIGURES = "_policy_service_figures"
 
 
 def note_service(state: PoolState, deployment_id: str, seconds: float) -> None:
@@ -282,6 +284,7 @@ def note_service(state: PoolState, deployment_id: str, seconds: float) -> None:
     samples.append(max(0.0, float(seconds)))
     if len(samples) > SERVICE_SAMPLES:
         del samples[: len(samples) - SERVICE_SAMPLES]
+    times.__dict__.pop(_FIGURES, None)
 
 
 def service_figures(state: PoolState, deployment_id: str) -> tuple[float, float]:
@@ -291,9 +294,18 @@ def service_figures(state: PoolState, deployment_id: str) -> tuple[float, float]
     samples = measured.service_s if measured is not None else None
     if not samples:
         return 0.0, 0.0
+    assert measured is not None
+    percentile = state.config.service_percentile
+    # Kept with the samples until the next one (`note_service`); checked against what they
+    # were worked out from, should the list be replaced or the percentile reconfigured.
+    kept: tuple[list[float], int, float, tuple[float, float]] | None = measured.__dict__.get(_FIGURES)
+    if kept is not None and kept[0] is samples and kept[1] == len(samples) and kept[2] == percentile:
+        return kept[3]
     ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, math.ceil(state.config.service_percentile * len(ordered)) - 1))
-    return sum(ordered) / len(ordered), ordered[rank]
+    rank = max(0, min(len(ordered) - 1, math.ceil(percentile * len(ordered)) - 1))
+    figures = (sum(ordered) / len(ordered), ordered[rank])
+    measured.__dict__[_FIGURES] = (samples, len(samples), percentile, figures)
+    return figures
 
 
 def operation_seconds(state: PoolState, deployment: Deployment, operation: str) -> float:

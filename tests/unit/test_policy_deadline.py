@@ -6,6 +6,7 @@ from __future__ import annotations
 from modelforge.domain import DEFAULT_QUEUE, Catalog, Priority, PriorityLevel, Queue, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy import apply_decisions, decide, enqueue, release_lease, validate_request
+from modelforge.policy._placement import decide_each
 from modelforge.policy._state import SERVICE_SAMPLES, note_service, service_figures
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
@@ -83,6 +84,43 @@ def test_a_request_that_would_start_too_late_behind_the_work_ahead_is_refused_at
     # 49 + 10 <= 60: it waits.
     decisions = admit(s, ask("fits", "llm@1", deadline_s=60.0), NOW + 1)
     assert decisions.waits and not decisions.rejects
+
+
+def test_new_requests_amid_a_long_waiting_queue_are_judged_by_the_work_ahead_of_each() -> None:
+    """The fast pass passes over runs of a lane whose requests already carry their reason, and
+    visits each request not told it yet where it stands: one put back in the middle of the
+    queue (submitted earlier) counts only the work before it, one at the end all of it."""
+    s = state([gpu("n/0")], [deployment("llm@1", gib=1, concurrency=1, queue_limit=100)])
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    served(s, "llm@1", 10.0)
+    [running] = admit(s, ask("run", "llm@1")).grants
+    for n in range(30):
+        observe(s, "n/0", managed_gib=2, at=NOW + 1 + n, loaded=["llm@1@n/0"])
+        assert admit(s, ask(f"w{n:02d}", "llm@1"), NOW + 1 + n).waits
+    now = NOW + 40
+    release_lease(s, running.lease.lease_id, now, "ok")
+    s.measured["llm@1"].service_s = [10.0] * 20  # its 40 s aside: every run took 10 s
+    observe(s, "n/0", managed_gib=1, at=now, loaded=["llm@1@n/0"])
+    # Behind w00 (granted now) and w01..w14, 10 s each on one slot: it starts in 150 s and
+    # finishes by its deadline (NOW + 14.5 + 200 s); behind all thirty it would not.
+    for request, submitted in [
+        (ask("mid", "llm@1", deadline_s=200.0), NOW + 14.5),
+        (ask("late", "llm@1", deadline_s=400.0), now),  # 31 ahead: starts in 310 s, done by 320
+        (ask("later", "llm@1", deadline_s=300.0), now),  # 32 ahead: done by 330 s, after 300
+    ]:
+        _, priority = validate_request(s, request)
+        enqueue(s, request, priority, submitted)
+    fast = decide(s, now)
+    reference = decide_each(s, now, reuse_settled=False)
+    assert (fast.grants, fast.rejects) == (reference.grants, reference.rejects)
+    told = {w.request_id: w.reason for w in reference.waits}  # the reference tells every one again
+    assert all(told[w.request_id] == w.reason for w in fast.waits)
+    assert [g.request_id for g in fast.grants] == ["w00"]
+    assert [(r.request_id, r.failure) for r in fast.rejects] == [("later", FailureClass.DEADLINE_CANNOT_BE_MET)]
+    assert "behind 320 s of llm@1 work" in fast.rejects[0].message
+    # The rest were told their reason before; w01 is the one placed to find it.
+    assert {w.request_id for w in fast.waits} == {"w01", "mid", "late"}
 
 
 def test_a_class_that_runs_late_is_never_refused_for_its_deadline() -> None:
