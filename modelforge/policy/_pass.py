@@ -308,6 +308,11 @@ def filter_accelerators(state: PoolState, deployment: Deployment, priority: str,
     return results
 
 
+# A pool of at most this many cards is searched by walking them: the fit index costs more to
+# keep than a walk over a few cards.
+FIT_INDEX_FROM = 4
+
+
 def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPass:
     """What a pass starts from. `indexed` (the fast pass): the residents' and leases' groupings
     kept across passes (`_standing`, rebuilt when they changed); off (the reference pass): built
@@ -347,7 +352,7 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
                 candidates, key=lambda r: (unload_cost(state, catalog.deployment(r.deployment)), -r.bytes, r.key)
             )
     fit: FitIndex | None = None
-    if indexed:
+    if indexed and len(accelerators) > FIT_INDEX_FROM:
         fit = fit_index(
             state,
             accelerators,
