@@ -156,7 +156,7 @@ class Budgets(dict[str, Budget]):
         return is_fresh(self._state.accelerators.get(accelerator_id), self._state.config, self._now)
 
 
-@dataclass
+@dataclass(slots=True)
 class DecisionPass:
     """What one decision pass knows and has committed, so it never double-books."""
 

@@ -42,9 +42,9 @@ RESERVED = "reserved"  # held for a waiting gang, or for a request past its star
 STARVED = "starved:"
 
 
-@dataclass
+@dataclass(slots=True)
 class Attempt:
-    """One request being placed in a pass."""
+    """One request being placed in a pass (slots: one is made per placement)."""
 
     pass_: DecisionPass
     queued: QueuedRequest

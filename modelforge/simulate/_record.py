@@ -17,7 +17,7 @@ from typing import Any
 
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.simulate._scenario import ExternalUsage, Scenario, SimulationConfig, parse_request_lines
+from modelforge.simulate._scenario import ExternalUsage, Scenario, SimulationConfig, parse_requests
 
 # Events that end a request that never ran, with the failure class they carry.
 _NEVER_RAN = ("request_rejected", "request_refused", "admission_failed")
@@ -56,15 +56,15 @@ class RecordScenario:
         take (a capability it has no deployment for, a tenant or class it does not know) by
         the failure class production answers them with."""
         catalog = catalog or self.catalog
-        kept: list[str] = []
+        kept: list[tuple[int, object]] = []
         refused: dict[str, int] = dict(self.left_out)
         for line in self.lines:
             failure = _refusal(catalog, line)
             if failure is not None:
                 refused[failure] = refused.get(failure, 0) + 1
                 continue
-            kept.append(json.dumps(line))
-        requests, with_variants = parse_request_lines(kept, catalog)
+            kept.append((len(kept) + 1, line))
+        requests, with_variants = parse_requests(kept, catalog)
         name = f"record {self.pool}"
         return Scenario(with_variants, requests, list(self.external), self.config, name), refused
 
@@ -198,25 +198,28 @@ def _external(
     snapshots: list[dict[str, Any]], accelerators: set[str], since_s: float, until_s: float
 ) -> list[ExternalUsage]:
     """The external processes' memory of each card as steps: a value holds from its snapshot
-    until the next one that differs (the last until the window's end), and the first from the
-    window's start: before its first snapshot the card's usage is not known, and reading it as
-    nothing would make the first snapshot a swing of that size (a media server there all along
-    would raise the dynamic reserve for an hour and put the card under GPU_PRESSURE)."""
+    until the next one that differs, and the first from the window's start: before its first
+    snapshot the card's usage is not known, and reading it as nothing would make the first
+    snapshot a swing of that size (a media server there all along would raise the dynamic
+    reserve for an hour and put the card under GPU_PRESSURE). Only the window's snapshots count
+    (and the last one before it: what the card held when it opened); the last value holds on
+    past the window's end, where the replay serves the work still running or waiting then."""
     usage: list[ExternalUsage] = []
     by_card: dict[str, list[tuple[float, int]]] = {}
     for row in snapshots:
-        if row["accelerator"] in accelerators:
+        if row["accelerator"] in accelerators and float(row["at"]) <= until_s:
             by_card.setdefault(row["accelerator"], []).append((float(row["at"]), int(row["external_bytes"])))
     for card, points in sorted(by_card.items()):
         points.sort()
+        before = [point for point in points if point[0] < since_s]
+        points = [*([(since_s, before[-1][1])] if before else []), *points[len(before) :]]
         start, value = min(points[0][0], since_s), points[0][1]
-        for at, nbytes in [*points[1:], (until_s, -1)]:
-            if nbytes == value and at < until_s:
+        for at, nbytes in [*points[1:], (math.inf, -1)]:
+            if nbytes == value:
                 continue
             if value > 0 and at > start:
-                usage.append(
-                    ExternalUsage(card, value, round(start - since_s, 3), round(at - since_s, 3), "external (recorded)")
-                )
+                end = at if math.isinf(at) else round(at - since_s, 3)
+                usage.append(ExternalUsage(card, value, round(start - since_s, 3), end, "external (recorded)"))
             start, value = at, nbytes
     return usage
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -163,19 +164,29 @@ class _Variants:
 
 def parse_request_lines(lines: list[str], catalog: Catalog) -> tuple[list[SimRequest], Catalog]:
     """Request lines in, validated requests and the catalog with variant deployments out."""
+    return parse_requests(_decoded(lines), catalog)
+
+
+def _decoded(lines: list[str]) -> Iterator[tuple[int, object]]:
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            yield number, json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ScenarioError(f"request line {number}: not JSON ({error.msg})") from None
+
+
+def parse_requests(lines: Iterable[tuple[int, object]], catalog: Catalog) -> tuple[list[SimRequest], Catalog]:
+    """`parse_request_lines` on lines already decoded, each with its line number (what a
+    record's builder holds: no JSON text between it and the scenario)."""
     variants = _Variants(catalog)
     requests: list[SimRequest] = []
     last_t = -math.inf
     ids: dict[str, int] = {}
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+    for number, data in lines:
         if len(requests) >= MAX_REQUESTS:
             raise ScenarioError(f"more than {MAX_REQUESTS} requests")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ScenarioError(f"request line {number}: not JSON ({error.msg})") from None
         if not isinstance(data, dict):
             raise ScenarioError(f"request line {number}: expected an object, got {type(data).__name__}")
         unknown = sorted(set(data) - _REQUEST_FIELDS)

@@ -6,6 +6,7 @@ under the catalog as it was and under a proposed one. Cards are simulated."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -226,6 +227,26 @@ def test_external_memory_before_the_first_snapshot_is_the_first_snapshots_not_no
     record = build_record_scenario(rows, [(now - 10, _catalog(60.0))], since_s=now, until_s=now + 1500)
     first = record.external[0]
     assert (first.start_s, first.bytes) == (0.0, 2 * GIB)
+
+
+def test_only_the_windows_snapshots_make_the_external_memory_and_its_last_value_holds_on() -> None:
+    # A record read without the store's window (rows in memory): snapshots before the window
+    # and after it. The one before says what the card held when the window opened; those after
+    # it are not the window's (each made a step of its own: a replay pass a minute for nothing).
+    # Past the window's end the last value holds, where the replay serves the work left then.
+    now = 1_000_000.0
+    rows = record_rows(make_record(_production_day(_catalog(60.0)), now - 600))
+    card = rows["snapshots"][0]["accelerator"]
+    rows["snapshots"] = [
+        {**rows["snapshots"][0], "at": at, "external_bytes": nbytes}
+        for at, nbytes in [(now - 300, 3 * GIB), (now + 100, 3 * GIB), (now + 400, 1 * GIB), (now + 700, 1 * GIB)]
+        + [(now + 960 + 60 * k, 2 * GIB * (k % 2)) for k in range(20)]  # after the window's end
+    ]
+    record = build_record_scenario(rows, [(now - 900, _catalog(60.0))], since_s=now, until_s=now + 900)
+    assert [(e.accelerator, e.bytes, e.start_s, e.end_s) for e in record.external] == [
+        (card, 3 * GIB, 0.0, 400.0),
+        (card, 1 * GIB, 400.0, math.inf),
+    ]
 
 
 async def test_a_snapshot_of_a_card_not_yet_observed_is_not_read_as_an_empty_card(database_url: str) -> None:
