@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from modelforge.domain import Accelerator, Observation
 from modelforge.failures import Alert, FailureClass
-from modelforge.policy._budget import budget_from_sums, in_window
+from modelforge.policy._budget import Budget, budget_from_sums, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._fit_index import mark_observed
 from modelforge.policy._standing import lease_groups, resident_groups
@@ -192,6 +192,14 @@ class _Held:
         return self.resident.get(accelerator, 0) if recounted is None else recounted
 
 
+def _pressure_payload(budget: Budget, fraction: float) -> dict[str, str | int | float | bool | None]:
+    return {
+        "schedulable_bytes": budget.schedulable_bytes,
+        "external_bytes": budget.external_bytes,
+        "fraction": round(fraction, 4),
+    }
+
+
 def _apply_pressure(
     state: PoolState, accelerator: Accelerator, runtime: AcceleratorRuntime, held: _Held, now: float
 ) -> list[PolicyEvent]:
@@ -208,11 +216,6 @@ def _apply_pressure(
     )
     fraction = budget.schedulable_bytes / accelerator.total_bytes
     config = state.config
-    payload: dict[str, str | int | float | bool | None] = {
-        "schedulable_bytes": budget.schedulable_bytes,
-        "external_bytes": budget.external_bytes,
-        "fraction": round(fraction, 4),
-    }
     if not runtime.pressure:
         if fraction < config.pressure_enter_fraction:
             runtime.pressure = True
@@ -222,7 +225,7 @@ def _apply_pressure(
                     kind="gpu_pressure_entered",
                     alert=Alert.GPU_PRESSURE,
                     accelerator=accelerator_id,
-                    payload=payload,
+                    payload=_pressure_payload(budget, fraction),
                     message=f"schedulable {fraction:.1%} of total < {config.pressure_enter_fraction:.0%}",
                 )
             ]
@@ -240,7 +243,7 @@ def _apply_pressure(
                 kind="gpu_pressure_left",
                 alert=Alert.GPU_PRESSURE,
                 accelerator=accelerator_id,
-                payload=payload,
+                payload=_pressure_payload(budget, fraction),
                 message=f"schedulable above {config.pressure_exit_fraction:.0%} for {config.pressure_hold_s:.0f} s",
             )
         ]

@@ -1286,6 +1286,17 @@ def _reserve_starved(attempt: Attempt, loads: _Loads, joined: _Joined) -> str:
 
 
 def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
+    """Why no release of ModelForge's own work could ever make `need` bytes fit on any of the
+    cards `passed`, or None. It reads budgets and pinned bytes, which a pass does not change:
+    once per pass for each list of cards (the pass keeps them) and size."""
+    key = ("never_fits", id(passed), need)
+    memo = pass_.gang_memo
+    if key not in memo:
+        memo[key] = _never_fits_now(pass_, passed, need)
+    return memo[key]  # type: ignore[return-value]
+
+
+def _never_fits_now(pass_: DecisionPass, passed: list[str], need: int) -> tuple[FailureClass, str] | None:
     external_blocked = []
     for accelerator in passed:
         budget = pass_.budgets[accelerator]
