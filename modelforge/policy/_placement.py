@@ -55,6 +55,7 @@ from modelforge.policy._order import (
     production_ranks,
     starvation_bound,
     starving,
+    submission_key,
 )
 from modelforge.policy._pass import (
     IDLE_RUNTIME,
@@ -424,7 +425,8 @@ def _single(lane: Lane, skip: _Skip) -> Iterator[QueuedRequest]:
 
 def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
     """Requests of several lanes in submission order; a run of a lane that would only be told
-    its reason again is passed over where it starts."""
+    its reason again is passed over where it starts, up to the next request of another lane
+    (what is passed over counts as ahead of what is visited after it, in submission order)."""
     heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
     heapq.heapify(heads)
     while heads:
@@ -432,6 +434,9 @@ def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
         lane = lanes[n]
         run = skip.passable(lane, position)
         if run:
+            if heads:
+                end = bisect_left(lane.items, heads[0][:2], position + 1, position + run, key=submission_key)
+                run = end - position
             skip.passed_over(lane, run)
             position += run
         else:

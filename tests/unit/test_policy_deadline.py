@@ -123,6 +123,42 @@ def test_new_requests_amid_a_long_waiting_queue_are_judged_by_the_work_ahead_of_
     assert {w.request_id for w in fast.waits} == {"w01", "mid", "late"}
 
 
+def test_a_new_request_amid_another_tenants_waiting_lane_counts_only_the_work_submitted_before_it() -> None:
+    """Two tenants of one class with the same fair share: their lanes are walked as one, in
+    submission order. A run of one lane already told its reason is passed over only up to the
+    other lane's next request, so a new request of the other tenant counts as ahead of it only
+    what was submitted before it, as the reference pass that visits each does."""
+    s = state(
+        [gpu("n/0")],
+        [deployment("llm@1", gib=1, concurrency=1, queue_limit=100)],
+        tenants=[tenant("t"), tenant("u"), tenant("v")],
+    )
+    observe(s, "n/0", managed_gib=1)
+    resident(s, "llm@1", "n/0", 1)
+    served(s, "llm@1", 10.0)
+    [running] = admit(s, ask("run", "llm@1", tenant_name="v")).grants  # t and u: no usage, one score
+    # t's twenty: ten at NOW + 1..10 and ten at NOW + 21..30.
+    for n in range(20):
+        at = NOW + 1 + n + (10 if n >= 10 else 0)
+        observe(s, "n/0", managed_gib=2, at=at, loaded=["llm@1@n/0"])
+        assert admit(s, ask(f"t{n:02d}", "llm@1", tenant_name="t"), at).waits
+    now = NOW + 40
+    release_lease(s, running.lease.lease_id, now, "ok")
+    s.measured["llm@1"].service_s = [10.0] * 20
+    observe(s, "n/0", managed_gib=1, at=now, loaded=["llm@1@n/0"])
+    # u's request, submitted at NOW + 15 (put back after a retry): behind t's first ten (t00
+    # granted now) it starts in 100 s and is done 110 s after now, by its deadline (NOW + 15 +
+    # 140 s = now + 115 s); counting t's later ten as well it would not be.
+    between = ask("between", "llm@1", tenant_name="u", deadline_s=140.0)
+    _, priority = validate_request(s, between)
+    enqueue(s, between, priority, NOW + 15)
+    fast = decide(s, now)
+    reference = decide_each(s, now, reuse_settled=False)
+    assert (fast.grants, fast.rejects) == (reference.grants, reference.rejects)
+    assert [g.request_id for g in fast.grants] == ["t00"] and not fast.rejects
+    assert "between" in {w.request_id for w in fast.waits}
+
+
 def test_a_class_that_runs_late_is_never_refused_for_its_deadline() -> None:
     queues = [
         Queue(
