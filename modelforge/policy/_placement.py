@@ -425,18 +425,23 @@ def _single(lane: Lane, skip: _Skip) -> Iterator[QueuedRequest]:
 
 def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
     """Requests of several lanes in submission order; a run of a lane that would only be told
-    its reason again is passed over where it starts, up to the next request of another lane
-    (what is passed over counts as ahead of what is visited after it, in submission order)."""
+    its reason again is passed over where it starts. What it passes over counts as ahead of the
+    requests of its deployment visited after it (`predicted_refusal`), so where another lane
+    has the same capability (another tenant's), the run ends at that lane's next request."""
     heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
     heapq.heapify(heads)
+    capabilities = [lane.capability for lane in lanes]
+    shared = len(set(capabilities)) < len(capabilities)
     while heads:
         _, _, n, position = heapq.heappop(heads)
         lane = lanes[n]
         run = skip.passable(lane, position)
         if run:
-            if heads:
-                end = bisect_left(lane.items, heads[0][:2], position + 1, position + run, key=submission_key)
-                run = end - position
+            if shared:
+                others = [head[:2] for head in heads if capabilities[head[2]] == lane.capability]
+                if others:
+                    end = bisect_left(lane.items, min(others), position + 1, position + run, key=submission_key)
+                    run = end - position
             skip.passed_over(lane, run)
             position += run
         else:

@@ -29,13 +29,13 @@ from modelforge.policy._standing import leases_on
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fit_index_on_small_pools() -> Iterator[None]:
+@pytest.fixture(autouse=True, scope="module", params=[0, _pass.FIT_INDEX_FROM], ids=["fit-index", "no-fit-index"])
+def fit_index_on_small_pools(request: pytest.FixtureRequest) -> Iterator[None]:
     """These pools have two cards, fewer than a pass keeps a fit index for
-    (`_pass.FIT_INDEX_FROM`): the index is kept for them here, so the fast pass these tests
-    compare with the reference reads it, as on a large pool."""
+    (`_pass.FIT_INDEX_FROM`): each test runs with the index kept for them too, so the fast pass
+    these tests compare with the reference reads it, as on a large pool, and as it runs here."""
     kept = _pass.FIT_INDEX_FROM
-    _pass.FIT_INDEX_FROM = 0
+    _pass.FIT_INDEX_FROM = request.param
     try:
         yield
     finally:
