@@ -40,6 +40,8 @@ class Reasons:
     """Why a request waits, one line per kind of reason with how many accelerators gave it, each
     kind with its typed code (None: a line that explains but is not why it waits)."""
 
+    __slots__ = ("_count", "_first")
+
     def __init__(self) -> None:
         self._first: dict[str, tuple[WaitReason | None, str]] = {}
         self._count: dict[str, int] = {}
