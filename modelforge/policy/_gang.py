@@ -109,7 +109,7 @@ def _settled_shape(attempt: Attempt, gang: _Gang) -> Wait | None:
     pass_ = attempt.pass_
     if not pass_.indexed or pass_.residents_of.get(attempt.deployment.deployment_id):
         return None
-    settled = pass_.gang_memo.get(_shape_key(attempt, gang))
+    settled = pass_.memo.get(_shape_key(attempt, gang))
     if not isinstance(settled, tuple) or not _rights(attempt) <= settled[1]:
         return None
     return Wait(attempt.queued.request_id, settled[0], (WaitReason.GANG_ROOM,))
@@ -122,10 +122,10 @@ def _settle_shape(attempt: Attempt, gang: _Gang, waits: Wait) -> None:
     if pass_.indexed and attempt.reusable and waits.codes == (WaitReason.GANG_ROOM,):
         if not pass_.residents_of.get(attempt.deployment.deployment_id):
             key = _shape_key(attempt, gang)
-            kept = pass_.gang_memo.get(key)
+            kept = pass_.memo.get(key)
             rights = _rights(attempt)
             if not isinstance(kept, tuple) or not rights <= kept[1]:
-                pass_.gang_memo[key] = (waits.reason, rights)
+                pass_.memo[key] = (waits.reason, rights)
 
 
 def _filter_gang(attempt: Attempt) -> _Gang:
@@ -162,7 +162,7 @@ def _grouped(
     if passed is static_passed:
         cache = state.catalog.__dict__.setdefault("_policy_gang_groups", {})
     else:
-        cache = pass_.gang_memo  # type: ignore[assignment]
+        cache = pass_.memo  # type: ignore[assignment]
         key = ("groups", *key)
     cached = cache.get(key)
     if cached is not None:
@@ -190,7 +190,7 @@ def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
     gang's bytes by that bound can be passed over unseen. Generous where unsure (a larger bound
     only prunes less): committed bytes, external bytes and the dynamic reserve are left out
     (`_live` counts external bytes where the fit index has them)."""
-    memo = pass_.gang_memo
+    memo = pass_.memo
     cached = memo.get(("shortfall",))
     if cached is not None:
         return cached  # type: ignore[return-value]
@@ -207,7 +207,7 @@ def _let_go(pass_: DecisionPass) -> dict[str, int]:
     """Per accelerator, what `_ceiling_shortfall` counts as possibly let go in this pass: idle
     residents, unloads under way, and leases that end by their max_duration, are being
     preempted or may be (with their batch runners); only the cards where that is anything."""
-    memo = pass_.gang_memo
+    memo = pass_.memo
     cached = memo.get(("let_go",))
     if cached is not None:
         return cached  # type: ignore[return-value]
@@ -240,7 +240,7 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     nothing on the others (no room, no reservation), so it looks at these alone."""
     if not pass_.indexed:
         return gang.passed, gang.groups
-    memo = pass_.gang_memo
+    memo = pass_.memo
     key = ("live", id(gang.passed), gang.need, gang.count, gang.nvlink)
     cached = memo.get(key)
     if cached is not None:
@@ -263,7 +263,7 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
 def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
     """The cards of `gang.passed` whose bound (`_live`) holds the gang's bytes: the same for
     every gang of those cards and bytes, whatever its count (worked out once per pass)."""
-    memo = pass_.gang_memo
+    memo = pass_.memo
     key = ("live_cards", id(gang.passed), gang.need)
     cached = memo.get(key)
     if cached is not None:
@@ -313,7 +313,7 @@ def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:
     reserves count (fixed for the pass), so the answer is worked out once per deployment and
     kind of class in a pass; else it is refused now, with why."""
     key = ("never", attempt.deployment.deployment_id, attempt.production)
-    memo = attempt.pass_.gang_memo
+    memo = attempt.pass_.memo
     never: tuple[FailureClass, str] | None
     if key in memo and attempt.pass_.indexed:
         never = memo[key]  # type: ignore[assignment]
@@ -401,7 +401,7 @@ def _groups_by_bound(
     if fit is None:
         return [(0, key, members) for key, members in sorted(groups.items())]
     memo_key = ("by_bound", id(groups), gang.need, gang.count, evicting, rights, production)
-    memo = pass_.gang_memo.get(memo_key)
+    memo = pass_.memo.get(memo_key)
     log = pass_.commit_log
     if isinstance(memo, _Bounds) and memo.groups is groups:
         if memo.seen < len(log):
@@ -414,7 +414,7 @@ def _groups_by_bound(
         if entry is not None:
             bounds.entries[key] = entry
     bounds.order()
-    pass_.gang_memo[memo_key] = bounds
+    pass_.memo[memo_key] = bounds
     return bounds.ordered
 
 
@@ -422,7 +422,7 @@ class _Bound:
     """A group's bound for `_groups_by_bound`, for one gang's bytes and count and one search
     (`evicting`, `preempting`): what it reads of the pass besides the bytes committed."""
 
-    # It holds what it reads of the pass, never the pass: the pass keeps it (`gang_memo`), and a
+    # It holds what it reads of the pass, never the pass: the pass keeps it (`memo`), and a
     # pass in a reference cycle outlives its decisions until the cyclic collector finds it.
     __slots__ = (
         "committed",
@@ -554,7 +554,7 @@ def _preemptible_bytes(pass_: DecisionPass, rights: frozenset[str]) -> tuple[dic
     pass), which `_newly_stopped` counts as coming back without a new preemption. Once per
     pass for each set of rights."""
     memo_key = ("preemptible_bytes", rights)
-    cached = pass_.gang_memo.get(memo_key)
+    cached = pass_.memo.get(memo_key)
     if cached is not None:
         return cached  # type: ignore[return-value]
     state = pass_.state
@@ -578,7 +578,7 @@ def _preemptible_bytes(pass_: DecisionPass, rights: frozenset[str]) -> tuple[dic
             stoppable[accelerator] = total
         if being_stopped:
             stopping[accelerator] = being_stopped
-    pass_.gang_memo[memo_key] = (stoppable, stopping)
+    pass_.memo[memo_key] = (stoppable, stopping)
     return stoppable, stopping
 
 
@@ -761,7 +761,7 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     # it unloads or uses, bytes promised to requests waiting on a load) is added per gang.
     kept: dict[str, list[tuple[float, int]]] | None = None
     if pass_.indexed:
-        kept = pass_.gang_memo.setdefault(("timelines",), {})  # type: ignore[assignment]
+        kept = pass_.memo.setdefault(("timelines",), {})  # type: ignore[assignment]
     shut = shut_cards(pass_, attempt.production) if pass_.indexed else None
     evictable = pass_.evictable
     for accelerator in may_land(pass_, cards, attempt.production, None, shut):
@@ -787,18 +787,18 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
 def leases_on(pass_: DecisionPass) -> dict[str, dict[str, Lease]]:
     """The leases held on each accelerator by lease id (a gang's on each of its cards), brought
     up to date once per pass (`_standing.leases_on`)."""
-    cached = pass_.gang_memo.get(("leases_on",))
+    cached = pass_.memo.get(("leases_on",))
     if cached is not None:
         return cached  # type: ignore[return-value]
     on = held_on(pass_.state, kept=pass_.indexed)
-    pass_.gang_memo[("leases_on",)] = on
+    pass_.memo[("leases_on",)] = on
     return on
 
 
 def _unloading_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:
     """Bytes coming back per accelerator besides leases' ends, that no placement changes:
     residents being unloaded, once the unload is done. Once per pass (the fast pass)."""
-    cached = pass_.gang_memo.get(("unloading",)) if pass_.indexed else None
+    cached = pass_.memo.get(("unloading",)) if pass_.indexed else None
     if cached is not None:
         return cached  # type: ignore[return-value]
     state = pass_.state
@@ -808,7 +808,7 @@ def _unloading_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple
             done = now + unload_cost(state, state.catalog.deployment(resident.deployment))
             unloading.setdefault(resident.accelerator, []).append((done, resident.bytes))
     if pass_.indexed:
-        pass_.gang_memo[("unloading",)] = unloading
+        pass_.memo[("unloading",)] = unloading
     return unloading
 
 

@@ -199,9 +199,12 @@ class DecisionPass:
     # Resident and lease bytes per accelerator, as the budgets sum them.
     resident_sum: dict[str, int] = field(default_factory=dict)
     leased_sum: dict[str, int] = field(default_factory=dict)
-    # What gang placement works out once per pass rather than once per waiting gang (`_gang`),
-    # and whether it may (off: the reference pass, which looks at every card for every gang).
-    gang_memo: dict[tuple[object, ...], object] = field(default_factory=dict)
+    # What placement works out once per pass rather than once per request (a gang shape's
+    # live cards and bounds, release timelines, the open order, why a size never fits), keyed
+    # by what it is and what it was worked out from.
+    memo: dict[tuple[object, ...], object] = field(default_factory=dict)
+    # Whether a pass may keep such results (off: the reference pass, which looks at every card
+    # for every gang).
     indexed: bool = True
     # The cards by schedulable bytes, kept across passes (`_fit_index`); None in the reference pass.
     fit: FitIndex | None = None

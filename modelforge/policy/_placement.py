@@ -1102,22 +1102,22 @@ def _open_order(pass_: DecisionPass, production: bool) -> list[tuple[int, str]]:
     """The fit index's order less the cards stale or under pressure for this kind of work
     (`shut_cards`), once per pass: on a pool under pressure most cards with room are those."""
     key = ("open_order", production)
-    cached = pass_.gang_memo.get(key)
+    cached = pass_.memo.get(key)
     if cached is None:
         assert pass_.fit is not None
         shut = shut_cards(pass_, production)
         cached = [entry for entry in pass_.fit.order if entry[1] not in shut] if shut else pass_.fit.order
-        pass_.gang_memo[key] = cached
+        pass_.memo[key] = cached
     return cached  # type: ignore[return-value]
 
 
 def _room_cards(pass_: DecisionPass) -> list[str]:
     """The cards holding idle residents or preemptible work, in the pool's order, once per pass."""
-    cached = pass_.gang_memo.get(("room_cards",))
+    cached = pass_.memo.get(("room_cards",))
     if cached is None:
         position = pass_.position
         cached = sorted({**pass_.evictable, **pass_.preemptible}, key=lambda a: position.get(a, 0))
-        pass_.gang_memo[("room_cards",)] = cached
+        pass_.memo[("room_cards",)] = cached
     return cached  # type: ignore[return-value]
 
 
@@ -1300,7 +1300,7 @@ def _never_fits(pass_: DecisionPass, passed: list[str], need: int) -> tuple[Fail
     cards `passed`, or None. It reads budgets and pinned bytes, which a pass does not change:
     once per pass for each list of cards (the pass keeps them) and size."""
     key = ("never_fits", id(passed), need)
-    memo = pass_.gang_memo
+    memo = pass_.memo
     if key not in memo:
         memo[key] = _never_fits_now(pass_, passed, need)
     return memo[key]  # type: ignore[return-value]

@@ -135,7 +135,7 @@ def _plan_on(
 
 def _stopping_cards(pass_: DecisionPass) -> dict[str, bool]:
     """The cards holding a lease already being preempted (by an earlier pass), once per pass."""
-    cached = pass_.gang_memo.get(("stopping",))
+    cached = pass_.memo.get(("stopping",))
     if cached is not None:
         return cached  # type: ignore[return-value]
     leases = pass_.state.leases
@@ -144,7 +144,7 @@ def _stopping_cards(pass_: DecisionPass) -> dict[str, bool]:
         lease = leases.get(lease_id)
         if lease is not None:
             stopping.update(dict.fromkeys(lease.accelerators, True))
-    pass_.gang_memo[("stopping",)] = stopping
+    pass_.memo[("stopping",)] = stopping
     return stopping
 
 

@@ -272,7 +272,9 @@ class MeasuredTimes:
 
 # How many recent lease times per deployment the service estimate is taken over.
 SERVICE_SAMPLES = 64
-# Where a deployment's `service_figures` are kept beside its samples (never serialized).
+# Where a deployment's samples in order and its `service_figures` are kept beside its samples
+# (never serialized).
+_SORTED = "_policy_service_sorted"
 _FIGURES = "_policy_service_figures"
 
 
@@ -284,28 +286,43 @@ def note_service(state: PoolState, deployment_id: str, seconds: float) -> None:
     samples.append(max(0.0, float(seconds)))
     if len(samples) > SERVICE_SAMPLES:
         del samples[: len(samples) - SERVICE_SAMPLES]
+    times.__dict__.pop(_SORTED, None)
     times.__dict__.pop(_FIGURES, None)
 
 
 def service_figures(state: PoolState, deployment_id: str) -> tuple[float, float]:
     """(mean, the configured high percentile) of a deployment's measured service times; (0, 0)
     while none was measured (nothing is counted then, as before service was measured)."""
+    ordered = sorted_service_samples(state, deployment_id)
+    if not ordered:
+        return 0.0, 0.0
+    percentile = state.config.service_percentile
+    measured = state.measured[deployment_id]
+    kept: tuple[float, tuple[float, float]] | None = measured.__dict__.get(_FIGURES)
+    if kept is not None and kept[0] == percentile:
+        return kept[1]
+    rank = max(0, min(len(ordered) - 1, math.ceil(percentile * len(ordered)) - 1))
+    figures = (sum(ordered) / len(ordered), ordered[rank])
+    measured.__dict__[_FIGURES] = (percentile, figures)
+    return figures
+
+
+def sorted_service_samples(state: PoolState, deployment_id: str) -> list[float]:
+    """A deployment's measured service times in order (read only: kept with the samples until
+    the next one, `note_service`, checked against the list they came from should it be
+    replaced; the figures of `service_figures` are kept and dropped with them)."""
     measured = state.measured.get(deployment_id)
     samples = measured.service_s if measured is not None else None
     if not samples:
-        return 0.0, 0.0
+        return []
     assert measured is not None
-    percentile = state.config.service_percentile
-    # Kept with the samples until the next one (`note_service`); checked against what they
-    # were worked out from, should the list be replaced or the percentile reconfigured.
-    kept: tuple[list[float], int, float, tuple[float, float]] | None = measured.__dict__.get(_FIGURES)
-    if kept is not None and kept[0] is samples and kept[1] == len(samples) and kept[2] == percentile:
-        return kept[3]
+    kept: tuple[list[float], int, list[float]] | None = measured.__dict__.get(_SORTED)
+    if kept is not None and kept[0] is samples and kept[1] == len(samples):
+        return kept[2]
     ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, math.ceil(percentile * len(ordered)) - 1))
-    figures = (sum(ordered) / len(ordered), ordered[rank])
-    measured.__dict__[_FIGURES] = (samples, len(samples), percentile, figures)
-    return figures
+    measured.__dict__[_SORTED] = (samples, len(samples), ordered)
+    measured.__dict__.pop(_FIGURES, None)
+    return ordered
 
 
 def operation_seconds(state: PoolState, deployment: Deployment, operation: str) -> float:

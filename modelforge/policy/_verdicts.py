@@ -72,6 +72,7 @@ from modelforge.policy._state import (
     ResidentState,
     operation_seconds,
     service_figures,
+    sorted_service_samples,
 )
 
 # A gang's reservation start, as its Wait line gives it (seconds from that pass; _gang.py).
@@ -355,8 +356,7 @@ class _Model:
         """The deployment's measured service times in order, and their suffix sums."""
         table = self._residual.get(deployment_id)
         if table is None:
-            measured = self.state.measured.get(deployment_id)
-            ordered = sorted(measured.service_s) if measured is not None else []
+            ordered = sorted_service_samples(self.state, deployment_id)
             suffix = [0.0] * (len(ordered) + 1)
             for index in range(len(ordered) - 1, -1, -1):
                 suffix[index] = suffix[index + 1] + ordered[index]
