@@ -89,15 +89,18 @@ def upgrade(
 
     New requests, jobs and residency changes start on the build from then on; those running
     finish on the build that started them. Each scheduler and each node's telemetry workflow
-    continues as new at once (its state carried) and runs on the build. Stop the old build's
-    control workers once `modelforge status --builds` shows its version drained. The same command
-    with the previous build's id is the rollback (its control workers must be running)."""
+    continues as new at once (its state carried) and runs on the build. A loaded model's residency
+    run (it lasts as long as the model stays loaded) moves to the build when the build is newer
+    than its own. Stop the old build's control workers once `modelforge status --builds` shows
+    its version drained. The same command with the previous build's id is the rollback (its
+    control workers must be running): the models loaded under the newer build stay on it, listed,
+    until they unload (`modelforge residency unload ... --drain`)."""
     from temporalio.common import WorkerDeploymentVersion
     from temporalio.service import RPCError
 
     from modelforge.names import scheduler_id, telemetry_id
     from modelforge.versioning import build_id as own_build
-    from modelforge.versioning import roll, set_current
+    from modelforge.versioning import roll, set_current, upgrade_residents
 
     settings = _settings()
     version = WorkerDeploymentVersion(settings.worker_deployment, build_id or own_build(settings))
@@ -114,6 +117,7 @@ def upgrade(
             ) from None
         try:
             signalled = await roll(temporal, pools, nodes, f"upgrade to build {version.build_id}")
+            residents_moved, residents_staying = await upgrade_residents(temporal, version)
             moved = await _wait_moved(temporal, signalled, version.build_id)
         except RPCError as error:
             raise _unavailable(error) from None
@@ -123,6 +127,8 @@ def upgrade(
             "current": version.build_id,
             "moved": moved,
             "not_running": sorted(ids - set(signalled)),
+            "residents_moved": sorted(residents_moved),
+            "residents_staying": sorted(residents_staying),
         }
 
     answer = _run(go)
@@ -134,6 +140,18 @@ def upgrade(
         )
         for workflow_id, build in sorted(answer["moved"].items()):
             out.print(escape(f"  {workflow_id}: runs build {build or '(unversioned)'}"), highlight=False)
+        for workflow_id in answer["residents_moved"]:
+            out.print(escape(f"  {workflow_id}: pinned to build {answer['current']}"), highlight=False)
+        if answer["residents_staying"]:
+            out.print(
+                escape(
+                    f"  {len(answer['residents_staying'])} loaded models stay on the newer build they loaded under"
+                    " until they unload (`modelforge residency unload DEPLOYMENT ACCELERATOR --drain`); keep its"
+                    f" control workers until then: {', '.join(answer['residents_staying'])}"
+                ),
+                highlight=False,
+                soft_wrap=True,
+            )
     if any(build != version.build_id for build in answer["moved"].values()):
         _fail(
             ModelForgeError(

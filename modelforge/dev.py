@@ -452,9 +452,10 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise
     if stack.settings.worker_versioning:
-        # This host's workers all stopped with the last `modelforge dev`: schedulers and telemetry
-        # pinned to the build they ran (another release's, after an upgrade) would wait for a
-        # worker of it forever. They follow the current build, this one once its worker starts.
+        # This host's workers all stopped with the last `modelforge dev`: runs pinned to the build
+        # they ran (another release's, after an upgrade) would wait for a worker of it: schedulers
+        # and telemetry forever, requests and residency changes until their own timeouts. They
+        # follow the current build, this one once its worker starts.
         version = deployment_version(stack.settings)
         long_lived = [scheduler_id(pool) for pool in pools] + [telemetry_id(node) for node in catalog.nodes()]
         moved = await adopt_stranded(client, version, long_lived)

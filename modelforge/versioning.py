@@ -7,7 +7,9 @@ control worker's two Temporal workers (the control and scheduler queues) are ver
 a job, a residency change runs from start to end on the build that started it; the pool
 schedulers and the telemetry workflows are long-lived, and move to the deployment's current
 build when they next continue as new (`initial_versioning_behavior=AUTO_UPGRADE`): at their
-history limit, at the replay guard's rebase, or at once by `modelforge upgrade`.
+history limit, at the replay guard's rebase, or at once by `modelforge upgrade`. A loaded
+model's residency run lives as long as the model stays loaded: an upgrade pins it to the newer
+build (`upgrade_residents`), a rollback leaves it where it is until the model unloads.
 
 A node worker declares its build without being versioned: it owns the host's GPUs, so one runs
 per host and an upgrade restarts it; its activities are the contract both builds call (an
@@ -34,9 +36,10 @@ from dataclasses import dataclass, field
 
 from google.protobuf.field_mask_pb2 import FieldMask
 from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.deployment.v1 import WorkerDeploymentVersion as DeploymentVersion
 from temporalio.api.enums.v1 import TaskQueueType, VersionDrainageStatus
 from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflow.v1 import VersioningOverride, WorkflowExecutionOptions
+from temporalio.api.workflow.v1 import VersioningOverride, WorkflowExecutionInfo, WorkflowExecutionOptions
 from temporalio.api.workflowservice.v1 import (
     DescribeTaskQueueRequest,
     DescribeWorkerDeploymentRequest,
@@ -51,7 +54,7 @@ from temporalio.worker import WorkerDeploymentConfig
 import modelforge
 from modelforge.logging import get_logger
 from modelforge.messages import RebaseSignal
-from modelforge.names import scheduler_id, telemetry_id
+from modelforge.names import RESIDENCY_WORKFLOW_TYPE, scheduler_id, telemetry_id
 from modelforge.settings import CONTROL_TASK_QUEUE, SCHEDULER_TASK_QUEUE, Settings, node_task_queue
 
 log = get_logger("modelforge.versioning")
@@ -223,44 +226,145 @@ async def build_view(client: Client, deployment: str, workflow_ids: Sequence[str
     return view
 
 
-async def adopt_stranded(client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str]) -> list[str]:
-    """Long-lived runs (pool schedulers, telemetry) pinned to another build of `version`'s
-    deployment, set to follow the deployment's current build (an auto-upgrade versioning
-    override): for a host whose every worker was stopped and started again on another release
-    (`modelforge dev` after an upgrade), where no worker of their build is left to run their next
-    task, so they would never reach the continue-as-new that moves them. Their histories replay
-    on the new build as a release promises for the previous release's (docs/RELEASING.md). Only
-    for a caller that knows no worker of the other build runs: a side-by-side upgrade moves them
-    at a continue-as-new instead (`modelforge upgrade`). Returns the workflow ids set to follow."""
-    moved = []
-    for workflow_id in workflow_ids:
+def _stranded_query(version: WorkerDeploymentVersion) -> str:
+    """Visibility's list of the running runs pinned to another build of `version`'s deployment.
+    A deployment name is letters, digits, `_` and `-`, a build id has no quote (Settings)."""
+    return (
+        "ExecutionStatus = 'Running' AND TemporalWorkflowVersioningBehavior = 'Pinned'"
+        f" AND TemporalWorkerDeployment = '{version.deployment_name}'"
+        f" AND TemporalWorkerDeploymentVersion != '{version.deployment_name}:{version.build_id}'"
+    )
+
+
+async def adopt_stranded(
+    client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str] = ()
+) -> list[str]:
+    """Every running run pinned to another build of `version`'s deployment, set to follow the
+    deployment's current build (an auto-upgrade versioning override): for a host whose every
+    worker was stopped and started again on another release (`modelforge dev` after an upgrade),
+    where no worker of their build is left to run their next task. Long-lived runs (pool
+    schedulers, telemetry) would never reach the continue-as-new that moves them; a request, a
+    job or a residency change in flight would wait out its own timeout and fail, its answer lost
+    to a client that reattaches by id. Their histories replay on the new build as a release
+    promises for the previous release's (docs/RELEASING.md). Only for a caller that knows no
+    worker of the other build runs: a side-by-side upgrade lets pinned runs finish on their own
+    build and moves the long-lived ones at a continue-as-new (`modelforge upgrade`).
+
+    `workflow_ids` (the long-lived runs) are asked for by id, so one that visibility has not
+    indexed yet is not missed; every other run is found by visibility's list. Each is described
+    before it is moved (a listed run carries no versioning info). Returns the workflow ids set to
+    follow, those given first."""
+    asked = list(dict.fromkeys(workflow_ids))
+    async for listed in client.list_workflows(_stranded_query(version)):
+        if listed.id not in asked:
+            asked.append(listed.id)
+    candidates: dict[str, WorkflowExecutionInfo] = {}
+    for workflow_id in asked:
         try:
             described = await client.get_workflow_handle(workflow_id).describe()
         except RPCError as error:
             if error.status == RPCStatusCode.NOT_FOUND:
                 continue
             raise
-        if described.status != WorkflowExecutionStatus.RUNNING:
+        if described.status == WorkflowExecutionStatus.RUNNING:
+            candidates[workflow_id] = described.raw_description.workflow_execution_info
+    moved = []
+    for workflow_id, info in candidates.items():
+        pinned_to = pinned_build(info)
+        if pinned_to is None or pinned_to.deployment_name != version.deployment_name:
             continue
-        versioning = described.raw_description.workflow_execution_info.versioning_info
-        pinned_to = versioning.deployment_version
-        if versioning.behavior != int(VersioningBehavior.PINNED) or not pinned_to.build_id:
+        if pinned_to.build_id == version.build_id:
             continue
-        if pinned_to.deployment_name != version.deployment_name or pinned_to.build_id == version.build_id:
-            continue
+        # A run that continues as new follows the current build (its next run is pinned where it
+        # starts); any other is pinned to this build to its end, so a later rollback does not
+        # replay its history on an older build's code.
+        override = _FOLLOW_CURRENT if workflow_id in workflow_ids else _pinned(version)
+        if await _override(client, workflow_id, override):
+            log.info(
+                "stranded_run_adopted", workflow_id=workflow_id, pinned_to=pinned_to.build_id, build_id=version.build_id
+            )
+            moved.append(workflow_id)
+    return moved
+
+
+_FOLLOW_CURRENT = VersioningOverride(auto_upgrade=True)
+
+
+def pinned_build(info: WorkflowExecutionInfo) -> DeploymentVersion | None:
+    """The build a run is pinned to: its override's (set, its next task runs there, even before
+    one has: its own version says where it last ran), else its own when its behavior is
+    pinned; None when it follows the current build or is unversioned."""
+    versioning = info.versioning_info
+    override = versioning.versioning_override
+    if override.auto_upgrade:
+        return None
+    if override.pinned.version.build_id:
+        return override.pinned.version
+    if versioning.behavior != int(VersioningBehavior.PINNED) or not versioning.deployment_version.build_id:
+        return None
+    return versioning.deployment_version
+
+
+def _pinned(version: WorkerDeploymentVersion) -> VersioningOverride:
+    return VersioningOverride(
+        pinned=VersioningOverride.PinnedOverride(
+            behavior=VersioningOverride.PINNED_OVERRIDE_BEHAVIOR_PINNED,
+            version=DeploymentVersion(deployment_name=version.deployment_name, build_id=version.build_id),
+        )
+    )
+
+
+async def _override(client: Client, workflow_id: str, override: VersioningOverride) -> bool:
+    """Set a running run's versioning override; False when it ended meanwhile."""
+    try:
         await client.workflow_service.update_workflow_execution_options(
             UpdateWorkflowExecutionOptionsRequest(
                 namespace=client.namespace,
                 workflow_execution=WorkflowExecution(workflow_id=workflow_id),
-                workflow_execution_options=WorkflowExecutionOptions(
-                    versioning_override=VersioningOverride(auto_upgrade=True)
-                ),
+                workflow_execution_options=WorkflowExecutionOptions(versioning_override=override),
                 update_mask=FieldMask(paths=["versioning_override"]),
                 identity=IDENTITY,
             )
         )
-        log.info(
-            "stranded_run_adopted", workflow_id=workflow_id, pinned_to=pinned_to.build_id, build_id=version.build_id
-        )
-        moved.append(workflow_id)
-    return moved
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
+async def upgrade_residents(client: Client, version: WorkerDeploymentVersion) -> tuple[list[str], list[str]]:
+    """A loaded model's residency run lives as long as the model stays loaded (a keep_warm
+    model's, for days): pinned to the build that loaded it, it would keep that build's workers
+    needed forever, and wait for one once they stop. An upgrade (`version` a later release than
+    the run's build) pins each such run to `version`: its next task runs there, replaying its
+    history as a release promises for the previous release's runs (docs/RELEASING.md). A
+    rollback does not move them (an older build is not promised to replay a newer one's
+    history): they stay on their build, whose control workers must run until those models
+    unload. Returns (moved, staying): the residency runs pinned to `version` now, and those
+    left on a later build."""
+    query = (
+        f"ExecutionStatus = 'Running' AND WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'"
+        f" AND TemporalWorkerDeployment = '{version.deployment_name}'"
+    )  # each described: visibility's version is where a run last ran, not where an override sends it
+    moved: list[str] = []
+    staying: list[str] = []
+    async for listed in client.list_workflows(query):
+        try:
+            described = await client.get_workflow_handle(listed.id).describe()
+        except RPCError as error:
+            if error.status == RPCStatusCode.NOT_FOUND:
+                continue
+            raise
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            continue
+        pinned_to = pinned_build(described.raw_description.workflow_execution_info)
+        if pinned_to is None or pinned_to.build_id == version.build_id:
+            continue
+        build = pinned_to.build_id
+        if not newer(version.build_id, build):
+            staying.append(listed.id)
+        elif await _override(client, listed.id, _pinned(version)):
+            log.info("resident_run_upgraded", workflow_id=listed.id, pinned_to=build, build_id=version.build_id)
+            moved.append(listed.id)
+    return moved, staying

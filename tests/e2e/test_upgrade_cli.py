@@ -33,6 +33,8 @@ def test_status_shows_each_build_and_upgrade_moves_the_long_lived_workflows(tmp_
         assert isinstance(moved, dict) and moved["current"] == version
         assert {"scheduler:default", "telemetry:gpu-node", "telemetry:desktop"} <= set(moved["moved"])
         assert set(moved["moved"].values()) == {version}
+        # The same build: no loaded model's residency run has anywhere to move.
+        assert moved["residents_moved"] == [] and moved["residents_staying"] == []
         # The scheduler continued as new with its state: the pool looks the same after.
         after = dev.json("status")
         assert isinstance(before, dict) and isinstance(after, dict)

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
+from temporalio.client import WorkflowHandle, WorkflowQueryFailedError
 from temporalio.common import WorkerDeploymentVersion
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -38,18 +36,27 @@ from modelforge.client import job_input
 from modelforge.messages import RequestResult, StreamTarget
 from modelforge.names import telemetry_id
 from modelforge.store import Store
-from modelforge.versioning import adopt_stranded, deployment_config, roll, set_current
+from modelforge.versioning import adopt_stranded, set_current
 from tests.asgi_server import serve_app
-from tests.worker_process import control_worker_env, start_control_worker
-from workers.control import ControlWorker, build_control_worker
+from tests.release_process import (
+    NEXT,
+    RELEASE,
+    RELEASE_CODE,
+    RELEASED,
+    ReleaseWorker,
+    build_of,
+    drain,
+    in_process_control_worker,
+    invokes,
+    move,
+    residents_follow,
+    wait_build,
+)
+from workers.control import ControlWorker
 from workers.stack import Stack, running_stack
 
 pytestmark = pytest.mark.workflow
 
-RELEASED = "0.1.0"  # the release whose code tests/releases/ holds (docs/RELEASING.md)
-RELEASE_CODE = Path(__file__).resolve().parents[1] / "releases" / f"{RELEASED}.tar.gz"
-RELEASE = WorkerDeploymentVersion("modelforge", RELEASED)
-NEXT = WorkerDeploymentVersion("modelforge", modelforge.__version__)
 EMBEDDING = "rag.embedding@1"  # concurrency 1: one holds the card's slot, the others queue
 JOB = "upgrade.job@1"  # a real job process on the desktop card (subprocess_job), 10 s long
 CHAT = "chat.small@1"
@@ -69,81 +76,6 @@ command = {json.dumps([sys.executable, "-c", _JOB_CODE])}
 runtime_config = {{ input_args = "true" }}
 accelerators = ["desktop/0"]
 """
-
-
-async def _own_client(client: Client) -> Client:
-    """A connection of its own, as a control worker on its own host has (one worker per task
-    queue and connection)."""
-    config = client.service_client.config
-    return await Client.connect(config.target_host, namespace=client.namespace, data_converter=client.data_converter)
-
-
-async def _control_worker(client: Client, store: Store, version: WorkerDeploymentVersion) -> ControlWorker:
-    """This commit's control worker, in this process."""
-    worker = build_control_worker(
-        await _own_client(client),
-        store,
-        pools=["default"],
-        replay_check_s=0,
-        deployment=deployment_config(version, versioned=True),
-    )
-    await worker.__aenter__()
-    return worker
-
-
-class _Release:
-    """The released build's control worker: `modelforge worker control` run from the release's
-    own code (its archive unpacked; PYTHONPATH and the working directory put it before this
-    checkout's packages), stopped as an operator stops it (SIGTERM, exit status 0)."""
-
-    def __init__(self, client: Client, database_url: str, where: Path) -> None:
-        self.code = where / "code"
-        if not self.code.exists():
-            with tarfile.open(RELEASE_CODE) as archive:
-                archive.extractall(self.code, filter="data")
-        target = client.service_client.config.target_host
-        self.environ = control_worker_env(
-            target, database_url, where / "home", PYTHONPATH=str(self.code), MODELFORGE_WORKER_BUILD_ID=RELEASE.build_id
-        )
-        self.log = where / "control.log"
-        self.process = start_control_worker(self.environ, self.log, cwd=self.code)
-
-    def imports_its_own_code(self) -> bool:
-        ran = subprocess.run(
-            [sys.executable, "-c", "import modelforge, workflows; print(modelforge.__file__, workflows.__file__)"],
-            cwd=self.code,
-            env=self.environ,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return all(Path(f).is_relative_to(self.code) for f in ran.stdout.split())
-
-    async def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while self.process.poll() is None:
-                if time.monotonic() > deadline:
-                    self.process.kill()
-                    raise AssertionError(f"the release's control worker did not stop: {self.log.read_text()[-3000:]}")
-                await asyncio.sleep(0.2)
-        assert self.process.returncode == 0, self.log.read_text()[-3000:]
-
-
-async def _build_of(client: Client, workflow_id: str) -> str:
-    described = await client.get_workflow_handle(workflow_id).describe()
-    return described.raw_description.workflow_execution_info.versioning_info.deployment_version.build_id
-
-
-async def _wait_build(client: Client, workflow_ids: Sequence[str], build: str, within_s: float = 60.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        builds = {workflow_id: await _build_of(client, workflow_id) for workflow_id in workflow_ids}
-        if all(b == build for b in builds.values()):
-            return
-        assert time.monotonic() < deadline, f"not on build {build} within {within_s} s: {builds}"
-        await asyncio.sleep(0.3)
 
 
 def _gateway(received: dict[str, list[dict[str, Any]]]) -> FastAPI:
@@ -183,29 +115,6 @@ async def _in_flight(stack: Stack, streams: str) -> list[WorkflowHandle[Any, Any
     return [job, chat, *busy]
 
 
-async def _invokes(handle: WorkflowHandle[Any, Any]) -> int:
-    """How many times the request's invoke was scheduled: once, whatever moved around it."""
-    history = await handle.fetch_history()
-    return sum(
-        1
-        for event in history.events
-        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        and event.activity_task_scheduled_event_attributes.activity_type.name == "invoke"
-    )
-
-
-async def _move(stack: Stack, to: WorkerDeploymentVersion) -> float:
-    """`modelforge upgrade`'s steps: the build becomes current, the scheduler and every node's
-    telemetry continue as new onto it. Returns the seconds until all of them run on it."""
-    started = time.monotonic()
-    await set_current(stack.client, to)
-    nodes = sorted(stack.backends)
-    signalled = await roll(stack.client, ["default"], nodes, f"upgrade to build {to.build_id}")
-    assert sorted(signalled) == sorted([stack.scheduler.id, *(telemetry_id(n) for n in nodes)])
-    await _wait_build(stack.client, signalled, to.build_id)
-    return time.monotonic() - started
-
-
 async def _one_build_to_the_next(
     stack: Stack,
     retire_old: Callable[[], Awaitable[None]],
@@ -218,7 +127,8 @@ async def _one_build_to_the_next(
     url, received = streams
     before = await _in_flight(stack, url)
     job, chat = before[0], before[1]
-    moved_s = await _move(stack, new)
+    moved_s = await move(stack, new)
+    await residents_follow(stack, old_version, new)
     after = [
         await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.2}, lease_timeout_s=120)
         for _ in range(3)
@@ -235,9 +145,10 @@ async def _one_build_to_the_next(
     pieces = received[chat.id.split(":", 2)[-1]]
     assert len(pieces) >= 3 and "".join(p.get("delta", "") for p in pieces) == results[1].output["text"]
     # Pinned: the old build's runs finished on it, the new ones ran on the new build.
-    assert {await _build_of(stack.client, h.id) for h in before} == {old_version.build_id}
-    assert {await _build_of(stack.client, h.id) for h in after} == {new.build_id}
-    await retire_old()  # none of its runs is left open
+    assert {await build_of(stack.client, h.id) for h in before} == {old_version.build_id}
+    assert {await build_of(stack.client, h.id) for h in after} == {new.build_id}
+    await drain(stack, old_version.build_id)  # its runs ended or moved: none left for it
+    await retire_old()
     return [*before, *after], moved_s
 
 
@@ -263,7 +174,7 @@ async def test_an_upgrade_from_the_release_and_a_rollback_to_it_with_work_in_fli
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(example_catalog_path().read_text() + JOB_DEPLOYMENT)
     await store.apply_catalog(load_catalog_file(catalog)[0])
-    release = _Release(client, database_url, tmp_path / "release")
+    release = ReleaseWorker(client, database_url, tmp_path / "release")
     assert release.imports_its_own_code(), "the release's worker would run this checkout's code"
     releases = [release]
     await set_current(client, RELEASE)  # the release's worker is polling once this returns
@@ -273,26 +184,26 @@ async def test_an_upgrade_from_the_release_and_a_rollback_to_it_with_work_in_fli
     streams = (f"http://127.0.0.1:{port}/internal/streams", received)
     try:
         async with running_stack(client, database_url, catalog, control_in_process=False) as stack:
-            assert await _build_of(client, stack.scheduler.id) == RELEASE.build_id
+            assert await build_of(client, stack.scheduler.id) == RELEASE.build_id
             first_run = (await stack.scheduler.describe()).run_id
 
             # The upgrade: this commit's control worker beside the release's.
-            workers.append(await _control_worker(client, store, NEXT))
+            workers.append(await in_process_control_worker(client, store, NEXT))
             upgraded, upgrade_moved_s = await _one_build_to_the_next(stack, release.stop, RELEASE, NEXT, streams)
             assert (await stack.scheduler.describe()).run_id != first_run
 
             # The rollback: the release's control worker back, made current again.
-            releases.append(_Release(client, database_url, tmp_path / "release"))
+            releases.append(ReleaseWorker(client, database_url, tmp_path / "release"))
 
             async def retire_next() -> None:
                 await workers[0].__aexit__(None, None, None)
 
             rolled_back, rollback_moved_s = await _one_build_to_the_next(stack, retire_next, NEXT, RELEASE, streams)
-            await _wait_build(client, [stack.scheduler.id], RELEASE.build_id)
+            await wait_build(client, [stack.scheduler.id], RELEASE.build_id)
 
             requests = upgraded + rolled_back
             # Nothing ran twice: each invoke scheduled once, each lease granted and released once.
-            assert [await _invokes(h) for h in requests] == [1] * len(requests)
+            assert [await invokes(h) for h in requests] == [1] * len(requests)
             ids = {h.id.split(":", 2)[-1] for h in requests}  # request:<capability>:<request id>
             granted = await stack.events("lease_granted", at_least=len(requests), within_s=20)
             released = await stack.events("lease_released", at_least=len(requests), within_s=20)
@@ -323,37 +234,59 @@ async def test_an_upgrade_from_the_release_and_a_rollback_to_it_with_work_in_fli
         await store.close()
 
 
-async def test_a_scheduler_left_pinned_to_a_release_whose_workers_are_gone_follows_the_new_build(
+async def test_runs_left_pinned_to_a_release_whose_workers_are_gone_follow_the_new_build(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
     """The whole host stopped and started on the next release (`modelforge dev` after an
     upgrade): the scheduler and telemetry runs stay pinned to the release until they continue
-    as new, and no worker of it is left to run their next task. `adopt_stranded` sets them to
-    follow the current build, and they answer again on it."""
+    as new, a request in flight stays pinned to it until it ends, and no worker of it is left to
+    run their next task. `adopt_stranded` sets them to follow the current build: the scheduler
+    answers again on it, and the request ends with its answer, its invoke run once and its
+    lease released."""
     client = dev_server_env.client
     store = await Store.open(database_url)
     await store.migrate()
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(example_catalog_path().read_text())
     await store.apply_catalog(load_catalog_file(catalog)[0])
-    release = _Release(client, database_url, tmp_path / "release")
+    release = ReleaseWorker(client, database_url, tmp_path / "release")
     workers: list[ControlWorker] = []
     try:
         await set_current(client, RELEASE)
         async with running_stack(client, database_url, catalog, control_in_process=False) as stack:
             long_lived = [stack.scheduler.id, *(telemetry_id(node) for node in stack.backends)]
-            await _wait_build(client, long_lived, RELEASE.build_id)
-            await release.stop()  # every worker of the release gone
-            workers.append(await _control_worker(client, store, NEXT))
+            await wait_build(client, long_lived, RELEASE.build_id)
+            in_flight = await stack.start_request(
+                EMBEDDING, tenant="rag", input={"simulate_invoke_s": 4}, lease_timeout_s=120
+            )
+            deadline = time.monotonic() + 30
+            while not any(r.active_leases for r in (await stack.status()).residents if r.capability == EMBEDDING):
+                assert time.monotonic() < deadline, "the request did not hold its lease within 30 s"
+                await asyncio.sleep(0.2)
+            assert await build_of(client, in_flight.id) == RELEASE.build_id
+            resident_runs = [w.id async for w in client.list_workflows("WorkflowId STARTS_WITH 'resident:'")]
+            assert resident_runs, "the embedding model's residency run"
+            await release.stop()  # every worker of the release gone, the request's invoke running
+            workers.append(await in_process_control_worker(client, store, NEXT))
             await set_current(client, NEXT)  # the next release's worker, current, as it makes itself
             with pytest.raises(
                 (RPCError, WorkflowQueryFailedError)
             ):  # stranded: its next task waits for a 0.1.0 worker
                 await stack.scheduler.query("status", rpc_timeout=timedelta(seconds=3))
-            assert sorted(await adopt_stranded(client, NEXT, long_lived)) == sorted(long_lived)
-            await _wait_build(client, long_lived, NEXT.build_id, within_s=30)
+            await asyncio.sleep(5)  # the invoke ended: the request's next task waits for a 0.1.0 worker too
+            assert not (await in_flight.describe()).close_time
+            moved = await adopt_stranded(client, NEXT, long_lived)
+            # The long-lived runs, the request, and the loaded model's residency run (pinned too).
+            assert moved[: len(long_lived)] == long_lived
+            assert sorted(moved[len(long_lived) :]) == sorted([in_flight.id, *resident_runs])
+            await wait_build(client, long_lived, NEXT.build_id, within_s=30)
             assert (await stack.status()).accelerators  # it answers, on the new build
+            answer = await asyncio.wait_for(in_flight.result(), 60)
+            assert answer.output and await invokes(in_flight) == 1
+            assert await build_of(client, in_flight.id) == NEXT.build_id
             assert await adopt_stranded(client, NEXT, long_lived) == []  # nothing left to move
+            status = await stack.status()
+            assert all(r.active_leases == 0 for r in status.residents), "the stranded request's lease is still held"
             request = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.1})
             assert (await request.result()).output
     finally:
