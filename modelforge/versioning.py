@@ -239,10 +239,11 @@ def _stranded_query(version: WorkerDeploymentVersion) -> str:
 async def adopt_stranded(
     client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str] = ()
 ) -> list[str]:
-    """Every running run pinned to another build of `version`'s deployment, set to follow the
-    deployment's current build (an auto-upgrade versioning override): for a host whose every
-    worker was stopped and started again on another release (`modelforge dev` after an upgrade),
-    where no worker of their build is left to run their next task. Long-lived runs (pool
+    """Every running run pinned to another build of `version`'s deployment, moved by a
+    versioning override: the long-lived runs of `workflow_ids` follow the current build (auto
+    upgrade; they continue as new onto it), every other run is pinned to `version`. For a host
+    whose every worker was stopped and started again on another release (`modelforge dev` after
+    an upgrade), where no worker of their build is left to run their next task. Long-lived runs (pool
     schedulers, telemetry) would never reach the continue-as-new that moves them; a request, a
     job or a residency change in flight would wait out its own timeout and fail, its answer lost
     to a client that reattaches by id. Their histories replay on the new build as a release
@@ -341,8 +342,9 @@ async def upgrade_residents(client: Client, version: WorkerDeploymentVersion) ->
     history as a release promises for the previous release's runs (docs/RELEASING.md). A
     rollback does not move them (an older build is not promised to replay a newer one's
     history): they stay on their build, whose control workers must run until those models
-    unload. Returns (moved, staying): the residency runs pinned to `version` now, and those
-    left on a later build."""
+    unload. Build ids that are not release numbers are not ordered (`newer`): such runs stay
+    too. Returns (moved, staying): the residency runs pinned to `version` now, and those left
+    on their build."""
     query = (
         f"ExecutionStatus = 'Running' AND WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'"
         f" AND TemporalWorkerDeployment = '{version.deployment_name}'"
