@@ -24,7 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from modelforge.domain import Deployment, Residency
+from modelforge.domain import Catalog, Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.simulate._protocol import Actions, CardView, Load, Refuse, Start
 from modelforge.simulate._scenario import Scenario, SimRequest
@@ -187,6 +187,10 @@ class _Baseline:
 
     def checkpointed(self, lease_id: str, request: SimRequest, now: float) -> None:
         raise AssertionError(f"{self.name} never preempts")
+
+    def catalog_changed(self, catalog: Catalog, now: float) -> None:
+        # Requests are judged by the deployments in force; runners already loaded keep running.
+        self.catalog = catalog
 
     def next_wakeup(self, now: float) -> float | None:
         wake = math.inf

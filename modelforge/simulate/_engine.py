@@ -20,14 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelforge.domain import Deployment, Observation, ProcessUsage
+from modelforge.domain import Catalog, Deployment, Observation, ProcessUsage
 from modelforge.failures import FailureClass
 from modelforge.simulate._history import HEARTBEAT_S, HistoryCounts, HistoryModel, scheduler_history
 from modelforge.simulate._protocol import Actions, SimScheduler
 from modelforge.simulate._scenario import Scenario, SimRequest
 
-# Event kinds, in the order they apply when several fall on the same instant.
-_EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE, _SLEPT, _WOKE = range(9)
+# Event kinds, in the order they apply when several fall on the same instant (a catalog applied
+# at the moment a request arrives already judges it, as the record's builder does).
+_CATALOG, _EXTERNAL, _LOADED, _UNLOADED, _DONE, _CHECKPOINTED, _ARRIVE, _WAKE, _SLEPT, _WOKE = range(10)
 
 
 @dataclass
@@ -297,6 +298,8 @@ class Simulation:
         started = time.perf_counter()
         for request in self.scenario.requests:
             self._push(request.t, _ARRIVE, request)
+        for at, catalog in self.scenario.catalog_changes:
+            self._push(at, _CATALOG, catalog)
         for usage in self.scenario.external:
             self._push(usage.start_s, _EXTERNAL, (usage.accelerator, usage.bytes))
             if math.isfinite(usage.end_s):
@@ -401,6 +404,13 @@ class Simulation:
             else:
                 self._wait(payload.index)
                 self._count(self.history.admissions, now)
+        elif kind == _CATALOG:
+            assert isinstance(payload, Catalog)
+            # A deployment the new catalog adds or changes loads, unloads and wakes as it says;
+            # one it removes keeps its last shape for the residents it leaves behind.
+            self.deployments.update((d.capability, d) for d in payload.deployments)
+            self.by_deployment_id.update((d.deployment_id, d) for d in payload.deployments)
+            self.scheduler.catalog_changed(payload, now)
         elif kind == _EXTERNAL:
             assert isinstance(payload, tuple)
             external_on: str = payload[0]

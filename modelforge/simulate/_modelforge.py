@@ -8,7 +8,7 @@ import heapq
 import math
 from dataclasses import replace
 
-from modelforge.domain import Residency
+from modelforge.domain import Catalog, Residency
 from modelforge.policy import (
     AdmissionRejected,
     AdmissionRequest,
@@ -22,6 +22,7 @@ from modelforge.policy import (
     decide,
     enqueue,
     keep_warm_check,
+    relabel,
     release_lease,
     resident_ready,
     resident_slept,
@@ -229,6 +230,24 @@ class ModelForgeScheduler:
             max_duration_s=request.max_duration_s,
         )
         self._queued(enqueue(self.state, again, lease.priority, now))
+
+    def catalog_changed(self, catalog: Catalog, now: float) -> None:
+        """As the scheduler workflow takes a catalog `catalog apply` sent it (`_reload_catalog`):
+        the state's catalog, a new view epoch for the nodes' lent slots, the nodes' advertised
+        labels kept over the catalog's. Its TTL timers stand: a resident's expiry was set when it
+        loaded or was extended, and the next check reads the new TTL, as in production."""
+        state = self.state
+        state.catalog = catalog
+        state.view_epoch += 1
+        event = PolicyEvent(
+            kind="catalog_loaded",
+            payload={
+                "accelerators": len(catalog.accelerators),
+                "deployments": len(catalog.deployments),
+                "tenants": len(catalog.tenants),
+            },
+        )
+        self._note(now, [event, *relabel(state)])
 
     def next_wakeup(self, now: float) -> float | None:
         wake = math.inf

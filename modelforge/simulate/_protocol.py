@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from modelforge.domain import Observation
+from modelforge.domain import Catalog, Observation
 from modelforge.failures import FailureClass
 from modelforge.simulate._scenario import SimRequest
 
@@ -93,6 +93,10 @@ class SimScheduler(Protocol):
 
     def checkpointed(self, lease_id: str, request: SimRequest, now: float) -> None:
         """A preempted run released its lease; the request goes back to the queue."""
+        ...
+
+    def catalog_changed(self, catalog: Catalog, now: float) -> None:
+        """A catalog applied at `now` (its deployments, tenants and classes; the same cards)."""
         ...
 
     def next_wakeup(self, now: float) -> float | None:

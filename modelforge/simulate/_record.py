@@ -17,7 +17,14 @@ from typing import Any
 
 from modelforge.domain import Catalog
 from modelforge.failures import FailureClass, ModelForgeError
-from modelforge.simulate._scenario import ExternalUsage, Scenario, SimulationConfig, parse_requests
+from modelforge.simulate._scenario import (
+    ExternalUsage,
+    Scenario,
+    SimRequest,
+    SimulationConfig,
+    in_force_at,
+    parse_requests,
+)
 
 # Events that end a request that never ran, with the failure class they carry.
 _NEVER_RAN = ("request_rejected", "request_refused", "admission_failed")
@@ -50,23 +57,39 @@ class RecordScenario:
     # What really happened in the window, the replay's figures where the record has them
     # (`recorded_figures`): the column beside the replays.
     recorded: dict[str, Any] = field(default_factory=dict)
+    # The catalogs applied inside the window, each from its moment (seconds from the window's
+    # start, on the lines' clock), restricted to the pool and on its cards as `catalog` is.
+    changes: list[tuple[float, Catalog]] = field(default_factory=list)
 
     def scenario(self, catalog: Catalog | None = None) -> tuple[Scenario, dict[str, int]]:
-        """The scenario under `catalog` (default: the one in force), and the lines it cannot
-        take (a capability it has no deployment for, a tenant or class it does not know) by
-        the failure class production answers them with."""
-        catalog = catalog or self.catalog
-        kept: list[tuple[int, object]] = []
+        """The scenario as it was (no `catalog`: the one in force at the window's start, then
+        each change from its moment), or under `catalog` throughout (a proposed one replaces
+        them all); and the lines it cannot take (a capability with no deployment, a tenant or
+        class it does not know, under the catalog in force when the line arrived) by the
+        failure class production answers them with."""
+        spans = [(0.0, self.catalog), *self.changes] if catalog is None else [(0.0, catalog)]
         refused: dict[str, int] = dict(self.left_out)
+        kept: list[list[tuple[int, object]]] = [[] for _ in spans]
+        span, number = 0, 0
         for line in self.lines:
-            failure = _refusal(catalog, line)
+            while span + 1 < len(spans) and spans[span + 1][0] <= line["t"]:
+                span += 1
+            failure = _refusal(spans[span][1], line)
             if failure is not None:
                 refused[failure] = refused.get(failure, 0) + 1
                 continue
-            kept.append((len(kept) + 1, line))
-        requests, with_variants = parse_requests(kept, catalog)
+            number += 1
+            kept[span].append((number, line))
+        requests: list[SimRequest] = []
+        catalogs: list[Catalog] = []
+        for (_, in_force), lines in zip(spans, kept, strict=True):
+            parsed, with_variants = parse_requests(lines, in_force, index_from=len(requests))
+            requests.extend(parsed)
+            catalogs.append(with_variants)
+        changes = [(at, in_force) for (at, _), in_force in zip(spans[1:], catalogs[1:], strict=True)]
         name = f"record {self.pool}"
-        return Scenario(with_variants, requests, list(self.external), self.config, name), refused
+        scenario = Scenario(catalogs[0], requests, list(self.external), self.config, name, catalog_changes=changes)
+        return scenario, refused
 
     def shown_tenant(self, tenant: str) -> str:
         return self.tenant_alias.get(tenant, tenant)
@@ -98,6 +121,11 @@ class RecordScenario:
             f"# modelforge simulate --from-record: pool {self.pool}, {len(self.lines)} requests,"
             f" a window of {self.until_s - self.since_s:.0f} s",
             *(f"# {note}" for note in self.notes),
+            *(
+                [f"# this file carries the catalog in force at the window's start, not the {len(self.changes)} after"]
+                if self.changes
+                else []
+            ),
             "",
             f"[requests]\npath = {json.dumps(requests_path.name)}",
             "",
@@ -144,16 +172,18 @@ def _refusal(catalog: Catalog, line: dict[str, Any]) -> str | None:
 
 def catalog_in_force(
     history: list[tuple[float, Catalog]], since_s: float, until_s: float, current: Catalog | None
-) -> tuple[Catalog, list[str]]:
-    """The catalog applied last before the window starts, with notes on what the history could
-    not say (no history yet, or changes inside the window)."""
+) -> tuple[Catalog, list[tuple[float, Catalog]], list[str]]:
+    """The catalog in force at the window's start (the one applied last before it), the
+    catalogs applied inside the window with their moments, and notes on what the history could
+    not say (no history yet, or none before the window)."""
     notes: list[str] = []
     before = [(at, c) for at, c in history if at <= since_s]
-    inside = [at for at, _ in history if since_s < at < until_s]
+    inside = [(at, c) for at, c in history if since_s < at < until_s]
     if before:
         catalog = before[-1][1]
     elif history:
         catalog = history[0][1]
+        inside = inside[1:] if inside and inside[0][1] is catalog else inside
         notes.append(
             f"the catalog history starts {history[0][0] - since_s:.0f} s into the window: its first catalog is"
             " replayed over the time before it"
@@ -163,11 +193,7 @@ def catalog_in_force(
         notes.append("the store keeps no catalog history for this window: the catalog in force now is replayed")
     else:
         raise RecordError("the store has no catalog: apply one with `modelforge catalog apply`")
-    if inside:
-        notes.append(
-            f"the catalog changed {len(inside)} time(s) inside the window; the one in force at its start is replayed"
-        )
-    return catalog, notes
+    return catalog, inside, notes
 
 
 def _pool_catalog(catalog: Catalog, pool: str | None) -> tuple[Catalog, str]:
@@ -182,6 +208,39 @@ def _pool_catalog(catalog: Catalog, pool: str | None) -> tuple[Catalog, str]:
         raise RecordError(f"unknown pool {pool!r}: the catalog of the window has {', '.join(pools)}")
     accelerators = [a for a in catalog.accelerators if a.pool == pool]
     return replace(catalog, accelerators=accelerators), pool
+
+
+def _changes_in_window(
+    inside: list[tuple[float, Catalog]],
+    first: Catalog,
+    pool: str,
+    since_s: float,
+    loads: dict[str, list[float]],
+    notes: list[str],
+) -> list[tuple[float, Catalog]]:
+    """The catalogs applied inside the window as the replay applies them: from their moment
+    (on the lines' clock), the pool's part, on the window's first cards (the simulated world
+    keeps its cards), with the record's measured load times."""
+    changes: list[tuple[float, Catalog]] = []
+    cards = [(a.id, a.total_bytes) for a in first.accelerators]
+    for at, applied in inside:
+        moment = round(at - since_s, 3)
+        if not any(a.pool == pool for a in applied.accelerators):
+            notes.append(f"the catalog applied at +{moment:.0f} s has no card in pool {pool!r}: not replayed")
+            continue
+        applied, _ = _pool_catalog(applied, pool)
+        if [(a.id, a.total_bytes) for a in applied.accelerators] != cards:
+            notes.append(
+                f"the catalog applied at +{moment:.0f} s changed the pool's cards: replayed on the window's first cards"
+            )
+        changes.append((moment, with_measured_load_times(replace(applied, accelerators=first.accelerators), loads)))
+    if changes:
+        notes.append(
+            f"the catalog changed {len(changes)} time(s) inside the window (at "
+            + ", ".join(f"+{at:.0f} s" for at, _ in changes)
+            + "): replayed 'as it was' from each moment; a proposed catalog replaces them all"
+        )
+    return changes
 
 
 def with_measured_load_times(catalog: Catalog, load_s: dict[str, list[float]]) -> Catalog:
@@ -236,7 +295,7 @@ def build_record_scenario(
 ) -> RecordScenario:
     if not (math.isfinite(since_s) and math.isfinite(until_s) and since_s < until_s):
         raise RecordError(f"the window must end after it starts ({since_s} .. {until_s})")
-    catalog, notes = catalog_in_force(history, since_s, until_s, current)
+    catalog, inside, notes = catalog_in_force(history, since_s, until_s, current)
     catalog, pool = _pool_catalog(catalog, pool)
     events = rows.get("events", [])
     grants: dict[str, dict[str, Any]] = {}
@@ -257,6 +316,7 @@ def build_record_scenario(
                 continue
             never.setdefault(event["request_id"], {**payload, "at": event["at"], "failure": event["failure_class"]})
     catalog = with_measured_load_times(catalog, loads)
+    changes = _changes_in_window(inside, catalog, pool, since_s, loads, notes)
     if loads:
         notes.append(
             "load times are the medians measured in the record: "
@@ -363,8 +423,9 @@ def build_record_scenario(
     if anonymise:
         for _, line in ordered:
             alias.setdefault(line["tenant"], f"tenant-{len(alias) + 1}")
-        for tenant in catalog.tenants:
-            alias.setdefault(tenant.name, f"tenant-{len(alias) + 1}")
+        for in_force in [catalog, *(changed for _, changed in changes)]:
+            for tenant in in_force.tenants:
+                alias.setdefault(tenant.name, f"tenant-{len(alias) + 1}")
     lines: list[dict[str, Any]] = []
     for number, (request_id, line) in enumerate(ordered, start=1):
         out: dict[str, Any] = {
@@ -380,7 +441,7 @@ def build_record_scenario(
         # The record keeps the class a request got, not whether it asked for one: a request in
         # its tenant's default class replays without one, so a catalog that gives the tenant
         # another default (a new class for a team) moves it there.
-        owner = catalog.tenant(line["tenant"])
+        owner = in_force_at(catalog, changes, out["t"]).tenant(line["tenant"])
         if owner is not None and out.get("priority") == owner.default_priority:
             del out["priority"]
         lines.append(out)
@@ -403,10 +464,11 @@ def build_record_scenario(
         left_out=left_out,
         tenant_alias=alias,
         recorded={**recorded, "by_tenant": {alias.get(k, k): v for k, v in recorded["by_tenant"].items()}},
+        changes=changes,
     )
     refused_at_once: dict[str, int] = {}
     for line in lines:
-        failure = _refusal(catalog, line)
+        failure = _refusal(in_force_at(catalog, changes, line["t"]), line)
         if failure is not None:
             refused_at_once[failure] = refused_at_once.get(failure, 0) + 1
     if refused_at_once:

@@ -86,6 +86,24 @@ class Scenario:
     external: list[ExternalUsage] = field(default_factory=list)
     config: SimulationConfig = field(default_factory=SimulationConfig)
     name: str = ""
+    # Catalogs applied during the run, each at its moment (on the requests' clock), as
+    # `catalog apply` tells a running scheduler: a record's window replayed as it was. The cards
+    # stay `catalog`'s (the simulated world does not grow or lose cards).
+    catalog_changes: list[tuple[float, Catalog]] = field(default_factory=list)
+
+    def catalog_at(self, t: float) -> Catalog:
+        return in_force_at(self.catalog, self.catalog_changes, t)
+
+
+def in_force_at(first: Catalog, changes: list[tuple[float, Catalog]], t: float) -> Catalog:
+    """The catalog in force at `t`: `first`, or the last of `changes` (in time order) applied
+    at or before `t` (a change at `t` already judges what arrives then)."""
+    catalog = first
+    for at, changed in changes:
+        if at > t:
+            break
+        catalog = changed
+    return catalog
 
 
 def _external(specs: list[ExternalSpec]) -> list[ExternalUsage]:
@@ -177,9 +195,12 @@ def _decoded(lines: list[str]) -> Iterator[tuple[int, object]]:
             raise ScenarioError(f"request line {number}: not JSON ({error.msg})") from None
 
 
-def parse_requests(lines: Iterable[tuple[int, object]], catalog: Catalog) -> tuple[list[SimRequest], Catalog]:
+def parse_requests(
+    lines: Iterable[tuple[int, object]], catalog: Catalog, index_from: int = 0
+) -> tuple[list[SimRequest], Catalog]:
     """`parse_request_lines` on lines already decoded, each with its line number (what a
-    record's builder holds: no JSON text between it and the scenario)."""
+    record's builder holds: no JSON text between it and the scenario). `index_from`: the index
+    of the first request (a record's lines are parsed a catalog's span at a time)."""
     variants = _Variants(catalog)
     requests: list[SimRequest] = []
     last_t = -math.inf
@@ -223,7 +244,7 @@ def parse_requests(lines: Iterable[tuple[int, object]], catalog: Catalog) -> tup
         ids[request_id] = number
         requests.append(
             SimRequest(
-                index=len(requests),
+                index=index_from + len(requests),
                 request_id=request_id,
                 t=t,
                 capability=variants.capability(number, base, data),

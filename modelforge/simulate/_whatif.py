@@ -79,7 +79,9 @@ class Replayed:
     waits: dict[str, float | None] = field(default_factory=dict)
 
 
-def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
+def replay(record: RecordScenario, catalog: Catalog | None, label: str) -> Replayed:
+    """The record replayed as it was (no `catalog`: the catalogs in force in the window, each
+    from its moment) or under `catalog` throughout."""
     scenario, refused_at_once = record.scenario(catalog)
     sim = _Replay(scenario)
     result = sim.run()
@@ -93,7 +95,7 @@ def replay(record: RecordScenario, catalog: Catalog, label: str) -> Replayed:
             request.deadline_s is None
             or (outcome.ended is not None and outcome.ended <= outcome.arrived + request.deadline_s)
         )
-        tenant = catalog.tenant(request.tenant)
+        tenant = scenario.catalog_at(request.t).tenant(request.tenant)
         klass = request.priority or (tenant.default_priority if tenant is not None else "default")
         for groups, key in ((per_class, klass), (per_tenant, record.shown_tenant(request.tenant))):
             waits, never, offered, good = groups.get(key, ([], 0, 0, 0))
@@ -137,7 +139,7 @@ def compare(record: RecordScenario, proposed: Catalog | None, *, parallel: bool 
     given, under `proposed` (its cards in the record's pool, the record's measured load times for
     deployments it shares). The two replays run in two processes where more than one core is
     there and the record is long (`parallel`: force either way); the figures are the same."""
-    jobs = [(record.catalog, "as it was")]
+    jobs: list[tuple[Catalog | None, str]] = [(None, "as it was")]
     if proposed is not None:
         jobs.append((proposed_for(record, proposed), "proposed"))
     if parallel is None:

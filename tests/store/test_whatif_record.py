@@ -362,3 +362,32 @@ async def test_cli_what_if_prints_both_and_applies_nothing(database_url: str, tm
         assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
         lines = refused.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error REQUEST_INVALID") and fragment in lines[0], lines
+
+
+def test_a_catalog_applied_inside_the_window_is_replayed_from_its_moment() -> None:
+    # Production ran chat@1 with a 60 s TTL for an hour, then the operator applied a 600 s TTL.
+    # Calls two minutes apart: each call of the first hour paid a 10 s load, the second hour
+    # one. Replayed as it was, the change applies from its moment, as production applied it;
+    # a proposed catalog (the 60 s one) replaces both.
+    short, longer = _catalog(60.0), _catalog(600.0)
+    lines = [
+        json.dumps(
+            {"id": f"call-{i}", "t": 1.0 + 120.0 * i, "capability": "chat@1", "tenant": "bob-private", "service_s": 1.0}
+        )
+        for i in range(60)
+    ]
+    requests, with_variants = parse_request_lines(lines, short)
+    now = 1_000_000.0
+    made = make_record(Scenario(with_variants, requests, [], catalog_changes=[(3600.0, longer)]), now)
+    rows = record_rows(made)
+    history = [(now - 10, short), (now + 3600.0, longer)]
+    record = build_record_scenario(rows, history, since_s=now, until_s=now + 7300)
+    assert [at for at, _ in record.changes] == [3600.0]
+    assert record.catalog.deployments[0].ttl_s == 60.0 and record.changes[0][1].deployments[0].ttl_s == 600.0
+    assert any("changed 1 time(s) inside the window" in note for note in record.notes)
+    recorded, as_it_was, proposed = compare(record, short)
+    assert recorded.figures["cold_starts"] == 31  # 30 in the first hour, 1 in the second
+    assert as_it_was.figures["cold_starts"] == 31
+    assert as_it_was.figures["by_class"]["interactive"] == recorded.figures["by_class"]["interactive"]
+    assert proposed.figures["cold_starts"] == 60  # the 60 s TTL all along: every call loads
+    assert as_it_was.figures["invariant_violations"] == proposed.figures["invariant_violations"] == 0
