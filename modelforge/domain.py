@@ -254,15 +254,17 @@ class Deployment:
     # "thinking", "insert"): shown by /api/show, so applications offer those features.
     features: list[str] = field(default_factory=list)
 
-    @property
+    # Read on every placement of every pass: worked out once per deployment (frozen, so they
+    # cannot go stale; `dataclasses.replace` makes a new one; not fields, so never serialised).
+    @cached_property
     def deployment_id(self) -> str:
         return self.name or self.capability
 
-    @property
+    @cached_property
     def resident_bytes(self) -> int:
         return self.idle_bytes if self.idle_bytes is not None else self.envelope_bytes
 
-    @property
+    @cached_property
     def lease_extra_bytes(self) -> int:
         """Bytes a lease adds on top of residency (envelope peak minus idle)."""
         return max(0, self.envelope_bytes - self.resident_bytes)

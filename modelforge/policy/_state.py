@@ -328,9 +328,13 @@ def sorted_service_samples(state: PoolState, deployment_id: str) -> list[float]:
 def operation_seconds(state: PoolState, deployment: Deployment, operation: str) -> float:
     """How long `operation` (load, unload, sleep, wake) of `deployment` takes: measured here if
     it has been, else as the catalog says. What making room weighs."""
+    name = _OPERATION_FIELD[operation]  # called on every placement: no name built per call
     measured = state.measured.get(deployment.deployment_id)
-    seconds = getattr(measured, f"{operation}_s") if measured is not None else None
-    return float(getattr(deployment, f"{operation}_s")) if seconds is None else float(seconds)
+    seconds = getattr(measured, name) if measured is not None else None
+    return float(getattr(deployment, name)) if seconds is None else float(seconds)
+
+
+_OPERATION_FIELD = {operation: f"{operation}_s" for operation in ("load", "unload", "sleep", "wake")}
 
 
 def measured(state: PoolState, deployment_id: str, operation: str, seconds: float) -> None:
