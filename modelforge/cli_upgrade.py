@@ -90,8 +90,8 @@ def upgrade(
     New requests, jobs and residency changes start on the build from then on; those running
     finish on the build that started them. Each scheduler and each node's telemetry workflow
     continues as new at once (its state carried) and runs on the build. A loaded model's residency
-    run (it lasts as long as the model stays loaded) moves to the build when the build is newer
-    than its own. Stop the old build's control workers once `modelforge status --builds` shows
+    run (it lasts as long as the model stays loaded; in every pool) moves to the build when the
+    build is a later release than its own. Stop the old build's control workers once `modelforge status --builds` shows
     its version drained. The same command with the previous build's id is the rollback (its
     control workers must be running): the models loaded under the newer build stay on it, listed,
     until they unload (`modelforge residency unload ... --drain`)."""
@@ -117,8 +117,16 @@ def upgrade(
             ) from None
         try:
             signalled = await roll(temporal, pools, nodes, f"upgrade to build {version.build_id}")
-            residents_moved, residents_staying = await upgrade_residents(temporal, version)
             moved = await _wait_moved(temporal, signalled, version.build_id)
+            # After the schedulers moved: until then a scheduler's run on the old build may still
+            # start a load (its residency run pinned there). Again until a pass moves none (one
+            # a load started just before may not be listed yet).
+            residents_moved: list[str] = []
+            while True:
+                more, residents_staying = await upgrade_residents(temporal, version)
+                residents_moved += more
+                if not more:
+                    break
         except RPCError as error:
             raise _unavailable(error) from None
         ids = {scheduler_id(p) for p in pools} | {telemetry_id(n) for n in nodes}

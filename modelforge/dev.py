@@ -453,9 +453,10 @@ async def _prepare(stack: DevStack, database_url: str) -> list[str]:
                 raise
     if stack.settings.worker_versioning:
         # This host's workers all stopped with the last `modelforge dev`: runs pinned to the build
-        # they ran (another release's, after an upgrade) would wait for a worker of it: schedulers
-        # and telemetry forever, requests and residency changes until their own timeouts. They
-        # follow the current build, this one once its worker starts.
+        # they ran (another release's, after an upgrade) would wait for a worker of it: schedulers,
+        # telemetry and a loaded model's residency run forever, a request until its own timeout.
+        # Schedulers and telemetry follow the current build, this one once its worker starts;
+        # the others of an earlier release are pinned to this build (`adopt_stranded`).
         version = deployment_version(stack.settings)
         long_lived = [scheduler_id(pool) for pool in pools] + [telemetry_id(node) for node in catalog.nodes()]
         moved = await adopt_stranded(client, version, long_lived)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from google.protobuf.field_mask_pb2 import FieldMask
@@ -236,30 +236,18 @@ def _stranded_query(version: WorkerDeploymentVersion) -> str:
     )
 
 
-async def adopt_stranded(
-    client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str] = ()
-) -> list[str]:
-    """Every running run pinned to another build of `version`'s deployment, moved by a
-    versioning override: the long-lived runs of `workflow_ids` follow the current build (auto
-    upgrade; they continue as new onto it), every other run is pinned to `version`. For a host
-    whose every worker was stopped and started again on another release (`modelforge dev` after
-    an upgrade), where no worker of their build is left to run their next task. Long-lived runs (pool
-    schedulers, telemetry) would never reach the continue-as-new that moves them; a request, a
-    job or a residency change in flight would wait out its own timeout and fail, its answer lost
-    to a client that reattaches by id. Their histories replay on the new build as a release
-    promises for the previous release's (docs/RELEASING.md). Only for a caller that knows no
-    worker of the other build runs: a side-by-side upgrade lets pinned runs finish on their own
-    build and moves the long-lived ones at a continue-as-new (`modelforge upgrade`).
-
-    `workflow_ids` (the long-lived runs) are asked for by id, so one that visibility has not
-    indexed yet is not missed; every other run is found by visibility's list. Each is described
-    before it is moved (a listed run carries no versioning info). Returns the workflow ids set to
-    follow, those given first."""
+async def pinned_runs(
+    client: Client, query: str, workflow_ids: Sequence[str] = ()
+) -> AsyncIterator[tuple[str, DeploymentVersion]]:
+    """Each running run `query` lists (and each of `workflow_ids`, asked by id, so one that
+    visibility has not indexed yet is not missed) with the build it is pinned to, read from the
+    run itself (a listed run carries no versioning info; an override counts before the run's
+    next task: `pinned_build`). Runs that ended meanwhile, or follow the current build, are
+    left out."""
     asked = list(dict.fromkeys(workflow_ids))
-    async for listed in client.list_workflows(_stranded_query(version)):
+    async for listed in client.list_workflows(query):
         if listed.id not in asked:
             asked.append(listed.id)
-    candidates: dict[str, WorkflowExecutionInfo] = {}
     for workflow_id in asked:
         try:
             described = await client.get_workflow_handle(workflow_id).describe()
@@ -267,19 +255,47 @@ async def adopt_stranded(
             if error.status == RPCStatusCode.NOT_FOUND:
                 continue
             raise
-        if described.status == WorkflowExecutionStatus.RUNNING:
-            candidates[workflow_id] = described.raw_description.workflow_execution_info
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            continue
+        pinned_to = pinned_build(described.raw_description.workflow_execution_info)
+        if pinned_to is not None:
+            yield workflow_id, pinned_to
+
+
+async def adopt_stranded(
+    client: Client, version: WorkerDeploymentVersion, workflow_ids: Sequence[str] = ()
+) -> list[str]:
+    """The runs left pinned to another build of `version`'s deployment, moved by a versioning
+    override, for a host whose every worker was stopped and started again on another release
+    (`modelforge dev` after an upgrade), where no worker of their build is left to run their
+    next task. The long-lived runs of `workflow_ids` (pool schedulers, telemetry: they would
+    never reach the continue-as-new that moves them) follow the current build (auto upgrade;
+    they continue as new onto it). Every other run (a request, a job, a residency run, which
+    would wait for a worker of its build: a request until its own timeout, its answer lost to
+    a client that reattaches by id; a loaded model's residency run forever) is pinned to
+    `version` when `version` is a later release than its build: its history replays there, as
+    a release promises for the previous release's runs (docs/RELEASING.md). A run of a later
+    build (a host started again on an older release) is left where it is and logged: an older
+    build is not promised to replay a newer one's runs. Only for a caller that knows no worker
+    of the other build runs: a side-by-side upgrade lets pinned runs finish on their own build
+    (`modelforge upgrade`). Returns the workflow ids moved, those given first."""
     moved = []
-    for workflow_id, info in candidates.items():
-        pinned_to = pinned_build(info)
-        if pinned_to is None or pinned_to.deployment_name != version.deployment_name:
+    async for workflow_id, pinned_to in pinned_runs(client, _stranded_query(version), workflow_ids):
+        if pinned_to.deployment_name != version.deployment_name or pinned_to.build_id == version.build_id:
             continue
-        if pinned_to.build_id == version.build_id:
+        if workflow_id in workflow_ids:
+            override = _FOLLOW_CURRENT
+        elif newer(version.build_id, pinned_to.build_id):
+            override = _pinned(version)
+        else:
+            log.warning(
+                "stranded_run_left",
+                workflow_id=workflow_id,
+                pinned_to=pinned_to.build_id,
+                build_id=version.build_id,
+                hint=f"it waits for a worker of build {pinned_to.build_id}",
+            )
             continue
-        # A run that continues as new follows the current build (its next run is pinned where it
-        # starts); any other is pinned to this build to its end, so a later rollback does not
-        # replay its history on an older build's code.
-        override = _FOLLOW_CURRENT if workflow_id in workflow_ids else _pinned(version)
         if await _override(client, workflow_id, override):
             log.info(
                 "stranded_run_adopted", workflow_id=workflow_id, pinned_to=pinned_to.build_id, build_id=version.build_id
@@ -351,22 +367,13 @@ async def upgrade_residents(client: Client, version: WorkerDeploymentVersion) ->
     )  # each described: visibility's version is where a run last ran, not where an override sends it
     moved: list[str] = []
     staying: list[str] = []
-    async for listed in client.list_workflows(query):
-        try:
-            described = await client.get_workflow_handle(listed.id).describe()
-        except RPCError as error:
-            if error.status == RPCStatusCode.NOT_FOUND:
-                continue
-            raise
-        if described.status != WorkflowExecutionStatus.RUNNING:
-            continue
-        pinned_to = pinned_build(described.raw_description.workflow_execution_info)
-        if pinned_to is None or pinned_to.build_id == version.build_id:
-            continue
+    async for workflow_id, pinned_to in pinned_runs(client, query):
         build = pinned_to.build_id
+        if build == version.build_id:
+            continue
         if not newer(version.build_id, build):
-            staying.append(listed.id)
-        elif await _override(client, listed.id, _pinned(version)):
-            log.info("resident_run_upgraded", workflow_id=listed.id, pinned_to=build, build_id=version.build_id)
-            moved.append(listed.id)
+            staying.append(workflow_id)
+        elif await _override(client, workflow_id, _pinned(version)):
+            log.info("resident_run_upgraded", workflow_id=workflow_id, pinned_to=build, build_id=version.build_id)
+            moved.append(workflow_id)
     return moved, staying

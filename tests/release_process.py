@@ -6,7 +6,6 @@ each other."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
@@ -17,16 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkerDeploymentVersion
-from temporalio.service import RPCError
 
 import modelforge
 from modelforge.client import ModelForgeClient
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.names import telemetry_id
 from modelforge.store import Store
-from modelforge.versioning import deployment_config, newer, pinned_build, roll, set_current, upgrade_residents
+from modelforge.versioning import deployment_config, newer, pinned_runs, roll, set_current, upgrade_residents
 from tests.worker_process import control_worker_env, start_control_worker
 from workers.control import ControlWorker, build_control_worker
 from workers.stack import Stack
@@ -130,20 +128,9 @@ async def in_process_control_worker(client: Client, store: Store, version: Worke
 
 
 async def open_runs_on(client: Client, build: str, but: Sequence[str] = ()) -> list[str]:
-    """The running runs pinned to `build` (of the deployment `modelforge`), but those named:
-    each described (visibility's version is where a run last ran, not where an override sends
-    it)."""
-    runs = []
+    """The running runs pinned to `build` (of the deployment `modelforge`), but those named."""
     query = "ExecutionStatus = 'Running' AND TemporalWorkerDeployment = 'modelforge'"
-    async for listed in client.list_workflows(query):
-        if listed.id in but:
-            continue
-        with contextlib.suppress(RPCError):  # ended since it was listed
-            described = await client.get_workflow_handle(listed.id).describe()
-            pinned_to = pinned_build(described.raw_description.workflow_execution_info)
-            if described.status == WorkflowExecutionStatus.RUNNING and pinned_to and pinned_to.build_id == build:
-                runs.append(listed.id)
-    return runs
+    return [w async for w, pinned_to in pinned_runs(client, query) if w not in but and pinned_to.build_id == build]
 
 
 async def drain(stack: Stack, build: str, within_s: float = 120.0) -> float:

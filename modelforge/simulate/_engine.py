@@ -141,11 +141,6 @@ def common_span(scenario: Scenario) -> tuple[float, float]:
     return start, end
 
 
-def request_nvlink(scenario: Scenario, request: SimRequest) -> bool:
-    deployment = scenario.catalog.deployment_for(request.capability)
-    return deployment is not None and deployment.nvlink_required
-
-
 def _percentile(sorted_values: list[float], fraction: float, never: int = 0) -> float | None:
     """Nearest rank: the smallest value with at least `fraction` of the values at or below it,
     where `never` more values are infinite (requests never served). None when the rank falls on
@@ -691,7 +686,10 @@ class Simulation:
             if start.gang:
                 self.gang_starts += 1
                 groups = {self.nvlink_group.get(a, "") for a in start.accelerators}
-                if request_nvlink(self.scenario, request) and (len(groups) > 1 or "" in groups):
+                # By the deployment as the catalog in force has it (`deployments`, kept by changes).
+                deployment = self.deployments.get(request.capability)
+                nvlink = deployment is not None and deployment.nvlink_required
+                if nvlink and (len(groups) > 1 or "" in groups):
                     self.gang_splits += 1
             if start.resident_key:
                 if start.resident_key not in cards.active_runs:
@@ -740,7 +738,9 @@ class Simulation:
             else:
                 rejected[ending] = rejected.get(ending, 0) + 1
         by_class: dict[str, dict[str, Any]] = {}
-        order = [*self.scenario.catalog.classes, "default"]
+        catalogs = [self.scenario.catalog, *(catalog for _, catalog in self.scenario.catalog_changes)]
+        # Every class any catalog of the run defined (one a change added too), in first-seen order.
+        order = [*dict.fromkeys(k for catalog in catalogs for k in catalog.classes), "default"]
         for klass in order:
             if klass not in offered:
                 continue
@@ -762,7 +762,7 @@ class Simulation:
                 "goodput": goodput,
                 "deadline_met_ratio": goodput,
             }
-        weights = {t.name: t.weight for t in self.scenario.catalog.tenants}
+        weights = {t.name: t.weight for catalog in catalogs for t in catalog.tenants}  # the last catalog's weight
         shares = [tenant_s[t] / weights.get(t, 1.0) for t in tenant_s if tenant_s[t] > 0]
         jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if shares else 1.0
         span = self.span_end - self.span_start

@@ -20,6 +20,7 @@ from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.simulate._scenario import (
     ExternalUsage,
     Scenario,
+    ShapeVariants,
     SimRequest,
     SimulationConfig,
     in_force_at,
@@ -82,8 +83,9 @@ class RecordScenario:
             kept[span].append((number, line))
         requests: list[SimRequest] = []
         catalogs: list[Catalog] = []
+        variants = ShapeVariants()
         for (_, in_force), lines in zip(spans, kept, strict=True):
-            parsed, with_variants = parse_requests(lines, in_force, index_from=len(requests))
+            parsed, with_variants = parse_requests(lines, in_force, index_from=len(requests), variants=variants)
             requests.extend(parsed)
             catalogs.append(with_variants)
         changes = [(at, in_force) for (at, _), in_force in zip(spans[1:], catalogs[1:], strict=True)]

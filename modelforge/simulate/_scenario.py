@@ -126,17 +126,16 @@ def _number(line: int, data: dict[str, Any], name: str, *, minimum: float, requi
     return float(value)
 
 
-# A request line's own shape: served by a variant of its deployment (`_Variants`).
+# A request line's own shape: served by a variant of its deployment (`ShapeVariants`).
 _SHAPE_FIELDS = ("gpu_count", "bytes_per_gpu", "nvlink_required", "preemptible")
 
 
-class _Variants:
+class ShapeVariants:
     """Request lines that carry their own shape (gpu_count, bytes_per_gpu, nvlink_required,
     preemptible, max_duration_s) are served by a copy of their deployment with that shape:
     one copy per distinct shape, named `<capability>#<n>`, sharing the deployment's limits."""
 
-    def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
+    def __init__(self) -> None:
         self.by_shape: dict[tuple[str, int, int, bool, bool], str] = {}
         self.added: list[Deployment] = []
 
@@ -202,12 +201,16 @@ def _decoded(lines: list[str]) -> Iterator[tuple[int, object]]:
 
 
 def parse_requests(
-    lines: Iterable[tuple[int, object]], catalog: Catalog, index_from: int = 0
+    lines: Iterable[tuple[int, object]],
+    catalog: Catalog,
+    index_from: int = 0,
+    variants: ShapeVariants | None = None,
 ) -> tuple[list[SimRequest], Catalog]:
     """`parse_request_lines` on lines already decoded, each with its line number (what a
-    record's builder holds: no JSON text between it and the scenario). `index_from`: the index
-    of the first request (a record's lines are parsed a catalog's span at a time)."""
-    variants = _Variants(catalog)
+    record's builder holds: no JSON text between it and the scenario). A record's lines are
+    parsed a catalog's span at a time: `index_from` is the index of the first request, and
+    `variants` the shapes named in the spans before (one name, one shape, in the whole run)."""
+    variants = variants if variants is not None else ShapeVariants()
     requests: list[SimRequest] = []
     last_t = -math.inf
     ids: dict[str, int] = {}

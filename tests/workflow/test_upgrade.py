@@ -264,7 +264,8 @@ async def test_runs_left_pinned_to_a_release_whose_workers_are_gone_follow_the_n
                 assert time.monotonic() < deadline, "the request did not hold its lease within 30 s"
                 await asyncio.sleep(0.2)
             assert await build_of(client, in_flight.id) == RELEASE.build_id
-            resident_runs = [w.id async for w in client.list_workflows("WorkflowId STARTS_WITH 'resident:'")]
+            loaded = "ExecutionStatus = 'Running' AND WorkflowId STARTS_WITH 'resident:'"
+            resident_runs = [w.id async for w in client.list_workflows(loaded)]
             assert resident_runs, "the embedding model's residency run"
             await release.stop()  # every worker of the release gone, the request's invoke running
             workers.append(await in_process_control_worker(client, store, NEXT))
