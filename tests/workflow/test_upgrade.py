@@ -288,7 +288,15 @@ async def test_runs_left_pinned_to_a_release_whose_workers_are_gone_follow_the_n
             assert await adopt_stranded(client, NEXT, long_lived) == []  # nothing left to move
             status = await stack.status()
             assert all(r.active_leases == 0 for r in status.residents), "the stranded request's lease is still held"
-            request = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 0.1})
+            request = await stack.start_request(EMBEDDING, tenant="rag", input={"simulate_invoke_s": 3})
+            deadline = time.monotonic() + 30
+            while await build_of(client, request.id) != NEXT.build_id:
+                assert time.monotonic() < deadline, "the request did not start on the new build"
+                await asyncio.sleep(0.2)
+            # Started again on the older release, a host would not pin this build's runs to it:
+            # an older release is not promised to replay a newer one's runs. They are left.
+            assert await adopt_stranded(client, RELEASE, []) == []
+            assert await build_of(client, request.id) == NEXT.build_id
             assert (await request.result()).output
     finally:
         for worker in workers:
