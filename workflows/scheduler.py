@@ -1032,17 +1032,7 @@ class PoolSchedulerWorkflow:
                 if entity not in self._state.usage:
                     self._state.usage[entity] = policy.TenantUsage(gpu_seconds=gpu_seconds, updated_at=now)
         self._catalog_stale = False
-        self._record(
-            policy.PolicyEvent(
-                kind="catalog_loaded",
-                payload={
-                    "accelerators": len(catalog.accelerators),
-                    "deployments": len(catalog.deployments),
-                    "tenants": len(catalog.tenants),
-                },
-            ),
-            self._now(),
-        )
+        self._record(policy.catalog_loaded_event(catalog), self._now())
         # The nodes' advertised labels (NVLink groups from NVML) outlive a catalog change.
         self._record_all(policy.relabel(self._state), self._now())
 

@@ -26,6 +26,7 @@ from modelforge.policy._decisions import (
     Wait,
     WaitReason,
     Wake,
+    catalog_loaded_event,
     lease_granted_event,
     lease_released_event,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "apply_observations",
     "cancel_request",
     "capacity_alerts",
+    "catalog_loaded_event",
     "catalog_pools",
     "choose_pool",
     "close_slot",

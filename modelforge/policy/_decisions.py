@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from modelforge.domain import Catalog
 from modelforge.failures import Alert, FailureClass
 from modelforge.policy._state import Lease, ResidentState
 
@@ -25,6 +26,19 @@ class PolicyEvent:
 
 
 Payload = dict[str, str | int | float | bool | None]
+
+
+def catalog_loaded_event(catalog: Catalog) -> PolicyEvent:
+    """A scheduler took a catalog (`catalog apply`; the simulator's replay of one applied inside
+    a record's window): what it now holds."""
+    return PolicyEvent(
+        kind="catalog_loaded",
+        payload={
+            "accelerators": len(catalog.accelerators),
+            "deployments": len(catalog.deployments),
+            "tenants": len(catalog.tenants),
+        },
+    )
 
 
 def lease_granted_event(

@@ -19,6 +19,7 @@ from modelforge.policy import (
     ResidentPhase,
     apply_decisions,
     apply_observations,
+    catalog_loaded_event,
     decide,
     enqueue,
     keep_warm_check,
@@ -239,15 +240,7 @@ class ModelForgeScheduler:
         state = self.state
         state.catalog = catalog
         state.view_epoch += 1
-        event = PolicyEvent(
-            kind="catalog_loaded",
-            payload={
-                "accelerators": len(catalog.accelerators),
-                "deployments": len(catalog.deployments),
-                "tenants": len(catalog.tenants),
-            },
-        )
-        self._note(now, [event, *relabel(state)])
+        self._note(now, [catalog_loaded_event(catalog), *relabel(state)])
 
     def next_wakeup(self, now: float) -> float | None:
         wake = math.inf
