@@ -153,6 +153,8 @@ class Observed(ModelForgeScheduler):
         self.submitted = {r.request_id: r.t for r in scene.requests}
         # request id -> (reason, predicted start, naive start, basis, quality)
         self.predicted: dict[str, tuple[str, float | None, float | None, str, str]] = {}
+        # request id -> (at least, at most): the bound a verdict gave instead of an ETA
+        self.bounds: dict[str, tuple[float | None, float | None]] = {}
         self.started: dict[str, float] = {}
         self.snapshots: list[tuple[float, PoolState]] = []
         self.snapshot_every_s = snapshot_every_s
@@ -178,6 +180,11 @@ class Observed(ModelForgeScheduler):
                     verdict.eta_basis,
                     verdict.eta_quality,
                 )
+                if verdict.eta_at_least_s is not None or verdict.eta_at_most_s is not None:
+                    self.bounds[verdict.request_id] = (
+                        None if verdict.eta_at_least_s is None else now + verdict.eta_at_least_s,
+                        None if verdict.eta_at_most_s is None else now + verdict.eta_at_most_s,
+                    )
         if now >= self._next_snapshot and self.state.queue:
             self.snapshots.append((now, copy.deepcopy(self.state, {id(self.state.catalog): self.state.catalog})))
             self._next_snapshot = now + self.snapshot_every_s
@@ -234,7 +241,21 @@ def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
             f"{_median_p90(naive, 9)}"
         )
     if unknown:
-        lines.append(f"   no ETA claimed (nothing measured to base it on), by reason: {unknown}")
+        lines.append(f"   no ETA claimed (nothing measured to estimate it), by reason: {unknown}")
+    # A verdict that claims no ETA gives what bound it can: did the start keep to it?
+    held: dict[str, list[bool]] = {"at most": [], "at least": []}
+    for rid, (at_least, at_most) in observed.bounds.items():
+        start = observed.started.get(rid)
+        if start is None or start - observed.submitted[rid] < 1.0:
+            continue
+        if at_most is not None:
+            held["at most"].append(start <= at_most + 1e-6)
+        if at_least is not None:
+            held["at least"].append(start >= at_least - 1e-6)
+    lines.append(
+        "   bounds given instead (no ETA), the start within them: "
+        + ", ".join(f"{kind} {sum(flags)}/{len(flags)}" for kind, flags in held.items())
+    )
     return observed, lines
 
 

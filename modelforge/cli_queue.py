@@ -32,13 +32,22 @@ from modelforge.policy import AdmissionCheck, Verdict
 
 
 def _eta(verdict: Verdict) -> str:
-    if verdict.eta_s is None:
+    """The queue table's ETA cell: an estimate, or a bound marked `<=` / `>=`."""
+    if verdict.eta_s is not None:
+        text = _short(verdict.eta_s)
+    elif verdict.eta_at_most_s is not None:
+        text = f"<={_short(verdict.eta_at_most_s)}"
+    elif verdict.eta_at_least_s is not None:
+        text = f">={_short(verdict.eta_at_least_s)}"
+    else:
         return "?"
-    seconds = verdict.eta_s
-    text = (
+    return f"{text} {verdict.eta_basis}/{verdict.eta_quality}"
+
+
+def _short(seconds: float) -> str:
+    return (
         f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
     )
-    return f"{text} {verdict.eta_basis}/{verdict.eta_quality}"
 
 
 def _waited(seconds: float) -> str:
@@ -90,7 +99,17 @@ def render_why(verdict: Verdict) -> None:
             "" if holder.ends_at is None else f", ends in about {max(0.0, holder.ends_at - verdict.computed_at):.0f} s"
         )
         lines.append(f"held on {holder.accelerator}: {short_bytes(holder.bytes)} {holder.kind} {holder.who}{ends}")
-    if verdict.eta_s is None:
+    if verdict.eta_at_most_s is not None:
+        lines.append(
+            f"eta: at most {verdict.eta_at_most_s:.0f} s ({verdict.eta_basis}: only the running work's "
+            "max_duration bounds it, nothing measured to estimate it)"
+        )
+    elif verdict.eta_at_least_s is not None:
+        lines.append(
+            f"eta: at least {verdict.eta_at_least_s:.0f} s ({verdict.eta_basis}: then a slot, for work "
+            "whose service was never measured)"
+        )
+    elif verdict.eta_s is None:
         lines.append("eta: unknown (nothing measured to base it on)")
     else:
         samples = f", {verdict.eta_samples} service samples" if verdict.eta_samples else ""

@@ -27,13 +27,13 @@ is. A verdict's JSON:
      "reason": a WaitReason value, "reasons": [...], "message": the policy's own line,
      "position": {"in_class", "class_depth", "in_deployment", "deployment_depth",
                   "ahead_in_higher_classes", "behind_class"},
-     "eta": {"seconds", "at", "basis", "quality", "samples"},
+     "eta": {"seconds", "at", "basis", "quality", "samples", "at_least_s", "at_most_s"},
      "load": null | {"resident_key", "accelerator", "phase", "started_at", "expected_end_at", "basis"},
      "held_by": [{"accelerator", "kind", "who", "bytes", "ends_at"}], "computed_at"}
 
 An admission check's: {"answer": "now" | "later" | "never", "pool", "capability", "deployment",
 "priority", "action", "accelerator", "failure", "message", "detail", "eta": {"seconds", "basis",
-"quality"}, "verdict": a verdict's JSON or null, "checked_at"}. The reasons, ETA bases and
+"quality", "at_least_s", "at_most_s"}, "verdict": a verdict's JSON or null, "checked_at"}. The reasons, ETA bases and
 qualities are described in modelforge/policy/_verdicts.py."""
 
 from __future__ import annotations

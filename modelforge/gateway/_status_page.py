@@ -197,6 +197,13 @@ function secs(s) {
   if (s < 5400) return Math.round(s / 60) + " min";
   return (s / 3600).toFixed(1) + " h";
 }
+function eta(e) {
+  const how = " (" + e.basis + ", " + e.quality + ")";
+  if (e.seconds !== null) return secs(e.seconds) + how;
+  if (e.at_most_s !== null && e.at_most_s !== undefined) return "at most " + secs(e.at_most_s) + how;
+  if (e.at_least_s !== null && e.at_least_s !== undefined) return "at least " + secs(e.at_least_s) + how;
+  return "unknown";
+}
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -247,7 +254,7 @@ function draw(data) {
       pool.queue.map((v, n) => [n + 1, v.request_id, v.capability,
         v.priority + " #" + v.position.in_class + " of " + v.position.class_depth, v.tenant,
         v.message || v.reason, secs(v.waited_s),
-        v.eta.seconds === null ? "unknown" : secs(v.eta.seconds) + " (" + v.eta.basis + ", " + v.eta.quality + ")"])));
+        eta(v.eta)])));
     root.append(section);
   }
   document.getElementById("updated").textContent = "updated " + new Date(data.now * 1000).toLocaleTimeString();

@@ -140,7 +140,11 @@ def verdict_status(verdict: dict[str, Any]) -> str:
         f"waiting: #{position.get('in_class', '?')} of {position.get('class_depth', '?')} in "
         f"{verdict.get('priority', '?')}: {verdict.get('message') or verdict.get('reason', '')}"
     )
-    seconds = eta.get("seconds")
+    seconds, at_most, at_least = eta.get("seconds"), eta.get("at_most_s"), eta.get("at_least_s")
     if isinstance(seconds, int | float):
         said += f"; about {seconds:.0f} s ({eta.get('basis', '')})"
+    elif isinstance(at_most, int | float):
+        said += f"; at most {at_most:.0f} s ({eta.get('basis', '')})"
+    elif isinstance(at_least, int | float):
+        said += f"; at least {at_least:.0f} s ({eta.get('basis', '')})"
     return said

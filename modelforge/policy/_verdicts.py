@@ -32,7 +32,12 @@ A `Verdict` (one per queued request, in queue order):
     `gang_release`       a gang without a reservation: when enough eligible cards are free;
     `unknown`            nothing to base it on (no service measured, no load to wait for).
   Quality: `measured` (this pool's measurements; `eta_samples` service samples), `catalog` (the
-  catalog's load figure, nothing measured yet), `bound` (max_duration upper bounds), `none`.
+  catalog's load figure, nothing measured yet), `bound` (only a bound is known, so no ETA is
+  claimed: `eta_at_most_s` when the running work's max_duration bounds it, or a reservation's
+  start from its holders' max_duration; `eta_at_least_s` when it waits for a load and then for a
+  slot whose work has never been measured), `none` (nothing to base even a bound on).
+  A bound is never given as the ETA: an upper bound from a max_duration is typically many times
+  the real wait, and a load's end is no estimate for a request its slots are not for.
 
 An `AdmissionCheck` is the dry run: the policy's decision for a request as if it arrived now,
 taken on a copy of the state (nothing is enqueued, started or held): `now` (granted at once),
@@ -53,6 +58,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from modelforge.domain import Deployment, GiB, Residency
 from modelforge.failures import FailureClass
@@ -133,6 +139,9 @@ class Verdict:
     computed_at: float
     load: LoadInFlight | None = None
     held_by: list[Holder] = field(default_factory=list)
+    # Only a bound is known (quality `bound`; `eta_s` is None then): seconds from `computed_at`.
+    eta_at_least_s: float | None = None
+    eta_at_most_s: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """The JSON shape every surface returns as is (gateway, `modelforge queue --json`)."""
@@ -164,6 +173,8 @@ class Verdict:
                 "basis": self.eta_basis,
                 "quality": self.eta_quality,
                 "samples": self.eta_samples,
+                "at_least_s": _rounded(self.eta_at_least_s),
+                "at_most_s": _rounded(self.eta_at_most_s),
             },
             "load": None
             if self.load is None
@@ -183,9 +194,7 @@ class Verdict:
         }
 
     def eta_text(self) -> str:
-        if self.eta_s is None:
-            return "ETA unknown"
-        return f"ETA {_duration(self.eta_s)} ({self.eta_basis}, {self.eta_quality})"
+        return _eta_text(self.eta_s, self.eta_basis, self.eta_quality, self.eta_at_least_s, self.eta_at_most_s)
 
     def line(self) -> str:
         """One line for a live display (the CLI's wait line, a stream's progress)."""
@@ -214,6 +223,8 @@ class AdmissionCheck:
     eta_basis: str = ""
     eta_quality: str = ""
     verdict: Verdict | None = None
+    eta_at_least_s: float | None = None
+    eta_at_most_s: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -231,6 +242,8 @@ class AdmissionCheck:
                 "seconds": None if self.eta_s is None else round(self.eta_s, 3),
                 "basis": self.eta_basis or None,
                 "quality": self.eta_quality or None,
+                "at_least_s": _rounded(self.eta_at_least_s),
+                "at_most_s": _rounded(self.eta_at_most_s),
             },
             "verdict": None if self.verdict is None else self.verdict.to_json(),
             "checked_at": self.checked_at,
@@ -242,12 +255,24 @@ class AdmissionCheck:
         if self.answer == "never":
             detail = f" ({self.detail})" if self.detail else ""
             return f"never: {self.failure}: {self.message}{detail}"
-        eta = (
-            "ETA unknown"
-            if self.eta_s is None
-            else f"ETA {_duration(self.eta_s)} ({self.eta_basis}, {self.eta_quality})"
-        )
+        eta = _eta_text(self.eta_s, self.eta_basis, self.eta_quality, self.eta_at_least_s, self.eta_at_most_s)
         return f"later: {self.action}; {eta}; {self.message}"
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
+def _eta_text(
+    seconds: float | None, basis: str, quality: str, at_least_s: float | None, at_most_s: float | None
+) -> str:
+    if seconds is not None:
+        return f"ETA {_duration(seconds)} ({basis}, {quality})"
+    if at_most_s is not None:
+        return f"ETA at most {_duration(at_most_s)} ({basis}, {quality})"
+    if at_least_s is not None:
+        return f"ETA at least {_duration(at_least_s)} ({basis}, {quality})"
+    return "ETA unknown"
 
 
 def _duration(seconds: float) -> str:
@@ -272,7 +297,8 @@ class _Model:
         self._service: dict[str, tuple[float, int]] = {}
         self._residual: dict[str, tuple[list[float], list[float]]] = {}
         self._load: dict[str, tuple[float, str]] = {}
-        self._slots: dict[str, list[float]] = {}
+        self._slots: dict[str, list[tuple[float, bool]]] = {}
+        self._holds: dict[str, float] = {}
         self._room: dict[str, float | None] = {}
         self._holders: dict[str, list[Holder]] = {}
         self._eligible: dict[tuple[str, str], list[str]] = {}
@@ -292,10 +318,8 @@ class _Model:
     def leases_of_resident(self) -> dict[tuple[str, int], list[Lease]]:
         """The leases running on each resident (its key and incarnation)."""
         found: dict[tuple[str, int], list[Lease]] = {}
-        slots, only = self.state.slots, self.only
-        for lease in self.state.leases.values():
-            if only is not None and lease.deployment not in only:
-                continue
+        slots, only, leases = self.state.slots, self.only, self.state.leases.values()
+        for lease in leases if only is None else [lease for lease in leases if lease.deployment in only]:
             if lease.resident_key and lease.lease_id not in slots:
                 found.setdefault((lease.resident_key, lease.incarnation), []).append(lease)
         return found
@@ -309,9 +333,12 @@ class _Model:
 
     @cached_property
     def residents_of(self) -> dict[str, list[ResidentState]]:
+        """The residents of each deployment (of `only`'s when given)."""
         found: dict[str, list[ResidentState]] = {}
+        only = self.only
         for resident in self.state.residents.values():
-            found.setdefault(resident.deployment, []).append(resident)
+            if only is None or resident.deployment in only:
+                found.setdefault(resident.deployment, []).append(resident)
         return found
 
     def service(self, deployment_id: str) -> tuple[float, int]:
@@ -337,20 +364,23 @@ class _Model:
         return figure
 
     def lease_end(self, lease: Lease) -> float | None:
-        """A running lease's expected end: its mean residual life from the measured service
-        times (the mean of the runs that lasted longer than it has so far, less what it has run:
-        a lease past the mean is not about to end, it is one of the long ones), at most its
-        max_duration; that bound alone while nothing is measured, or when it has outrun every
-        measured run."""
+        return self.lease_end_and_kind(lease)[0]
+
+    def lease_end_and_kind(self, lease: Lease) -> tuple[float | None, bool]:
+        """A running lease's expected end, and whether it is only a bound: its mean residual
+        life from the measured service times (the mean of the runs that lasted longer than it
+        has so far, less what it has run: a lease past the mean is not about to end, it is one
+        of the long ones), at most its max_duration; that bound alone while nothing is measured,
+        or when it has outrun every measured run (None: no bound either)."""
         if not self.service(lease.deployment)[1]:
-            return None if lease.ends_by is None else max(self.now, lease.ends_by)
+            return (None if lease.ends_by is None else max(self.now, lease.ends_by)), True
         elapsed = max(0.0, self.now - lease.granted_at)
         ordered, suffix = self._residual_table(lease.deployment)
         longer = bisect.bisect_right(ordered, elapsed)
         if longer == len(ordered):
-            return None if lease.ends_by is None else max(self.now, lease.ends_by)
+            return (None if lease.ends_by is None else max(self.now, lease.ends_by)), True
         end = self.now + suffix[longer] / (len(ordered) - longer) - elapsed
-        return end if lease.ends_by is None else max(self.now, min(end, lease.ends_by))
+        return (end if lease.ends_by is None else max(self.now, min(end, lease.ends_by))), False
 
     def _residual_table(self, deployment_id: str) -> tuple[list[float], list[float]]:
         """The deployment's measured service times in order, and their suffix sums."""
@@ -437,26 +467,49 @@ class _Model:
         times = sorted(t for a in self.eligible(deployment, priority) if (t := self.room_at(a, need)) is not None)
         return times[deployment.gpu_count - 1] if len(times) >= deployment.gpu_count else None
 
-    def slots(self, deployment: Deployment) -> list[float]:
+    def slots(self, deployment: Deployment) -> list[tuple[float, bool]]:
         """The deployment's slot timeline: a heap of when each slot of its residents is next
-        free (a running lease's expected end; a loading resident's expected readiness)."""
+        free (a running lease's expected end; a loading resident's expected readiness), each
+        with whether that time is only a bound (a max_duration)."""
         found = self._slots.get(deployment.deployment_id)
         if found is not None:
             return found
-        heap: list[float] = []
+        heap: list[tuple[float, bool]] = []
+        turnover = self.turnover(deployment)
         for resident in self.residents_of.get(deployment.deployment_id, []):
             ready = self.ready_at(resident, deployment)
             if ready is None:
                 continue
             busy = self.leases_of_resident.get((resident.key, resident.incarnation), [])
+            if len(busy) > deployment.concurrency:  # over (its concurrency lowered): the first granted
+                busy = sorted(busy, key=lambda lease: (lease.granted_at, lease.lease_id))
             for lease in busy[: deployment.concurrency]:
-                end = self.lease_end(lease)
-                # A lease with no measured service and no max_duration: its end is unknown.
-                heap.append(max(ready, end if end is not None else math.inf))
-            heap.extend([ready] * max(0, deployment.concurrency - len(busy)))
+                end, bound = self.lease_end_and_kind(lease)
+                if end is None:  # no measured service and no max_duration: its end is unknown
+                    heap.append((math.inf, False))
+                else:
+                    heap.append((max(ready, end + turnover), bound and end + turnover > ready))
+            heap.extend([(ready, False)] * max(0, deployment.concurrency - len(busy)))
         heapq.heapify(heap)
         self._slots[deployment.deployment_id] = heap
         return heap
+
+    def holds(self, deployment: Deployment) -> float:
+        """How long a request keeps the slot it takes: a mean service time (and the turnover);
+        unknown (never free again, for this model) while the service was never measured."""
+        held = self._holds.get(deployment.deployment_id)
+        if held is None:
+            mean, samples = self.service(deployment.deployment_id)
+            held = self._holds[deployment.deployment_id] = mean + self.turnover(deployment) if samples else math.inf
+        return held
+
+    def turnover(self, deployment: Deployment) -> float:
+        """What passes between one lease's end and the next start on its slot: nothing on a
+        resident that stays; a batch job's resident goes with its lease, so the next job waits
+        for its unload and a load of its own."""
+        if deployment.residency != Residency.NONE:
+            return 0.0
+        return self.load(deployment, "unload")[0] + self.load(deployment)[0]
 
     def ready_at(self, resident: ResidentState, deployment: Deployment) -> float | None:
         if resident.phase == ResidentPhase.READY:
@@ -521,22 +574,39 @@ _MEMORY_REASONS = frozenset(
 )
 
 
-def _eta(
-    model: _Model, queued: QueuedRequest, deployment: Deployment | None
-) -> tuple[float | None, str, str, int, LoadInFlight | None]:
-    """(start time, basis, quality, samples, load in flight) for one request, in queue order:
-    it takes a slot of its deployment's timeline, so the next one sees what is left."""
+class _Eta(NamedTuple):
+    """One request's ETA: `start` when there is a figure to claim, else at most a bound
+    (`at_least`/`at_most`, absolute times, quality `bound`)."""
+
+    start: float | None
+    basis: str
+    quality: str
+    samples: int
+    load: LoadInFlight | None = None
+    at_least: float | None = None
+    at_most: float | None = None
+
+
+_UNKNOWN = _Eta(None, "unknown", "none", 0)
+
+
+def _eta(model: _Model, queued: QueuedRequest, deployment: Deployment | None) -> _Eta:
+    """One request's ETA, in queue order: it takes a slot of its deployment's timeline, so the
+    next one sees what is left."""
     if deployment is None:
-        return None, "unknown", "none", 0, None
+        return _UNKNOWN
     now = model.now
-    mean, samples = model.service(deployment.deployment_id)
-    quality = "measured" if samples else "none"
+    samples = model.service(deployment.deployment_id)[1]
+    holds = model.holds(deployment)
     if deployment.gpu_count > 1:
         reserved = _RESERVED_FROM.search(queued.waiting_reason)
         if reserved is not None:
-            return now + max(0.0, float(reserved.group(1))), "reservation", "bound", samples, None
+            # From the holders' max_duration: when the reserved cards are free at the latest.
+            return _Eta(None, "reservation", "bound", samples, at_most=now + max(0.0, float(reserved.group(1))))
         start = model.gang_room(deployment, queued.priority)
-        return start, "gang_release" if start is not None else "unknown", quality if start else "none", samples, None
+        if start is None:
+            return _Eta(None, "unknown", "none", samples)
+        return _Eta(start, "gang_release", "measured" if samples else "none", samples)
     heap = model.slots(deployment)
     if queued.assigned_to:
         resident = model.state.residents.get(queued.assigned_to)
@@ -549,41 +619,46 @@ def _eta(
             )
             # The load's slots go to the first ones assigned to it; one assigned past its
             # concurrency waits for a slot after that (the load's slots are in the timeline).
-            start = _next_slot(heap, queued, mean) if heap else end
+            start, bound = _next_slot(heap, queued, holds) if heap else (end, False)
             if start <= end + 1e-6:
-                return end, "load_in_flight", basis, samples, load
-            return start, "queue_service", quality if samples else "bound", samples, load
+                return _Eta(end, "load_in_flight", basis, samples, load)
+            if math.isinf(start):  # a slot after the load's, held by work never measured
+                return _Eta(None, "load_in_flight", "bound", samples, load, at_least=end)
+            if bound:
+                return _Eta(None, "queue_service", "bound", samples, load, at_most=start)
+            return _Eta(start, "queue_service", "measured" if samples else basis, samples, load)
     if heap:
-        start = _next_slot(heap, queued, mean)
+        start, bound = _next_slot(heap, queued, holds)
         if math.isinf(start):
-            return None, "unknown", "none", samples, None
-        return max(now, start), "queue_service", quality if samples else "bound", samples, None
-    if deployment.residency == Residency.NONE:
-        # A batch job's resident goes with its lease: each waits for room and a load of its own.
-        room = model.earliest_room(deployment, queued.priority)
-        if room is None:
-            return None, "unknown", "none", samples, None
-        seconds, basis = model.load(deployment)
-        return room + seconds, "release_then_load", basis, samples, None
+            return _Eta(None, "unknown", "none", samples)
+        if bound:  # the running work's max_duration
+            return _Eta(None, "queue_service", "bound", samples, at_most=max(now, start))
+        # Nothing measured: the slot is a resident's readiness (its load's figure).
+        quality = "measured" if samples else model.load(deployment)[1]
+        return _Eta(max(now, start), "queue_service", quality, samples)
     room = model.earliest_room(deployment, queued.priority)
     if room is None:
-        return None, "unknown", "none", samples, None
+        return _Eta(None, "unknown", "none", samples)
     seconds, basis = model.load(deployment)
     ready = room + seconds
-    # The resident it waits for serves the requests after it too: its slots join the timeline.
-    for _ in range(max(1, deployment.concurrency) - 1):
-        heapq.heappush(heap, ready)
-    heapq.heappush(heap, ready + mean)
-    return ready, "release_then_load", basis, samples, None
+    if deployment.residency != Residency.NONE:
+        # The resident it waits for serves the requests after it too: its slots join the
+        # timeline. (A batch job's resident goes with its lease: each waits for room and a
+        # load of its own.)
+        for _ in range(max(1, deployment.concurrency) - 1):
+            heapq.heappush(heap, (ready, False))
+        heapq.heappush(heap, (ready + holds, False))
+    return _Eta(ready, "release_then_load", basis, samples)
 
 
-def _next_slot(heap: list[float], queued: QueuedRequest, mean: float) -> float:
-    """When `queued` gets the next free slot of its deployment's timeline, which it then holds
-    for a mean service time. One that would start after it expires leaves the queue unserved at
-    its expiry (the policy refuses it then): the slot stays for those behind it."""
-    start = heapq.heappop(heap)
-    heapq.heappush(heap, start if start > queued.expires_at else start + mean)
-    return start
+def _next_slot(heap: list[tuple[float, bool]], queued: QueuedRequest, holds: float) -> tuple[float, bool]:
+    """When `queued` gets the next free slot of its deployment's timeline (and whether that is
+    only a bound), which it then holds for `holds` seconds (a mean service time). One that would
+    start after it expires leaves the queue unserved at its expiry (the policy refuses it then):
+    the slot stays for those behind it."""
+    start, bound = heapq.heappop(heap)
+    heapq.heappush(heap, (start, bound) if start > queued.expires_at else (start + holds, bound))
+    return start, bound
 
 
 def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) -> list[Verdict]:
@@ -628,7 +703,7 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
             ahead_by_class[queued.priority] = ahead_by_class.get(queued.priority, 0) + 1
             continue
         message = _message(state, queued)
-        start, basis, quality, samples, load = _eta(model, queued, deployment)
+        eta = _eta(model, queued, deployment)
         if request_ids is None or queued.request_id in request_ids:
             reasons = _codes(state, queued)
             rank = class_rank(catalog, queued.priority)
@@ -660,18 +735,24 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
                     deployment_depth=deployment_depth[key],
                     ahead_in_higher_classes=sum(ahead_by_class[c] for c in higher),
                     behind_class=min(higher, key=lambda c: (class_rank(catalog, c), c)) if higher else "",
-                    eta_s=None if start is None else max(0.0, start - now),
-                    eta_at=start,
-                    eta_basis=basis,
-                    eta_quality=quality,
-                    eta_samples=samples,
+                    eta_s=_seconds_from(eta.start, now),
+                    eta_at=eta.start,
+                    eta_basis=eta.basis,
+                    eta_quality=eta.quality,
+                    eta_samples=eta.samples,
                     computed_at=now,
-                    load=load,
+                    load=eta.load,
                     held_by=held,
+                    eta_at_least_s=_seconds_from(eta.at_least, now),
+                    eta_at_most_s=_seconds_from(eta.at_most, now),
                 )
             )
         ahead_by_class[queued.priority] = ahead_by_class.get(queued.priority, 0) + 1
     return out
+
+
+def _seconds_from(at: float | None, now: float) -> float | None:
+    return None if at is None else max(0.0, at - now)
 
 
 def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int:
@@ -704,14 +785,27 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
     timed = {d.deployment_id if d is not None else c for c, d in deployment_of.items()}
     model = _Model(state, now, only=timed)
     left = len(by_id)
+    # Per capability: its deployment's slot timeline and how long a slot is held, where one
+    # ahead just takes the next slot (as `_eta` has it: the common case, taken cheaply).
+    plain: dict[str, tuple[list[tuple[float, bool]], float] | None] = {}
     for queued in _timeline_order(state, now, deployment_of, timed):
-        start = _eta(model, queued, deployment_of[queued.capability])[0]  # each takes its slot
         if queued.request_id in by_id:
-            queued.eta_at = start
+            queued.eta_at = _eta(model, queued, deployment_of[queued.capability]).start  # a bound is no prediction
             queued.eta_reason = _codes(state, queued)[0].value
             left -= 1
             if not left:
                 break
+            continue
+        capability = queued.capability
+        if capability not in plain:
+            deployment = deployment_of[capability]
+            single = deployment is not None and deployment.gpu_count == 1
+            plain[capability] = (model.slots(deployment), model.holds(deployment)) if single else None  # type: ignore[arg-type]
+        taken = plain[capability]
+        if taken is not None and taken[0]:
+            _next_slot(taken[0], queued, taken[1])
+        else:
+            _eta(model, queued, deployment_of[capability])  # whatever it takes: a gang none, a load its slots
     return len(by_id)
 
 
@@ -724,11 +818,17 @@ def _timeline_order(
     catalog = state.catalog
     scores = fair_share_scores(state, now)
     buckets: dict[tuple[int, float], list[list[QueuedRequest]]] = {}
+    is_timed: dict[str, bool] = {}
     for (priority, tenant, capability), lane in queue_index(state).lanes.items():
-        if capability not in deployment_of:
-            deployment_of[capability] = catalog.deployment_for(capability)
-        deployment = deployment_of[capability]
-        if (deployment.deployment_id if deployment is not None else capability) not in timed:
+        wanted = is_timed.get(capability)
+        if wanted is None:
+            if capability not in deployment_of:
+                deployment_of[capability] = catalog.deployment_for(capability)
+            deployment = deployment_of[capability]
+            wanted = is_timed[capability] = (
+                deployment.deployment_id if deployment is not None else capability
+            ) in timed
+        if not wanted:
             continue
         buckets.setdefault(bucket_key(catalog, scores, priority, tenant), []).append(lane.items)
     for key in sorted(buckets):
@@ -858,6 +958,8 @@ def admission_check(state: PoolState, request: AdmissionRequest, now: float) -> 
         eta_basis="" if verdict is None else verdict.eta_basis,
         eta_quality="" if verdict is None else verdict.eta_quality,
         verdict=verdict,
+        eta_at_least_s=None if verdict is None else verdict.eta_at_least_s,
+        eta_at_most_s=None if verdict is None else verdict.eta_at_most_s,
     )
 
 

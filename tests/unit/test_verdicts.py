@@ -203,14 +203,43 @@ def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
     admit(s, ask("r1"), NOW + 1)
     [v] = verdicts(s, NOW + 2)
     assert (v.reason, v.eta_s, v.eta_basis, v.eta_quality) == ("concurrency_full", None, "unknown", "none")
-    # A max_duration bounds it: the ETA is that bound, and says so.
+    # A max_duration bounds it: no ETA is claimed (a bound is no estimate), the bound is given.
     s2 = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
     observe(s2, "n/0", managed_gib=4)
     resident(s2, "llm@1", "n/0", 4)
     admit(s2, ask("running", max_duration_s=100.0))
     admit(s2, ask("r1"), NOW + 1)
     [v] = verdicts(s2, NOW + 2)
-    assert v.eta_s == pytest.approx(98.0) and (v.eta_basis, v.eta_quality) == ("queue_service", "bound")
+    assert (v.eta_s, v.eta_at, v.eta_basis, v.eta_quality) == (None, None, "queue_service", "bound")
+    assert v.eta_at_most_s == pytest.approx(98.0) and v.eta_at_least_s is None
+    assert v.to_json()["eta"]["at_most_s"] == pytest.approx(98.0)
+    assert v.eta_text() == "ETA at most 1.6 min (queue_service, bound)"
+    # The first ETA kept for the ETA-error figures is no bound either.
+    s2.queue[-1].eta_reason = ""
+    stamp_predictions(s2, NOW + 2, decide(s2, NOW + 2))
+    assert (s2.queue[-1].eta_at, s2.queue[-1].eta_reason) == (None, "concurrency_full")
+
+
+def test_a_request_past_a_loads_concurrency_with_no_service_measured_gets_the_load_end_as_a_lower_bound() -> None:
+    # A loading resident with two slots and four requests assigned to it: the first two start
+    # when the load ends (the catalog's 20 s); the other two wait for a slot after that, held
+    # by work never measured: no ETA, at least the load's end.
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=2, load_s=20.0)])
+    observe(s, "n/0")
+    for k in range(4):
+        admit(s, ask(f"r{k}"), NOW + k * 0.1)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 5)}
+    first = [(by_id[f"r{k}"].eta_s, by_id[f"r{k}"].eta_quality) for k in range(2)]
+    assert first == [(pytest.approx(15.0), "catalog")] * 2
+    for k in (2, 3):
+        v = by_id[f"r{k}"]
+        assert (v.eta_s, v.eta_basis, v.eta_quality) == (None, "load_in_flight", "bound")
+        assert v.eta_at_least_s == pytest.approx(15.0) and v.load is not None
+    # Once the service is measured, they get an ETA: the load's end plus a mean service.
+    for _ in range(3):
+        note_service(s, "llm@1", 8.0)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 5)}
+    assert (by_id["r2"].eta_s, by_id["r2"].eta_quality) == (pytest.approx(23.0), "measured")
 
 
 # --- the dry run --------------------------------------------------------------------------------
@@ -282,3 +311,26 @@ def test_dry_run_refuses_hopeless_deadlines_as_the_real_decision_does() -> None:
     assert (check.answer, check.failure) == ("never", FailureClass.DEADLINE_CANNOT_BE_MET.value)
     real = admit(s, ask("a", deadline_s=5.0))
     assert [r.failure for r in real.rejects] == [FailureClass.DEADLINE_CANNOT_BE_MET]
+
+
+def test_a_bound_reads_as_a_bound_on_every_surface() -> None:
+    # The Ollama progress line and the queue's JSON say "at most"/"at least", never an ETA.
+    from modelforge.gateway._verdict_source import verdict_status
+
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    admit(s, ask("running", max_duration_s=100.0))
+    check = admission_check(s, ask("probe"), NOW + 1)
+    assert (check.answer, check.eta_s, check.eta_at_most_s) == ("later", None, pytest.approx(99.0))
+    assert "ETA at most 1.6 min" in check.line() and check.to_json()["eta"]["at_most_s"] == pytest.approx(99.0)
+    admit(s, ask("r1"), NOW + 1)
+    [v] = verdicts(s, NOW + 2)
+    shown = json.loads(json.dumps(v.to_json()))
+    assert shown["eta"]["seconds"] is None and shown["eta"]["at_least_s"] is None
+    assert "; at most 98 s (queue_service)" in verdict_status(shown)
+    shown["eta"] = {**shown["eta"], "at_most_s": None, "at_least_s": 12.0}
+    assert "; at least 12 s (queue_service)" in verdict_status(shown)
+    # Behind r1, a second waiter's slot is held by work never measured: nothing, not even a bound.
+    second = admission_check(s, ask("probe"), NOW + 2)
+    assert (second.eta_s, second.eta_at_most_s, second.eta_basis) == (None, None, "unknown")

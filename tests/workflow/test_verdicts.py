@@ -64,9 +64,10 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         waiting = first_look[0]
         assert (waiting.reason, waiting.position_in_class, waiting.class_depth) == ("concurrency_full", 1, 2)
         assert any(h.kind == "lease" and "holder" in h.who for h in waiting.held_by), waiting.held_by
-        # Nothing measured yet: the holder's max_duration bounds when its room comes back.
-        assert waiting.eta_basis == "queue_service" and waiting.eta_s is not None, waiting
-        assert 40.0 <= waiting.eta_s <= 61.0
+        # Nothing measured yet: the holder's max_duration bounds when its room comes back; a
+        # bound, given as one, never as the ETA.
+        assert (waiting.eta_basis, waiting.eta_quality, waiting.eta_s) == ("queue_service", "bound", None), waiting
+        assert waiting.eta_at_most_s is not None and 40.0 <= waiting.eta_at_most_s <= 61.0
         by_id = await request_verdict(client, "third")
         assert by_id is not None and by_id.position_in_class == 2
         assert json.loads(json.dumps(by_id.to_json()))["position"]["in_class"] == 2
@@ -101,6 +102,8 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert table.exit_code == 0 and "concurrency_full" in table.stdout and "third" in table.stdout, table.output
         why = await run("why", "second")
         assert why.exit_code == 0 and "position: 1 of 2" in why.stdout and "holder" in why.stdout, why.output
+        assert "eta: at most" in why.stdout and "max_duration" in why.stdout, why.output
+        assert "<=" in table.stdout, table.output  # the queue's eta column: an upper bound
         gone = await run("why", "nobody-waits")
         assert gone.exit_code == 1 and "not waiting" in gone.stdout
         dry = await run("request", JOB, "--tenant", "lab", "--dry-run", "--json")
@@ -120,6 +123,18 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert await request_verdict(client, "second") is None
         await second.result()
         await third.result()
-        # Each grant after a wait says how far off its first ETA was.
+        # Their first verdicts were bounds, no ETA: their grants have no error to say.
         grants = {e["request_id"]: e for e in await stack.events("lease_granted", at_least=3)}
-        assert "eta_error_s" in grants["second"]["payload"] and grants["second"]["payload"]["eta_reason"]
+        assert "eta_error_s" not in grants["second"]["payload"], grants["second"]
+        # With service measured now (three runs), one that waits gets an ETA, and its grant says
+        # how far off it was.
+        again = await stack.start_request(JOB, tenant="lab", request_id="again", input={"simulate_invoke_s": 3})
+        await _leased(stack)
+        fourth = await stack.start_request(JOB, tenant="lab", request_id="fourth", lease_timeout_s=60)
+        [waits] = await _queued(client, 1)
+        assert (waits.request_id, waits.eta_quality, waits.eta_samples) == ("fourth", "measured", 3), waits
+        assert waits.eta_s is not None and waits.eta_at_most_s is None
+        await again.result()
+        await fourth.result()
+        grants = {e["request_id"]: e for e in await stack.events("lease_granted", at_least=5)}
+        assert "eta_error_s" in grants["fourth"]["payload"] and grants["fourth"]["payload"]["eta_reason"]
