@@ -155,6 +155,7 @@ class Observed(ModelForgeScheduler):
         self.predicted: dict[str, tuple[str, float | None, float | None, str, str]] = {}
         # request id -> (at least, at most): the bound a verdict gave instead of an ETA
         self.bounds: dict[str, tuple[float | None, float | None]] = {}
+        self.expires: dict[str, float] = {}  # request id -> when it stops waiting
         self.started: dict[str, float] = {}
         self.snapshots: list[tuple[float, PoolState]] = []
         self.snapshot_every_s = snapshot_every_s
@@ -180,6 +181,7 @@ class Observed(ModelForgeScheduler):
                     verdict.eta_basis,
                     verdict.eta_quality,
                 )
+                self.expires[verdict.request_id] = verdict.expires_at
                 if verdict.eta_at_least_s is not None or verdict.eta_at_most_s is not None:
                     self.bounds[verdict.request_id] = (
                         None if verdict.eta_at_least_s is None else now + verdict.eta_at_least_s,
@@ -255,6 +257,16 @@ def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
     lines.append(
         "   bounds given instead (no ETA), the start within them: "
         + ", ".join(f"{kind} {sum(flags)}/{len(flags)}" for kind, flags in held.items())
+    )
+    # The ones that never started (refused when they expired): was an ETA before then promised?
+    never = [rid for rid in observed.predicted if rid not in observed.started]
+    promised = [rid for rid in never if (eta := observed.predicted[rid][1]) is not None and eta < observed.expires[rid]]
+    by_reason: dict[str, int] = {}
+    for rid in never:
+        by_reason[observed.predicted[rid][0]] = by_reason.get(observed.predicted[rid][0], 0) + 1
+    lines.append(
+        f"   never started (expired waiting): {len(never)} {by_reason}; told an ETA before their expiry: "
+        f"{len(promised)}"
     )
     return observed, lines
 

@@ -29,13 +29,15 @@ A `Verdict` (one per queued request, in queue order):
                          the load (measured load history, else the catalog's figure);
     `reservation`        a gang the policy reserved cards for: the reservation's own start
                          (from the holders' max_duration: an upper bound);
-    `gang_release`       a gang without a reservation: when enough eligible cards are free;
+    `gang_release`       a gang without a reservation: when enough eligible cards are free,
+                         and its load, as a lower bound (room freed may go to others first);
     `unknown`            nothing to base it on (no service measured, no load to wait for).
   Quality: `measured` (this pool's measurements; `eta_samples` service samples), `catalog` (the
   catalog's load figure, nothing measured yet), `bound` (only a bound is known, so no ETA is
   claimed: `eta_at_most_s` when the running work's max_duration bounds it, or a reservation's
   start from its holders' max_duration; `eta_at_least_s` when it waits for a load and then for a
-  slot whose work has never been measured), `none` (nothing to base even a bound on).
+  slot whose work has never been measured, or is a gang without a reservation), `none` (nothing
+  to base even a bound on).
   A bound is never given as the ETA: an upper bound from a max_duration is typically many times
   the real wait, and a load's end is no estimate for a request its slots are not for.
 
@@ -606,7 +608,10 @@ def _eta(model: _Model, queued: QueuedRequest, deployment: Deployment | None) ->
         start = model.gang_room(deployment, queued.priority)
         if start is None:
             return _Eta(None, "unknown", "none", samples)
-        return _Eta(start, "gang_release", "measured" if samples else "none", samples)
+        # Not reserved: room freed on its cards may go to work ordered ahead of it or backfilled
+        # behind it, so when enough is free is when it could start at the earliest, no estimate.
+        seconds, _ = model.load(deployment)
+        return _Eta(None, "gang_release", "bound", samples, at_least=start + seconds)
     heap = model.slots(deployment)
     if queued.assigned_to:
         resident = model.state.residents.get(queued.assigned_to)

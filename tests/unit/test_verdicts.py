@@ -334,3 +334,23 @@ def test_a_bound_reads_as_a_bound_on_every_surface() -> None:
     # Behind r1, a second waiter's slot is held by work never measured: nothing, not even a bound.
     second = admission_check(s, ask("probe"), NOW + 2)
     assert (second.eta_s, second.eta_at_most_s, second.eta_basis) == (None, None, "unknown")
+
+
+def test_a_waiting_gang_is_told_its_reservation_at_most_and_without_one_when_it_could_start_at_least() -> None:
+    from tests.unit.test_gang_reservation import pool_with_running_job
+
+    # Reserved: the job's max_duration (NOW + 100) is when the gang's cards are free at the latest.
+    s = pool_with_running_job(job_max_duration_s=100.0)
+    apply_decisions(s, decide(s, NOW + 2), NOW + 2, {})
+    [v] = verdicts(s, NOW + 2)
+    assert (v.request_id, v.eta_s, v.eta_basis, v.eta_quality) == ("gang", None, "reservation", "bound")
+    assert v.eta_at_most_s == pytest.approx(98.0)
+    # Not reserved (no max_duration to promise on), the job's service measured (40 s runs): room
+    # on n/0 when the job is expected to end; freed room may go to others first, so a lower bound.
+    s = pool_with_running_job(job_max_duration_s=None)
+    for _ in range(3):
+        note_service(s, "job@1", 40.0)
+    apply_decisions(s, decide(s, NOW + 2), NOW + 2, {})
+    [v] = verdicts(s, NOW + 2)
+    assert (v.eta_s, v.eta_basis, v.eta_quality) == (None, "gang_release", "bound")
+    assert v.eta_at_least_s == pytest.approx(38.0)  # the job's mean 40 s, 2 s of it gone
