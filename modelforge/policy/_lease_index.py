@@ -1,5 +1,6 @@
 """The leases by request id, kept across submissions, so admission (`validate_request`,
-`existing_admission`) and `cancel_request` look one request up instead of walking every lease.
+`existing_admission`) and `cancel_request` look one request up instead of walking every lease;
+and by deployment, so a pass's verdicts (`stamp_predictions`) read one deployment's leases.
 
 `PoolState.leases` stays the truth. The index is derived from it and kept beside it (in the
 state's `__dict__`, never serialized): per request id, the ids of its leases in the order they
@@ -23,13 +24,16 @@ def _last(leases: dict[str, Lease]) -> str | None:
 
 
 class LeaseIndex:
-    __slots__ = ("by_request", "last", "leases", "length")
+    __slots__ = ("by_deployment", "by_request", "last", "leases", "length")
 
     def __init__(self, leases: dict[str, Lease]) -> None:
         self.leases = leases
         self.by_request: dict[str, list[str]] = {}
+        # deployment id -> its leases' ids, in the dict's order (a dict as an ordered set)
+        self.by_deployment: dict[str, dict[str, None]] = {}
         for lease_id, lease in leases.items():
             self.by_request.setdefault(lease.request_id, []).append(lease_id)
+            self.by_deployment.setdefault(lease.deployment, {})[lease_id] = None
         self.length = len(leases)
         self.last = _last(leases)
 
@@ -39,6 +43,7 @@ class LeaseIndex:
     def added(self, lease: Lease) -> None:
         """`lease` was just added to the indexed dict, under its id."""
         self.by_request.setdefault(lease.request_id, []).append(lease.lease_id)
+        self.by_deployment.setdefault(lease.deployment, {})[lease.lease_id] = None
         self.length += 1
         self.last = lease.lease_id
 
@@ -49,6 +54,11 @@ class LeaseIndex:
             ids.remove(lease.lease_id)
             if not ids:
                 del self.by_request[lease.request_id]
+        of_deployment = self.by_deployment.get(lease.deployment)
+        if of_deployment is not None:
+            of_deployment.pop(lease.lease_id, None)
+            if not of_deployment:
+                del self.by_deployment[lease.deployment]
         self.length -= 1
         self.last = _last(self.leases)
 
@@ -63,6 +73,16 @@ class LeaseIndex:
             lease = leases.get(lease_id)
             if lease is not None and lease.request_id == request_id:
                 found.append((lease_id, lease))
+        return found
+
+    def of_deployment(self, deployment_id: str) -> list[Lease]:
+        """The leases of `deployment_id`, in the dict's order."""
+        leases = self.leases
+        found = []
+        for lease_id in self.by_deployment.get(deployment_id, ()):
+            lease = leases.get(lease_id)
+            if lease is not None and lease.deployment == deployment_id:
+                found.append(lease)
         return found
 
 

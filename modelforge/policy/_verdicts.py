@@ -55,9 +55,10 @@ from __future__ import annotations
 import bisect
 import copy
 import heapq
+import itertools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -67,6 +68,7 @@ from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
 from modelforge.policy._decisions import Decisions, WaitReason
+from modelforge.policy._lease_index import lease_index
 from modelforge.policy._order import bucket_key, class_rank, fair_share_scores, queue_order, submission_key
 from modelforge.policy._pass import filter_accelerators
 from modelforge.policy._placement import decide
@@ -320,8 +322,13 @@ class _Model:
     def leases_of_resident(self) -> dict[tuple[str, int], list[Lease]]:
         """The leases running on each resident (its key and incarnation)."""
         found: dict[tuple[str, int], list[Lease]] = {}
-        slots, only, leases = self.state.slots, self.only, self.state.leases.values()
-        for lease in leases if only is None else [lease for lease in leases if lease.deployment in only]:
+        slots, only = self.state.slots, self.only
+        if only is None:
+            leases: Iterable[Lease] = self.state.leases.values()
+        else:  # one deployment's leases from the index (in the dict's order), not every lease
+            index = lease_index(self.state)
+            leases = [lease for deployment_id in sorted(only) for lease in index.of_deployment(deployment_id)]
+        for lease in leases:
             if lease.resident_key and lease.lease_id not in slots:
                 found.setdefault((lease.resident_key, lease.incarnation), []).append(lease)
         return found
@@ -816,7 +823,7 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
 
 def _timeline_order(
     state: PoolState, now: float, deployment_of: dict[str, Deployment | None], timed: set[str]
-) -> Iterator[QueuedRequest]:
+) -> Iterable[QueuedRequest]:
     """The queue order (`iter_queue_order`) of the requests whose deployment is in `timed`
     only, from the queue index's lanes (one per class, tenant and capability, each in submission
     order), without ordering the rest of the queue. `deployment_of` gains the lanes' capabilities."""
@@ -836,12 +843,12 @@ def _timeline_order(
         if not wanted:
             continue
         buckets.setdefault(bucket_key(catalog, scores, priority, tenant), []).append(lane.items)
-    for key in sorted(buckets):
-        lanes = buckets[key]
-        if len(lanes) == 1:
-            yield from lanes[0]
-        else:  # the lanes of one bucket interleave in submission order, as in the queue
-            yield from heapq.merge(*lanes, key=submission_key)
+    # The lanes of one bucket interleave in submission order, as in the queue. (A chain, not a
+    # generator: this is walked on every pass with a new waiter.)
+    return itertools.chain.from_iterable(
+        lanes[0] if len(lanes) == 1 else heapq.merge(*lanes, key=submission_key)
+        for lanes in (buckets[key] for key in sorted(buckets))
+    )
 
 
 def _message(state: PoolState, queued: QueuedRequest) -> str:
