@@ -668,8 +668,9 @@ def _next_slot(heap: list[tuple[float, bool]], queued: QueuedRequest, holds: flo
     only a bound), which it then holds for `holds` seconds (a mean service time). One that would
     start after it expires leaves the queue unserved at its expiry (the policy refuses it then):
     the slot stays for those behind it."""
-    start, bound = heapq.heappop(heap)
-    heapq.heappush(heap, (start, bound) if start > queued.expires_at else (start + holds, bound))
+    start, bound = heap[0]
+    if start <= queued.expires_at:
+        heapq.heapreplace(heap, (start + holds, bound))
     return start, bound
 
 
