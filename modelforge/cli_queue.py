@@ -114,6 +114,11 @@ def render_why(verdict: Verdict) -> None:
     else:
         samples = f", {verdict.eta_samples} service samples" if verdict.eta_samples else ""
         lines.append(f"eta: {verdict.eta_s:.0f} s ({verdict.eta_basis}, {verdict.eta_quality}{samples})")
+    if verdict.starts_after_expiry:
+        lines.append(
+            f"expires in {max(0.0, verdict.expires_at - verdict.computed_at):.0f} s, before that: unless the "
+            "queue moves faster than expected, it is refused then"
+        )
     for line in lines:
         out.print(escape(line), highlight=False, soft_wrap=True)
 

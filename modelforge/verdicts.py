@@ -27,7 +27,7 @@ is. A verdict's JSON:
      "reason": a WaitReason value, "reasons": [...], "message": the policy's own line,
      "position": {"in_class", "class_depth", "in_deployment", "deployment_depth",
                   "ahead_in_higher_classes", "behind_class"},
-     "eta": {"seconds", "at", "basis", "quality", "samples", "at_least_s", "at_most_s"},
+     "eta": {"seconds", "at", "basis", "quality", "samples", "at_least_s", "at_most_s", "after_expiry"},
      "load": null | {"resident_key", "accelerator", "phase", "started_at", "expected_end_at", "basis"},
      "held_by": [{"accelerator", "kind", "who", "bytes", "ends_at"}], "computed_at"}
 

@@ -147,4 +147,6 @@ def verdict_status(verdict: dict[str, Any]) -> str:
         said += f"; at most {at_most:.0f} s ({eta.get('basis', '')})"
     elif isinstance(at_least, int | float):
         said += f"; at least {at_least:.0f} s ({eta.get('basis', '')})"
+    if eta.get("after_expiry"):
+        said += ", past its expiry"
     return said

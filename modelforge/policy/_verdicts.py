@@ -179,6 +179,7 @@ class Verdict:
                 "samples": self.eta_samples,
                 "at_least_s": _rounded(self.eta_at_least_s),
                 "at_most_s": _rounded(self.eta_at_most_s),
+                "after_expiry": self.starts_after_expiry,
             },
             "load": None
             if self.load is None
@@ -197,8 +198,21 @@ class Verdict:
             "computed_at": self.computed_at,
         }
 
+    @property
+    def starts_after_expiry(self) -> bool:
+        """Its ETA (or the earliest it could start) is past when it stops waiting: the policy
+        will refuse it then unless the queue moves faster than expected."""
+        earliest = self.eta_at if self.eta_at is not None else self.eta_at_least_s
+        if earliest is None:
+            return False
+        at = earliest if self.eta_at is not None else self.computed_at + earliest
+        return at > self.expires_at
+
     def eta_text(self) -> str:
-        return _eta_text(self.eta_s, self.eta_basis, self.eta_quality, self.eta_at_least_s, self.eta_at_most_s)
+        text = _eta_text(self.eta_s, self.eta_basis, self.eta_quality, self.eta_at_least_s, self.eta_at_most_s)
+        if self.starts_after_expiry:
+            text += f", past its expiry in {_duration(max(0.0, self.expires_at - self.computed_at))}"
+        return text
 
     def line(self) -> str:
         """One line for a live display (the CLI's wait line, a stream's progress)."""

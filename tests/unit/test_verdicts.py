@@ -193,6 +193,10 @@ def test_a_request_that_expires_before_its_turn_leaves_its_slot_to_the_next() ->
     by_id = {v.request_id: v for v in verdicts(s, NOW + 3)}
     assert by_id["short"].eta_at == pytest.approx(NOW + 10.0)  # after it expires (NOW + 6)
     assert by_id["patient"].eta_at == pytest.approx(NOW + 10.0)
+    # `short` is told so: its ETA is past its expiry.
+    assert by_id["short"].starts_after_expiry and by_id["short"].to_json()["eta"]["after_expiry"] is True
+    assert by_id["short"].eta_text() == "ETA 7 s (queue_service, measured), past its expiry in 3 s"
+    assert not by_id["patient"].starts_after_expiry and "expiry" not in by_id["patient"].line()
 
 
 def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
@@ -354,3 +358,20 @@ def test_a_waiting_gang_is_told_its_reservation_at_most_and_without_one_when_it_
     [v] = verdicts(s, NOW + 2)
     assert (v.eta_s, v.eta_basis, v.eta_quality) == (None, "gang_release", "bound")
     assert v.eta_at_least_s == pytest.approx(38.0)  # the job's mean 40 s, 2 s of it gone
+
+
+def test_why_says_a_request_is_expected_to_expire_before_its_turn(capsys: pytest.CaptureFixture[str]) -> None:
+    from modelforge import cli_queue
+
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for _ in range(4):
+        note_service(s, "llm@1", 10.0)
+    admit(s, ask("running"))
+    admit(s, ask("short", lease_timeout_s=5.0), NOW + 1)
+    [short] = verdicts(s, NOW + 3)
+    cli_queue.render_why(short)
+    cli_queue.render_queue([short])
+    shown = capsys.readouterr().out
+    assert "expires in 3 s, before that" in shown and "7s queue_service" in shown, shown
