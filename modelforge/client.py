@@ -316,6 +316,7 @@ class ModelForgeClient:
             operation=operation,
             stream=stream,
             end_user=end_user,
+            input_bytes=size,
             **({"max_duration_s": float(max_duration_s)} if max_duration_s is not None else {}),
         )
         workflow_id = request_workflow_id(capability, request_id)

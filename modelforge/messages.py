@@ -54,6 +54,9 @@ class RequestInput:
     # Who the application says asked, within the tenant (Open WebUI's forwarded user): on the
     # lease's events, never the tenant ("" none).
     end_user: str = ""
+    # The input's size as JSON, measured by the client that checked it against the payload
+    # limit: on the events that end the request's wait, so a record keeps what it asked for.
+    input_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,12 @@ from modelforge.policy import (
     PoolState,
     ResidentPhase,
     ResidentState,
+    apply_decisions,
     apply_observations,
+    decide,
+    enqueue,
+    resident_ready,
+    validate_request,
 )
 
 NOW = 1_000_000.0
@@ -145,3 +150,30 @@ def ask(
         priority=priority,
         **kw,
     )  # type: ignore[arg-type]
+
+
+def pool_with_running_job(job_max_duration_s: float | None) -> PoolState:
+    """One node, two 24 GiB cards (1 GiB reserve each: 23 usable). A 12 GiB batch job runs on
+    n/0 since NOW, ending by NOW + 100 when it has a max_duration. A 2 x 16 GiB gang then waits:
+    n/0 has 11 GiB free (< 16) until the job ends; n/1 has 23. Later work is kept to n/1."""
+    s = state(
+        [gpu("n/0"), gpu("n/1")],
+        [
+            deployment("job@1", gib=12, residency=Residency.NONE, accelerators=["n/0"]),
+            deployment("gang@1", gib=16, residency=Residency.NONE, idle_bytes=0, gpu_count=2),
+            deployment("small@1", gib=10, residency=Residency.NONE, idle_bytes=0, concurrency=4, accelerators=["n/1"]),
+            deployment("tiny@1", gib=6, residency=Residency.NONE, idle_bytes=0, accelerators=["n/1"]),
+            deployment("warm@1", gib=10, residency=Residency.KEEP_WARM, accelerators=["n/1"]),
+        ],
+    )
+    for card in ("n/0", "n/1"):
+        observe(s, card)
+    enqueue(s, ask("job", "job@1", max_duration_s=job_max_duration_s), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    resident_ready(s, "job@1@n/0", 12 * GiB, NOW)
+    observe(s, "n/0", managed_gib=12, loaded=["job@1@n/0"])
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    assert [lease.request_id for lease in s.leases.values()] == ["job"]
+    _, priority = validate_request(s, ask("gang", "gang@1"), gangs=True)
+    enqueue(s, ask("gang", "gang@1", lease_timeout_s=3600), priority, NOW + 1)
+    return s

@@ -531,6 +531,7 @@ class CapabilityRequestWorkflow:
             max_duration_s=request.max_duration_s,
             admit_by=workflow.now().timestamp() + ADMIT_BUDGET.total_seconds() - ADMIT_MARGIN_S,
             end_user=request.end_user,
+            input_bytes=request.input_bytes,
         )
         try:
             reply = await workflow.execute_local_activity(
@@ -595,7 +596,12 @@ class CapabilityRequestWorkflow:
             request_id=request.request_id,
             workflow_id=info.workflow_id,
             message=message,
-            payload={"capability": request.capability[:200], "tenant": request.tenant[:200], "pool": request.pool},
+            payload={
+                "capability": request.capability[:200],
+                "tenant": request.tenant[:200],
+                "pool": request.pool,
+                "input_bytes": request.input_bytes,
+            },
         )
         try:
             await workflow.start_child_workflow(

@@ -304,7 +304,11 @@ class PoolSchedulerWorkflow:
                 request_id=request.request_id,
                 workflow_id=request.workflow_id,
                 message=rejected.message,
-                payload={"capability": request.capability[:200], "tenant": request.tenant[:200]},
+                payload={
+                    "capability": request.capability[:200],
+                    "tenant": request.tenant[:200],
+                    "input_bytes": request.input_bytes,
+                },
             ),
             now,
         )

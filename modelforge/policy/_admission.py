@@ -57,6 +57,8 @@ class AdmissionRequest:
     admit_by: float | None = None
     # Who the application says asked, within the tenant: kept on the lease's events.
     end_user: str = ""
+    # The input's size as JSON (the client's measure): kept on the events that end its wait.
+    input_bytes: int | None = None
 
 
 def resolve_priority(state: PoolState, request: AdmissionRequest) -> str:
@@ -201,6 +203,7 @@ def enqueue(state: PoolState, request: AdmissionRequest, priority: str, now: flo
         else now + request.deadline_s,
         max_duration_s=request.max_duration_s,
         end_user=request.end_user,
+        input_bytes=request.input_bytes,
     )
     index = current_index(state)
     insert_in_submission_order(state.queue, queued)
@@ -220,4 +223,5 @@ def asked_for(queued: QueuedRequest) -> dict[str, str | int | float | bool | Non
         "deadline_s": None if queued.deadline_at is None else round(queued.deadline_at - queued.submitted_at, 3),
         "lease_timeout_s": round(queued.lease_timeout_at - queued.submitted_at, 3),
         "max_duration_s": queued.max_duration_s,
+        "input_bytes": queued.input_bytes,
     }

@@ -173,6 +173,8 @@ class QueuedRequest:
     eta_reason: str = ""
     # Who the application says asked, within the tenant ("" none): on its lease's events.
     end_user: str = ""
+    # The input's size as JSON, when the client measured it (None: not known).
+    input_bytes: int | None = None
 
     @property
     def expires_at(self) -> float:

@@ -85,6 +85,7 @@ class ModelForgeScheduler:
             deadline_s=request.deadline_s,
             lease_timeout_s=request.lease_timeout_s or self.sim.lease_timeout_s,
             max_duration_s=request.max_duration_s,
+            input_bytes=request.input_bytes,
         )
         try:
             _, priority = validate_request(self.state, admission, gangs=True)
@@ -98,7 +99,11 @@ class ModelForgeScheduler:
                         request_id=request.request_id,
                         workflow_id=request.request_id,
                         message=rejected.message,
-                        payload={"capability": request.capability, "tenant": request.tenant},
+                        payload={
+                            "capability": request.capability,
+                            "tenant": request.tenant,
+                            "input_bytes": request.input_bytes,
+                        },
                     )
                 ],
             )
@@ -229,6 +234,7 @@ class ModelForgeScheduler:
             preempted=True,
             submitted_at=self.submitted_at.get(request.request_id, now),
             max_duration_s=request.max_duration_s,
+            input_bytes=request.input_bytes,
         )
         self._queued(enqueue(self.state, again, lease.priority, now))
 

@@ -356,6 +356,7 @@ def build_record_scenario(
                 "deadline_s": grant.get("deadline_s"),
                 "lease_timeout_s": grant.get("lease_timeout_s"),
                 "max_duration_s": grant.get("max_duration_s"),
+                "input_bytes": grant.get("input_bytes"),
             }
         line["arrived"] = min(line["arrived"], arrived)
         line["service_s"] += ran_s
@@ -396,6 +397,7 @@ def build_record_scenario(
             "deadline_s": ended.get("deadline_s"),
             "lease_timeout_s": ended.get("lease_timeout_s"),
             "max_duration_s": ended.get("max_duration_s"),
+            "input_bytes": ended.get("input_bytes"),
             "refused_as": ended.get("failure"),
         }
     if unknown_ask:
@@ -437,7 +439,7 @@ def build_record_scenario(
             "tenant": line["tenant"],
             "service_s": round(max(0.0, line["service_s"]), 4),
         }
-        for key in ("priority", "deadline_s", "max_duration_s", "lease_timeout_s"):
+        for key in ("priority", "deadline_s", "max_duration_s", "lease_timeout_s", "input_bytes"):
             if line.get(key) is not None:
                 out[key] = line[key]
         # The record keeps the class a request got, not whether it asked for one: a request in
@@ -451,10 +453,18 @@ def build_record_scenario(
     external = _external(snapshots, {a.id for a in catalog.accelerators}, since_s, until_s)
     if not snapshots:
         notes.append("no capacity snapshots in the window: external processes replay as using no memory")
+    sized = sum(1 for line in lines if "input_bytes" in line)
+    if sized < len(lines):
+        notes.append(f"{len(lines) - sized} request(s) without an input size (recorded before it was kept)")
     if anonymise:
-        notes.append("anonymised: tenants renamed tenant-N, request ids numbered; the record keeps no inputs")
+        notes.append(
+            "anonymised: tenants renamed tenant-N, request ids numbered; the record keeps inputs' sizes, not their"
+            " content"
+        )
     else:
-        notes.append("inputs are not replayed (the record keeps their service time, not their content)")
+        notes.append(
+            "inputs replay by their measured service time; the record keeps their size (input_bytes), not their content"
+        )
     record = RecordScenario(
         pool=pool,
         since_s=since_s,

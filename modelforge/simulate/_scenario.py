@@ -29,6 +29,7 @@ _REQUEST_FIELDS = {
     "preemptible",
     "max_duration_s",
     "lease_timeout_s",
+    "input_bytes",
     "id",
 }
 
@@ -55,6 +56,9 @@ class SimRequest:
     base_capability: str = ""
     # How long it may wait for a lease (None: the scenario's [simulation] lease_timeout_s).
     lease_timeout_s: float | None = None
+    # The input's size as JSON (from a record; None: not known). Carried into the replay's
+    # events: the service time is what the simulator replays, not the input.
+    input_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,9 @@ def parse_requests(
         lease_timeout = (
             _number(number, data, "lease_timeout_s", minimum=0.0, required=False) if "lease_timeout_s" in data else None
         )
+        input_bytes = (
+            _number(number, data, "input_bytes", minimum=0.0, required=False) if "input_bytes" in data else None
+        )
         assert t is not None and service_s is not None
         if t < last_t:
             raise ScenarioError(f"request line {number}: t={t} is earlier than the line before ({last_t})")
@@ -270,6 +277,7 @@ def parse_requests(
                 max_duration_s=max_duration,
                 base_capability=capability,
                 lease_timeout_s=lease_timeout or None,
+                input_bytes=None if input_bytes is None else int(input_bytes),
             )
         )
     if variants.added:

@@ -305,6 +305,36 @@ def test_a_request_that_timed_out_waiting_times_out_again_in_the_replay() -> Non
     assert as_it_was.waits["impatient"] is None
 
 
+def test_the_record_keeps_each_requests_input_size_served_or_refused(tmp_path: Path) -> None:
+    # A served call and one that timed out waiting, each with the size of the input it sent:
+    # the record's events carry it, the scenario built from them has it on both lines, and the
+    # scenario written for a bug report (anonymised) keeps it and reads back with it.
+    catalog = _catalog(600.0)
+    lines = [
+        json.dumps(
+            {"id": "long", "t": 0.0, "capability": "chat@1", "tenant": "bob-private", "service_s": 100.0,
+             "input_bytes": 123456}
+        ),
+        json.dumps(
+            {"id": "impatient", "t": 20.0, "capability": "chat@1", "tenant": "alice-private", "service_s": 1.0,
+             "lease_timeout_s": 30.0, "input_bytes": 17}
+        ),
+    ]  # fmt: skip
+    requests, with_variants = parse_request_lines(lines, catalog)
+    assert [r.input_bytes for r in requests] == [123456, 17]
+    now = 1_000_000.0
+    rows = record_rows(make_record(Scenario(with_variants, requests, []), now))
+    record = build_record_scenario(rows, [(now - 10, catalog)], since_s=now, until_s=now + 600, anonymise=True)
+    assert [(line["id"], line.get("input_bytes")) for line in record.lines] == [("r1", 123456), ("r2", 17)]
+    assert not any("without an input size" in note for note in record.notes), record.notes
+    loaded = load_scenario(record.write(tmp_path / "shared"))
+    assert [r.input_bytes for r in loaded.requests] == [123456, 17]
+    # A line with a size that is not a size is refused by name.
+    bad = json.dumps({"t": 0.0, "capability": "chat@1", "tenant": "bob-private", "service_s": 1.0, "input_bytes": -1})
+    with pytest.raises(ModelForgeError, match="input_bytes must be at least 0"):
+        parse_request_lines([bad], catalog)
+
+
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     env["MODELFORGE_DATABASE_URL"] = url

@@ -26,7 +26,7 @@ from modelforge.policy import (
     verdicts,
 )
 from modelforge.policy._state import measured, note_service
-from tests.builders import NOW, deployment, gpu, observe, resident, state, tenant
+from tests.builders import NOW, deployment, gpu, observe, pool_with_running_job, resident, state, tenant
 from tests.builders import ask as ask_for
 
 
@@ -341,8 +341,6 @@ def test_a_bound_reads_as_a_bound_on_every_surface() -> None:
 
 
 def test_a_waiting_gang_is_told_its_reservation_at_most_and_without_one_when_it_could_start_at_least() -> None:
-    from tests.unit.test_gang_reservation import pool_with_running_job
-
     # Reserved: the job's max_duration (NOW + 100) is when the gang's cards are free at the latest.
     s = pool_with_running_job(job_max_duration_s=100.0)
     apply_decisions(s, decide(s, NOW + 2), NOW + 2, {})

@@ -128,13 +128,16 @@ async def test_a_queued_requests_verdict_is_readable_and_follows_the_blocking_le
         assert "eta_error_s" not in grants["second"]["payload"], grants["second"]
         # With service measured now (three runs), one that waits gets an ETA, and its grant says
         # how far off it was.
-        again = await stack.start_request(JOB, tenant="lab", request_id="again", input={"simulate_invoke_s": 3})
+        # (Through the client, as an application sends it: it measures the input.)
+        again = asyncio.create_task(client.request(JOB, {"simulate_invoke_s": 3}, tenant="lab", request_id="again"))
         await _leased(stack)
         fourth = await stack.start_request(JOB, tenant="lab", request_id="fourth", lease_timeout_s=60)
         [waits] = await _queued(client, 1)
         assert (waits.request_id, waits.eta_quality, waits.eta_samples) == ("fourth", "measured", 3), waits
         assert waits.eta_s is not None and waits.eta_at_most_s is None
-        await again.result()
+        assert (await again).ok
         await fourth.result()
         grants = {e["request_id"]: e for e in await stack.events("lease_granted", at_least=5)}
         assert "eta_error_s" in grants["fourth"]["payload"] and grants["fourth"]["payload"]["eta_reason"]
+        # What it asked for, its input's size included (the record's what-if replays it).
+        assert grants["again"]["payload"]["input_bytes"] == len(json.dumps({"simulate_invoke_s": 3}))
