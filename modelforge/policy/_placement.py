@@ -218,11 +218,15 @@ def _decide_queue(
     exactly as `decide_each(..., reuse_settled=False)` orders it; the property tests compare."""
     state = pass_.state
     catalog = state.catalog
-    scores = fair_share_scores(state, now)
     production = production_ranks(catalog)
+    lanes_now = queue_index(state).lanes.values()
+    ranks = [class_rank(catalog, lane.priority) for lane in lanes_now]
+    # The fair-share scores order lanes of one class only: a pass whose lanes are each of a
+    # class of their own (an idle or quiet pool, most passes) does without them.
+    scores = fair_share_scores(state, now) if len(set(ranks)) < len(ranks) else {}
     groups: dict[tuple[int, float], list[Lane]] = {}
-    for lane in queue_index(state).lanes.values():
-        key = (class_rank(catalog, lane.priority), -scores.get(fair_share_entity(lane.priority, lane.tenant), 0.0))
+    for rank, lane in zip(ranks, lanes_now, strict=True):
+        key = (rank, -scores.get(fair_share_entity(lane.priority, lane.tenant), 0.0))
         group = groups.get(key)
         if group is None:
             groups[key] = [lane]
