@@ -21,6 +21,7 @@ from temporalio.service import RPCError
 
 from activities import _stream_push as stream_push
 from activities._delegation import NodeSlots, PoolSlots
+from activities._invoke_journal import InvokeJournal
 from activities._invoke_outcomes import InvokeOutcomes
 from activities._profile import run_profile
 from modelforge.domain import Deployment, Observation, ProcessUsage
@@ -126,11 +127,13 @@ class NodeActivities:
         checkpoint_root: Path | None = None,
         request_queue: str = "",
         slots: NodeSlots | PoolSlots | None = None,
+        journal: InvokeJournal | None = None,
     ) -> None:
         """`labels`: what this node advertises for all its accelerators (`rack_id`,
         `network_bandwidth_gbps`, from its configuration); `nvlink_group_id` comes from NVML.
         `request_queue`: this node's worker runs request workflows there too (invoke results name
-        it, so clients route later requests for the capability to it)."""
+        it, so clients route later requests for the capability to it). `journal`: the invokes
+        running here, on disk, for a restarted worker to fail (activities/_invoke_journal.py)."""
         self._slots = slots  # lent by the scheduler for warm requests (activities/_delegation.py)
         self._labels = dict(labels or {})
         self._request_queue = request_queue
@@ -147,6 +150,7 @@ class NodeActivities:
         # The runtime of each gang job part running here, by (lease id, rank): for its checkpoint.
         self._jobs: dict[tuple[str, int], Runtime] = {}
         self._outcomes = InvokeOutcomes()  # each invoke's, kept a while after it ends
+        self._journal = journal or InvokeJournal(None)
         self._clock = clock
 
     def _runtime(self, name: str) -> Runtime:
@@ -272,6 +276,8 @@ class NodeActivities:
     async def invoke(self, request: InvokeInput) -> InvokeResult:
         lease_id, request_id = request.lease_id, request.request_id
         self._outcomes.begin(lease_id, request_id)
+        info = activity.info()
+        running = self._journal.begin(lease_id, request_id, info.task_token, info.workflow_id or "")
         try:
             result = await (self._invoke_on_slot(request) if request.delegated else self._invoke(request))
         except ApplicationError as error:
@@ -285,6 +291,8 @@ class NodeActivities:
             crash = (FailureClass.RUNTIME_CRASH.value, f"{type(error).__name__}: {error}", True)
             self._outcomes.end(lease_id, request_id, failure=crash)
             raise
+        finally:
+            self._journal.end(running)
         self._outcomes.end(lease_id, request_id, result=result)
         return result
 

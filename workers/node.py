@@ -14,6 +14,7 @@ from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities import AdmissionActivities, NodeActivities
 from activities._delegation import NodeSlots, PoolSlots
+from activities._invoke_journal import InvokeJournal, fail_left_invokes, invoke_journal_dir
 from modelforge.catalog import ExternalSpec, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import (
@@ -81,10 +82,13 @@ def build_node_worker(
     labels: dict[str, str] | None = None,
     checkpoint_root: Path | None = None,
     slots: NodeSlots | PoolSlots | None = None,
+    journal: InvokeJournal | None = None,
 ) -> Worker:
     """`slots`: the node's delegated slots (warm-path delegation); their sync loop is the
     caller's to run (`NodeSlots.run`). None: every request is admitted by the scheduler."""
-    activities = node_activities(client, node, backend, runtimes, artifact_roots, labels, checkpoint_root, slots)
+    activities = node_activities(
+        client, node, backend, runtimes, artifact_roots, labels, checkpoint_root, slots, journal
+    )
     return node_temporal_worker(client, node, activities, slots)
 
 
@@ -97,9 +101,11 @@ def node_activities(
     labels: dict[str, str] | None = None,
     checkpoint_root: Path | None = None,
     slots: NodeSlots | PoolSlots | None = None,
+    journal: InvokeJournal | None = None,
 ) -> NodeActivities:
     """The node's activities and what they know (the models loaded here): one per process, kept
-    across restarts of its Temporal worker (`node_temporal_worker`)."""
+    across restarts of its Temporal worker (`node_temporal_worker`). `journal`: where the
+    invokes running here are noted (activities/_invoke_journal.py)."""
     activities = NodeActivities(
         node,
         backend,
@@ -110,6 +116,7 @@ def node_activities(
         checkpoint_root=checkpoint_root,
         request_queue=node_task_queue(node),
         slots=slots,
+        journal=journal,
     )
     if slots is not None:
         # A slot is claimed only on a model this worker has loaded: a restarted worker (its
@@ -237,6 +244,14 @@ async def _run(
             if settings.delegation_sync_s
             else None
         )
+        # The invokes the previous process of this worker was running (killed, crashed) are
+        # failed at once, their leases released, not held until their heartbeat timeout.
+        journal = InvokeJournal(invoke_journal_dir(settings.home, node))
+
+        async def fail_left() -> None:
+            await fail_left_invokes(client, journal, node)
+
+        tasks.append(asyncio.create_task(retrying(fail_left, "fail_left_invokes", logger=log, node=node)))
         activities = node_activities(
             client,
             node,
@@ -246,6 +261,7 @@ async def _run(
             labels,
             settings.resolved_checkpoint_dir(),
             slots,
+            journal,
         )
         # Each pool's delegation sync a loop of its own, restarted alone should it ever raise.
         for name, pool_slots in (slots.by_pool if slots is not None else {}).items():

@@ -18,6 +18,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities._delegation import NodeSlots, PoolSlots
+from activities._invoke_journal import InvokeJournal, invoke_journal_dir
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
@@ -151,7 +152,15 @@ def _node_worker(
     catalog's CPU device when it declares one on this node."""
     devices = NodeDevices(backend, host_device(node, catalog, None))
     runtimes = node_runtimes(devices, home, node)
-    worker = build_node_worker(client, node, devices, runtimes, checkpoint_root=home / "checkpoints", slots=slots)
+    worker = build_node_worker(
+        client,
+        node,
+        devices,
+        runtimes,
+        checkpoint_root=home / "checkpoints",
+        slots=slots,
+        journal=InvokeJournal(invoke_journal_dir(home, node)),
+    )
     _SERVERS[worker] = [r for r in runtimes.values() if isinstance(r, SubprocessHttpRuntime)]
     return worker
 
