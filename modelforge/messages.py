@@ -235,6 +235,9 @@ class SchedulerInput:
     lost_grants: list[Lease] = field(default_factory=list)
     # Whether the guard's repair was still going on (`LedgerAudit.final`), carried likewise.
     audit_repair_open: bool = False
+    # The leases an audit reclaimed whose holders were told to stop and have not said they did
+    # (lease id -> when told): grants wait for them, carried likewise.
+    holders_stopping: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,12 @@ CONTINUE_WAIT_LIMIT_S = 60.0
 # and its capacity given again meanwhile is held twice (seen in the chaos round). At most this
 # long (Postgres down): then the heartbeat fence alone stops a forgotten holder that invokes.
 AUDIT_BEFORE_GRANTS_LIMIT_S = 60.0
+# A lease the audit reclaims (its run forgot it) may be in use: its holder is told to stop, and
+# its room is given again only once the holder says it stopped (its release), or after this
+# long (two heartbeat periods of an invoke, with the stop's delivery): before, the reset run
+# granted it at once and the card ran the holder's invoke beside the next one's (a chaos round:
+# five at once on a concurrency-4 model, for 0.3 s).
+HOLDER_STOP_LIMIT_S = 10.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
 DELEGATION_SPARE_SLOTS = 1
@@ -202,6 +208,8 @@ class PoolSchedulerWorkflow:
         # Grants of a reset's discarded history, reclaimed with the next audit (`LedgerAudit`).
         self._lost_grants: dict[str, policy.Lease] = {lease.lease_id: lease for lease in start.lost_grants}
         self._repair_open = start.audit_repair_open  # grants wait for the guard's final ask too
+        # Holders of reclaimed leases told to stop, not yet heard to (`_holders_stopping`).
+        self._stopping: dict[str, float] = dict(start.holders_stopping)
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -250,7 +258,7 @@ class PoolSchedulerWorkflow:
             else:
                 admitted[request.request_id] = (position, taken)
         if admitted:
-            if not self._grants_wait_for_audit():  # else queued, granted once the audit answered
+            if not self._grants_held():  # else queued, granted once the audit answered
                 self._run_policy(now)
             # Decisions about the requests just admitted go back in the reply, not as signals.
             kept: list[tuple[str, LeaseDecision]] = []
@@ -316,6 +324,7 @@ class PoolSchedulerWorkflow:
     @workflow.signal
     def release(self, signal: ReleaseSignal) -> None:
         now = self._now()
+        self._stopping.pop(signal.lease_id, None)  # a reclaimed lease's holder has stopped
         lease = self._state.leases.get(signal.lease_id)
         if signal.lease_id in self._state.slots:
             # A request on a delegated slot failed or was preempted: its node reports it and keeps
@@ -905,7 +914,7 @@ class PoolSchedulerWorkflow:
             self._reclaim_forgotten(self._now())
             if self._grants_wait_since is not None and not self._grants_wait_for_audit():
                 self._grants_wait_since = None  # the audit did not answer in time: grant again
-            if not self._grants_wait_for_audit():
+            if not self._grants_held():
                 self._run_policy(self._now())
             self._own_grants(self._now())
             self._unload_drained(self._now())
@@ -934,6 +943,7 @@ class PoolSchedulerWorkflow:
                         grants_wait_for_audit_since=self._grants_wait_since,
                         lost_grants=list(self._lost_grants.values()),
                         audit_repair_open=self._repair_open,
+                        holders_stopping=dict(self._stopping),
                     ),
                     task_timeout=SCHEDULER_TASK_TIMEOUT,
                     initial_versioning_behavior=UPGRADE_ON_CONTINUE,
@@ -1071,6 +1081,8 @@ class PoolSchedulerWorkflow:
             due.append(self._continue_due_at + CONTINUE_WAIT_LIMIT_S)
         if self._grants_wait_since is not None:
             due.append(self._grants_wait_since + AUDIT_BEFORE_GRANTS_LIMIT_S)
+        if self._stopping:
+            due.append(min(self._stopping.values()) + HOLDER_STOP_LIMIT_S)
         return max(0.5, min(due) - now)
 
     def _run_policy(self, now: float) -> None:
@@ -1192,6 +1204,20 @@ class PoolSchedulerWorkflow:
         """Whether grants wait for the ledger audit asked with a reset (AUDIT_BEFORE_GRANTS_LIMIT_S)."""
         since = self._grants_wait_since
         return since is not None and self._now() - since < AUDIT_BEFORE_GRANTS_LIMIT_S
+
+    def _holders_stopping(self) -> bool:
+        """Whether grants wait for the holders of reclaimed leases to stop (HOLDER_STOP_LIMIT_S);
+        a holder not heard from in that long is let go."""
+        now = self._now()
+        for lease_id, told_at in list(self._stopping.items()):
+            if now - told_at >= HOLDER_STOP_LIMIT_S:
+                del self._stopping[lease_id]
+        return bool(self._stopping)
+
+    def _grants_held(self) -> bool:
+        """Whether this pass grants nothing: the audit asked with a reset has not answered, or
+        the holders of the leases it reclaimed have not stopped."""
+        return self._grants_wait_for_audit() or self._holders_stopping()
 
     def _continue_overdue(self) -> bool:
         """Whether continue-as-new has been due for CONTINUE_WAIT_LIMIT_S or more."""
@@ -1383,6 +1409,7 @@ class PoolSchedulerWorkflow:
     def _reclaim_lost(self, forgotten: policy.Lease, now: float) -> None:
         """Close a lease this run does not hold and stop its holder (`_reclaim_forgotten`)."""
         reason = "the scheduler no longer held it (its run was reset past the grant)"
+        stopped = forgotten.lease_id in self._released  # its holder's release came already
         self._record(
             policy.PolicyEvent(
                 kind="lease_reclaimed",
@@ -1403,6 +1430,16 @@ class PoolSchedulerWorkflow:
         if forgotten.workflow_id:
             stop = PreemptSignal(lease_id=forgotten.lease_id, reason=f"its lease was reclaimed: {reason}", grace_s=0.0)
             self._preempts_out.append((forgotten.workflow_id, stop))
+            if not stopped:
+                # Its room is not given again until it says it stopped (HOLDER_STOP_LIMIT_S). An
+                # admission of its request this run still has queued is the one from before the
+                # forgotten grant: gone, as the holder asks again once stopped (a fresh wait; the
+                # old one would expire while grants wait, and refuse the asking again).
+                self._stopping.setdefault(forgotten.lease_id, now)
+                stale = [q for q in self._state.queue if q.request_id == forgotten.request_id]
+                if stale and all(q.workflow_id == forgotten.workflow_id for q in stale):
+                    why = "its grant was forgotten; it asks again once stopped"
+                    self._record_all(policy.cancel_request(self._state, forgotten.request_id, now, why), now)
         self._wake = True
 
     def _never_reissue(self, lease_id: str) -> None:

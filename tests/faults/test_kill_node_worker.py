@@ -8,7 +8,6 @@ before the request."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -28,6 +27,7 @@ from temporalio.testing import WorkflowEnvironment
 import workflows.request as request_workflow
 from modelforge.catalog import example_catalog_path
 from modelforge.domain import resident_key
+from tests.invoke_log import most_at_once
 from workers.stack import Stack, running_stack
 from workflows.request import INVOKE_HEARTBEAT
 
@@ -152,21 +152,6 @@ INCARNATION_CAP = "incarnation.slot@1"
 # the restarted worker is busy. (60 s in production; a module constant the request workflow
 # reads when it starts an invoke, and request workflows run in this process.)
 SHORT_HEARTBEAT = timedelta(seconds=12)
-
-
-def most_at_once(invoke_log: Path, key: str) -> int:
-    """The most invokes of `key` that really ran at one instant on the simulated card, by its
-    own record (health checks, under no lease, left out; an end before a start at a tie)."""
-    points: list[tuple[float, int]] = []
-    for line in invoke_log.read_text(encoding="utf-8").splitlines() if invoke_log.exists() else []:
-        ran = json.loads(line)
-        if ran["key"] == key and ran["lease_id"]:
-            points += [(float(ran["start"]), 1), (float(ran["end"]), -1)]
-    running = most = 0
-    for _, step in sorted(points):
-        running += step
-        most = max(most, running)
-    return most
 
 
 async def test_leases_of_a_resident_lost_with_its_node_worker_never_count_on_its_reload(

@@ -39,7 +39,9 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 from temporalio.workflow import NondeterminismError
 
+from modelforge.domain import resident_key
 from modelforge.policy import PolicyConfig
+from tests.invoke_log import most_at_once
 from workers.control import workflow_runner
 from workers.replay_guard import ReplayGuard, replayer_check, reset_point
 from workers.stack import running_stack
@@ -280,12 +282,15 @@ async def test_a_reset_past_a_grant_reclaims_the_lease_it_forgot(
 
 
 async def test_a_reset_run_grants_nothing_before_its_audit_has_answered(
-    dev_server_env: WorkflowEnvironment, database_url: str
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request queued behind the second (before the grant the reset forgets): the reset run
     finds the card's one slot free and must not give it away before its audit has reclaimed the
     forgotten lease (seen in a chaos round: the room granted again at once, the ledger showing it
-    held twice for 16 s)."""
+    held twice for 16 s), nor before the second's holder, told to stop, has stopped its invoke
+    (seen in a later round: the card ran it beside the next grant's for 0.3 s)."""
+    invoke_log = tmp_path / "invokes.jsonl"
+    monkeypatch.setenv("MODELFORGE_SIMULATED_INVOKE_LOG", str(invoke_log))
     async with running_stack(
         dev_server_env.client,
         database_url,
@@ -317,6 +322,9 @@ async def test_a_reset_run_grants_nothing_before_its_audit_has_answered(
         assert result.lease.lease_id != row["lease_id"]
         assert (await first.result()).output
         await _no_lease_left(stack)
+        # The card's own record: the forgotten lease's invoke had stopped before the third's
+        # started, one at a time on the one slot.
+        assert most_at_once(invoke_log, resident_key("fence.one@1", "route-a/0")) == 1, invoke_log.read_text()
 
 
 async def test_a_reset_sends_its_admissions_again_and_reclaims_a_grant_never_written(
