@@ -258,7 +258,7 @@ class PoolSchedulerWorkflow:
             else:
                 admitted[request.request_id] = (position, taken)
         if admitted:
-            if not self._grants_held():  # else queued, granted once the audit answered
+            if not self._grants_held():  # else queued: granted once the audit answered, holders stopped
                 self._run_policy(now)
             # Decisions about the requests just admitted go back in the reply, not as signals.
             kept: list[tuple[str, LeaseDecision]] = []
