@@ -4,7 +4,7 @@ after its process died (killed, out of memory, crashed) fails them at once.
 Without it the request workflows of those invokes hear nothing until their invoke's heartbeat
 timeout (60 s, `workflows/request.py` INVOKE_HEARTBEAT), holding their leases, and so their
 slots, all that time: a node agent that dies mid-invoke made its model look busy for a minute
-(issue 31's chaos rounds). The heartbeat timeout stays the bound for a node that does not come
+(the chaos rounds, docs/BENCHMARKS.md). The heartbeat timeout stays the bound for a node that does not come
 back; a node that does says at once that the invokes it was running are gone.
 
 One small file per running invoke (`<hash of lease and request>.json`, 0600 in a 0700

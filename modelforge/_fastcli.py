@@ -786,6 +786,8 @@ def request_json(api: Http, args: RequestArgs, route: tuple[str, str] | None = N
         "deadline_s": args.deadline_s,
         "lease_timeout_s": args.lease_timeout_s,
         "pool": pools[0],
+        # The input's size as the client measures it (`ModelForgeClient.request`): the record keeps it.
+        "input_bytes": args.size,
         **REQUEST_INPUT_DEFAULTS,
     }
     payload = plain(request)

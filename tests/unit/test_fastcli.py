@@ -66,7 +66,17 @@ def test_the_schemas_are_the_real_dataclasses() -> None:
 def test_the_request_input_is_the_sdk_paths_bytes() -> None:
     """The workflow input the fast path sends is byte for byte what the SDK path sends."""
     fields = {f.name for f in dataclasses.fields(RequestInput)}
-    sent = {"request_id", "capability", "input", "priority", "tenant", "deadline_s", "lease_timeout_s", "pool"}
+    sent = {
+        "request_id",
+        "capability",
+        "input",
+        "priority",
+        "tenant",
+        "deadline_s",
+        "lease_timeout_s",
+        "pool",
+        "input_bytes",
+    }
     assert fields == sent | set(fast.REQUEST_INPUT_DEFAULTS)
     defaults = {f.name: f.default for f in dataclasses.fields(RequestInput) if f.name in fast.REQUEST_INPUT_DEFAULTS}
     assert defaults == fast.REQUEST_INPUT_DEFAULTS
@@ -82,6 +92,7 @@ def test_the_request_input_is_the_sdk_paths_bytes() -> None:
             "pool": "default",
         }
         request |= {"lease_timeout_s": None} | values
+        request["input_bytes"] = len(json.dumps(request["input"]).encode())
         sdk = PayloadConverter().to_payloads([RequestInput(**request)])[0]
         ours = fast.plain(request | fast.REQUEST_INPUT_DEFAULTS)
         assert base64.b64decode(ours["data"]) == sdk.data
