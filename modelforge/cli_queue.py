@@ -76,6 +76,15 @@ def render_queue(verdicts: list[Verdict]) -> None:
     _table_console().print(table)
 
 
+# What a verdict's bound rests on, by its basis (modelforge/policy/_verdicts.py): `why` says it.
+_BOUND_WHY = {
+    "queue_service": "only the running work's max_duration bounds it, nothing measured to estimate it",
+    "reservation": "the gang's reservation, from its holders' max_duration",
+    "load_in_flight": "the load's end, then a slot held by work whose service was never measured",
+    "gang_release": "when enough cards are free; room freed may go to others first",
+}
+
+
 def render_why(verdict: Verdict) -> None:
     lines = [
         f"{verdict.request_id} waits in pool {verdict.pool} for {verdict.capability} ({verdict.deployment}), "
@@ -99,16 +108,11 @@ def render_why(verdict: Verdict) -> None:
             "" if holder.ends_at is None else f", ends in about {max(0.0, holder.ends_at - verdict.computed_at):.0f} s"
         )
         lines.append(f"held on {holder.accelerator}: {short_bytes(holder.bytes)} {holder.kind} {holder.who}{ends}")
+    bound = _BOUND_WHY.get(verdict.eta_basis, "a bound, nothing measured to estimate it")
     if verdict.eta_at_most_s is not None:
-        lines.append(
-            f"eta: at most {verdict.eta_at_most_s:.0f} s ({verdict.eta_basis}: only the running work's "
-            "max_duration bounds it, nothing measured to estimate it)"
-        )
+        lines.append(f"eta: at most {verdict.eta_at_most_s:.0f} s ({verdict.eta_basis}: {bound})")
     elif verdict.eta_at_least_s is not None:
-        lines.append(
-            f"eta: at least {verdict.eta_at_least_s:.0f} s ({verdict.eta_basis}: then a slot, for work "
-            "whose service was never measured)"
-        )
+        lines.append(f"eta: at least {verdict.eta_at_least_s:.0f} s ({verdict.eta_basis}: {bound})")
     elif verdict.eta_s is None:
         lines.append("eta: unknown (nothing measured to base it on)")
     else:
