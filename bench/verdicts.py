@@ -268,6 +268,25 @@ def eta_accuracy(hours: float) -> tuple[Observed, list[str]]:
         f"   never started (expired waiting): {len(never)} {by_reason}; told an ETA before their expiry: "
         f"{len(promised)}"
     )
+    # Those promised an ETA and never served are out of the table above (it needs a start):
+    # counted here with their start taken as their expiry, the least their error can be.
+    started_errors = [
+        abs(eta - start) / (start - observed.submitted[rid])
+        for rid, (_, eta, _, _, _) in observed.predicted.items()
+        if eta is not None
+        and (start := observed.started.get(rid)) is not None
+        and start - observed.submitted[rid] >= 1.0
+    ]
+    expired_errors = [
+        (observed.expires[rid] - eta) / (observed.expires[rid] - observed.submitted[rid])
+        for rid in promised
+        if (eta := observed.predicted[rid][1]) is not None
+    ]
+    lines.append(
+        f"   all ETAs with those {len(expired_errors)} counted at their expiry: "
+        f"median and p90 {_median_p90(started_errors + expired_errors, 0)} over "
+        f"{len(started_errors) + len(expired_errors)} ETAs"
+    )
     return observed, lines
 
 

@@ -92,9 +92,13 @@ class QueueIndex:
         self.length = 0
         self.by_id: dict[str, QueuedRequest] = {}
         self.lanes: dict[tuple[str, str, str], Lane] = {}
+        self.lanes_of: dict[str, list[Lane]] = {}  # capability -> its lanes
         self.per_capability: dict[str, int] = {}
         # Requests waiting on a load, in the order they were assigned.
         self.assigned: dict[str, QueuedRequest] = {}
+        # Requests no pass has told an ETA yet (`eta_reason` empty): the verdicts' upkeep
+        # (`stamp_predictions`) looks a pass's waiters up here, not on every waiter.
+        self.unstamped: dict[str, QueuedRequest] = {}
         for queued in queue:
             self._add(queued)
 
@@ -103,11 +107,14 @@ class QueueIndex:
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = Lane(*key)
+            self.lanes_of.setdefault(queued.capability, []).append(lane)
         lane.add(queued)
         self.by_id[queued.request_id] = queued
         self.per_capability[queued.capability] = self.per_capability.get(queued.capability, 0) + 1
         if queued.assigned_to:
             self.assigned[queued.request_id] = queued
+        if not queued.eta_reason:
+            self.unstamped[queued.request_id] = queued
         self.length += 1
 
     def added(self, queued: QueuedRequest) -> None:
@@ -128,12 +135,17 @@ class QueueIndex:
             else:
                 del self.per_capability[queued.capability]
             self.assigned.pop(request_id, None)
+            self.unstamped.pop(request_id, None)
             self.length -= 1
         for key in touched:
             lane = self.lanes[key]
             lane.remove(gone)
             if not lane.items:
                 del self.lanes[key]
+                of_capability = self.lanes_of[lane.capability]
+                of_capability.remove(lane)
+                if not of_capability:
+                    del self.lanes_of[lane.capability]
         self.queue = queue
 
     def assign(self, queued: QueuedRequest, resident_key: str) -> None:

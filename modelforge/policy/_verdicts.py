@@ -58,12 +58,12 @@ import heapq
 import itertools
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from modelforge.domain import Deployment, GiB, Residency
+from modelforge.domain import Catalog, Deployment, GiB, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
@@ -317,6 +317,7 @@ class _Model:
         self._load: dict[str, tuple[float, str]] = {}
         self._slots: dict[str, list[tuple[float, bool]]] = {}
         self._holds: dict[str, float] = {}
+        self._ends: dict[str, Callable[[Lease], tuple[float | None, bool]]] = {}
         self._room: dict[str, float | None] = {}
         self._holders: dict[str, list[Holder]] = {}
         self._eligible: dict[tuple[str, str], list[str]] = {}
@@ -338,13 +339,23 @@ class _Model:
         found: dict[tuple[str, int], list[Lease]] = {}
         slots, only = self.state.slots, self.only
         if only is None:
-            leases: Iterable[Lease] = self.state.leases.values()
-        else:  # one deployment's leases from the index (in the dict's order), not every lease
-            index = lease_index(self.state)
-            leases = [lease for deployment_id in sorted(only) for lease in index.of_deployment(deployment_id)]
-        for lease in leases:
-            if lease.resident_key and lease.lease_id not in slots:
-                found.setdefault((lease.resident_key, lease.incarnation), []).append(lease)
+            for lease in self.state.leases.values():
+                if lease.resident_key and lease.lease_id not in slots:
+                    found.setdefault((lease.resident_key, lease.incarnation), []).append(lease)
+            return found
+        # The deployments' leases from the index (in the dict's order), not every lease.
+        index = lease_index(self.state)
+        leases = self.state.leases
+        for deployment_id in sorted(only):
+            for lease_id in index.by_deployment.get(deployment_id, ()):
+                held = leases.get(lease_id)
+                if (
+                    held is not None
+                    and held.deployment == deployment_id
+                    and held.resident_key
+                    and lease_id not in slots
+                ):
+                    found.setdefault((held.resident_key, held.incarnation), []).append(held)
         return found
 
     @cached_property
@@ -395,15 +406,35 @@ class _Model:
         has so far, less what it has run: a lease past the mean is not about to end, it is one
         of the long ones), at most its max_duration; that bound alone while nothing is measured,
         or when it has outrun every measured run (None: no bound either)."""
-        if not self.service(lease.deployment)[1]:
-            return (None if lease.ends_by is None else max(self.now, lease.ends_by)), True
-        elapsed = max(0.0, self.now - lease.granted_at)
-        ordered, suffix = self._residual_table(lease.deployment)
-        longer = bisect.bisect_right(ordered, elapsed)
-        if longer == len(ordered):
-            return (None if lease.ends_by is None else max(self.now, lease.ends_by)), True
-        end = self.now + suffix[longer] / (len(ordered) - longer) - elapsed
-        return (end if lease.ends_by is None else max(self.now, min(end, lease.ends_by))), False
+        return self.lease_ends(lease.deployment)(lease)
+
+    def lease_ends(self, deployment_id: str) -> Callable[[Lease], tuple[float | None, bool]]:
+        """`lease_end_and_kind` for the leases of one deployment, its figures read once (a slot
+        timeline asks it for each lease of its deployment)."""
+        ends = self._ends.get(deployment_id)
+        if ends is not None:
+            return ends
+        now = self.now
+        if not self.service(deployment_id)[1]:
+
+            def ends(lease: Lease) -> tuple[float | None, bool]:
+                return (None if lease.ends_by is None else max(now, lease.ends_by)), True
+
+        else:
+            ordered, suffix = self._residual_table(deployment_id)
+            count, right = len(ordered), bisect.bisect_right
+
+            def ends(lease: Lease) -> tuple[float | None, bool]:
+                elapsed = max(0.0, now - lease.granted_at)
+                longer = right(ordered, elapsed)
+                ends_by = lease.ends_by
+                if longer == count:  # it has outrun every measured run
+                    return (None if ends_by is None else max(now, ends_by)), True
+                end = now + suffix[longer] / (count - longer) - elapsed
+                return (end if ends_by is None else max(now, min(end, ends_by))), False
+
+        self._ends[deployment_id] = ends
+        return ends
 
     def _residual_table(self, deployment_id: str) -> tuple[list[float], list[float]]:
         """The deployment's measured service times in order, and their suffix sums."""
@@ -499,15 +530,17 @@ class _Model:
             return found
         heap: list[tuple[float, bool]] = []
         turnover = self.turnover(deployment)
+        lease_end = self.lease_ends(deployment.deployment_id)
+        now, leases_of = self.now, self.leases_of_resident
         for resident in self.residents_of.get(deployment.deployment_id, []):
-            ready = self.ready_at(resident, deployment)
+            ready = now if resident.phase == ResidentPhase.READY else self.ready_at(resident, deployment)
             if ready is None:
                 continue
-            busy = self.leases_of_resident.get((resident.key, resident.incarnation), [])
+            busy = leases_of.get((resident.key, resident.incarnation), [])
             if len(busy) > deployment.concurrency:  # over (its concurrency lowered): the first granted
                 busy = sorted(busy, key=lambda lease: (lease.granted_at, lease.lease_id))
             for lease in busy[: deployment.concurrency]:
-                end, bound = self.lease_end_and_kind(lease)
+                end, bound = lease_end(lease)
                 if end is None:  # no measured service and no max_duration: its end is unknown
                     heap.append((math.inf, False))
                 else:
@@ -798,10 +831,8 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
         waiting.update(wake.for_requests)
     if not waiting:
         return 0
-    queued_by_id = queue_index(state).by_id
-    by_id = {
-        rid: queued for rid in waiting if (queued := queued_by_id.get(rid)) is not None and queued.eta_reason == ""
-    }
+    unstamped = queue_index(state).unstamped
+    by_id = {rid: queued for rid in waiting if (queued := unstamped.get(rid)) is not None and queued.eta_reason == ""}
     if not by_id:
         return 0
     catalog = state.catalog
@@ -818,7 +849,8 @@ def stamp_predictions(state: PoolState, now: float, decisions: Decisions) -> int
     for queued in _timeline_order(state, now, deployment_of, timed):
         if queued.request_id in by_id:
             queued.eta_at = _eta(model, queued, deployment_of[queued.capability]).start  # a bound is no prediction
-            queued.eta_reason = _codes(state, queued)[0].value
+            queued.eta_reason = _first_code(state, queued)
+            del unstamped[queued.request_id]
             left -= 1
             if not left:
                 break
@@ -843,27 +875,51 @@ def _timeline_order(
     only, from the queue index's lanes (one per class, tenant and capability, each in submission
     order), without ordering the rest of the queue. `deployment_of` gains the lanes' capabilities."""
     catalog = state.catalog
-    scores = fair_share_scores(state, now)
+    lanes_of = queue_index(state).lanes_of
+    of_deployment = _capabilities_by_deployment(catalog)
+    lanes: list[tuple[str, str, list[QueuedRequest]]] = []
+    for key in timed:  # a deployment's id, or a capability without one
+        capabilities = of_deployment.get(key, ())
+        for capability in (*capabilities, key) if catalog.deployment_for(key) is None else capabilities:
+            for lane in lanes_of.get(capability, ()):
+                if capability not in deployment_of:
+                    deployment_of[capability] = catalog.deployment_for(capability)
+                lanes.append((lane.priority, lane.tenant, lane.items))
+    # Fair-share scores order the lanes of one class only: worked out when two of these share
+    # one (as the decision pass has it); else no score moves anything.
+    classes = {priority for priority, _, _ in lanes}
+    scores = fair_share_scores(state, now) if len(classes) < len(lanes) else {}
     buckets: dict[tuple[int, float], list[list[QueuedRequest]]] = {}
-    is_timed: dict[str, bool] = {}
-    for (priority, tenant, capability), lane in queue_index(state).lanes.items():
-        wanted = is_timed.get(capability)
-        if wanted is None:
-            if capability not in deployment_of:
-                deployment_of[capability] = catalog.deployment_for(capability)
-            deployment = deployment_of[capability]
-            wanted = is_timed[capability] = (
-                deployment.deployment_id if deployment is not None else capability
-            ) in timed
-        if not wanted:
-            continue
-        buckets.setdefault(bucket_key(catalog, scores, priority, tenant), []).append(lane.items)
+    for priority, tenant, items in lanes:
+        buckets.setdefault(bucket_key(catalog, scores, priority, tenant), []).append(items)
     # The lanes of one bucket interleave in submission order, as in the queue. (A chain, not a
     # generator: this is walked on every pass with a new waiter.)
     return itertools.chain.from_iterable(
-        lanes[0] if len(lanes) == 1 else heapq.merge(*lanes, key=submission_key)
-        for lanes in (buckets[key] for key in sorted(buckets))
+        bucket[0] if len(bucket) == 1 else heapq.merge(*bucket, key=submission_key)
+        for bucket in (buckets[key] for key in sorted(buckets))
     )
+
+
+def _capabilities_by_deployment(catalog: Catalog) -> dict[str, list[str]]:
+    """Each deployment's capabilities, kept with the catalog (immutable by contract)."""
+    kept: dict[str, list[str]] | None = catalog.__dict__.get("_policy_capabilities_by_deployment")
+    if kept is None:
+        kept = {}
+        for deployment in catalog.deployments:
+            if catalog.deployment_for(deployment.capability) is deployment:  # the first of a capability's
+                kept.setdefault(deployment.deployment_id, []).append(deployment.capability)
+        catalog.__dict__["_policy_capabilities_by_deployment"] = kept
+    return kept
+
+
+def _first_code(state: PoolState, queued: QueuedRequest) -> str:
+    """`_codes(state, queued)[0].value`, without making the codes."""
+    if queued.waiting_reason:
+        return queued.waiting_codes[0] if queued.waiting_codes else WaitReason.PENDING.value
+    on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
+    if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
+        return WaitReason.LOAD_IN_FLIGHT.value
+    return WaitReason.PENDING.value
 
 
 def _message(state: PoolState, queued: QueuedRequest) -> str:

@@ -30,6 +30,7 @@ from modelforge.policy import (
     verdicts,
 )
 from modelforge.policy._placement import decide_each
+from modelforge.policy._queue_index import QueueIndex, queue_index
 from modelforge.policy._state import note_service
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 from tests.tiers import examples
@@ -219,6 +220,14 @@ def run(
             stamped = {q.request_id: (q.eta_at, q.eta_reason) for q in s.queue if q.request_id in unstamped}
             assert all(stamped[w.request_id][1] for w in fast.waits if w.request_id in unstamped)
             assert {k: v for k, v in stamped.items() if v[1]} == {k: expected[k] for k, v in stamped.items() if v[1]}
+            # What the upkeep reads from the queue index, kept as requests come and go, is what
+            # an index built afresh from the queue says.
+            kept, fresh = queue_index(s), QueueIndex(s.queue)
+            assert {c: {id(lane) for lane in lanes} for c, lanes in kept.lanes_of.items()} == {
+                c: {id(kept.lanes[(lane.priority, lane.tenant, lane.capability)]) for lane in lanes}
+                for c, lanes in fresh.lanes_of.items()
+            }
+            assert kept.unstamped.keys() == fresh.unstamped.keys()
 
 
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -218,10 +218,14 @@ def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
     assert v.eta_at_most_s == pytest.approx(98.0) and v.eta_at_least_s is None
     assert v.to_json()["eta"]["at_most_s"] == pytest.approx(98.0)
     assert v.eta_text() == "ETA at most 1.6 min (queue_service, bound)"
-    # The first ETA kept for the ETA-error figures is no bound either.
-    s2.queue[-1].eta_reason = ""
-    stamp_predictions(s2, NOW + 2, decide(s2, NOW + 2))
+    # The first ETA kept for the ETA-error figures (stamped when r1 first waited) is no bound
+    # either, and a later pass keeps it.
     assert (s2.queue[-1].eta_at, s2.queue[-1].eta_reason) == (None, "concurrency_full")
+    admit(s2, ask("r2"), NOW + 3)
+    assert [(q.request_id, q.eta_at, q.eta_reason) for q in s2.queue] == [
+        ("r1", None, "concurrency_full"),
+        ("r2", None, "concurrency_full"),
+    ]
 
 
 def test_a_request_past_a_loads_concurrency_with_no_service_measured_gets_the_load_end_as_a_lower_bound() -> None:
