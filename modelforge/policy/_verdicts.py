@@ -885,6 +885,8 @@ def _timeline_order(
                 if capability not in deployment_of:
                     deployment_of[capability] = catalog.deployment_for(capability)
                 lanes.append((lane.priority, lane.tenant, lane.items))
+    if len(lanes) == 1:
+        return lanes[0][2]  # one lane: its submission order is the order
     # Fair-share scores order the lanes of one class only: worked out when two of these share
     # one (as the decision pass has it); else no score moves anything.
     classes = {priority for priority, _, _ in lanes}
