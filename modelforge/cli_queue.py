@@ -78,8 +78,11 @@ def render_queue(verdicts: list[Verdict]) -> None:
 
 # What a verdict's bound rests on, by its basis (modelforge/policy/_verdicts.py): `why` says it.
 _BOUND_WHY = {
-    "queue_service": "only the running work's max_duration bounds it, nothing measured to estimate it",
-    "reservation": "the gang's reservation, from its holders' max_duration",
+    "queue_service": (
+        "the max_duration of the running work and of the requests ahead bound it, unless a higher class "
+        "arrives; nothing measured estimates its slot"
+    ),
+    "reservation": "the gang's reservation, from its holders' max_duration, and its load",
     "load_in_flight": "the load's end, then a slot held by work whose service was never measured",
     "gang_release": "when enough cards are free; room freed may go to others first",
 }

@@ -28,14 +28,16 @@ A `Verdict` (one per queued request, in queue order):
                          have ended (expected ends, as above) leaving room for the model, plus
                          the load (measured load history, else the catalog's figure);
     `reservation`        a gang the policy reserved cards for: the reservation's own start
-                         (from the holders' max_duration: an upper bound);
+                         (from the holders' max_duration) and its load: an upper bound;
     `gang_release`       a gang without a reservation: when enough eligible cards are free,
                          and its load, as a lower bound (room freed may go to others first);
     `unknown`            nothing to base it on (no service measured, no load to wait for).
   Quality: `measured` (this pool's measurements; `eta_samples` service samples), `catalog` (the
   catalog's load figure, nothing measured yet), `bound` (only a bound is known, so no ETA is
-  claimed: `eta_at_most_s` when the running work's max_duration bounds it, or a reservation's
-  start from its holders' max_duration; `eta_at_least_s` when it waits for a load and then for a
+  claimed: `eta_at_most_s` when max_durations bound it: the slot timeline run at its latest, the
+  running work and each request ahead holding a slot for its max_duration (`latest_slot`; no
+  bound where one has none), or a reservation's start from its holders' max_duration and its
+  load; `eta_at_least_s` when it waits for a load and then for a
   slot whose work has never been measured, or is a gang without a reservation), `none` (nothing
   to base even a bound on).
   A bound is never given as the ETA: an upper bound from a max_duration is typically many times
@@ -308,10 +310,14 @@ class _Model:
     """What every verdict of one call reads, computed once: service and load figures per
     deployment, each lease's expected end, per-card budgets, the slot timelines."""
 
-    def __init__(self, state: PoolState, now: float, only: set[str] | None = None) -> None:
+    def __init__(self, state: PoolState, now: float, only: set[str] | None = None, bounds: bool = False) -> None:
         self.state = state
         self.now = now
         self.only = only  # the deployments whose timelines are run (None: all)
+        # Whether the slot timelines are also run at their latest (`latest_slots`): what an
+        # upper bound needs; the first ETA a pass keeps (`stamp_predictions`) never is one.
+        self.bounds = bounds
+        self._latest: dict[str, list[float]] = {}
         self._service: dict[str, tuple[float, int]] = {}
         self._residual: dict[str, tuple[list[float], list[float]]] = {}
         self._load: dict[str, tuple[float, str]] = {}
@@ -529,9 +535,10 @@ class _Model:
         if found is not None:
             return found
         heap: list[tuple[float, bool]] = []
+        latest: list[float] = []
         turnover = self.turnover(deployment)
         lease_end = self.lease_ends(deployment.deployment_id)
-        now, leases_of = self.now, self.leases_of_resident
+        now, leases_of, bounds = self.now, self.leases_of_resident, self.bounds
         for resident in self.residents_of.get(deployment.deployment_id, []):
             ready = now if resident.phase == ResidentPhase.READY else self.ready_at(resident, deployment)
             if ready is None:
@@ -545,10 +552,34 @@ class _Model:
                     heap.append((math.inf, False))
                 else:
                     heap.append((max(ready, end + turnover), bound and end + turnover > ready))
-            heap.extend([(ready, False)] * max(0, deployment.concurrency - len(busy)))
+                if bounds:
+                    latest.append(math.inf if lease.ends_by is None else max(ready, lease.ends_by + turnover))
+            free = max(0, deployment.concurrency - len(busy))
+            heap.extend([(ready, False)] * free)
+            if bounds:
+                latest.extend([ready] * free)
         heapq.heapify(heap)
         self._slots[deployment.deployment_id] = heap
+        if bounds:
+            heapq.heapify(latest)
+            self._latest[deployment.deployment_id] = latest
         return heap
+
+    def latest_slot(self, deployment: Deployment, queued: QueuedRequest) -> float:
+        """When `queued` gets a slot at the latest, taken in queue order as `_next_slot` takes
+        the expected one: every running lease runs to its max_duration and every request ahead
+        holds its slot for its own (one without a max_duration holds it for good). A start time
+        of a first-come-first-served queue only grows with its service times, so this bounds the
+        start as long as no request of a higher class arrives meanwhile. Every request ahead is
+        counted as served (one that expires first only makes it earlier). Needs `bounds`."""
+        self.slots(deployment)
+        latest = self._latest.get(deployment.deployment_id)
+        if not latest:
+            return math.inf
+        start = latest[0]
+        held = math.inf if queued.max_duration_s is None else queued.max_duration_s + self.turnover(deployment)
+        heapq.heapreplace(latest, start + held)
+        return start
 
     def holds(self, deployment: Deployment) -> float:
         """How long a request keeps the slot it takes: a mean service time (and the turnover);
@@ -657,8 +688,10 @@ def _eta(model: _Model, queued: QueuedRequest, deployment: Deployment | None) ->
     if deployment.gpu_count > 1:
         reserved = _RESERVED_FROM.search(queued.waiting_reason)
         if reserved is not None:
-            # From the holders' max_duration: when the reserved cards are free at the latest.
-            return _Eta(None, "reservation", "bound", samples, at_most=now + max(0.0, float(reserved.group(1))))
+            # From the holders' max_duration: when the reserved cards are free at the latest,
+            # and its own load then.
+            free_by = now + max(0.0, float(reserved.group(1)))
+            return _Eta(None, "reservation", "bound", samples, at_most=free_by + model.load(deployment)[0])
         start = model.gang_room(deployment, queued.priority)
         if start is None:
             return _Eta(None, "unknown", "none", samples)
@@ -679,19 +712,25 @@ def _eta(model: _Model, queued: QueuedRequest, deployment: Deployment | None) ->
             # The load's slots go to the first ones assigned to it; one assigned past its
             # concurrency waits for a slot after that (the load's slots are in the timeline).
             start, bound = _next_slot(heap, queued, holds) if heap else (end, False)
+            latest = model.latest_slot(deployment, queued) if model.bounds and heap else math.inf
             if start <= end + 1e-6:
                 return _Eta(end, "load_in_flight", basis, samples, load)
             if math.isinf(start):  # a slot after the load's, held by work never measured
                 return _Eta(None, "load_in_flight", "bound", samples, load, at_least=end)
-            if bound:
-                return _Eta(None, "queue_service", "bound", samples, load, at_most=start)
+            if bound:  # no estimate for the slot it gets: the latest it can start, if that is known
+                if math.isinf(latest):
+                    return _Eta(None, "unknown", "none", samples, load)
+                return _Eta(None, "queue_service", "bound", samples, load, at_most=max(now, latest))
             return _Eta(start, "queue_service", "measured" if samples else basis, samples, load)
     if heap:
         start, bound = _next_slot(heap, queued, holds)
+        latest = model.latest_slot(deployment, queued) if model.bounds else math.inf
         if math.isinf(start):
             return _Eta(None, "unknown", "none", samples)
-        if bound:  # the running work's max_duration
-            return _Eta(None, "queue_service", "bound", samples, at_most=max(now, start))
+        if bound:  # no estimate for the slot it gets: the latest it can start, if that is known
+            if math.isinf(latest):
+                return _Eta(None, "unknown", "none", samples)
+            return _Eta(None, "queue_service", "bound", samples, at_most=max(now, latest))
         # Nothing measured: the slot is a resident's readiness (its load's figure).
         quality = "measured" if samples else model.load(deployment)[1]
         return _Eta(max(now, start), "queue_service", quality, samples)
@@ -725,7 +764,7 @@ def verdicts(state: PoolState, now: float, request_ids: set[str] | None = None) 
     """Every queued request's verdict, in queue order (only those of `request_ids` when given;
     the others still count ahead of them)."""
     order = queue_order(state, now)
-    model = _Model(state, now)
+    model = _Model(state, now, bounds=True)
     catalog = state.catalog
     class_depth: dict[str, int] = {}
     deployment_of: dict[str, Deployment | None] = {}

@@ -4,6 +4,7 @@ dry run, on small hand-built pools (the policy decides; the verdict reads what i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -228,6 +229,39 @@ def test_unmeasured_work_never_claims_an_eta_it_cannot_base() -> None:
     ]
 
 
+def test_an_upper_bound_counts_the_requests_ahead_at_their_own_max_duration() -> None:
+    # One slot. Measured runs of 5 s and 10 s; `running` (max_duration 100 s) is 20 s in, past
+    # every measured run, so its end has no estimate: at most NOW + 100. `ahead` would then hold
+    # the slot: for its mean (7.5 s) as expected, for its max_duration (50 s) at the latest. So
+    # `mine` starts by NOW + 150 at the latest, not by NOW + 107.5 (which it would miss were
+    # `ahead` to run long).
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for seconds in (5.0, 10.0):
+        note_service(s, "llm@1", seconds)
+    admit(s, ask("running", max_duration_s=100.0))
+    admit(s, ask("ahead", max_duration_s=50.0), NOW + 1)
+    admit(s, ask("mine"), NOW + 2)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 20)}
+    assert (by_id["ahead"].eta_quality, by_id["ahead"].eta_at_most_s) == ("bound", pytest.approx(80.0))
+    assert (by_id["mine"].eta_s, by_id["mine"].eta_quality) == (None, "bound")
+    assert by_id["mine"].eta_at_most_s == pytest.approx(130.0)
+    # Work ahead with no max_duration can hold the slot for good: no bound is claimed then.
+    s = state([gpu("n/0")], [deployment("llm@1", gib=4, concurrency=1)])
+    observe(s, "n/0", managed_gib=4)
+    resident(s, "llm@1", "n/0", 4)
+    for seconds in (5.0, 10.0):
+        note_service(s, "llm@1", seconds)
+    admit(s, ask("running", max_duration_s=100.0))
+    admit(s, ask("ahead"), NOW + 1)
+    admit(s, ask("mine"), NOW + 2)
+    by_id = {v.request_id: v for v in verdicts(s, NOW + 20)}
+    assert by_id["ahead"].eta_at_most_s == pytest.approx(80.0)
+    mine = by_id["mine"]
+    assert (mine.eta_s, mine.eta_at_most_s, mine.eta_at_least_s, mine.eta_quality) == (None, None, None, "none")
+
+
 def test_a_request_past_a_loads_concurrency_with_no_service_measured_gets_the_load_end_as_a_lower_bound() -> None:
     # A loading resident with two slots and four requests assigned to it: the first two start
     # when the load ends (the catalog's 20 s); the other two wait for a slot after that, held
@@ -351,6 +385,13 @@ def test_a_waiting_gang_is_told_its_reservation_at_most_and_without_one_when_it_
     [v] = verdicts(s, NOW + 2)
     assert (v.request_id, v.eta_s, v.eta_basis, v.eta_quality) == ("gang", None, "reservation", "bound")
     assert v.eta_at_most_s == pytest.approx(98.0)
+    # Its own load comes after the cards are free: at most that much later.
+    s.catalog = replace(
+        s.catalog,
+        deployments=[replace(d, load_s=20.0) if d.capability == "gang@1" else d for d in s.catalog.deployments],
+    )
+    [v] = verdicts(s, NOW + 2)
+    assert v.eta_at_most_s == pytest.approx(118.0)
     # Not reserved (no max_duration to promise on), the job's service measured (40 s runs): room
     # on n/0 when the job is expected to end; freed room may go to others first, so a lower bound.
     s = pool_with_running_job(job_max_duration_s=None)
