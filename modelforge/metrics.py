@@ -233,12 +233,28 @@ class GatewayMetrics:
             ["capability", "tenant", "priority", "kind", "estimated"],
             registry=r,
         )
+        self.workflow_starts = Gauge(
+            "modelforge_gateway_workflow_starts",
+            "Request workflows the gateway started, by whether the server handed their first workflow task "
+            "back in the start's reply (eager=true: a node worker in the gateway's process polls their queue)",
+            ["eager"],
+            registry=r,
+        )
         self.first_token = Histogram(
             "modelforge_gateway_time_to_first_token_seconds",
             "Seconds from a streamed request's arrival at the gateway to its first piece of text",
             ["route", "capability", "tenant", "priority"],
             buckets=GATEWAY_BUCKETS,
             registry=r,
+        )
+
+    def count_starts(self, requester: object) -> None:
+        """`workflow_starts` read from the requester's own counts at each scrape (a
+        `ModelForgeClient`'s `workflow_starts` and `eager_starts`; a requester without them
+        shows none)."""
+        self.workflow_starts.labels(eager="true").set_function(lambda: getattr(requester, "eager_starts", 0))
+        self.workflow_starts.labels(eager="false").set_function(
+            lambda: getattr(requester, "workflow_starts", 0) - getattr(requester, "eager_starts", 0)
         )
 
     def observe(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -207,6 +208,16 @@ def choose_backend(
     return devices, node_runtimes(devices, settings.home, node)
 
 
+@dataclass(frozen=True)
+class NodeGateway:
+    """The gateway a node worker serves in its own process (`modelforge worker node --gateway-port`)."""
+
+    host: str
+    port: int
+    database_url: str
+    keys: dict[str, str] = field(default_factory=dict)
+
+
 async def run(
     settings: Settings,
     node: str,
@@ -214,14 +225,20 @@ async def run(
     pool: str | Sequence[str] = DEFAULT_POOL,
     cpu_device_bytes: int | None = None,
     labels: dict[str, str] | None = None,
+    gateway: NodeGateway | None = None,
 ) -> None:
-    """`pool`: the pool of this node's cards, or each of the pools they are in.
+    """`pool`: the pool of this node's cards, or each of the pools they are in. `gateway`: the
+    HTTP gateway served from this process on the node's own Temporal client, so a request routed
+    to this node starts eagerly (its first workflow task comes back in the start's reply to this
+    worker instead of through the server's matching): a single GPU host's deployment.
 
     No failure of Temporal ends it (modelforge/retrying.py): the connection and the telemetry
     workflow's start are retried, and the Temporal worker and the delegation sync are restarted
     after a back-off of 1 s doubling to 30 s, each failure logged. SIGTERM stops it (exit status
     0) after stopping every model server and job it started."""
-    await until_sigterm(_run(settings, node, simulate_from, pool, cpu_device_bytes, labels), log, "node_worker_stopped")
+    await until_sigterm(
+        _run(settings, node, simulate_from, pool, cpu_device_bytes, labels, gateway), log, "node_worker_stopped"
+    )
 
 
 async def _run(
@@ -231,6 +248,7 @@ async def _run(
     pool: str | Sequence[str],
     cpu_device_bytes: int | None,
     labels: dict[str, str] | None,
+    gateway: NodeGateway | None = None,
 ) -> None:
     pools = [pool] if isinstance(pool, str) else list(pool) or [DEFAULT_POOL]
     backend, runtimes = choose_backend(settings, node, simulate_from, cpu_device_bytes)
@@ -273,6 +291,22 @@ async def _run(
                 retrying(lambda: ensure_telemetry(client, node, pools), "ensure_telemetry", logger=log, node=node)
             )
         )
+        if gateway is not None:
+
+            async def serve_gateway() -> None:
+                from modelforge.gateway import run_gateway  # only a node serving it pays its imports
+
+                await run_gateway(
+                    settings,
+                    gateway.database_url,
+                    gateway.host,
+                    gateway.port,
+                    gateway.keys,
+                    temporal=client,
+                    announce=lambda line: log.info("gateway_started", node=node, message=line),
+                )
+
+            tasks.append(asyncio.create_task(supervised(serve_gateway, "gateway", logger=log, node=node)))
         log.info(
             "node_worker_started",
             node=node,

@@ -5,6 +5,14 @@ body and keep-alive timeouts; docs/SECURITY.md says what it defends."""
 from modelforge.gateway._app import GatewayConfig, create_app, load_api_keys
 from modelforge.gateway._errors import http_status
 from modelforge.gateway._observe import log_level_from_env
-from modelforge.gateway._server import gateway_server
+from modelforge.gateway._server import gateway_server, run_gateway
 
-__all__ = ["GatewayConfig", "create_app", "gateway_server", "http_status", "load_api_keys", "log_level_from_env"]
+__all__ = [
+    "GatewayConfig",
+    "create_app",
+    "gateway_server",
+    "http_status",
+    "load_api_keys",
+    "log_level_from_env",
+    "run_gateway",
+]

@@ -197,6 +197,7 @@ def create_app(
     catalog = _Catalog(catalog_source, config.catalog_ttl_s)
     body_limit = _body_limit(config, requester)
     metrics = metrics or GatewayMetrics()
+    metrics.count_starts(requester)
     # The documentation routes are served below, behind the same key check as the API.
     app = FastAPI(title="ModelForge gateway", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics

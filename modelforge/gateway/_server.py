@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,6 +24,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from modelforge.gateway._observe import log_level_from_env
 from modelforge.logging import configure
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
+
+    from modelforge.settings import Settings
 
 # Seconds a client has for its request line and headers.
 HEADER_TIMEOUT_S = 10.0
@@ -105,3 +111,42 @@ def gateway_server(
         lifespan="off",
     )
     return uvicorn.Server(config)
+
+
+async def run_gateway(
+    settings: Settings,
+    database_url: str,
+    host: str,
+    port: int,
+    keys: dict[str, str],
+    pool: str | None = None,
+    *,
+    temporal: Client | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """The gateway on `host:port` until cancelled: the catalog from the store at `database_url`,
+    requests through a `ModelForgeClient` on `temporal` (its own connection when None). What
+    `modelforge gateway` runs, and `modelforge worker node --gateway` in the node worker's
+    process on the node's own client, where a request routed to this node starts eagerly (the
+    server hands its first workflow task back in the start's reply, to this node's worker)."""
+    from modelforge.client import ModelForgeClient
+    from modelforge.gateway._app import GatewayConfig, create_app
+    from modelforge.store import Store
+
+    store = await Store.open(database_url)
+    try:
+        # Routing reads the catalog when a pool's scheduler is slow to answer (routing.py).
+        if temporal is None:
+            client = await ModelForgeClient.connect(settings, pool, catalog=store.load_catalog)
+        else:
+            client = ModelForgeClient(temporal, pool, catalog=store.load_catalog)
+        app = create_app(client, store.load_catalog, GatewayConfig(api_keys=keys))
+        server = gateway_server(app, host, port)  # header-read deadline, keep-alive and header limits
+        if announce is not None:
+            announce(
+                f"gateway on http://{host}:{port} ({f'pool {pool}' if pool else 'routing among pools'}; "
+                f"{'API keys required' if keys else 'no API keys: tenant from X-ModelForge-Tenant'})"
+            )
+        await server.serve()
+    finally:
+        await store.close()

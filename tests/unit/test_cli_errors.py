@@ -161,3 +161,35 @@ def test_deeply_nested_catalog_and_api_keys_files_are_request_invalid(tmp_path: 
         assert done.returncode == 2, done.stderr
         assert "REQUEST_INVALID" in done.stderr and "nests too deeply" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_node_gateway_on_a_port_it_cannot_listen_on_fails_before_the_worker_starts(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = modelforge("worker", "node", "--node", "n", "--gateway-port", str(port), env=_env(tmp_path))
+    assert done.returncode != 0
+    assert f"REQUEST_INVALID: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    # An interface that does not resolve: the same, typed.
+    done = modelforge(
+        "worker",
+        "node",
+        "--node",
+        "n",
+        "--gateway-port",
+        "1",
+        "--gateway-host",
+        "no.such.host.invalid",
+        env=_env(tmp_path),
+    )
+    assert "REQUEST_INVALID: cannot listen on no.such.host.invalid:1" in done.stderr, done.stderr
+    # A port it can listen on, and no database to read the catalog from: said before it starts.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = modelforge("worker", "node", "--node", "n", "--gateway-port", str(port), env=_env(tmp_path))
+    assert done.returncode != 0 and "CAPABILITY_UNAVAILABLE: no database" in done.stderr, done.stderr

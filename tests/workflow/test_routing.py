@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.client import ModelForgeClient
+from modelforge.gateway import GatewayConfig, create_app
 from modelforge.policy import PolicyConfig
 from modelforge.settings import CONTROL_TASK_QUEUE, node_task_queue
 from workers.node import ensure_telemetry
@@ -108,3 +111,43 @@ async def test_a_request_routed_to_a_silent_node_is_served_by_the_other_node(
 
 async def _adopted(adopter: object, nodes: list[str]) -> bool:
     return adopter.adopted == nodes  # type: ignore[attr-defined]
+
+
+async def test_a_gateway_on_the_nodes_own_client_starts_requests_eagerly(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    """`modelforge worker node --gateway-port`: the gateway answers through the node worker's own
+    Temporal client, so the server hands a request's first workflow task back in the start's
+    reply to that process's worker (eager start), where a client on a connection of its own
+    waits for the server to dispatch it. The answers are the same; the gateway's /metrics counts
+    both kinds."""
+    async with running_stack(dev_server_env.client, database_url, catalog_path=CATALOG) as stack:
+        shared = ModelForgeClient(dev_server_env.client)  # the workers' own connection
+        config = dev_server_env.client.service_client.config
+        own = ModelForgeClient(
+            await Client.connect(
+                config.target_host,
+                namespace=dev_server_env.client.namespace,
+                data_converter=dev_server_env.client.data_converter,
+            )
+        )
+        app = create_app(shared, stack.store.load_catalog, GatewayConfig())
+        headers = {"X-ModelForge-Tenant": "app"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", headers=headers) as http:
+            for text in ("a", "b", "c"):
+                call = {"capability": CAPABILITY, "input": {"text": text}, "request_id": f"eager-{text}"}
+                answered = await http.post("/v1/requests", json=call, timeout=60)
+                assert answered.status_code == 200, answered.text
+            metrics = (await http.get("/metrics")).text
+        assert (shared.workflow_starts, shared.eager_starts) == (3, 3)
+        assert 'modelforge_gateway_workflow_starts{eager="true"} 3.0' in metrics, metrics
+        assert 'modelforge_gateway_workflow_starts{eager="false"} 0.0' in metrics
+        # The last ran on the node that served the first: that node's worker ran it from the start.
+        queue = await _task_queue(shared, f"request:{CAPABILITY}:eager-c")
+        assert queue in {node_task_queue(node) for node in stack.node_workers}, queue
+        # A client on a connection with no worker: the same answers, none started eagerly.
+        for text in ("d", "e"):
+            result = await own.request(CAPABILITY, input={"text": text}, tenant="app")
+            assert result.ok, result.message
+        assert (own.workflow_starts, own.eager_starts) == (2, 0)
