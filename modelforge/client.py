@@ -202,7 +202,7 @@ class ModelForgeClient:
         # Request workflows this client started, and how many of them eagerly: the server handed
         # the first workflow task back in the start's reply, to a worker on this same client
         # polling that task queue (a gateway in a node worker's process, `modelforge worker node
-        # --gateway`), sparing the task's dispatch through the server's matching.
+        # --gateway-port`), sparing the task's dispatch through the server's matching.
         self.workflow_starts = 0
         self.eager_starts = 0
 

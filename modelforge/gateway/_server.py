@@ -126,7 +126,7 @@ async def run_gateway(
 ) -> None:
     """The gateway on `host:port` until cancelled: the catalog from the store at `database_url`,
     requests through a `ModelForgeClient` on `temporal` (its own connection when None). What
-    `modelforge gateway` runs, and `modelforge worker node --gateway` in the node worker's
+    `modelforge gateway` runs, and `modelforge worker node --gateway-port` in the node worker's
     process on the node's own client, where a request routed to this node starts eagerly (the
     server hands its first workflow task back in the start's reply, to this node's worker)."""
     from modelforge.client import ModelForgeClient
