@@ -443,7 +443,7 @@ def test_profile_on_a_model_without_production_cards_says_production_still_canno
 
 
 def test_gateway_command_serves_through_gateway_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import modelforge.gateway
+    import modelforge.gateway._server
     import modelforge.store
 
     built: list[tuple[Any, str, int]] = []
@@ -458,7 +458,7 @@ def test_gateway_command_serves_through_gateway_server(monkeypatch: pytest.Monke
 
     _fake_connect(monkeypatch, FakeClient())
     monkeypatch.setattr(modelforge.store, "Store", FakeStore)
-    monkeypatch.setattr(modelforge.gateway, "gateway_server", gateway_server)
+    monkeypatch.setattr(modelforge.gateway._server, "gateway_server", gateway_server)
     env = _env(tmp_path, MODELFORGE_DATABASE_URL="postgresql://x@127.0.0.1:1/x")
     done = runner.invoke(cli.app, ["gateway", "--port", "18080"], env=env)
     assert done.exit_code == 0, done.output
