@@ -577,6 +577,8 @@ class ModelForgeClient:
                 request_eager_start=True,
             )
             self.workflow_starts += 1
+            # The SDK marks a handle whose start came back with its first task (its own attribute,
+            # not a documented one: a version without it counts no eager start, nothing else).
             self.eager_starts += bool(getattr(handle, "__temporal_eagerly_started", False))
             return handle
         except WorkflowAlreadyStartedError:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from modelforge.domain import Catalog, Deployment, GiB, Residency
+from modelforge.domain import Deployment, GiB, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._admission import AdmissionRejected, AdmissionRequest, enqueue, validate_request
 from modelforge.policy._budget import compute_budget
@@ -351,16 +351,9 @@ class _Model:
             return found
         # The deployments' leases from the index (in the dict's order), not every lease.
         index = lease_index(self.state)
-        leases = self.state.leases
         for deployment_id in sorted(only):
-            for lease_id in index.by_deployment.get(deployment_id, ()):
-                held = leases.get(lease_id)
-                if (
-                    held is not None
-                    and held.deployment == deployment_id
-                    and held.resident_key
-                    and lease_id not in slots
-                ):
+            for held in index.of_deployment(deployment_id):
+                if held.resident_key and held.lease_id not in slots:
                     found.setdefault((held.resident_key, held.incarnation), []).append(held)
         return found
 
@@ -915,11 +908,13 @@ def _timeline_order(
     order), without ordering the rest of the queue. `deployment_of` gains the lanes' capabilities."""
     catalog = state.catalog
     lanes_of = queue_index(state).lanes_of
-    of_deployment = _capabilities_by_deployment(catalog)
     lanes: list[tuple[str, str, list[QueuedRequest]]] = []
-    for key in timed:  # a deployment's id, or a capability without one
-        capabilities = of_deployment.get(key, ())
-        for capability in (*capabilities, key) if catalog.deployment_for(key) is None else capabilities:
+    for key in timed:  # a deployment's id (the one serving its capability), or a capability without one
+        deployment = catalog.deployment(key)
+        capabilities = [deployment.capability] if deployment is not None else []
+        if catalog.deployment_for(key) is None:
+            capabilities.append(key)
+        for capability in capabilities:
             for lane in lanes_of.get(capability, ()):
                 if capability not in deployment_of:
                     deployment_of[capability] = catalog.deployment_for(capability)
@@ -941,20 +936,9 @@ def _timeline_order(
     )
 
 
-def _capabilities_by_deployment(catalog: Catalog) -> dict[str, list[str]]:
-    """Each deployment's capabilities, kept with the catalog (immutable by contract)."""
-    kept: dict[str, list[str]] | None = catalog.__dict__.get("_policy_capabilities_by_deployment")
-    if kept is None:
-        kept = {}
-        for deployment in catalog.deployments:
-            if catalog.deployment_for(deployment.capability) is deployment:  # the first of a capability's
-                kept.setdefault(deployment.deployment_id, []).append(deployment.capability)
-        catalog.__dict__["_policy_capabilities_by_deployment"] = kept
-    return kept
-
-
 def _first_code(state: PoolState, queued: QueuedRequest) -> str:
-    """`_codes(state, queued)[0].value`, without making the codes."""
+    """The first of `_codes`, as its value: what a pass keeps on each new waiter, without making
+    the codes (`_codes` is made from it)."""
     if queued.waiting_reason:
         return queued.waiting_codes[0] if queued.waiting_codes else WaitReason.PENDING.value
     on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
@@ -978,12 +962,9 @@ def _message(state: PoolState, queued: QueuedRequest) -> str:
 def _codes(state: PoolState, queued: QueuedRequest) -> list[WaitReason]:
     """What `_message` says, typed: the codes the policy gave with its Wait line, the load in
     flight a pass started for it, or PENDING (no pass has looked at it yet)."""
-    if queued.waiting_reason:
-        return [WaitReason(code) for code in queued.waiting_codes] or [WaitReason.PENDING]
-    on_load = state.residents.get(queued.assigned_to) if queued.assigned_to else None
-    if on_load is not None and on_load.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
-        return [WaitReason.LOAD_IN_FLIGHT]
-    return [WaitReason.PENDING]
+    if queued.waiting_reason and queued.waiting_codes:
+        return [WaitReason(code) for code in queued.waiting_codes]
+    return [WaitReason(_first_code(state, queued))]
 
 
 # --- the dry run --------------------------------------------------------------------------------
