@@ -31,6 +31,7 @@ from modelforge.policy._rules import (
     shut_cards,
     take_reservation,
 )
+from modelforge.policy._standing import LeasesOn
 from modelforge.policy._standing import leases_on as held_on
 from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, holder_of, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
@@ -753,9 +754,13 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     cards, _ = _live(pass_, gang)
     if not cards:
         return timelines, ready_at
-    on = leases_on(pass_)
+    held = _held(pass_)
+    on = held.on
     unloading = _unloading_releases(pass_, now)
     reserved = _reserved_releases(pass_, now)
+    evictable = pass_.evictable
+    if pass_.indexed and pass_.fit is not None:
+        cards = _could_be_ready(pass_, gang, cards, held.timed, unloading, reserved)
     # A card's leases and unloads give the same timeline to every gang of the pass (neither
     # changes during it): the fast pass works it out once; what a pass changes (idle residents
     # it unloads or uses, bytes promised to requests waiting on a load) is added per gang.
@@ -763,7 +768,6 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     if pass_.indexed:
         kept = pass_.memo.setdefault(("timelines",), {})  # type: ignore[assignment]
     shut = shut_cards(pass_, attempt.production) if pass_.indexed else None
-    evictable = pass_.evictable
     for accelerator in may_land(pass_, cards, attempt.production, None, shut):
         timeline = kept.get(accelerator) if kept is not None else None
         if timeline is None:
@@ -784,15 +788,56 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     return timelines, ready_at
 
 
+def _could_be_ready(
+    pass_: DecisionPass,
+    gang: _Gang,
+    cards: list[str],
+    timed: dict[str, int],
+    unloading: dict[str, list[tuple[float, int]]],
+    reserved: dict[str, list[tuple[float, int]]],
+) -> list[str]:
+    """The cards of `cards` where the gang's bytes could be free at some known time: those with
+    the bytes free now, or with bytes coming back at a known time (a lease with an end time,
+    an unload under way, bytes promised to a load, an idle resident). On every other card its
+    ready time is never (`free_at`: nothing comes back and too little is free), and a card
+    never ready is never reserved (`choose_reserved` reads only finite times): a busy
+    cluster's waiting gang otherwise worked out a timeline for every card that could ever
+    hold it, most of them full of work with no end time. Free bytes come from the fit index
+    where it holds the card and its reserve does not move, as `_live_cards` reads them; the
+    cards kept are then read from their budgets."""
+    fit = pass_.fit
+    assert fit is not None
+    schedulable, volatile, committed, evictable = fit.schedulable, fit.volatile, pass_.committed, pass_.evictable
+    need = gang.need
+    kept = []
+    for accelerator in cards:
+        bytes_now = schedulable.get(accelerator)
+        if (
+            bytes_now is None
+            or bytes_now - committed.get(accelerator, 0) >= need
+            or accelerator in timed
+            or accelerator in volatile
+            or accelerator in unloading
+            or accelerator in reserved
+            or evictable.get(accelerator)
+        ):
+            kept.append(accelerator)
+    return kept
+
+
 def leases_on(pass_: DecisionPass) -> dict[str, dict[str, Lease]]:
     """The leases held on each accelerator by lease id (a gang's on each of its cards), brought
     up to date once per pass (`_standing.leases_on`)."""
+    return _held(pass_).on
+
+
+def _held(pass_: DecisionPass) -> LeasesOn:
     cached = pass_.memo.get(("leases_on",))
     if cached is not None:
         return cached  # type: ignore[return-value]
-    on = held_on(pass_.state, kept=pass_.indexed)
-    pass_.memo[("leases_on",)] = on
-    return on
+    held = held_on(pass_.state, kept=pass_.indexed)
+    pass_.memo[("leases_on",)] = held
+    return held
 
 
 def _unloading_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:

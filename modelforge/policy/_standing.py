@@ -138,23 +138,32 @@ class LeasesOn:
     passes and brought up to date by the leases that came, went or were replaced since: a busy
     pool grants and ends leases on nearly every pass, and rebuilding this walked every card of
     every lease (a tenth of a busy cluster's replay). Its readers (a reservation's release
-    timeline) sum and sort, so the order within a card is not kept."""
+    timeline) sum and sort, so the order within a card is not kept. `timed` counts, per card,
+    the leases there with an end time (`Lease.ends_by`): a card without one gets nothing back
+    at a known time from its leases."""
 
-    __slots__ = ("held", "on")
+    __slots__ = ("held", "on", "timed")
 
     def __init__(self) -> None:
         self.held: dict[str, Lease] = {}
         self.on: dict[str, dict[str, Lease]] = {}
+        self.timed: dict[str, int] = {}
 
     def update(self, leases: dict[str, Lease]) -> None:
-        held, on = self.held, self.on
+        held, on, timed = self.held, self.on, self.timed
         gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
         for lease_id in gone:
-            for card in held.pop(lease_id).accelerators:
+            lease = held.pop(lease_id)
+            for card in lease.accelerators:
                 cards = on[card]
                 del cards[lease_id]
                 if not cards:
                     del on[card]
+                if lease.ends_by is not None:
+                    if timed[card] == 1:
+                        del timed[card]
+                    else:
+                        timed[card] -= 1
         if len(held) == len(leases):
             return  # every lease left is the one indexed: none came
         for lease_id, lease in leases.items():
@@ -162,21 +171,23 @@ class LeasesOn:
                 held[lease_id] = lease
                 for card in lease.accelerators:
                     on.setdefault(card, {})[lease_id] = lease
+                    if lease.ends_by is not None:
+                        timed[card] = timed.get(card, 0) + 1
 
 
-def leases_on(state: PoolState, kept: bool = True) -> dict[str, dict[str, Lease]]:
+def leases_on(state: PoolState, kept: bool = True) -> LeasesOn:
     """Per card, the leases held there (`LeasesOn`): kept across passes, or (`kept` False: the
     reference pass) built from scratch."""
     if not kept:
         fresh = LeasesOn()
         fresh.update(state.leases)
-        return fresh.on
+        return fresh
     cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
     index = cached.get("leases_on")
     if not isinstance(index, LeasesOn):
         index = cached["leases_on"] = LeasesOn()
     index.update(state.leases)
-    return index.on
+    return index
 
 
 def resident_groups(state: PoolState) -> ResidentGroups:
