@@ -31,9 +31,9 @@ from modelforge.policy._rules import (
     shut_cards,
     take_reservation,
 )
-from modelforge.policy._standing import LeasesOn
+from modelforge.policy._standing import LeasesOn, kept_groups
 from modelforge.policy._standing import leases_on as held_on
-from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, holder_of, operation_seconds
+from modelforge.policy._state import Lease, QueuedRequest, ResidentPhase, ResidentState, holder_of, operation_seconds
 from modelforge.policy._topology import GangShape, choose_gang
 
 
@@ -52,6 +52,8 @@ class _Gang:
     groups: dict[str, list[str]]
     topology: dict[str, Accelerator]
     landing: Landing  # its bytes on each card, gone with its lease
+    # Each grouped card's group's place in `groups`, its own place in that group, and the group.
+    places: dict[str, tuple[int, int, str]]
 
 
 def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep] | Preemption:
@@ -134,7 +136,7 @@ def _filter_gang(attempt: Attempt) -> _Gang:
     deployment = attempt.deployment
     pass_ = attempt.pass_
     passed, refused = filtered_accelerators(pass_, deployment, attempt.production)
-    groups, topology = _grouped(pass_, deployment, attempt.production, passed)
+    groups, topology, places = _grouped(pass_, deployment, attempt.production, passed)
     need = deployment.envelope_bytes
     return _Gang(
         count=deployment.gpu_count,
@@ -146,20 +148,23 @@ def _filter_gang(attempt: Attempt) -> _Gang:
         groups=groups,
         topology=topology,
         landing=Landing(need, persists=False, attempt=attempt, lead_s=attempt.load_s),
+        places=places,
     )
 
 
-def _grouped(
-    pass_: DecisionPass, deployment: Deployment, production: bool, passed: list[str]
-) -> tuple[dict[str, list[str]], dict[str, Accelerator]]:
-    """`passed` grouped by NVLink group (cards in none left out) or by node, and each card's
-    topology. Kept with the catalog while `passed` is the catalog's own filter result (no card
+Grouped = tuple[dict[str, list[str]], dict[str, Accelerator], dict[str, tuple[int, int, str]]]
+
+
+def _grouped(pass_: DecisionPass, deployment: Deployment, production: bool, passed: list[str]) -> Grouped:
+    """`passed` grouped by NVLink group (cards in none left out) or by node, each card's
+    topology, and each grouped card's place (its group's place in the groups, its own in the
+    group). Kept with the catalog while `passed` is the catalog's own filter result (no card
     unhealthy), else for the pass: read only, never changed by a placement."""
     state = pass_.state
     static_passed, _, _ = static_filter(state, deployment, production)
     nvlink = deployment.nvlink_required
     key: tuple[object, ...] = (state.pool, deployment.deployment_id, production, nvlink)
-    cache: dict[tuple[object, ...], tuple[dict[str, list[str]], dict[str, Accelerator]]]
+    cache: dict[tuple[object, ...], Grouped]
     if passed is static_passed:
         cache = state.catalog.__dict__.setdefault("_policy_gang_groups", {})
     else:
@@ -179,8 +184,13 @@ def _grouped(
         if nvlink and not group:
             continue
         groups.setdefault(group, []).append(accelerator)
-    cache[key] = (groups, topology)
-    return groups, topology
+    places = {
+        accelerator: (at, place, group)
+        for at, (group, members) in enumerate(groups.items())
+        for place, accelerator in enumerate(members)
+    }
+    cache[key] = (groups, topology, places)
+    return groups, topology, places
 
 
 def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
@@ -217,10 +227,22 @@ def _let_go(pass_: DecisionPass) -> dict[str, int]:
     let_go: dict[str, int] = {}
     for accelerator, idle in pass_.evictable.items():
         let_go[accelerator] = let_go.get(accelerator, 0) + sum(r.bytes for r in idle)
-    for resident in state.residents.values():
-        if resident.phase == ResidentPhase.UNLOADING:
-            let_go[resident.accelerator] = let_go.get(resident.accelerator, 0) + resident.bytes
-    for lease in state.leases.values():
+    for resident in _unloading(pass_):
+        let_go[resident.accelerator] = let_go.get(resident.accelerator, 0) + resident.bytes
+    kept = kept_groups(state) if pass_.indexed else None
+    if kept is None:
+        ending: Iterable[Lease] = state.leases.values()
+    else:
+        # The fast pass reads the leases that may end from the kept groupings (a busy
+        # cluster's leases are mostly of neither kind): those with an end time, those of
+        # preemptible deployments, and those being preempted.
+        leases = kept[1]
+        ids = dict.fromkeys(leases.of_timed)
+        ids.update(dict.fromkeys(leases.of_preemptible))
+        ids.update(dict.fromkeys(state.preempting))
+        held = state.leases
+        ending = [held[lease_id] for lease_id in ids if lease_id in held]
+    for lease in ending:
         leased = catalog.deployment(lease.deployment)
         if lease.ends_by is None and lease.lease_id not in state.preempting and not (leased and leased.preemptible):
             continue
@@ -249,12 +271,24 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     live = _live_cards(pass_, gang)
     groups: dict[str, list[str]] = {}
     if gang.nvlink:
-        for group, members in gang.groups.items():
-            kept = [a for a in members if a in live]
+        # From the live cards (a few of a large pool's), each group's in the groups' order and
+        # its own; the cards in the groups' order (their readers look them up or sort them).
+        places = gang.places
+        found: dict[int, list[tuple[int, str, str]]] = {}
+        for accelerator in live:
+            place = places.get(accelerator)
+            if place is not None:
+                at = found.get(place[0])
+                if at is None:
+                    found[place[0]] = [(place[1], accelerator, place[2])]
+                else:
+                    at.append((place[1], accelerator, place[2]))
+        for group_at in sorted(found):
+            kept = found[group_at]
             if len(kept) >= gang.count:
-                groups[group] = kept
-        in_groups = {a: True for kept in groups.values() for a in kept}
-        cards = [a for a in gang.passed if a in in_groups]
+                kept.sort()
+                groups[kept[0][2]] = [a for _, a, _ in kept]
+        cards = [a for kept in groups.values() for a in kept]
     else:
         cards = [a for a in gang.passed if a in live]
     memo[key] = (cards, groups)
@@ -848,13 +882,21 @@ def _unloading_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple
         return cached  # type: ignore[return-value]
     state = pass_.state
     unloading: dict[str, list[tuple[float, int]]] = {}
-    for resident in state.residents.values():
-        if resident.phase == ResidentPhase.UNLOADING:
-            done = now + unload_cost(state, state.catalog.deployment(resident.deployment))
-            unloading.setdefault(resident.accelerator, []).append((done, resident.bytes))
+    for resident in _unloading(pass_):
+        done = now + unload_cost(state, state.catalog.deployment(resident.deployment))
+        unloading.setdefault(resident.accelerator, []).append((done, resident.bytes))
     if pass_.indexed:
         pass_.memo[("unloading",)] = unloading
     return unloading
+
+
+def _unloading(pass_: DecisionPass) -> list[ResidentState]:
+    """The residents being unloaded, in the residents' order: from the kept groupings in the
+    fast pass, else from every resident."""
+    kept = kept_groups(pass_.state) if pass_.indexed else None
+    if kept is not None:
+        return kept[0].unloading
+    return [r for r in pass_.state.residents.values() if r.phase == ResidentPhase.UNLOADING]
 
 
 def _reserved_releases(pass_: DecisionPass, now: float) -> dict[str, list[tuple[float, int]]]:

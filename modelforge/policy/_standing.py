@@ -52,7 +52,17 @@ class ResidentGroups:
     """The residents grouped as a pass reads them. Never changed once built: a pass copies what
     it changes (`slots`, `residents_of`)."""
 
-    __slots__ = ("catalog", "evictable", "marks", "pinned", "resident_sum", "residents", "residents_of", "slots")
+    __slots__ = (
+        "catalog",
+        "evictable",
+        "marks",
+        "pinned",
+        "resident_sum",
+        "residents",
+        "residents_of",
+        "slots",
+        "unloading",
+    )
 
     def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[tuple[object, ...]]) -> None:
         self.catalog = catalog
@@ -65,6 +75,8 @@ class ResidentGroups:
         # Idle residents per accelerator in the residents' order (a pass sorts them by cost).
         self.evictable: dict[str, list[ResidentState]] = {}
         self.slots: dict[str, int] = {}
+        # Residents being unloaded, in the residents' order: their bytes come back once done.
+        self.unloading: list[ResidentState] = []
         resident_sum, pinned, residents_of, evictable = (
             self.resident_sum,
             self.pinned,
@@ -78,6 +90,8 @@ class ResidentGroups:
                 pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
             if is_evictable(resident):
                 evictable.setdefault(resident.accelerator, []).append(resident)
+            elif resident.phase == ResidentPhase.UNLOADING:
+                self.unloading.append(resident)
         for resident in residents:
             deployment = catalog.deployment(resident.deployment)
             concurrency = deployment.concurrency if deployment else 1
@@ -91,7 +105,7 @@ class LeaseGroups:
     a lease changed it, never changed once handed out: the fit index tells what changed by
     comparing the one it last saw with the one it is given."""
 
-    __slots__ = ("catalog", "held", "holding", "leased_sum", "of_preemptible")
+    __slots__ = ("catalog", "held", "holding", "leased_sum", "of_preemptible", "of_timed")
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -101,6 +115,8 @@ class LeaseGroups:
         # Leases of preemptible deployments, with the cards each holds: those a pass may
         # preempt once past their minimum runtime (a pass sorts them per card).
         self.of_preemptible: dict[str, tuple[Lease, Iterable[str]]] = {}
+        # Leases with an end time (`Lease.ends_by`), with the cards each holds.
+        self.of_timed: dict[str, tuple[Lease, Iterable[str]]] = {}
 
     def update(self, leases: dict[str, Lease]) -> None:
         held = self.held
@@ -111,6 +127,7 @@ class LeaseGroups:
         for lease_id in gone:
             lease = held.pop(lease_id)
             self.of_preemptible.pop(lease_id, None)
+            self.of_timed.pop(lease_id, None)
             for accelerator_id in lease.accelerators if lease.gang else (lease.accelerator,):
                 if holding[accelerator_id] == 1:
                     del holding[accelerator_id], leased_sum[accelerator_id]
@@ -130,6 +147,8 @@ class LeaseGroups:
                 leased = catalog.deployment(lease.deployment)
                 if leased is not None and leased.preemptible:
                     self.of_preemptible[lease_id] = (lease, held_on)
+                if lease.ends_by is not None:
+                    self.of_timed[lease_id] = (lease, held_on)
         self.leased_sum = leased_sum
 
 
@@ -215,6 +234,17 @@ def lease_groups(state: PoolState) -> LeaseGroups:
         groups = cached["leases"] = LeaseGroups(state.catalog)
     groups.update(state.leases)
     return groups
+
+
+def kept_groups(state: PoolState) -> tuple[ResidentGroups, LeaseGroups] | None:
+    """The groupings as the fast pass under way started from (`resident_groups` and
+    `lease_groups` brought them up to date; a pass changes neither residents nor leases), or
+    None where no fast pass kept them."""
+    cached = state.__dict__.get(_KEY, {})
+    residents, leases = cached.get("residents"), cached.get("leases")
+    if not isinstance(residents, ResidentGroups) or not isinstance(leases, LeaseGroups):
+        return None
+    return residents, leases
 
 
 def pool_cards(state: PoolState) -> tuple[list[Accelerator], dict[str, int]]:

@@ -25,7 +25,7 @@ from modelforge.policy import (
 )
 from modelforge.policy._pass import start_pass
 from modelforge.policy._placement import decide_each
-from modelforge.policy._standing import leases_on
+from modelforge.policy._standing import kept_groups, leases_on
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 
 
@@ -65,6 +65,11 @@ def same_start(s: PoolState, now: float) -> None:
     assert [a.id for a in kept.pool_accelerators] == [a.id for a in walked.pool_accelerators]
     kept_on, walked_on = leases_on(s), leases_on(s, kept=False)
     assert (kept_on.on, kept_on.timed) == (walked_on.on, walked_on.timed)  # brought up to date, not rebuilt
+    groups = kept_groups(s)
+    assert groups is not None
+    residents, leases = groups
+    assert residents.unloading == [r for r in s.residents.values() if r.phase == ResidentPhase.UNLOADING]
+    assert sorted(leases.of_timed) == sorted(i for i, lease in s.leases.items() if lease.ends_by is not None)
     fast, reference = decide(s, now), decide_each(s, now, reuse_settled=False)
     assert (fast.grants, fast.rejects, fast.loads, fast.assigns, fast.unloads, fast.preemptions) == (
         reference.grants,
@@ -81,8 +86,8 @@ def sample(s: PoolState, now: float) -> None:
         observe(s, acc, at=now, loaded=[r.key for r in s.residents.values() if r.accelerator == acc])
 
 
-def admit(s: PoolState, request_id: str, capability: str, now: float) -> None:
-    request = ask(request_id, capability, priority=Priority.BACKGROUND)
+def admit(s: PoolState, request_id: str, capability: str, now: float, **kw: object) -> None:
+    request = ask(request_id, capability, priority=Priority.BACKGROUND, **kw)
     _, priority = validate_request(s, request)
     enqueue(s, request, priority, now)
 
@@ -115,7 +120,8 @@ def test_groupings_follow_grants_releases_and_preemptible_work() -> None:
     s = build()
     now = NOW
     for n in range(3):
-        admit(s, f"j{n}", "job@1", now)
+        # One job with a max_duration: its lease ends by a known time.
+        admit(s, f"j{n}", "job@1", now, **({"max_duration_s": 600.0} if n == 1 else {}))
     admit(s, "l0", "llm@1", now)
     for _ in range(3):
         sample(s, now)
@@ -127,6 +133,7 @@ def test_groupings_follow_grants_releases_and_preemptible_work() -> None:
         now += 40.0  # past the minimum runtime: the jobs become preemptible
     sample(s, now)
     assert s.leases
+    assert any(lease.ends_by is not None for lease in s.leases.values())
     same_start(s, now)
     # A production request preempts a job: leases under preemption change the pass.
     request = ask("p0", "llm@1", priority=Priority.PRODUCTION)
