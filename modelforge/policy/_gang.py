@@ -52,8 +52,6 @@ class _Gang:
     groups: dict[str, list[str]]
     topology: dict[str, Accelerator]
     landing: Landing  # its bytes on each card, gone with its lease
-    # Each grouped card's group's place in `groups`, its own place in that group, and the group.
-    places: dict[str, tuple[int, int, str]]
 
 
 def place_gang(attempt: Attempt) -> Grant | Reject | Wait | list[Unload | Sleep] | Preemption:
@@ -136,7 +134,7 @@ def _filter_gang(attempt: Attempt) -> _Gang:
     deployment = attempt.deployment
     pass_ = attempt.pass_
     passed, refused = filtered_accelerators(pass_, deployment, attempt.production)
-    groups, topology, places = _grouped(pass_, deployment, attempt.production, passed)
+    groups, topology = _grouped(pass_, deployment, attempt.production, passed)
     need = deployment.envelope_bytes
     return _Gang(
         count=deployment.gpu_count,
@@ -148,23 +146,20 @@ def _filter_gang(attempt: Attempt) -> _Gang:
         groups=groups,
         topology=topology,
         landing=Landing(need, persists=False, attempt=attempt, lead_s=attempt.load_s),
-        places=places,
     )
 
 
-Grouped = tuple[dict[str, list[str]], dict[str, Accelerator], dict[str, tuple[int, int, str]]]
-
-
-def _grouped(pass_: DecisionPass, deployment: Deployment, production: bool, passed: list[str]) -> Grouped:
-    """`passed` grouped by NVLink group (cards in none left out) or by node, each card's
-    topology, and each grouped card's place (its group's place in the groups, its own in the
-    group). Kept with the catalog while `passed` is the catalog's own filter result (no card
+def _grouped(
+    pass_: DecisionPass, deployment: Deployment, production: bool, passed: list[str]
+) -> tuple[dict[str, list[str]], dict[str, Accelerator]]:
+    """`passed` grouped by NVLink group (cards in none left out) or by node, and each card's
+    topology. Kept with the catalog while `passed` is the catalog's own filter result (no card
     unhealthy), else for the pass: read only, never changed by a placement."""
     state = pass_.state
     static_passed, _, _ = static_filter(state, deployment, production)
     nvlink = deployment.nvlink_required
     key: tuple[object, ...] = (state.pool, deployment.deployment_id, production, nvlink)
-    cache: dict[tuple[object, ...], Grouped]
+    cache: dict[tuple[object, ...], tuple[dict[str, list[str]], dict[str, Accelerator]]]
     if passed is static_passed:
         cache = state.catalog.__dict__.setdefault("_policy_gang_groups", {})
     else:
@@ -184,13 +179,8 @@ def _grouped(pass_: DecisionPass, deployment: Deployment, production: bool, pass
         if nvlink and not group:
             continue
         groups.setdefault(group, []).append(accelerator)
-    places = {
-        accelerator: (at, place, group)
-        for at, (group, members) in enumerate(groups.items())
-        for place, accelerator in enumerate(members)
-    }
-    cache[key] = (groups, topology, places)
-    return groups, topology, places
+    cache[key] = (groups, topology)
+    return groups, topology
 
 
 def _ceiling_shortfall(pass_: DecisionPass) -> dict[str, int]:
@@ -271,23 +261,13 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     live = _live_cards(pass_, gang)
     groups: dict[str, list[str]] = {}
     if gang.nvlink:
-        # From the live cards (a few of a large pool's), each group's in the groups' order and
-        # its own; the cards in the groups' order (their readers look them up or sort them).
-        places = gang.places
-        found: dict[int, list[tuple[int, str, str]]] = {}
-        for accelerator in live:
-            place = places.get(accelerator)
-            if place is not None:
-                at = found.get(place[0])
-                if at is None:
-                    found[place[0]] = [(place[1], accelerator, place[2])]
-                else:
-                    at.append((place[1], accelerator, place[2]))
-        for group_at in sorted(found):
-            kept = found[group_at]
-            if len(kept) >= gang.count:
-                kept.sort()
-                groups[kept[0][2]] = [a for _, a, _ in kept]
+        count = gang.count
+        for group, members in gang.groups.items():
+            kept = [a for a in members if a in live]
+            if len(kept) >= count:
+                groups[group] = kept
+        # In the groups' order, not the filter's: their only reader, the reservation's search,
+        # looks each card up and sorts what it chooses from.
         cards = [a for kept in groups.values() for a in kept]
     else:
         cards = [a for a in gang.passed if a in live]
