@@ -11,7 +11,7 @@ from modelforge.policy._budget import Budget, budget_from_sums, in_window
 from modelforge.policy._decisions import PolicyEvent
 from modelforge.policy._fit_index import mark_observed
 from modelforge.policy._standing import lease_groups, resident_groups
-from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase
+from modelforge.policy._state import AcceleratorRuntime, PoolState, ResidentPhase, ResidentState
 
 # Labels a node advertises for its accelerators, and the catalog field each one sets.
 ADVERTISED_LABELS = {
@@ -74,6 +74,7 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
     events: list[PolicyEvent] = []
     labels_changed = False
     held: _Held | None = None  # the bytes residents and leases hold per card, once per call
+    on_cards: dict[str, list[ResidentState]] | None = None  # the observed cards' residents, once per call
     for observation in observations:
         accelerator = state.catalog.accelerator(observation.accelerator)
         if accelerator is None or accelerator.pool != state.pool:
@@ -91,7 +92,9 @@ def apply_observations(state: PoolState, observations: list[Observation], now: f
         # hour of memory costs nothing on the hot path.
         if not runtime.external_history or runtime.external_history[-1][1] != float(observation.external_bytes):
             runtime.external_history.append([observation.received_at, float(observation.external_bytes)])
-        lost = _reconcile_residents(state, observation)
+        if on_cards is None:
+            on_cards = _residents_on(state, observations)
+        lost = _reconcile_residents(state, observation, on_cards.get(observation.accelerator, []))
         events.extend(lost)
         if held is None:
             held = _Held(state)
@@ -140,13 +143,26 @@ def _apply_health(state: PoolState, runtime: AcceleratorRuntime, observation: Ob
     return events
 
 
-def _reconcile_residents(state: PoolState, observation: Observation) -> list[PolicyEvent]:
+def _residents_on(state: PoolState, observations: list[Observation]) -> dict[str, list[ResidentState]]:
+    """The residents of each observed card, in the residents' order: one walk for all the
+    observations of a call, not one per observation (a pool holding thousands of residents)."""
+    observed = {observation.accelerator for observation in observations}
+    on_cards: dict[str, list[ResidentState]] = {}
+    for resident in state.residents.values():
+        if resident.accelerator in observed:
+            on_cards.setdefault(resident.accelerator, []).append(resident)
+    return on_cards
+
+
+def _reconcile_residents(state: PoolState, observation: Observation, on_card: list[ResidentState]) -> list[PolicyEvent]:
     """A resident the scheduler believes ready but the node no longer holds (its worker
-    restarted, the runtime died) is lost: its bytes are gone from the card, so drop it."""
+    restarted, the runtime died) is lost: its bytes are gone from the card, so drop it.
+    `on_card`: the card's residents when the observations began to land (one dropped by an
+    earlier observation of the same card is passed over)."""
     events: list[PolicyEvent] = []
-    for key in list(state.residents):
-        resident = state.residents[key]
-        if resident.accelerator != observation.accelerator or resident.phase not in (
+    for resident in on_card:
+        key = resident.key
+        if state.residents.get(key) is not resident or resident.phase not in (
             ResidentPhase.READY,
             ResidentPhase.ASLEEP,
         ):
