@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelforge.domain import Catalog, Deployment, Observation, ProcessUsage
+from modelforge.domain import Accelerator, Catalog, Deployment, Observation, ProcessUsage
 from modelforge.failures import FailureClass
 from modelforge.simulate._history import HEARTBEAT_S, HistoryCounts, HistoryModel, scheduler_history
 from modelforge.simulate._protocol import Actions, SimScheduler
@@ -173,7 +173,45 @@ class _Cards:
         self.oom_events = 0
         self.held_sum = 0
         self.busy_sum = 0
-        self.capacity = sum(self.total.values())
+        self.capacity = sum(self.total.values())  # the cards' memory at the start
+        # (moment, the cards' memory from then on): each catalog change of the cards.
+        self.capacity_changes: list[tuple[float, int]] = []
+        # External bytes reported for a card before a catalog brought it in.
+        self.pending_external: dict[str, int] = {}
+
+    def adopt(self, accelerators: list[Accelerator], now: float) -> list[str]:
+        """The cards as a catalog applied at `now` has them; returns those it brings in. A new
+        card joins holding nothing of ours (external bytes already reported for it included), a
+        card of a new size takes it, and a card the catalog no longer has keeps what it holds
+        until its work there ends (the policy places nothing new on it) but leaves the
+        capacity utilization is measured against."""
+        added = []
+        for accelerator in accelerators:
+            card = accelerator.id
+            if card not in self.total:
+                added.append(card)
+                self.external[card] = self.pending_external.pop(card, 0)
+                self.held[card] = 0
+                self.ready_on[card] = {}
+            self.total[card] = accelerator.total_bytes
+            self.reserve[card] = accelerator.reserve_bytes
+        capacity = sum(a.total_bytes for a in accelerators)
+        current = self.capacity_changes[-1][1] if self.capacity_changes else self.capacity
+        if capacity != current:
+            self.capacity_changes.append((now, capacity))
+        return added
+
+    def capacity_area(self, lo: float, hi: float) -> float:
+        """The cards' memory integrated over [lo, hi] (byte-seconds), through each change."""
+        area, at, capacity = 0.0, lo, self.capacity
+        for when, after in self.capacity_changes:
+            if when > at:
+                if when >= hi:
+                    break
+                area += capacity * (when - at)
+                at = when
+            capacity = after
+        return area + capacity * (hi - at) if hi > at else area
 
     # CardView
     def free_bytes(self, accelerator: str) -> int:
@@ -405,12 +443,20 @@ class Simulation:
             # one it removes keeps its last shape for the residents it leaves behind.
             self.deployments.update((d.capability, d) for d in payload.deployments)
             self.by_deployment_id.update((d.deployment_id, d) for d in payload.deployments)
+            # Its cards as they are from now (a card added, resized, or taken out of the pool).
+            for card in cards.adopt(payload.accelerators, now):
+                self.touched[card] = True
+            self.nvlink_group.update((a.id, a.nvlink_group) for a in payload.accelerators)
+            self.node_of.update((a.id, a.node) for a in payload.accelerators)
             self.scheduler.catalog_changed(payload, now)
         elif kind == _EXTERNAL:
             assert isinstance(payload, tuple)
             external_on: str = payload[0]
-            cards.change(external_on, delta_external=payload[1])
-            self.touched[external_on] = True
+            if external_on in cards.total:
+                cards.change(external_on, delta_external=payload[1])
+                self.touched[external_on] = True
+            else:  # a card no catalog of the run has brought in yet (or any: a proposed catalog's)
+                cards.pending_external[external_on] = cards.pending_external.get(external_on, 0) + payload[1]
         elif kind == _LOADED:
             assert isinstance(payload, str)
             if self._ready(payload):
@@ -767,8 +813,12 @@ class Simulation:
         jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if shares else 1.0
         span = self.span_end - self.span_start
         capacity = self.cards.capacity or 1
-        held = self.held_area / (capacity * span) if span > 0 else 0.0
-        busy = self.busy_area / (capacity * span) if span > 0 else 0.0
+        if self.cards.capacity_changes:
+            capacity_area = self.cards.capacity_area(self.span_start, self.span_end) or 1.0
+        else:
+            capacity_area = capacity * span
+        held = self.held_area / capacity_area if span > 0 else 0.0
+        busy = self.busy_area / capacity_area if span > 0 else 0.0
         return SimulationResult(
             policy=self.scheduler.name,
             requests=len(requests),
@@ -852,8 +902,12 @@ class Simulation:
                 area_held, area_busy = self.step_held[i], self.step_busy[i]
                 area_queue, most = self.step_queue[i], self.step_queue_max[i]
             t_s.append(round(begin, 3))
-            held.append(round(area_held / (capacity * covered), 4))
-            busy.append(round(area_busy / (capacity * covered), 4))
+            if self.cards.capacity_changes:
+                capacity_area = self.cards.capacity_area(begin, begin + covered) or 1.0
+            else:
+                capacity_area = capacity * covered
+            held.append(round(area_held / capacity_area, 4))
+            busy.append(round(area_busy / capacity_area, 4))
             queue.append(round(area_queue / covered, 3))
             queue_max.append(most)
             values = sorted(step_waits[i])

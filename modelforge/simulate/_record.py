@@ -221,8 +221,8 @@ def _changes_in_window(
     notes: list[str],
 ) -> list[tuple[float, Catalog]]:
     """The catalogs applied inside the window as the replay applies them: from their moment
-    (on the lines' clock), the pool's part, on the window's first cards (the simulated world
-    keeps its cards), with the record's measured load times."""
+    (on the lines' clock), the pool's part with its cards (a card added, resized or taken out
+    of the pool is replayed so from that moment), with the record's measured load times."""
     changes: list[tuple[float, Catalog]] = []
     cards = [(a.id, a.total_bytes) for a in first.accelerators]
     for at, applied in inside:
@@ -231,11 +231,18 @@ def _changes_in_window(
             notes.append(f"the catalog applied at +{moment:.0f} s has no card in pool {pool!r}: not replayed")
             continue
         applied, _ = _pool_catalog(applied, pool)
-        if [(a.id, a.total_bytes) for a in applied.accelerators] != cards:
+        now_cards = [(a.id, a.total_bytes) for a in applied.accelerators]
+        if now_cards != cards:
+            was, now = dict(cards), dict(now_cards)
+            what = [f"+{card}" for card in now if card not in was]
+            what += [f"-{card}" for card in was if card not in now]
+            what += [f"{card} resized" for card in now if card in was and now[card] != was[card]]
             notes.append(
-                f"the catalog applied at +{moment:.0f} s changed the pool's cards: replayed on the window's first cards"
+                f"the catalog applied at +{moment:.0f} s changed the pool's cards ({', '.join(what) or 'their order'}):"
+                " replayed with them from that moment"
             )
-        changes.append((moment, with_measured_load_times(replace(applied, accelerators=first.accelerators), loads)))
+            cards = now_cards
+        changes.append((moment, with_measured_load_times(applied, loads)))
     if changes:
         notes.append(
             f"the catalog changed {len(changes)} time(s) inside the window (at "
@@ -416,7 +423,8 @@ def build_record_scenario(
         )
 
     ordered = sorted(ran.items(), key=lambda item: (item[1]["arrived"], item[0]))
-    accelerators = {a.id for a in catalog.accelerators}
+    # The pool's cards over the window: the first catalog's and any a change brought in.
+    accelerators = {a.id for in_force in [catalog, *(c for _, c in changes)] for a in in_force.accelerators}
     recorded = recorded_figures(
         [line for _, line in ordered],
         [e for e in events if e["kind"] == "resident_ready" and e.get("accelerator") in accelerators],
@@ -450,7 +458,7 @@ def build_record_scenario(
             del out["priority"]
         lines.append(out)
     snapshots = rows.get("snapshots", [])
-    external = _external(snapshots, {a.id for a in catalog.accelerators}, since_s, until_s)
+    external = _external(snapshots, accelerators, since_s, until_s)
     if not snapshots:
         notes.append("no capacity snapshots in the window: external processes replay as using no memory")
     sized = sum(1 for line in lines if "input_bytes" in line)

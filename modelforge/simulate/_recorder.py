@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelforge.domain import Accelerator
 from modelforge.events import EventRecord
 from modelforge.simulate._engine import Simulation
 from modelforge.simulate._modelforge import ModelForgeScheduler
@@ -54,13 +55,24 @@ def make_record(scenario: Scenario, start_epoch: float, *, snapshot_s: float = S
         )
     end = max([r.t + r.service_s for r in scenario.requests] or [0.0])
     steps = int(end // snapshot_s) + 1
-    for card in scenario.catalog.accelerators:
-        usage = [e for e in scenario.external if e.accelerator == card.id]
+    # Each card of the catalog in force at a moment is snapshotted then (a card a change
+    # brought in from its moment on, one it took out no more).
+    in_force = sorted([(0.0, scenario.catalog), *scenario.catalog_changes], key=lambda change: change[0])
+    cards: dict[str, list[tuple[float, float, Accelerator]]] = {}
+    for n, (since, catalog) in enumerate(in_force):
+        until = in_force[n + 1][0] if n + 1 < len(in_force) else math.inf
+        for card in catalog.accelerators:
+            cards.setdefault(card.id, []).append((since, until, card))
+    for card_id, spans in cards.items():
+        usage = [e for e in scenario.external if e.accelerator == card_id]
         for step in range(steps):
             t = step * snapshot_s
+            at = next((c for since, until, c in spans if since <= t < until), None)
+            if at is None:
+                continue
             external = sum(e.bytes for e in usage if e.start_s <= t < e.end_s)
             record.snapshots.append(
-                (start_epoch + t, card.id, card.pool, card.node, card.total_bytes, external, card.reserve_bytes)
+                (start_epoch + t, at.id, at.pool, at.node, at.total_bytes, external, at.reserve_bytes)
             )
     return record
 

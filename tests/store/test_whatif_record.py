@@ -421,3 +421,83 @@ def test_a_catalog_applied_inside_the_window_is_replayed_from_its_moment() -> No
     assert as_it_was.figures["by_class"]["interactive"] == recorded.figures["by_class"]["interactive"]
     assert proposed.figures["cold_starts"] == 60  # the 60 s TTL all along: every call loads
     assert as_it_was.figures["invariant_violations"] == proposed.figures["invariant_violations"] == 0
+
+
+def _cards_catalog(cards: int) -> Catalog:
+    """`cards` 24 GiB cards of one box, and a batch job that takes most of a card."""
+    return parse_catalog(
+        {
+            "accelerators": [
+                {
+                    "id": f"box/{n}",
+                    "node": "box",
+                    "model": "sim 24GB",
+                    "total_bytes": 24 * GIB,
+                    "reserve_bytes": GIB,
+                    "production_eligible": True,
+                    "simulated": True,
+                }
+                for n in range(cards)
+            ],
+            "deployments": [
+                {
+                    "capability": "train@1",
+                    "envelope_bytes": 20 * GIB,
+                    "idle_bytes": 0,
+                    "residency": "none",
+                    "load_s": 5.0,
+                    "concurrency": 1,
+                    "queue_limit": 1000,
+                    "measured_on": ["sim 24GB"],
+                }
+            ],
+            "tenants": [{"name": "bob-private", "default_priority": "background"}],
+        }
+    )[0]
+
+
+def test_a_card_added_inside_the_window_is_replayed_from_its_moment() -> None:
+    # One card for the first hour, then the operator added a second. A 300 s job every 200 s:
+    # the first hour's queue grows, the second card drains it. Replayed as it was, the second
+    # card comes in at its moment (on the first card alone every later job would wait longer);
+    # the one-card catalog proposed keeps the queue growing all along.
+    one, two = _cards_catalog(1), _cards_catalog(2)
+    lines = [
+        json.dumps(
+            {
+                "id": f"job-{i}",
+                "t": 1.0 + 200.0 * i,
+                "capability": "train@1",
+                "tenant": "bob-private",
+                "service_s": 300.0,
+                "lease_timeout_s": 7200.0,
+            }
+        )
+        for i in range(36)
+    ]
+    requests, with_variants = parse_request_lines(lines, one)
+    now = 1_000_000.0
+    # A media server on the new card from +4000 s: in the record's snapshots of that card only.
+    plex = [ExternalUsage("box/1", 2 * GIB, 4000.0, math.inf, "plex")]
+    made = make_record(Scenario(with_variants, requests, plex, catalog_changes=[(3600.0, two)]), now)
+    rows = record_rows(made)
+    history = [(now - 10, one), (now + 3600.0, two)]
+    record = build_record_scenario(rows, history, since_s=now, until_s=now + 3 * 3600)
+    assert [len(catalog.accelerators) for _, catalog in record.changes] == [2]
+    assert {usage.accelerator for usage in record.external if usage.bytes} == {"box/1"}
+    assert any("+box/1" in note and "replayed with them" in note for note in record.notes)
+    recorded, as_it_was, proposed = compare(record, one)
+    background = recorded.figures["by_class"]["background"]
+    assert background["served"] == 36
+    assert as_it_was.figures["by_class"]["background"] == background
+    # Three loads: the first card's job, the second card's when it came in, the first card's
+    # again after it had emptied; the record counts the second card's too.
+    assert recorded.figures["cold_starts"] == as_it_was.figures["cold_starts"] == 3
+    # On the first card alone the same jobs wait far longer: the change is what the record shows.
+    assert proposed.figures["by_class"]["background"]["wait_p95_s"] > 2 * background["wait_p95_s"]
+    assert as_it_was.result is not None and proposed.result is not None
+    # Utilization counts the second card's memory from its moment: two jobs at once never
+    # read as more than the cards hold.
+    assert max(as_it_was.result.series["vram_busy_utilization"]) <= 1.0
+    assert 0 < as_it_was.result.vram_busy_utilization <= 1.0
+    assert as_it_was.figures["invariant_violations"] == proposed.figures["invariant_violations"] == 0
