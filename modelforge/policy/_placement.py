@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from modelforge.domain import Catalog, Deployment, Residency, fair_share_entity, resident_key
@@ -435,16 +435,31 @@ def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
     heads = [(lane.items[0].submitted_at, lane.items[0].request_id, n, 0) for n, lane in enumerate(lanes)]
     heapq.heapify(heads)
     capabilities = [lane.capability for lane in lanes]
-    shared = len(set(capabilities)) < len(capabilities)
+    # Where lanes share a capability: per capability, its lanes' heads as `heads` holds them,
+    # in a heap of its own (an entry is stale once its lane has moved on or is being walked),
+    # so the next request of another lane of the same capability is its top, not a scan of
+    # every head (a pool of many tenants asks it for every run it passes over).
+    shared: dict[str, list[tuple[float, str, int, int]]] | None = None
+    at: list[int] = []
+    if len(set(capabilities)) < len(capabilities):
+        shared = {}
+        for head in heads:
+            shared.setdefault(capabilities[head[2]], []).append(head)
+        for same in shared.values():
+            heapq.heapify(same)
+        at = [0] * len(lanes)
     while heads:
         _, _, n, position = heapq.heappop(heads)
         lane = lanes[n]
         run = skip.passable(lane, position)
         if run:
-            if shared:
-                others = [head[:2] for head in heads if capabilities[head[2]] == lane.capability]
-                if others:
-                    end = bisect_left(lane.items, min(others), position + 1, position + run, key=submission_key)
+            if shared is not None:
+                at[n] = -1  # being walked: not another lane's head
+                same = shared[lane.capability]
+                while same and at[same[0][2]] != same[0][3]:
+                    heapq.heappop(same)
+                if same:
+                    end = bisect_left(lane.items, same[0][:2], position + 1, position + run, key=submission_key)
                     run = end - position
             skip.passed_over(lane, run)
             position += run
@@ -453,7 +468,13 @@ def _merged(lanes: list[Lane], skip: _Skip) -> Iterator[QueuedRequest]:
             position += 1
         if position < len(lane.items):
             following = lane.items[position]
-            heapq.heappush(heads, (following.submitted_at, following.request_id, n, position))
+            head = (following.submitted_at, following.request_id, n, position)
+            heapq.heappush(heads, head)
+            if shared is not None:
+                at[n] = position
+                heapq.heappush(shared[lane.capability], head)
+        elif shared is not None:
+            at[n] = -1
 
 
 def _preempt_on_silent_nodes(pass_: DecisionPass, decisions: Decisions, now: float) -> None:
@@ -1074,8 +1095,18 @@ def _nothing_fits(attempt: Attempt, holding: dict[str, bool]) -> bool:
     blocked, committed, reservations = pass_.blocked, pass_.committed, pass_.reservations
     landing = Landing(need, deployment.residency != Residency.NONE, attempt, attempt.load_s)
     order = _open_order(pass_, attempt.production)
-    for i in range(bisect_left(order, (need, "")), len(order)):
-        schedulable, card = order[i]
+    start = bisect_left(order, (need, ""))
+    if len(eligible) < len(order) - start:
+        # Fewer cards may take it than have its bytes (a deployment pinned to a few cards of a
+        # large pool): its own cards with the bytes, open, in the order's order (the same cards
+        # in the same order as the walk below, reservations consulted alike).
+        shut, held = shut_cards(pass_, attempt.production), fit.schedulable
+        tail: Iterable[tuple[int, str]] = sorted(
+            (held[card], card) for card in eligible if card in held and held[card] >= need and card not in shut
+        )
+    else:
+        tail = (order[i] for i in range(start, len(order)))
+    for schedulable, card in tail:
         if card not in eligible or card in holding or card in blocked:
             continue
         if schedulable - committed.get(card, 0) < need:
