@@ -202,7 +202,7 @@ def fit_index(
 
 def _differ(old: dict[str, int], new: dict[str, int], changed: dict[str, bool]) -> None:
     """Marks the cards whose sum differs between `old` and `new` (or is in one only): the
-    pairs in one dict and not the other, compared at C speed (thousands of cards a pass), in
-    the cards' order so the result never depends on string hashing."""
+    pairs in one dict and not the other, compared at C speed (thousands of cards a pass), by
+    card id so the result never depends on string hashing."""
     for card in sorted({card for card, _ in new.items() ^ old.items()}):
         changed[card] = True

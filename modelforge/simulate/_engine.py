@@ -195,6 +195,7 @@ class _Cards:
                 self.ready_on[card] = {}
             self.total[card] = accelerator.total_bytes
             self.reserve[card] = accelerator.reserve_bytes
+            self.change(card)  # over its size now (external bytes it joins with, a smaller size)?
         capacity = sum(a.total_bytes for a in accelerators)
         current = self.capacity_changes[-1][1] if self.capacity_changes else self.capacity
         if capacity != current:

@@ -165,9 +165,10 @@ class ModelForgeScheduler:
         return actions
 
     def _watch_pressure(self, accelerator: str, now: float) -> None:
-        runtime = self.state.accelerators[accelerator]
+        runtime = self.state.accelerators.get(accelerator)
         config = self.state.config
-        if not runtime.pressure:
+        if runtime is None or not runtime.pressure or self.state.catalog.accelerator(accelerator) is None:
+            # (a card no catalog of the pool has now is observed no more: nothing to watch)
             self.pressured.pop(accelerator, None)
             return
         again = math.inf

@@ -4,6 +4,8 @@ baselines' distinctive behaviours."""
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -439,3 +441,21 @@ def test_a_model_that_can_sleep_is_woken_in_seconds_instead_of_reloaded(
     assert third.first_start is not None
     assert third.first_start - third.arrived == pytest.approx(second_wait_s)
     assert (result.loads, result.sleeps, result.wakes) == (loads, int(sleepy), int(sleepy))
+
+
+def test_a_card_a_catalog_brings_in_over_its_size_counts_an_out_of_memory_moment() -> None:
+    # A process on gpu/1 uses 30 GiB from the start, before any catalog has the 24 GiB card;
+    # the catalog applied at t=50 brings it in: the card is over its size from that moment.
+    # Taken out again at t=100, it is no longer watched and the run ends with its work.
+    s = scenario(
+        [card("gpu/0")],
+        [model("m@1", 4, load_s=1.0)],
+        [{"t": 0.0, "capability": "m@1", "service_s": 200.0}],
+        external=[ExternalUsage("gpu/1", 30 * GiB, 0.0, math.inf)],
+    )
+    both = replace(s.catalog, accelerators=[card("gpu/0"), card("gpu/1")])
+    s = replace(s, catalog_changes=[(50.0, both), (100.0, replace(s.catalog, accelerators=[card("gpu/0")]))])
+    result = simulate(s, "modelforge")
+    assert result.completed == 1
+    assert result.oom_events == 1
+    assert result.invariant_violations == 0
