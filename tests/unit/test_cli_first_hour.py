@@ -622,10 +622,13 @@ _HEAVY = ("temporalio", "torch", "fastapi", "starlette", "uvicorn", "sentence_tr
 
 
 def _imported_after(code: str) -> set[str]:
+    # The probe ends as `modelforge.cli.main` does, without interpreter finalization: a process
+    # that made a Temporal client can abort while Python tears down (temporalio/sdk-python#300).
     probe = (
-        "import json, sys\n"
+        "import json, os, sys\n"
         f"{code}\n"
-        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(_HEAVY)!r}))))"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(_HEAVY)!r}))))\n"
+        "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     env["MODELFORGE_TEMPORAL_ADDRESS"] = "127.0.0.1:1"  # nothing listens: status fails at once
