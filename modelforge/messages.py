@@ -321,7 +321,9 @@ class ResidentReport:
 
 @dataclass(frozen=True)
 class ResidentCommand:
-    action: str  # extend | unload | sleep | wake | lost
+    # extend | unload | sleep | wake | lost | adopt (the scheduler's start of this residency was
+    # refused because it runs already: a reset run deciding again a load its lost part started)
+    action: str
     until: float = 0.0
     reason: str = ""
 

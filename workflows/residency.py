@@ -3,7 +3,7 @@
 the generations, so a reload never reuses the id of a residency still closing).
 
 Load, one functional health check, then commands from the scheduler (`extend`, `unload`, `sleep`,
-`wake`, `lost`) until it ends. A keep_warm model's TTL timer asks the scheduler when it fires
+`wake`, `lost`, `adopt`) until it ends. A keep_warm model's TTL timer asks the scheduler when it fires
 (`resident_idle`): the scheduler knows the last use and the active leases, and answers `extend`
 or `unload`. Unloading is the unload, then the reclaim check that proves the bytes came back."""
 
@@ -109,17 +109,15 @@ class ResidencyWorkflow:
             )
             return "health check failed"
         health_s = (workflow.now() - health_started).total_seconds()
-        await scheduler.signal(
-            "resident_loaded",
-            ResidentReport(
-                key=start.key,
-                workflow_id=self._id,
-                ok=True,
-                measured_bytes=loaded.measured_bytes,
-                load_s=loaded.load_s,
-                health_s=health_s,
-            ),
+        ready = ResidentReport(
+            key=start.key,
+            workflow_id=self._id,
+            ok=True,
+            measured_bytes=loaded.measured_bytes,
+            load_s=loaded.load_s,
+            health_s=health_s,
         )
+        await scheduler.signal("resident_loaded", ready)
         self._phase = "ready"
         if deployment.residency == Residency.KEEP_WARM:
             self._expires_at = workflow.now().timestamp() + deployment.ttl_s
@@ -144,6 +142,15 @@ class ResidencyWorkflow:
                 continue
             if command.action == "wake":
                 if not await self._wake_up(start, queue, scheduler):
+                    return "wake failed"
+                continue
+            if command.action == "adopt":
+                # The scheduler, reset past this run's start, decided this load again and waits
+                # for it: loaded, it hears so again (the report before went to the lost part of
+                # its history); asleep, it is woken for the request that asked for the load.
+                if self._phase != "asleep":
+                    await scheduler.signal("resident_loaded", ready)
+                elif not await self._wake_up(start, queue, scheduler, report="resident_loaded"):
                     return "wake failed"
                 continue
             if command.action == "lost":
@@ -184,10 +191,16 @@ class ResidencyWorkflow:
         )
 
     async def _wake_up(
-        self, start: ResidencyInput, queue: str, scheduler: workflow.ExternalWorkflowHandle[Any]
+        self,
+        start: ResidencyInput,
+        queue: str,
+        scheduler: workflow.ExternalWorkflowHandle[Any],
+        report: str = "resident_woke",
     ) -> bool:
         """Wake for the requests waiting on it. A failed wake unloads the model: the waiters hear
-        the failure as after a failed load, and a later request loads it afresh."""
+        the failure as after a failed load, and a later request loads it afresh. `report`: the
+        scheduler's signal that hears the outcome (`resident_loaded` for a scheduler that adopted
+        this run and waits for its load)."""
         self._phase = "waking"
         try:
             result = await workflow.execute_activity(
@@ -205,13 +218,13 @@ class ResidencyWorkflow:
             await self._unload(start, queue)
             self._phase = "unloaded"
             await scheduler.signal(
-                "resident_woke",
+                report,
                 ResidentReport(key=start.key, ok=False, failure=cls, message=f"wake: {message}", workflow_id=self._id),
             )
             return False
         self._phase = "ready"
         await scheduler.signal(
-            "resident_woke",
+            report,
             ResidentReport(key=start.key, ok=True, measured_bytes=result.bytes_after, workflow_id=self._id),
         )
         return True

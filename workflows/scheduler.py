@@ -17,7 +17,7 @@ from datetime import timedelta
 from functools import partial
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
     from modelforge import policy
@@ -737,6 +737,11 @@ class PoolSchedulerWorkflow:
         resident = self._state.residents.get(report.key)
         if not self._current(report.key, report.workflow_id):
             return
+        if report.ok and (resident is None or resident.phase != policy.ResidentPhase.LOADING):
+            # Not a load this run waits for: one it heard already (an adopted residency reports
+            # again), or one it does not know (a reset run hears its lost part's reports again
+            # before deciding that load anew, and adopts the residency then).
+            return
         accelerator = resident.accelerator if resident else ""
         deployment = resident.deployment if resident else ""
         workflow_id = resident.workflow_id if resident else ""
@@ -1237,14 +1242,33 @@ class PoolSchedulerWorkflow:
 
     async def _start_residency(self, workflow_id: str, load: ResidencyInput) -> object:
         try:
-            await workflow.start_child_workflow(
-                ResidencyWorkflow.run,
-                load,
-                id=workflow_id,
-                task_queue=CONTROL_TASK_QUEUE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                static_summary=f"{load.deployment.deployment_id} on {load.accelerator.id}",
-            )
+            try:
+                await workflow.start_child_workflow(
+                    ResidencyWorkflow.run,
+                    load,
+                    id=workflow_id,
+                    task_queue=CONTROL_TASK_QUEUE,
+                    parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                    static_summary=f"{load.deployment.deployment_id} on {load.accelerator.id}",
+                )
+            except WorkflowAlreadyStartedError:
+                # This very load runs already: the run was reset past its start and decided it
+                # again (the load counter rewound with it, so the id is the same: same model, same
+                # card). That residency is adopted, not taken for a failed load: it reports its
+                # load to this run (it did to the lost one, or will), or wakes and reports.
+                self._record(
+                    policy.PolicyEvent(
+                        kind="residency_adopted",
+                        accelerator=load.accelerator.id,
+                        deployment=load.deployment.deployment_id,
+                        workflow_id=workflow_id,
+                        message="its start was refused: it runs already, started by history a reset discarded",
+                    ),
+                    self._now(),
+                )
+                await workflow.get_external_workflow_handle(workflow_id).signal(
+                    "command", ResidentCommand("adopt", reason="the scheduler was reset past its start")
+                )
         except Exception as error:  # a start that failed is a failed load, never a silent gap
             self.resident_loaded(
                 ResidentReport(

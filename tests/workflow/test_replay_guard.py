@@ -40,6 +40,7 @@ from temporalio.worker import Worker
 from temporalio.workflow import NondeterminismError
 
 from modelforge.domain import resident_key
+from modelforge.names import RESIDENCY_WORKFLOW_TYPE
 from modelforge.policy import PolicyConfig
 from tests.invoke_log import most_at_once
 from workers.control import workflow_runner
@@ -413,6 +414,86 @@ async def test_a_reset_sends_its_admissions_again_and_reclaims_a_grant_never_wri
         assert result.timings["preemptions"] == 1, result.timings
         assert result.lease.lease_id != lease_id
         assert (await first.result()).output
+        await _no_lease_left(stack)
+
+
+async def test_a_reset_past_a_load_adopts_the_residency_it_started(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    """A reset past the start of a load (seen once in a 15-minute chaos round, a request refused
+    `RESIDENCY_CONFLICT`): the reset run decides the same load again, with the same residency
+    id (the load counter rewound with it), while the residency the lost run started is still
+    loading. Its start is refused (that run exists); before, the refusal was taken for a failed
+    load and the request waiting on it was refused, while the model went on loading on the card
+    for nobody. The reset run adopts the running residency: the request is served from it, the
+    card loads the model once, and a later request finds it warm."""
+    catalog = tmp_path / "slow_load.toml"
+    text = FENCING.read_text()
+    one = 'load_s = 0.2\naccelerators = ["route-a/0"]'
+    assert text.count(one) == 1
+    catalog.write_text(text.replace(one, 'load_s = 4\naccelerators = ["route-a/0"]'))
+    async with running_stack(
+        dev_server_env.client,
+        database_url,
+        catalog_path=catalog,
+        config=SILENCE_RECLAIMS_NOTHING,
+        adopt_interval_s=3600,
+    ) as stack:
+        request = await stack.start_request("fence.one@1", tenant="app", lease_timeout_s=60)
+        run_id = (await stack.scheduler.describe()).run_id or ""
+        scheduler = stack.client.get_workflow_handle("scheduler:default", run_id=run_id)
+
+        async def residency_started() -> tuple[int, str] | None:
+            events = (await scheduler.fetch_history()).events
+            for event in events:
+                if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
+                    started = event.child_workflow_execution_started_event_attributes
+                    if started.workflow_execution.workflow_id.startswith("resident:fence.one@1:"):
+                        return started.initiated_event_id, started.workflow_execution.workflow_id
+            return None
+
+        found = await _until(residency_started, 30)
+        assert found is not None, "no residency was started for the request"
+        initiated, residency_id = found
+        history = await scheduler.fetch_history()
+        point = max(
+            e.event_id
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < initiated
+        )
+        residency = stack.client.get_workflow_handle(residency_id)
+        assert await residency.query("phase") == "loading"
+        await ReplayGuard(stack.client, ["scheduler:default"], _never_called).reset(
+            "scheduler:default", run_id, point, "a test resets past the start of a load"
+        )
+        assert (await stack.scheduler.describe()).run_id != run_id
+        # Served from the residency the lost run started (before: refused RESIDENCY_CONFLICT).
+        result = await asyncio.wait_for(request.result(), timeout=45)
+        assert result.output
+        assert result.lease.resident_key == resident_key("fence.one@1", "route-a/0")
+        [resident] = [r for r in (await stack.status()).residents if r.capability == "fence.one@1"]
+        assert (resident.state, resident.workflow_id) == ("ready", residency_id)
+        # The always-warm model of the other card, when its start was decided in the same pass
+        # (the request came before the first pass) or later, was started again by the reset
+        # run and adopted too: loaded already, it reported again.
+        pinned_started = [
+            e.start_child_workflow_execution_initiated_event_attributes.workflow_id
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED and e.event_id > point
+        ]
+        pinned_started.remove(residency_id)
+        expected = {"fence.one@1": residency_id}
+        for pinned_id in pinned_started:
+            expected["fence.pinned@1"] = pinned_id
+        adopted = await stack.events("residency_adopted", at_least=len(expected))
+        assert {e["deployment"]: e["workflow_id"] for e in adopted} == expected, adopted
+        [pinned] = [r for r in (await stack.status()).residents if r.capability == "fence.pinned@1"]
+        assert pinned.state == "ready"
+        # The card loaded it once: one residency run of the model, and the next request is warm.
+        after = await stack.start_request("fence.one@1", tenant="app")
+        assert (await asyncio.wait_for(after.result(), timeout=30)).output
+        runs = [w.id async for w in stack.client.list_workflows(f"WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'")]
+        assert [r for r in runs if r.startswith("resident:fence.one@1:")] == [residency_id], runs
         await _no_lease_left(stack)
 
 
