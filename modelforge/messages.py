@@ -317,6 +317,9 @@ class ResidentReport:
     failure: str | None = None
     message: str = ""
     workflow_id: str = ""  # the residency workflow that reports; a previous life of the key is ignored
+    # What it loaded where (a load's report): a scheduler that does not hold it adopts it by these.
+    deployment: str = ""
+    accelerator: str = ""
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,8 @@ class ResidencyWorkflow:
             measured_bytes=loaded.measured_bytes,
             load_s=loaded.load_s,
             health_s=health_s,
+            deployment=deployment.deployment_id,
+            accelerator=start.accelerator.id,
         )
         await scheduler.signal("resident_loaded", ready)
         self._phase = "ready"

@@ -737,11 +737,11 @@ class PoolSchedulerWorkflow:
         resident = self._state.residents.get(report.key)
         if not self._current(report.key, report.workflow_id):
             return
-        if report.ok and (resident is None or resident.phase != policy.ResidentPhase.LOADING):
-            # Not a load this run waits for: one it heard already (an adopted residency reports
-            # again), or one it does not know (a reset run hears its lost part's reports again
-            # before deciding that load anew, and adopts the residency then).
+        if report.ok and resident is None:
+            self._adopt_unknown(report, now)
             return
+        if report.ok and resident is not None and resident.phase != policy.ResidentPhase.LOADING:
+            return  # heard already: an adopted residency reports its load again
         accelerator = resident.accelerator if resident else ""
         deployment = resident.deployment if resident else ""
         workflow_id = resident.workflow_id if resident else ""
@@ -770,6 +770,29 @@ class PoolSchedulerWorkflow:
             self._record_all(policy.resident_ready(self._state, report.key, report.measured_bytes, now), now)
         else:
             self._resident_failed(report, now)
+        self._wake = True
+
+    def _adopt_unknown(self, report: ResidentReport, now: float) -> None:
+        """A residency loaded that this run does not hold (a reset run hears the reports of its
+        lost part again; or its resident was dropped meanwhile): its card holds the model, so it
+        is adopted, ready, rather than left holding memory nobody counts. One that cannot be
+        (its deployment or card gone from the catalog) is unloaded."""
+        if not report.workflow_id or not report.deployment:
+            return  # a report that does not say what it loaded where: nothing to adopt it by
+        events = policy.adopt_resident(
+            self._state,
+            report.key,
+            report.deployment,
+            report.accelerator,
+            report.workflow_id,
+            report.measured_bytes,
+            now,
+        )
+        if events is None:
+            why = "loaded for history a reset discarded; its deployment or card is no longer in the catalog"
+            self._commands_out.append((report.workflow_id, ResidentCommand("unload", reason=why)))
+        else:
+            self._record_all(events, now)
         self._wake = True
 
     @workflow.signal

@@ -70,6 +70,7 @@ from modelforge.policy._state import (
 )
 from modelforge.policy._topology import shape_problems as shape_problems
 from modelforge.policy._transitions import (
+    adopt_resident,
     apply_decisions,
     cancel_request,
     keep_warm_check,
@@ -152,6 +153,7 @@ __all__ = [
     "WaitReason",
     "Wake",
     "admission_check",
+    "adopt_resident",
     "apply_decisions",
     "apply_observations",
     "cancel_request",

@@ -470,6 +470,53 @@ def resident_ready(state: PoolState, key: str, measured_bytes: int, now: float) 
     ]
 
 
+def adopt_resident(
+    state: PoolState,
+    key: str,
+    deployment_id: str,
+    accelerator_id: str,
+    workflow_id: str,
+    measured_bytes: int,
+    now: float,
+) -> list[PolicyEvent] | None:
+    """A residency heard loaded that the state does not hold: started by a part of the
+    scheduler's history a reset discarded (the reset run hears its reports again), or loaded
+    after its resident was dropped. Its card holds the model, so the state does too, ready, a
+    life of its own (a new incarnation): served from and unloaded like any resident, and never
+    loaded a second time beside it. None where it cannot be (its deployment or card no longer in
+    the pool's catalog, or its key held by another life): the caller unloads it or lets it go."""
+    deployment = state.catalog.deployment(deployment_id)
+    accelerator = state.catalog.accelerator(accelerator_id)
+    if deployment is None or accelerator is None or accelerator.pool != state.pool or key in state.residents:
+        return None
+    state.incarnations += 1
+    resident = ResidentState(
+        key=key,
+        deployment=deployment_id,
+        capability=deployment.capability,
+        accelerator=accelerator_id,
+        node=accelerator.node,
+        bytes=max(deployment.envelope_bytes, measured_bytes),
+        phase=ResidentPhase.READY,
+        residency=deployment.residency,
+        ttl_s=deployment.ttl_s,
+        workflow_id=workflow_id,
+        requested_at=now,
+        loaded_at=now,
+        last_used=now,
+        incarnation=state.incarnations,
+    )
+    state.residents[key] = resident
+    return [
+        resident_event(
+            resident,
+            "residency_adopted",
+            "heard loaded, not held by this run (started by history a reset discarded, or after it was dropped)",
+            payload={"bytes": resident.bytes, "measured_bytes": measured_bytes},
+        )
+    ]
+
+
 def resident_failed(
     state: PoolState, key: str, failure: FailureClass, message: str, now: float
 ) -> tuple[list[Reject], list[PolicyEvent]]:

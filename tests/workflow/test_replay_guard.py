@@ -474,8 +474,8 @@ async def test_a_reset_past_a_load_adopts_the_residency_it_started(
         [resident] = [r for r in (await stack.status()).residents if r.capability == "fence.one@1"]
         assert (resident.state, resident.workflow_id) == ("ready", residency_id)
         # The always-warm model of the other card, when its start was decided in the same pass
-        # (the request came before the first pass) or later, was started again by the reset
-        # run and adopted too: loaded already, it reported again.
+        # (the request came before the first pass) or later, was loaded already: the reset run
+        # hears its report again (reapplied with the reset) and adopts it, ready, not loaded again.
         pinned_started = [
             e.start_child_workflow_execution_initiated_event_attributes.workflow_id
             for e in history.events
@@ -489,11 +489,15 @@ async def test_a_reset_past_a_load_adopts_the_residency_it_started(
         assert {e["deployment"]: e["workflow_id"] for e in adopted} == expected, adopted
         [pinned] = [r for r in (await stack.status()).residents if r.capability == "fence.pinned@1"]
         assert pinned.state == "ready"
+        if pinned_started:
+            assert pinned.workflow_id == expected["fence.pinned@1"]
         # The card loaded it once: one residency run of the model, and the next request is warm.
         after = await stack.start_request("fence.one@1", tenant="app")
         assert (await asyncio.wait_for(after.result(), timeout=30)).output
         runs = [w.id async for w in stack.client.list_workflows(f"WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'")]
         assert [r for r in runs if r.startswith("resident:fence.one@1:")] == [residency_id], runs
+        if pinned_started:
+            assert [r for r in runs if r.startswith("resident:fence.pinned@1:")] == pinned_started, runs
         await _no_lease_left(stack)
 
 
