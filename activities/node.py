@@ -62,6 +62,11 @@ def as_application_error(error: ModelForgeError) -> ApplicationError:
     return ApplicationError(error.message, type=error.failure.value, non_retryable=not is_retryable(error.failure))
 
 
+# A load waiting for the same model's load under way heartbeats this often (its activity's
+# heartbeat timeout is 30 s).
+LOAD_WAIT_HEARTBEAT_S = 5.0
+
+
 def _heartbeat(detail: str) -> None:
     if activity.in_activity():
         activity.heartbeat(detail)
@@ -144,6 +149,8 @@ class NodeActivities:
         self._backend = backend
         self._runtimes = runtimes
         self._loaded: dict[str, tuple[Runtime, LoadedModel]] = {}
+        # Loads under way, by resident key: a second load of the same key waits for the first.
+        self._loading: dict[str, asyncio.Future[None]] = {}
         self._deployments: dict[str, Deployment] = {}
         # Processes of unloaded models, until their memory is seen gone (verify_reclaim).
         self._unloaded_pids: dict[str, set[int]] = {}
@@ -219,9 +226,27 @@ class NodeActivities:
     @activity.defn(name="load_model")
     async def load_model(self, request: LoadInput) -> LoadResult:
         runtime = self._runtime(request.deployment.runtime)
-        if request.key in self._loaded:
-            _, existing = self._loaded[request.key]
-            return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
+        while True:
+            if request.key in self._loaded:
+                _, existing = self._loaded[request.key]
+                return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
+            under_way = self._loading.get(request.key)
+            if under_way is None:
+                break
+            # The same model is loading for another residency (a scheduler reset past a load
+            # decides it again): its load is shared, never a second copy on the card. One that
+            # failed is tried again here.
+            while not under_way.done():
+                _heartbeat(f"waiting for the load of {request.key} under way")
+                await asyncio.wait({under_way}, timeout=LOAD_WAIT_HEARTBEAT_S)
+        loading = self._loading[request.key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._load(runtime, request)
+        finally:
+            del self._loading[request.key]
+            loading.set_result(None)
+
+    async def _load(self, runtime: Runtime, request: LoadInput) -> LoadResult:
         try:
             deployment = request.deployment
             checked = None

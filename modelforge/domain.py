@@ -269,6 +269,24 @@ class Deployment:
         """Bytes a lease adds on top of residency (envelope peak minus idle)."""
         return max(0, self.envelope_bytes - self.resident_bytes)
 
+    @property
+    def load_timeout_s(self) -> float:
+        """How long one attempt at its load may take (its residency's load activity)."""
+        return max(60.0, self.load_s * 10)
+
+    @property
+    def wake_timeout_s(self) -> float:
+        """How long one attempt at waking it may take (its residency's wake activity)."""
+        return max(60.0, self.wake_s * 10)
+
+    @property
+    def load_report_limit_s(self) -> float:
+        """How long after its load (or an adopted residency's wake) was asked its residency has
+        reported, at the latest, while its workflows run: two attempts at the load or wake and
+        two at the health check (60 s each), with room to spare. Past it, the scheduler takes
+        the load as failed (a residency ended, or stuck, without a word)."""
+        return 2 * max(self.load_timeout_s, self.wake_timeout_s) + 180.0
+
 
 @dataclass(frozen=True)
 class Tenant:

@@ -320,6 +320,9 @@ class ResidentReport:
     # What it loaded where (a load's report): a scheduler that does not hold it adopts it by these.
     deployment: str = ""
     accelerator: str = ""
+    # A load reported again, to a scheduler that adopted the residency (`adopt`): not a load's
+    # measurement (its load time is the first report's), nor a load to record again.
+    again: bool = False
 
 
 @dataclass(frozen=True)

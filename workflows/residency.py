@@ -9,6 +9,7 @@ or `unload`. Unloading is the unload, then the reclaim check that proves the byt
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -58,7 +59,7 @@ class ResidencyWorkflow:
         scheduler = workflow.get_external_workflow_handle(scheduler_id(start.pool))
         queue = node_task_queue(start.accelerator.node)
         deployment = start.deployment
-        load_timeout = timedelta(seconds=max(60.0, deployment.load_s * 10))
+        load_timeout = timedelta(seconds=deployment.load_timeout_s)
         try:
             loaded = await workflow.execute_activity(
                 "load_model",
@@ -151,7 +152,7 @@ class ResidencyWorkflow:
                 # for it: loaded, it hears so again (the report before went to the lost part of
                 # its history); asleep, it is woken for the request that asked for the load.
                 if self._phase != "asleep":
-                    await scheduler.signal("resident_loaded", ready)
+                    await scheduler.signal("resident_loaded", replace(ready, again=True))
                 elif not await self._wake_up(start, queue, scheduler, report="resident_loaded"):
                     return "wake failed"
                 continue
@@ -210,7 +211,7 @@ class ResidencyWorkflow:
                 start.key,
                 result_type=RuntimeOpResult,
                 task_queue=queue,
-                start_to_close_timeout=timedelta(seconds=max(60.0, start.deployment.wake_s * 10)),
+                start_to_close_timeout=timedelta(seconds=start.deployment.wake_timeout_s),
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=RUNTIME_RETRY,
                 summary=f"wake {start.deployment.deployment_id}",
@@ -221,13 +222,29 @@ class ResidencyWorkflow:
             self._phase = "unloaded"
             await scheduler.signal(
                 report,
-                ResidentReport(key=start.key, ok=False, failure=cls, message=f"wake: {message}", workflow_id=self._id),
+                ResidentReport(
+                    key=start.key,
+                    ok=False,
+                    failure=cls,
+                    message=f"wake: {message}",
+                    workflow_id=self._id,
+                    deployment=start.deployment.deployment_id,
+                    accelerator=start.accelerator.id,
+                ),
             )
             return False
         self._phase = "ready"
         await scheduler.signal(
             report,
-            ResidentReport(key=start.key, ok=True, measured_bytes=result.bytes_after, workflow_id=self._id),
+            ResidentReport(
+                key=start.key,
+                ok=True,
+                measured_bytes=result.bytes_after,
+                workflow_id=self._id,
+                deployment=start.deployment.deployment_id,
+                accelerator=start.accelerator.id,
+                again=report == "resident_loaded",
+            ),
         )
         return True
 

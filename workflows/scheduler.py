@@ -150,6 +150,9 @@ AUDIT_BEFORE_GRANTS_LIMIT_S = 60.0
 # granted it at once and the card ran the holder's invoke beside the next one's (a chaos round:
 # five at once on a concurrency-4 model, for 0.3 s).
 HOLDER_STOP_LIMIT_S = 10.0
+# Loads whose residency has said nothing in time (`Deployment.load_report_limit_s`, minutes) are
+# looked for this often at most: one walk of the residents, not one per loop iteration.
+LOAD_CHECK_INTERVAL_S = 10.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
 DELEGATION_SPARE_SLOTS = 1
@@ -210,6 +213,10 @@ class PoolSchedulerWorkflow:
         self._repair_open = start.audit_repair_open  # grants wait for the guard's final ask too
         # Holders of reclaimed leases told to stop, not yet heard to (`_holders_stopping`).
         self._stopping: dict[str, float] = dict(start.holders_stopping)
+        # Loads reported before a first run's catalog came (`_adopt_unknown`), and until when
+        # no load is overdue (`_fail_overdue_loads`).
+        self._reports_before_catalog: list[ResidentReport] = []
+        self._loads_checked_until = 0.0
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -736,6 +743,13 @@ class PoolSchedulerWorkflow:
         now = self._now()
         resident = self._state.residents.get(report.key)
         if not self._current(report.key, report.workflow_id):
+            if report.ok:
+                # Another life holds the key (this one's load was decided again under another
+                # residency, or taken as failed and loaded again): the node holds one model per
+                # key, theirs to share, so this residency ends without unloading it.
+                why = f"{report.key} is held by {resident.workflow_id if resident else 'another residency'}"
+                self._commands_out.append((report.workflow_id, ResidentCommand("lost", reason=why)))
+                self._wake = True
             return
         if report.ok and resident is None:
             self._adopt_unknown(report, now)
@@ -746,28 +760,32 @@ class PoolSchedulerWorkflow:
         deployment = resident.deployment if resident else ""
         workflow_id = resident.workflow_id if resident else ""
         if report.ok:
-            self._record(
-                policy.PolicyEvent(
-                    kind="load",
-                    accelerator=accelerator,
-                    deployment=deployment,
-                    workflow_id=workflow_id,
-                    payload={"load_s": round(report.load_s, 3), "measured_bytes": report.measured_bytes},
-                ),
+            if not report.again:  # an adopted residency's answer: no load happened now
+                self._record(
+                    policy.PolicyEvent(
+                        kind="load",
+                        accelerator=accelerator,
+                        deployment=deployment,
+                        workflow_id=workflow_id,
+                        payload={"load_s": round(report.load_s, 3), "measured_bytes": report.measured_bytes},
+                    ),
+                    now,
+                )
+                self._record(
+                    policy.PolicyEvent(
+                        kind="health_check",
+                        message="functional health check passed",
+                        accelerator=accelerator,
+                        deployment=deployment,
+                        workflow_id=workflow_id,
+                        payload={"health_s": round(report.health_s, 3)},
+                    ),
+                    now,
+                )
+            self._record_all(
+                policy.resident_ready(self._state, report.key, report.measured_bytes, now, measure=not report.again),
                 now,
             )
-            self._record(
-                policy.PolicyEvent(
-                    kind="health_check",
-                    message="functional health check passed",
-                    accelerator=accelerator,
-                    deployment=deployment,
-                    workflow_id=workflow_id,
-                    payload={"health_s": round(report.health_s, 3)},
-                ),
-                now,
-            )
-            self._record_all(policy.resident_ready(self._state, report.key, report.measured_bytes, now), now)
         else:
             self._resident_failed(report, now)
         self._wake = True
@@ -779,6 +797,9 @@ class PoolSchedulerWorkflow:
         (its deployment or card gone from the catalog) is unloaded."""
         if not report.workflow_id or not report.deployment:
             return  # a report that does not say what it loaded where: nothing to adopt it by
+        if self._catalog_stale and not self._state.catalog.deployments:
+            self._reports_before_catalog.append(report)  # a first run: heard again once it has one
+            return
         events = policy.adopt_resident(
             self._state,
             report.key,
@@ -793,7 +814,41 @@ class PoolSchedulerWorkflow:
             self._commands_out.append((report.workflow_id, ResidentCommand("unload", reason=why)))
         else:
             self._record_all(events, now)
+            # It answers with what it is now: loaded, or woken from a sleep. (The load counter,
+            # rewound with the reset, is left as it is: a load the discarded part decided after
+            # this one is decided again under the same id, and adopted when its start is refused.)
+            self._commands_out.append(
+                (report.workflow_id, ResidentCommand("adopt", reason="heard loaded by a run that did not hold it"))
+            )
         self._wake = True
+
+    def _fail_overdue_loads(self, now: float) -> None:
+        """A load whose residency has said nothing within its deployment's report limit (ended
+        or stuck without a word: terminated by hand, or adopted while it was closing) is taken
+        as failed: its waiters are told, and a later request loads it afresh. Looked at every
+        LOAD_CHECK_INTERVAL_S at most. A residency that answers later after all is adopted by
+        its report, or, its key loaded again meanwhile, ends (`resident_loaded`)."""
+        if now < self._loads_checked_until:
+            return
+        overdue, due = policy.overdue_loads(self._state, now)
+        self._loads_checked_until = min(
+            due if due is not None else now + LOAD_CHECK_INTERVAL_S, now + LOAD_CHECK_INTERVAL_S
+        )
+        for key in overdue:
+            resident = self._state.residents[key]
+            deployment = self._state.catalog.deployment(resident.deployment)
+            limit = deployment.load_report_limit_s if deployment is not None else now - resident.requested_at
+            self._resident_failed(
+                ResidentReport(
+                    key=key,
+                    ok=False,
+                    failure=FailureClass.MODEL_LOAD_FAILED.value,
+                    message=f"no word from its residency {resident.workflow_id} in {limit:.0f} s",
+                    workflow_id=resident.workflow_id,
+                ),
+                now,
+            )
+            self._wake = True
 
     @workflow.signal
     def resident_slept(self, report: ResidentReport) -> None:
@@ -939,6 +994,10 @@ class PoolSchedulerWorkflow:
         while True:
             if self._catalog_stale:
                 await self._reload_catalog()
+                heard, self._reports_before_catalog = self._reports_before_catalog, []
+                for report in heard:
+                    self.resident_loaded(report)
+            self._fail_overdue_loads(self._now())
             self._reclaim_forgotten(self._now())
             if self._grants_wait_since is not None and not self._grants_wait_for_audit():
                 self._grants_wait_since = None  # the audit did not answer in time: grant again
@@ -1299,6 +1358,7 @@ class PoolSchedulerWorkflow:
                     ok=False,
                     failure=FailureClass.RESIDENCY_CONFLICT.value,
                     message=f"could not start {workflow_id}: {error}",
+                    workflow_id=workflow_id,  # never a later life of the key decided meanwhile
                 )
             )
         return None

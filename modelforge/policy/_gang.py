@@ -773,8 +773,9 @@ def _release_timelines(attempt: Attempt, gang: _Gang) -> tuple[dict[str, list[tu
     unloading = _unloading_releases(pass_, now)
     reserved = _reserved_releases(pass_, now)
     evictable = pass_.evictable
-    if pass_.indexed and pass_.fit is not None:
-        cards = _could_be_ready(pass_, gang, cards, held.timed, unloading, reserved)
+    groups = kept_groups(state) if pass_.indexed and pass_.fit is not None else None
+    if groups is not None:
+        cards = _could_be_ready(pass_, gang, cards, groups[1].timed_on, unloading, reserved)
     # A card's leases and unloads give the same timeline to every gang of the pass (neither
     # changes during it): the fast pass works it out once; what a pass changes (idle residents
     # it unloads or uses, bytes promised to requests waiting on a load) is added per gang.

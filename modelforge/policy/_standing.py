@@ -105,7 +105,7 @@ class LeaseGroups:
     a lease changed it, never changed once handed out: the fit index tells what changed by
     comparing the one it last saw with the one it is given."""
 
-    __slots__ = ("catalog", "held", "holding", "leased_sum", "of_preemptible", "of_timed")
+    __slots__ = ("catalog", "held", "holding", "leased_sum", "of_preemptible", "of_timed", "timed_on")
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -115,25 +115,32 @@ class LeaseGroups:
         # Leases of preemptible deployments, with the cards each holds: those a pass may
         # preempt once past their minimum runtime (a pass sorts them per card).
         self.of_preemptible: dict[str, tuple[Lease, Iterable[str]]] = {}
-        # Leases with an end time (`Lease.ends_by`), with the cards each holds.
+        # Leases with an end time (`Lease.ends_by`), with the cards each holds; and per card, how
+        # many there are (a card without one gets nothing back at a known time from its leases).
         self.of_timed: dict[str, tuple[Lease, Iterable[str]]] = {}
+        self.timed_on: dict[str, int] = {}
 
     def update(self, leases: dict[str, Lease]) -> None:
         held = self.held
         gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
         if not gone and len(held) == len(leases):
             return  # every lease is the one counted: none came or went
-        leased_sum, holding = dict(self.leased_sum), self.holding
+        leased_sum, holding, timed_on = dict(self.leased_sum), self.holding, self.timed_on
         for lease_id in gone:
             lease = held.pop(lease_id)
             self.of_preemptible.pop(lease_id, None)
-            self.of_timed.pop(lease_id, None)
+            timed = self.of_timed.pop(lease_id, None) is not None
             for accelerator_id in lease.accelerators if lease.gang else (lease.accelerator,):
                 if holding[accelerator_id] == 1:
                     del holding[accelerator_id], leased_sum[accelerator_id]
                 else:
                     holding[accelerator_id] -= 1
                     leased_sum[accelerator_id] -= lease.bytes
+                if timed:
+                    if timed_on[accelerator_id] == 1:
+                        del timed_on[accelerator_id]
+                    else:
+                        timed_on[accelerator_id] -= 1
         if len(held) < len(leases):
             catalog = self.catalog
             for lease_id, lease in leases.items():
@@ -149,6 +156,8 @@ class LeaseGroups:
                     self.of_preemptible[lease_id] = (lease, held_on)
                 if lease.ends_by is not None:
                     self.of_timed[lease_id] = (lease, held_on)
+                    for accelerator_id in held_on:
+                        timed_on[accelerator_id] = timed_on.get(accelerator_id, 0) + 1
         self.leased_sum = leased_sum
 
 
@@ -157,19 +166,16 @@ class LeasesOn:
     passes and brought up to date by the leases that came, went or were replaced since: a busy
     pool grants and ends leases on nearly every pass, and rebuilding this walked every card of
     every lease (a tenth of a busy cluster's replay). Its readers (a reservation's release
-    timeline) sum and sort, so the order within a card is not kept. `timed` counts, per card,
-    the leases there with an end time (`Lease.ends_by`): a card without one gets nothing back
-    at a known time from its leases."""
+    timeline) sum and sort, so the order within a card is not kept."""
 
-    __slots__ = ("held", "on", "timed")
+    __slots__ = ("held", "on")
 
     def __init__(self) -> None:
         self.held: dict[str, Lease] = {}
         self.on: dict[str, dict[str, Lease]] = {}
-        self.timed: dict[str, int] = {}
 
     def update(self, leases: dict[str, Lease]) -> None:
-        held, on, timed = self.held, self.on, self.timed
+        held, on = self.held, self.on
         gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
         for lease_id in gone:
             lease = held.pop(lease_id)
@@ -178,11 +184,6 @@ class LeasesOn:
                 del cards[lease_id]
                 if not cards:
                     del on[card]
-                if lease.ends_by is not None:
-                    if timed[card] == 1:
-                        del timed[card]
-                    else:
-                        timed[card] -= 1
         if len(held) == len(leases):
             return  # every lease left is the one indexed: none came
         for lease_id, lease in leases.items():
@@ -190,8 +191,6 @@ class LeasesOn:
                 held[lease_id] = lease
                 for card in lease.accelerators:
                     on.setdefault(card, {})[lease_id] = lease
-                    if lease.ends_by is not None:
-                        timed[card] = timed.get(card, 0) + 1
 
 
 def leases_on(state: PoolState, kept: bool = True) -> LeasesOn:

@@ -443,12 +443,16 @@ def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -
     return events
 
 
-def resident_ready(state: PoolState, key: str, measured_bytes: int, now: float) -> list[PolicyEvent]:
+def resident_ready(
+    state: PoolState, key: str, measured_bytes: int, now: float, measure: bool = True
+) -> list[PolicyEvent]:
+    """Loaded (or an adopted residency heard from: `measure` False, its time from adoption to
+    its answer is no load time)."""
     resident = state.residents.get(key)
     if resident is None:
         return []
     state.warm_backoff.pop(resident.deployment, None)
-    if resident.phase == ResidentPhase.LOADING:
+    if resident.phase == ResidentPhase.LOADING and measure:
         measured(state, resident.deployment, "load", now - resident.requested_at)
     resident.phase = ResidentPhase.READY
     resident.loaded_at = now
@@ -481,9 +485,11 @@ def adopt_resident(
 ) -> list[PolicyEvent] | None:
     """A residency heard loaded that the state does not hold: started by a part of the
     scheduler's history a reset discarded (the reset run hears its reports again), or loaded
-    after its resident was dropped. Its card holds the model, so the state does too, ready, a
-    life of its own (a new incarnation): served from and unloaded like any resident, and never
-    loaded a second time beside it. None where it cannot be (its deployment or card no longer in
+    after its resident was dropped. Its card holds the model, so the state does too: a life of
+    its own (a new incarnation), loading until the residency answers the scheduler's `adopt`
+    with what it is now (loaded, or woken from a sleep the discarded history put it to; an
+    unload under way ends it), then served from and unloaded like any resident, and never loaded
+    a second time beside itself. None where it cannot be (its deployment or card no longer in
     the pool's catalog, or its key held by another life): the caller unloads it or lets it go."""
     deployment = state.catalog.deployment(deployment_id)
     accelerator = state.catalog.accelerator(accelerator_id)
@@ -496,13 +502,12 @@ def adopt_resident(
         capability=deployment.capability,
         accelerator=accelerator_id,
         node=accelerator.node,
-        bytes=max(deployment.envelope_bytes, measured_bytes),
-        phase=ResidentPhase.READY,
+        bytes=max(deployment.resident_bytes, measured_bytes),
+        phase=ResidentPhase.LOADING,
         residency=deployment.residency,
         ttl_s=deployment.ttl_s,
         workflow_id=workflow_id,
         requested_at=now,
-        loaded_at=now,
         last_used=now,
         incarnation=state.incarnations,
     )
@@ -515,6 +520,26 @@ def adopt_resident(
             payload={"bytes": resident.bytes, "measured_bytes": measured_bytes},
         )
     ]
+
+
+def overdue_loads(state: PoolState, now: float) -> tuple[list[str], float | None]:
+    """The loading residents whose residency has not reported within its deployment's
+    `load_report_limit_s` (ended or stuck without a word: terminated by hand, or adopted
+    while it was closing), to be taken as failed loads; and when the next one is due."""
+    overdue: list[str] = []
+    due: float | None = None
+    for resident in state.residents.values():
+        if resident.phase != ResidentPhase.LOADING:
+            continue
+        deployment = state.catalog.deployment(resident.deployment)
+        # A deployment the catalog no longer has: the shortest limit any deployment gets.
+        limit = deployment.load_report_limit_s if deployment is not None else 300.0
+        limit_at = resident.requested_at + limit
+        if limit_at <= now:
+            overdue.append(resident.key)
+        elif due is None or limit_at < due:
+            due = limit_at
+    return overdue, due
 
 
 def resident_failed(

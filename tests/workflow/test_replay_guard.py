@@ -417,6 +417,75 @@ async def test_a_reset_sends_its_admissions_again_and_reclaims_a_grant_never_wri
         await _no_lease_left(stack)
 
 
+def _slow_fence_catalog(tmp_path: Path, fast: bool = False) -> Path:
+    """The fencing catalog with fence.one loading in 8 s (a reset lands while it loads), and,
+    when `fast`, fence.fast@1 on the same card loading in 0.2 s."""
+    text = FENCING.read_text()
+    one = 'load_s = 0.2\naccelerators = ["route-a/0"]'
+    assert text.count(one) == 1
+    text = text.replace(one, 'load_s = 8\naccelerators = ["route-a/0"]')
+    if fast:
+        text += """
+[[deployments]]
+capability = "fence.fast@1"
+envelope_bytes = 2147483648        # 2 GiB
+residency = "keep_warm"
+ttl_s = 3600
+load_s = 0.2
+accelerators = ["route-a/0"]
+measured_on = ["Simulated 24GB"]
+runtime = "simulated"
+"""
+    catalog = tmp_path / "slow_load.toml"
+    catalog.write_text(text)
+    return catalog
+
+
+async def _residency_started(stack: Any, run_id: str, capability: str, within_s: float = 30) -> tuple[int, str]:
+    """The event id that started the scheduler run's residency of `capability`, and its id."""
+    scheduler = stack.client.get_workflow_handle("scheduler:default", run_id=run_id)
+
+    async def started() -> tuple[int, str] | None:
+        for event in (await scheduler.fetch_history()).events:
+            if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
+                child = event.child_workflow_execution_started_event_attributes
+                if child.workflow_execution.workflow_id.startswith(f"resident:{capability}:"):
+                    return child.initiated_event_id, child.workflow_execution.workflow_id
+        return None
+
+    found = await _until(started, within_s)
+    assert found is not None, f"no residency was started for {capability}"
+    return found
+
+
+async def _reset_before(stack: Any, run_id: str, initiated: int) -> list[Any]:
+    """Reset the scheduler's run to the end of the workflow task before event `initiated`, by
+    the replay guard; the events of the run's history as it was."""
+    history = await stack.client.get_workflow_handle("scheduler:default", run_id=run_id).fetch_history()
+    point = max(
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < initiated
+    )
+    await ReplayGuard(stack.client, ["scheduler:default"], _never_called).reset(
+        "scheduler:default", run_id, point, "a test resets past the start of a load"
+    )
+    assert (await stack.scheduler.describe()).run_id != run_id
+    return [e for e in history.events if e.event_id > point]
+
+
+async def _residencies(stack: Any, capability: str) -> dict[str, str]:
+    """Each residency run of `capability`: its status, and its result once closed."""
+    runs: dict[str, str] = {}
+    async for run in stack.client.list_workflows(f"WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'"):
+        if run.id.startswith(f"resident:{capability}:"):
+            status = run.status.name if run.status is not None else "?"
+            if status == "COMPLETED":
+                status += ": " + str(await stack.client.get_workflow_handle(run.id).result())
+            runs[run.id] = status
+    return runs
+
+
 async def test_a_reset_past_a_load_adopts_the_residency_it_started(
     dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
 ) -> None:
@@ -427,46 +496,18 @@ async def test_a_reset_past_a_load_adopts_the_residency_it_started(
     load and the request waiting on it was refused, while the model went on loading on the card
     for nobody. The reset run adopts the running residency: the request is served from it, the
     card loads the model once, and a later request finds it warm."""
-    catalog = tmp_path / "slow_load.toml"
-    text = FENCING.read_text()
-    one = 'load_s = 0.2\naccelerators = ["route-a/0"]'
-    assert text.count(one) == 1
-    catalog.write_text(text.replace(one, 'load_s = 4\naccelerators = ["route-a/0"]'))
     async with running_stack(
         dev_server_env.client,
         database_url,
-        catalog_path=catalog,
+        catalog_path=_slow_fence_catalog(tmp_path),
         config=SILENCE_RECLAIMS_NOTHING,
         adopt_interval_s=3600,
     ) as stack:
         request = await stack.start_request("fence.one@1", tenant="app", lease_timeout_s=60)
         run_id = (await stack.scheduler.describe()).run_id or ""
-        scheduler = stack.client.get_workflow_handle("scheduler:default", run_id=run_id)
-
-        async def residency_started() -> tuple[int, str] | None:
-            events = (await scheduler.fetch_history()).events
-            for event in events:
-                if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
-                    started = event.child_workflow_execution_started_event_attributes
-                    if started.workflow_execution.workflow_id.startswith("resident:fence.one@1:"):
-                        return started.initiated_event_id, started.workflow_execution.workflow_id
-            return None
-
-        found = await _until(residency_started, 30)
-        assert found is not None, "no residency was started for the request"
-        initiated, residency_id = found
-        history = await scheduler.fetch_history()
-        point = max(
-            e.event_id
-            for e in history.events
-            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < initiated
-        )
-        residency = stack.client.get_workflow_handle(residency_id)
-        assert await residency.query("phase") == "loading"
-        await ReplayGuard(stack.client, ["scheduler:default"], _never_called).reset(
-            "scheduler:default", run_id, point, "a test resets past the start of a load"
-        )
-        assert (await stack.scheduler.describe()).run_id != run_id
+        initiated, residency_id = await _residency_started(stack, run_id, "fence.one@1")
+        assert await stack.client.get_workflow_handle(residency_id).query("phase") == "loading"
+        discarded = await _reset_before(stack, run_id, initiated)
         # Served from the residency the lost run started (before: refused RESIDENCY_CONFLICT).
         result = await asyncio.wait_for(request.result(), timeout=45)
         assert result.output
@@ -474,30 +515,85 @@ async def test_a_reset_past_a_load_adopts_the_residency_it_started(
         [resident] = [r for r in (await stack.status()).residents if r.capability == "fence.one@1"]
         assert (resident.state, resident.workflow_id) == ("ready", residency_id)
         # The always-warm model of the other card, when its start was decided in the same pass
-        # (the request came before the first pass) or later, was loaded already: the reset run
-        # hears its report again (reapplied with the reset) and adopts it, ready, not loaded again.
+        # (the request came before the first pass) or later, is adopted too, not loaded again.
         pinned_started = [
             e.start_child_workflow_execution_initiated_event_attributes.workflow_id
-            for e in history.events
-            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED and e.event_id > point
+            for e in discarded
+            if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
         ]
         pinned_started.remove(residency_id)
-        expected = {"fence.one@1": residency_id}
+        heard = await stack.events("residency_adopted", at_least=1 + len(pinned_started))
+        adopted = {e["deployment"]: e for e in heard}
+        assert adopted["fence.one@1"]["workflow_id"] == residency_id
+        assert "its start was refused" in adopted["fence.one@1"]["message"]
         for pinned_id in pinned_started:
-            expected["fence.pinned@1"] = pinned_id
-        adopted = await stack.events("residency_adopted", at_least=len(expected))
-        assert {e["deployment"]: e["workflow_id"] for e in adopted} == expected, adopted
-        [pinned] = [r for r in (await stack.status()).residents if r.capability == "fence.pinned@1"]
-        assert pinned.state == "ready"
-        if pinned_started:
-            assert pinned.workflow_id == expected["fence.pinned@1"]
+            assert adopted["fence.pinned@1"]["workflow_id"] == pinned_id
+            # By its report, or, when the reset came before its report, by its start refused.
+            message = adopted["fence.pinned@1"]["message"]
+            assert "heard loaded" in message or "its start was refused" in message, message
+
+            async def pinned_ready() -> bool:
+                [pinned] = [r for r in (await stack.status()).residents if r.capability == "fence.pinned@1"]
+                return pinned.state == "ready" and pinned.workflow_id == pinned_id  # noqa: B023
+
+            assert await _until(pinned_ready, 20)
         # The card loaded it once: one residency run of the model, and the next request is warm.
         after = await stack.start_request("fence.one@1", tenant="app")
         assert (await asyncio.wait_for(after.result(), timeout=30)).output
-        runs = [w.id async for w in stack.client.list_workflows(f"WorkflowType = '{RESIDENCY_WORKFLOW_TYPE}'")]
-        assert [r for r in runs if r.startswith("resident:fence.one@1:")] == [residency_id], runs
+        assert await _residencies(stack, "fence.one@1") == {residency_id: "RUNNING"}
         if pinned_started:
-            assert [r for r in runs if r.startswith("resident:fence.pinned@1:")] == pinned_started, runs
+            assert await _residencies(stack, "fence.pinned@1") == dict.fromkeys(pinned_started, "RUNNING")
+        await _no_lease_left(stack)
+
+
+async def test_a_reset_past_two_loads_decided_again_under_other_ids_loads_each_once(
+    dev_server_env: WorkflowEnvironment, database_url: str, tmp_path: Path
+) -> None:
+    """Two loads on one card past the reset point: a fast model's (loaded and served before the
+    reset), then a slow one's (still loading). The reset run adopts the fast one by its report
+    (reapplied with the reset) and decides the slow one again with the load counter rewound: under
+    another residency id than the one still loading, so its start succeeds. The card must not
+    load the slow model twice (before, two loads of one key at once loaded it twice, one copy
+    known to nobody), and the residency that lost its key must end, not wait for commands for
+    ever (its report was ignored): the node shares the load under way, and the residency whose
+    key another holds is told it is lost (it ends without unloading the model the other
+    shares). The slow request is served, one residency of each model is left."""
+    async with running_stack(
+        dev_server_env.client,
+        database_url,
+        catalog_path=_slow_fence_catalog(tmp_path, fast=True),
+        config=SILENCE_RECLAIMS_NOTHING,
+        adopt_interval_s=3600,
+    ) as stack:
+        fast = await stack.start_request("fence.fast@1", tenant="app", lease_timeout_s=60)
+        assert (await asyncio.wait_for(fast.result(), timeout=30)).output
+        run_id = (await stack.scheduler.describe()).run_id or ""
+        initiated, fast_id = await _residency_started(stack, run_id, "fence.fast@1")
+        slow = await stack.start_request("fence.one@1", tenant="app", lease_timeout_s=60)
+        _, lost_id = await _residency_started(stack, run_id, "fence.one@1")
+        assert await stack.client.get_workflow_handle(lost_id).query("phase") == "loading"
+        await _reset_before(stack, run_id, initiated)
+        assert (await asyncio.wait_for(slow.result(), timeout=45)).output
+        residents = {r.capability: r for r in (await stack.status()).residents}
+        assert (residents["fence.fast@1"].state, residents["fence.fast@1"].workflow_id) == ("ready", fast_id)
+        slow_id = residents["fence.one@1"].workflow_id
+        assert residents["fence.one@1"].state == "ready" and slow_id != lost_id
+
+        async def settled() -> dict[str, str] | None:
+            runs = await _residencies(stack, "fence.one@1")
+            return runs if runs.get(lost_id, "").startswith("COMPLETED") else None
+
+        runs = await _until(settled, 30)
+        assert runs is not None, await _residencies(stack, "fence.one@1")
+        assert runs[slow_id] == "RUNNING" and runs[lost_id].startswith("COMPLETED: lost"), runs
+        assert len(runs) == 2, runs
+        assert await _residencies(stack, "fence.fast@1") == {fast_id: "RUNNING"}
+        # The node loaded the slow model once: its one load, 8 s, shared by both residencies.
+        async def slow_loads() -> list[str]:  # the event log trails the workflows by a moment
+            loads = await stack.events("load", at_least=1)
+            return [e["workflow_id"] for e in loads if e["deployment"] == "fence.one@1"]
+
+        assert await _until(slow_loads, 10) == [slow_id]
         await _no_lease_left(stack)
 
 
