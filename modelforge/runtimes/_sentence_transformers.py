@@ -152,7 +152,10 @@ class SentenceTransformersRuntime:
 
         model = await asyncio.to_thread(load)
         if device == "cpu":
-            measured = max(0, rss_bytes({pid}) - before)
+            # What the process grew by, and never less than the weights it holds: memory an
+            # earlier model of this process freed is reused without growing it (a model loaded
+            # again in the same worker measured 0 bytes).
+            measured = max(0, rss_bytes({pid}) - before, _tensor_bytes(model))
             self._devices.allocate(device_index, pid, measured, f"modelforge:{key}")
         else:
             measured = max(0, await asyncio.to_thread(self._devices.process_bytes, device_index, {pid}) - before)
@@ -287,3 +290,12 @@ class SentenceTransformersRuntime:
 
             torch.cuda.empty_cache()
         self._devices.free(model.device_index, model.pid, f"modelforge:{model.resident_key}")
+
+
+def _tensor_bytes(model: Any) -> int:
+    """The bytes of a loaded model's parameters and buffers (torch modules; 0 for anything else)."""
+    total = 0
+    for tensors in (getattr(model, "parameters", None), getattr(model, "buffers", None)):
+        if callable(tensors):
+            total += sum(t.numel() * t.element_size() for t in tensors())
+    return total

@@ -588,6 +588,7 @@ async def test_a_reset_past_two_loads_decided_again_under_other_ids_loads_each_o
         assert runs[slow_id] == "RUNNING" and runs[lost_id].startswith("COMPLETED: lost"), runs
         assert len(runs) == 2, runs
         assert await _residencies(stack, "fence.fast@1") == {fast_id: "RUNNING"}
+
         # The node loaded the slow model once: its one load, 8 s, shared by both residencies.
         async def slow_loads() -> list[str]:  # the event log trails the workflows by a moment
             loads = await stack.events("load", at_least=1)
