@@ -62,8 +62,8 @@ def as_application_error(error: ModelForgeError) -> ApplicationError:
     return ApplicationError(error.message, type=error.failure.value, non_retryable=not is_retryable(error.failure))
 
 
-# A load waiting for the same model's load under way heartbeats this often (its activity's
-# heartbeat timeout is 30 s).
+# A load heartbeats its activity this often while it waits for its (shared) load's task (the
+# activity's heartbeat timeout is 30 s).
 LOAD_WAIT_HEARTBEAT_S = 5.0
 
 
@@ -149,8 +149,10 @@ class NodeActivities:
         self._backend = backend
         self._runtimes = runtimes
         self._loaded: dict[str, tuple[Runtime, LoadedModel]] = {}
-        # Loads under way, by resident key: a second load of the same key waits for the first.
-        self._loading: dict[str, asyncio.Future[None]] = {}
+        # Loads under way, by resident key, and each one's latest progress: one load of a key at
+        # a time, shared by every caller (`load_model`).
+        self._loading: dict[str, asyncio.Future[LoadResult]] = {}
+        self._load_progress: dict[str, list[str]] = {}
         self._deployments: dict[str, Deployment] = {}
         # Processes of unloaded models, until their memory is seen gone (verify_reclaim).
         self._unloaded_pids: dict[str, set[int]] = {}
@@ -226,27 +228,36 @@ class NodeActivities:
     @activity.defn(name="load_model")
     async def load_model(self, request: LoadInput) -> LoadResult:
         runtime = self._runtime(request.deployment.runtime)
-        while True:
-            if request.key in self._loaded:
-                _, existing = self._loaded[request.key]
-                return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
-            under_way = self._loading.get(request.key)
-            if under_way is None:
-                break
-            # The same model is loading for another residency (a scheduler reset past a load
-            # decides it again): its load is shared, never a second copy on the card. One that
-            # failed is tried again here.
-            while not under_way.done():
-                _heartbeat(f"waiting for the load of {request.key} under way")
-                await asyncio.wait({under_way}, timeout=LOAD_WAIT_HEARTBEAT_S)
-        loading = self._loading[request.key] = asyncio.get_running_loop().create_future()
-        try:
-            return await self._load(runtime, request)
-        finally:
-            del self._loading[request.key]
-            loading.set_result(None)
+        key = request.key
+        if key in self._loaded:
+            _, existing = self._loaded[key]
+            return LoadResult(existing.measured_bytes, existing.load_s, existing.pid)
+        # One load of a key at a time, shared by every caller (a scheduler reset past a load
+        # decides it again under another residency): never a second copy on the card. The load
+        # runs as a task of its own, so a caller cancelled (its heartbeat timed out) stops
+        # waiting, not the load (a runtime's thread would go on loading beside a second one).
+        # Each caller heartbeats its own activity with the load's latest progress.
+        loading = self._loading.get(key)
+        if loading is None:
+            progress = self._load_progress[key] = [f"loading {key}"]
+            loading = self._loading[key] = asyncio.ensure_future(
+                self._load(runtime, request, lambda detail: progress.__setitem__(0, detail))
+            )
 
-    async def _load(self, runtime: Runtime, request: LoadInput) -> LoadResult:
+            def done(task: asyncio.Future[LoadResult]) -> None:
+                self._loading.pop(key, None)
+                self._load_progress.pop(key, None)
+                if not task.cancelled():
+                    task.exception()  # retrieved: its callers raise it, if any still wait
+
+            loading.add_done_callback(done)
+        progress = self._load_progress.get(key, [f"loading {key}"])
+        while not loading.done():
+            _heartbeat(progress[0])
+            await asyncio.wait({loading}, timeout=LOAD_WAIT_HEARTBEAT_S)
+        return loading.result()
+
+    async def _load(self, runtime: Runtime, request: LoadInput, heartbeat: Callable[[str], None]) -> LoadResult:
         try:
             deployment = request.deployment
             checked = None
@@ -258,7 +269,7 @@ class NodeActivities:
                     check_artifact, deployment.artifact, self._artifact_roots, deployment.artifact_sha256
                 )
                 deployment = dataclasses.replace(deployment, artifact=str(checked.path))
-            model = await runtime.load(request.key, deployment, request.device_index, request.device_uuid, _heartbeat)
+            model = await runtime.load(request.key, deployment, request.device_index, request.device_uuid, heartbeat)
             if checked is not None:
                 # What the runtime opened is what was checked: no file swapped or rewritten since.
                 try:

@@ -283,8 +283,9 @@ class Deployment:
     def load_report_limit_s(self) -> float:
         """How long after its load (or an adopted residency's wake) was asked its residency has
         reported, at the latest, while its workflows run: two attempts at the load or wake and
-        two at the health check (60 s each), with room to spare. Past it, the scheduler takes
-        the load as failed (a residency ended, or stuck, without a word)."""
+        two at the health check (60 s each), with room to spare. Past it, the scheduler asks
+        the residency whether it is still there, and fails the load if it is gone (ended without
+        a word: terminated by hand, or adopted while it was closing)."""
         return 2 * max(self.load_timeout_s, self.wake_timeout_s) + 180.0
 
 

@@ -214,9 +214,11 @@ class PoolSchedulerWorkflow:
         # Holders of reclaimed leases told to stop, not yet heard to (`_holders_stopping`).
         self._stopping: dict[str, float] = dict(start.holders_stopping)
         # Loads reported before a first run's catalog came (`_adopt_unknown`), and until when
-        # no load is overdue (`_fail_overdue_loads`).
-        self._reports_before_catalog: list[ResidentReport] = []
+        # no load is overdue (`_ask_overdue_loads`).
+        self._reports_before_catalog: list[ResidentReport | ResidentIdle] = []
         self._loads_checked_until = 0.0
+        # Loads whose residency was asked whether it is still there, and when (`_ask_overdue_loads`).
+        self._loads_heard_since: dict[str, float] = {}
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -754,6 +756,7 @@ class PoolSchedulerWorkflow:
         if report.ok and resident is None:
             self._adopt_unknown(report, now)
             return
+        self._loads_heard_since.pop(report.key, None)
         if report.ok and resident is not None and resident.phase != policy.ResidentPhase.LOADING:
             return  # heard already: an adopted residency reports its load again
         accelerator = resident.accelerator if resident else ""
@@ -822,33 +825,47 @@ class PoolSchedulerWorkflow:
             )
         self._wake = True
 
-    def _fail_overdue_loads(self, now: float) -> None:
-        """A load whose residency has said nothing within its deployment's report limit (ended
-        or stuck without a word: terminated by hand, or adopted while it was closing) is taken
-        as failed: its waiters are told, and a later request loads it afresh. Looked at every
-        LOAD_CHECK_INTERVAL_S at most. A residency that answers later after all is adopted by
-        its report, or, its key loaded again meanwhile, ends (`resident_loaded`)."""
+    def _ask_overdue_loads(self, now: float) -> None:
+        """A load whose residency has said nothing within its deployment's report limit is asked
+        whether it is still there (`adopt`: loaded, it reports so; loading, it will): one that
+        is gone (terminated by hand, or adopted while it was closing) fails the load at once
+        (`_residency_gone`), its waiters told; one that is there is given another limit (a
+        worker down for long, a slow load: never failed while it lives). A load whose start is
+        still on its way is not asked. Looked at every LOAD_CHECK_INTERVAL_S at most."""
         if now < self._loads_checked_until:
             return
-        overdue, due = policy.overdue_loads(self._state, now)
+        overdue, due = policy.overdue_loads(self._state, now, self._loads_heard_since)
         self._loads_checked_until = min(
             due if due is not None else now + LOAD_CHECK_INTERVAL_S, now + LOAD_CHECK_INTERVAL_S
         )
+        starting = {load.key for load in self._loads_out}
         for key in overdue:
             resident = self._state.residents[key]
-            deployment = self._state.catalog.deployment(resident.deployment)
-            limit = deployment.load_report_limit_s if deployment is not None else now - resident.requested_at
-            self._resident_failed(
-                ResidentReport(
-                    key=key,
-                    ok=False,
-                    failure=FailureClass.MODEL_LOAD_FAILED.value,
-                    message=f"no word from its residency {resident.workflow_id} in {limit:.0f} s",
-                    workflow_id=resident.workflow_id,
-                ),
-                now,
-            )
+            if key in starting or resident.workflow_id in self._sending:
+                continue  # its start (or an earlier word to it) is still on its way
+            self._loads_heard_since[key] = now
+            why = "no word from it within its load's limit: still there?"
+            self._commands_out.append((resident.workflow_id, ResidentCommand("adopt", reason=why)))
             self._wake = True
+
+    def _residency_gone(self, workflow_id: str, error: Exception) -> None:
+        """An `adopt` could not reach its residency (closed, or never there): the load it was
+        to report fails now, its waiters told, instead of holding its bytes and its waiters."""
+        resident = next((r for r in self._state.residents.values() if r.workflow_id == workflow_id), None)
+        if resident is None or resident.phase != policy.ResidentPhase.LOADING:
+            return
+        self._loads_heard_since.pop(resident.key, None)
+        self._resident_failed(
+            ResidentReport(
+                key=resident.key,
+                ok=False,
+                failure=FailureClass.MODEL_LOAD_FAILED.value,
+                message=f"its residency {workflow_id} is gone: {error}",
+                workflow_id=workflow_id,
+            ),
+            self._now(),
+        )
+        self._wake = True
 
     @workflow.signal
     def resident_slept(self, report: ResidentReport) -> None:
@@ -886,6 +903,9 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def resident_idle(self, idle: ResidentIdle) -> None:
+        if self._catalog_stale and not self._state.catalog.deployments:
+            self._reports_before_catalog.append(idle)  # a first run: heard once it has a catalog
+            return
         now = self._now()
         resident = self._state.residents.get(idle.key)
         if resident is None or not self._current(idle.key, idle.workflow_id):
@@ -995,9 +1015,12 @@ class PoolSchedulerWorkflow:
             if self._catalog_stale:
                 await self._reload_catalog()
                 heard, self._reports_before_catalog = self._reports_before_catalog, []
-                for report in heard:
-                    self.resident_loaded(report)
-            self._fail_overdue_loads(self._now())
+                for report in heard:  # in the order they came
+                    if isinstance(report, ResidentIdle):
+                        self.resident_idle(report)
+                    else:
+                        self.resident_loaded(report)
+            self._ask_overdue_loads(self._now())
             self._reclaim_forgotten(self._now())
             if self._grants_wait_since is not None and not self._grants_wait_for_audit():
                 self._grants_wait_since = None  # the audit did not answer in time: grant again
@@ -1420,6 +1443,8 @@ class PoolSchedulerWorkflow:
                 policy.PolicyEvent(kind="resident_unreachable", workflow_id=workflow_id, message=str(error)),
                 self._now(),
             )
+            if command.action == "adopt":
+                self._residency_gone(workflow_id, error)
         return None
 
     def _audit_ledger(self) -> None:

@@ -522,19 +522,22 @@ def adopt_resident(
     ]
 
 
-def overdue_loads(state: PoolState, now: float) -> tuple[list[str], float | None]:
-    """The loading residents whose residency has not reported within its deployment's
-    `load_report_limit_s` (ended or stuck without a word: terminated by hand, or adopted
-    while it was closing), to be taken as failed loads; and when the next one is due."""
+def overdue_loads(
+    state: PoolState, now: float, heard_since: dict[str, float] | None = None
+) -> tuple[list[str], float | None]:
+    """The loading residents whose residency has said nothing within its deployment's
+    `load_report_limit_s` since its load was asked (or since `heard_since[key]`, when it was last
+    known to be there), to be asked whether they are still there; and when the next is due."""
     overdue: list[str] = []
     due: float | None = None
+    heard_since = heard_since or {}
     for resident in state.residents.values():
         if resident.phase != ResidentPhase.LOADING:
             continue
         deployment = state.catalog.deployment(resident.deployment)
         # A deployment the catalog no longer has: the shortest limit any deployment gets.
         limit = deployment.load_report_limit_s if deployment is not None else 300.0
-        limit_at = resident.requested_at + limit
+        limit_at = max(resident.requested_at, heard_since.get(resident.key, 0.0)) + limit
         if limit_at <= now:
             overdue.append(resident.key)
         elif due is None or limit_at < due:
@@ -660,8 +663,10 @@ def keep_warm_check(state: PoolState, key: str, now: float) -> float | None:
     """Called when a resident's TTL timer fires. Returns the time to check again (the TTL was
     reset by a later use, or leases are active), or None: unload it now."""
     resident = state.residents.get(key)
-    if resident is not None and resident.phase in (ResidentPhase.SLEEPING, ResidentPhase.WAKING):
-        return now + resident.ttl_s  # asked again once the transition is over
+    if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.SLEEPING, ResidentPhase.WAKING):
+        # Asked again once the transition is over (loading: a residency adopted, whose timer
+        # fired before it answered, would otherwise be unloaded under the leases granted then).
+        return now + resident.ttl_s
     if resident is not None and resident.key in state.draining:
         return now + resident.ttl_s  # an operator's drain unloads it when its last lease ends
     if resident is None or resident.phase not in (ResidentPhase.READY, ResidentPhase.ASLEEP):

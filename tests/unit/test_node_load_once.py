@@ -63,15 +63,31 @@ async def test_two_loads_of_one_model_at_once_load_it_once_and_share_it() -> Non
     assert node.serves(KEY)
 
 
-async def test_a_load_waiting_on_one_that_fails_tries_again_itself() -> None:
+async def test_a_load_that_fails_fails_every_caller_once_and_the_next_load_tries_again() -> None:
     node, runtime = _node(failing=1)
     outcomes = await asyncio.gather(
         ActivityEnvironment().run(node.load_model, _load()),
         ActivityEnvironment().run(node.load_model, _load()),
         return_exceptions=True,
     )
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    assert len(failed) == 1 and isinstance(failed[0], ApplicationError)
-    assert failed[0].type == FailureClass.MODEL_LOAD_FAILED.value
-    assert runtime.loads == 2
-    assert node.serves(KEY)
+    assert all(isinstance(o, ApplicationError) and o.type == FailureClass.MODEL_LOAD_FAILED.value for o in outcomes)
+    assert runtime.loads == 1  # one attempt, its failure shared
+    assert not node.serves(KEY)
+    await ActivityEnvironment().run(node.load_model, _load())
+    assert runtime.loads == 2 and node.serves(KEY)
+
+
+async def test_a_caller_cancelled_stops_waiting_not_the_load_the_other_shares() -> None:
+    """The first caller's activity is cancelled (its heartbeat timed out) while it loads: the
+    load goes on for the second caller, which gets it, and nothing is loaded twice."""
+    node, runtime = _node()
+    first_env = ActivityEnvironment()
+    first = asyncio.ensure_future(first_env.run(node.load_model, _load()))
+    await asyncio.sleep(0.1)
+    second = asyncio.ensure_future(ActivityEnvironment().run(node.load_model, _load()))
+    await asyncio.sleep(0.1)
+    first_env.cancel()
+    outcomes = await asyncio.gather(first, second, return_exceptions=True)
+    assert isinstance(outcomes[0], BaseException)  # the cancelled caller stopped waiting
+    assert not isinstance(outcomes[1], BaseException)
+    assert runtime.loads == 1 and node.serves(KEY)

@@ -1,6 +1,6 @@
 """A residency heard loaded that the scheduler's state does not hold is adopted (`adopt_resident`),
-and a load whose residency says nothing in time is taken as failed (`overdue_loads`), without
-Temporal.
+and a load whose residency says nothing in time is found (`overdue_loads`: the scheduler asks
+the residency, and fails the load when it is gone), without Temporal.
 
 A reset of the scheduler's run hears the reports of the part it discarded again: a model its card
 holds must count there, and never be loaded a second time beside itself. It is adopted loading
@@ -9,7 +9,7 @@ discarded part may have put it to sleep, or begun its unload); its answer is no 
 cannot be adopted (its deployment or card gone from the pool's catalog, its key held by another
 life) is refused, and the scheduler unloads or lets it go. A load that no residency will ever
 report (its workflow ended without a word, or an adopted one was closing) must not hold its
-bytes and its waiters for ever."""
+bytes and its waiters for ever; one whose residency is there but slow is never failed."""
 
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ def test_a_load_no_residency_reports_in_time_is_overdue_and_its_waiter_told() ->
     limit = 2 * 200 + 180
     assert overdue_loads(s, NOW + limit - 1) == ([], NOW + limit)
     assert overdue_loads(s, NOW + limit) == ([KEY], None)
-    # The scheduler then takes it as a failed load: its waiter is refused, its bytes go back.
+    # The scheduler asks its residency whether it is there: one that is, is given another limit.
+    assert overdue_loads(s, NOW + limit + 5, {KEY: NOW + limit}) == ([], NOW + 2 * limit)
+    # One that is gone fails the load: its waiter is refused, its bytes go back.
     rejects, _ = resident_failed(s, KEY, FailureClass.MODEL_LOAD_FAILED, "no word from its residency", NOW + limit)
     assert [(r.request_id, r.failure) for r in rejects] == [("r1", FailureClass.MODEL_LOAD_FAILED)]
     assert KEY not in s.residents
