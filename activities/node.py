@@ -65,6 +65,8 @@ def as_application_error(error: ModelForgeError) -> ApplicationError:
 # A load heartbeats its activity this often while it waits for its (shared) load's task (the
 # activity's heartbeat timeout is 30 s).
 LOAD_WAIT_HEARTBEAT_S = 5.0
+# How often a load's caller looks for its runtime's progress to pass on.
+LOAD_PROGRESS_POLL_S = 0.2
 
 
 def _heartbeat(detail: str) -> None:
@@ -252,9 +254,15 @@ class NodeActivities:
 
             loading.add_done_callback(done)
         progress = self._load_progress.get(key, [f"loading {key}"])
+        clock = asyncio.get_running_loop().time
+        told, told_at = "", 0.0
         while not loading.done():
-            _heartbeat(progress[0])
-            await asyncio.wait({loading}, timeout=LOAD_WAIT_HEARTBEAT_S)
+            # The runtime's progress as it comes (a request shows it while it waits), and at
+            # least every LOAD_WAIT_HEARTBEAT_S.
+            if progress[0] != told or clock() - told_at >= LOAD_WAIT_HEARTBEAT_S:
+                told, told_at = progress[0], clock()
+                _heartbeat(told)
+            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_POLL_S)
         return loading.result()
 
     async def _load(self, runtime: Runtime, request: LoadInput, heartbeat: Callable[[str], None]) -> LoadResult:
