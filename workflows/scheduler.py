@@ -800,7 +800,7 @@ class PoolSchedulerWorkflow:
         (its deployment or card gone from the catalog) is unloaded."""
         if not report.workflow_id or not report.deployment:
             return  # a report that does not say what it loaded where: nothing to adopt it by
-        if self._catalog_stale and not self._state.catalog.deployments:
+        if self._before_first_catalog():
             self._reports_before_catalog.append(report)  # a first run: heard again once it has one
             return
         events = policy.adopt_resident(
@@ -824,6 +824,12 @@ class PoolSchedulerWorkflow:
                 (report.workflow_id, ResidentCommand("adopt", reason="heard loaded by a run that did not hold it"))
             )
         self._wake = True
+
+    def _before_first_catalog(self) -> bool:
+        """Whether this is a first run whose catalog has not come yet: residency reports and
+        timers heard now wait for it (`_reports_before_catalog`), as nothing can be adopted or
+        kept without knowing the deployments."""
+        return self._catalog_stale and not self._state.catalog.deployments
 
     def _ask_overdue_loads(self, now: float) -> None:
         """A load whose residency has said nothing within its deployment's report limit is asked
@@ -903,7 +909,7 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def resident_idle(self, idle: ResidentIdle) -> None:
-        if self._catalog_stale and not self._state.catalog.deployments:
+        if self._before_first_catalog():
             self._reports_before_catalog.append(idle)  # a first run: heard once it has a catalog
             return
         now = self._now()
