@@ -399,19 +399,20 @@ async def _settle(parts: Parts, store: Store, within_s: float) -> list[dict[str,
     return rows
 
 
-def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, int, float]:
-    """The most intervals and the most weight at one instant (an end before a start at a tie),
-    and when."""
+def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, float, int, float]:
+    """The most intervals at one instant and when, and the most weight at one instant and when
+    (an end before a start at a tie): each its own moment, the first it was reached."""
     points = sorted([(s, 1, w) for s, _, w in intervals] + [(e, -1, -w) for _, e, w in intervals])
     count = weight = best_count = best_weight = 0
-    at = 0.0
+    count_at = weight_at = 0.0
     for moment, step, w in points:
         count += step
         weight += w
-        if count > best_count or weight > best_weight:
-            at = moment
-        best_count, best_weight = max(best_count, count), max(best_weight, weight)
-    return best_count, best_weight, at
+        if count > best_count:
+            best_count, count_at = count, moment
+        if weight > best_weight:
+            best_weight, weight_at = weight, moment
+    return best_count, count_at, best_weight, weight_at
 
 
 def check_invokes(path: Path, report: ChaosReport) -> None:
@@ -431,7 +432,7 @@ def check_invokes(path: Path, report: ChaosReport) -> None:
                 by_key.setdefault(ran["key"], []).append((float(ran["start"]), float(ran["end"]), 1))
     report.invokes = sum(len(v) for v in by_key.values())
     for key, ran in sorted(by_key.items()):
-        most, _, at = _sweep(ran)
+        most, at, _, _ = _sweep(ran)
         if most > concurrency.get(key, 0):
             report.violations.append(
                 f"{most} invokes of {key} ran at once at {at:.3f} (concurrency {concurrency.get(key)})"
@@ -452,7 +453,7 @@ async def check_invariants(store: Store, rows: list[dict[str, Any]], report: Cha
             for r in ended
             if r["deployment"] == deployment.deployment_id
         ]
-        most, _, at = _sweep(mine)
+        most, at, _, _ = _sweep(mine)
         if most > deployment.concurrency:
             # The rows held at that instant, so the report says which one is late.
             held = [
@@ -468,11 +469,17 @@ async def check_invariants(store: Store, rows: list[dict[str, Any]], report: Cha
             )
     idle = min(d.resident_bytes for d in catalog.deployments)
     leased = [(r["granted_at"].timestamp(), r["ended_at"].timestamp(), int(r["bytes"] or 0)) for r in ended]
-    _, most_bytes, at = _sweep(leased)
+    _, _, most_bytes, at = _sweep(leased)
     if most_bytes > card.total_bytes - idle:
+        held = [
+            f"{r['lease_id']} {int(r['bytes'] or 0) / 2**30:g} GiB"
+            f" {r['granted_at'].timestamp() - at:+.1f}..{r['ended_at'].timestamp() - at:+.1f} s {r['outcome']}"
+            for r in ended
+            if r["granted_at"].timestamp() <= at < r["ended_at"].timestamp() and r["bytes"]
+        ]
         report.violations.append(
             f"{most_bytes / 2**30:.1f} GiB leased at {at:.3f} on a {card.total_bytes / 2**30:.0f} GiB card "
-            f"that holds a {idle / 2**30:.0f} GiB model"
+            f"that holds a {idle / 2**30:.0f} GiB model: " + "; ".join(held)
         )
     for snapshot in await store.snapshots(limit=100_000):
         used = snapshot["resident_bytes"] + snapshot["leased_bytes"] + snapshot["external_bytes"]

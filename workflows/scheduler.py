@@ -1029,7 +1029,15 @@ class PoolSchedulerWorkflow:
             self._ask_overdue_loads(self._now())
             self._reclaim_forgotten(self._now())
             if self._grants_wait_since is not None and not self._grants_wait_for_audit():
-                self._grants_wait_since = None  # the audit did not answer in time: grant again
+                # The audit did not answer in time (Postgres down, Temporal restarting): grant
+                # again, but not over the lost grants the guard named. Those are reclaimed now,
+                # their holders stopped and their room held until they say so, as the audit
+                # would have: before, their bytes could be granted again while their holders
+                # ran (the likely cause of 28 GiB leased on a 24 GiB card in a chaos round's
+                # ledger, in a storm of Temporal restarts and resets).
+                self._grants_wait_since = None
+                lost, self._lost_grants = self._lost_grants, {}
+                self._reclaim_named(lost, self._released_unwritten, self._now())
             if not self._grants_held():
                 self._run_policy(self._now())
             self._own_grants(self._now())
@@ -1534,6 +1542,12 @@ class PoolSchedulerWorkflow:
                 gang=list(row.accelerators[1:]),
             )
             self._reclaim_lost(forgotten, now)
+        self._reclaim_named(lost, released, now)
+
+    def _reclaim_named(self, lost: dict[str, policy.Lease], released: set[str], now: float) -> None:
+        """The lost grants the guard named that the ledger did not show open (or that no audit
+        could read in time: the guard read them from the history itself, so they need no
+        ledger to be stopped)."""
         for lease in lost.values():
             if lease.lease_id in self._state.leases:
                 continue

@@ -261,6 +261,11 @@ def test_ollama_queue_is_bounded_at_512() -> None:
         ('{"t": -1, "capability": "m@1", "service_s": 1}', "t must be at least 0"),
         ('{"t": 0, "capability": "m@1"}', "service_s is required"),
         ('{"t": 0, "capability": "m@1", "service_s": "1"}', "service_s must be a finite number"),
+        ('{"t": 0, "capability": "m@1", "service_s": true}', "service_s must be a finite number"),
+        ('{"t": 0, "capability": "m@1", "service_s": NaN}', "service_s must be a finite number"),
+        ('{"t": 0, "capability": "m@1", "service_s": 1, "deadline_s": Infinity}', "deadline_s must be a finite number"),
+        # An integer beyond a float's range: a typed error, not an OverflowError's traceback.
+        ('{"t": 0, "capability": "m@1", "service_s": 1' + "0" * 400 + "}", "service_s must be a finite number"),
         ('{"t": 0, "capability": "m@1", "service_s": 1, "priority": "urgent"}', "priority 'urgent' is not one of"),
         ('{"t": 0, "capability": "m@1", "service_s": 1, "tenant": "eve"}', "tenant 'eve' is not in"),
         ('{"t": 0, "capability": "m@1", "service_s": 1, "colour": "red"}', "unknown field 'colour'"),
