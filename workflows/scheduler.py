@@ -1033,8 +1033,8 @@ class PoolSchedulerWorkflow:
                 # again, but not over the lost grants the guard named. Those are reclaimed now,
                 # their holders stopped and their room held until they say so, as the audit
                 # would have: before, their bytes could be granted again while their holders
-                # ran (the likely cause of 28 GiB leased on a 24 GiB card in a chaos round's
-                # ledger, in a storm of Temporal restarts and resets).
+                # ran. (Read from the code, not seen: the chaos round's ledger violation it was
+                # first taken for was a clock artifact, docs/BENCHMARKS.md.)
                 self._grants_wait_since = None
                 lost, self._lost_grants = self._lost_grants, {}
                 self._reclaim_named(lost, self._released_unwritten, self._now())
