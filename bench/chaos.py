@@ -417,10 +417,16 @@ def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, float, int, 
 
 def check_invokes(path: Path, report: ChaosReport) -> None:
     """What really ran on the card: never more invokes of a model at once than its concurrency,
-    whatever the ledger says (a lease reclaimed and then used anyway shows here, not there)."""
+    nor more of their lease bytes than the card holds beside its smallest model, whatever the
+    ledger says (a lease reclaimed and then used anyway shows here, not there; a ledger row
+    stamped by a clock that lagged shows there, not here)."""
     catalog, _ = load_catalog_file(CATALOG)
+    card = catalog.accelerators[0]
     concurrency = {
         f"{d.deployment_id}@{a.id}": d.concurrency for d in catalog.deployments for a in catalog.accelerators
+    }
+    lease_bytes = {
+        f"{d.deployment_id}@{a.id}": d.lease_extra_bytes for d in catalog.deployments for a in catalog.accelerators
     }
     by_key: dict[str, list[tuple[float, float, int]]] = {}
     if path.exists():
@@ -437,6 +443,14 @@ def check_invokes(path: Path, report: ChaosReport) -> None:
             report.violations.append(
                 f"{most} invokes of {key} ran at once at {at:.3f} (concurrency {concurrency.get(key)})"
             )
+    weighed = [(start, end, lease_bytes.get(key, 0)) for key, ran in by_key.items() for start, end, _ in ran]
+    _, _, most_bytes, at = _sweep(weighed)
+    idle = min(d.resident_bytes for d in catalog.deployments)
+    if most_bytes > card.total_bytes - idle:
+        report.violations.append(
+            f"{most_bytes / 2**30:.1f} GiB of invokes' lease bytes ran at once at {at:.3f} on the card"
+            f" ({card.total_bytes / 2**30:.0f} GiB, a {idle / 2**30:.0f} GiB model beside them)"
+        )
 
 
 async def check_invariants(store: Store, rows: list[dict[str, Any]], report: ChaosReport) -> None:
