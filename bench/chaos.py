@@ -422,12 +422,10 @@ def check_invokes(path: Path, report: ChaosReport) -> None:
     stamped by a clock that lagged shows there, not here)."""
     catalog, _ = load_catalog_file(CATALOG)
     card = catalog.accelerators[0]
-    concurrency = {
-        f"{d.deployment_id}@{a.id}": d.concurrency for d in catalog.deployments for a in catalog.accelerators
-    }
-    lease_bytes = {
-        f"{d.deployment_id}@{a.id}": d.lease_extra_bytes for d in catalog.deployments for a in catalog.accelerators
-    }
+    # The resident key an invoke names -> its deployment.
+    deployments = {f"{d.deployment_id}@{a.id}": d for d in catalog.deployments for a in catalog.accelerators}
+    concurrency = {key: d.concurrency for key, d in deployments.items()}
+    lease_bytes = {key: d.lease_extra_bytes for key, d in deployments.items()}
     by_key: dict[str, list[tuple[float, float, int]]] = {}
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
