@@ -10,7 +10,9 @@ start."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import faulthandler
 import os
 import shutil
 import signal
@@ -54,6 +56,9 @@ REPORT_S = 30.0
 # How long a stop waits for a worker after SIGTERM, and for what it left running, before SIGKILL.
 STOP_GRACE_S = 15.0
 LEFTOVER_GRACE_S = 5.0
+# How long the embedded Postgres gets for a fast shutdown (its clients cut, a checkpoint written)
+# before an immediate one (crash recovery at its next start: nothing committed is lost).
+POSTGRES_STOP_S = 20
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -136,6 +141,18 @@ def _signal_tree(pid: int, sig: int) -> None:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
+
+
+def _postmaster_running(pgdata: Path) -> bool:
+    """Whether the Postgres whose pid `pgdata`'s postmaster.pid names still runs."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+        os.kill(pid, 0)
+    except PermissionError:  # it runs, as another user
+        return True
+    except (OSError, ValueError, IndexError):  # no file, no such process, a torn file
+        return False
+    return True
 
 
 class DevStack:
@@ -291,6 +308,27 @@ class DevStack:
         url: str = self.pg.get_uri()
         return url
 
+    def _stop_postgres(self) -> None:
+        """The embedded Postgres stopped by pg_ctl here, not by pgserver's `cleanup()`: that one
+        first takes a lock every pgserver user on the machine shares (held through another's initdb
+        and start), so a Ctrl-C here waited behind other programs' Postgres. pgserver's handle is
+        released too (this process's entry in its list of handles, its exit hook), or its exit hook
+        would wait on that lock again."""
+        from pgserver import pg_ctl  # type: ignore[attr-defined]
+
+        pg, self.pg = self.pg, None
+        for mode, wait_s in (("fast", POSTGRES_STOP_S), ("immediate", POSTGRES_STOP_S)):
+            if not _postmaster_running(pg.pgdata):
+                break
+            try:
+                pg_ctl(["-w", "-t", str(wait_s), "-m", mode, "stop"], pgdata=pg.pgdata, user=pg.system_user)
+                break
+            except subprocess.CalledProcessError:
+                print(f"Postgres did not stop by a {mode} shutdown within {wait_s} s", flush=True)
+        pg.global_process_id_list.get_and_remove(os.getpid())
+        atexit.unregister(pg._cleanup)
+        type(pg)._instances.pop(pg.pgdata, None)
+
     def start_workers(self, database_url: str, nodes: list[str]) -> None:
         """One control worker serving every pool of the catalog, and a node worker per node,
         its telemetry to its pool's scheduler."""
@@ -365,8 +403,7 @@ class DevStack:
             self._terminate(["temporal"], STOP_GRACE_S)
         self.children.clear()
         if self.pg is not None:
-            self.pg.cleanup()
-            self.pg = None
+            self._stop_postgres()
         with contextlib.suppress(FileNotFoundError):
             (self.settings.run_dir / "database_url").unlink()
         if self.started_temporal:
@@ -525,6 +562,8 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     settings.home.mkdir(parents=True, exist_ok=True)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
+    # `kill -USR1 <pid>` prints where each thread is: a stack that will not start or stop says why.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stack = DevStack(settings, catalog_path, ui_port)
     started = time.monotonic()
     with _signals_raise():

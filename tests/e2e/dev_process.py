@@ -70,7 +70,12 @@ class Dev:
     def stop(self, sig: int = signal.SIGINT) -> int:
         assert self.process is not None
         self.process.send_signal(sig)
-        code = self.process.wait(timeout=60)
+        try:
+            code = self.process.wait(timeout=90)  # dev.py's graces add up to 75 s at most
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)  # dev's stacks, by faulthandler
+            time.sleep(2)
+            raise AssertionError("modelforge dev did not stop in 90 s:\n" + "".join(self.output)) from None
         self._close()
         return code
 
