@@ -153,6 +153,10 @@ HOLDER_STOP_LIMIT_S = 10.0
 # Loads whose residency has said nothing in time (`Deployment.load_report_limit_s`, minutes) are
 # looked for this often at most: one walk of the residents, not one per loop iteration.
 LOAD_CHECK_INTERVAL_S = 10.0
+# How far a let-go time a holder tells (`ReleaseSignal.ended_at`) may carry the run's clock past
+# its workflow task's time (`_now`): the let-go times come from the same server's clock, so only
+# a malformed one would be further ahead.
+CLOCK_LEAD_LIMIT_S = 60.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
 DELEGATION_SPARE_SLOTS = 1
@@ -219,6 +223,9 @@ class PoolSchedulerWorkflow:
         self._loads_checked_until = 0.0
         # Loads whose residency was asked whether it is still there, and when (`_ask_overdue_loads`).
         self._loads_heard_since: dict[str, float] = {}
+        # The latest let-go time a holder told this run (`_now`). Not carried at continue-as-new:
+        # the next run's first task starts after this run's last one ended, so after every let-go.
+        self._clock_floor = 0.0
         carried = start.carried
         if carried is not None:
             self._decisions_out = [(d.workflow_id, d.decision) for d in carried.decisions]
@@ -332,6 +339,9 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def release(self, signal: ReleaseSignal) -> None:
+        if signal.ended_at is not None:
+            task_time = workflow.now().timestamp()
+            self._clock_floor = max(self._clock_floor, min(signal.ended_at, task_time + CLOCK_LEAD_LIMIT_S))
         now = self._now()
         self._stopping.pop(signal.lease_id, None)  # a reclaimed lease's holder has stopped
         lease = self._state.leases.get(signal.lease_id)
@@ -1175,7 +1185,12 @@ class PoolSchedulerWorkflow:
         self._record_all(policy.relabel(self._state), self._now())
 
     def _now(self) -> float:
-        return workflow.now().timestamp()
+        """The run's clock: its workflow task's time, never earlier than a let-go time a holder
+        told it. A task retried after a Temporal restart reads its first attempt's start, which
+        may precede the releases it applies (13 s in a chaos round): a lease granted in their room
+        then was stamped before its room was let go, and once a reset applied those releases
+        again at their own let-go times, the ledger showed both leases at once."""
+        return max(workflow.now().timestamp(), self._clock_floor)
 
     def _next_wake(self) -> float:
         now = self._now()

@@ -317,6 +317,58 @@ async def test_a_lease_the_scheduler_does_not_hold_is_stopped_at_its_heartbeat_a
         await holder.terminate("test over")
 
 
+async def test_a_lease_granted_in_a_released_room_starts_no_earlier_than_its_holder_let_go(
+    dev_server_env: WorkflowEnvironment, database_url: str
+) -> None:
+    # A workflow task retried after a Temporal restart reads its first attempt's start as its
+    # time, which may precede the releases it applies (13 s in a chaos round). Here a holder's
+    # let-go time reads 8 s past the scheduler's task time, as there. Its row ends when it let
+    # go (not at the earlier task time: its GPU-seconds are all counted), and the lease granted
+    # in its room starts no earlier: the ledger never shows the two at once, even when a reset
+    # applies the release again at its let-go time beside the grant its history kept.
+    client = dev_server_env.client
+    async with (
+        running_stack(client, database_url, catalog_path=FENCING, adopt_interval_s=3600) as stack,
+        Worker(client, task_queue="silent-holder", workflows=[_SilentHolder]),
+    ):
+        holders = [
+            await client.start_workflow(
+                "SilentHolderWorkflow", id=f"request:fence.one@1:{name}", task_queue="silent-holder"
+            )
+            for name in ("first", "second")
+        ]
+
+        async def granted(holder: WorkflowHandle[Any, Any]) -> str:
+            return str(await holder.query("granted"))
+
+        for holder in holders:
+            asked = AdmissionRequest(
+                request_id=holder.id.rpartition(":")[2], workflow_id=holder.id, capability="fence.one@1", tenant="app"
+            )
+            [answer] = (await _admit(stack, asked)).replies
+            assert answer.status in ("granted", "queued"), answer
+        first_lease = await _until(lambda: granted(holders[0]), 30)
+        assert first_lease and not await granted(holders[1]), "one slot: the second waits"
+        let_go = time.time() + 8.0
+        await stack.scheduler.signal(
+            "release", ReleaseSignal(lease_id=first_lease, request_id="first", outcome="ok", ended_at=let_go)
+        )
+        second_lease = await _until(lambda: granted(holders[1]), 30)
+        assert second_lease
+
+        async def rows() -> dict[str, dict[str, Any]]:
+            found = {row["lease_id"]: row for row in await stack.store.ledger() if row["capability"] == "fence.one@1"}
+            return found if first_lease in found and second_lease in found and found[first_lease]["ended_at"] else {}
+
+        ledger = await _until(rows, 20)
+        assert ledger, "the two leases' rows never landed"
+        first, second = ledger[first_lease], ledger[second_lease]
+        assert first["ended_at"].timestamp() == pytest.approx(let_go, abs=0.01), "it ends when its holder let go"
+        assert second["granted_at"] >= first["ended_at"], "granted before its room was let go"
+        for holder in holders:
+            await holder.terminate("test over")
+
+
 async def test_a_deployment_removed_from_the_catalog_is_unloaded(
     dev_server_env: WorkflowEnvironment, database_url: str
 ) -> None:
