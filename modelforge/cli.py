@@ -66,10 +66,15 @@ def dev(
     exit_after_demo: Annotated[bool, typer.Option(help="Stop the stack after the demo.")] = False,
 ) -> None:
     """Run the embedded stack in the foreground: Temporal, Postgres, workers."""
+    import faulthandler
+    import signal
+
     from modelforge.catalog import example_catalog_path
     from modelforge.dev import run_dev
 
     settings = _settings()
+    # `kill -USR1 <pid>` prints where each thread is: a stack that will not start or stop says why.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = run_dev(settings, catalog or example_catalog_path(), ui_port, demo, exit_after_demo)
     except ModelForgeError as error:

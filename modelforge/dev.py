@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import faulthandler
 import os
 import shutil
 import signal
@@ -562,8 +561,6 @@ def run_dev(settings: Settings, catalog_path: Path, ui_port: int, demo: bool, ex
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     settings.home.mkdir(parents=True, exist_ok=True)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
-    # `kill -USR1 <pid>` prints where each thread is: a stack that will not start or stop says why.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stack = DevStack(settings, catalog_path, ui_port)
     started = time.monotonic()
     with _signals_raise():
