@@ -60,6 +60,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from modelforge.catalog import load_catalog_file
 from modelforge.dev import temporal_binary
+from modelforge.domain import Accelerator, Catalog
 from modelforge.failures import FailureClass
 from modelforge.messages import RequestInput, SchedulerInput
 from modelforge.policy import PolicyConfig, PoolStatus
@@ -415,13 +416,19 @@ def _sweep(intervals: list[tuple[float, float, int]]) -> tuple[int, float, int, 
     return best_count, count_at, best_weight, weight_at
 
 
+def _lease_room(catalog: Catalog) -> tuple[Accelerator, int]:
+    """The card, and its smallest model's bytes: at no instant may more lease bytes be held
+    on it than its total less those (a resident model beside them)."""
+    return catalog.accelerators[0], min(d.resident_bytes for d in catalog.deployments)
+
+
 def check_invokes(path: Path, report: ChaosReport) -> None:
     """What really ran on the card: never more invokes of a model at once than its concurrency,
     nor more of their lease bytes than the card holds beside its smallest model, whatever the
     ledger says (a lease reclaimed and then used anyway shows here, not there; a ledger row
     stamped by a clock that lagged shows there, not here)."""
     catalog, _ = load_catalog_file(CATALOG)
-    card = catalog.accelerators[0]
+    card, idle = _lease_room(catalog)
     # The resident key an invoke names -> its deployment.
     deployments = {f"{d.deployment_id}@{a.id}": d for d in catalog.deployments for a in catalog.accelerators}
     concurrency = {key: d.concurrency for key, d in deployments.items()}
@@ -443,7 +450,6 @@ def check_invokes(path: Path, report: ChaosReport) -> None:
             )
     weighed = [(start, end, lease_bytes.get(key, 0)) for key, ran in by_key.items() for start, end, _ in ran]
     _, _, most_bytes, at = _sweep(weighed)
-    idle = min(d.resident_bytes for d in catalog.deployments)
     if most_bytes > card.total_bytes - idle:
         report.violations.append(
             f"{most_bytes / 2**30:.1f} GiB of invokes' lease bytes ran at once at {at:.3f} on the card"
@@ -453,7 +459,7 @@ def check_invokes(path: Path, report: ChaosReport) -> None:
 
 async def check_invariants(store: Store, rows: list[dict[str, Any]], report: ChaosReport) -> None:
     catalog, _ = load_catalog_file(CATALOG)
-    card = catalog.accelerators[0]
+    card, idle = _lease_room(catalog)
     open_rows = [r["lease_id"] for r in rows if r["ended_at"] is None]
     if open_rows:
         report.violations.append(f"{len(open_rows)} ledger rows left open: {open_rows[:5]}")
@@ -479,7 +485,6 @@ async def check_invariants(store: Store, rows: list[dict[str, Any]], report: Cha
                 f"{most} leases on {deployment.capability} at {at:.3f} (concurrency {deployment.concurrency}): "
                 + "; ".join(held)
             )
-    idle = min(d.resident_bytes for d in catalog.deployments)
     leased = [(r["granted_at"].timestamp(), r["ended_at"].timestamp(), int(r["bytes"] or 0)) for r in ended]
     _, _, most_bytes, at = _sweep(leased)
     if most_bytes > card.total_bytes - idle:

@@ -142,18 +142,6 @@ def _signal_tree(pid: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _postmaster_running(pgdata: Path) -> bool:
-    """Whether the Postgres whose pid `pgdata`'s postmaster.pid names still runs."""
-    try:
-        pid = int((pgdata / "postmaster.pid").read_text().splitlines()[0])
-        os.kill(pid, 0)
-    except PermissionError:  # it runs, as another user
-        return True
-    except (OSError, ValueError, IndexError):  # no file, no such process, a torn file
-        return False
-    return True
-
-
 class DevStack:
     def __init__(self, settings: Settings, catalog_path: Path, ui_port: int) -> None:
         self.settings = settings
@@ -314,10 +302,12 @@ class DevStack:
         released too (this process's entry in its list of handles, its exit hook), or its exit hook
         would wait on that lock again."""
         from pgserver import pg_ctl  # type: ignore[attr-defined]
+        from pgserver.utils import PostmasterInfo
 
         pg, self.pg = self.pg, None
         for mode, wait_s in (("fast", POSTGRES_STOP_S), ("immediate", POSTGRES_STOP_S)):
-            if not _postmaster_running(pg.pgdata):
+            postmaster = PostmasterInfo.read_from_pgdata(pg.pgdata)
+            if postmaster is None or not postmaster.is_running():
                 break
             try:
                 pg_ctl(["-w", "-t", str(wait_s), "-m", mode, "stop"], pgdata=pg.pgdata, user=pg.system_user)
