@@ -156,6 +156,10 @@ class PreemptSignal:
 class CancelSignal:
     request_id: str
     reason: str
+    # When its requester gave up (epoch seconds; None: when the scheduler hears it). A lease
+    # granted to it ends then in the ledger: a cancel heard late (applied again after a reset of
+    # the scheduler's run, held by a Temporal backlog) did not hold the lease until it was heard.
+    sent_at: float | None = None
 
 
 @dataclass(frozen=True)

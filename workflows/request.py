@@ -498,7 +498,8 @@ class CapabilityRequestWorkflow:
         lease granted to it goes back (an admission the caller gave up on may still land)."""
         try:
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
-                "cancel", CancelSignal(request_id=request.request_id, reason=reason)
+                "cancel",
+                CancelSignal(request_id=request.request_id, reason=reason, sent_at=workflow.now().timestamp()),
             )
         except Exception as error:  # no scheduler to tell: nothing of this request is there
             workflow.logger.info("withdrawal of %s not delivered: %s", request.request_id, error)
@@ -573,7 +574,12 @@ class CapabilityRequestWorkflow:
             await workflow.wait_condition(lambda: self._decision is not None, timeout=limit + 5.0)
         except TimeoutError:
             await workflow.get_external_workflow_handle(scheduler_id(request.pool)).signal(
-                "cancel", CancelSignal(request_id=request.request_id, reason=f"{cls.value}: gave up after {limit} s")
+                "cancel",
+                CancelSignal(
+                    request_id=request.request_id,
+                    reason=f"{cls.value}: gave up after {limit} s",
+                    sent_at=workflow.now().timestamp(),
+                ),
             )
             self._end(cls.value)
             raise failure(cls, f"no lease within {limit:.0f} s") from None

@@ -153,7 +153,7 @@ HOLDER_STOP_LIMIT_S = 10.0
 # Loads whose residency has said nothing in time (`Deployment.load_report_limit_s`, minutes) are
 # looked for this often at most: one walk of the residents, not one per loop iteration.
 LOAD_CHECK_INTERVAL_S = 10.0
-# How far a let-go time a holder tells (`ReleaseSignal.ended_at`) may carry the run's clock past
+# How far a let-go time a holder tells (`ReleaseSignal.ended_at`, `CancelSignal.sent_at`) may carry the run's clock past
 # its workflow task's time (`_now`): the let-go times come from the same server's clock, so only
 # a malformed one would be further ahead.
 CLOCK_LEAD_LIMIT_S = 60.0
@@ -339,9 +339,7 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def release(self, signal: ReleaseSignal) -> None:
-        if signal.ended_at is not None:
-            task_time = workflow.now().timestamp()
-            self._clock_floor = max(self._clock_floor, min(signal.ended_at, task_time + CLOCK_LEAD_LIMIT_S))
+        self._heard_holder_time(signal.ended_at)
         now = self._now()
         self._stopping.pop(signal.lease_id, None)  # a reclaimed lease's holder has stopped
         lease = self._state.leases.get(signal.lease_id)
@@ -665,8 +663,10 @@ class PoolSchedulerWorkflow:
 
     @workflow.signal
     def cancel(self, signal: CancelSignal) -> None:
+        self._heard_holder_time(signal.sent_at)
         now = self._now()
-        self._record_all(policy.cancel_request(self._state, signal.request_id, now, signal.reason), now)
+        events = policy.cancel_request(self._state, signal.request_id, now, signal.reason, ended_at=signal.sent_at)
+        self._record_all(events, now)
         self._wake = True
 
     @workflow.signal
@@ -1183,6 +1183,13 @@ class PoolSchedulerWorkflow:
         self._record(policy.catalog_loaded_event(catalog), self._now())
         # The nodes' advertised labels (NVLink groups from NVML) outlive a catalog change.
         self._record_all(policy.relabel(self._state), self._now())
+
+    def _heard_holder_time(self, at: float | None) -> None:
+        """A holder said when it let go (or gave up): the run's clock reads no earlier (`_now`),
+        at most `CLOCK_LEAD_LIMIT_S` past the task's own time."""
+        if at is not None:
+            task_time = workflow.now().timestamp()
+            self._clock_floor = max(self._clock_floor, min(at, task_time + CLOCK_LEAD_LIMIT_S))
 
     def _now(self) -> float:
         """The run's clock: its workflow task's time, never earlier than a let-go time a holder

@@ -431,15 +431,18 @@ def resident_crashed(
     return events
 
 
-def cancel_request(state: PoolState, request_id: str, now: float, reason: str) -> list[PolicyEvent]:
-    """The requester gave up (timeout, cancel): drop it from the queue and release any lease."""
+def cancel_request(
+    state: PoolState, request_id: str, now: float, reason: str, ended_at: float | None = None
+) -> list[PolicyEvent]:
+    """The requester gave up (timeout, cancel): drop it from the queue and release any lease
+    (its ledger row ending at `ended_at`, when the requester gave up, if it says)."""
     events: list[PolicyEvent] = []
     before = len(state.queue)
     _drop(state, {request_id: True})
     if len(state.queue) != before:
         events.append(PolicyEvent(kind="request_cancelled", request_id=request_id, message=reason))
     for lease_id, _ in lease_index(state).held_for(request_id):
-        events.extend(release_lease(state, lease_id, now, f"reclaimed: {reason}"))
+        events.extend(release_lease(state, lease_id, now, f"reclaimed: {reason}", ended_at=ended_at))
     return events
 
 

@@ -34,6 +34,7 @@ from modelforge.events import EventRecord
 from modelforge.messages import (
     AdmitBatch,
     AdmitBatchReply,
+    CancelSignal,
     LeaseDecision,
     LeaseHeartbeat,
     PreemptSignal,
@@ -317,15 +318,19 @@ async def test_a_lease_the_scheduler_does_not_hold_is_stopped_at_its_heartbeat_a
         await holder.terminate("test over")
 
 
+@pytest.mark.parametrize("let_go_by", ["release", "cancel"])
 async def test_a_lease_granted_in_a_released_room_starts_no_earlier_than_its_holder_let_go(
-    dev_server_env: WorkflowEnvironment, database_url: str
+    dev_server_env: WorkflowEnvironment, database_url: str, let_go_by: str
 ) -> None:
     # A workflow task retried after a Temporal restart reads its first attempt's start as its
     # time, which may precede the releases it applies (13 s in a chaos round). Here a holder's
     # let-go time reads 8 s past the scheduler's task time, as there. Its row ends when it let
     # go (not at the earlier task time: its GPU-seconds are all counted), and the lease granted
     # in its room starts no earlier: the ledger never shows the two at once, even when a reset
-    # applies the release again at its let-go time beside the grant its history kept.
+    # applies the release again at its let-go time beside the grant its history kept. A holder
+    # that gave up (its lease timeout, a failed confirmation) says when by its cancel: a cancel
+    # applied again by a reset run, heard later than the lost run heard it, showed 24 GiB on a
+    # 24 GiB card in a chaos round's ledger while the lost run had granted its room at once.
     client = dev_server_env.client
     async with (
         running_stack(client, database_url, catalog_path=FENCING, adopt_interval_s=3600) as stack,
@@ -350,9 +355,11 @@ async def test_a_lease_granted_in_a_released_room_starts_no_earlier_than_its_hol
         first_lease = await _until(lambda: granted(holders[0]), 30)
         assert first_lease and not await granted(holders[1]), "one slot: the second waits"
         let_go = time.time() + 8.0
-        await stack.scheduler.signal(
-            "release", ReleaseSignal(lease_id=first_lease, request_id="first", outcome="ok", ended_at=let_go)
-        )
+        if let_go_by == "release":
+            signal: Any = ReleaseSignal(lease_id=first_lease, request_id="first", outcome="ok", ended_at=let_go)
+        else:
+            signal = CancelSignal(request_id="first", reason="LEASE_TIMEOUT: gave up", sent_at=let_go)
+        await stack.scheduler.signal(let_go_by, signal)
         second_lease = await _until(lambda: granted(holders[1]), 30)
         assert second_lease
 
