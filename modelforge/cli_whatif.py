@@ -7,6 +7,7 @@ here."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from rich.markup import escape
@@ -27,7 +28,14 @@ def what_if(
 ) -> None:
     from modelforge.catalog import load_catalog_file
     from modelforge.cli_common import _database_url, _fail, _json, _run, _settings, err, out, parse_duration
-    from modelforge.simulate import compare, comparison_json, comparison_table, plotting_available, record_from_store
+    from modelforge.simulate import (
+        compare,
+        comparison_json,
+        comparison_table,
+        plotting_available,
+        record_from_store,
+        replay_beside,
+    )
 
     try:
         window_s = parse_duration(window)
@@ -45,14 +53,18 @@ def what_if(
             )
     url = _database_url(_settings())
     until_s = time.time()  # the CLI's clock: the window ends now
-    record = _run(lambda: record_from_store(url, window_s=window_s, until_s=until_s, pool=pool, anonymise=anonymise))
-    if out_dir is not None:
-        written = record.write(out_dir)
-        err.print(escape(f"wrote {written}"), highlight=False, soft_wrap=True)
-    try:
-        runs = compare(record, proposed)
-    except ModelForgeError as error:
-        _fail(error)
+    # Two replays: the second one's process starts while the record is read.
+    with replay_beside() if proposed is not None else nullcontext() as beside:
+        record = _run(
+            lambda: record_from_store(url, window_s=window_s, until_s=until_s, pool=pool, anonymise=anonymise)
+        )
+        if out_dir is not None:
+            written = record.write(out_dir)
+            err.print(escape(f"wrote {written}"), highlight=False, soft_wrap=True)
+        try:
+            runs = compare(record, proposed, beside=beside)
+        except ModelForgeError as error:
+            _fail(error)
     if plot is not None:
         from modelforge.simulate import write_plot
 

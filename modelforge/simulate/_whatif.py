@@ -4,9 +4,13 @@ the catalog that was in force and under a proposed one, side by side (`modelforg
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
+import pickle
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,28 +133,73 @@ def replay(record: RecordScenario, catalog: Catalog | None, label: str) -> Repla
     return Replayed(label, result, figures, each_wait)
 
 
-# A record at least this long has its two replays run side by side, in a process each (they share
-# nothing; a process costs a second or two to start and to receive the record).
+# A record at least this long has its two replays run side by side, one in this process and one
+# in a process of its own (they share nothing; that process costs a second or two to start and to
+# receive the record, hidden where it was started ahead: `replay_beside`).
 PARALLEL_FROM_REQUESTS = 20_000
 
 
-def compare(record: RecordScenario, proposed: Catalog | None, *, parallel: bool | None = None) -> list[Replayed]:
+@contextmanager
+def replay_beside() -> Iterator[ProcessPoolExecutor | None]:
+    """A process for the second replay of a `compare`, started now: it spawns and imports the
+    simulator while the caller reads the record from the store or builds it (a second or two of
+    a week's what-if on a 2-core machine). None where this machine has one core. Spawned, not
+    forked: the caller may hold threads (a database pool, a Temporal client), and a fork copies
+    the pages of the caller's heap its collector touches."""
+    if (os.cpu_count() or 1) < 2:
+        yield None
+        return
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        pool.submit(_started)
+        yield pool
+    finally:
+        # Waited for: a process left starting would hold the caller's output open after it ended
+        # (a short record replays in this process alone, and its process is not used).
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _started() -> None:
+    """Nothing: the first task of a `replay_beside` process (its import is the work)."""
+
+
+def _replay_pickled(record: bytes, catalog: Catalog | None, label: str) -> Replayed:
+    """`replay` of a record pickled once by the caller (the executor passes the bytes as they are)."""
+    return replay(pickle.loads(record), catalog, label)
+
+
+def compare(
+    record: RecordScenario,
+    proposed: Catalog | None,
+    *,
+    parallel: bool | None = None,
+    beside: ProcessPoolExecutor | None = None,
+) -> list[Replayed]:
     """What the record says happened, the record replayed under the catalog as it was and, when
     given, under `proposed` (its cards in the record's pool, the record's measured load times for
-    deployments it shares). The two replays run in two processes where more than one core is
-    there and the record is long (`parallel`: force either way); the figures are the same."""
+    deployments it shares). The two replays run side by side where more than one core is there
+    and the record is long (`parallel`: force either way; `beside`: the process of
+    `replay_beside`, else one is started now); the figures are the same."""
     jobs: list[tuple[Catalog | None, str]] = [(None, "as it was")]
     if proposed is not None:
         jobs.append((proposed_for(record, proposed), "proposed"))
     if parallel is None:
         parallel = (os.cpu_count() or 1) > 1 and len(record.lines) >= PARALLEL_FROM_REQUESTS
-    if parallel and len(jobs) > 1:
-        # spawn, not fork: the caller may hold threads (a database pool, a Temporal client).
-        with ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
-            replays = list(pool.map(replay, [record] * len(jobs), *zip(*jobs, strict=True)))
-    else:
-        replays = [replay(record, catalog, label) for catalog, label in jobs]
-    return [Replayed("recorded", None, record.recorded), *replays]
+    if not parallel or len(jobs) < 2:
+        return [Replayed("recorded", None, record.recorded), *(replay(record, c, label) for c, label in jobs)]
+    with nullcontext(beside) if beside is not None else replay_beside() as pool:
+        if pool is None:  # one core: one after the other
+            return [Replayed("recorded", None, record.recorded), *(replay(record, c, label) for c, label in jobs)]
+        # The record pickled once; the proposed catalog's replay there, the one as it was here.
+        second = pool.submit(_replay_pickled, pickle.dumps(record, pickle.HIGHEST_PROTOCOL), *jobs[1])
+        # What this process holds already (the record's rows, the caller's own objects) is not
+        # the replay's garbage: its collections do not walk it again and again.
+        gc.freeze()
+        try:
+            first = replay(record, *jobs[0])
+        finally:
+            gc.unfreeze()
+        return [Replayed("recorded", None, record.recorded), first, second.result()]
 
 
 def proposed_for(record: RecordScenario, proposed: Catalog) -> Catalog:
