@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from modelforge.domain import Catalog, GiB
-from modelforge.simulate import build_record_scenario, compare, comparison_table, load_scenario, replay_beside
+from modelforge.simulate import build_record_scenario, compare, comparison_table, load_scenario, replay_processes
 from modelforge.simulate._recorder import MadeRecord, make_record, record_rows
 from modelforge.simulate._scenario import ExternalUsage, Scenario, parse_request_lines
 from modelforge.traces import AzureOptions, convert_azure
@@ -225,10 +225,10 @@ def main() -> int:
     as_was = scenario.catalog
     del record, scenario  # what the caller of `simulate --from-record` would not hold either
     started = time.perf_counter()
-    with replay_beside() as beside:  # as `simulate --from-record` starts it, before the scenario
+    with replay_processes() as processes:  # as `simulate --from-record` starts them, before the scenario
         replay = build_record_scenario(rows, [(start_epoch - 1.0, as_was)], since_s=since, until_s=until)
         scenario_s = time.perf_counter() - started
-        runs = compare(replay, longer_ttl(as_was, args.ttl), beside=beside)
+        runs = compare(replay, longer_ttl(as_was, args.ttl), processes=processes)
     total = time.perf_counter() - started
     print(f"\n| metric | recorded | as it was (TTL 600 s) | proposed (TTL {args.ttl:g} s) |\n|---|---:|---:|---:|")
     for label, cells in comparison_table(runs):

@@ -34,7 +34,7 @@ def what_if(
         comparison_table,
         plotting_available,
         record_from_store,
-        replay_beside,
+        replay_processes,
     )
 
     try:
@@ -53,8 +53,8 @@ def what_if(
             )
     url = _database_url(_settings())
     until_s = time.time()  # the CLI's clock: the window ends now
-    # Two replays: the second one's process starts while the record is read.
-    with replay_beside() if proposed is not None else nullcontext() as beside:
+    # Two replays: their processes start while the record is read (used if it is long).
+    with replay_processes() if proposed is not None else nullcontext() as processes:
         record = _run(
             lambda: record_from_store(url, window_s=window_s, until_s=until_s, pool=pool, anonymise=anonymise)
         )
@@ -62,7 +62,7 @@ def what_if(
             written = record.write(out_dir)
             err.print(escape(f"wrote {written}"), highlight=False, soft_wrap=True)
         try:
-            runs = compare(record, proposed, beside=beside)
+            runs = compare(record, proposed, processes=processes)
         except ModelForgeError as error:
             _fail(error)
     if plot is not None:

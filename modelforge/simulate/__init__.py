@@ -23,7 +23,7 @@ from modelforge.simulate._scenario import (
     load_scenario,
     parse_request_lines,
 )
-from modelforge.simulate._whatif import Replayed, compare, comparison_json, comparison_table, replay_beside
+from modelforge.simulate._whatif import Replayed, compare, comparison_json, comparison_table, replay_processes
 
 POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
     "modelforge": ModelForgeScheduler,
@@ -79,7 +79,7 @@ __all__ = [
     "parse_request_lines",
     "plotting_available",
     "record_from_store",
-    "replay_beside",
+    "replay_processes",
     "simulate",
     "write_plot",
 ]

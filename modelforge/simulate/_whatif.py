@@ -4,7 +4,6 @@ the catalog that was in force and under a proposed one, side by side (`modelforg
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
@@ -133,34 +132,36 @@ def replay(record: RecordScenario, catalog: Catalog | None, label: str) -> Repla
     return Replayed(label, result, figures, each_wait)
 
 
-# A record at least this long has its two replays run side by side, one in this process and one
-# in a process of its own (they share nothing; that process costs a second or two to start and to
-# receive the record, hidden where it was started ahead: `replay_beside`).
+# A record at least this long has its two replays run side by side, each in a process of its own
+# (they share nothing; a process costs a second or two to start and to receive the record, hidden
+# where the processes were started ahead: `replay_processes`). Not one of them in the caller's
+# process: its heap (the record's rows, a database pool) slowed that replay by a few per cent.
 PARALLEL_FROM_REQUESTS = 20_000
+REPLAY_PROCESSES = 2
 
 
 @contextmanager
-def replay_beside() -> Iterator[ProcessPoolExecutor | None]:
-    """A process for the second replay of a `compare`, started now: it spawns and imports the
-    simulator while the caller reads the record from the store or builds it (a second or two of
-    a week's what-if on a 2-core machine). None where this machine has one core. Spawned, not
-    forked: the caller may hold threads (a database pool, a Temporal client), and a fork copies
-    the pages of the caller's heap its collector touches."""
+def replay_processes() -> Iterator[ProcessPoolExecutor | None]:
+    """The processes for the two replays of a `compare`, started now: they spawn and import the
+    simulator while the caller reads the record from the store or builds it. None where this
+    machine has one core. Spawned, not forked: the caller may hold threads (a database pool, a
+    Temporal client), and a fork copies the pages of the caller's heap its collector touches."""
     if (os.cpu_count() or 1) < 2:
         yield None
         return
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=REPLAY_PROCESSES, mp_context=multiprocessing.get_context("spawn"))
     try:
-        pool.submit(_started)
+        for _ in range(REPLAY_PROCESSES):
+            pool.submit(_started)
         yield pool
     finally:
         # Waited for: a process left starting would hold the caller's output open after it ended
-        # (a short record replays in this process alone, and its process is not used).
+        # (a short record replays in the caller's process, and these are not used).
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _started() -> None:
-    """Nothing: the first task of a `replay_beside` process (its import is the work)."""
+    """Nothing: the first task of a `replay_processes` process (its import is the work)."""
 
 
 def _replay_pickled(record: bytes, catalog: Catalog | None, label: str) -> Replayed:
@@ -173,33 +174,27 @@ def compare(
     proposed: Catalog | None,
     *,
     parallel: bool | None = None,
-    beside: ProcessPoolExecutor | None = None,
+    processes: ProcessPoolExecutor | None = None,
 ) -> list[Replayed]:
     """What the record says happened, the record replayed under the catalog as it was and, when
     given, under `proposed` (its cards in the record's pool, the record's measured load times for
     deployments it shares). The two replays run side by side where more than one core is there
-    and the record is long (`parallel`: force either way; `beside`: the process of
-    `replay_beside`, else one is started now); the figures are the same."""
+    and the record is long (`parallel`: force either way; `processes`: those of
+    `replay_processes`, else they are started now); the figures are the same."""
     jobs: list[tuple[Catalog | None, str]] = [(None, "as it was")]
     if proposed is not None:
         jobs.append((proposed_for(record, proposed), "proposed"))
+    recorded = Replayed("recorded", None, record.recorded)
     if parallel is None:
         parallel = (os.cpu_count() or 1) > 1 and len(record.lines) >= PARALLEL_FROM_REQUESTS
     if not parallel or len(jobs) < 2:
-        return [Replayed("recorded", None, record.recorded), *(replay(record, c, label) for c, label in jobs)]
-    with nullcontext(beside) if beside is not None else replay_beside() as pool:
+        return [recorded, *(replay(record, catalog, label) for catalog, label in jobs)]
+    with nullcontext(processes) if processes is not None else replay_processes() as pool:
         if pool is None:  # one core: one after the other
-            return [Replayed("recorded", None, record.recorded), *(replay(record, c, label) for c, label in jobs)]
-        # The record pickled once; the proposed catalog's replay there, the one as it was here.
-        second = pool.submit(_replay_pickled, pickle.dumps(record, pickle.HIGHEST_PROTOCOL), *jobs[1])
-        # What this process holds already (the record's rows, the caller's own objects) is not
-        # the replay's garbage: its collections do not walk it again and again.
-        gc.freeze()
-        try:
-            first = replay(record, *jobs[0])
-        finally:
-            gc.unfreeze()
-        return [Replayed("recorded", None, record.recorded), first, second.result()]
+            return [recorded, *(replay(record, catalog, label) for catalog, label in jobs)]
+        pickled = pickle.dumps(record, pickle.HIGHEST_PROTOCOL)  # once, not once per process
+        replays = [pool.submit(_replay_pickled, pickled, catalog, label) for catalog, label in jobs]
+        return [recorded, *(replayed.result() for replayed in replays)]
 
 
 def proposed_for(record: RecordScenario, proposed: Catalog) -> Catalog:

@@ -27,7 +27,7 @@ from modelforge.simulate import (
     comparison_json,
     load_scenario,
     record_from_store,
-    replay_beside,
+    replay_processes,
 )
 from modelforge.simulate._recorder import MadeRecord, make_record, record_rows
 from modelforge.simulate._scenario import ExternalUsage, Scenario, parse_request_lines
@@ -167,11 +167,11 @@ async def test_the_record_replays_as_it_happened_and_a_longer_ttl_saves_the_load
     assert before["invariant_violations"] == after["invariant_violations"] == 0
     shown = comparison_json(replay, [recorded, as_it_was, proposed])
     assert set(shown["replays"]) == {"as it was", "proposed"} and shown["recorded"]["cold_starts"] == 10
-    # A long record's two replays run side by side, the proposed one in a process of its own
-    # (started by `compare`, or ahead by the caller while it reads the record): the same figures
-    # (but their wall times).
-    with replay_beside() as beside:
-        started_ahead = compare(replay, _catalog(300.0), parallel=True, beside=beside)
+    # A long record's two replays run side by side, each in a process of its own (started by
+    # `compare`, or ahead by the caller while it reads the record): the same figures (but their
+    # wall times).
+    with replay_processes() as processes:
+        started_ahead = compare(replay, _catalog(300.0), parallel=True, processes=processes)
     for side_by_side in (compare(replay, _catalog(300.0), parallel=True), started_ahead):
         assert [r.label for r in side_by_side] == ["recorded", "as it was", "proposed"]
         for serial, parallel in zip((as_it_was, proposed), side_by_side[1:], strict=True):
