@@ -153,9 +153,9 @@ HOLDER_STOP_LIMIT_S = 10.0
 # Loads whose residency has said nothing in time (`Deployment.load_report_limit_s`, minutes) are
 # looked for this often at most: one walk of the residents, not one per loop iteration.
 LOAD_CHECK_INTERVAL_S = 10.0
-# How far a let-go time a holder tells (`ReleaseSignal.ended_at`, `CancelSignal.sent_at`) may carry the run's clock past
-# its workflow task's time (`_now`): the let-go times come from the same server's clock, so only
-# a malformed one would be further ahead.
+# How far a let-go or give-up time a holder tells (`ReleaseSignal.ended_at`, `CancelSignal.sent_at`)
+# may carry the run's clock past its workflow task's time (`_now`): those times come from the same
+# server's clock, so only a malformed one would be further ahead.
 CLOCK_LEAD_LIMIT_S = 60.0
 # Resident slots kept back from delegation for admissions through the scheduler (requests that
 # did not start on the resident's node: a CLI's first request, another pool's client).
