@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 from modelforge.client import ModelForgeClient
 from modelforge.temporal import register_search_attributes
 from tests.browser.chromium import render_page
+from tests.worker_process import free_port
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -26,16 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "img" / "temporal-ui.png"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 async def ui_env() -> AsyncIterator[tuple[WorkflowEnvironment, int]]:
-    ui_port = _free_port()
+    ui_port = free_port()
     binary = str(Path(sys.executable).parent / "temporal")
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=binary, ui=True, ui_port=ui_port, dev_server_log_level="error"

@@ -65,6 +65,9 @@ class Dev:
         deadline = time.monotonic() + timeout_s
         while not self._up.wait(0.5):
             if self.process.poll() is not None or time.monotonic() > deadline:
+                # Nothing left behind for the tests after it: its processes, and its output's pipe
+                # (left open, it failed an unrelated later test of this worker as a ResourceWarning).
+                self.kill_everything()
                 raise AssertionError("modelforge dev did not come up:\n" + "".join(self.output))
 
     def stop(self, sig: int = signal.SIGINT) -> int:

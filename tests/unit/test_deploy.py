@@ -25,6 +25,7 @@ from temporalio import activity
 from modelforge.failures import Alert
 from modelforge.metrics import Metrics
 from modelforge.temporal import SEARCH_ATTRIBUTES, TEMPORAL_METRICS_ADDRESS, temporal_metrics_address, worker_runtime
+from tests.worker_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -271,13 +272,6 @@ def test_every_panel_honours_the_pool_filter() -> None:
 # --- Temporal setup -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _temporal_cli() -> str:
     found = shutil.which("temporal", path=str(Path(sys.executable).parent)) or shutil.which("temporal")
     if found is None:
@@ -289,7 +283,7 @@ def _temporal_cli() -> str:
 def temporal_dev_server(tmp_path: Path) -> Any:
     """A Temporal dev server on a free loopback port, and the directory holding its CLI."""
     cli = _temporal_cli()
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [cli, "server", "start-dev", "--headless", "--ip", "127.0.0.1", "--port", str(port), "--log-level", "error"],
         stdout=subprocess.DEVNULL,
@@ -409,7 +403,7 @@ async def test_a_worker_serves_the_sdk_metrics(dev_server_env: Any, tmp_path: Pa
     from modelforge.settings import Settings
     from modelforge.temporal import connect
 
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     target = dev_server_env.client.service_client.config.target_host
     os.environ[TEMPORAL_METRICS_ADDRESS] = address
     try:  # settings read the variable when made (keywords over the environment)

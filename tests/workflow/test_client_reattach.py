@@ -7,7 +7,6 @@ for requests that then completed on the server, so a caller that retried did the
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from modelforge.client import ModelForgeClient, Result, SyncModelForgeClient
 from modelforge.policy import PoolStatus
 from modelforge.settings import Settings
 from modelforge.temporal import WORKER_RETRY, register_search_attributes
+from tests.worker_process import free_port
 from workers.stack import running_stack
 
 pytestmark = pytest.mark.workflow
@@ -146,12 +146,6 @@ async def test_a_lost_start_answer_attaches_to_the_started_workflow(
         assert await _runs(stack.client, "lost-and-failed", 1) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def _server(port: int, db_file: Path) -> WorkflowEnvironment:
     return await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(Path(sys.executable).parent / "temporal"),
@@ -162,7 +156,7 @@ async def _server(port: int, db_file: Path) -> WorkflowEnvironment:
 
 
 async def test_the_real_outcome_is_reported_through_a_temporal_restart(database_url: str, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     db_file = tmp_path / "temporal.db"
     first = await _server(port, db_file)
     second: WorkflowEnvironment | None = None

@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from modelforge.catalog import example_catalog_path
+from tests.worker_process import free_port
 from workers.stack import Stack, running_stack
 
 pytestmark = [pytest.mark.workflow, pytest.mark.subprocess]
 
 NODE = "gpu-node"  # the example catalog's node
 CAPABILITY, TENANT = "rag.embedding@1", "rag"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _node_with_gateway(env: WorkflowEnvironment, home: Path, database_url: str, port: int) -> subprocess.Popen[bytes]:
@@ -82,7 +76,7 @@ async def test_a_node_worker_serving_the_gateway_starts_its_routed_requests_eage
 ) -> None:
     async with running_stack(dev_server_env.client, database_url, telemetry_interval_s=2.0) as stack:
         await stack.node_workers[NODE].shutdown()  # this node runs as a process of its own
-        port = _free_port()
+        port = free_port()
         node = _node_with_gateway(dev_server_env, tmp_path, database_url, port)
         try:
             headers = {"X-ModelForge-Tenant": TENANT}
