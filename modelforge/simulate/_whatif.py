@@ -187,14 +187,13 @@ def compare(
     recorded = Replayed("recorded", None, record.recorded)
     if parallel is None:
         parallel = (os.cpu_count() or 1) > 1 and len(record.lines) >= PARALLEL_FROM_REQUESTS
-    if not parallel or len(jobs) < 2:
-        return [recorded, *(replay(record, catalog, label) for catalog, label in jobs)]
-    with nullcontext(processes) if processes is not None else replay_processes() as pool:
-        if pool is None:  # one core: one after the other
-            return [recorded, *(replay(record, catalog, label) for catalog, label in jobs)]
-        pickled = pickle.dumps(record, pickle.HIGHEST_PROTOCOL)  # once, not once per process
-        replays = [pool.submit(_replay_pickled, pickled, catalog, label) for catalog, label in jobs]
-        return [recorded, *(replayed.result() for replayed in replays)]
+    if parallel and len(jobs) > 1:
+        with nullcontext(processes) if processes is not None else replay_processes() as pool:
+            if pool is not None:  # (None: one core, one after the other below)
+                pickled = pickle.dumps(record, pickle.HIGHEST_PROTOCOL)  # once, not once per process
+                replays = [pool.submit(_replay_pickled, pickled, catalog, label) for catalog, label in jobs]
+                return [recorded, *(replayed.result() for replayed in replays)]
+    return [recorded, *(replay(record, catalog, label) for catalog, label in jobs)]
 
 
 def proposed_for(record: RecordScenario, proposed: Catalog) -> Catalog:

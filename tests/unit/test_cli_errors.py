@@ -12,6 +12,7 @@ import pytest
 
 from modelforge.cli_common import parse_duration
 from modelforge.failures import ModelForgeError
+from tests.worker_process import free_port
 
 
 def modelforge(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -188,8 +189,6 @@ def test_a_node_gateway_on_a_port_it_cannot_listen_on_fails_before_the_worker_st
     )
     assert "REQUEST_INVALID: cannot listen on no.such.host.invalid:1" in done.stderr, done.stderr
     # A port it can listen on, and no database to read the catalog from: said before it starts.
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     done = modelforge("worker", "node", "--node", "n", "--gateway-port", str(port), env=_env(tmp_path))
     assert done.returncode != 0 and "CAPABILITY_UNAVAILABLE: no database" in done.stderr, done.stderr

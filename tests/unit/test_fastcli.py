@@ -9,7 +9,6 @@ import base64
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -25,6 +24,7 @@ from modelforge.messages import RequestInput, RequestResult
 from modelforge.payloads import PayloadConverter
 from modelforge.policy import PoolStatus
 from tests.unit.scripted_server import scripted_server
+from tests.worker_process import free_port
 
 _ATOMS = {str: "str", int: "int", float: "float", bool: "bool", Any: "any"}
 
@@ -192,14 +192,8 @@ def test_only_plain_json_payloads_are_read() -> None:
             fast.decoded(other)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _environ(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {"MODELFORGE_HOME": str(tmp_path), "MODELFORGE_TEMPORAL_HTTP_ADDRESS": f"127.0.0.1:{_closed_port()}"} | extra
+    return {"MODELFORGE_HOME": str(tmp_path), "MODELFORGE_TEMPORAL_HTTP_ADDRESS": f"127.0.0.1:{free_port()}"} | extra
 
 
 @pytest.mark.parametrize(
