@@ -51,7 +51,10 @@ async def _warm_up(client: ModelForgeClient, stack: Stack) -> str:
         assert probe.ok, probe
         return stack.slots[node].free_slots(CAPABILITY) > 0
 
-    assert await _until(lent, within_s=15), "the node was never lent a slot"
+    # A bound for a hang, not a latency: each probe is a whole request, seconds apiece in a full
+    # parallel suite on two cores (15 s ran out there once).
+    holder = stack.slots[node]
+    assert await _until(lent, within_s=60), f"the node was never lent a slot ({holder.syncs} syncs)"
     return node
 
 
