@@ -1096,18 +1096,18 @@ def _nothing_fits(attempt: Attempt, holding: dict[str, bool]) -> bool:
     landing = Landing(need, deployment.residency != Residency.NONE, attempt, attempt.load_s)
     order = _open_order(pass_, attempt.production)
     start = bisect_left(order, (need, ""))
+    # The open cards it may use with its bytes schedulable, in the index's order: from the
+    # deployment's own cards where they are fewer than the order's tail (a deployment pinned to a
+    # few cards of a large pool), else from that tail. The same cards in the same order either way.
     if len(eligible) < len(order) - start:
-        # Fewer cards may take it than have its bytes (a deployment pinned to a few cards of a
-        # large pool): its own cards with the bytes, open, in the order's order (the same cards
-        # in the same order as the walk below, reservations consulted alike).
         shut, held = shut_cards(pass_, attempt.production), fit.schedulable
-        tail: Iterable[tuple[int, str]] = sorted(
+        candidates: Iterable[tuple[int, str]] = sorted(
             (held[card], card) for card in eligible if card in held and held[card] >= need and card not in shut
         )
     else:
-        tail = (order[i] for i in range(start, len(order)))
-    for schedulable, card in tail:
-        if card not in eligible or card in holding or card in blocked:
+        candidates = (order[i] for i in range(start, len(order)) if order[i][1] in eligible)
+    for schedulable, card in candidates:
+        if card in holding or card in blocked:
             continue
         if schedulable - committed.get(card, 0) < need:
             continue
