@@ -18,13 +18,15 @@ package for the gateway and, where the model server speaks HTTP, for the direct 
   time to first content token through the gateway against a streamed call straight to the same
   server process (its port from the node's runtime), p50 over short answers and the long ones;
   tokens per second of a 512-token answer (completion tokens over the time from sending the
-  request to the last token). Targets: p50 TTFT at most 50 ms above direct; at least 0.95x.
+  request to the last token). Targets: p50 TTFT at most 25 ms above direct (on a quiet
+  machine: a loaded one adds to the dev server's task hand-overs, which the direct call has
+  none of); at least 0.95x.
 - 2,048 inputs to the real all-MiniLM-L6-v2 (runtime sentence_transformers, CPU device) through
   the gateway against the runtime's own `invoke` on the same loaded model, in this process.
   Target: succeeds; wall at most 1.2x.
 - A small warm non-streaming request through the gateway (a chat of at most 8 tokens on the toy
   server; one text on MiniLM) against the runtime's `invoke` on the same loaded model plus a bare
-  workflow running one activity on the same dev server (p50 of each, added). Target: at most 1.3x.
+  workflow running one activity on the same dev server (p50 of each, added). Target: at most 1.1x.
   Also printed: the ratio against a bare workflow started eagerly too, and where the median
   gateway chat, gateway embedding and bare workflow spent their time (their histories' events
   beside the client's send and answer).
@@ -337,8 +339,8 @@ async def bench_streaming(
         ms(via),
         f"direct {ms(straight)}",
         f"+{(via - straight) * 1000:.1f} ms",
-        "<= +50 ms",
-        via - straight <= 0.050,
+        "<= +25 ms",
+        via - straight <= 0.025,
     )
     via, straight = p50(rates["gateway"]), p50(rates["direct"])
     record(
@@ -488,8 +490,8 @@ async def bench_small(stack: Stack, client: Client, gateway: openai.AsyncOpenAI,
             ms(via),
             f"invoke {ms(invoke)} + bare workflow {ms(floor)} = {ms(invoke + floor)}",
             f"{via / (invoke + floor):.2f}x",
-            "<= 1.3x",
-            via / (invoke + floor) <= 1.3,
+            "<= 1.1x",
+            via / (invoke + floor) <= 1.1,
         )
         # The gateway here shares this process's Temporal client with the node worker (as
         # `modelforge worker node --gateway-port` does), so its requests start eagerly: beside the
