@@ -262,8 +262,7 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
     groups: dict[str, list[str]] = {}
     if gang.nvlink:
         count = gang.count
-        for group, members in gang.groups.items():
-            kept = [a for a in members if a in live]
+        for group, kept in _live_groups(pass_, gang, live).items():
             if len(kept) >= count:
                 groups[group] = kept
         # In the groups' order, not the filter's: their only reader, the reservation's search,
@@ -273,6 +272,24 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
         cards = [a for a in gang.passed if a in live]
     memo[key] = (cards, groups)
     return cards, groups
+
+
+def _live_groups(pass_: DecisionPass, gang: _Gang, live: dict[str, bool]) -> dict[str, list[str]]:
+    """Each NVLink group's cards of `live`, in the group's order: the same for every gang of
+    those cards and bytes, whatever its count (gangs of 2, 4 and 8 cards of one size wait in
+    the same pass on a busy cluster), so worked out once per pass."""
+    memo = pass_.memo
+    key = ("live_groups", id(gang.passed), gang.need)
+    cached = memo.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    groups: dict[str, list[str]] = {}
+    for group, members in gang.groups.items():
+        kept = [a for a in members if a in live]
+        if kept:
+            groups[group] = kept
+    memo[key] = groups
+    return groups
 
 
 def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
