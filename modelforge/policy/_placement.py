@@ -91,7 +91,7 @@ from modelforge.policy._rules import (
     shut_cards,
     take_reservation,
 )
-from modelforge.policy._standing import is_evictable
+from modelforge.policy._standing import is_evictable, kept_groups
 from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "silent_nodes_due"]
@@ -172,7 +172,11 @@ def _unload_unused(pass_: DecisionPass, decisions: Decisions) -> None:
     for queued in queue_index(state).assigned.values():
         waiting_on[queued.assigned_to] = True
     granted_on = {g.lease.resident_key: True for g in decisions.grants}
-    for resident in state.residents.values():
+    # The fast pass reads them from the groupings it started from (a pass changes no resident);
+    # the reference pass walks every resident.
+    kept = kept_groups(state) if pass_.indexed else None
+    candidates = kept[0].unused if kept is not None else state.residents.values()
+    for resident in candidates:
         if (
             resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE)
             and is_evictable(resident)

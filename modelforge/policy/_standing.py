@@ -62,6 +62,7 @@ class ResidentGroups:
         "residents_of",
         "slots",
         "unloading",
+        "unused",
     )
 
     def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[tuple[object, ...]]) -> None:
@@ -77,6 +78,10 @@ class ResidentGroups:
         self.slots: dict[str, int] = {}
         # Residents being unloaded, in the residents' order: their bytes come back once done.
         self.unloading: list[ResidentState] = []
+        # Idle load_on_demand and batch residents, in the residents' order: those a pass unloads
+        # when nobody waits on them (`_placement._unload_unused`), where a busy cluster's
+        # residents are mostly running jobs.
+        self.unused: list[ResidentState] = []
         resident_sum, pinned, residents_of, evictable = (
             self.resident_sum,
             self.pinned,
@@ -90,6 +95,8 @@ class ResidentGroups:
                 pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
             if is_evictable(resident):
                 evictable.setdefault(resident.accelerator, []).append(resident)
+                if resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE):
+                    self.unused.append(resident)
             elif resident.phase == ResidentPhase.UNLOADING:
                 self.unloading.append(resident)
         for resident in residents:
