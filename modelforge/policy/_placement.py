@@ -327,8 +327,9 @@ class _Skip:
         self, pass_: DecisionPass, settled_by: Settled, deployments: dict[str, Deployment | None], now: float
     ) -> None:
         self.pass_, self.settled_by, self.deployments, self.now = pass_, settled_by, deployments, now
-        # Per lane (by identity), the suffix minima of when its requests stop merely waiting.
-        self.floors: dict[int, list[float]] = {}
+        # Per lane (by identity): the suffix minima of when its requests stop merely waiting
+        # for their deadlines and expiries, and its class's starvation bound (None: none).
+        self.floors: dict[int, tuple[list[float], float | None]] = {}
         # Per lane (by identity), the positions of the requests not yet told the settled reason.
         self.untold: dict[int, list[int]] = {}
 
@@ -352,33 +353,31 @@ class _Skip:
             settled = self.settled_by.get(lane.capability)
             if settled is None:
                 return 0  # not settled yet: asked again after the next request
-            floors = self.floors[key] = self._floors(lane, settled)
-            if floors[0] != -math.inf:
+            waiting = self._waiting_floors(lane, settled)
+            floors = self.floors[key] = (waiting, starvation_bound(self.pass_.state.catalog, lane.priority))
+            if waiting[0] != -math.inf:
                 assert isinstance(settled, Wait)
                 self.untold[key] = lane.not_carrying(settled.reason)
-        if not floors[min(position, len(floors) - 1)] > self.now:
+        if not self._floor(lane, floors, position) > self.now:
             return 0
         untold = self.untold[key]
         following = bisect_left(untold, position)
         return (untold[following] if following < len(untold) else len(lane.items)) - position
 
-    def _floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
-        """From each position of the lane on, the earliest moment one of its requests stops
-        merely waiting (its expiry, the last moment it could start and finish by its deadline,
-        or when it passes its class's starvation bound and may reserve a card); -inf everywhere
-        when the lane does not wait as a whole (its capability settled on a refusal, or a
-        request of it waits on a load)."""
-        floors = self._waiting_floors(lane, settled)
-        bound = starvation_bound(self.pass_.state.catalog, lane.priority)
-        if bound is None or floors[0] == -math.inf:
-            return floors
+    @staticmethod
+    def _floor(lane: Lane, floors: tuple[list[float], float | None], position: int) -> float:
+        """The earliest moment a request of the lane from `position` on stops merely waiting:
+        its expiry, the last moment it could start and finish by its deadline, or when it passes
+        its class's starvation bound and may reserve a card; -inf when the lane does not wait as
+        a whole (its capability settled on a refusal, or a request of it waits on a load). A
+        lane is in submission order, so the earliest to pass the bound from `position` on is
+        the request at `position`: no walk over the lane for it."""
+        waiting, bound = floors
+        floor = waiting[min(position, len(waiting) - 1)]
         items = lane.items
-        floors = [floors[0]] * (len(items) + 1) if len(floors) == 1 else list(floors)
-        least = math.inf
-        for n in range(len(items) - 1, -1, -1):
-            least = min(least, items[n].submitted_at + bound)
-            floors[n] = min(floors[n], least)
-        return floors
+        if bound is None or floor == -math.inf or position >= len(items):
+            return floor
+        return min(floor, items[position].submitted_at + bound)
 
     def _waiting_floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
         pass_, now = self.pass_, self.now
@@ -999,14 +998,27 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
             return loads  # what else a walk gathers serves only a request that cannot load
     loads.open = _open_accelerators(attempt, passed, holding, loads.reasons)
     candidates = [a for a in loads.open if a not in holding] if holding else loads.open
-    budgets, committed, reasons = pass_.budgets, pass_.committed, loads.reasons
-    # A walk of the fast pass over many cards reads their staleness and pressure from one walk
-    # of the pass, and their schedulable bytes from the fit index (the chosen card's checked
-    # against its budget below); the reference pass asks each card itself. The property tests
-    # compare the two.
+    # A walk of the fast pass over many cards goes by what refuses them (`_walk_by_kind`),
+    # reading their staleness and pressure from one walk of the pass and their schedulable
+    # bytes from the fit index (the chosen card's checked against its budget below); the
+    # reference pass asks each card itself. The property tests compare the two.
     fast = pass_.indexed and len(candidates) > _SHUT_FROM
-    shut = shut_cards(pass_, attempt.production) if fast else None
-    kept = pass_.fit.schedulable if fast and pass_.fit is not None else {}
+    if fast and pass_.fit is not None:
+        _walk_by_kind(attempt, candidates, landing, loads)
+        if loads.best is not None and not pass_.fit_agrees((loads.best[1],)):
+            return _score_loads(attempt, passed, holding)  # walked again without the index
+        return loads
+    _walk_each(attempt, candidates, landing, loads, shut_cards(pass_, attempt.production) if fast else None)
+    return loads
+
+
+def _walk_each(
+    attempt: Attempt, candidates: list[str], landing: Landing, loads: _Loads, shut: dict[str, str] | None
+) -> None:
+    """`_score_loads`'s walk card by card: whether the load may land on each (`landing_refusals`,
+    staleness and pressure read from `shut` where given) and whether it fits there."""
+    pass_, need = attempt.pass_, loads.need
+    budgets, committed, reasons = pass_.budgets, pass_.committed, loads.reasons
     for accelerator, refusal in landing_refusals(pass_, candidates, attempt.production, landing, shut):
         if refusal:
             if not reasons.again(refusal):
@@ -1015,10 +1027,7 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
                 loads.backfill_only[accelerator] = True
             continue
         loads.room_candidates.append(accelerator)
-        schedulable = kept.get(accelerator)
-        if schedulable is None:
-            schedulable = budgets[accelerator].schedulable_bytes
-        free = schedulable - committed.get(accelerator, 0)  # `pass_.free`
+        free = budgets[accelerator].schedulable_bytes - committed.get(accelerator, 0)  # `pass_.free`
         if need <= free:
             if loads.best is None or (free - need, accelerator) < loads.best:
                 loads.best = (free - need, accelerator)
@@ -1026,9 +1035,63 @@ def _score_loads(attempt: Attempt, passed: list[str], holding: dict[str, bool]) 
         loads.short.append(accelerator)
         if not reasons.again("no_room"):
             reasons.add("no_room", WaitReason.MEMORY_HELD, f"{accelerator}: needs {need} B, {free} B schedulable")
-    if kept and loads.best is not None and not pass_.fit_agrees((loads.best[1],)):
-        return _score_loads(attempt, passed, holding)  # walked again without the index
-    return loads
+
+
+def _walk_by_kind(attempt: Attempt, candidates: list[str], landing: Landing, loads: _Loads) -> None:
+    """`_score_loads`'s walk over many cards, by what refuses them rather than card by card:
+    on a busy pool a request that finds no room walks thousands of cards only to learn why it
+    waits. The cards stale or under pressure (`shut_cards`) and those a reservation keeps the
+    load off are looked up among the candidates; the cards with its bytes free can only be the
+    fit index's tail from the bytes needed and the cards this pass promised bytes on (or gave
+    some back); every other card lacks room. The same best fit, cards to make room on (in the
+    pool's order) and reasons (each kind with its first card and count, in the order a walk
+    meets them) as the walk card by card (`_walk_each`; the property tests compare the two)."""
+    pass_, now = attempt.pass_, attempt.now
+    fit = pass_.fit
+    assert fit is not None
+    need, position = loads.need, pass_.position
+    among = dict.fromkeys(candidates, True)
+    refused: dict[str, list[str]] = {}
+    for card, kind in shut_cards(pass_, attempt.production).items():
+        if card in among:
+            refused.setdefault(kind, []).append(card)
+    out: dict[str, bool] = {}
+    for cards in refused.values():
+        out.update(dict.fromkeys(cards, True))
+    if pass_.reservations:
+        held = sorted((c for c in pass_.reservations if c in among and c not in out), key=position.__getitem__)
+        kept_off = [card for card in held if reservation_refuses(pass_, card, landing)]
+        if kept_off:
+            refused[RESERVED] = kept_off
+            loads.backfill_only.update(dict.fromkeys(kept_off, True))
+            out.update(loads.backfill_only)
+    room = [card for card in candidates if card not in out] if out else list(candidates)
+    loads.room_candidates = room
+    in_room = dict.fromkeys(room, True) if out else among
+    committed, schedulable = pass_.committed, fit.schedulable
+    order = fit.order
+    maybe = dict.fromkeys(order[i][1] for i in range(fit.from_bytes(need), len(order)))
+    maybe.update((card, True) for card, promised in committed.items() if promised)
+    fitting: dict[str, bool] = {}
+    for card in maybe:
+        if card in in_room:
+            free = schedulable[card] - committed.get(card, 0)
+            if need <= free:
+                fitting[card] = True
+                if loads.best is None or (free - need, card) < loads.best:
+                    loads.best = (free - need, card)
+    loads.short = [card for card in room if card not in fitting] if fitting else room
+    kinds = [(min(position[c] for c in cards), kind, cards) for kind, cards in refused.items()]
+    if loads.short:
+        kinds.append((position[loads.short[0]], "no_room", loads.short))
+    for _, kind, cards in sorted(kinds):
+        first = min(cards, key=position.__getitem__)
+        if kind == "no_room":
+            free = schedulable[first] - committed.get(first, 0)
+            text = f"{first}: needs {need} B, {free} B schedulable"
+            loads.reasons.add(kind, WaitReason.MEMORY_HELD, text, len(cards))
+        else:
+            loads.reasons.add(kind, *refusal_reason(pass_, kind, first, now), len(cards))
 
 
 # A walk over more cards than this reads their staleness and pressure from one walk of the pass
@@ -1270,12 +1333,23 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
     starved = _reserve_starved(attempt, loads, joined) if starving(pass_.state.catalog, queued, attempt.now) else ""
     # Staleness as the walk read it, when it read it from the pass's (`shut_cards`).
     shut = pass_.shut.get(attempt.production) if pass_.indexed else None
-    for accelerator in loads.open:
-        if accelerator in slot_only and accelerator not in joined.short:
-            continue
-        fresh = shut.get(accelerator) != STALE if shut is not None else budgets.fresh(accelerator)
-        if fresh and accelerator not in loads.backfill_only:
-            pass_.blocked[accelerator] = True
+    if shut is not None:
+        # (in one sweep: on a busy pool a request that waits blocks thousands of cards)
+        backfill_only, short = loads.backfill_only, joined.short
+        blocking = [
+            accelerator
+            for accelerator in loads.open
+            if (accelerator not in slot_only or accelerator in short)
+            and shut.get(accelerator) != STALE
+            and accelerator not in backfill_only
+        ]
+        pass_.blocked.update(dict.fromkeys(blocking, True))
+    else:
+        for accelerator in loads.open:
+            if accelerator in slot_only and accelerator not in joined.short:
+                continue
+            if budgets.fresh(accelerator) and accelerator not in loads.backfill_only:
+                pass_.blocked[accelerator] = True
     reason, codes = str(reasons) or "waiting for capacity", reasons.codes() or (WaitReason.MEMORY_HELD,)
     if starved:
         codes = tuple(dict.fromkeys((*codes, WaitReason.STARVATION_RESERVATION)))

@@ -30,17 +30,21 @@ if TYPE_CHECKING:
 
 _KEY = "_policy_standing"
 
-# Every field of a resident that the groupings below read.
+# Every field of a resident that the groupings below read: its mark.
+_Mark = tuple[str, str, str, int, ResidentPhase, Residency, int]
 _resident_fields = attrgetter("key", "deployment", "accelerator", "bytes", "phase", "residency", "active_leases")
+
+
+_IDLE_PHASES = (ResidentPhase.READY, ResidentPhase.ASLEEP)
+# Residencies whose idle residents go when their last lease has ended and nobody waits.
+_GO_WITH_LAST_LEASE = (Residency.LOAD_ON_DEMAND, Residency.NONE)
 
 
 def is_evictable(resident: ResidentState) -> bool:
     """Idle and not pinned: may be unloaded (or, awake and able to, put to sleep) to make room.
     An asleep resident still holds its kept bytes: it may be unloaded too."""
     return (
-        resident.phase in (ResidentPhase.READY, ResidentPhase.ASLEEP)
-        and resident.active_leases == 0
-        and resident.residency != Residency.ALWAYS_WARM
+        resident.phase in _IDLE_PHASES and resident.active_leases == 0 and resident.residency != Residency.ALWAYS_WARM
     )
 
 
@@ -65,7 +69,7 @@ class ResidentGroups:
         "unused",
     )
 
-    def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[tuple[object, ...]]) -> None:
+    def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[_Mark]) -> None:
         self.catalog = catalog
         self.residents = residents
         self.marks = marks
@@ -82,27 +86,42 @@ class ResidentGroups:
         # when nobody waits on them (`_placement._unload_unused`), where a busy cluster's
         # residents are mostly running jobs.
         self.unused: list[ResidentState] = []
-        resident_sum, pinned, residents_of, evictable = (
+        resident_sum, pinned, residents_of, evictable, slots, unused, unloading = (
             self.resident_sum,
             self.pinned,
             self.residents_of,
             self.evictable,
+            self.slots,
+            self.unused,
+            self.unloading,
         )
-        for resident in residents:
-            resident_sum[resident.accelerator] = resident_sum.get(resident.accelerator, 0) + resident.bytes
-            residents_of.setdefault(resident.deployment, []).append(resident)
-            if resident.residency == Residency.ALWAYS_WARM:
-                pinned[resident.accelerator] = pinned.get(resident.accelerator, 0) + resident.bytes
-            if is_evictable(resident):
-                evictable.setdefault(resident.accelerator, []).append(resident)
-                if resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE):
-                    self.unused.append(resident)
-            elif resident.phase == ResidentPhase.UNLOADING:
-                self.unloading.append(resident)
-        for resident in residents:
-            deployment = catalog.deployment(resident.deployment)
-            concurrency = deployment.concurrency if deployment else 1
-            self.slots[resident.key] = concurrency - resident.active_leases
+        # One walk, each resident's fields read from its mark (the same values, in one tuple):
+        # a busy cluster rebuilds this on nearly every pass, over hundreds of running jobs.
+        always_warm, idle, by_pass = Residency.ALWAYS_WARM, _IDLE_PHASES, _GO_WITH_LAST_LEASE
+        unloading_phase = ResidentPhase.UNLOADING
+        concurrency: dict[str, int] = {}
+        for resident, (key, deployment_id, accelerator, nbytes, phase, residency, active) in zip(
+            residents, marks, strict=True
+        ):
+            resident_sum[accelerator] = resident_sum.get(accelerator, 0) + nbytes
+            of_deployment = residents_of.get(deployment_id)
+            if of_deployment is None:
+                residents_of[deployment_id] = [resident]
+            else:
+                of_deployment.append(resident)
+            if residency == always_warm:
+                pinned[accelerator] = pinned.get(accelerator, 0) + nbytes
+            elif phase in idle and active == 0:  # `is_evictable`
+                evictable.setdefault(accelerator, []).append(resident)
+                if residency in by_pass:
+                    unused.append(resident)
+            if phase == unloading_phase:
+                unloading.append(resident)
+            most = concurrency.get(deployment_id)
+            if most is None:
+                deployment = catalog.deployment(deployment_id)
+                most = concurrency[deployment_id] = deployment.concurrency if deployment else 1
+            slots[key] = most - active
 
 
 class LeaseGroups:
@@ -129,9 +148,12 @@ class LeaseGroups:
 
     def update(self, leases: dict[str, Lease]) -> None:
         held = self.held
+        if held == leases:
+            # Every lease is the one counted (or one equal to it, field by field): none came or
+            # went. At C speed, each value compared by identity first; a pass asks it again
+            # after the observations that started its step asked it.
+            return
         gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
-        if not gone and len(held) == len(leases):
-            return  # every lease is the one counted: none came or went
         leased_sum, holding, timed_on = dict(self.leased_sum), self.holding, self.timed_on
         for lease_id in gone:
             lease = held.pop(lease_id)
@@ -183,6 +205,8 @@ class LeasesOn:
 
     def update(self, leases: dict[str, Lease]) -> None:
         held, on = self.held, self.on
+        if held == leases:
+            return  # as `LeaseGroups.update`: none came or went
         gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
         for lease_id in gone:
             lease = held.pop(lease_id)
@@ -219,7 +243,7 @@ def resident_groups(state: PoolState) -> ResidentGroups:
     """The residents' groupings, rebuilt when a resident came, went, or changed a field read."""
     cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
     residents = list(state.residents.values())
-    marks = list(map(_resident_fields, residents))
+    marks: list[_Mark] = list(map(_resident_fields, residents))
     groups = cached.get("residents")
     if (
         not isinstance(groups, ResidentGroups)

@@ -4,8 +4,10 @@ external-usage changes, health failures and passing time."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
@@ -33,6 +35,8 @@ from modelforge.policy import (
 from modelforge.policy import _placement as placement
 from modelforge.policy._order import in_submission_order
 from modelforge.policy._placement import decide_each
+from modelforge.policy._queue_index import Lane
+from modelforge.policy._rules import Attempt, Landing, shut_cards
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 from tests.tiers import examples
 
@@ -262,6 +266,69 @@ def test_walks_that_read_staleness_and_pressure_once_per_pass_agree_with_the_ref
     card itself."""
     with patch.object(placement, "_SHUT_FROM", 0):
         assert run(operations) == run(operations)
+
+
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40), st.sampled_from([None, 1.0]))
+def test_a_walk_by_what_refuses_the_cards_finds_what_the_walk_card_by_card_finds(
+    operations: list[tuple[object, ...]], starvation_bound_s: float | None
+) -> None:
+    """The fast pass walks many cards by what refuses them (`_placement._walk_by_kind`: the
+    stale, pressured and reserved cards looked up, the cards with room from the fit index);
+    here on every pool, each walk beside the walk card by card on the same attempt: the same
+    best fit, cards short of room, cards to make room on, cards held for a gang, and the same
+    line a waiting request is told, each kind of reason with its first card and count. The
+    search of the fit index that usually finds a load its card first is left out, so the walk
+    chooses; half the runs with a starvation bound, where starving requests reserve cards."""
+    by_kind = placement._walk_by_kind
+
+    def both(attempt: Attempt, candidates: list[str], landing: Landing, loads: placement._Loads) -> None:
+        each = placement._Loads(loads.need, loads.persists)
+        each.reasons.extend(loads.reasons)  # what the walk starts from (cards blocked ahead of it)
+        placement._walk_each(attempt, candidates, landing, each, shut_cards(attempt.pass_, attempt.production))
+        by_kind(attempt, candidates, landing, loads)
+        assert (loads.best, loads.short, loads.room_candidates, loads.backfill_only) == (
+            each.best,
+            each.short,
+            each.room_candidates,
+            each.backfill_only,
+        )
+        assert (str(loads.reasons), loads.reasons.codes()) == (str(each.reasons), each.reasons.codes())
+
+    with (
+        patch.object(placement, "_SHUT_FROM", 0),
+        patch.object(placement, "_INDEXED_MISSES", 0),
+        patch.object(placement, "_walk_by_kind", both),
+    ):
+        run(operations, starvation_bound_s)
+
+
+@settings(max_examples=examples(500), deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e4), min_size=1, max_size=30),
+    st.one_of(st.none(), st.floats(0.0, 1e3)),
+    st.one_of(
+        st.sampled_from([[-math.inf], [math.inf]]),
+        st.lists(st.floats(0.0, 2e4), min_size=31, max_size=31),
+    ),
+)
+def test_a_lanes_floor_is_the_earliest_moment_a_request_from_there_on_stops_merely_waiting(
+    submitted: list[float], bound: float | None, waiting: list[float]
+) -> None:
+    """A run of a waiting lane is passed over only until the earliest moment one of its
+    requests stops merely waiting (`_placement._Skip`): its deadline or expiry (`waiting`,
+    already the least from each position on), or its class's starvation bound. The lane is in
+    submission order, so the bound's part is read at the position itself; here against the
+    least over every request from there on, worked out in full."""
+    lane = Lane("background", "t", "job@1")
+    lane.items = [SimpleNamespace(submitted_at=at) for at in sorted(submitted)]  # type: ignore[misc]
+    if len(waiting) > 1:
+        waiting = [min(waiting[n:]) for n in range(len(lane.items) + 1)]
+    for position in range(len(lane.items)):
+        expected = waiting[min(position, len(waiting) - 1)]
+        if bound is not None and expected != -math.inf:
+            expected = min([expected, *(q.submitted_at + bound for q in lane.items[position:])])
+        assert placement._Skip._floor(lane, (waiting, bound), position) == expected
 
 
 # Every combination of the discrete inputs, each with a few hold times: 64 x 5 runs cover what
