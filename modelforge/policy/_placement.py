@@ -380,6 +380,9 @@ class _Skip:
         return min(floor, items[position].submitted_at + bound)
 
     def _waiting_floors(self, lane: Lane, settled: Reject | Wait) -> list[float]:
+        """From each position of the lane on, the least of its requests' expiries and last
+        moments to start by their deadlines (one value: the same from every position); only
+        whether it is past now is ever asked, so [inf] where none is."""
         pass_, now = self.pass_, self.now
         never = [-math.inf]
         if not isinstance(settled, Wait) or lane.assigned or not lane.none_expires_by(now):
@@ -387,8 +390,12 @@ class _Skip:
         deployment = self.deployment(lane.capability)
         if deployment is None:
             return [math.inf]
-        margin = _margin(pass_, deployment)
         job = deployment.residency == Residency.NONE
+        if job and not lane.deadlines:
+            # Each request's floor is its expiry, and none expires by now: only whether a floor
+            # is past now is ever asked, so no walk over the lane tells more than this.
+            return [math.inf]
+        margin = _margin(pass_, deployment)
         if not job and lane.none_expires_by(now + margin):
             return [math.inf]  # the lane's earliest expiry is later than any of its requests could need
         load_s = operation_seconds(pass_.state, deployment, "load")

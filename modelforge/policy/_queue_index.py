@@ -25,7 +25,7 @@ _KEY = "_policy_queue_index"
 class Lane:
     """The queued requests of one (class, tenant, capability), in submission order."""
 
-    __slots__ = ("assigned", "capability", "items", "min_expiry", "priority", "reasons", "tenant")
+    __slots__ = ("assigned", "capability", "deadlines", "items", "min_expiry", "priority", "reasons", "tenant")
 
     def __init__(self, priority: str, tenant: str, capability: str) -> None:
         self.priority = priority
@@ -35,6 +35,7 @@ class Lane:
         self.assigned = 0  # requests waiting on a load (never settled in bulk)
         self.reasons: dict[str, int] = {}  # waiting reason -> how many carry it
         self.min_expiry = math.inf  # never above the earliest expiry in the lane
+        self.deadlines = 0  # requests with a deadline (a request's deadline is set when it is queued)
 
     def add(self, queued: QueuedRequest) -> None:
         if not self.items or submission_key(self.items[-1]) <= submission_key(queued):
@@ -42,6 +43,7 @@ class Lane:
         else:
             insort(self.items, queued, key=submission_key)
         self.assigned += bool(queued.assigned_to)
+        self.deadlines += queued.deadline_at is not None
         self.reasons[queued.waiting_reason] = self.reasons.get(queued.waiting_reason, 0) + 1
         self.min_expiry = min(self.min_expiry, queued.expires_at)
 
@@ -50,6 +52,7 @@ class Lane:
         for queued in self.items:
             if queued.request_id in gone:
                 self.assigned -= bool(queued.assigned_to)
+                self.deadlines -= queued.deadline_at is not None
                 left = self.reasons[queued.waiting_reason] - 1
                 if left:
                     self.reasons[queued.waiting_reason] = left

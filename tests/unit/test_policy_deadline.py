@@ -218,3 +218,33 @@ def test_the_catalog_declares_a_level_that_runs_late() -> None:
         assert "on_deadline" in str(error)
     else:
         raise AssertionError("an unknown on_deadline was accepted")
+
+
+def test_a_batch_job_waiting_behind_another_is_refused_the_moment_its_deadline_cannot_be_met() -> None:
+    """A lane of batch jobs that only wait is passed over in runs (their capability settled on
+    waiting); a job in the run with a deadline leaves it as soon as its load and service could
+    no longer finish in time: refused, as placing it on its own would, not left waiting."""
+    s = state(
+        [gpu("n/0")],
+        [
+            deployment("llm@1", gib=20, concurrency=1),
+            deployment("job@1", gib=10, residency=Residency.NONE, idle_bytes=0, load_s=30.0),
+        ],
+    )
+    observe(s, "n/0", managed_gib=20)
+    resident(s, "llm@1", "n/0", 20)
+    assert admit(s, ask("chat", "llm@1")).grants  # 20 of 23 usable GiB held while it runs
+    served(s, "job@1", 60.0)
+    assert admit(s, ask("first", "job@1")).waits
+    assert admit(s, ask("second", "job@1", deadline_s=300.0)).waits
+    # The load (30 s) and the service (60 s) still fit before the deadline: both only wait,
+    # told nothing new (the second was passed over).
+    observe(s, "n/0", managed_gib=20, at=NOW + 200.0, loaded=["llm@1@n/0"])
+    quiet = decide(s, NOW + 200.0)
+    assert quiet.empty() and not quiet.waits
+    # 30 + 60 s from NOW + 215 ends past NOW + 300: the second job is refused, the first waits.
+    observe(s, "n/0", managed_gib=20, at=NOW + 215.0, loaded=["llm@1@n/0"])
+    decisions = decide(s, NOW + 215.0)
+    [reject] = decisions.rejects
+    assert reject.request_id == "second" and reject.failure == FailureClass.DEADLINE_CANNOT_BE_MET
+    assert decide_each(s, NOW + 215.0, reuse_settled=False).rejects == decisions.rejects
