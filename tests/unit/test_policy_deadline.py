@@ -241,7 +241,7 @@ def test_a_batch_job_waiting_behind_another_is_refused_the_moment_its_deadline_c
     # told nothing new (the second was passed over).
     observe(s, "n/0", managed_gib=20, at=NOW + 200.0, loaded=["llm@1@n/0"])
     quiet = decide(s, NOW + 200.0)
-    assert quiet.empty() and not quiet.waits
+    assert quiet.empty() and [wait.request_id for wait in quiet.waits] == ["first"]
     # 30 + 60 s from NOW + 215 ends past NOW + 300: the second job is refused, the first waits.
     observe(s, "n/0", managed_gib=20, at=NOW + 215.0, loaded=["llm@1@n/0"])
     decisions = decide(s, NOW + 215.0)
