@@ -121,10 +121,10 @@ class ModelForgeScheduler:
 
     def step(self, now: float, cards: CardView, touched: dict[str, bool]) -> Actions:
         state = self.state
+        # (cards under pressure are sampled again when their hold or volatility window ends: on a
+        # busy cluster, hundreds of them each step)
         due = list(touched)
-        for accelerator, again in self.pressured.items():
-            if accelerator not in touched and again <= now:
-                due.append(accelerator)
+        due += [card for card, again in self.pressured.items() if again <= now and card not in touched]
         if due:
             apply_observations(state, [cards.sample(a, now) for a in due], now)
             for accelerator in due:
@@ -269,6 +269,6 @@ class ModelForgeScheduler:
                 heapq.heappop(ripening)
             if ripening:
                 wake = min(wake, ripening[0][0])
-        for again in self.pressured.values():
-            wake = min(wake, again)
+        if self.pressured:
+            wake = min(wake, min(self.pressured.values()))
         return None if math.isinf(wake) else wake
