@@ -91,7 +91,7 @@ from modelforge.policy._rules import (
     shut_cards,
     take_reservation,
 )
-from modelforge.policy._standing import is_evictable, kept_groups
+from modelforge.policy._standing import GO_WITH_LAST_LEASE, is_evictable, kept_groups
 from modelforge.policy._state import PoolState, QueuedRequest, ResidentPhase, ResidentState, operation_seconds
 
 __all__ = ["FilterResult", "decide", "decide_each", "filter_accelerators", "silent_nodes_due"]
@@ -178,7 +178,7 @@ def _unload_unused(pass_: DecisionPass, decisions: Decisions) -> None:
     candidates = kept[0].unused if kept is not None else state.residents.values()
     for resident in candidates:
         if (
-            resident.residency in (Residency.LOAD_ON_DEMAND, Residency.NONE)
+            resident.residency in GO_WITH_LAST_LEASE
             and is_evictable(resident)
             and resident.key not in pass_.evicting
             and resident.key not in waiting_on
@@ -1340,23 +1340,16 @@ def _wait(attempt: Attempt, passed: list[str], loads: _Loads, reasons: Reasons, 
     starved = _reserve_starved(attempt, loads, joined) if starving(pass_.state.catalog, queued, attempt.now) else ""
     # Staleness as the walk read it, when it read it from the pass's (`shut_cards`).
     shut = pass_.shut.get(attempt.production) if pass_.indexed else None
-    if shut is not None:
-        # (in one sweep: on a busy pool a request that waits blocks thousands of cards)
-        backfill_only, short = loads.backfill_only, joined.short
-        blocking = [
-            accelerator
-            for accelerator in loads.open
-            if (accelerator not in slot_only or accelerator in short)
-            and shut.get(accelerator) != STALE
-            and accelerator not in backfill_only
-        ]
-        pass_.blocked.update(dict.fromkeys(blocking, True))
-    else:
-        for accelerator in loads.open:
-            if accelerator in slot_only and accelerator not in joined.short:
-                continue
-            if budgets.fresh(accelerator) and accelerator not in loads.backfill_only:
-                pass_.blocked[accelerator] = True
+    backfill_only, short = loads.backfill_only, joined.short
+    # In one sweep: on a busy pool a request that waits blocks thousands of cards.
+    blocking = [
+        accelerator
+        for accelerator in loads.open
+        if (accelerator not in slot_only or accelerator in short)
+        and (shut.get(accelerator) != STALE if shut is not None else budgets.fresh(accelerator))
+        and accelerator not in backfill_only
+    ]
+    pass_.blocked.update(dict.fromkeys(blocking, True))
     reason, codes = str(reasons) or "waiting for capacity", reasons.codes() or (WaitReason.MEMORY_HELD,)
     if starved:
         codes = tuple(dict.fromkeys((*codes, WaitReason.STARVATION_RESERVATION)))

@@ -37,7 +37,7 @@ _resident_fields = attrgetter("key", "deployment", "accelerator", "bytes", "phas
 
 _IDLE_PHASES = (ResidentPhase.READY, ResidentPhase.ASLEEP)
 # Residencies whose idle residents go when their last lease has ended and nobody waits.
-_GO_WITH_LAST_LEASE = (Residency.LOAD_ON_DEMAND, Residency.NONE)
+GO_WITH_LAST_LEASE = (Residency.LOAD_ON_DEMAND, Residency.NONE)
 
 
 def is_evictable(resident: ResidentState) -> bool:
@@ -97,7 +97,7 @@ class ResidentGroups:
         )
         # One walk, each resident's fields read from its mark (the same values, in one tuple):
         # a busy cluster rebuilds this on nearly every pass, over hundreds of running jobs.
-        always_warm, idle, by_pass = Residency.ALWAYS_WARM, _IDLE_PHASES, _GO_WITH_LAST_LEASE
+        always_warm, idle, by_pass = Residency.ALWAYS_WARM, _IDLE_PHASES, GO_WITH_LAST_LEASE
         unloading_phase = ResidentPhase.UNLOADING
         concurrency: dict[str, int] = {}
         for resident, (key, deployment_id, accelerator, nbytes, phase, residency, active) in zip(
