@@ -673,6 +673,12 @@ def _record(decisions: Decisions, queued: QueuedRequest, decision: Decision, cou
 
 
 def _place(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, now: float, counter: int) -> Outcome:
+    if queued.assigned_to and deployment.gpu_count <= 1:
+        # Phase 0's wait, before an attempt is worked out: most passes find a request that
+        # waits on a load still waiting for it (a load spans many passes).
+        loading = _waits_on_its_load(pass_, queued)
+        if loading is not None:
+            return Outcome(loading, False)
     attempt = Attempt(
         pass_,
         queued,
@@ -681,7 +687,6 @@ def _place(pass_: DecisionPass, queued: QueuedRequest, deployment: Deployment, n
         now=now,
         load_s=operation_seconds(pass_.state, deployment, "load"),  # measured here, else the catalog's
         counter=counter,
-        service_s=service_estimate(pass_, queued, deployment),
     )
     decision = place_gang(attempt) if deployment.gpu_count > 1 else _place_one(attempt)
     if queued.assigned_to:
@@ -731,14 +736,23 @@ def _place_one(attempt: Attempt) -> Decision:
     return _wait(attempt, passed, cards, reasons, joined)
 
 
-def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
-    """Phase 0: a request already waiting on a load is granted when that resident is ready; the
-    lease bytes held for it since the load was decided are given back to be taken for real."""
-    pass_, queued, extra = attempt.pass_, attempt.queued, attempt.deployment.lease_extra_bytes
+def _waits_on_its_load(pass_: DecisionPass, queued: QueuedRequest) -> Wait | None:
+    """Phase 0's wait: the resident a request waits on is still loading or waking."""
     resident = pass_.state.residents.get(queued.assigned_to)
     if resident is not None and resident.phase in (ResidentPhase.LOADING, ResidentPhase.WAKING):
         verb = "load" if resident.phase == ResidentPhase.LOADING else "wake"
         return Wait(queued.request_id, f"waiting for {resident.key} to {verb}", (WaitReason.LOAD_IN_FLIGHT,))
+    return None
+
+
+def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
+    """Phase 0: a request already waiting on a load is granted when that resident is ready; the
+    lease bytes held for it since the load was decided are given back to be taken for real."""
+    pass_, queued, extra = attempt.pass_, attempt.queued, attempt.deployment.lease_extra_bytes
+    waits = _waits_on_its_load(pass_, queued)
+    if waits is not None:
+        return waits
+    resident = pass_.state.residents.get(queued.assigned_to)
     held = pass_.reserved.pop(queued.request_id, 0)
     if held and resident is not None:
         pass_.commit(resident.accelerator, -held)  # the grant below takes them for real

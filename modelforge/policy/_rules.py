@@ -53,7 +53,6 @@ class Attempt:
     now: float
     load_s: float  # the deployment's load, measured in this pool if it has been
     counter: int  # the lease counter: a grant's lease id is built from it
-    service_s: float = 0.0  # its estimated service time (`service_estimate`)
     # False once the outcome depended on this request's own durations: it consulted a gang's
     # reservation (whether it may backfill depends on its max_duration) or made one (that depends
     # on its own lease timeout and deadline). Its wait then stands for itself alone.
@@ -227,9 +226,13 @@ def deadline_refusal(attempt: Attempt, doing: str) -> Reject | None:
     """Work that must first load (`doing`: "loading", "starting") cannot finish by its deadline,
     its load and its estimated service time counted: refused now, not loaded for nothing."""
     queued, now = attempt.queued, attempt.now
-    if queued.deadline_at is None or now + attempt.load_s + attempt.service_s <= queued.deadline_at:
+    if queued.deadline_at is None:
         return None
-    service = f" and its service about {attempt.service_s:.1f} s" if attempt.service_s else ""
+    # Estimated here, not with the attempt: only a request with a deadline that loads reads it.
+    service_s = service_estimate(attempt.pass_, queued, attempt.deployment)
+    if now + attempt.load_s + service_s <= queued.deadline_at:
+        return None
+    service = f" and its service about {service_s:.1f} s" if service_s else ""
     return Reject(
         queued.request_id,
         queued.workflow_id,
