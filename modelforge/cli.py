@@ -823,7 +823,10 @@ def simulate(
         typer.Argument(help="Scenario TOML: a catalog plus the requests to replay (docs/SIMULATOR.md)."),
     ] = None,
     policy: Annotated[
-        str, typer.Option(help="modelforge (the production policy), fifo or ollama; 'all' runs the three side by side.")
+        str,
+        typer.Option(
+            help="modelforge (the production policy), fifo, ollama or fifo-gang; 'all' runs them side by side."
+        ),
     ] = "modelforge",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON instead of a table, with per-minute series (no progress bar).")

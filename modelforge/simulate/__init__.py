@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from modelforge.simulate._baselines import FifoScheduler, OllamaScheduler
+from modelforge.simulate._baselines import FifoScheduler, GangFifoScheduler, OllamaScheduler
 from modelforge.simulate._engine import Progress, Simulation, SimulationResult, common_span
 from modelforge.simulate._history import HistoryModel
 from modelforge.simulate._modelforge import ModelForgeScheduler
@@ -29,6 +29,7 @@ POLICIES: dict[str, Callable[[Scenario], SimScheduler]] = {
     "modelforge": ModelForgeScheduler,
     "fifo": FifoScheduler,
     "ollama": OllamaScheduler,
+    "fifo-gang": GangFifoScheduler,
 }
 
 
@@ -52,6 +53,7 @@ __all__ = [
     "CardView",
     "ExternalUsage",
     "FifoScheduler",
+    "GangFifoScheduler",
     "HistoryModel",
     "Load",
     "ModelForgeScheduler",

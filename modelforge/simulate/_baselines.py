@@ -1,7 +1,7 @@
 """Baselines a user would otherwise pick, from their published behaviour, behind the same
 `SimScheduler` seam as ModelForge's policy.
 
-Both dispatch one queue in arrival order, know no classes, deadlines or tenants, never preempt,
+All three dispatch one queue in arrival order, know no classes, deadlines or tenants, never preempt,
 and allocate a model's whole envelope at load (as llama.cpp-style runners do for their context),
 so a running request holds no bytes beyond its model's. A model is a runner with `concurrency`
 slots and a FIFO backlog; a request for a model that is loaded or loading joins that backlog,
@@ -16,12 +16,18 @@ A batch deployment (`residency = "none"`) is a process: it exits when its work i
   deployment's TTL for keep_warm, forever for always_warm, 0 for load_on_demand and batch);
   when nothing fits it unloads the idle runner with the shortest keep-alive first and waits,
   or waits for a runner to go idle; at most 512 queued requests (OLLAMA_MAX_QUEUE).
+- `fifo-gang`: `fifo`, and a multi-GPU job placed whole on cards of one node, as Kubernetes'
+  default scheduler places a pod asking for several GPUs: the node whose cards leave the most
+  room, each card holding the job's envelope while it runs. When no node has room it evicts the
+  least recently used idle models on the first node where that makes room, and the queue blocks
+  on the job (head of line) until it starts. The other two refuse such jobs at submission.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from modelforge.domain import Catalog, Deployment, Residency
@@ -128,6 +134,12 @@ class _Baseline:
             request = self.pending[0]
             deployment = self.catalog.deployment_for(request.capability)
             assert deployment is not None
+            if deployment.gpu_count > 1:
+                # A multi-GPU job starts whole or blocks the queue (only `fifo-gang` takes one).
+                if not self._start_gang(request, deployment, free, actions):
+                    break
+                self.pending.popleft()
+                continue
             runner = self._runner_for(deployment)
             if runner is not None:
                 runner.backlog.append(request.index)
@@ -239,6 +251,9 @@ class _Baseline:
     def _where_to_load(self, deployment: Deployment, free: _Free) -> str | None:
         raise NotImplementedError
 
+    def _start_gang(self, request: SimRequest, deployment: Deployment, free: _Free, actions: Actions) -> bool:
+        raise AssertionError(f"{self.name} refuses multi-GPU work at submission ({request.request_id})")
+
     def _make_room(self, deployment: Deployment, free: _Free, actions: Actions, now: float) -> None:
         raise NotImplementedError
 
@@ -323,3 +338,106 @@ class OllamaScheduler(_Baseline):
         for runner in sorted(self.idle.values(), key=lambda r: (r.keep_alive_s, r.key)):
             self._unload(runner, actions, eviction=True)
             return
+
+
+class GangFifoScheduler(FifoScheduler):
+    """`fifo` that also runs multi-GPU jobs (the module's docstring says how)."""
+
+    name = "fifo-gang"
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__(scenario)
+        # Each node's GPU cards in catalog order, and each card's memory in all.
+        self.node_cards: dict[str, list[str]] = {}
+        self.total: dict[str, int] = {}
+        for accelerator in scenario.catalog.accelerators:
+            if accelerator.kind == "gpu":
+                self.node_cards.setdefault(accelerator.node, []).append(accelerator.id)
+                self.total[accelerator.id] = accelerator.total_bytes
+        self.node_of = {card: node for node, cards in self.node_cards.items() for card in cards}
+        self.position = {node: n for n, node in enumerate(self.node_cards)}
+        self.gang_leases: dict[str, bool] = {}
+        # The job at the head of the queue that found no node with room (its index), and the
+        # cards whose memory changed since: only their nodes can have room for it now, since
+        # every other card's memory only went (a whole cluster is not searched on every step).
+        self.no_room: int | None = None
+        self.changed: dict[str, bool] = {}
+
+    def step(self, now: float, cards: CardView, touched: dict[str, bool]) -> Actions:
+        if self.no_room is not None:
+            self.changed.update(touched)
+        return super().step(now, cards, touched)
+
+    def submit(self, request: SimRequest, now: float) -> Refuse | None:
+        deployment = self.catalog.deployment_for(request.capability)
+        if deployment is None or deployment.gpu_count <= 1:
+            return super().submit(request, now)
+        need, count = deployment.envelope_bytes, deployment.gpu_count
+        if not any(sum(self.total[c] >= need for c in cards) >= count for cards in self.node_cards.values()):
+            return Refuse(
+                request.index,
+                FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM,
+                f"no node has {count} cards of {need} B or more",
+            )
+        self.pending.append(request)
+        return None
+
+    def _start_gang(self, request: SimRequest, deployment: Deployment, free: _Free, actions: Actions) -> bool:
+        chosen = self._gang_cards(request, deployment, free)
+        if chosen is None:
+            self._make_gang_room(deployment, free, actions)
+            return False
+        need = deployment.envelope_bytes
+        for card in chosen:
+            free[card] -= need
+        self.counter += 1
+        lease_id = f"{self.name}-{self.counter}"
+        self.gang_leases[lease_id] = True
+        actions.starts.append(Start(request.index, lease_id, chosen[0], "", need, tuple(chosen[1:])))
+        return True
+
+    def _gang_cards(self, request: SimRequest, deployment: Deployment, free: _Free) -> list[str] | None:
+        """The cards of the node whose `gpu_count`-th roomiest card has the most room (the first
+        listed among equals), or None."""
+        need, count = deployment.envelope_bytes, deployment.gpu_count
+        nodes: Iterable[str] = self.node_cards
+        if self.no_room == request.index:
+            nodes = sorted({self.node_of[c] for c in self.changed if c in self.node_of}, key=self.position.__getitem__)
+        self.changed = {}
+        best: tuple[int, list[str]] | None = None
+        for node in nodes:
+            node_cards = self.node_cards[node]
+            roomy = sorted((c for c in node_cards if free[c] >= need), key=lambda c: (-free[c], c))[:count]
+            if len(roomy) == count and (best is None or free[roomy[-1]] > best[0]):
+                best = (free[roomy[-1]], roomy)
+        self.no_room = request.index if best is None else None
+        return None if best is None else best[1]
+
+    def _make_gang_room(self, deployment: Deployment, free: _Free, actions: Actions) -> None:
+        if self.unloading or not self.idle:
+            return  # room is on its way (decide again when it is back), or nothing may go
+        need, count = deployment.envelope_bytes, deployment.gpu_count
+        idle_on: dict[str, list[_Runner]] = {}
+        for runner in self.idle.values():
+            idle_on.setdefault(runner.accelerator, []).append(runner)
+        for node_cards in self.node_cards.values():
+            # Per card, the least recently used idle models whose going makes room for the job.
+            plans: list[tuple[int, str, list[_Runner]]] = []
+            for card in node_cards:
+                room, chosen = free[card], []
+                for runner in sorted(idle_on.get(card, []), key=lambda r: (r.last_used, r.key)):
+                    if room >= need:
+                        break
+                    chosen.append(runner)
+                    room += runner.bytes
+                if room >= need:
+                    plans.append((len(chosen), card, chosen))
+            if len(plans) >= count:
+                for _, _, chosen in sorted(plans, key=lambda plan: (plan[0], plan[1]))[:count]:
+                    for runner in chosen:
+                        self._unload(runner, actions, eviction=True)
+                return
+
+    def finished(self, lease_id: str, now: float, outcome: str) -> None:
+        if self.gang_leases.pop(lease_id, None) is None:
+            super().finished(lease_id, now, outcome)

@@ -26,7 +26,7 @@ def test_convert_then_simulate_every_policy_as_json(tmp_path: Path) -> None:
     done = modelforge("simulate", str(tmp_path / "s" / "scenario.toml"), "--policy", "all", "--json")
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
-    assert [r["policy"] for r in results] == ["modelforge", "fifo", "ollama"]
+    assert [r["policy"] for r in results] == ["modelforge", "fifo", "ollama", "fifo-gang"]
     assert all(r["requests"] == results[0]["requests"] > 300 for r in results)
     table = modelforge("simulate", str(tmp_path / "s" / "scenario.toml"))
     assert table.returncode == 0 and "simulated" in table.stdout and "modelforge" in table.stdout

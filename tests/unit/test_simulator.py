@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from modelforge.domain import Accelerator, Catalog, Deployment, GiB, Priority, Residency, Tenant
 from modelforge.failures import FailureClass
 from modelforge.policy import PolicyConfig
+from modelforge.simulate import POLICIES as POLICIES_BY_NAME
 from modelforge.simulate import (
     ExternalUsage,
     FifoScheduler,
+    GangFifoScheduler,
     OllamaScheduler,
     Scenario,
     ScenarioError,
+    SimRequest,
     SimulationConfig,
     load_scenario,
     parse_request_lines,
@@ -26,8 +31,9 @@ from modelforge.simulate import (
 )
 from modelforge.simulate._engine import Simulation
 from modelforge.simulate._modelforge import ModelForgeScheduler
+from modelforge.simulate._protocol import Actions, CardView, Start
 
-POLICIES = ["modelforge", "fifo", "ollama"]
+POLICIES = ["modelforge", "fifo", "ollama", "fifo-gang"]
 
 
 def card(id: str = "gpu/0", gib: float = 24, reserve: float = 1) -> Accelerator:
@@ -414,6 +420,119 @@ def test_a_gang_reservation_stops_a_stream_of_small_jobs_from_starving_the_gang(
     # Without a reservation each freed card goes to the next small job: the gang waits for the
     # stream to end (the last job arrives at 3,000 s and runs 300 s).
     assert waiting.by_class["interactive"]["wait_p99_s"] >= 3000.0
+
+
+def _gang_on_two_nodes() -> Scenario:
+    # Nodes a and b, two 24 GiB cards each, listed a/0, b/0, a/1, b/1. Two 20 GiB jobs at 0 land
+    # on a/0 (runs 10 s) and b/0 (runs 20 s): the cards with the most room, first listed first.
+    # A 2-card job of 12 GiB a card at 1: no node has two cards with 12 GiB free (a/1 and b/1
+    # are on different nodes). A 4 GiB job at 2 would fit on a/1, but waits behind the gang.
+    cards = [card("a/0"), card("b/0"), card("a/1"), card("b/1")]
+    return scenario(
+        cards,
+        [
+            model("job@1", 20, residency=Residency.NONE),
+            model("small@1", 4, residency=Residency.NONE),
+            model("gang@1", 12, residency=Residency.NONE, idle_bytes=0, gpu_count=2),
+        ],
+        [
+            {"t": 0.0, "capability": "job@1", "service_s": 10.0},
+            {"t": 0.0, "capability": "job@1", "service_s": 20.0},
+            {"t": 1.0, "capability": "gang@1", "service_s": 5.0},
+            {"t": 2.0, "capability": "small@1", "service_s": 1.0},
+        ],
+    )
+
+
+def test_fifo_gang_starts_a_multi_gpu_job_whole_on_one_node_and_the_queue_waits_for_it() -> None:
+    s = _gang_on_two_nodes()
+    scheduler = POLICIES_BY_NAME["fifo-gang"](s)
+    starts: list[Start] = []
+    step = scheduler.step
+
+    def recording(now: float, cards: CardView, touched: dict[str, bool]) -> Actions:
+        actions = step(now, cards, touched)
+        starts.extend(actions.starts)
+        return actions
+
+    scheduler.step = recording  # type: ignore[method-assign]
+    sim = Simulation(s, scheduler)
+    result = sim.run()
+    assert result.completed == 4 and result.gang_starts == 1 and result.gang_splits == 0
+    waits = [o.first_start - o.arrived for o in sim.outcomes if o.first_start is not None]
+    # a/0's job ends at 10 and its process goes (no unload time): the gang starts on a/0 and a/1
+    # at 10 (9 s), and the 4 GiB job behind it then, on b/1, the card with the most room (8 s).
+    assert waits == [0.0, 0.0, 9.0, 8.0]
+    gang = next(start for start in starts if start.gang)
+    assert sorted(gang.accelerators) == ["a/0", "a/1"] and gang.bytes == 12 * GiB
+    # `fifo` refuses the multi-GPU job at submission, and the small one starts at once.
+    fifo = Simulation(s, FifoScheduler(s))
+    assert fifo.run().rejected == {FailureClass.CAPABILITY_UNAVAILABLE.value: 1}
+    assert fifo.outcomes[3].first_start == 2.0
+
+
+def test_fifo_gang_refuses_a_job_no_node_can_hold() -> None:
+    s = scenario(
+        [card("a/0"), card("b/0")],
+        [model("gang@1", 12, residency=Residency.NONE, idle_bytes=0, gpu_count=2)],
+        [{"t": 0.0, "capability": "gang@1", "service_s": 5.0}],
+    )
+    result = simulate(s, "fifo-gang")
+    assert result.rejected == {FailureClass.INSUFFICIENT_SCHEDULABLE_VRAM.value: 1}
+
+
+class _GangFifoSearchingEverywhere(GangFifoScheduler):
+    """fifo-gang searching every node for every job, never only the nodes whose cards changed."""
+
+    def _gang_cards(self, request: SimRequest, deployment: Deployment, free: Any) -> list[str] | None:
+        self.no_room = None
+        return super()._gang_cards(request, deployment, free)
+
+
+def test_fifo_gang_searching_only_changed_nodes_starts_what_a_search_everywhere_starts() -> None:
+    rng = random.Random(11)
+    cards = [card(f"n{node}/{n}") for n in range(4) for node in range(5)]
+    requests: list[dict[str, object]] = []
+    for i in range(400):
+        kind = rng.choice(["small@1", "big@1", "pair@1", "quad@1"])
+        # In bursts, with whole-second runs: jobs end together, and nodes tie on room.
+        requests.append({"t": (i // 4) * 2.0, "capability": kind, "service_s": float(rng.choice([5, 10, 20, 30]))})
+    s = scenario(
+        cards,
+        [
+            model("small@1", 6, residency=Residency.NONE),
+            model("big@1", 16, residency=Residency.NONE),
+            model("pair@1", 10, residency=Residency.NONE, idle_bytes=0, gpu_count=2),
+            model("quad@1", 8, residency=Residency.NONE, idle_bytes=0, gpu_count=4),
+        ],
+        requests,
+        lease_timeout_s=100_000.0,
+    )
+    runs = []
+    for scheduler in (GangFifoScheduler(s), _GangFifoSearchingEverywhere(s)):
+        starts: list[tuple[float, int, tuple[str, ...]]] = []
+        step = scheduler.step
+
+        def recording(
+            now: float, view: CardView, touched: dict[str, bool], step: Any = step, starts: Any = starts
+        ) -> Actions:
+            actions = step(now, view, touched)
+            starts.extend((now, start.request_index, start.accelerators) for start in actions.starts)
+            return actions
+
+        scheduler.step = recording  # type: ignore[method-assign]
+        sim = Simulation(s, scheduler)
+        result = sim.run()
+        runs.append((starts, result.completed))
+        gang_waits = [
+            o.first_start - o.arrived
+            for r, o in zip(s.requests, sim.outcomes, strict=True)
+            if r.capability in ("pair@1", "quad@1") and o.first_start is not None
+        ]
+        # Busy enough that jobs wait for a node with room (the narrowed search is used).
+        assert max(gang_waits) > 10.0
+    assert runs[0] == runs[1]
+    assert runs[0][1] == len(requests)
 
 
 @pytest.mark.parametrize(("sleepy", "second_wait_s", "loads"), [(True, 4.0, 2), (False, 32.0, 3)])
