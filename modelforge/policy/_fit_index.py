@@ -47,6 +47,8 @@ class FitIndex:
 
     __slots__ = (
         "catalog",
+        "changed",
+        "generation",
         "leased_sum",
         "observed",
         "order",
@@ -71,6 +73,11 @@ class FitIndex:
         self.leased_sum: dict[str, int] | None = None
         self.staleness = Staleness()
         self.pressured: dict[str, bool] = {}  # cards under GPU_PRESSURE (set only where observations land)
+        # How many passes brought it up to date, and the cards the last one re-read (every other
+        # card's schedulable bytes, volatility and health are as the pass before found them):
+        # what is worked out from it and kept across passes is brought up to date by those.
+        self.generation = 0
+        self.changed: dict[str, bool] = {}
 
     def set(self, accelerator: str, schedulable: int) -> None:
         old = self.schedulable.get(accelerator)
@@ -197,6 +204,8 @@ def fit_index(
             unhealthy.pop(card, None)
         else:
             unhealthy[card] = True
+    index.generation += 1
+    index.changed = changed
     return index
 
 

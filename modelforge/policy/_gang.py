@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from modelforge.domain import Accelerator, Deployment, Residency
 from modelforge.failures import FailureClass
 from modelforge.policy._decisions import Grant, Preempt, Reject, Sleep, Unload, Wait, WaitReason
+from modelforge.policy._fit_index import FitIndex
 from modelforge.policy._pass import (
     DecisionPass,
     FilterResult,
@@ -277,18 +278,27 @@ def _live(pass_: DecisionPass, gang: _Gang) -> tuple[list[str], dict[str, list[s
 def _live_groups(pass_: DecisionPass, gang: _Gang, live: dict[str, bool]) -> dict[str, list[str]]:
     """Each NVLink group's cards of `live`, in the group's order: the same for every gang of
     those cards and bytes, whatever its count (gangs of 2, 4 and 8 cards of one size wait in
-    the same pass on a busy cluster), so worked out once per pass."""
+    the same pass on a busy cluster), so worked out once per pass, and brought up to date from
+    the last pass's where `live` is kept across passes (`_KeptLive`)."""
     memo = pass_.memo
     key = ("live_groups", id(gang.passed), gang.need)
     cached = memo.get(key)
     if cached is not None:
         return cached  # type: ignore[return-value]
+    kept = _kept_live_of(pass_, gang)
+    groups = kept.live_groups(gang) if kept is not None and kept.live is live else _groups_of(gang, live)
+    if CHECK_KEPT_LIVE:
+        assert list(groups.items()) == list(_groups_of(gang, live).items())
+    memo[key] = groups
+    return groups
+
+
+def _groups_of(gang: _Gang, live: dict[str, bool]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for group, members in gang.groups.items():
         kept = [a for a in members if a in live]
         if kept:
             groups[group] = kept
-    memo[key] = groups
     return groups
 
 
@@ -309,35 +319,176 @@ def _live_cards(pass_: DecisionPass, gang: _Gang) -> dict[str, bool]:
             if acc.total_bytes - acc.reserve_bytes - shortfall.get(accelerator, 0) >= need:
                 live[accelerator] = True
     else:
-        # Tighter where the fit index holds the card's schedulable bytes for this pass (total -
-        # external - resident - leased - reserve) and its reserve does not move with time (it is
-        # then the card's own): what the gang could count on there is those bytes plus what
-        # `_ceiling_shortfall` lets go, so a card an unmanaged process fills is passed over too.
-        # Looked at card by card only where the bound is not the card's schedulable bytes
-        # (something there may be let go, its reserve moves, or the index lacks it); every
-        # other card holds the gang if it has the bytes now: the index's tail from `need`.
-        schedulable, volatile, topology = fit.schedulable, fit.volatile, gang.topology
-        let_go = _let_go(pass_)
-        order = fit.order
-        for i in range(fit.from_bytes(need), len(order)):
-            accelerator = order[i][1]
-            if accelerator in topology:
-                live[accelerator] = True  # the bound is at least the schedulable bytes
-        closer = [a for a in (*let_go, *volatile) if a in topology and a not in live]
-        if len(schedulable) < len(pass_.pool_accelerators):
-            closer += [a for a in topology if a not in schedulable]
-        resident_sum, leased_sum = pass_.resident_sum, pass_.leased_sum
-        for accelerator in closer:
-            if accelerator in volatile or accelerator not in schedulable:
-                acc = topology[accelerator]
-                taken = resident_sum.get(accelerator, 0) + leased_sum.get(accelerator, 0) - let_go.get(accelerator, 0)
-                bound = acc.total_bytes - acc.reserve_bytes - taken
-            else:
-                bound = schedulable[accelerator] + let_go.get(accelerator, 0)
-            if bound >= need:
-                live[accelerator] = True
+        kept = _kept_live(pass_, gang, fit)
+        live = kept.live if kept is not None else _live_cards_indexed(pass_, gang, fit)
     memo[key] = live
     return live
+
+
+def _live_cards_indexed(pass_: DecisionPass, gang: _Gang, fit: FitIndex) -> dict[str, bool]:
+    """`_live_cards` with the fit index, worked out from scratch.
+
+    Tighter where the fit index holds the card's schedulable bytes for this pass (total -
+    external - resident - leased - reserve) and its reserve does not move with time (it is
+    then the card's own): what the gang could count on there is those bytes plus what
+    `_ceiling_shortfall` lets go, so a card an unmanaged process fills is passed over too.
+    Looked at card by card only where the bound is not the card's schedulable bytes
+    (something there may be let go, its reserve moves, or the index lacks it); every
+    other card holds the gang if it has the bytes now: the index's tail from `need`."""
+    need = gang.need
+    live: dict[str, bool] = {}
+    schedulable, volatile, topology = fit.schedulable, fit.volatile, gang.topology
+    let_go = _let_go(pass_)
+    order = fit.order
+    for i in range(fit.from_bytes(need), len(order)):
+        accelerator = order[i][1]
+        if accelerator in topology:
+            live[accelerator] = True  # the bound is at least the schedulable bytes
+    closer = [a for a in (*let_go, *volatile) if a in topology and a not in live]
+    if len(schedulable) < len(pass_.pool_accelerators):
+        closer += [a for a in topology if a not in schedulable]
+    resident_sum, leased_sum = pass_.resident_sum, pass_.leased_sum
+    for accelerator in closer:
+        if accelerator in volatile or accelerator not in schedulable:
+            acc = topology[accelerator]
+            taken = resident_sum.get(accelerator, 0) + leased_sum.get(accelerator, 0) - let_go.get(accelerator, 0)
+            bound = acc.total_bytes - acc.reserve_bytes - taken
+        else:
+            bound = schedulable[accelerator] + let_go.get(accelerator, 0)
+        if bound >= need:
+            live[accelerator] = True
+    return live
+
+
+# Where `_KeptLive`s are kept (the state's `__dict__`, never serialized), with the fit index
+# they were worked out from (a new index drops them all), and how many at most.
+_KEPT_LIVE = "_policy_gang_live"
+_KEPT_LIVE_MOST = 64
+# Tests set this: every kept result brought up to date is compared with one worked out afresh.
+CHECK_KEPT_LIVE = False
+
+
+class _KeptLive:
+    """`_live_cards` (and `_live_groups`) for one list of cards and one size, kept across passes
+    with the fit index they were worked out from and the bytes `_let_go` counted then. A card's
+    place in it reads only its schedulable bytes (the index's), whether its reserve moves with
+    time (the index re-reads such cards every pass), its let-go bytes and, for those, its
+    resident and lease sums: so a pass re-reads only the cards the index re-read since the last
+    one and those whose let-go bytes differ, where working it out again walked the index's tail
+    and every NVLink group's members (the gangs of a busy cluster wait on every pass). Brought
+    up to date only from the pass just before (the index counts its updates); else worked out
+    afresh."""
+
+    __slots__ = (
+        "fit",
+        "flipped",
+        "generation",
+        "group_of",
+        "grouped_at",
+        "groups",
+        "let_go",
+        "live",
+        "passed",
+        "shaped",
+    )
+
+    def __init__(self, passed: list[str], fit: FitIndex, live: dict[str, bool], let_go: dict[str, int]) -> None:
+        self.passed = passed  # held, so its identity stays its own
+        self.fit = fit
+        self.generation = fit.generation
+        self.live = live
+        self.let_go = let_go
+        # The cards whose place changed at the last update (None: worked out afresh then).
+        self.flipped: list[str] | None = None
+        # `_live_groups`' answer, the groups it was worked out from, and at which update.
+        self.groups: dict[str, list[str]] = {}
+        self.shaped: dict[str, list[str]] | None = None
+        self.group_of: dict[str, str] = {}
+        self.grouped_at = -1
+
+    def catch_up(self, pass_: DecisionPass, gang: _Gang, let_go: dict[str, int]) -> None:
+        fit = self.fit
+        changed = dict.fromkeys(fit.changed, True)
+        if let_go is not self.let_go:
+            changed.update(dict.fromkeys((card for card, _ in let_go.items() ^ self.let_go.items()), True))
+        live, topology, need = self.live, gang.topology, gang.need
+        schedulable, volatile = fit.schedulable, fit.volatile
+        resident_sum, leased_sum = pass_.resident_sum, pass_.leased_sum
+        flipped: list[str] = []
+        for card in changed:
+            acc = topology.get(card)
+            if acc is None:
+                continue
+            # As `_live_cards_indexed` places it.
+            if schedulable[card] >= need:
+                holds = True
+            elif card in volatile:
+                taken = resident_sum.get(card, 0) + leased_sum.get(card, 0) - let_go.get(card, 0)
+                holds = acc.total_bytes - acc.reserve_bytes - taken >= need
+            else:
+                holds = card in let_go and schedulable[card] + let_go[card] >= need
+            if holds != (card in live):
+                flipped.append(card)
+                if holds:
+                    live[card] = True
+                else:
+                    del live[card]
+        self.flipped, self.let_go, self.generation = flipped, let_go, fit.generation
+
+    def live_groups(self, gang: _Gang) -> dict[str, list[str]]:
+        """`_groups_of(gang, self.live)`, brought up to date by the cards whose place changed
+        at the last update where it was worked out at the one before."""
+        groups = self.groups
+        if self.shaped is not gang.groups or self.flipped is None or self.grouped_at != self.generation - 1:
+            if self.shaped is not gang.groups:
+                self.group_of = {a: group for group, members in gang.groups.items() for a in members}
+                self.shaped = gang.groups
+            groups = self.groups = _groups_of(gang, self.live)
+        else:
+            live, group_of, added = self.live, self.group_of, False
+            for group in dict.fromkeys(group_of[a] for a in self.flipped if a in group_of):
+                kept = [a for a in gang.groups[group] if a in live]
+                if not kept:
+                    groups.pop(group, None)
+                    continue
+                added = added or group not in groups
+                groups[group] = kept
+            if added:  # in the groups' order, as `_groups_of` has them
+                groups = self.groups = {group: groups[group] for group in gang.groups if group in groups}
+        self.grouped_at = self.generation
+        return groups
+
+
+def _kept_live_of(pass_: DecisionPass, gang: _Gang) -> _KeptLive | None:
+    held: tuple[FitIndex, dict[tuple[int, int], _KeptLive]] | None = pass_.state.__dict__.get(_KEPT_LIVE)
+    if held is None or held[0] is not pass_.fit:
+        return None
+    kept = held[1].get((id(gang.passed), gang.need))
+    return kept if kept is not None and kept.passed is gang.passed else None
+
+
+def _kept_live(pass_: DecisionPass, gang: _Gang, fit: FitIndex) -> _KeptLive | None:
+    """The kept `_live_cards` for the gang's cards and bytes, brought up to date for this pass
+    (None where the index lacks a card: worked out afresh each pass)."""
+    if len(fit.schedulable) < len(pass_.pool_accelerators):
+        return None
+    held: tuple[FitIndex, dict[tuple[int, int], _KeptLive]] | None = pass_.state.__dict__.get(_KEPT_LIVE)
+    if held is None or held[0] is not fit:
+        held = pass_.state.__dict__[_KEPT_LIVE] = (fit, {})
+    store = held[1]
+    key = (id(gang.passed), gang.need)
+    kept = store.get(key)
+    let_go = _let_go(pass_)
+    if kept is not None and kept.passed is gang.passed and kept.generation == fit.generation - 1:
+        kept.catch_up(pass_, gang, let_go)
+    elif kept is None or kept.passed is not gang.passed or kept.generation != fit.generation:
+        if len(store) >= _KEPT_LIVE_MOST:
+            store.clear()
+        kept = store[key] = _KeptLive(gang.passed, fit, _live_cards_indexed(pass_, gang, fit), let_go)
+    if CHECK_KEPT_LIVE:
+        fresh = _live_cards_indexed(pass_, gang, fit)
+        assert kept.live.keys() == fresh.keys(), (sorted(kept.live.keys() ^ fresh.keys()), fit.generation)
+    return kept
 
 
 def _never_fits(attempt: Attempt, gang: _Gang) -> Reject | None:

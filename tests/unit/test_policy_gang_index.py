@@ -15,6 +15,7 @@ from modelforge.policy import (
     PolicyConfig,
     PoolState,
     ResidentPhase,
+    _gang,
     apply_decisions,
     decide,
     enqueue,
@@ -198,6 +199,74 @@ def test_indexed_gang_placement_over_many_nvlink_groups_decides_what_the_referen
     operations: list[tuple[object, ...]], gang_reservations: bool
 ) -> None:
     run(operations, gang_reservations, WIDE)
+
+
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40), st.booleans())
+def test_the_cards_a_gang_could_use_kept_across_passes_are_those_worked_out_afresh(
+    operations: list[tuple[object, ...]], gang_reservations: bool
+) -> None:
+    """`_gang._KeptLive`: each pass brings the cards a gang's bytes could be found on, and their
+    NVLink groups, up to date from the cards the fit index re-read and the let-go bytes that
+    changed; with the check on, the pass compares each with the ones worked out afresh (the
+    same cards; the same groups, in the same order)."""
+    _gang.CHECK_KEPT_LIVE = True
+    try:
+        run(operations, gang_reservations, WIDE)
+        run(operations, gang_reservations)
+    finally:
+        _gang.CHECK_KEPT_LIVE = False
+
+
+def test_a_waiting_gang_sees_models_that_became_idle_though_no_sample_landed_since() -> None:
+    """Two NVLink groups of two 24 GiB cards (1 GiB reserve) and a group of one. A 10 GiB model
+    is loading on x/0 and x/1 (13 GiB free each), an unmanaged process fills y/0 and y/1, z/0 is
+    free. A gang of two 16 GiB cards in one group waits: z has one card, and nothing on x could
+    be let go. Both models then
+    finish loading and are idle (their bytes were counted already: no sample lands, so the fit
+    index re-reads no card), and the next pass unloads them to make room for the gang, as the
+    reference pass decides: the cards a gang could use, kept across passes, are brought up to
+    date by the let-go bytes that changed, not only by the cards observed, and group x comes
+    before z among the groups holding such cards, as it does afresh."""
+    accelerators = [gpu(card, nvlink_group=card.split("/")[0]) for card in ("x/0", "x/1", "y/0", "y/1", "z/0")]
+    s = state(
+        accelerators,
+        [
+            deployment("m@1", gib=10, residency=Residency.KEEP_WARM, queue_limit=100),
+            deployment(
+                "nv2@1",
+                gib=16,
+                residency=Residency.NONE,
+                idle_bytes=0,
+                gpu_count=2,
+                nvlink_required=True,
+                queue_limit=100,
+            ),
+        ],
+        config=PolicyConfig(gang_reservations=False),
+    )
+    for card in ("x/0", "x/1"):
+        resident(s, "m@1", card, 10, phase=ResidentPhase.LOADING).requested_at = NOW - 5
+        observe(s, card, managed_gib=10)
+    for card in ("y/0", "y/1"):
+        observe(s, card, external_gib=20)
+    observe(s, "z/0")
+    request = ask("gang", "nv2@1", priority=Priority.BACKGROUND)
+    _, priority = validate_request(s, request, gangs=True)
+    enqueue(s, request, priority, NOW)
+    _gang.CHECK_KEPT_LIVE = True
+    try:
+        first = decide(s, NOW)
+        assert [w.request_id for w in first.waits] == ["gang"] and not first.unloads
+        apply_decisions(s, first, NOW, {})
+        for card in ("x/0", "x/1"):
+            resident_ready(s, f"m@1@{card}", 0, NOW + 1)
+        second = decide(s, NOW + 2)
+        reference = decide_each(s, NOW + 2, reuse_settled=False)
+    finally:
+        _gang.CHECK_KEPT_LIVE = False
+    assert sorted(u.resident_key for u in second.unloads) == ["m@1@x/0", "m@1@x/1"]
+    assert second.unloads == reference.unloads
 
 
 def test_a_gang_makes_room_where_the_least_is_left_over_with_only_the_residents_it_may_unload_gone() -> None:
