@@ -3,6 +3,7 @@ being evicted, reservations), built once per pass, and the filter phase."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -331,23 +332,15 @@ def start_pass(state: PoolState, now: float, indexed: bool = True) -> DecisionPa
         residents_of = dict(residents.residents_of)
         slots = dict(residents.slots)
         evictable = dict(residents.evictable)
-        preemptible = _preemptible(state, leases, now)
+        preemptible = _kept_preemptible(state, leases, now)
     else:
         accelerators = [a for a in state.catalog.accelerators if a.pool == state.pool]
         position = {a.id: i for i, a in enumerate(accelerators)}
         resident_sum, pinned, residents_of, evictable, slots = _group_residents(state)
         leased_sum, preemptible = _group_leases(state, now)
-    for leases_on in preemptible.values():
-        if len(leases_on) < 2:
-            continue
-        leases_on.sort(
-            key=lambda lease: (
-                lease.lease_id not in state.preempting,
-                class_rank(state.catalog, lease.priority),
-                -lease.granted_at,
-                lease.lease_id,
-            )
-        )
+        for leases_on in preemptible.values():
+            if len(leases_on) >= 2:
+                leases_on.sort(key=lambda lease: _preemption_order(state, lease))
     budgets = Budgets(state, resident_sum, leased_sum, now)
     # Cheapest to unload first, then the largest (fewest models go), then by key.
     catalog = state.catalog
@@ -444,6 +437,132 @@ def _group_leases(state: PoolState, now: float) -> tuple[dict[str, int], dict[st
             for accelerator_id in held_on:
                 preemptible.setdefault(accelerator_id, []).append(lease)
     return leased_sum, preemptible
+
+
+def _preemption_order(state: PoolState, lease: Lease) -> tuple[bool, int, float, str]:
+    """A card's preemptible leases in the order a pass preempts them: those being preempted
+    already first, then the lowest class, then the youngest (the least work lost)."""
+    return (
+        lease.lease_id not in state.preempting,
+        class_rank(state.catalog, lease.priority),
+        -lease.granted_at,
+        lease.lease_id,
+    )
+
+
+_KEPT_PREEMPTIBLE = "_policy_preemptible"
+# Tests set this: every pass compares the kept lists with ones worked out afresh.
+CHECK_KEPT_PREEMPTIBLE = False
+
+
+class _KeptPreemptible:
+    """The leases a pass may preempt on each card, in `_preemption_order`, kept across passes:
+    a busy cluster holds thousands of preemptible gang leases on thousands of cards, and
+    listing them afresh each pass was about 6% of its replay. Brought up to date per card, by
+    the leases of preemptible deployments that came or went (`LeaseGroups.of_preemptible`),
+    those past their minimum runtime since (a heap by grant time), and the leases being
+    preempted that changed (`PoolState.preempting`); only those cards' lists are made again.
+    Worked out afresh with new lease groupings (a new catalog), another minimum runtime, or a
+    clock that went back. The lists are the pass's to read, never to change."""
+
+    __slots__ = ("at", "groups", "min_runtime", "on", "pending", "ripe", "ripe_on", "seen", "stopping", "stopping_on")
+
+    def __init__(self, groups: LeaseGroups, min_runtime: float) -> None:
+        self.groups = groups
+        self.min_runtime = min_runtime
+        self.at = -math.inf
+        self.seen: dict[str, tuple[Lease, Iterable[str]]] = {}  # `of_preemptible` as last seen
+        self.pending: list[tuple[float, str]] = []  # (granted_at, lease id) not yet past min runtime
+        self.ripe: dict[str, bool] = {}
+        self.ripe_on: dict[str, dict[str, Lease]] = {}
+        self.stopping: dict[str, Lease | None] = {}  # `state.preempting`, each with its lease then
+        self.stopping_on: dict[str, dict[str, Lease]] = {}
+        self.on: dict[str, list[Lease]] = {}
+
+    def update(self, state: PoolState, now: float) -> None:
+        changed: dict[str, bool] = {}
+        seen, of = self.seen, self.groups.of_preemptible
+        ripe, ripe_on = self.ripe, self.ripe_on
+        if seen != of:
+            for lease_id in [lease_id for lease_id, entry in seen.items() if of.get(lease_id) is not entry]:
+                _, held_on = seen.pop(lease_id)
+                if ripe.pop(lease_id, None):
+                    for card in held_on:
+                        _drop(ripe_on, card, lease_id)
+                        changed[card] = True
+            for lease_id, entry in of.items():
+                if lease_id not in seen:
+                    seen[lease_id] = entry
+                    heapq.heappush(self.pending, (entry[0].granted_at, lease_id))
+        pending, min_runtime = self.pending, self.min_runtime
+        while pending:
+            granted_at, lease_id = pending[0]
+            found = seen.get(lease_id)
+            if found is None or lease_id in ripe or found[0].granted_at != granted_at:
+                heapq.heappop(pending)  # gone, or an entry for a lease it replaced
+                continue
+            if not now - granted_at >= min_runtime:
+                break  # nor any granted later
+            heapq.heappop(pending)
+            ripe[lease_id] = True
+            for card in found[1]:
+                ripe_on.setdefault(card, {})[lease_id] = found[0]
+                changed[card] = True
+        stopping, stopping_on = self.stopping, self.stopping_on
+        now_stopping = {lease_id: state.leases.get(lease_id) for lease_id in state.preempting}
+        if now_stopping != stopping or any(stopping[i] is not lease for i, lease in now_stopping.items()):
+            for lease_id in {*stopping, *now_stopping}:
+                before, after = stopping.get(lease_id), now_stopping.get(lease_id)
+                if before is after and lease_id in stopping and lease_id in now_stopping:
+                    continue
+                for stopped, held in ((before, False), (after, True)):
+                    if stopped is None:
+                        continue
+                    for card in stopped.accelerators if stopped.gang else (stopped.accelerator,):
+                        changed[card] = True
+                        if held:
+                            stopping_on.setdefault(card, {})[lease_id] = stopped
+                        else:
+                            _drop(stopping_on, card, lease_id)
+            self.stopping = now_stopping
+        preempting, on = state.preempting, self.on
+        for card in changed:
+            leases = [lease for lease_id, lease in ripe_on.get(card, {}).items() if lease_id not in preempting]
+            leases += stopping_on.get(card, {}).values()
+            if leases:
+                leases.sort(key=lambda lease: _preemption_order(state, lease))
+                on[card] = leases
+            else:
+                on.pop(card, None)
+        self.at = now
+
+
+def _drop(index: dict[str, dict[str, Lease]], card: str, lease_id: str) -> None:
+    leases = index.get(card)
+    if leases is not None:
+        leases.pop(lease_id, None)
+        if not leases:
+            del index[card]
+
+
+def _kept_preemptible(state: PoolState, groups: LeaseGroups, now: float) -> dict[str, list[Lease]]:
+    """Per card, the leases a pass may preempt, in `_preemption_order` (`_KeptPreemptible`)."""
+    kept = state.__dict__.get(_KEPT_PREEMPTIBLE)
+    min_runtime = state.config.preempt_min_runtime_s
+    if (
+        not isinstance(kept, _KeptPreemptible)
+        or kept.groups is not groups
+        or kept.min_runtime != min_runtime
+        or now < kept.at
+    ):
+        kept = state.__dict__[_KEPT_PREEMPTIBLE] = _KeptPreemptible(groups, min_runtime)
+    kept.update(state, now)
+    if CHECK_KEPT_PREEMPTIBLE:
+        fresh = _preemptible(state, groups, now)
+        for leases_on in fresh.values():
+            leases_on.sort(key=lambda lease: _preemption_order(state, lease))
+        assert kept.on == fresh, sorted(kept.on.keys() ^ fresh.keys())
+    return kept.on
 
 
 def _preemptible(state: PoolState, leases: LeaseGroups, now: float) -> dict[str, list[Lease]]:

@@ -16,6 +16,7 @@ from modelforge.policy import (
     PoolState,
     ResidentPhase,
     _gang,
+    _pass,
     apply_decisions,
     decide,
     enqueue,
@@ -24,6 +25,7 @@ from modelforge.policy import (
     resident_unloaded,
     validate_request,
 )
+from modelforge.policy._pass import start_pass
 from modelforge.policy._placement import decide_each
 from tests.builders import NOW, ask, deployment, gpu, observe, resident, state, tenant
 from tests.tiers import examples
@@ -71,7 +73,7 @@ WIDE: Topology = [
 ]
 
 
-def build(gang_reservations: bool, topology: Topology = SMALL) -> PoolState:
+def build(gang_reservations: bool, topology: Topology = SMALL, min_runtime_s: float = 0.0) -> PoolState:
     accelerators = [gpu(card, total=size, nvlink_group=group, rack=rack) for card, size, group, rack in topology]
     return state(
         accelerators,
@@ -112,12 +114,17 @@ def build(gang_reservations: bool, topology: Topology = SMALL) -> PoolState:
             ),
         ],
         tenants=[tenant("t", weight=2.0), tenant("u")],
-        config=PolicyConfig(preempt_min_runtime_s=0.0, gang_reservations=gang_reservations),
+        config=PolicyConfig(preempt_min_runtime_s=min_runtime_s, gang_reservations=gang_reservations),
     )
 
 
-def run(operations: list[tuple[object, ...]], gang_reservations: bool, topology: Topology = SMALL) -> None:
-    s = build(gang_reservations, topology)
+def run(
+    operations: list[tuple[object, ...]],
+    gang_reservations: bool,
+    topology: Topology = SMALL,
+    min_runtime_s: float = 0.0,
+) -> None:
+    s = build(gang_reservations, topology, min_runtime_s)
     cards = [card for card, _, _, _ in topology]
     now = NOW
     external = dict.fromkeys(cards, 0.0)
@@ -216,6 +223,55 @@ def test_the_cards_a_gang_could_use_kept_across_passes_are_those_worked_out_afre
         run(operations, gang_reservations)
     finally:
         _gang.CHECK_KEPT_LIVE = False
+
+
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, min_size=1, max_size=40), st.booleans())
+def test_the_leases_a_pass_may_preempt_kept_across_passes_are_those_listed_afresh(
+    operations: list[tuple[object, ...]], gang_reservations: bool
+) -> None:
+    """`_pass._KeptPreemptible`: each pass brings each card's preemptible leases up to date from
+    the leases that came or went, those past their minimum runtime (60 s here; the sequences
+    wait up to 400 s between passes) and those being preempted; with the check on, the pass
+    compares every card's list, in preemption order, with the one listed afresh."""
+    _pass.CHECK_KEPT_PREEMPTIBLE = True
+    try:
+        run(operations, gang_reservations, WIDE, min_runtime_s=60.0)
+    finally:
+        _pass.CHECK_KEPT_PREEMPTIBLE = False
+
+
+def test_a_lease_being_preempted_comes_first_on_its_card_in_the_next_pass() -> None:
+    """Two leases on one resident of a preemptible model (granted at NOW and NOW + 10): past
+    their minimum runtime the younger is preempted first. Once the older is being preempted,
+    it comes first (its card's list is made again though no lease came or went), as the
+    reference pass lists them."""
+    s = state(
+        [gpu("n/0")],
+        [deployment("chat@1", gib=4, concurrency=2, preemptible=True, residency=Residency.KEEP_WARM, queue_limit=10)],
+    )
+    observe(s, "n/0")
+    enqueue(s, ask("a", "chat@1"), Priority.INTERACTIVE, NOW)
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    resident_ready(s, "chat@1@n/0", 4 * GiB, NOW)
+    observe(s, "n/0", managed_gib=4, loaded=["chat@1@n/0"])
+    apply_decisions(s, decide(s, NOW), NOW, {})
+    enqueue(s, ask("b", "chat@1"), Priority.INTERACTIVE, NOW + 10)
+    apply_decisions(s, decide(s, NOW + 10), NOW + 10, {})
+    assert sorted(lease.request_id for lease in s.leases.values()) == ["a", "b"]
+
+    def listed(now: float, indexed: bool) -> list[str]:
+        return [lease.request_id for lease in start_pass(s, now, indexed=indexed).preemptible.get("n/0", [])]
+
+    _pass.CHECK_KEPT_PREEMPTIBLE = True
+    try:
+        assert listed(NOW + 5, True) == listed(NOW + 5, False) == []  # under the minimum runtime
+        assert listed(NOW + 100, True) == listed(NOW + 100, False) == ["b", "a"]
+        older = next(lease for lease in s.leases.values() if lease.request_id == "a")
+        s.preempting[older.lease_id] = "making room"
+        assert listed(NOW + 101, True) == listed(NOW + 101, False) == ["a", "b"]
+    finally:
+        _pass.CHECK_KEPT_PREEMPTIBLE = False
 
 
 def test_a_waiting_gang_sees_models_that_became_idle_though_no_sample_landed_since() -> None:
