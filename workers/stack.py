@@ -21,10 +21,11 @@ from activities._delegation import NodeSlots, PoolSlots
 from activities._invoke_journal import InvokeJournal, invoke_journal_dir
 from modelforge.catalog import ExternalSpec, example_catalog_path, load_catalog_file
 from modelforge.domain import Catalog
+from modelforge.failures import FailureClass
 from modelforge.gpu import NodeDevices, SimulatedGpuBackend
 from modelforge.messages import RequestInput, SchedulerInput
 from modelforge.metrics import Metrics
-from modelforge.policy import PolicyConfig, PoolStatus
+from modelforge.policy import AdmissionCheck, AdmissionRequest, PolicyConfig, PoolStatus
 from modelforge.runtimes import SubprocessHttpRuntime
 from modelforge.settings import CONTROL_TASK_QUEUE
 from modelforge.store import Store
@@ -124,6 +125,17 @@ class Stack:
         scheduler = self.scheduler if pool is None else self.schedulers[pool]
         status: PoolStatus = await scheduler.query(PoolSchedulerWorkflow.status)
         return status
+
+    async def catalog_loaded(self, pool: str) -> bool:
+        """Whether `pool`'s scheduler has loaded its catalog and admits: its state shows the
+        cards, and its dry run no longer answers SCHEDULER_STATE_STALE (the state holds the
+        catalog while the scheduler still seeds its fair-share usage, refusing updates until
+        it is done)."""
+        if not (await self.status(pool)).accelerators:
+            return False
+        probe = AdmissionRequest(request_id="stack-ready", workflow_id="stack-ready", capability="", tenant="")
+        check: AdmissionCheck = await self.schedulers[pool].query(PoolSchedulerWorkflow.admission_check, probe)
+        return check.failure != FailureClass.SCHEDULER_STATE_STALE.value
 
     async def start_request(
         self, capability: str, task_queue: str = CONTROL_TASK_QUEUE, **kwargs: Any
@@ -257,10 +269,11 @@ async def running_stack(
                 )
             running.scheduler = running.schedulers[pools[0]]
             # Ready when each scheduler has its catalog: a request sent before would be refused
-            # as SCHEDULER_STATE_STALE and, with time skipped, could use up its retries.
+            # as SCHEDULER_STATE_STALE and, with time skipped, could use up its retries (an
+            # update such as `residency_control` is refused outright).
             for pool in pools:
                 for _ in range(300):
-                    if (await running.status(pool)).accelerators:
+                    if await running.catalog_loaded(pool):
                         break
                     await asyncio.sleep(0.1)
                 else:
