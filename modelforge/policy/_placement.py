@@ -745,13 +745,11 @@ def _waits_on_its_load(pass_: DecisionPass, queued: QueuedRequest) -> Wait | Non
     return None
 
 
-def _on_its_load(attempt: Attempt) -> Grant | Wait | None:
-    """Phase 0: a request already waiting on a load is granted when that resident is ready; the
-    lease bytes held for it since the load was decided are given back to be taken for real."""
+def _on_its_load(attempt: Attempt) -> Grant | None:
+    """Phase 0: a request already waiting on a load is granted when that resident is ready (one
+    still loading or waking was told so by `_place`, before the attempt); the lease bytes held
+    for it since the load was decided are given back to be taken for real."""
     pass_, queued, extra = attempt.pass_, attempt.queued, attempt.deployment.lease_extra_bytes
-    waits = _waits_on_its_load(pass_, queued)
-    if waits is not None:
-        return waits
     resident = pass_.state.residents.get(queued.assigned_to)
     held = pass_.reserved.pop(queued.request_id, 0)
     if held and resident is not None:
