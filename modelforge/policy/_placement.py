@@ -192,7 +192,10 @@ def _unload_removed(pass_: DecisionPass, decisions: Decisions) -> None:
     is idle, whatever its residency: nothing may be granted on it, so an `always_warm` one would
     otherwise pin its memory, unevictable, forever."""
     catalog = pass_.state.catalog
-    for resident in pass_.state.residents.values():
+    # The fast pass reads them from the groupings it started from (kept with the catalog); the
+    # reference pass walks every resident.
+    kept = kept_groups(pass_.state) if pass_.indexed else None
+    for resident in kept[0].removed if kept is not None else pass_.state.residents.values():
         known = catalog.deployment(resident.deployment) is not None
         if known and catalog.accelerator(resident.accelerator) is not None:
             continue

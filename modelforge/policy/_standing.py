@@ -19,14 +19,15 @@ from scratch, and the property tests compare the two."""
 
 from __future__ import annotations
 
+from itertools import islice
 from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
 from modelforge.domain import Accelerator, Catalog, Residency
-from modelforge.policy._state import Lease, PoolState, ResidentPhase, ResidentState
+from modelforge.policy._state import RESIDENT_WRITES, Lease, PoolState, ResidentPhase, ResidentState
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
 _KEY = "_policy_standing"
 
@@ -61,18 +62,21 @@ class ResidentGroups:
         "evictable",
         "marks",
         "pinned",
+        "removed",
         "resident_sum",
         "residents",
         "residents_of",
         "slots",
         "unloading",
         "unused",
+        "writes",
     )
 
-    def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[_Mark]) -> None:
+    def __init__(self, catalog: Catalog, residents: list[ResidentState], marks: list[_Mark], writes: int) -> None:
         self.catalog = catalog
         self.residents = residents
         self.marks = marks
+        self.writes = writes  # `RESIDENT_WRITES` when the marks were last found the residents'
         # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
         self.resident_sum: dict[str, int] = {}
         self.pinned: dict[str, int] = {}
@@ -86,6 +90,9 @@ class ResidentGroups:
         # when nobody waits on them (`_placement._unload_unused`), where a busy cluster's
         # residents are mostly running jobs.
         self.unused: list[ResidentState] = []
+        # Residents whose deployment or card the catalog no longer has, in the residents' order:
+        # those a pass unloads once idle (`_placement._unload_removed`).
+        self.removed: list[ResidentState] = []
         resident_sum, pinned, residents_of, evictable, slots, unused, unloading = (
             self.resident_sum,
             self.pinned,
@@ -100,6 +107,8 @@ class ResidentGroups:
         always_warm, idle, by_pass = Residency.ALWAYS_WARM, _IDLE_PHASES, GO_WITH_LAST_LEASE
         unloading_phase = ResidentPhase.UNLOADING
         concurrency: dict[str, int] = {}
+        known_deployments: dict[str, bool] = {}
+        known_cards: dict[str, bool] = {}
         for resident, (key, deployment_id, accelerator, nbytes, phase, residency, active) in zip(
             residents, marks, strict=True
         ):
@@ -121,7 +130,13 @@ class ResidentGroups:
             if most is None:
                 deployment = catalog.deployment(deployment_id)
                 most = concurrency[deployment_id] = deployment.concurrency if deployment else 1
+                known_deployments[deployment_id] = deployment is not None
             slots[key] = most - active
+            on_card = known_cards.get(accelerator)
+            if on_card is None:
+                on_card = known_cards[accelerator] = catalog.accelerator(accelerator) is not None
+            if not (on_card and known_deployments[deployment_id]):
+                self.removed.append(resident)
 
 
 class LeaseGroups:
@@ -153,8 +168,12 @@ class LeaseGroups:
             # went. At C speed, each value compared by identity first; a pass asks it again
             # after the observations that started its step asked it.
             return
-        gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
-        leased_sum, holding, timed_on = dict(self.leased_sum), self.holding, self.timed_on
+        self.leased_sum = dict(self.leased_sum)
+        for gone, came in lease_changes(held, leases):
+            self._count(gone, came, leases)
+
+    def _count(self, gone: Iterable[str], came: Iterable[str], leases: dict[str, Lease]) -> None:
+        held, leased_sum, holding, timed_on = self.held, self.leased_sum, self.holding, self.timed_on
         for lease_id in gone:
             lease = held.pop(lease_id)
             self.of_preemptible.pop(lease_id, None)
@@ -170,24 +189,41 @@ class LeaseGroups:
                         del timed_on[accelerator_id]
                     else:
                         timed_on[accelerator_id] -= 1
-        if len(held) < len(leases):
-            catalog = self.catalog
-            for lease_id, lease in leases.items():
-                if lease_id in held:
-                    continue
-                held[lease_id] = lease
-                held_on = lease.accelerators if lease.gang else (lease.accelerator,)
+        catalog = self.catalog
+        for lease_id in came:
+            lease = held[lease_id] = leases[lease_id]
+            held_on = lease.accelerators if lease.gang else (lease.accelerator,)
+            for accelerator_id in held_on:
+                leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
+                holding[accelerator_id] = holding.get(accelerator_id, 0) + 1
+            leased = catalog.deployment(lease.deployment)
+            if leased is not None and leased.preemptible:
+                self.of_preemptible[lease_id] = (lease, held_on)
+            if lease.ends_by is not None:
+                self.of_timed[lease_id] = (lease, held_on)
                 for accelerator_id in held_on:
-                    leased_sum[accelerator_id] = leased_sum.get(accelerator_id, 0) + lease.bytes
-                    holding[accelerator_id] = holding.get(accelerator_id, 0) + 1
-                leased = catalog.deployment(lease.deployment)
-                if leased is not None and leased.preemptible:
-                    self.of_preemptible[lease_id] = (lease, held_on)
-                if lease.ends_by is not None:
-                    self.of_timed[lease_id] = (lease, held_on)
-                    for accelerator_id in held_on:
-                        timed_on[accelerator_id] = timed_on.get(accelerator_id, 0) + 1
-        self.leased_sum = leased_sum
+                    timed_on[accelerator_id] = timed_on.get(accelerator_id, 0) + 1
+
+
+def lease_changes(held: dict[str, Lease], leases: dict[str, Lease]) -> Iterator[tuple[list[str], list[str]]]:
+    """What brings `held` (a copy kept of `leases` that its reader pops and adds to) up to date:
+    (ids gone, ids come, in `leases`' order), once or twice. A busy pool changes a few of its
+    thousands of leases a pass: those gone are a difference of keys and those come the dict's
+    tail (a new id is added at its end), both found at C speed; the walk over every lease is
+    left to what that misses, a lease replaced under its id (rare), asked once `held` has
+    taken the rest. The reader's tables follow from the ids alone (sums and counts), so the
+    order those gone are taken in does not change them."""
+    gone = list(held.keys() - leases.keys())
+    come = len(leases) - len(held) + len(gone)  # the ids of `leases` not held, exactly
+    came = list(islice(reversed(leases.keys()), come))
+    came.reverse()
+    if not any(lease_id in held for lease_id in came):
+        yield gone, came
+        if held == leases:
+            return
+    gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
+    yield gone, []
+    yield [], [lease_id for lease_id in leases if lease_id not in held]
 
 
 class LeasesOn:
@@ -207,19 +243,16 @@ class LeasesOn:
         held, on = self.held, self.on
         if held == leases:
             return  # as `LeaseGroups.update`: none came or went
-        gone = [lease_id for lease_id, lease in held.items() if leases.get(lease_id) is not lease]
-        for lease_id in gone:
-            lease = held.pop(lease_id)
-            for card in lease.accelerators:
-                cards = on[card]
-                del cards[lease_id]
-                if not cards:
-                    del on[card]
-        if len(held) == len(leases):
-            return  # every lease left is the one indexed: none came
-        for lease_id, lease in leases.items():
-            if lease_id not in held:
-                held[lease_id] = lease
+        for gone, came in lease_changes(held, leases):
+            for lease_id in gone:
+                lease = held.pop(lease_id)
+                for card in lease.accelerators:
+                    cards = on[card]
+                    del cards[lease_id]
+                    if not cards:
+                        del on[card]
+            for lease_id in came:
+                lease = held[lease_id] = leases[lease_id]
                 for card in lease.accelerators:
                     on.setdefault(card, {})[lease_id] = lease
 
@@ -240,18 +273,25 @@ def leases_on(state: PoolState, kept: bool = True) -> LeasesOn:
 
 
 def resident_groups(state: PoolState) -> ResidentGroups:
-    """The residents' groupings, rebuilt when a resident came, went, or changed a field read."""
+    """The residents' groupings, rebuilt when a resident came, went, or changed a field read.
+    Their fields are compared only when a field of some resident was written since the
+    groupings were last found current (`RESIDENT_WRITES`): most passes write none."""
     cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
+    writes = RESIDENT_WRITES[0]
     residents = list(state.residents.values())
-    marks: list[_Mark] = list(map(_resident_fields, residents))
     groups = cached.get("residents")
     if (
-        not isinstance(groups, ResidentGroups)
-        or groups.catalog is not state.catalog
-        or groups.marks != marks
-        or not _same(residents, groups.residents)  # type: ignore[arg-type]
+        isinstance(groups, ResidentGroups) and groups.catalog is state.catalog and _same(residents, groups.residents)  # type: ignore[arg-type]
     ):
-        groups = cached["residents"] = ResidentGroups(state.catalog, residents, marks)
+        if groups.writes == writes:
+            return groups
+        marks: list[_Mark] = list(map(_resident_fields, residents))
+        if groups.marks == marks:
+            groups.writes = writes
+            return groups
+    else:
+        marks = list(map(_resident_fields, residents))
+    groups = cached["residents"] = ResidentGroups(state.catalog, residents, marks, writes)
     return groups
 
 

@@ -3,6 +3,7 @@ what the simulator replays. Plain dataclasses, JSON-friendly, iterated in insert
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -67,6 +68,16 @@ class ResidentPhase(StrEnum):
     WAKING = "waking"
 
 
+# Every field set on any resident, its construction included, draws the next number here and
+# leaves it in `RESIDENT_WRITES[0]`: a pass's groupings of the residents (`_standing`) are
+# checked field by field only when it moved since they were built, not on every pass (a busy
+# cluster holds thousands of residents and most passes change none). `next` on a count is
+# atomic, and each number is drawn once, so the value a grouping saw comes back only if no
+# resident was written since, whichever thread ran a workflow's task.
+_RESIDENT_WRITE_NUMBERS = itertools.count(1)
+RESIDENT_WRITES = [0]
+
+
 @dataclass
 class ResidentState:
     key: str
@@ -92,6 +103,10 @@ class ResidentState:
     # loaded again under the same key is another incarnation, and the leases of the lost one
     # never count on it (`holder_of`). 0: a resident of a state from before incarnations.
     incarnation: int = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        RESIDENT_WRITES[0] = next(_RESIDENT_WRITE_NUMBERS)
 
     @property
     def idle_expires_at(self) -> float:

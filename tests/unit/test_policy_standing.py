@@ -69,6 +69,11 @@ def same_start(s: PoolState, now: float) -> None:
     assert groups is not None
     residents, leases = groups
     assert residents.unloading == [r for r in s.residents.values() if r.phase == ResidentPhase.UNLOADING]
+    assert residents.removed == [
+        r
+        for r in s.residents.values()
+        if s.catalog.deployment(r.deployment) is None or s.catalog.accelerator(r.accelerator) is None
+    ]
     assert sorted(leases.of_timed) == sorted(i for i, lease in s.leases.items() if lease.ends_by is not None)
     timed_on: dict[str, int] = {}
     for lease in s.leases.values():
@@ -119,6 +124,15 @@ def test_groupings_follow_changes_made_behind_their_back() -> None:
     # The residents replaced whole (a new run of the scheduler starts from a copy).
     s.residents = dict(s.residents)
     same_start(s, NOW)
+    # The catalog without the model that is resident: it goes once idle, in both passes.
+    s.catalog = dataclasses.replace(
+        s.catalog, deployments=[d for d in s.catalog.deployments if d.capability != "llm@1"]
+    )
+    same_start(s, NOW)
+    assert [u.resident_key for u in decide(s, NOW).unloads] == [llm.key]
+    s.residents[llm.key].active_leases = 1  # busy: kept until its lease ends
+    same_start(s, NOW)
+    assert decide(s, NOW).unloads == []
 
 
 def test_groupings_follow_grants_releases_and_preemptible_work() -> None:
@@ -255,3 +269,77 @@ def test_a_load_lands_on_the_best_fit_of_a_large_pool_and_the_index_follows_ever
     # The state replaced by a copy (a new run of the scheduler) builds the index anew.
     copy = dataclasses.replace(s)
     fit_agrees(copy, now)
+
+
+def test_lease_groupings_follow_any_mix_of_leases_come_gone_and_replaced() -> None:
+    """The kept lease groupings find what came and went from the ends of the leases' dict and a
+    difference of keys; a lease replaced under its id, removed and added again (to the dict's
+    end), or the dict rebuilt in another order is found too: after every step they equal ones
+    built afresh."""
+    import random
+
+    from modelforge.policy._standing import LeaseGroups, LeasesOn
+    from modelforge.policy._state import Lease
+
+    s = build()
+    rng = random.Random(11)
+    kept_groups_, kept_on = LeaseGroups(s.catalog), LeasesOn()
+    cards = ["a/0", "b/0"]
+    deployments = ["emb@1", "llm@1", "job@1"]
+    leases: dict[str, Lease] = {}
+    made = 0
+
+    def new_lease() -> Lease:
+        nonlocal made
+        made += 1
+        first = rng.choice(cards)
+        return Lease(
+            lease_id=f"l{made}",
+            request_id=f"r{made}",
+            workflow_id=f"w{made}",
+            capability=deployments[made % 3],
+            deployment=deployments[made % 3],
+            accelerator=first,
+            node=first.split("/")[0],
+            resident_key=f"{deployments[made % 3]}@{first}",
+            bytes=rng.randint(1, 4) * GiB,
+            granted_at=NOW,
+            priority="background",
+            tenant="t",
+            gang=[c for c in cards if c != first] if rng.random() < 0.3 else [],
+            ends_by=NOW + 60 if rng.random() < 0.3 else None,
+        )
+
+    for _ in range(400):
+        for _ in range(rng.randint(0, 3)):
+            lease = new_lease()
+            leases[lease.lease_id] = lease
+        ids = list(leases)
+        move = rng.random()
+        if ids and move < 0.5:
+            for lease_id in rng.sample(ids, min(len(ids), rng.randint(1, 3))):
+                del leases[lease_id]
+        elif ids and move < 0.65:
+            lease_id = rng.choice(ids)  # replaced in place, moved to the other card
+            lease = leases[lease_id]
+            other = "b/0" if lease.accelerator == "a/0" else "a/0"
+            leases[lease_id] = dataclasses.replace(lease, accelerator=other, gang=[])
+        elif ids and move < 0.75:
+            lease_id = rng.choice(ids)  # removed and added again: now at the dict's end
+            leases[lease_id] = leases.pop(lease_id)
+        elif move < 0.8:
+            shuffled = list(leases.items())
+            rng.shuffle(shuffled)
+            leases = dict(shuffled)
+        kept_groups_.update(leases)
+        kept_on.update(leases)
+        fresh_groups, fresh_on = LeaseGroups(s.catalog), LeasesOn()
+        fresh_groups.update(leases)
+        fresh_on.update(leases)
+        assert kept_groups_.held == leases
+        for name in ("leased_sum", "holding", "timed_on"):
+            assert getattr(kept_groups_, name) == getattr(fresh_groups, name), name
+        # (their readers sum or sort them: the order within is not kept)
+        assert kept_groups_.of_preemptible == fresh_groups.of_preemptible
+        assert kept_groups_.of_timed == fresh_groups.of_timed
+        assert kept_on.on == fresh_on.on
