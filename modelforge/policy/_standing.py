@@ -206,13 +206,13 @@ class LeaseGroups:
 
 
 def lease_changes(held: dict[str, Lease], leases: dict[str, Lease]) -> Iterator[tuple[list[str], list[str]]]:
-    """What brings `held` (a copy kept of `leases` that its reader pops and adds to) up to date:
-    (ids gone, ids come, in `leases`' order), once or twice. A busy pool changes a few of its
-    thousands of leases a pass: those gone are a difference of keys and those come the dict's
-    tail (a new id is added at its end), both found at C speed; the walk over every lease is
-    left to what that misses, a lease replaced under its id (rare), asked once `held` has
-    taken the rest. The reader's tables follow from the ids alone (sums and counts), so the
-    order those gone are taken in does not change them."""
+    """What brings `held` (a copy kept of `leases` that its reader pops and adds to) up to
+    date, in steps of (ids gone, ids come in `leases`' order), each taken before the next is
+    asked. A busy pool changes a few of its thousands of leases a pass: those gone are a
+    difference of keys and those come the dict's tail (a new id is added at its end), both
+    found at C speed; the walk over every lease is left to what that misses, a lease replaced
+    under its id (rare), asked once `held` has taken the rest. The reader's tables follow from
+    the ids alone (sums and counts), so the order those gone are taken in does not change them."""
     gone = list(held.keys() - leases.keys())
     come = len(leases) - len(held) + len(gone)  # the ids of `leases` not held, exactly
     came = list(islice(reversed(leases.keys()), come))
