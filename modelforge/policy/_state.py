@@ -69,11 +69,12 @@ class ResidentPhase(StrEnum):
 
 
 # Every field set on any resident, its construction included, draws the next number here and
-# leaves it in `RESIDENT_WRITES[0]`: a pass's groupings of the residents (`_standing`) are
-# checked field by field only when it moved since they were built, not on every pass (a busy
-# cluster holds thousands of residents and most passes change none). `next` on a count is
-# atomic, and each number is drawn once, so the value a grouping saw comes back only if no
-# resident was written since, whichever thread ran a workflow's task.
+# leaves it in `RESIDENT_WRITES[0]`: the residents' groupings a pass starts from (`_standing`)
+# are checked field by field only when it moved since they were last found current, not each
+# time they are asked (twice a step, by the observations and by the pass, over the thousands
+# of residents of a busy cluster). `next` on a count is atomic and each number is drawn once,
+# so the value a grouping saw is still there only if no resident was written since, whichever
+# thread ran a workflow's task.
 _RESIDENT_WRITE_NUMBERS = itertools.count(1)
 RESIDENT_WRITES = [0]
 
