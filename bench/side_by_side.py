@@ -78,18 +78,18 @@ def _busy_trace(folder: Path) -> str:
 
 
 def _whatif_record(folder: Path) -> str:
-    from bench.whatif import WEEK, homelab_week
+    from bench.whatif import START_EPOCH, homelab_week, record_window
     from modelforge.simulate import build_record_scenario
     from modelforge.simulate._recorder import make_record, record_rows
 
     scenario = homelab_week(2)
-    start_epoch = 1_767_225_600.0  # as bench.whatif makes it
     started = time.perf_counter()
-    record = make_record(scenario, start_epoch)
+    record = make_record(scenario, START_EPOCH)
     print(f"the week's record made by this tree: {len(record.events):,} events ({time.perf_counter() - started:.1f} s)")
-    rows = record_rows(record)
-    since, until = start_epoch, start_epoch + WEEK + 86400.0
-    replayed = build_record_scenario(rows, [(start_epoch - 1.0, scenario.catalog)], since_s=since, until_s=until)
+    since, until = record_window()
+    replayed = build_record_scenario(
+        record_rows(record), [(START_EPOCH - 1.0, scenario.catalog)], since_s=since, until_s=until
+    )
     path = folder / "record.pickle"
     with path.open("wb") as handle:
         pickle.dump(replayed, handle)

@@ -153,6 +153,15 @@ def homelab_week(peak_hours: int, seed: int = 7) -> Scenario:
     return Scenario(with_variants, requests, external, name="homelab week")
 
 
+# The record's first moment (2026-01-01 00:00 UTC), and the window `simulate --from-record 7d`
+# reads it back through: the week and a day after, for what was still running.
+START_EPOCH = 1_767_225_600.0
+
+
+def record_window() -> tuple[float, float]:
+    return START_EPOCH, START_EPOCH + WEEK + DAY
+
+
 def longer_ttl(catalog: Catalog, ttl_s: float) -> Catalog:
     return replace(
         catalog,
@@ -211,12 +220,11 @@ def main() -> int:
     scenario = homelab_week(args.peak_hours)
     built = time.perf_counter() - started
     print(f"homelab week: {len(scenario.requests):,} requests, 2 simulated cards ({built:.1f} s to build)")
-    start_epoch = 1_767_225_600.0  # 2026-01-01 00:00 UTC
     started = time.perf_counter()
-    record = make_record(scenario, start_epoch)
+    record = make_record(scenario, START_EPOCH)
     made_s = time.perf_counter() - started
     print(f"the week as the production policy ran it: {len(record.events):,} events ({made_s:.1f} s)")
-    since, until = start_epoch, start_epoch + WEEK + DAY
+    since, until = record_window()
     if args.store:
         rows, wrote, read = asyncio.run(_through_store(record, since, until))
         print(f"Postgres: wrote the record in {wrote:.1f} s, read the window back in {read:.1f} s")
@@ -226,7 +234,7 @@ def main() -> int:
     del record, scenario  # what the caller of `simulate --from-record` would not hold either
     started = time.perf_counter()
     with replay_processes() as processes:  # as `simulate --from-record` starts them, before the scenario
-        replay = build_record_scenario(rows, [(start_epoch - 1.0, as_was)], since_s=since, until_s=until)
+        replay = build_record_scenario(rows, [(START_EPOCH - 1.0, as_was)], since_s=since, until_s=until)
         scenario_s = time.perf_counter() - started
         runs = compare(replay, longer_ttl(as_was, args.ttl), processes=processes)
     total = time.perf_counter() - started

@@ -558,30 +558,11 @@ def _kept_preemptible(state: PoolState, groups: LeaseGroups, now: float) -> dict
         kept = state.__dict__[_KEPT_PREEMPTIBLE] = _KeptPreemptible(groups, min_runtime)
     kept.update(state, now)
     if CHECK_KEPT_PREEMPTIBLE:
-        fresh = _preemptible(state, groups, now)
+        _, fresh = _group_leases(state, now)  # the reference pass's walk over every lease
         for leases_on in fresh.values():
             leases_on.sort(key=lambda lease: _preemption_order(state, lease))
         assert kept.on == fresh, sorted(kept.on.keys() ^ fresh.keys())
     return kept.on
-
-
-def _preemptible(state: PoolState, leases: LeaseGroups, now: float) -> dict[str, list[Lease]]:
-    """`_group_leases`'s preemptible leases from the kept groupings: the leases being
-    preempted, and those of preemptible deployments past their minimum runtime (the order
-    within a card is the sort's in `start_pass`, by lease id last)."""
-    preemptible: dict[str, list[Lease]] = {}
-    min_runtime = state.config.preempt_min_runtime_s
-    preempting = state.preempting
-    for lease, held_on in leases.of_preemptible.values():
-        if now - lease.granted_at >= min_runtime and lease.lease_id not in preempting:
-            for accelerator_id in held_on:
-                preemptible.setdefault(accelerator_id, []).append(lease)
-    for lease_id in preempting:
-        stopped = state.leases.get(lease_id)
-        if stopped is not None:
-            for accelerator_id in stopped.accelerators if stopped.gang else (stopped.accelerator,):
-                preemptible.setdefault(accelerator_id, []).append(stopped)
-    return preemptible
 
 
 def unload_cost(state: PoolState, deployment: Deployment | None) -> float:
