@@ -315,7 +315,11 @@ async def test_a_reset_run_grants_nothing_before_its_audit_has_answered(
 
         first, second, _, closed = await _reset_past_a_grant(stack, queued_behind=queue_a_third)
         assert (await asyncio.wait_for(third[0].result(), timeout=60)).output
-        [row] = [r for r in await stack.store.ledger() if r["request_id"] == third[0].id.rsplit(":", 1)[1]]
+
+        async def third_granted() -> list[dict[str, Any]]:  # the ledger trails the answer by a write
+            return [r for r in await stack.store.ledger() if r["request_id"] == third[0].id.rsplit(":", 1)[1]]
+
+        [row] = await _until(third_granted, 30)
         assert row["granted_at"] >= closed["ended_at"], (row["granted_at"], closed["ended_at"])
         # The second, stopped at the reclaim, asked again and ran after the third.
         result = await asyncio.wait_for(second.result(), timeout=60)
@@ -407,7 +411,11 @@ async def test_a_reset_sends_its_admissions_again_and_reclaims_a_grant_never_wri
         assert "no longer held" in closed["outcome"]
         [granted] = [e for e in await stack.events("lease_granted", at_least=1) if e["lease_id"] == lease_id]
         assert granted["payload"]["forgotten"] is True
-        [served] = [r for r in await stack.store.ledger() if r["request_id"] == fourth.id.rsplit(":", 1)[1]]
+
+        async def fourth_granted() -> list[dict[str, Any]]:  # the ledger trails the grant by a write
+            return [r for r in await stack.store.ledger() if r["request_id"] == fourth.id.rsplit(":", 1)[1]]
+
+        [served] = await _until(fourth_granted, 30)
         assert served["granted_at"] >= closed["ended_at"], (served["granted_at"], closed["ended_at"])
         # The second, stopped at the reclaim, asked again and ran on a lease of its own.
         result = await asyncio.wait_for(second.result(), timeout=60)
