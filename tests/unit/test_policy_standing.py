@@ -343,3 +343,120 @@ def test_lease_groupings_follow_any_mix_of_leases_come_gone_and_replaced() -> No
         assert kept_groups_.of_preemptible == fresh_groups.of_preemptible
         assert kept_groups_.of_timed == fresh_groups.of_timed
         assert kept_on.on == fresh_on.on
+
+
+def test_resident_groupings_follow_any_mix_of_residents_come_gone_changed_and_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kept resident groupings are brought up to date by the residents that came (the
+    dict's tail), went (by identity) and changed a field read, each list kept in the residents'
+    order; a resident replaced under its key, one whose card, deployment or residency changed,
+    removed and added again, a catalog without a resident's card or model, or the dict rebuilt
+    in another order are found too: after every step they equal groupings built afresh, list by
+    list and member by member. Most steps are brought up to date, not rebuilt."""
+    import random
+
+    from modelforge.domain import Residency
+    from modelforge.policy import _standing
+    from modelforge.policy._standing import ResidentGroups, resident_groups
+    from modelforge.policy._state import ResidentState
+
+    s = build()  # (its catalog lacks the card gone/0 and the model old@1: their residents are `removed`)
+    updates: list[bool] = []  # per step, whether the groupings were brought up to date
+    update = ResidentGroups.updated
+
+    def counted(self: ResidentGroups, *args: object) -> ResidentGroups | None:
+        found = update(self, *args)  # type: ignore[arg-type]
+        updates.append(found is not None)
+        return found
+
+    monkeypatch.setattr(ResidentGroups, "updated", counted)
+    rng = random.Random(5)
+    cards = ["a/0", "b/0", "gone/0"]
+    deployments = ["emb@1", "llm@1", "job@1", "old@1"]
+    phases = list(ResidentPhase)
+    residencies = list(Residency)
+    made = 0
+    # Steps made only of what the policy's transitions do (residents loaded and unloaded, leases
+    # granted and ended, phases and bytes changed), each of which must be brought up to date.
+    transitions = 0
+
+    def new_resident() -> ResidentState:
+        nonlocal made
+        made += 1
+        card, capability = rng.choice(cards), rng.choice(deployments)
+        return ResidentState(
+            key=f"{capability}@{card}#{made}",
+            deployment=capability,
+            capability=capability,
+            accelerator=card,
+            node=card.split("/")[0],
+            bytes=rng.randint(1, 4) * GiB,
+            phase=rng.choice(phases),
+            residency=rng.choice(residencies),
+            ttl_s=60,
+            workflow_id=f"w{made}",
+            active_leases=rng.choice([0, 0, 1, 2]),
+        )
+
+    _standing.CHECK_KEPT_RESIDENTS = True
+    try:
+        previous = resident_groups(s)
+        for _ in range(400):
+            for _ in range(rng.choice([0, 0, 0, 1, 2])):
+                r = new_resident()
+                s.residents[r.key] = r
+            keys = list(s.residents)
+            move = rng.random()
+            a_transition = True
+            if keys and move < 0.3:
+                for key in rng.sample(keys, min(len(keys), rng.randint(1, 2))):
+                    del s.residents[key]
+            elif keys and move < 0.7:
+                for key in rng.sample(keys, min(len(keys), rng.randint(1, 3))):
+                    r = s.residents[key]
+                    field, value = rng.choice(
+                        [
+                            ("active_leases", rng.choice([0, 0, 1, 3])),
+                            ("phase", rng.choice(phases)),
+                            ("bytes", rng.randint(0, 4) * GiB),
+                            ("residency", rng.choice(residencies)),
+                            ("accelerator", rng.choice(cards)),
+                        ]
+                    )
+                    a_transition = a_transition and field not in ("residency", "accelerator")
+                    setattr(r, field, value)
+            elif keys and move < 0.8:
+                a_transition = False
+                key = rng.choice(keys)  # replaced under its key by an equal copy, then changed
+                s.residents[key] = dataclasses.replace(s.residents[key], active_leases=0)
+            elif keys and move < 0.9:
+                a_transition = False
+                key = rng.choice(keys)  # removed and added again: now at the dict's end
+                s.residents[key] = s.residents.pop(key)
+            elif move < 0.93:
+                a_transition = False
+                shuffled = list(s.residents.items())
+                rng.shuffle(shuffled)
+                s.residents = dict(shuffled)
+            del updates[:]
+            kept = resident_groups(s)  # the check compares each update with a fresh build
+            if a_transition and kept is not previous:
+                transitions += 1
+                assert updates == [True]
+            residents = list(s.residents.values())
+            fresh = ResidentGroups(s.catalog, residents, list(map(_standing._resident_fields, residents)), 0)
+            for name in ("resident_sum", "pinned", "residents_of", "evictable", "slots"):
+                assert getattr(kept, name) == getattr(fresh, name), name
+            assert list(kept.slots) == list(fresh.slots)
+            for name in ("unloading", "unused", "removed"):
+                assert [id(r) for r in getattr(kept, name)] == [id(r) for r in getattr(fresh, name)], name
+            for deployment_id, members in fresh.residents_of.items():
+                assert [id(r) for r in kept.residents_of[deployment_id]] == [id(r) for r in members]
+            for card, members in fresh.evictable.items():
+                assert [id(r) for r in kept.evictable[card]] == [id(r) for r in members]
+            previous = kept
+    finally:
+        _standing.CHECK_KEPT_RESIDENTS = False
+    assert fresh.removed, "the steps never had a resident the catalog lacks"
+    assert transitions > 150
