@@ -28,7 +28,7 @@ from modelforge.domain import Accelerator, Catalog, Residency
 from modelforge.policy._state import RESIDENT_WRITES, Lease, PoolState, ResidentPhase, ResidentState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Iterable, Iterator
 
 _KEY = "_policy_standing"
 
@@ -200,19 +200,17 @@ class ResidentGroups:
         key (another object at its place), or whose key, deployment, card or residency
         changed, is left to a rebuild (rare)."""
         before, marks_before = self.residents, self.marks
-        # Each resident's rank in the residents' order, by identity (worked out here, at C
-        # speed, from the groupings' own list: a copy of the state copies that list too).
-        ranks = dict(zip(map(id, before), range(len(before)), strict=True))
-        if len(ranks) < len(before):
-            return None  # a resident there twice
-        gone_ids = ranks.keys() - map(id, residents)
-        if gone_ids:
+        gone: list[tuple[ResidentState, _Mark]] = []
+        if len(residents) >= len(before) and _same(residents[: len(before)], before):  # type: ignore[arg-type]
+            kept, kept_marks = before, marks_before  # none gone (most passes: fields changed)
+        else:
+            gone_ids = set(map(id, before)).difference(map(id, residents))
+            if not gone_ids:
+                return None  # the same residents in another order
             goes = list(map(gone_ids.__contains__, map(id, before)))
             stays = list(map(not_, goes))
             kept, kept_marks = list(compress(before, stays)), list(compress(marks_before, stays))
             gone = list(compress(zip(before, marks_before, strict=True), goes))
-        else:
-            kept, kept_marks, gone = before, marks_before, []
         count = len(kept)
         if len(residents) < count or not _same(residents[:count], kept):  # type: ignore[arg-type]
             return None
@@ -222,30 +220,30 @@ class ResidentGroups:
             if then[0] != now[0] or then[1] != now[1] or then[2] != now[2] or then[5] != now[5]:
                 return None
         came = range(count, len(residents))
-        for rank, index in enumerate(came, start=len(before)):  # after every other
-            if ranks.setdefault(id(residents[index]), rank) != rank:
-                return None  # one there before too
-        new = _Edit(self, residents, marks, writes, ranks)
-        for resident, mark in gone:
-            new.take(resident, mark)
-            new.leaves(resident, mark)
-        for index in changed:
-            resident, then, now = residents[index], kept_marks[index], marks[index]
-            # (its bytes unchanged, the sums are left alone: the fit index reads the cards
-            # again only when the sums are another dict)
-            new.take(resident, then, sums=then[3] != now[3])
-            new.add(resident, now, sums=then[3] != now[3])
-        for index in came:
-            resident = residents[index]
-            new.joins(resident, marks[index])
-            new.add(resident, marks[index])
+        new = _Edit(self, residents, marks, writes, before, came)
+        try:
+            for resident, mark in gone:
+                new.take(resident, mark)
+                new.leaves(resident, mark)
+            for index in changed:
+                resident, then, now = residents[index], kept_marks[index], marks[index]
+                # (its bytes unchanged, the sums are left alone: the fit index reads the cards
+                # again only when the sums are another dict)
+                new.take(resident, then, sums=then[3] != now[3])
+                new.add(resident, now, sums=then[3] != now[3])
+            for index in came:
+                resident = residents[index]
+                new.joins(resident, marks[index])
+                new.add(resident, marks[index])
+        except _Unordered:
+            return None  # a resident there twice
         if len(new.groups.slots) != len(residents):
             return None  # two residents of one key
         return new.groups
 
 
-def _rank_of(ranks: dict[int, int]) -> Callable[[ResidentState], int]:
-    return lambda resident: ranks[id(resident)]
+class _Unordered(Exception):
+    """A list of the groupings is not in the residents' order: a resident is there twice."""
 
 
 class _Edit:
@@ -253,7 +251,7 @@ class _Edit:
     it is changed (the groupings it starts from are never changed: a fit index compares the
     resident sums it last read with a pass's by identity)."""
 
-    __slots__ = ("copied", "groups", "rank_of", "ranks")
+    __slots__ = ("before", "came", "copied", "groups", "ranks")
 
     def __init__(
         self,
@@ -261,15 +259,28 @@ class _Edit:
         residents: list[ResidentState],
         marks: list[_Mark],
         writes: int,
-        ranks: dict[int, int],
+        before: list[ResidentState],
+        came: range,
     ) -> None:
         groups = self.groups = object.__new__(ResidentGroups)
         for name in ResidentGroups.__slots__:
             setattr(groups, name, getattr(source, name))
         groups.residents, groups.marks, groups.writes = residents, marks, writes
         self.copied: dict[object, bool] = {}
-        self.ranks = ranks
-        self.rank_of = _rank_of(ranks)
+        self.before, self.came = before, came
+        self.ranks: dict[int, int] | None = None
+
+    def rank_of(self, resident: ResidentState) -> int:
+        """A resident's rank in the residents' order (by identity): those of the groupings it
+        started from in their order, those that came after them all. Worked out at C speed the
+        first time a list kept in that order is changed (most passes change none)."""
+        ranks = self.ranks
+        if ranks is None:
+            residents, before = self.groups.residents, self.before
+            ranks = self.ranks = dict(zip(map(id, before), range(len(before)), strict=True))
+            came = residents[self.came.start :]
+            ranks.update(zip(map(id, came), range(len(before), len(before) + len(came)), strict=True))
+        return ranks[id(resident)]
 
     def _table(self, name: str) -> dict[str, object]:
         """One of the groupings' tables, copied the first time it is changed."""
@@ -302,8 +313,9 @@ class _Edit:
 
     def _drop(self, name: str, resident: ResidentState, key: str | None = None) -> None:
         members = self._list(name, key)
-        at = bisect_left(members, self.ranks[id(resident)], key=self.rank_of)
-        assert members[at] is resident, "a grouping out of the residents' order"
+        at = bisect_left(members, self.rank_of(resident), key=self.rank_of)
+        if at == len(members) or members[at] is not resident:
+            raise _Unordered
         del members[at]
         if key is not None and not members:
             del self._table(name)[key]

@@ -351,8 +351,8 @@ def test_resident_groupings_follow_any_mix_of_residents_come_gone_changed_and_re
     """The kept resident groupings are brought up to date by the residents that came (the
     dict's tail), went (by identity) and changed a field read, each list kept in the residents'
     order; a resident replaced under its key, one whose card, deployment or residency changed,
-    removed and added again, a catalog without a resident's card or model, or the dict rebuilt
-    in another order are found too: after every step they equal groupings built afresh, list by
+    removed and added again, one under two keys, a catalog without a resident's card or model,
+    or the dict rebuilt in another order are found too: after every step they equal groupings built afresh, list by
     list and member by member. Most steps are brought up to date, not rebuilt."""
     import random
 
@@ -380,6 +380,7 @@ def test_resident_groupings_follow_any_mix_of_residents_come_gone_changed_and_re
     # Steps made only of what the policy's transitions do (residents loaded and unloaded, leases
     # granted and ended, phases and bytes changed), each of which must be brought up to date.
     transitions = 0
+    twice = False
 
     def new_resident() -> ResidentState:
         nonlocal made
@@ -434,14 +435,21 @@ def test_resident_groupings_follow_any_mix_of_residents_come_gone_changed_and_re
                 a_transition = False
                 key = rng.choice(keys)  # removed and added again: now at the dict's end
                 s.residents[key] = s.residents.pop(key)
-            elif move < 0.93:
+            elif keys and move < 0.92:
+                a_transition = False
+                key = rng.choice(keys)  # one resident under a second key too
+                s.residents[f"{key}#twice"] = s.residents[key]
+            elif move < 0.95:
                 a_transition = False
                 shuffled = list(s.residents.items())
                 rng.shuffle(shuffled)
                 s.residents = dict(shuffled)
+            # (a resident there twice, or two of one key, now or at the last step: left to a rebuild)
+            twice_before = twice
+            twice = len({r.key for r in s.residents.values()}) < len(s.residents)
             del updates[:]
             kept = resident_groups(s)  # the check compares each update with a fresh build
-            if a_transition and kept is not previous:
+            if a_transition and not (twice or twice_before) and kept is not previous:
                 transitions += 1
                 assert updates == [True]
             residents = list(s.residents.values())
@@ -459,4 +467,4 @@ def test_resident_groupings_follow_any_mix_of_residents_come_gone_changed_and_re
     finally:
         _standing.CHECK_KEPT_RESIDENTS = False
     assert fresh.removed, "the steps never had a resident the catalog lacks"
-    assert transitions > 150
+    assert transitions > 100
