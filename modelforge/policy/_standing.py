@@ -7,9 +7,12 @@ on the residents' and leases' fields alone (and the catalog), not on time, so th
 the state's `__dict__` (never serialized) and rebuilt only when what they were built from
 changed. Whether it did is checked, not trusted: residents are mutable and changed in place by
 many transitions (and by tests), so each pass compares, at C speed, the residents' identities
-and the fields read here with the ones the grouping was built from, and a change of any of them
-rebuilds the residents' part from scratch, in the same walk order as a pass always used, so a
-pass sees exactly what it computed before. Leases are frozen, so their identities suffice, and
+and the fields read here (their marks) with the ones the grouping was built from. Where
+residents came, went or changed a mark, the residents' part is brought up to date by those alone
+(`ResidentGroups.updated`: each list kept in the residents' order, so a pass sees exactly what a
+walk would have built); a new catalog, a resident replaced under its key, or one whose key,
+deployment, card or residency changed rebuilds it from scratch in the walk order a pass always
+used. Leases are frozen, so their identities suffice, and
 their part is brought up to date by the leases that came and went (its readers sum, or sort
 what they read). What depends on time or on per-pass state (a lease's minimum runtime, leases
 being preempted, measured unload times) is still worked out per pass, from these groupings.
