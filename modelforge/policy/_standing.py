@@ -7,12 +7,10 @@ on the residents' and leases' fields alone (and the catalog), not on time, so th
 the state's `__dict__` (never serialized) and rebuilt only when what they were built from
 changed. Whether it did is checked, not trusted: residents are mutable and changed in place by
 many transitions (and by tests), so each pass compares, at C speed, the residents' identities
-and the fields read here (their marks) with the ones the grouping was built from. Where
-residents came, went or changed a mark, the residents' part is brought up to date by those alone
-(`ResidentGroups.updated`: each list kept in the residents' order, so a pass sees exactly what a
-walk would have built); a new catalog, a resident replaced under its key, or one whose key,
-deployment, card or residency changed rebuilds it from scratch in the walk order a pass always
-used. Leases are frozen, so their identities suffice, and
+and the fields read here with the ones the grouping was built from, and a change of any of them
+rebuilds the residents' part from scratch, in the same walk order as a pass always used, so a
+pass sees exactly what it computed before (what that walk reads of the catalog, per deployment
+and card, is looked up once per catalog). Leases are frozen, so their identities suffice, and
 their part is brought up to date by the leases that came and went (its readers sum, or sort
 what they read). What depends on time or on per-pass state (a lease's minimum runtime, leases
 being preempted, measured unload times) is still worked out per pass, from these groupings.
@@ -22,9 +20,8 @@ from scratch, and the property tests compare the two."""
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from itertools import compress, islice
-from operator import attrgetter, is_, itemgetter, ne, not_
+from itertools import islice
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
 from modelforge.domain import Accelerator, Catalog, Residency
@@ -57,16 +54,10 @@ def _same(now: list[object], then: list[object]) -> bool:
     return len(now) == len(then) and all(map(is_, now, then))
 
 
-# With the check on (tests), every grouping `ResidentGroups.updated` brings up to date is
-# compared with one built from scratch: the same groups, each in the residents' order.
-CHECK_KEPT_RESIDENTS = False
-
-_key_of = itemgetter(0)
-
-
 class _CatalogFacts:
-    """What the groupings read of their catalog (immutable by contract) per deployment and
-    card, read once and kept with every grouping made from that catalog."""
+    """What the residents' walk reads of the catalog (immutable by contract) per deployment and
+    card, looked up once and kept with every grouping made from that catalog: a busy cluster's
+    rebuild would otherwise look up each of its hundreds of residents' deployment and card."""
 
     __slots__ = ("catalog", "concurrency", "known_cards", "known_deployments")
 
@@ -76,38 +67,17 @@ class _CatalogFacts:
         self.known_deployments: dict[str, bool] = {}
         self.known_cards: dict[str, bool] = {}
 
-    def concurrency_of(self, deployment_id: str) -> int:
-        most = self.concurrency.get(deployment_id)
-        if most is None:
-            deployment = self.catalog.deployment(deployment_id)
-            most = self.concurrency[deployment_id] = deployment.concurrency if deployment else 1
-            self.known_deployments[deployment_id] = deployment is not None
-        return most
-
-    def known(self, deployment_id: str, accelerator: str) -> bool:
-        """Whether the catalog has both (a resident of a deployment or card it lacks goes once
-        idle: `ResidentGroups.removed`)."""
-        card = self.known_cards.get(accelerator)
-        if card is None:
-            card = self.known_cards[accelerator] = self.catalog.accelerator(accelerator) is not None
-        if deployment_id not in self.known_deployments:
-            self.concurrency_of(deployment_id)
-        return card and self.known_deployments[deployment_id]
-
 
 class ResidentGroups:
     """The residents grouped as a pass reads them. Never changed once built: a pass copies what
-    it changes (`slots`, `residents_of`), and `updated` makes new groupings, copying what it
-    changes and sharing the rest."""
+    it changes (`slots`, `residents_of`)."""
 
     __slots__ = (
         "catalog",
         "evictable",
         "facts",
         "marks",
-        "on_card",
         "pinned",
-        "pinned_on",
         "removed",
         "resident_sum",
         "residents",
@@ -134,10 +104,6 @@ class ResidentGroups:
         # Residents of every phase count, unloading and unreclaimed included, until NVML confirms.
         self.resident_sum: dict[str, int] = {}
         self.pinned: dict[str, int] = {}
-        # Per card, how many residents and how many always_warm ones are there: a card is in
-        # `resident_sum` while any is, in `pinned` while an always_warm one is.
-        self.on_card: dict[str, int] = {}
-        self.pinned_on: dict[str, int] = {}
         self.residents_of: dict[str, list[ResidentState]] = {}
         # Idle residents per accelerator in the residents' order (a pass sorts them by cost).
         self.evictable: dict[str, list[ResidentState]] = {}
@@ -151,24 +117,25 @@ class ResidentGroups:
         # Residents whose deployment or card the catalog no longer has, in the residents' order:
         # those a pass unloads once idle (`_placement._unload_removed`).
         self.removed: list[ResidentState] = []
-        resident_sum, pinned, on_card, pinned_on = self.resident_sum, self.pinned, self.on_card, self.pinned_on
-        residents_of, evictable, slots, unused, unloading = (
+        resident_sum, pinned, residents_of, evictable, slots, unused, unloading = (
+            self.resident_sum,
+            self.pinned,
             self.residents_of,
             self.evictable,
             self.slots,
             self.unused,
             self.unloading,
         )
-        # One walk, each resident's fields read from its mark (the same values, in one tuple).
+        # One walk, each resident's fields read from its mark (the same values, in one tuple):
+        # a busy cluster rebuilds this on nearly every pass, over hundreds of running jobs.
         always_warm, idle, by_pass = Residency.ALWAYS_WARM, _IDLE_PHASES, GO_WITH_LAST_LEASE
         unloading_phase = ResidentPhase.UNLOADING
         facts = self.facts
-        concurrency, known_cards, known_deployments = facts.concurrency, facts.known_cards, facts.known_deployments
+        concurrency, known_deployments, known_cards = facts.concurrency, facts.known_deployments, facts.known_cards
         for resident, (key, deployment_id, accelerator, nbytes, phase, residency, active) in zip(
             residents, marks, strict=True
         ):
             resident_sum[accelerator] = resident_sum.get(accelerator, 0) + nbytes
-            on_card[accelerator] = on_card.get(accelerator, 0) + 1
             of_deployment = residents_of.get(deployment_id)
             if of_deployment is None:
                 residents_of[deployment_id] = [resident]
@@ -176,7 +143,6 @@ class ResidentGroups:
                 of_deployment.append(resident)
             if residency == always_warm:
                 pinned[accelerator] = pinned.get(accelerator, 0) + nbytes
-                pinned_on[accelerator] = pinned_on.get(accelerator, 0) + 1
             elif phase in idle and active == 0:  # `is_evictable`
                 evictable.setdefault(accelerator, []).append(resident)
                 if residency in by_pass:
@@ -185,194 +151,15 @@ class ResidentGroups:
                 unloading.append(resident)
             most = concurrency.get(deployment_id)
             if most is None:
-                most = facts.concurrency_of(deployment_id)
+                deployment = catalog.deployment(deployment_id)
+                most = concurrency[deployment_id] = deployment.concurrency if deployment else 1
+                known_deployments[deployment_id] = deployment is not None
             slots[key] = most - active
-            card_known = known_cards.get(accelerator)
-            if card_known is None:
-                card_known = facts.known(deployment_id, accelerator) or known_cards[accelerator]
-            if not (card_known and known_deployments[deployment_id]):
+            on_card = known_cards.get(accelerator)
+            if on_card is None:
+                on_card = known_cards[accelerator] = catalog.accelerator(accelerator) is not None
+            if not (on_card and known_deployments[deployment_id]):
                 self.removed.append(resident)
-
-    def updated(self, residents: list[ResidentState], marks: list[_Mark], writes: int) -> ResidentGroups | None:
-        """These groupings brought up to date for `residents` (the state's, in its order) and
-        their `marks`, or None where only a rebuild can say. A busy cluster changes a few of
-        its hundreds of residents a pass (a lease granted or ended on one, a job's model loaded
-        or unloaded): those gone are found by identity and those that came are the dict's
-        tail (a new key is added at a dict's end), the residents whose fields changed by
-        comparing marks, all at C speed; only those are walked. A resident replaced under its
-        key (another object at its place), or whose key, deployment, card or residency
-        changed, is left to a rebuild (rare)."""
-        before, marks_before = self.residents, self.marks
-        gone: list[tuple[ResidentState, _Mark]] = []
-        if len(residents) >= len(before) and _same(residents[: len(before)], before):  # type: ignore[arg-type]
-            kept, kept_marks = before, marks_before  # none gone (most passes: fields changed)
-        else:
-            gone_ids = set(map(id, before)).difference(map(id, residents))
-            if not gone_ids:
-                return None  # the same residents in another order
-            goes = list(map(gone_ids.__contains__, map(id, before)))
-            stays = list(map(not_, goes))
-            kept, kept_marks = list(compress(before, stays)), list(compress(marks_before, stays))
-            gone = list(compress(zip(before, marks_before, strict=True), goes))
-        count = len(kept)
-        if len(residents) < count or not _same(residents[:count], kept):  # type: ignore[arg-type]
-            return None
-        changed = list(compress(range(count), map(ne, marks, kept_marks)))
-        for index in changed:
-            then, now = kept_marks[index], marks[index]
-            if then[0] != now[0] or then[1] != now[1] or then[2] != now[2] or then[5] != now[5]:
-                return None
-        came = range(count, len(residents))
-        new = _Edit(self, residents, marks, writes, before, came)
-        try:
-            for resident, mark in gone:
-                new.take(resident, mark)
-                new.leaves(resident, mark)
-            for index in changed:
-                resident, then, now = residents[index], kept_marks[index], marks[index]
-                # (its bytes unchanged, the sums are left alone: the fit index reads the cards
-                # again only when the sums are another dict)
-                new.take(resident, then, sums=then[3] != now[3])
-                new.add(resident, now, sums=then[3] != now[3])
-            for index in came:
-                resident = residents[index]
-                new.joins(resident, marks[index])
-                new.add(resident, marks[index])
-        except _Unordered:
-            return None  # a resident there twice
-        if len(new.groups.slots) != len(residents):
-            return None  # two residents of one key
-        return new.groups
-
-
-class _Unordered(Exception):
-    """A list of the groupings is not in the residents' order: a resident is there twice."""
-
-
-class _Edit:
-    """`ResidentGroups.updated`'s new groupings, being made: each table copied the first time
-    it is changed (the groupings it starts from are never changed: a fit index compares the
-    resident sums it last read with a pass's by identity)."""
-
-    __slots__ = ("before", "came", "copied", "groups", "ranks")
-
-    def __init__(
-        self,
-        source: ResidentGroups,
-        residents: list[ResidentState],
-        marks: list[_Mark],
-        writes: int,
-        before: list[ResidentState],
-        came: range,
-    ) -> None:
-        groups = self.groups = object.__new__(ResidentGroups)
-        for name in ResidentGroups.__slots__:
-            setattr(groups, name, getattr(source, name))
-        groups.residents, groups.marks, groups.writes = residents, marks, writes
-        self.copied: dict[object, bool] = {}
-        self.before, self.came = before, came
-        self.ranks: dict[int, int] | None = None
-
-    def rank_of(self, resident: ResidentState) -> int:
-        """A resident's rank in the residents' order (by identity): those of the groupings it
-        started from in their order, those that came after them all. Worked out at C speed the
-        first time a list kept in that order is changed (most passes change none)."""
-        ranks = self.ranks
-        if ranks is None:
-            residents, before = self.groups.residents, self.before
-            ranks = self.ranks = dict(zip(map(id, before), range(len(before)), strict=True))
-            came = residents[self.came.start :]
-            ranks.update(zip(map(id, came), range(len(before), len(before) + len(came)), strict=True))
-        return ranks[id(resident)]
-
-    def _table(self, name: str) -> dict[str, object]:
-        """One of the groupings' tables, copied the first time it is changed."""
-        if name not in self.copied:
-            self.copied[name] = True
-            setattr(self.groups, name, dict(getattr(self.groups, name)))
-        return getattr(self.groups, name)  # type: ignore[no-any-return]
-
-    def _list(self, name: str, key: str | None = None) -> list[ResidentState]:
-        """One of the groupings' lists (a table's, by `key`), copied the first time it is changed."""
-        if key is None:
-            if name not in self.copied:
-                self.copied[name] = True
-                setattr(self.groups, name, list(getattr(self.groups, name)))
-            return getattr(self.groups, name)  # type: ignore[no-any-return]
-        table = self._table(name)
-        if (name, key) not in self.copied:
-            self.copied[(name, key)] = True
-            table[key] = list(table.get(key, ()))  # type: ignore[call-overload]
-        return table[key]  # type: ignore[return-value]
-
-    def _count(self, sums: str, counts: str, accelerator: str, nbytes: int, step: int) -> None:
-        sum_of, count_of = self._table(sums), self._table(counts)
-        left = count_of.get(accelerator, 0) + step  # type: ignore[operator]
-        if left:
-            count_of[accelerator] = left
-            sum_of[accelerator] = sum_of.get(accelerator, 0) + nbytes * step  # type: ignore[operator]
-        else:
-            del count_of[accelerator], sum_of[accelerator]
-
-    def _drop(self, name: str, resident: ResidentState, key: str | None = None) -> None:
-        members = self._list(name, key)
-        at = bisect_left(members, self.rank_of(resident), key=self.rank_of)
-        if at == len(members) or members[at] is not resident:
-            raise _Unordered
-        del members[at]
-        if key is not None and not members:
-            del self._table(name)[key]
-            del self.copied[(name, key)]  # (a resident joining it later starts it again)
-
-    def _insert(self, name: str, resident: ResidentState, key: str | None = None) -> None:
-        insort(self._list(name, key), resident, key=self.rank_of)
-
-    def take(self, resident: ResidentState, mark: _Mark, sums: bool = True) -> None:
-        """What `mark` put in the groupings taken out (`sums`: the bytes too)."""
-        _, _, accelerator, nbytes, phase, residency, active = mark
-        if sums:
-            self._count("resident_sum", "on_card", accelerator, nbytes, -1)
-        if residency == Residency.ALWAYS_WARM:
-            if sums:
-                self._count("pinned", "pinned_on", accelerator, nbytes, -1)
-        elif phase in _IDLE_PHASES and active == 0:
-            self._drop("evictable", resident, accelerator)
-            if residency in GO_WITH_LAST_LEASE:
-                self._drop("unused", resident)
-        if phase == ResidentPhase.UNLOADING:
-            self._drop("unloading", resident)
-
-    def add(self, resident: ResidentState, mark: _Mark, sums: bool = True) -> None:
-        """What `mark` puts in the groupings, in the residents' order (`sums`: the bytes too)."""
-        key, deployment_id, accelerator, nbytes, phase, residency, active = mark
-        if sums:
-            self._count("resident_sum", "on_card", accelerator, nbytes, 1)
-        if residency == Residency.ALWAYS_WARM:
-            if sums:
-                self._count("pinned", "pinned_on", accelerator, nbytes, 1)
-        elif phase in _IDLE_PHASES and active == 0:
-            self._insert("evictable", resident, accelerator)
-            if residency in GO_WITH_LAST_LEASE:
-                self._insert("unused", resident)
-        if phase == ResidentPhase.UNLOADING:
-            self._insert("unloading", resident)
-        self._table("slots")[key] = self.groups.facts.concurrency_of(deployment_id) - active
-
-    def leaves(self, resident: ResidentState, mark: _Mark) -> None:
-        """A resident gone: out of its deployment's list, the slots and the removed."""
-        key, deployment_id, accelerator = mark[0], mark[1], mark[2]
-        self._drop("residents_of", resident, deployment_id)
-        del self._table("slots")[key]
-        if not self.groups.facts.known(deployment_id, accelerator):
-            self._drop("removed", resident)
-
-    def joins(self, resident: ResidentState, mark: _Mark) -> None:
-        """A resident come (it ranks after every other): at the end of its deployment's list
-        and, if the catalog lacks its deployment or card, of the removed."""
-        deployment_id, accelerator = mark[1], mark[2]
-        self._list("residents_of", deployment_id).append(resident)
-        if not self.groups.facts.known(deployment_id, accelerator):
-            self._list("removed").append(resident)
 
 
 class LeaseGroups:
@@ -509,46 +296,27 @@ def leases_on(state: PoolState, kept: bool = True) -> LeasesOn:
 
 
 def resident_groups(state: PoolState) -> ResidentGroups:
-    """The residents' groupings, brought up to date when a resident came, went, or changed a
-    field read (`ResidentGroups.updated`), rebuilt where that cannot say (a new catalog, a
-    resident replaced under its key). Their fields are compared only when a field of some
-    resident was written since the groupings were last found current (`RESIDENT_WRITES`):
-    most passes write none."""
+    """The residents' groupings, rebuilt when a resident came, went, or changed a field read.
+    Their fields are compared only when a field of some resident was written since the
+    groupings were last found current (`RESIDENT_WRITES`): most passes write none."""
     cached: dict[str, object] = state.__dict__.setdefault(_KEY, {})
     writes = RESIDENT_WRITES[0]
     residents = list(state.residents.values())
     groups = cached.get("residents")
-    if not isinstance(groups, ResidentGroups) or groups.catalog is not state.catalog:
-        groups = cached["residents"] = ResidentGroups(
-            state.catalog, residents, list(map(_resident_fields, residents)), writes
-        )
-        return groups
-    same = _same(residents, groups.residents)  # type: ignore[arg-type]
-    if same and groups.writes == writes:
-        return groups
-    marks: list[_Mark] = list(map(_resident_fields, residents))
-    if same and groups.marks == marks:
-        groups.writes = writes
-        return groups
-    updated = groups.updated(residents, marks, writes)
-    if updated is None:
-        updated = ResidentGroups(state.catalog, residents, marks, writes, groups.facts)
-    elif CHECK_KEPT_RESIDENTS:
-        _check_kept(updated, ResidentGroups(state.catalog, residents, marks, writes))
-    cached["residents"] = updated
-    return updated
-
-
-def _check_kept(kept: ResidentGroups, fresh: ResidentGroups) -> None:
-    names = ("resident_sum", "pinned", "on_card", "pinned_on", "residents_of", "evictable", "slots")
-    for name in (*names, "unloading", "unused", "removed"):
-        assert getattr(kept, name) == getattr(fresh, name), name
-    assert list(kept.slots) == list(fresh.slots)
-    for name in ("residents_of", "evictable"):
-        for key, members in getattr(fresh, name).items():
-            assert _same(getattr(kept, name)[key], members), (name, key)
-    for name in ("unloading", "unused", "removed"):
-        assert _same(getattr(kept, name), getattr(fresh, name)), name
+    if (
+        isinstance(groups, ResidentGroups) and groups.catalog is state.catalog and _same(residents, groups.residents)  # type: ignore[arg-type]
+    ):
+        if groups.writes == writes:
+            return groups
+        marks: list[_Mark] = list(map(_resident_fields, residents))
+        if groups.marks == marks:
+            groups.writes = writes
+            return groups
+    else:
+        marks = list(map(_resident_fields, residents))
+    facts = groups.facts if isinstance(groups, ResidentGroups) else None
+    groups = cached["residents"] = ResidentGroups(state.catalog, residents, marks, writes, facts)
+    return groups
 
 
 def lease_groups(state: PoolState) -> LeaseGroups:

@@ -17,7 +17,6 @@ from modelforge.policy import (
     ResidentPhase,
     _gang,
     _pass,
-    _standing,
     apply_decisions,
     decide,
     enqueue,
@@ -240,23 +239,6 @@ def test_the_leases_a_pass_may_preempt_kept_across_passes_are_those_listed_afres
         run(operations, gang_reservations, WIDE, min_runtime_s=60.0)
     finally:
         _pass.CHECK_KEPT_PREEMPTIBLE = False
-
-
-@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(operation, min_size=1, max_size=40), st.booleans())
-def test_the_resident_groupings_brought_up_to_date_across_passes_are_those_built_afresh(
-    operations: list[tuple[object, ...]], gang_reservations: bool
-) -> None:
-    """`_standing.ResidentGroups.updated`: each pass brings the residents' groupings up to date
-    from the residents that came, went or changed since (loads, unloads, grants, releases,
-    preemptions); with the check on, each is compared with groupings built from scratch (the
-    same sums, the same lists, each in the residents' order)."""
-    _standing.CHECK_KEPT_RESIDENTS = True
-    try:
-        run(operations, gang_reservations, WIDE, min_runtime_s=60.0)
-        run(operations, gang_reservations)
-    finally:
-        _standing.CHECK_KEPT_RESIDENTS = False
 
 
 def test_a_lease_being_preempted_comes_first_on_its_card_in_the_next_pass() -> None:
