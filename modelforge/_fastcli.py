@@ -189,6 +189,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "lent_slots": "int",
         "tenant_leases": ("dict", "int"),
         "tenant_queue_depth": ("dict", ("dict", "int")),
+        "catalog_loading": "bool",
     },
     "Lease": {
         "lease_id": "str",
@@ -517,6 +518,7 @@ def _merged(statuses: list[dict[str, Any]]) -> dict[str, Any]:
             tenant: _summed([s["tenant_queue_depth"].get(tenant, {}) for s in statuses])
             for tenant in dict.fromkeys(t for s in statuses for t in s["tenant_queue_depth"])
         },
+        "catalog_loading": any(s["catalog_loading"] for s in statuses),
     }
 
 
@@ -535,7 +537,13 @@ def status_json(api: Http, pool: str | None) -> dict[str, Any]:
     merged["accelerators"] = [{**acc, "pool": s["pool"]} for s in answered for acc in s["accelerators"]]
     merged["residents"] = [{**r, "pool": s["pool"]} for s in answered for r in s["residents"]]
     merged["pools"] = [
-        {"pool": s["pool"], "up": True, "queue_depth": s["queue_depth"], "active_leases": s["active_leases"]}
+        {
+            "pool": s["pool"],
+            "up": True,
+            "catalog_loading": s["catalog_loading"],
+            "queue_depth": s["queue_depth"],
+            "active_leases": s["active_leases"],
+        }
         for s in answered
     ]
     return merged

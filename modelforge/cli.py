@@ -229,7 +229,13 @@ def status(
         ]
         merged["residents"] = [{**dataclasses.asdict(r), "pool": s.pool} for s in answered for r in s.residents]
         merged["pools"] = [
-            {"pool": s.pool, "up": True, "queue_depth": s.queue_depth, "active_leases": s.active_leases}
+            {
+                "pool": s.pool,
+                "up": True,
+                "catalog_loading": s.catalog_loading,
+                "queue_depth": s.queue_depth,
+                "active_leases": s.active_leases,
+            }
             for s in answered
         ] + [{"pool": name, "up": False, "error": message} for name, message in sorted(silent.items())]
         _json(merged)

@@ -335,6 +335,13 @@ def render_status(pool: Any, console: Console) -> None:
             "\n".join(state) if state else f"ok {age}",
         )
     console.print(table)
+    if pool.catalog_loading:
+        console.print(
+            "[yellow]catalog loading[/yellow]: the scheduler is loading its catalog (at its start, or after "
+            "`catalog apply`); the cards above are the catalog it had, and admissions and controls answer "
+            "SCHEDULER_STATE_STALE (retryable) until it has",
+            highlight=False,
+        )
     order = [c for c in pool.classes if c in pool.queue_depth] + sorted(set(pool.queue_depth) - set(pool.classes))
     queue = ", ".join(f"{name} {pool.queue_depth[name]}" for name in order)
     lent = f"; free slots lent to nodes: {pool.lent_slots}" if pool.lent_slots else ""

@@ -978,7 +978,7 @@ class PoolSchedulerWorkflow:
 
     @workflow.query
     def status(self) -> policy.PoolStatus:
-        return policy.pool_status(self._state, self._now())
+        return replace(policy.pool_status(self._state, self._now()), catalog_loading=self._catalog_stale)
 
     @workflow.query
     def state(self) -> policy.PoolState:

@@ -235,6 +235,7 @@ def merge_statuses(statuses: Sequence[PoolStatus]) -> PoolStatus:
             tenant: _summed([s.tenant_queue_depth.get(tenant, {}) for s in statuses])
             for tenant in dict.fromkeys(t for s in statuses for t in s.tenant_queue_depth)
         },
+        catalog_loading=any(s.catalog_loading for s in statuses),
     )
 
 

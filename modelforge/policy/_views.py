@@ -83,6 +83,10 @@ class PoolStatus:
     lent_slots: int = 0
     tenant_leases: dict[str, int] = field(default_factory=dict)
     tenant_queue_depth: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The scheduler is loading its catalog (at its start, or after `catalog apply`): until it has,
+    # admissions and controls answer SCHEDULER_STATE_STALE (retryable), and the cards above are
+    # those of the catalog it had. Set by the scheduler's query, not by `pool_status`.
+    catalog_loading: bool = False
 
 
 def pool_status(state: PoolState, now: float) -> PoolStatus:

@@ -11,7 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,6 +201,15 @@ def test_status_says_which_nodes_never_reported() -> None:
     text = " ".join(" ".join(_rendered(cli.render_status, _pool())).split())
     assert "never reported: node emep-node" in text
     assert "node gpu-node" not in text and "node desktop" not in text
+
+
+def test_status_says_when_the_scheduler_is_still_loading_its_catalog() -> None:
+    assert "catalog loading" not in " ".join(_rendered(cli.render_status, _pool()))
+    lines = _rendered(cli.render_status, replace(_pool(), catalog_loading=True))
+    assert max(len(line.rstrip()) for line in lines) <= 100
+    text = " ".join(" ".join(lines).split())
+    assert "catalog loading: the scheduler is loading its catalog" in text
+    assert "SCHEDULER_STATE_STALE (retryable)" in text
 
 
 def test_ps_fits_100_columns_with_whole_headers_and_values() -> None:

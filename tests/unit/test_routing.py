@@ -5,6 +5,7 @@ client-side cache, and a gang never spanning pools."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -12,6 +13,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.converter import DataConverter
 
+from modelforge import _fastcli
 from modelforge.domain import Catalog, Priority, Residency
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.policy import (
@@ -249,6 +251,17 @@ def test_merged_status_sums_queues_and_keeps_every_card() -> None:
     assert merged.pool == "a,b" and merged.now == 2.0 and merged.active_leases == 3
     assert merged.queue_depth == {"interactive": 3, "batch": 1} and merged.classes == ["interactive", "batch"]
     assert merge_statuses([a]) is a
+    # One pool still loading its catalog: the merged status says so (its admissions answer stale).
+    assert not merged.catalog_loading
+    assert merge_statuses([a, dataclasses.replace(b, catalog_loading=True)]).catalog_loading
+
+
+def test_the_fast_paths_merged_status_is_merge_statuses() -> None:
+    a = PoolStatus(pool="a", now=1.0, queue_depth={"interactive": 1}, active_leases=2, classes=["interactive"])
+    b = PoolStatus(pool="b", now=2.0, queue_depth={"batch": 1}, tenant_leases={"t": 1}, catalog_loading=True)
+    for pools in ([a, b], [b, a], [a], [b]):
+        merged = _fastcli._merged([dataclasses.asdict(s) for s in pools])
+        assert merged == dataclasses.asdict(merge_statuses(pools))
 
 
 class FakeHandle:

@@ -405,6 +405,43 @@ async def test_a_deployment_removed_from_the_catalog_is_unloaded(
         assert card.resident_bytes == 0
 
 
+async def test_status_says_the_catalog_is_loading_and_a_request_sent_then_is_served_after(
+    dev_server_env: WorkflowEnvironment, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `catalog apply`, until the scheduler has read the new catalog its admissions answer
+    SCHEDULER_STATE_STALE (retryable) while its cards are still the old catalog's: `status`
+    says so, and a request sent in that window waits and is served once the catalog is in."""
+    async with running_stack(dev_server_env.client, database_url) as stack:
+        assert not (await stack.status()).catalog_loading
+        let_load = asyncio.Event()
+        load = stack.store.load_catalog
+
+        async def held_load() -> Any:  # the control worker's `load_catalog` activity reads this
+            await let_load.wait()
+            return await load()
+
+        monkeypatch.setattr(stack.store, "load_catalog", held_load)
+        await stack.scheduler.signal(PoolSchedulerWorkflow.catalog_changed)
+
+        async def loading() -> bool:
+            return (await stack.status()).catalog_loading
+
+        assert await _until(loading, 30), "status never said the catalog was loading"
+        sent = await stack.start_request("rag.embedding@1", tenant="rag", input={"text": "in the window"})
+        await asyncio.sleep(1.0)
+        status = await stack.status()
+        assert status.catalog_loading and status.accelerators, "the cards it had stay shown"
+        assert not status.queue_depth.get("production"), "admitted before the catalog was in"
+        let_load.set()
+
+        async def loaded() -> bool:
+            return not (await stack.status()).catalog_loading
+
+        assert await _until(loaded, 30), "status still says loading after the catalog came"
+        result = await sent.result()  # (a failed request raises)
+        assert result.lease is not None and result.output, result
+
+
 async def test_postgres_down_across_continue_as_new_freezes_nothing_and_loses_nothing(
     dev_server_env: WorkflowEnvironment,
     outage_postgres: OwnPostgres,
