@@ -37,6 +37,7 @@ from modelforge.cli_common import (  # shared by every command module; also cli.
     _table_console,
     app,
     catalog_app,
+    check_plot_path,
     db_app,
     err,
     human_bytes,
@@ -49,6 +50,7 @@ from modelforge.cli_common import (  # shared by every command module; also cli.
     render_status,
     trace_app,
     worker_app,
+    written,
 )
 from modelforge.failures import FailureClass, ModelForgeError
 from modelforge.names import scheduler_id
@@ -872,21 +874,16 @@ def simulate(
             as_json=as_json,
             plot=plot,
         )
-    from modelforge.simulate import POLICIES, ReplayProgress, comparison_rows, load_scenario, plotting_available
+    from modelforge.simulate import POLICIES, ReplayProgress, comparison_rows, load_scenario
     from modelforge.simulate import simulate as run_simulation
 
     names = list(POLICIES) if policy == "all" else [policy]
     if any(name not in POLICIES for name in names):
         choices = ", ".join(POLICIES)
         _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"unknown policy {policy!r}; choose {choices} or all"))
-    if plot is not None:
-        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-            _fail(ModelForgeError(FailureClass.REQUEST_INVALID, f"--plot {plot}: the file must end .png, .svg or .pdf"))
-        if not plotting_available():
-            _fail(
-                ModelForgeError(FailureClass.REQUEST_INVALID, "--plot needs matplotlib: pip install 'modelforge[plot]'")
-            )
     try:
+        if plot is not None:
+            check_plot_path(plot)
         loaded = load_scenario(scenario)
         with ReplayProgress(err) as bars:
             show = not as_json and err.is_terminal
@@ -900,7 +897,10 @@ def simulate(
     if plot is not None:
         from modelforge.simulate import write_plot
 
-        write_plot(results, plot, title)
+        try:
+            written("--plot", plot, lambda: write_plot(results, plot, title))
+        except ModelForgeError as error:
+            _fail(error)
     if as_json:
         _json(results[0].to_json() if policy != "all" else [r.to_json() for r in results])
         return

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
@@ -205,6 +206,46 @@ def parse_duration(text: str) -> float:
             f"not {text!r}",
         )
     return seconds
+
+
+def check_output_path(flag: str, path: Path, *, folder: bool = False) -> None:
+    """REQUEST_INVALID where nothing could be written at `path` (a file; a folder where
+    `folder`), found before the work that would fill it runs: a folder where a file goes or
+    the reverse, or a nearest existing folder above it that is a file or not writable (missing
+    folders are made when it is written)."""
+    if folder and path.exists() and not path.is_dir():
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{flag} {path} is a file, not a folder")
+    if not folder and path.is_dir():
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{flag} {path} is a folder, not a file")
+    above = path if folder else path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{flag} {path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{flag} {path}: {above} is not writable")
+
+
+def check_plot_path(plot: Path) -> None:
+    """`--plot`'s file, before anything is replayed: its format, matplotlib, and where it goes."""
+    from modelforge.simulate import plotting_available
+
+    if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, f"--plot {plot}: the file must end .png, .svg or .pdf")
+    if not plotting_available():
+        raise ModelForgeError(FailureClass.REQUEST_INVALID, "--plot needs matplotlib: pip install 'modelforge[plot]'")
+    check_output_path("--plot", plot)
+
+
+def written(flag: str, path: Path, write: Callable[[], T]) -> T:
+    """`write()`'s result, its OSError (a disk full, a folder removed meanwhile) as
+    REQUEST_INVALID naming `flag` and `path` instead of a traceback."""
+    try:
+        return write()
+    except OSError as error:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"{flag} {path}: could not write it ({error.strerror or error})"
+        ) from None
 
 
 _BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}

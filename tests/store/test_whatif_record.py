@@ -388,11 +388,17 @@ async def test_cli_what_if_prints_both_and_applies_nothing(database_url: str, tm
     # Bad input: one line naming REQUEST_INVALID, never a traceback.
     broken = tmp_path / "broken.toml"
     broken.write_text('[[deployments]]\ncapability = "chat@1"\n')
+    (tmp_path / "plots.png").mkdir()  # a folder with a picture's name
     for args, fragment in (
         (["simulate", "--from-record", "7 weeks"], "a duration is a positive number"),
         (["simulate", "--from-record", "1h", "--pool", "gpu-farm"], "unknown pool 'gpu-farm'"),
         (["catalog", "apply", str(broken), "--what-if", "1h"], "invalid catalog"),
         (["simulate"], "give either SCENARIO or --from-record WINDOW"),
+        # Where the results would go is checked before the replays run, not after.
+        (["simulate", "--from-record", "1h", "--plot", str(picture / "x.png")], "both.png is a file, not a folder"),
+        (["simulate", "--from-record", "1h", "--plot", str(tmp_path / "plots.png")], "is a folder, not a file"),
+        (["simulate", "--from-record", "1h", "--out", str(picture)], "both.png is a file, not a folder"),
+        (["simulate", str(broken), "--plot", str(picture / "x.png")], "both.png is a file, not a folder"),
     ):
         refused = _cli(*args, url=database_url)
         assert refused.returncode == 2, (args, refused.stdout, refused.stderr)

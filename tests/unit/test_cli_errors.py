@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge.cli_common import parse_duration
+from modelforge.cli_common import check_output_path, parse_duration, written
 from modelforge.failures import ModelForgeError
 from tests.worker_process import free_port
 
@@ -192,3 +192,19 @@ def test_a_node_gateway_on_a_port_it_cannot_listen_on_fails_before_the_worker_st
     port = free_port()
     done = modelforge("worker", "node", "--node", "n", "--gateway-port", str(port), env=_env(tmp_path))
     assert done.returncode != 0 and "CAPABILITY_UNAVAILABLE: no database" in done.stderr, done.stderr
+
+
+def test_a_result_file_that_cannot_be_written_is_request_invalid_naming_it(tmp_path: Path) -> None:
+    import errno
+
+    def disk_full() -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(ModelForgeError) as refused:
+        written("--plot", tmp_path / "out.png", disk_full)
+    assert refused.value.failure.value == "REQUEST_INVALID"
+    assert str(tmp_path / "out.png") in refused.value.message and "No space left on device" in refused.value.message
+    assert written("--plot", tmp_path / "out.png", lambda: 7) == 7
+    # Missing folders are made when it is written: no refusal before.
+    check_output_path("--out", tmp_path / "new" / "deeper", folder=True)
+    check_output_path("--plot", tmp_path / "new" / "x.png")
