@@ -212,7 +212,16 @@ def check_output_path(flag: str, path: Path, *, folder: bool = False) -> None:
     """REQUEST_INVALID where nothing could be written at `path` (a file; a folder where
     `folder`), found before the work that would fill it runs: a folder where a file goes or
     the reverse, or a nearest existing folder above it that is a file or not writable (missing
-    folders are made when it is written)."""
+    folders are made when it is written), or a path the system refuses to look at (too long)."""
+    try:
+        _check_output_path(flag, path, folder)
+    except OSError as error:
+        raise ModelForgeError(
+            FailureClass.REQUEST_INVALID, f"{flag} {str(path)[:200]!r}: {error.strerror or error}"
+        ) from None
+
+
+def _check_output_path(flag: str, path: Path, folder: bool) -> None:
     if folder and path.exists() and not path.is_dir():
         raise ModelForgeError(FailureClass.REQUEST_INVALID, f"{flag} {path} is a file, not a folder")
     if not folder and path.is_dir():

@@ -205,6 +205,11 @@ def test_a_result_file_that_cannot_be_written_is_request_invalid_naming_it(tmp_p
     assert refused.value.failure.value == "REQUEST_INVALID"
     assert str(tmp_path / "out.png") in refused.value.message and "No space left on device" in refused.value.message
     assert written("--plot", tmp_path / "out.png", lambda: 7) == 7
+    # A path too long to look at: refused by name, not an OSError's traceback.
+    for too_long in (Path("a" * 5000 + ".png"), tmp_path / ("b" * 300) / "x.png"):
+        with pytest.raises(ModelForgeError, match="File name too long") as refused:
+            check_output_path("--plot", too_long)
+        assert refused.value.failure.value == "REQUEST_INVALID" and len(refused.value.message) < 300
     # Missing folders are made when it is written: no refusal before.
     check_output_path("--out", tmp_path / "new" / "deeper", folder=True)
     check_output_path("--plot", tmp_path / "new" / "x.png")
